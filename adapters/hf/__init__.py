@@ -1,0 +1,1 @@
+"""kdn.adapters.hf: HF transformers adapter."""

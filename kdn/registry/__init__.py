@@ -1,0 +1,1 @@
+"""kdn.registry"""
