@@ -188,26 +188,26 @@ def prefix_addresses(
     """
     validate_model_id(mid)
     validate_namespace(namespace)
-    tb = _token_bytes(tokens)
-    n = len(tb) // 4
+    tb = memoryview(_token_bytes(tokens))
     step = chunk_tokens * 4
+    full = chunk_tokens.to_bytes(4, "little")
     out: list[Address] = []
-    parent: bytes | None = None
+    parent = b""
+    prefix_head = _TAG_PREFIX + bytes.fromhex(mid) + _str(namespace)
     for start in range(0, len(tb), step):
         piece = tb[start : start + step]
-        if full_chunks_only and len(piece) < step:
-            break
-        if parent is None:
-            h = blake3(_TAG_PREFIX)
-            h.update(bytes.fromhex(mid))
-            h.update(_str(namespace))
+        if len(piece) < step:
+            if full_chunks_only:
+                break
+            count = (len(piece) // 4).to_bytes(4, "little")
         else:
-            h = blake3(_TAG_CHAIN)
-            h.update(parent)
-        h.update(_tokens_field(piece))
+            count = full
+        # Same bytes as first_address()/next_address(), without per-chunk copies.
+        h = blake3(prefix_head) if not parent else blake3(_TAG_CHAIN + parent)
+        h.update(count)
+        h.update(piece)
         parent = h.digest()
         out.append(Address(parent.hex()))
-    assert len(out) <= -(-n // chunk_tokens)
     return out
 
 

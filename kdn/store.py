@@ -1,0 +1,127 @@
+"""A content-addressed blob directory: atomic writes, fan-out folders, restart scan.
+
+Used by the origin's object store and the edge's disk tier. A blob lives at
+``root/ab/cd/<address>.<encoding>``. Writes go to ``root/tmp/`` first, are
+fsynced, then renamed into place (and the folder fsynced), so a reader sees
+either nothing or the whole blob: a crash or a SIGKILL mid-write leaves only
+a temp file, which the next ``scan()`` deletes. Nothing here knows about
+budgets or eviction; callers keep their own index.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kdn.address import Address, validate_address
+from kdn.errors import InvalidInput
+
+_ENCODING = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+def validate_encoding(value: object) -> str:
+    """An encoding name (``raw``, ``zstd``, ``int8``...): 1-32 chars of ``[a-z0-9_-]``."""
+    if isinstance(value, str) and _ENCODING.fullmatch(value):
+        return value
+    raise InvalidInput(f"invalid encoding {str(value)[:40]!r}: use 1-32 chars of a-z, 0-9, '_' and '-'")
+
+
+@dataclass(frozen=True)
+class StoredBlob:
+    address: Address
+    encoding: str
+    size: int
+    path: Path
+    mtime: float
+
+
+class BlobDir:
+    """Blobs by ``(address, encoding)`` under one root folder. Blocking I/O: call from a thread."""
+
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.tmp = self.root / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+
+    def path(self, address: str, encoding: str) -> Path:
+        a = validate_address(address)
+        e = validate_encoding(encoding)
+        return self.root / a[:2] / a[2:4] / f"{a}.{e}"
+
+    def put(self, address: str, encoding: str, data: bytes | memoryview) -> Path:
+        """Write a blob atomically; an existing blob of the same name is replaced whole."""
+        final = self.path(address, encoding)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.tmp / f"{final.name}.{secrets.token_hex(6)}.part"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+            if self._fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        # rename is atomic within one file system: readers see all or nothing.
+        os.replace(tmp, final)
+        if self._fsync:
+            self._fsync_dir(final.parent)
+        return final
+
+    def read(self, address: str, encoding: str) -> bytes | None:
+        try:
+            return self.path(address, encoding).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def size(self, address: str, encoding: str) -> int | None:
+        try:
+            return self.path(address, encoding).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def delete(self, address: str, encoding: str) -> bool:
+        try:
+            self.path(address, encoding).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def scan(self) -> Iterator[StoredBlob]:
+        """Every complete blob on disk; deletes leftover temp files and strays first."""
+        for p in self.tmp.iterdir():
+            p.unlink(missing_ok=True)
+        for d1 in sorted(self.root.iterdir()):
+            if d1 == self.tmp or not d1.is_dir() or len(d1.name) != 2:
+                continue
+            for d2 in sorted(d1.iterdir()):
+                if not d2.is_dir():
+                    continue
+                for p in sorted(d2.iterdir()):
+                    addr, _, enc = p.name.partition(".")
+                    try:
+                        a = validate_address(addr)
+                        validate_encoding(enc)
+                    except InvalidInput:
+                        continue  # not ours: leave it, never serve it
+                    if a[:2] != d1.name or a[2:4] != d2.name:
+                        continue
+                    st = p.stat()
+                    yield StoredBlob(a, enc, st.st_size, p, st.st_mtime)
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
