@@ -1,1 +1,49 @@
-"""kdn.adapters.hf: HF transformers adapter."""
+"""kdn.adapters.hf: HF transformers adapter.
+
+- ``load_model`` / ``model_id_of``: a model by name or path, and its KDN model id.
+- ``extract_chunks`` / ``standalone_chunk`` (origin): per-chunk KV and SSM states of a prefill.
+- ``build_cache`` / ``continue_from_cache`` (engine): chunk states back into a ``DynamicCache``.
+"""
+
+from kdn.adapters.hf.cache import build_cache, continue_from_cache
+from kdn.adapters.hf.extract import (
+    UNSUPPORTED_FAMILIES,
+    ChunkState,
+    LayerSpec,
+    StateSpec,
+    extract_chunks,
+    layer_layout,
+    prefill,
+    standalone_chunk,
+)
+from kdn.adapters.hf.models import (
+    BUILTIN_SPECS,
+    TINY_SPECS,
+    ByteTokenizer,
+    LoadedModel,
+    load_model,
+    model_id_of,
+    tokenizer_digest,
+    weights_digest,
+)
+
+__all__ = [
+    "BUILTIN_SPECS",
+    "TINY_SPECS",
+    "UNSUPPORTED_FAMILIES",
+    "ByteTokenizer",
+    "ChunkState",
+    "LayerSpec",
+    "LoadedModel",
+    "StateSpec",
+    "build_cache",
+    "continue_from_cache",
+    "extract_chunks",
+    "layer_layout",
+    "load_model",
+    "model_id_of",
+    "prefill",
+    "standalone_chunk",
+    "tokenizer_digest",
+    "weights_digest",
+]
