@@ -1,0 +1,456 @@
+"""The registry interface, and the record-level logic both implementations share.
+
+``Registry`` is the Protocol callers program against. It is composed of small
+protocols, one per kind of record, so a component can ask for only what it
+uses (an edge that watches policies wants ``Watchable``, not manifests).
+
+``KVRegistry`` implements the whole interface on top of five key-value
+primitives (read, range, read-modify-write transaction, leases, watch); the
+etcd and the embedded SQLite registries each provide only those primitives.
+Keys live under one prefix (default ``/kdn/``)::
+
+    models/{model_id}
+    objects/{address}
+    manifests/{namespace}/{name}
+    nodes/{role}/{region}/{node_id}      (bound to a lease)
+    policies/{name}
+
+Values are msgpack records (``kdn.registry.records``).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from kdn.address import validate_address, validate_model_id, validate_name, validate_namespace
+from kdn.errors import InvalidInput, RegistryError
+from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+
+DEFAULT_PREFIX = "/kdn/"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One item of a watch.
+
+    ``snapshot``: ``items`` holds every key under the watched prefix at
+    ``revision``. ``put``/``delete``: one key changed at ``revision``; ``value``
+    is the new bytes (``None`` for a delete). Keys are relative to the registry
+    prefix (``"policies/p1"``).
+    """
+
+    kind: Literal["snapshot", "put", "delete"]
+    key: str | None = None
+    value: bytes | None = None
+    revision: int = 0
+    items: dict[str, bytes] = field(default_factory=dict)
+
+
+# --- the interface -----------------------------------------------------------
+
+
+class ModelStore(Protocol):
+    async def put_model(self, rec: ModelRecord) -> None: ...
+    async def get_model(self, model_id: str) -> ModelRecord | None: ...
+    async def list_models(self) -> list[ModelRecord]: ...
+
+
+class ObjectStore(Protocol):
+    async def put_objects(self, records: Sequence[ObjectRecord]) -> None: ...
+    async def get_object(self, address: str) -> ObjectRecord | None: ...
+    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]: ...
+    async def add_encoding(self, address: str, enc: Encoding) -> ObjectRecord | None: ...
+    async def add_tail(self, parent: str, length: int, address: str) -> ObjectRecord | None: ...
+
+
+class ManifestStore(Protocol):
+    async def put_manifest(self, manifest: Manifest, objects: Sequence[ObjectRecord] = ()) -> None: ...
+    async def get_manifest(self, namespace: str, name: str) -> Manifest | None: ...
+    async def list_manifests(self, namespace: str | None = None) -> list[Manifest]: ...
+    async def delete_manifest(self, namespace: str, name: str) -> bool: ...
+
+
+class Membership(Protocol):
+    async def register_node(self, rec: NodeRecord, ttl: float) -> NodeLease: ...
+    async def list_nodes(self, role: str | None = None, region: str | None = None) -> list[NodeRecord]: ...
+
+
+class PolicyStore(Protocol):
+    async def put_policy(self, p: Policy) -> None: ...
+    async def delete_policy(self, name: str) -> bool: ...
+    async def list_policies(self) -> list[Policy]: ...
+
+
+class Watchable(Protocol):
+    def watch(self, prefix: str = "") -> AsyncIterator[Event]: ...
+    async def list_keys(self, prefix: str = "") -> list[tuple[str, bytes]]: ...
+
+
+@runtime_checkable
+class Registry(ModelStore, ObjectStore, ManifestStore, Membership, PolicyStore, Watchable, Protocol):
+    """Everything KDN keeps in its registry. Misses are ``None``, never exceptions."""
+
+    async def close(self) -> None: ...
+    async def __aenter__(self) -> Registry: ...
+    async def __aexit__(self, *exc: object) -> None: ...
+
+
+class Compactable(Protocol):
+    """Optional: drop watch history before ``revision`` (tests; operators)."""
+
+    async def compact(self, revision: int) -> None: ...
+
+
+# --- leases ------------------------------------------------------------------
+
+
+class NodeLease:
+    """A lease that keeps a node's key alive, like etcd's ``concurrency.Session``.
+
+    A background task refreshes the lease every ``ttl/3``. ``done`` is set when
+    the lease is lost (the registry says it expired, or it could not be
+    refreshed before its TTL ran out) or closed. ``close()`` revokes it, so the
+    node's key disappears at once rather than after the TTL.
+    """
+
+    def __init__(
+        self,
+        lease_id: int,
+        ttl: float,
+        refresh: Callable[[int], Awaitable[bool]],
+        revoke: Callable[[int], Awaitable[None]],
+    ) -> None:
+        self.lease_id = lease_id
+        self.ttl = ttl
+        self.done = asyncio.Event()
+        self._refresh = refresh
+        self._revoke = revoke
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._keepalive(), name=f"kdn-lease-{lease_id:x}")
+
+    async def _keepalive(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ttl
+        try:
+            while True:
+                await asyncio.sleep(self.ttl / 3)
+                sent = loop.time()
+                try:
+                    alive = await self._refresh(self.lease_id)
+                except RegistryError:
+                    # Transient (registry unreachable): keep trying while the
+                    # lease may still be alive on the server; past its TTL it
+                    # surely is not, and the node must know it is out.
+                    if loop.time() >= deadline:
+                        return
+                    continue
+                if not alive:
+                    return
+                deadline = sent + self.ttl
+        finally:
+            self.done.set()
+
+    def _stop_keepalive(self) -> None:
+        """Stop refreshing without revoking: what a killed node looks like (tests)."""
+        self._task.cancel()
+
+    async def close(self) -> None:
+        """Stop refreshing and revoke: the node's key is gone when this returns."""
+        if self._closed:
+            return
+        self._closed = True
+        self._task.cancel()
+        await asyncio.wait([self._task])  # does not re-raise the task's CancelledError
+        try:
+            await self._revoke(self.lease_id)
+        finally:
+            self.done.set()
+
+    async def __aenter__(self) -> NodeLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# --- the shared implementation -----------------------------------------------
+
+
+@dataclass
+class Writes:
+    """What a transaction writes once its reads are known; ``result`` is returned to the caller."""
+
+    puts: list[tuple[str, bytes]] = field(default_factory=list)
+    deletes: list[str] = field(default_factory=list)
+    lease: int | None = None  # bound to every put
+    result: Any = None
+
+
+Build = Callable[[list[bytes | None]], Writes]
+
+
+def _expect(value: object, cls: type) -> None:
+    if not isinstance(value, cls):
+        raise InvalidInput(f"expected a {cls.__name__}, got {type(value).__name__}")
+
+
+def _object(v: bytes | None) -> ObjectRecord | None:
+    return None if v is None else ObjectRecord.unpack(v)
+
+
+class KVRegistry(abc.ABC):
+    """The record-level registry over key-value primitives; subclasses provide those."""
+
+    #: Most keys one transaction may touch (etcd's --max-txn-ops is 128); None: no limit.
+    max_txn_ops: int | None = None
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        self.prefix = normalize_prefix(prefix)
+        self._leases: weakref.WeakSet[NodeLease] = weakref.WeakSet()
+        self._closed = False
+
+    # primitives: full keys (prefix included) --------------------------------
+
+    @abc.abstractmethod
+    async def _read(self, keys: Sequence[str]) -> list[bytes | None]: ...
+
+    @abc.abstractmethod
+    async def _range(self, prefix: str) -> tuple[list[tuple[str, bytes]], int]:
+        """Sorted ``(key, value)`` pairs under ``prefix`` and the revision they were read at."""
+
+    @abc.abstractmethod
+    async def _transact(self, reads: Sequence[str], build: Build) -> Any:
+        """Read ``reads``, call ``build`` on their values, apply its writes atomically.
+
+        The writes apply only if none of ``reads`` changed since they were read
+        (the implementation retries ``build`` otherwise), so ``build`` must be a
+        pure function of its input. Returns ``Writes.result``.
+        """
+
+    @abc.abstractmethod
+    async def _grant(self, ttl: float) -> tuple[int, float]:
+        """A new lease: ``(lease_id, granted ttl)``."""
+
+    @abc.abstractmethod
+    async def _refresh(self, lease_id: int) -> bool:
+        """Extend a lease; False if it no longer exists."""
+
+    @abc.abstractmethod
+    async def _revoke(self, lease_id: int) -> None:
+        """Delete a lease and its keys; a lease already gone is not an error."""
+
+    @abc.abstractmethod
+    def watch(self, prefix: str = "") -> AsyncIterator[Event]:
+        """Snapshot of ``prefix`` (relative), then its changes; a new snapshot after compaction."""
+
+    @abc.abstractmethod
+    async def _close(self) -> None: ...
+
+    # keys -------------------------------------------------------------------
+
+    def _key(self, rel: str) -> str:
+        return self.prefix + rel
+
+    def _rel(self, key: str) -> str:
+        return key[len(self.prefix) :]
+
+    def _model_key(self, model_id: str) -> str:
+        return self._key(f"models/{validate_model_id(model_id)}")
+
+    def _object_key(self, address: str) -> str:
+        return self._key(f"objects/{validate_address(address)}")
+
+    def _manifest_key(self, namespace: str, name: str) -> str:
+        return self._key(f"manifests/{validate_namespace(namespace)}/{validate_name(name)}")
+
+    def _node_key(self, rec: NodeRecord) -> str:
+        return self._key(f"nodes/{rec.role}/{rec.region}/{rec.node_id}")
+
+    def _policy_key(self, name: str) -> str:
+        return self._key(f"policies/{validate_name(name)}")
+
+    async def _put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        await self._transact([], lambda _: Writes(puts=[(key, value)], lease=lease))
+
+    async def _delete(self, key: str) -> bool:
+        def build(values: list[bytes | None]) -> Writes:
+            return Writes(result=False) if values[0] is None else Writes(deletes=[key], result=True)
+
+        return await self._transact([key], build)
+
+    # models -----------------------------------------------------------------
+
+    async def put_model(self, rec: ModelRecord) -> None:
+        _expect(rec, ModelRecord)
+        await self._put(self._model_key(rec.model_id), rec.pack())
+
+    async def get_model(self, model_id: str) -> ModelRecord | None:
+        (v,) = await self._read([self._model_key(model_id)])
+        return None if v is None else ModelRecord.unpack(v)
+
+    async def list_models(self) -> list[ModelRecord]:
+        items, _ = await self._range(self._key("models/"))
+        return [ModelRecord.unpack(v) for _, v in items]
+
+    # objects ----------------------------------------------------------------
+
+    async def put_objects(self, records: Sequence[ObjectRecord]) -> None:
+        await self._put_objects_then(records, None)
+
+    async def get_object(self, address: str) -> ObjectRecord | None:
+        (v,) = await self._read([self._object_key(address)])
+        return _object(v)
+
+    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
+        keys = [self._object_key(a) for a in addresses]
+        return [_object(v) for v in await self._read(keys)] if keys else []
+
+    async def add_encoding(self, address: str, enc: Encoding) -> ObjectRecord | None:
+        _expect(enc, Encoding)
+        return await self._update_object(address, lambda rec: rec.with_encoding(enc))
+
+    async def add_tail(self, parent: str, length: int, address: str) -> ObjectRecord | None:
+        validate_address(address, what="tail address")
+        if not (isinstance(length, int) and not isinstance(length, bool) and length > 0):
+            raise InvalidInput(f"tail length must be a positive int, got {length!r}")
+        return await self._update_object(parent, lambda rec: rec.with_tail(length, address))
+
+    async def _update_object(self, address: str, change: Callable[[ObjectRecord], ObjectRecord]) -> ObjectRecord | None:
+        key = self._object_key(address)
+
+        def build(values: list[bytes | None]) -> Writes:
+            old = _object(values[0])
+            if old is None:
+                return Writes(result=None)
+            new = change(old)
+            return Writes(result=new) if new == old else Writes(puts=[(key, new.pack())], result=new)
+
+        return await self._transact([key], build)
+
+    async def _put_objects_then(self, records: Sequence[ObjectRecord], last: tuple[str, bytes] | None) -> None:
+        """Write object records (merged into any existing ones), then ``last``.
+
+        One transaction when they fit; otherwise in batches, in order, with
+        ``last`` in the final batch. Either way ``last`` (a manifest) is never
+        visible before every object it names: the objects are content-addressed
+        and may harmlessly appear first.
+        """
+        by_addr: dict[str, ObjectRecord] = {}
+        for r in records:
+            _expect(r, ObjectRecord)
+            by_addr[r.address] = by_addr[r.address].merged(r) if r.address in by_addr else r
+        recs = list(by_addr.values())
+        step = (self.max_txn_ops - 1) if self.max_txn_ops else max(1, len(recs))
+        batches = [recs[i : i + step] for i in range(0, len(recs), step)] or [[]]
+        for i, batch in enumerate(batches):
+            extra = [last] if last is not None and i == len(batches) - 1 else []
+            await self._transact([self._object_key(r.address) for r in batch], _merge_build(self, batch, extra))
+
+    # manifests --------------------------------------------------------------
+
+    async def put_manifest(self, manifest: Manifest, objects: Sequence[ObjectRecord] = ()) -> None:
+        _expect(manifest, Manifest)
+        key = self._manifest_key(manifest.namespace, manifest.name)
+        await self._put_objects_then(objects, (key, manifest.pack()))
+
+    async def get_manifest(self, namespace: str, name: str) -> Manifest | None:
+        (v,) = await self._read([self._manifest_key(namespace, name)])
+        return None if v is None else Manifest.unpack(v)
+
+    async def list_manifests(self, namespace: str | None = None) -> list[Manifest]:
+        rel = "manifests/" if namespace is None else f"manifests/{validate_namespace(namespace)}/"
+        items, _ = await self._range(self._key(rel))
+        return [Manifest.unpack(v) for _, v in items]
+
+    async def delete_manifest(self, namespace: str, name: str) -> bool:
+        return await self._delete(self._manifest_key(namespace, name))
+
+    # nodes ------------------------------------------------------------------
+
+    async def register_node(self, rec: NodeRecord, ttl: float) -> NodeLease:
+        _expect(rec, NodeRecord)
+        if not (isinstance(ttl, (int, float)) and ttl > 0):
+            raise InvalidInput(f"lease ttl must be a positive number of seconds, got {ttl!r}")
+        lease_id, granted = await self._grant(float(ttl))
+        try:
+            await self._put(self._node_key(rec), rec.pack(), lease=lease_id)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._revoke(lease_id)
+            raise
+        lease = NodeLease(lease_id, granted, self._refresh, self._revoke)
+        self._leases.add(lease)
+        return lease
+
+    async def list_nodes(self, role: str | None = None, region: str | None = None) -> list[NodeRecord]:
+        rel = "nodes/"
+        if role is not None:
+            rel += f"{validate_name(role)}/"
+            if region is not None:
+                rel += f"{validate_name(region)}/"
+        items, _ = await self._range(self._key(rel))
+        nodes = [NodeRecord.unpack(v) for _, v in items]
+        return [n for n in nodes if region is None or n.region == region]
+
+    # policies ---------------------------------------------------------------
+
+    async def put_policy(self, p: Policy) -> None:
+        _expect(p, Policy)
+        await self._put(self._policy_key(p.name), p.pack())
+
+    async def delete_policy(self, name: str) -> bool:
+        return await self._delete(self._policy_key(name))
+
+    async def list_policies(self) -> list[Policy]:
+        items, _ = await self._range(self._key("policies/"))
+        return [Policy.unpack(v) for _, v in items]
+
+    # raw --------------------------------------------------------------------
+
+    async def list_keys(self, prefix: str = "") -> list[tuple[str, bytes]]:
+        items, _ = await self._range(self._key(prefix))
+        return [(self._rel(k), v) for k, v in items]
+
+    # lifecycle --------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Revoke the leases this registry granted (a clean shutdown leaves at once), then disconnect."""
+        if self._closed:
+            return
+        for lease in list(self._leases):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(lease.close(), 2.0)
+        self._closed = True
+        await self._close()
+
+    async def __aenter__(self) -> KVRegistry:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _merge_build(reg: KVRegistry, batch: list[ObjectRecord], extra: list[tuple[str, bytes]]) -> Build:
+    def build(values: list[bytes | None]) -> Writes:
+        puts = []
+        for rec, old_bytes in zip(batch, values):
+            old = _object(old_bytes)
+            new = rec if old is None else old.merged(rec)
+            if new != old:  # re-publishing the same object is not a change watchers hear about
+                puts.append((reg._object_key(rec.address), new.pack()))
+        return Writes(puts=puts + extra)
+
+    return build
+
+
+def normalize_prefix(prefix: str) -> str:
+    """``kdn`` -> ``/kdn/``: keys always sit under ``/.../``."""
+    if not isinstance(prefix, str) or not prefix.strip("/"):
+        raise InvalidInput(f"registry prefix must be a non-empty path like '/kdn/', got {prefix!r}")
+    return "/" + prefix.strip("/") + "/"

@@ -1,0 +1,296 @@
+"""Registry records: what the registry stores under each key.
+
+Each record is a frozen dataclass stored as msgpack of a plain dict
+(``to_dict``/``from_dict``, ``pack``/``unpack``). Reading is tolerant of fields
+it does not know (a newer writer may add some) and strict about fields it needs
+(a missing one raises ``InvalidInput`` naming it). Every identifier that ends up
+in a registry key is validated when the record is built, so a record that exists
+is a record that can be stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+
+from kdn.address import validate_address, validate_model_id, validate_name, validate_namespace
+from kdn.errors import InvalidInput
+
+OBJECT_KINDS = frozenset({"kv", "ssm", "hybrid"})
+POLICY_KINDS = frozenset({"pin", "warm", "ttl", "quota"})
+
+R = TypeVar("R", bound="_Record")
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise InvalidInput(what)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _check_str(rec: str, name: str, v: object, *, optional: bool = False) -> None:
+    _require(isinstance(v, str) or (optional and v is None), f"{rec}.{name} must be a string, got {type(v).__name__}")
+
+
+def _check_dict(rec: str, name: str, v: object) -> None:
+    _require(isinstance(v, dict), f"{rec}.{name} must be a map, got {type(v).__name__}")
+
+
+def validate_manifest_ref(value: object) -> str:
+    """``"namespace/name"``: how a policy names a manifest."""
+    if not isinstance(value, str) or value.count("/") != 1:
+        raise InvalidInput(f"invalid manifest reference {str(value)[:80]!r}: expected 'namespace/name'")
+    ns, name = value.split("/")
+    validate_namespace(ns)
+    validate_name(name)
+    return value
+
+
+class _Record:
+    """Dict and msgpack round trips shared by every record dataclass."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def _fields_from(cls, d: object) -> dict[str, Any]:
+        """The known fields of ``d``; unknown ones are dropped, missing required ones raise."""
+        if not isinstance(d, dict):
+            raise InvalidInput(f"{cls.__name__} record must be a map, got {type(d).__name__}")
+        out: dict[str, Any] = {}
+        missing = []
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name in d:
+                out[f.name] = d[f.name]
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                missing.append(f.name)
+        if missing:
+            raise InvalidInput(f"{cls.__name__} record lacks required field(s): {', '.join(missing)}")
+        return out
+
+    @classmethod
+    def from_dict(cls: type[R], d: object) -> R:
+        return cls(**cls._fields_from(d))
+
+    def pack(self) -> bytes:
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    @classmethod
+    def unpack(cls: type[R], data: bytes) -> R:
+        try:
+            d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as e:  # msgpack raises several unrelated types for bad input
+            raise InvalidInput(f"{cls.__name__} record is not valid msgpack: {e}") from None
+        return cls.from_dict(d)
+
+
+@dataclass(frozen=True)
+class ModelRecord(_Record):
+    model_id: str
+    name: str
+    architecture: str
+    dtype: str
+    chunk_tokens: int
+    config: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate_model_id(self.model_id)
+        for n in ("name", "architecture", "dtype"):
+            _check_str("ModelRecord", n, getattr(self, n))
+        _require(_is_int(self.chunk_tokens) and self.chunk_tokens > 0, "ModelRecord.chunk_tokens must be a positive int")
+        _check_dict("ModelRecord", "config", self.config)
+        _check_dict("ModelRecord", "extra", self.extra)
+
+
+@dataclass(frozen=True)
+class Encoding(_Record):
+    """One stored encoding of an object (``raw``, ``zstd-planes``, ``int8``...)."""
+
+    name: str
+    size: int
+    digest: str  # BLAKE3 hex of the blob in this encoding
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and bool(self.name), "Encoding.name must be a non-empty string")
+        _require(_is_int(self.size) and self.size >= 0, "Encoding.size must be a non-negative int")
+        validate_address(self.digest, what="digest")
+
+
+@dataclass(frozen=True)
+class ObjectRecord(_Record):
+    """One chunk's states: where it sits in a prefix chain and how it is stored."""
+
+    address: str
+    model_id: str
+    namespace: str
+    kind: str  # "kv" | "ssm" | "hybrid"
+    start: int
+    end: int
+    parent: str | None
+    standalone: bool
+    encodings: dict[str, Encoding]
+    origin: str  # node id or URL that produced it
+    tails: dict[int, str] = field(default_factory=dict)  # partial child length -> its address
+    created: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        validate_address(self.address)
+        validate_model_id(self.model_id)
+        validate_namespace(self.namespace)
+        _require(self.kind in OBJECT_KINDS, f"ObjectRecord.kind must be one of {sorted(OBJECT_KINDS)}, got {self.kind!r}")
+        _require(
+            _is_int(self.start) and _is_int(self.end) and 0 <= self.start < self.end,
+            f"ObjectRecord span must be ints with 0 <= start < end, got [{self.start!r}, {self.end!r})",
+        )
+        if self.parent is not None:
+            validate_address(self.parent, what="parent address")
+        _require(isinstance(self.standalone, bool), "ObjectRecord.standalone must be a bool")
+        _check_dict("ObjectRecord", "encodings", self.encodings)
+        for k, enc in self.encodings.items():
+            _require(isinstance(enc, Encoding) and enc.name == k, f"ObjectRecord.encodings[{k!r}] must be an Encoding named {k!r}")
+        _check_str("ObjectRecord", "origin", self.origin)
+        _check_dict("ObjectRecord", "tails", self.tails)
+        for length, addr in self.tails.items():
+            _require(_is_int(length) and length > 0, f"ObjectRecord.tails key must be a positive int, got {length!r}")
+            validate_address(addr, what="tail address")
+        _require(_is_number(self.created), "ObjectRecord.created must be a number")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        # String keys: msgpack readers default to strict map keys, and JSON has no int keys.
+        d["tails"] = {str(k): v for k, v in self.tails.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: object) -> ObjectRecord:
+        f = cls._fields_from(d)
+        encs = f["encodings"]
+        _check_dict("ObjectRecord", "encodings", encs)
+        f["encodings"] = {k: v if isinstance(v, Encoding) else Encoding.from_dict(v) for k, v in encs.items()}
+        tails = f.get("tails", {})
+        _check_dict("ObjectRecord", "tails", tails)
+        try:
+            f["tails"] = {int(k): v for k, v in tails.items()}
+        except ValueError:
+            raise InvalidInput("ObjectRecord.tails keys must be token counts") from None
+        return cls(**f)
+
+    def with_encoding(self, enc: Encoding) -> ObjectRecord:
+        return dataclasses.replace(self, encodings={**self.encodings, enc.name: enc})
+
+    def with_tail(self, length: int, address: str) -> ObjectRecord:
+        return dataclasses.replace(self, tails={**self.tails, length: address})
+
+    def merged(self, newer: ObjectRecord) -> ObjectRecord:
+        """``newer`` with this record's encodings and tails kept (the newer's win on a clash).
+
+        Re-publishing an object must not drop an encoding or a tail that another
+        writer added since; the record is content-addressed, so everything else
+        is the same anyway.
+        """
+        return dataclasses.replace(
+            newer,
+            encodings={**self.encodings, **newer.encodings},
+            tails={**self.tails, **newer.tails},
+            created=min(self.created, newer.created),
+        )
+
+
+@dataclass(frozen=True)
+class Manifest(_Record):
+    """One published item: its prefix chain, in order, and the exact tokens it covers."""
+
+    namespace: str
+    name: str
+    model_id: str
+    addresses: list[str]  # prefix chain, in order
+    tokens: int  # total tokens published
+    chunk_tokens: int
+    prefix_tokens: list[int]  # the token ids published, template prefix included
+    template: str | None = None
+    standalone: list[str] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        validate_namespace(self.namespace)
+        validate_name(self.name)
+        validate_model_id(self.model_id)
+        _require(isinstance(self.addresses, list), "Manifest.addresses must be a list")
+        for a in self.addresses:
+            validate_address(a)
+        _require(_is_int(self.tokens) and self.tokens >= 0, "Manifest.tokens must be a non-negative int")
+        _require(_is_int(self.chunk_tokens) and self.chunk_tokens > 0, "Manifest.chunk_tokens must be a positive int")
+        _require(
+            isinstance(self.prefix_tokens, list) and all(_is_int(t) and t >= 0 for t in self.prefix_tokens),
+            "Manifest.prefix_tokens must be a list of non-negative ints",
+        )
+        _check_str("Manifest", "template", self.template, optional=True)
+        _require(isinstance(self.standalone, list), "Manifest.standalone must be a list")
+        for a in self.standalone:
+            validate_address(a, what="standalone address")
+        _require(_is_number(self.created), "Manifest.created must be a number")
+
+    @property
+    def ref(self) -> str:
+        """``"namespace/name"``, as policies name it."""
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class NodeRecord(_Record):
+    role: str  # "origin" | "edge" | ...
+    region: str
+    node_id: str
+    url: str
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for n in ("role", "region", "node_id"):
+            v = getattr(self, n)
+            _check_str("NodeRecord", n, v)
+            validate_name(v)
+        _check_str("NodeRecord", "url", self.url)
+        _check_dict("NodeRecord", "extra", self.extra)
+
+
+@dataclass(frozen=True)
+class Policy(_Record):
+    """An operator rule (pin, warm, ttl, quota), scoped by region, manifest and/or namespace."""
+
+    name: str
+    kind: str  # "pin" | "warm" | "ttl" | "quota"
+    region: str | None = None
+    manifest: str | None = None  # "namespace/name"
+    namespace: str | None = None
+    ttl_s: float | None = None
+    quota_bytes: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+        _require(self.kind in POLICY_KINDS, f"Policy.kind must be one of {sorted(POLICY_KINDS)}, got {self.kind!r}")
+        if self.region is not None:
+            validate_name(self.region)
+        if self.manifest is not None:
+            validate_manifest_ref(self.manifest)
+        if self.namespace is not None:
+            validate_namespace(self.namespace)
+        _require(self.ttl_s is None or (_is_number(self.ttl_s) and self.ttl_s >= 0), "Policy.ttl_s must be a number >= 0")
+        _require(
+            self.quota_bytes is None or (_is_int(self.quota_bytes) and self.quota_bytes >= 0),
+            "Policy.quota_bytes must be an int >= 0",
+        )
+        _check_dict("Policy", "extra", self.extra)

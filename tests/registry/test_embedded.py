@@ -1,0 +1,75 @@
+"""Embedded-only cases: several processes sharing one file, and the bounded change log."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import textwrap
+
+from kdn.registry import EmbeddedRegistry, Policy
+from registry_helpers import next_event, policy
+
+WRITER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from kdn.registry import EmbeddedRegistry, Policy
+
+    async def main(path):
+        async with EmbeddedRegistry(path) as reg:
+            await reg.put_policy(Policy("from-child", "warm", region="eu"))
+            await reg.delete_policy("from-parent")
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+async def test_watch_sees_writes_from_another_process(tmp_path):
+    path = tmp_path / "shared.sqlite3"
+    async with EmbeddedRegistry(path) as reg:
+        await reg.put_policy(policy("from-parent"))
+        async with contextlib.aclosing(reg.watch("policies/")) as watch:
+            assert list((await next_event(watch)).items) == ["policies/from-parent"]
+            child = await asyncio.create_subprocess_exec(sys.executable, "-c", WRITER, str(path))
+            assert await asyncio.wait_for(child.wait(), 30) == 0
+            put = await next_event(watch)
+            gone = await next_event(watch)
+    assert (put.kind, put.key) == ("put", "policies/from-child")
+    assert Policy.unpack(put.value) == Policy("from-child", "warm", region="eu")
+    assert (gone.kind, gone.key) == ("delete", "policies/from-parent")
+
+
+async def test_a_lagging_watcher_relists_when_the_log_is_pruned(tmp_path):
+    path = tmp_path / "r.sqlite3"
+    async with EmbeddedRegistry(path, log_revisions=10) as reg:
+        async with contextlib.aclosing(reg.watch("policies/")) as watch:
+            assert (await next_event(watch)).items == {}
+            for i in range(130):  # the log is pruned every 64 revisions down to the last 10
+                await reg.put_policy(policy(f"p{i:03d}"))
+            ev = await next_event(watch)
+            assert ev.kind == "snapshot" and len(ev.items) == 130
+
+
+async def test_data_outlives_the_instance(tmp_path):
+    path = tmp_path / "r.sqlite3"
+    async with EmbeddedRegistry(path) as reg:
+        await reg.put_policy(policy())
+    async with EmbeddedRegistry(path) as reg:
+        assert await reg.list_policies() == [policy()]
+
+
+async def test_expired_lease_is_collected_by_any_instance(tmp_path):
+    from registry_helpers import eventually, node
+
+    path = tmp_path / "r.sqlite3"
+    async with EmbeddedRegistry(path) as a, EmbeddedRegistry(path) as b:
+        lease = await a.register_node(node(), ttl=0.3)
+        lease._stop_keepalive()
+        assert await b.list_nodes() == [node()]
+
+        async def gone() -> bool:
+            return await b.list_nodes() == []
+
+        await eventually(gone, timeout=2)
+        assert await a._refresh(lease.lease_id) is False  # an expired lease is not revived

@@ -1,0 +1,68 @@
+"""open_registry: URLs to registries, and the default."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdn.errors import InvalidInput
+from kdn.registry import EmbeddedRegistry, EtcdRegistry, open_registry
+
+
+@pytest.mark.parametrize(
+    "url, host, port, prefix",
+    [
+        ("etcd://127.0.0.1:2379", "127.0.0.1", 2379, "/kdn/"),
+        ("etcd://etcd.internal", "etcd.internal", 2379, "/kdn/"),
+        ("etcd://h:1234/team-a", "h", 1234, "/team-a/"),
+        ("etcd://h:1234/a/b/", "h", 1234, "/a/b/"),
+    ],
+)
+async def test_etcd_urls(url, host, port, prefix):
+    reg = open_registry(url)
+    assert isinstance(reg, EtcdRegistry)
+    assert (reg.host, reg.port, reg.prefix) == (host, port, prefix)
+    await reg.close()
+
+
+@pytest.mark.parametrize(
+    "url, path",
+    [("file:/tmp/r.sqlite3", "/tmp/r.sqlite3"), ("file:///tmp/r.sqlite3", "/tmp/r.sqlite3"), ("file:r.db", "r.db")],
+)
+async def test_file_urls(url, path):
+    reg = open_registry(url)
+    assert isinstance(reg, EmbeddedRegistry) and reg.path == path and reg.prefix == "/kdn/"
+    await reg.close()
+
+
+async def test_default_is_env_then_data_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("KDN_REGISTRY", "etcd://e:1")
+    reg = open_registry(None)
+    assert isinstance(reg, EtcdRegistry)
+    await reg.close()
+    monkeypatch.delenv("KDN_REGISTRY")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    reg = open_registry(None)
+    assert reg.path == str(tmp_path / "kdn" / "registry.sqlite3")
+    # opening is lazy: nothing is created yet
+    assert not (tmp_path / "kdn").exists()
+    assert await reg.list_policies() == []
+    assert (tmp_path / "kdn" / "registry.sqlite3").exists()
+    await reg.close()
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    reg = open_registry(None)
+    assert reg.path == str(tmp_path / ".local" / "share" / "kdn" / "registry.sqlite3")
+    await reg.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h:1", "etcd://", "etcd://h:notaport", "etcd://h:99999", "etcd://u:p@h:1",
+        "etcd://h:1?x=1", "file:", "file://host/x", "/tmp/x", "",
+    ],
+)
+def test_malformed_urls_are_one_line_errors(url):
+    with pytest.raises(InvalidInput) as e:
+        open_registry(url)
+    assert "\n" not in str(e.value)
