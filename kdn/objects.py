@@ -401,15 +401,30 @@ def read_header(blob: Buffer, *, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> O
     return _layout(_as_view(blob), max_bytes).header
 
 
+def decoded_nbytes(header: ObjectHeader) -> int:
+    """Bytes an ``out`` buffer for :func:`decode_object` needs (each tensor 64-byte aligned)."""
+    return sum(_align64(math.prod(t.shape) * itemsize(t.dtype)) for t in header.tensors.values())
+
+
+def _align64(n: int) -> int:
+    return (n + 63) & ~63
+
+
 def decode_object(
-    blob: Buffer, *, expected_digest: str | None = None, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES
+    blob: Buffer,
+    *,
+    expected_digest: str | None = None,
+    max_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+    out: bytearray | memoryview | None = None,
 ) -> DecodedObject:
     """Verify, parse and decode an object into raw tensors.
 
     With ``expected_digest`` the blob's BLAKE3 is checked before anything is
     parsed. ``raw`` tensors are zero-copy views into ``blob`` (keep it alive and
-    unchanged); other codecs return fresh buffers. A codec that finds its
-    payload corrupt raises :class:`kdn.errors.CodecError`.
+    unchanged); other codecs return fresh buffers, or, with ``out`` (at least
+    :func:`decoded_nbytes` bytes, reused across calls on a hot path), views
+    into ``out``. A codec that finds its payload corrupt raises
+    :class:`kdn.errors.CodecError`.
     """
     mv = _as_view(blob)
     if len(mv) > max_bytes:
@@ -419,17 +434,29 @@ def decode_object(
         if got != expected_digest:
             raise DigestMismatch(f"blob digest {got[:16]}... differs from expected {str(expected_digest)[:16]}...")
     layout = _layout(mv, max_bytes)
-    out: dict[str, RawTensor] = {}
+    buf = None
+    if out is not None:
+        buf = _as_view(out)
+        need = decoded_nbytes(layout.header)
+        if buf.readonly or len(buf) < need:
+            raise InvalidInput(f"decode buffer must be writable and >= {need} bytes, got {len(buf)}")
+    tensors: dict[str, RawTensor] = {}
+    pos = 0
     for name, info in layout.header.tensors.items():
         b, e = layout.offsets[name]
         payload = mv[layout.data_start + b : layout.data_start + e]
-        data = get_codec(info.codec).decode(payload, info.dtype, info.shape, info.params)
-        dv = _as_view(data)
         want = math.prod(info.shape) * itemsize(info.dtype)
+        codec = get_codec(info.codec)
+        if buf is not None and info.codec != "raw":
+            data = codec.decode(payload, info.dtype, info.shape, info.params, out=buf[pos : pos + want])
+            pos += _align64(want)
+        else:
+            data = codec.decode(payload, info.dtype, info.shape, info.params)
+        dv = _as_view(data)
         if len(dv) != want:
             raise TensorMismatch(f"tensor {name[:64]!r}: codec {info.codec!r} decoded {len(dv)} bytes, expected {want}")
-        out[name] = RawTensor(name, info.dtype, info.shape, dv)
-    return DecodedObject(layout.header, out)
+        tensors[name] = RawTensor(name, info.dtype, info.shape, dv)
+    return DecodedObject(layout.header, tensors)
 
 
 # --- torch bridge (torch imported only here) ---------------------------------

@@ -99,7 +99,8 @@ def test_zstd_compresses_real_bf16():
     x = torch.randn(64, 1024, generator=g).to(torch.bfloat16)  # x: [64, 1024]
     data = x.view(torch.uint8).numpy().tobytes()
     enc, params = get_codec("zstd").encode(data, "BF16", tuple(x.shape))
-    assert params == {"level": 1, "shuffle": 2}
+    assert params["level"] == 1 and params["shuffle"] == 2 and len(params["frames"]) == 2
+    assert sum(params["frames"]) == len(enc)
     assert len(data) / len(enc) > 1.3  # ~1.46 measured; without the shuffle ~1.1
     plain, _ = ZstdCodec().encode(data, "U8", (len(data),))
     assert len(enc) < len(plain)
@@ -140,7 +141,7 @@ def test_zstd_truncated_or_extended_payload_raises(cut, junk):
 
 def test_zstd_wrong_declared_shape_raises():
     data, enc, params = _zstd_sample()
-    with pytest.raises(CodecError, match="content size 600"):
+    with pytest.raises(CodecError, match="content size 300 for F16"):
         get_codec("zstd").decode(enc, "F16", (301,), params)
     with pytest.raises(CodecError, match="shuffle"):
         get_codec("zstd").decode(enc, "F16", (300,), {"shuffle": 3})
@@ -185,3 +186,24 @@ def test_codec_modules_import_no_torch():
 
     code = "import sys, kdn.codecs, kdn.objects; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("dtype,shape", [("BF16", (3, 17, 8)), ("F32", (5, 7)), ("U8", (33,)), ("F64", (4,)), ("F16", (0,))])
+@pytest.mark.parametrize("name", ["raw", "zstd"])
+def test_decode_into_reused_buffer_equals_fresh_decode(name, dtype, shape):
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, codecs.nbytes(dtype, shape), dtype=np.uint8).tobytes()
+    codec = get_codec(name)
+    enc, params = codec.encode(data, dtype, shape)
+    out = bytearray(b"\xaa" * len(data))
+    got = codec.decode(enc, dtype, shape, params, out=memoryview(out))
+    assert bytes(got) == data and bytes(out) == data
+
+
+def test_decode_into_wrong_sized_buffer_raises():
+    data = bytes(range(64))
+    enc, params = get_codec("zstd").encode(data, "F16", (32,))
+    with pytest.raises(CodecError, match="output buffer"):
+        get_codec("zstd").decode(enc, "F16", (32,), params, out=memoryview(bytearray(63)))
+    with pytest.raises(CodecError, match="output buffer"):
+        get_codec("zstd").decode(enc, "F16", (32,), params, out=memoryview(bytes(64)))  # read-only

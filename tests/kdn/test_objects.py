@@ -138,7 +138,8 @@ def test_header_round_trip():
     assert (h.version, h.kind, h.address, h.model_id, h.namespace) == (1, "hybrid", ADDR, MODEL, "public")
     assert (h.start, h.end, h.position, h.n_tokens, h.parent, h.encoding) == (512, 700, 512, 188, PARENT, "zstd")
     ssm = h.tensors["layers.1.ssm"]
-    assert (ssm.dtype, ssm.shape, ssm.codec, ssm.params) == ("F32", (1, 4, 8, 16), "zstd", {"level": 1, "shuffle": 4})
+    assert (ssm.dtype, ssm.shape, ssm.codec, ssm.params) == ("F32", (1, 4, 8, 16), "zstd", {"level": 1, "shuffle": 4, "frames": ssm.params["frames"]})
+    assert len(ssm.params["frames"]) == 4
     standalone = read_header(blob_of(start=0, end=256, position=0, parent=None))
     assert standalone.parent is None and standalone.position == 0
 
@@ -499,3 +500,26 @@ def test_format_doc_example_is_true():
     with contextlib.redirect_stdout(out):
         exec(compile(script, "docs/format.md", "exec"), {})
     assert out.getvalue() == shown
+
+
+def test_decode_into_reused_buffer():
+    import numpy as np
+
+    from kdn.objects import decoded_nbytes
+
+    rng = np.random.default_rng(2)
+    tensors = {
+        "L0.k": RawTensor("L0.k", "BF16", (2, 5, 8), memoryview(rng.integers(0, 256, 160, dtype=np.uint8).tobytes())),
+        "L0.ssm": RawTensor("L0.ssm", "F32", (3, 3), memoryview(rng.integers(0, 256, 36, dtype=np.uint8).tobytes())),
+    }
+    blob = encode_object(kind="kv", address=ADDR, model_id=MODEL, namespace="public", start=0, end=5, position=0,
+                         parent=None, tensors=tensors, encoding="zstd")
+    header = read_header(blob)
+    buf = bytearray(decoded_nbytes(header))
+    for _ in range(2):  # the second decode reuses the buffer
+        dec = decode_object(blob, out=buf)
+        for name, t in tensors.items():
+            assert bytes(dec.tensors[name].data) == bytes(t.data)
+            assert np.shares_memory(np.frombuffer(dec.tensors[name].data, np.uint8), np.frombuffer(buf, np.uint8))
+    with pytest.raises(InvalidInput):
+        decode_object(blob, out=bytearray(8))
