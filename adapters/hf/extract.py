@@ -114,9 +114,10 @@ def _forward(model: Any, cache: Any, ids: torch.Tensor, first_position: int, *, 
     return model(input_ids=ids[None], position_ids=pos, cache=cache, use_cache=True, **kw)
 
 
-def _steps(model: Any, ids: torch.Tensor, chunk_tokens: int | None, start_position: int) -> Iterator[tuple[int, int, int, Any]]:
+def _steps(model: Any, ids: torch.Tensor, chunk_tokens: int | None, start_position: int,
+           cache: Any = None) -> Iterator[tuple[int, int, int, Any]]:
     """Prefill ``ids`` chunk by chunk into one cache; yield ``(index, start, end, cache)`` after each chunk."""
-    cache = new_cache(model)
+    cache = new_cache(model) if cache is None else cache
     spans = chunk_spans(ids.numel(), chunk_tokens or max(ids.numel(), 1))
     for index, (s, e) in enumerate(spans):
         # Inference mode per step, not around the loop: a `with` in a generator
@@ -160,16 +161,20 @@ def _take(cache: Any, s: int, e: int) -> dict[str, torch.Tensor]:
 
 
 def extract_chunks(model: Any, token_ids: list[int] | torch.Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                   start_position: int = 0) -> Iterator[ChunkState]:
+                   start_position: int = 0, cache: Any = None, cached_tokens: int = 0) -> Iterator[ChunkState]:
     """Prefill ``token_ids`` chunk by chunk and yield each chunk's states as it completes.
 
     ``start_position`` is the position of ``token_ids[0]`` (RoPE offset); chunk
-    ``start``/``end`` are offsets into ``token_ids``.
+    ``start``/``end`` are offsets into ``token_ids``. To resume a document whose
+    first chunks are already stored, pass the cache rebuilt from them
+    (``build_cache``) as ``cache`` and its length as ``cached_tokens``; then
+    ``token_ids`` are the remaining tokens and ``start_position`` is usually
+    ``cached_tokens``.
     """
     ids = _as_ids(model, token_ids)
     kind = kind_of(layer_layout(model))
-    for index, s, e, cache in _steps(model, ids, chunk_tokens, start_position):
-        yield ChunkState(index=index, start=s, end=e, kind=kind, tensors=_take(cache, s, e))
+    for index, s, e, c in _steps(model, ids, chunk_tokens, start_position, cache):
+        yield ChunkState(index=index, start=s, end=e, kind=kind, tensors=_take(c, cached_tokens + s, cached_tokens + e))
 
 
 def standalone_chunk(model: Any, token_ids: list[int] | torch.Tensor) -> ChunkState:

@@ -223,10 +223,15 @@ class Manifest(_Record):
     template: str | None = None
     standalone: list[str] = field(default_factory=list)
     created: float = field(default_factory=time.time)
+    head_tokens: int = 0  # leading tokens of prefix_tokens that come from the template / prefix text
+    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
         validate_name(self.name)
+        _require(_is_int(self.head_tokens) and 0 <= self.head_tokens <= len(self.prefix_tokens),
+                 "Manifest.head_tokens must be an int within prefix_tokens")
+        _require(isinstance(self.extra, dict), "Manifest.extra must be a map")
         validate_model_id(self.model_id)
         _require(isinstance(self.addresses, list), "Manifest.addresses must be a list")
         for a in self.addresses:

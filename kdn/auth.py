@@ -1,0 +1,126 @@
+"""Bearer tokens and what they grant: roles and the namespaces a caller may use.
+
+A token file has one grant per line; ``#`` starts a comment::
+
+    # token                          roles            namespaces
+    3f9c...e1                        publish,read     public,acme
+    77aa...02                        read             acme
+    b0b0...ff                        admin            *
+
+A line with only a token grants every role on every namespace (the simple
+single-publisher case). The namespace a reader may use comes from its token,
+never from a field the client fills in: servers call ``Grants.check`` with
+the token from the ``Authorization`` header and get the allowed namespaces.
+
+Tokens are compared by their SHA-256 (a dict lookup on the digest), so the
+comparison time does not depend on how many leading characters match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kdn.address import validate_namespace
+from kdn.errors import InvalidInput, KDNError
+
+ROLES = frozenset({"read", "publish", "admin"})
+ANY = "*"
+
+
+class AuthError(KDNError):
+    """Missing or unknown token (401), or a token without the needed grant (403)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Grant:
+    roles: frozenset[str]
+    namespaces: frozenset[str]  # may contain "*"
+
+    def allows(self, role: str, namespace: str) -> bool:
+        role_ok = role in self.roles or "admin" in self.roles
+        return role_ok and (ANY in self.namespaces or namespace in self.namespaces)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+class Grants:
+    """The grants of a token file. ``open_access`` grants read on ``public`` to callers without a token."""
+
+    def __init__(self, grants: dict[bytes, Grant] | None = None, *, anonymous: Grant | None = None) -> None:
+        self._grants = dict(grants or {})
+        self.anonymous = anonymous
+
+    @classmethod
+    def parse(cls, text: str, *, anonymous: Grant | None = None) -> Grants:
+        grants: dict[bytes, Grant] = {}
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) == 1:
+                grant = Grant(frozenset(ROLES), frozenset({ANY}))
+            elif len(parts) == 3:
+                roles = frozenset(r for r in parts[1].split(",") if r)
+                if not roles <= ROLES:
+                    raise InvalidInput(f"token file line {lineno}: unknown role(s) {sorted(roles - ROLES)}")
+                nss = frozenset(n for n in parts[2].split(",") if n)
+                for ns in nss - {ANY}:
+                    validate_namespace(ns)
+                grant = Grant(roles, nss)
+            else:
+                raise InvalidInput(f"token file line {lineno}: expected 'TOKEN' or 'TOKEN ROLES NAMESPACES'")
+            if len(parts[0]) < 16:
+                raise InvalidInput(f"token file line {lineno}: tokens must be at least 16 characters")
+            grants[_digest(parts[0])] = grant
+        return cls(grants, anonymous=anonymous)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike | None, *, anonymous: Grant | None = None) -> Grants:
+        if path is None:
+            return cls(anonymous=anonymous)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise InvalidInput(f"cannot read token file {str(path)!r}: {e.strerror}") from None
+        return cls.parse(text, anonymous=anonymous)
+
+    @property
+    def empty(self) -> bool:
+        return not self._grants
+
+    def lookup(self, authorization: str | None) -> Grant | None:
+        """The grant of an ``Authorization: Bearer TOKEN`` header value, or the anonymous one."""
+        if not authorization:
+            return self.anonymous
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthError("Authorization must be 'Bearer TOKEN'", status=401)
+        grant = self._grants.get(_digest(token.strip()))
+        if grant is None:
+            raise AuthError("unknown token", status=401)
+        return grant
+
+    def check(self, authorization: str | None, role: str, namespace: str) -> Grant:
+        grant = self.lookup(authorization)
+        if grant is None:
+            raise AuthError(f"a bearer token with the {role!r} role is required", status=401)
+        if not grant.allows(role, namespace):
+            raise AuthError(f"token may not {role} in namespace {namespace!r}", status=403)
+        return grant
+
+    def namespaces(self, authorization: str | None, role: str = "read") -> frozenset[str]:
+        """The namespaces a caller may use for ``role`` ("*" = any); empty if none."""
+        grant = self.lookup(authorization)
+        if grant is None or not (role in grant.roles or "admin" in grant.roles):
+            return frozenset()
+        return grant.namespaces

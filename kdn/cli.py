@@ -1,0 +1,171 @@
+"""The `kdn` command line: the composition root.
+
+Each part owns its commands (``kdn.origin.cli``, ``kdn.edge.cli``); this file
+assembles them and owns the core ones (``address``, ``registry``). Parts are
+imported lazily so ``kdn address`` never loads aiohttp or torch.
+
+Bad input prints one line, ``kdn: error: ...``, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from kdn.errors import KDNError
+
+# Parts that contribute subcommands: module path -> its `register(subparsers)`.
+# Each module must import nothing heavy at import time.
+_PARTS = ("kdn.origin.cli", "kdn.edge.cli", "kdn.up")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse's own convention)
+        self.exit(2, f"kdn: error: {message}\n")
+
+
+def registry_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--registry",
+        default=None,
+        metavar="URL",
+        help="etcd://host:port[/prefix] or file:PATH (default: $KDN_REGISTRY, else an embedded file in the user data dir)",
+    )
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise KDNError(f"--tokens must be comma-separated integers, got {text[:40]!r}") from None
+
+
+def cmd_address(args: argparse.Namespace) -> int:
+    from kdn import address as A
+
+    tokens = _parse_tokens(args.tokens)
+    if not tokens:
+        raise KDNError("--tokens is empty")
+    if args.standalone:
+        addrs = A.standalone_addresses(args.model_id, args.namespace, tokens, args.chunk_tokens)
+    else:
+        addrs = A.prefix_addresses(args.model_id, args.namespace, tokens, args.chunk_tokens)
+    spans = A.chunk_spans(len(tokens), args.chunk_tokens)
+    if args.json:
+        print(json.dumps([{"start": s, "end": e, "address": a} for (s, e), a in zip(spans, addrs)], indent=2))
+    else:
+        for (s, e), a in zip(spans, addrs):
+            print(f"{s:>8}-{e:<8} {a}")
+    return 0
+
+
+def _run_registry(args: argparse.Namespace, fn: Callable) -> int:
+    from kdn.registry import open_registry
+
+    async def go() -> int:
+        reg = open_registry(args.registry)
+        try:
+            return await fn(reg)
+        finally:
+            await reg.close()
+
+    return asyncio.run(go())
+
+
+def cmd_registry_show(args: argparse.Namespace) -> int:
+    from kdn.address import validate_address
+
+    key = validate_address(args.address, what="address or model id")
+
+    async def go(reg) -> int:
+        rec = await reg.get_object(key)
+        kind = "object"
+        if rec is None:
+            rec, kind = await reg.get_model(key), "model"
+        if rec is None:
+            print(f"kdn: {key} is not in the registry", file=sys.stderr)
+            return 1
+        print(json.dumps({"kind": kind, **rec.to_dict()}, indent=2, default=str))
+        return 0
+
+    return _run_registry(args, go)
+
+
+def cmd_registry_ls(args: argparse.Namespace) -> int:
+    async def go(reg) -> int:
+        for key, value in await reg.list_keys(args.prefix):
+            print(f"{key}\t{len(value)} B")
+        return 0
+
+    return _run_registry(args, go)
+
+
+def cmd_registry_nodes(args: argparse.Namespace) -> int:
+    async def go(reg) -> int:
+        nodes = await reg.list_nodes(role=args.role, region=args.region)
+        for n in nodes:
+            print(f"{n.role:<7} {n.region:<12} {n.node_id:<20} {n.url}")
+        if not nodes:
+            print("(no live nodes)", file=sys.stderr)
+        return 0
+
+    return _run_registry(args, go)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kdn", description="KDN: a knowledge delivery network for model-native data.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("address", help="print the content addresses of a token sequence")
+    p.add_argument("--model-id", required=True, help="64-hex model id")
+    p.add_argument("--namespace", default="public")
+    p.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--standalone", action="store_true", help="position-independent chunk addresses")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_address)
+
+    reg = sub.add_parser("registry", help="query the registry").add_subparsers(dest="registry_command", required=True)
+    p = reg.add_parser("show", help="show the record of an object address or a model id")
+    p.add_argument("address")
+    registry_arg(p)
+    p.set_defaults(func=cmd_registry_show)
+    p = reg.add_parser("ls", help="list registry keys")
+    p.add_argument("--prefix", default="", help="relative key prefix, e.g. objects/ or manifests/public/")
+    registry_arg(p)
+    p.set_defaults(func=cmd_registry_ls)
+    p = reg.add_parser("nodes", help="list live nodes")
+    p.add_argument("--role", default=None)
+    p.add_argument("--region", default=None)
+    registry_arg(p)
+    p.set_defaults(func=cmd_registry_nodes)
+
+    for name in _PARTS:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # that part is not built yet
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KDNError as e:
+        print(f"kdn: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""The origin service: publish knowledge, serve the objects it produced.
+
+``create_app(config)`` builds the aiohttp application. Long-lived resources
+(registry, model, store, job worker, node lease) live in ``cleanup_ctx`` so
+they start in order and stop in reverse, also when startup fails halfway.
+
+Routes (JSON errors ``{"error", "detail"}`` everywhere):
+    POST /v1/publish                       publisher token; text or token ids -> 202 + job
+    GET  /v1/jobs/{id}                     progress; the manifest when done
+    GET|HEAD /v1/objects/{address}         a blob; ETag = BLAKE3 digest; ?encoding=
+    POST /v1/lookup                        ordered addresses -> longest stored prefix
+    GET  /v1/registry/objects/{address}    GET /v1/registry/manifests/{ns}/{name}
+    GET  /healthz                          GET /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kdn import service
+from kdn.address import validate_address, validate_name
+from kdn.auth import Grant, Grants
+from kdn.registry import Manifest, ModelRecord, NodeRecord, open_registry
+from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
+
+from kdn.origin.jobs import Job, JobQueue, QueueFull
+from kdn.origin.publish import Producer, parse_request
+from kdn.origin.store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+LOSSLESS_PREFERENCE = ("zstd", "raw")  # what a GET without ?encoding= gets
+MAX_LOOKUP_ADDRESSES = 4096
+
+
+@dataclass
+class OriginConfig:
+    model: str = "tiny-llama"
+    registry: str | None = None
+    store: str = "kdn-origin-store"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token_file: str | None = None
+    region: str = "origin"
+    node_id: str = field(default_factory=lambda: validate_name(socket.gethostname().split(".")[0][:60] or "origin"))
+    url: str | None = None  # advertised URL; default http://host:port
+    dtype: str | None = None
+    max_body_bytes: int = 16 << 20
+    max_pending_jobs: int = 16
+    lease_ttl: float = 10.0
+    fsync: bool = True
+    cache_dir: str | None = None
+
+    @property
+    def advertised_url(self) -> str:
+        return self.url or f"http://{self.host}:{self.port}"
+
+
+CONFIG = web.AppKey("config", OriginConfig)
+STORE = web.AppKey("store", ObjectStore)
+LOADED = web.AppKey("loaded", object)
+PRODUCER = web.AppKey("producer", Producer)
+JOBS = web.AppKey("jobs", JobQueue)
+EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
+NAMESPACES = web.AppKey("namespaces", dict)  # address -> namespace (immutable, so cacheable)
+M = web.AppKey("origin_metrics", dict)
+
+
+def _metrics(reg: CollectorRegistry) -> dict:
+    return {
+        "objects_served": Counter("kdn_origin_objects_served", "Objects served", ["encoding"], registry=reg),
+        "bytes_served": Counter("kdn_origin_bytes_served", "Object bytes served", ["encoding"], registry=reg),
+        "chunks_computed": Counter("kdn_origin_chunks_computed", "Chunks the model computed", registry=reg),
+        "chunks_reused": Counter("kdn_origin_chunks_reused", "Chunks found already stored at publish", registry=reg),
+        "publish_seconds": Histogram("kdn_origin_publish_seconds", "Publish job duration", registry=reg,
+                                     buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)),
+        "jobs": Counter("kdn_origin_jobs", "Publish jobs by outcome", ["outcome"], registry=reg),
+        "store_objects": Gauge("kdn_origin_store_objects", "Blobs in the object store", registry=reg),
+        "store_bytes": Gauge("kdn_origin_store_bytes", "Bytes in the object store", registry=reg),
+    }
+
+
+# --- resources -------------------------------------------------------------
+
+
+async def _registry_ctx(app: web.Application):
+    reg = open_registry(app[CONFIG].registry)
+    app[REGISTRY] = reg
+    try:
+        yield
+    finally:
+        await reg.close()
+
+
+async def _model_ctx(app: web.Application):
+    cfg = app[CONFIG]
+    # One thread owns the model: torch state (inference mode, the model itself) is not shared.
+    app[EXECUTOR] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-model")
+    from kdn.adapters.hf import load_model
+
+    loop = asyncio.get_running_loop()
+    loaded = await loop.run_in_executor(app[EXECUTOR], lambda: load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir))
+    app[LOADED] = loaded
+    app[STORE] = await asyncio.to_thread(ObjectStore, cfg.store, fsync=cfg.fsync)
+    app[PRODUCER] = Producer(loaded, app[STORE], cfg.node_id)
+    await app[REGISTRY].put_model(ModelRecord(
+        model_id=loaded.model_id, name=loaded.name, architecture=loaded.architecture, dtype=loaded.dtype,
+        chunk_tokens=loaded.chunk_tokens, config=loaded.config_fields,
+        extra={"max_positions": loaded.max_positions, "origin": cfg.advertised_url},
+    ))
+    log.info("origin model %s (%s) id %s", loaded.name, loaded.architecture, loaded.model_id)
+    try:
+        yield
+    finally:
+        app[EXECUTOR].shutdown(wait=True, cancel_futures=True)
+
+
+async def _jobs_ctx(app: web.Application):
+    jobs = JobQueue(max_pending=app[CONFIG].max_pending_jobs)
+    app[JOBS] = jobs
+    jobs.start()
+    try:
+        yield
+    finally:
+        await jobs.stop()
+
+
+async def _lease_ctx(app: web.Application):
+    cfg = app[CONFIG]
+    rec = NodeRecord(role="origin", region=cfg.region, node_id=cfg.node_id, url=cfg.advertised_url,
+                     extra={"model_id": app[LOADED].model_id})
+    lease = await app[REGISTRY].register_node(rec, ttl=cfg.lease_ttl)
+    try:
+        yield
+    finally:
+        await lease.close()
+
+
+# --- handlers --------------------------------------------------------------
+
+
+async def publish(request: web.Request) -> web.Response:
+    app = request.app
+    body = await read_json(request, app[CONFIG].max_body_bytes)
+    namespace = body.get("namespace", "public")
+    app[GRANTS].check(bearer(request), "publish", namespace if isinstance(namespace, str) else "")
+    loaded = app[LOADED]
+    spec = parse_request(body, tokenizer=loaded.tokenizer, vocab_size=loaded.model.config.vocab_size,
+                         max_tokens=loaded.max_positions)
+    try:
+        job = app[JOBS].submit(spec.name, spec.namespace, lambda job: _run_publish(app, spec, job))
+    except QueueFull as e:
+        return json_error(503, "busy", str(e))
+    return web.json_response({"job": job.id, "url": f"/v1/jobs/{job.id}", **job.to_dict()}, status=202)
+
+
+async def _run_publish(app: web.Application, spec, job: Job) -> dict:
+    producer, reg, m = app[PRODUCER], app[REGISTRY], app[M]
+    loop = asyncio.get_running_loop()
+    plan = await loop.run_in_executor(app[EXECUTOR], producer.plan, spec)
+    job.chunks_total = (len(plan.spans) if spec.prefix else 0) + (len(plan.spans) if spec.standalone else 0)
+    steps = producer.produce(spec, plan)
+    with m["publish_seconds"].time():
+        while True:
+            # Each step (one chunk's forward pass and fsynced blob) runs on the model thread.
+            step = await loop.run_in_executor(app[EXECUTOR], next, steps, None)
+            if step is None:
+                break
+            await reg.put_objects(step.records)  # blobs first, then their records
+            for rec in step.records:
+                app[NAMESPACES][rec.address] = rec.namespace
+            job.chunks_done += 1
+            job.chunks_computed += step.computed
+            m["chunks_computed" if step.computed else "chunks_reused"].inc()
+        manifest = Manifest(namespace=spec.namespace, name=spec.name, model_id=producer.loaded.model_id,
+                            addresses=plan.addresses, tokens=len(spec.tokens), chunk_tokens=producer.chunk_tokens,
+                            prefix_tokens=spec.tokens, template=spec.template, standalone=plan.standalone,
+                            head_tokens=spec.head_tokens)
+        await reg.put_manifest(manifest)  # every object it names is stored and recorded by now
+        if plan.tail is not None:
+            parent, length = plan.tail
+            await reg.add_tail(parent, length, plan.addresses[-1])
+    m["store_objects"].set(len(app[STORE]))
+    m["store_bytes"].set(app[STORE].total_bytes)
+    return manifest.to_dict()
+
+
+async def get_job(request: web.Request) -> web.Response:
+    job = request.app[JOBS].get(request.match_info["job_id"])
+    if job is None:
+        raise web.HTTPNotFound(text="no such job")
+    request.app[GRANTS].check(bearer(request), "publish", job.namespace)
+    return web.json_response(job.to_dict())
+
+
+async def _namespace_of(app: web.Application, address: str) -> str | None:
+    ns = app[NAMESPACES].get(address)
+    if ns is None:
+        rec = await app[REGISTRY].get_object(address)
+        if rec is None:
+            return None
+        ns = app[NAMESPACES][address] = rec.namespace
+    return ns
+
+
+async def get_object(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    address = validate_address(request.match_info["address"])
+    store = app[STORE]
+    have = store.encodings(address)
+    ns = await _namespace_of(app, address) if have else None
+    allowed = app[GRANTS].namespaces(bearer(request), "read")
+    if ns is None or not ("*" in allowed or ns in allowed):
+        raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
+    want = request.query.get("encoding")
+    if want is not None:
+        if want not in have:
+            raise web.HTTPNotFound(text=f"object {address} has no encoding {want[:32]!r}; it has {sorted(have)}")
+        encoding = want
+    else:
+        encoding = next((e for e in LOSSLESS_PREFERENCE if e in have), None)
+        if encoding is None:
+            raise web.HTTPNotFound(text=f"object {address} has no lossless encoding")
+    info = have[encoding]
+    headers = object_headers(info.digest, f"origin:{app[CONFIG].node_id}", encoding)
+    if service.not_modified(request, info.digest):
+        return web.Response(status=304, headers=headers)
+    if request.method == "HEAD":
+        return web.Response(headers={**headers, "Content-Length": str(info.size)})
+    got = await store.aget(address, encoding)
+    if got is None:
+        raise web.HTTPNotFound(text=f"no object {address}")
+    blob, _ = got
+    app[M]["objects_served"].labels(encoding).inc()
+    app[M]["bytes_served"].labels(encoding).inc(len(blob))
+    return web.Response(body=blob, headers=headers)
+
+
+async def lookup(request: web.Request) -> web.Response:
+    """Ordered addresses in; how many leading ones this origin holds out."""
+    body = await read_json(request)
+    addrs = body.get("addresses")
+    if not isinstance(addrs, list) or len(addrs) > MAX_LOOKUP_ADDRESSES:
+        raise web.HTTPBadRequest(text=f"'addresses' must be a list of at most {MAX_LOOKUP_ADDRESSES} addresses")
+    addrs = [validate_address(a) for a in addrs]
+    allowed = request.app[GRANTS].namespaces(bearer(request), "read")
+    store, n = request.app[STORE], 0
+    for a in addrs:
+        have = store.encodings(a)
+        ns = await _namespace_of(request.app, a) if have else None
+        if ns is None or not ("*" in allowed or ns in allowed):
+            break
+        n += 1
+    src = f"origin:{request.app[CONFIG].node_id}"
+    return web.json_response({"length": n, "sources": [src] * n})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    app = request.app
+    loaded = app[LOADED]
+    return web.json_response({"status": "ok", "role": "origin", "node_id": app[CONFIG].node_id,
+                              "model": loaded.name, "model_id": loaded.model_id, "objects": len(app[STORE])})
+
+
+def create_app(config: OriginConfig) -> web.Application:
+    metrics = CollectorRegistry()
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[service.metrics_middleware_factory(metrics, "origin"), service.error_middleware],
+    )
+    app[CONFIG] = config
+    app[METRICS] = metrics
+    app[M] = _metrics(metrics)
+    app[NAMESPACES] = {}
+    # Anonymous callers may read the public namespace; everything else needs a token.
+    app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
+    Path(config.store).mkdir(parents=True, exist_ok=True)
+    app.cleanup_ctx.extend([_registry_ctx, _model_ctx, _jobs_ctx, _lease_ctx])
+    app.router.add_post("/v1/publish", publish)
+    app.router.add_get("/v1/jobs/{job_id}", get_job)
+    app.router.add_get("/v1/objects/{address}", get_object)  # aiohttp adds HEAD for GET routes
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_get("/healthz", healthz)
+    service.add_common_routes(app)
+    return app
+
+
+def run(config: OriginConfig) -> None:
+    logging.basicConfig(level=os.environ.get("KDN_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    web.run_app(create_app(config), host=config.host, port=config.port, print=None)

@@ -1,0 +1,167 @@
+"""`kdn origin serve` and `kdn publish`. Imports nothing heavy until a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from kdn.errors import InvalidInput, KDNError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from kdn.cli import registry_arg
+
+    origin = sub.add_parser("origin", help="run an origin node").add_subparsers(dest="origin_command", required=True)
+    p = origin.add_parser("serve", help="serve publish requests and the objects they produce")
+    p.add_argument("--model", default="tiny-llama",
+                   help="tiny-llama, tiny-bamba, ..., smollm2-135m, a transformers folder or a .gguf file")
+    registry_arg(p)
+    p.add_argument("--store", default="kdn-origin-store", help="object store folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--token-file", default=None, help="grants file (see README: Tokens); without it anyone may publish nothing")
+    p.add_argument("--region", default="origin")
+    p.add_argument("--node-id", default=None)
+    p.add_argument("--url", default=None, help="URL advertised in the registry (default http://HOST:PORT)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-pending-jobs", type=int, default=16)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("publish", help="publish documents through an origin")
+    p.add_argument("files", nargs="+", metavar="FILE", help="text files ('-' for stdin)")
+    p.add_argument("--origin", default=os.environ.get("KDN_ORIGIN", "http://127.0.0.1:8000"))
+    p.add_argument("--name", default=None, help="manifest name (default: the file name without suffix)")
+    p.add_argument("--namespace", default="public")
+    p.add_argument("--token-file", default=None, help="file whose first token is the publisher token (or $KDN_TOKEN)")
+    p.add_argument("--template", default=None, choices=["none", "chat"], help="publish the document inside a chat turn")
+    p.add_argument("--system", default=None, help="system message for --template chat")
+    p.add_argument("--prefix-text", default=None, help="literal text published before the document")
+    p.add_argument("--standalone", action="store_true", help="also publish position-independent chunks")
+    p.add_argument("--no-prefix", action="store_true", help="publish standalone chunks only")
+    p.add_argument("--json", action="store_true", help="print the manifests as JSON")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.set_defaults(func=cmd_publish)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kdn.address import validate_name
+    from kdn.origin.app import OriginConfig, run
+
+    cfg = OriginConfig(model=args.model, registry=args.registry, store=args.store, host=args.host, port=args.port,
+                       token_file=args.token_file, region=validate_name(args.region), url=args.url, dtype=args.dtype,
+                       max_pending_jobs=args.max_pending_jobs)
+    if args.node_id:
+        cfg.node_id = validate_name(args.node_id)
+    run(cfg)
+    return 0
+
+
+def read_token(path: str | None) -> str | None:
+    """The first token of a token file (its first field), else $KDN_TOKEN."""
+    if path is None:
+        return os.environ.get("KDN_TOKEN")
+    try:
+        for line in Path(path).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                return line.split()[0]
+    except OSError as e:
+        raise InvalidInput(f"cannot read token file {path!r}: {e.strerror}") from None
+    raise InvalidInput(f"token file {path!r} holds no token")
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    import aiohttp  # noqa: F401  (fail early if the HTTP client is missing)
+
+    token = read_token(args.token_file)
+    docs = []
+    for f in args.files:
+        try:
+            text = sys.stdin.read() if f == "-" else Path(f).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidInput(f"cannot read {f!r}: {e}") from None
+        stem = "stdin" if f == "-" else Path(f).stem
+        name = args.name if args.name and len(args.files) == 1 else (f"{args.name}.{stem}" if args.name else stem)
+        docs.append((name, text))
+    body_common = {"namespace": args.namespace, "standalone": args.standalone, "prefix": not args.no_prefix}
+    for key in ("template", "system", "prefix_text"):
+        if getattr(args, key) is not None:
+            body_common[key] = getattr(args, key)
+    import asyncio
+
+    manifests = asyncio.run(_publish_all(args.origin.rstrip("/"), token, docs, body_common, args.timeout,
+                                         progress=not args.json and sys.stderr.isatty()))
+    if args.json:
+        print(json.dumps(manifests if len(manifests) > 1 else manifests[0], indent=2))
+    else:
+        for m in manifests:
+            print(f"published {m['namespace']}/{m['name']}: {m['tokens']} tokens, {len(m['addresses'])} chunks"
+                  f" (+{len(m['standalone'])} standalone), model {m['model_id'][:16]}...")
+            for i, a in enumerate(m["addresses"]):
+                print(f"  {i:>4} {a}")
+    return 0
+
+
+async def _publish_all(origin: str, token: str | None, docs, common: dict, timeout: float, progress: bool) -> list[dict]:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    out = []
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as s:
+        for name, text in docs:
+            try:
+                async with s.post(f"{origin}/v1/publish", json={**common, "name": name, "text": text}) as r:
+                    body = await _json(r)
+            except aiohttp.ClientError as e:
+                raise KDNError(f"cannot reach origin {origin}: {e}") from None
+            job_url = f"{origin}/v1/jobs/{body['job']}"
+            out.append(await _wait(s, job_url, name, timeout, progress))
+    return out
+
+
+async def _json(r) -> dict:
+    try:
+        body = await r.json(content_type=None)
+    except ValueError:
+        body = {"error": "bad_response", "detail": (await r.text())[:200]}
+    if r.status >= 400:
+        raise KDNError(f"origin answered {r.status} {body.get('error')}: {body.get('detail')}")
+    return body
+
+
+async def _wait(s, job_url: str, name: str, timeout: float, progress: bool) -> dict:
+    import asyncio
+
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(desc=f"publish {name}", unit="chunk", leave=True)
+        except ImportError:
+            bar = None
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    try:
+        while True:
+            async with s.get(job_url) as r:
+                job = await _json(r)
+            if bar is not None:
+                bar.total = job["progress"]["total"] or None
+                bar.n = job["progress"]["done"]
+                bar.refresh()
+            if job["state"] == "done":
+                return job["manifest"]
+            if job["state"] == "failed":
+                raise KDNError(f"publish of {name!r} failed: {job['error']}")
+            if time.monotonic() > deadline:
+                raise KDNError(f"publish of {name!r} did not finish within {timeout:.0f} s (job {job_url})")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+    finally:
+        if bar is not None:
+            bar.close()

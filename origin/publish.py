@@ -1,0 +1,259 @@
+"""Publishing: a request becomes token ids, chunk addresses, stored objects, and records.
+
+The order of effects is what makes a publish safe to kill at any point:
+
+1. each chunk's blob is written to the store (temp file, fsync, rename);
+2. only then is its object record written to the registry;
+3. once every chunk is stored and recorded, the manifest is written in one
+   transaction, and the last partial chunk is listed on its parent's record.
+
+A publish killed midway leaves stored blobs and records that point at them,
+never a record or a manifest that points at a missing object. Re-publishing
+the same text is idempotent: the addresses are the same, stored blobs are
+never rewritten, and chunks already stored are not recomputed: the model
+resumes from a cache rebuilt from them.
+
+The model work (``Producer.produce``) is a generator advanced on one
+dedicated thread; registry writes happen on the event loop between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kdn import address as A
+from kdn.address import Address
+from kdn.errors import InvalidInput, UnknownCodec
+from kdn.registry import Encoding, ObjectRecord
+from kdn.store import validate_encoding
+
+from kdn.origin.store import ObjectStore
+
+TEMPLATES = ("none", "chat")
+_SENTINEL = "\ue000KDN-DOCUMENT\ue001"  # private-use characters: never in a real chat template
+
+
+@dataclass(frozen=True)
+class PublishSpec:
+    """A validated publish request, tokenized."""
+
+    name: str
+    namespace: str
+    tokens: list[int]  # exactly the token ids published: head (template / prefix text) + document
+    head_tokens: int  # how many leading tokens came from the template or prefix text
+    template: str | None
+    prefix: bool = True
+    standalone: bool = False
+    encodings: tuple[str, ...] = ("zstd",)
+
+
+@dataclass
+class Plan:
+    spans: list[tuple[int, int]]
+    addresses: list[Address]
+    standalone: list[Address] = field(default_factory=list)
+
+    @property
+    def tail(self) -> tuple[Address, int] | None:
+        """(parent address, tail length) when the last chunk is partial and has a parent."""
+        if len(self.spans) < 2:
+            return None
+        s, e = self.spans[-1]
+        s0, e0 = self.spans[0]
+        if e - s == e0 - s0:
+            return None
+        return self.addresses[-2], e - s
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of progress: records to write (their blobs are already stored)."""
+
+    records: list[ObjectRecord]
+    computed: bool  # True if the model ran for this step
+
+
+def head_text(tokenizer, template: str | None, prefix_text: str | None, system: str | None) -> str:
+    """The text that precedes the document in the published tokens."""
+    if template in (None, "none"):
+        if system is not None:
+            raise InvalidInput("'system' needs template 'chat'")
+        return prefix_text or ""
+    if template != "chat":
+        raise InvalidInput(f"unknown template {str(template)[:30]!r}: use one of {list(TEMPLATES)}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidInput("this model's tokenizer has no chat template; use prefix_text instead")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    if rendered.count(_SENTINEL) != 1:
+        raise InvalidInput("the chat template does not place the user message verbatim")
+    return rendered.split(_SENTINEL, 1)[0] + (prefix_text or "")
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (the template, if any, brings its own)."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # the byte tokenizer of tiny models takes no keyword
+        return list(tokenizer.encode(text))
+
+
+def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int) -> PublishSpec:
+    """Validate a publish body (see the README's HTTP section) and tokenize it. Raises InvalidInput."""
+    name = A.validate_name(body.get("name"))
+    namespace = A.validate_namespace(body.get("namespace", A.PUBLIC_NAMESPACE))
+    text, ids = body.get("text"), body.get("tokens")
+    if (text is None) == (ids is None):
+        raise InvalidInput("give exactly one of 'text' or 'tokens'")
+    template = body.get("template")
+    prefix_text, system = body.get("prefix_text"), body.get("system")
+    for key, value in (("template", template), ("prefix_text", prefix_text), ("system", system)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(f"'{key}' must be a string")
+    prefix, standalone = body.get("prefix", True), body.get("standalone", False)
+    if not isinstance(prefix, bool) or not isinstance(standalone, bool):
+        raise InvalidInput("'prefix' and 'standalone' must be booleans")
+    if not (prefix or standalone):
+        raise InvalidInput("nothing to publish: 'prefix' and 'standalone' are both false")
+    encodings = body.get("encodings", ["zstd"])
+    if not isinstance(encodings, list) or not encodings or len(encodings) > 4:
+        raise InvalidInput("'encodings' must be a list of 1-4 encoding names")
+    for enc in encodings:
+        validate_encoding(enc)
+        if enc not in ("raw", "zstd"):
+            raise UnknownCodec(f"the origin publishes lossless encodings 'raw' and 'zstd', not {enc!r}")
+
+    head = head_text(tokenizer, template, prefix_text, system)
+    head_ids = encode_text(tokenizer, head) if head else []
+    if text is not None:
+        if not isinstance(text, str):
+            raise InvalidInput("'text' must be a string")
+        if not text.strip():
+            raise InvalidInput("'text' is empty")
+        doc_ids = encode_text(tokenizer, text)
+    else:
+        if not isinstance(ids, list) or not ids:
+            raise InvalidInput("'tokens' must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+            raise InvalidInput(f"'tokens' must be integers in [0, {vocab_size})")
+        doc_ids = ids
+    tokens = head_ids + doc_ids
+    if len(tokens) > max_tokens:
+        raise InvalidInput(f"document is {len(tokens)} tokens; this model's context is {max_tokens}")
+    return PublishSpec(
+        name=name,
+        namespace=namespace,
+        tokens=tokens,
+        head_tokens=len(head_ids),
+        template=template if template not in (None, "none") else None,
+        prefix=prefix,
+        standalone=standalone,
+        encodings=tuple(dict.fromkeys(encodings)),
+    )
+
+
+class Producer:
+    """Runs the model over a spec and stores one object per chunk. Blocking: run on the model thread."""
+
+    def __init__(self, loaded, store: ObjectStore, origin_id: str) -> None:
+        self.loaded = loaded
+        self.store = store
+        self.origin_id = origin_id
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.loaded.chunk_tokens
+
+    def plan(self, spec: PublishSpec) -> Plan:
+        mid, c = self.loaded.model_id, self.chunk_tokens
+        spans = A.chunk_spans(len(spec.tokens), c)
+        addrs = A.prefix_addresses(mid, spec.namespace, spec.tokens, c) if spec.prefix else []
+        alone = A.standalone_addresses(mid, spec.namespace, spec.tokens, c) if spec.standalone else []
+        return Plan(spans, addrs, alone)
+
+    def _stored(self, address: Address, spec: PublishSpec) -> bool:
+        return all(self.store.has(address, enc) for enc in spec.encodings)
+
+    def produce(self, spec: PublishSpec, plan: Plan) -> Iterator[Step]:
+        """Yield one Step per chunk (prefix chain first, then standalone chunks)."""
+        if spec.prefix:
+            yield from self._prefix_chain(spec, plan)
+        for i, (s, e) in enumerate(plan.spans if spec.standalone else []):
+            addr = plan.standalone[i]
+            computed = False
+            if not self._stored(addr, spec):
+                from kdn.adapters.hf import standalone_chunk
+
+                state = standalone_chunk(self.loaded.model, spec.tokens[s:e])
+                self._store(addr, spec, state.kind, s, e, 0, None, state.tensors)
+                computed = True
+            yield Step([self._record(addr, spec, self._kind(), s, e, None, standalone=True)], computed)
+
+    def _prefix_chain(self, spec: PublishSpec, plan: Plan) -> Iterator[Step]:
+        have = [self._stored(a, spec) for a in plan.addresses]
+        first_missing = have.index(False) if False in have else len(have)
+        kind = self._kind()
+        for i in range(first_missing):  # already stored: records only, no model
+            s, e = plan.spans[i]
+            yield Step([self._record(plan.addresses[i], spec, kind, s, e, self._parent(plan, i))], False)
+        if first_missing == len(have):
+            return
+        from kdn.adapters.hf import extract_chunks
+
+        cache, cached = self._resume_cache(spec, plan, first_missing)
+        start = plan.spans[first_missing][0]
+        for state in extract_chunks(self.loaded.model, spec.tokens[start:], chunk_tokens=self.chunk_tokens,
+                                    start_position=start, cache=cache, cached_tokens=cached):
+            i = first_missing + state.index
+            s, e = plan.spans[i]
+            addr, parent = plan.addresses[i], self._parent(plan, i)
+            if not have[i]:  # never rewrite a stored blob: edges may hold it under its digest
+                self._store(addr, spec, state.kind, s, e, s, parent, state.tensors)
+            yield Step([self._record(addr, spec, state.kind, s, e, parent)], True)
+
+    def _resume_cache(self, spec: PublishSpec, plan: Plan, n: int):
+        """A cache rebuilt from the first ``n`` stored chunks, so they are not recomputed."""
+        if n == 0:
+            return None, 0
+        from kdn.adapters.hf import build_cache
+        from kdn.objects import decode_object, to_torch
+
+        enc = spec.encodings[0]
+        chunks = []
+        for a in plan.addresses[:n]:
+            blob, info = self.store.get(a, enc)
+            chunks.append(to_torch(decode_object(blob, expected_digest=info.digest)))
+        cache, cached = build_cache(self.loaded.model, chunks)
+        assert cached == plan.spans[n - 1][1], (cached, plan.spans[n - 1])
+        return cache, cached
+
+    def _kind(self) -> str:
+        from kdn.adapters.hf.extract import kind_of, layer_layout
+
+        return kind_of(layer_layout(self.loaded.model))
+
+    @staticmethod
+    def _parent(plan: Plan, i: int) -> Address | None:
+        return plan.addresses[i - 1] if i > 0 else None
+
+    def _store(self, addr, spec, kind, s, e, position, parent, tensors) -> None:
+        from kdn.objects import encode_object, from_torch
+
+        raw = from_torch(tensors)
+        for enc in spec.encodings:
+            if self.store.has(addr, enc):
+                continue
+            blob = encode_object(kind=kind, address=addr, model_id=self.loaded.model_id, namespace=spec.namespace,
+                                 start=s, end=e, position=position, parent=parent, tensors=raw, encoding=enc)
+            self.store.put(addr, enc, blob)
+
+    def _record(self, addr, spec, kind, s, e, parent, *, standalone: bool = False) -> ObjectRecord:
+        encs = {}
+        for enc in spec.encodings:
+            info = self.store.info(addr, enc)
+            assert info is not None, f"{addr}.{enc} must be stored before its record is written"
+            encs[enc] = Encoding(enc, info.size, info.digest)
+        return ObjectRecord(address=addr, model_id=self.loaded.model_id, namespace=spec.namespace, kind=kind,
+                            start=s, end=e, parent=parent, standalone=standalone, encodings=encs,
+                            origin=self.origin_id)
