@@ -112,7 +112,8 @@ class Grants:
 
     def check(self, authorization: str | None, role: str, namespace: str) -> Grant:
         grant = self.lookup(authorization)
-        if grant is None:
+        if grant is None or (not authorization and not grant.allows(role, namespace)):
+            # No token, and anonymous access does not cover this: ask for credentials (401), not 403.
             raise AuthError(f"a bearer token with the {role!r} role is required", status=401)
         if not grant.allows(role, namespace):
             raise AuthError(f"token may not {role} in namespace {namespace!r}", status=403)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kdn import address as A
 from kdn.address import Address
-from kdn.errors import InvalidInput, UnknownCodec
+from kdn.errors import InvalidInput
 from kdn.registry import Encoding, ObjectRecord
 from kdn.store import validate_encoding
 
@@ -57,7 +57,7 @@ class Plan:
     @property
     def tail(self) -> tuple[Address, int] | None:
         """(parent address, tail length) when the last chunk is partial and has a parent."""
-        if len(self.spans) < 2:
+        if len(self.spans) < 2 or not self.addresses:
             return None
         s, e = self.spans[-1]
         s0, e0 = self.spans[0]
@@ -122,7 +122,7 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int) ->
     for enc in encodings:
         validate_encoding(enc)
         if enc not in ("raw", "zstd"):
-            raise UnknownCodec(f"the origin publishes lossless encodings 'raw' and 'zstd', not {enc!r}")
+            raise InvalidInput(f"the origin publishes lossless encodings 'raw' and 'zstd', not {enc!r}")
 
     head = head_text(tokenizer, template, prefix_text, system)
     head_ids = encode_text(tokenizer, head) if head else []
