@@ -148,10 +148,14 @@ def model_id(
     return ModelId(h.hexdigest())
 
 
+def _check_chunk_tokens(chunk_tokens: object) -> None:
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens <= 0:
+        raise InvalidInput(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+
+
 def chunk_spans(n_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` of the chunks covering ``n_tokens``; the last may be partial."""
-    if chunk_tokens <= 0:
-        raise InvalidInput("chunk_tokens must be positive")
+    _check_chunk_tokens(chunk_tokens)
     return [(s, min(s + chunk_tokens, n_tokens)) for s in range(0, n_tokens, chunk_tokens)]
 
 
@@ -188,6 +192,7 @@ def prefix_addresses(
     """
     validate_model_id(mid)
     validate_namespace(namespace)
+    _check_chunk_tokens(chunk_tokens)
     tb = memoryview(_token_bytes(tokens))
     step = chunk_tokens * 4
     full = chunk_tokens.to_bytes(4, "little")
@@ -223,6 +228,7 @@ def standalone_address(mid: ModelId, namespace: str, chunk: Sequence[int] | obje
 def standalone_addresses(
     mid: ModelId, namespace: str, tokens: Sequence[int] | object, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 ) -> list[Address]:
+    _check_chunk_tokens(chunk_tokens)
     tb = _token_bytes(tokens)
     step = chunk_tokens * 4
     return [standalone_address(mid, namespace, array("I", tb[s : s + step])) for s in range(0, len(tb), step)]

@@ -75,7 +75,10 @@ class Grants:
                     raise InvalidInput(f"token file line {lineno}: unknown role(s) {sorted(roles - ROLES)}")
                 nss = frozenset(n for n in parts[2].split(",") if n)
                 for ns in nss - {ANY}:
-                    validate_namespace(ns)
+                    try:
+                        validate_namespace(ns)
+                    except InvalidInput as e:
+                        raise InvalidInput(f"token file line {lineno}: {e}") from None
                 grant = Grant(roles, nss)
             else:
                 raise InvalidInput(f"token file line {lineno}: expected 'TOKEN' or 'TOKEN ROLES NAMESPACES'")

@@ -89,7 +89,7 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
         if rec is None:
             print(f"kdn: {key} is not in the registry", file=sys.stderr)
             return 1
-        print(json.dumps({"kind": kind, **rec.to_dict()}, indent=2, default=str))
+        print(json.dumps({"type": kind, "record": rec.to_dict()}, indent=2, default=str))
         return 0
 
     return _run_registry(args, go)

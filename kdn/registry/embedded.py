@@ -110,6 +110,8 @@ class EmbeddedRegistry(KVRegistry):
             raise RegistryUnavailable(f"registry file {self.path}: {e}") from e
         except sqlite3.Error as e:
             raise RegistryError(f"registry file {self.path}: {e}") from e
+        except OSError as e:  # e.g. its folder cannot be created
+            raise RegistryUnavailable(f"registry file {self.path}: {e.strerror or e}") from e
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:

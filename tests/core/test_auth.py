@@ -1,0 +1,229 @@
+"""Grants: parsing token files, and what a bearer token may do (401 vs 403)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdn.auth import ANY, ROLES, AuthError, Grant, Grants
+from kdn.errors import InvalidInput, KDNError
+
+PUB = "p" * 16 + "-publisher"
+READER = "r" * 16 + "-reader"
+ADMIN = "a" * 16 + "-admin"
+ALL = "x" * 32
+
+TOKEN_FILE = f"""
+# token                          roles            namespaces
+{PUB}   publish,read   public,acme   # the acme publisher
+{READER}    read           acme
+
+{ADMIN}   admin   *
+"""
+
+
+def bearer(token: str) -> str:
+    return f"Bearer {token}"
+
+
+@pytest.fixture
+def grants() -> Grants:
+    return Grants.parse(TOKEN_FILE)
+
+
+def status_of(grants: Grants, authorization: str | None, role: str, namespace: str) -> int:
+    with pytest.raises(AuthError) as e:
+        grants.check(authorization, role, namespace)
+    return e.value.status
+
+
+# --- parse -----------------------------------------------------------------------
+
+
+def test_single_token_line_grants_every_role_everywhere():
+    g = Grants.parse(f"{ALL}\n")
+    for role in ROLES:
+        for ns in ("public", "acme", "z"):
+            got = g.check(bearer(ALL), role, ns)
+            assert got == Grant(frozenset(ROLES), frozenset({ANY}))
+    assert g.namespaces(bearer(ALL), "publish") == {ANY}
+
+
+def test_roles_and_namespaces_lines(grants):
+    assert grants.check(bearer(PUB), "publish", "acme").roles == {"publish", "read"}
+    assert grants.check(bearer(PUB), "read", "public").namespaces == {"public", "acme"}
+    assert grants.check(bearer(READER), "read", "acme") == Grant(frozenset({"read"}), frozenset({"acme"}))
+
+
+def test_comments_and_blank_lines_are_ignored():
+    g = Grants.parse("# only comments\n\n   \n  # indented comment\n")
+    assert g.empty
+    g = Grants.parse(f"{ALL}  # trailing comment\n")
+    assert not g.empty
+    assert g.check(bearer(ALL), "admin", "public")
+
+
+def test_empty_text_is_empty():
+    assert Grants.parse("").empty
+    assert Grants().empty
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        (f"{ALL} read,write public", "unknown role(s) ['write']"),
+        (f"{ALL} Read public", "unknown role(s) ['Read']"),
+        (f"{ALL} read", "expected 'TOKEN' or 'TOKEN ROLES NAMESPACES'"),
+        (f"{ALL} read public extra", "expected 'TOKEN' or 'TOKEN ROLES NAMESPACES'"),
+        ("short", "at least 16 characters"),
+        ("x" * 15 + " read public", "at least 16 characters"),
+    ],
+)
+def test_bad_line_names_its_line_number(line, says):
+    text = f"# header\n\n{ALL}\n{line}\n"
+    with pytest.raises(InvalidInput) as e:
+        Grants.parse(text)
+    assert "line 4" in str(e.value)
+    assert says in str(e.value)
+
+
+def test_token_of_exactly_16_characters_is_accepted():
+    g = Grants.parse("y" * 16)
+    assert g.check(bearer("y" * 16), "read", "public")
+
+
+@pytest.mark.parametrize("namespace", ["Acme", "a/b", "..", "-x", "x" * 64])
+def test_bad_namespace_is_invalid_input(namespace):
+    with pytest.raises(InvalidInput, match="invalid namespace"):
+        Grants.parse(f"{ALL} read public,{namespace}")
+
+
+def test_bad_namespace_error_names_the_line():
+    # Bug (kdn/auth.py, Grants.parse): a bad namespace is reported by
+    # validate_namespace's own message, without the "token file line N: "
+    # prefix every other bad line gets, so the operator cannot find the line.
+    with pytest.raises(InvalidInput) as e:
+        Grants.parse(f"# header\n{ALL}\n{ALL} read Not/A/Namespace\n")
+    assert "line 3" in str(e.value)
+
+
+def test_from_file(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text(TOKEN_FILE)
+    g = Grants.from_file(path)
+    assert g.check(bearer(READER), "read", "acme")
+    assert Grants.from_file(None).empty
+    with pytest.raises(InvalidInput, match="cannot read token file"):
+        Grants.from_file(tmp_path / "missing")
+
+
+# --- check: 401 ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("authorization", [None, ""])
+def test_missing_token_is_401(grants, authorization):
+    assert status_of(grants, authorization, "read", "public") == 401
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        f"Basic {PUB}",
+        PUB,  # no scheme
+        "Bearer",
+        "Bearer ",
+        "Bearer    ",
+        f"Token {PUB}",
+    ],
+)
+def test_malformed_authorization_is_401(grants, authorization):
+    assert status_of(grants, authorization, "read", "public") == 401
+
+
+@pytest.mark.parametrize("token", ["z" * 32, PUB + "x", PUB[:-1], PUB.upper()])
+def test_unknown_token_is_401(grants, token):
+    assert status_of(grants, bearer(token), "read", "public") == 401
+
+
+def test_bearer_scheme_is_case_insensitive_and_token_trimmed(grants):
+    assert grants.check(f"bearer {READER}", "read", "acme")
+    assert grants.check(f"BEARER {READER}  ", "read", "acme")
+
+
+def test_auth_error_is_a_kdn_error():
+    assert issubclass(AuthError, KDNError)
+    assert AuthError("x", status=403).status == 403
+
+
+# --- check: 403 ------------------------------------------------------------------
+
+
+def test_token_lacking_the_role_is_403(grants):
+    assert status_of(grants, bearer(READER), "publish", "acme") == 403
+    assert status_of(grants, bearer(PUB), "admin", "acme") == 403
+
+
+def test_token_lacking_the_namespace_is_403(grants):
+    assert status_of(grants, bearer(READER), "read", "public") == 403
+    assert status_of(grants, bearer(PUB), "publish", "other") == 403
+
+
+def test_admin_implies_every_role(grants):
+    for role in ("read", "publish", "admin"):
+        assert grants.check(bearer(ADMIN), role, "anything")
+
+
+def test_admin_is_still_bound_to_its_namespaces():
+    g = Grants.parse(f"{ADMIN} admin acme")
+    assert g.check(bearer(ADMIN), "publish", "acme")
+    assert status_of(g, bearer(ADMIN), "read", "public") == 403
+
+
+# --- anonymous ---------------------------------------------------------------------
+
+OPEN = Grant(frozenset({"read"}), frozenset({"public"}))
+
+
+def test_anonymous_grant_applies_without_a_token():
+    g = Grants.parse(TOKEN_FILE, anonymous=OPEN)
+    assert g.check(None, "read", "public") is OPEN
+    assert g.check("", "read", "public") is OPEN
+    # Beyond the anonymous grant, a caller without a token is asked for one (401), not refused (403).
+    assert status_of(g, None, "read", "acme") == 401
+    assert status_of(g, None, "publish", "public") == 401
+    assert status_of(g, "", "publish", "public") == 401
+
+
+def test_anonymous_grant_does_not_excuse_a_bad_token():
+    g = Grants.parse(TOKEN_FILE, anonymous=OPEN)
+    assert status_of(g, bearer("z" * 32), "read", "public") == 401
+    assert status_of(g, "Basic abc", "read", "public") == 401
+
+
+def test_without_anonymous_grant_no_token_is_401_even_with_no_token_file():
+    assert status_of(Grants(), None, "read", "public") == 401
+    g = Grants(anonymous=OPEN)
+    assert g.empty and g.check(None, "read", "public") is OPEN
+
+
+# --- namespaces ------------------------------------------------------------------
+
+
+def test_namespaces(grants):
+    assert grants.namespaces(bearer(PUB)) == {"public", "acme"}
+    assert grants.namespaces(bearer(PUB), "publish") == {"public", "acme"}
+    assert grants.namespaces(bearer(READER)) == {"acme"}
+    assert grants.namespaces(bearer(READER), "publish") == frozenset()
+    assert grants.namespaces(bearer(ADMIN), "publish") == {ANY}
+    assert grants.namespaces(None) == frozenset()
+
+
+def test_namespaces_of_anonymous_caller():
+    g = Grants.parse(TOKEN_FILE, anonymous=OPEN)
+    assert g.namespaces(None) == {"public"}
+    assert g.namespaces(None, "publish") == frozenset()
+
+
+def test_namespaces_of_unknown_token_is_401(grants):
+    with pytest.raises(AuthError) as e:
+        grants.namespaces(bearer("z" * 32))
+    assert e.value.status == 401

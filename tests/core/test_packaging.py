@@ -1,0 +1,88 @@
+"""Packaging: one installed package `kdn`, its parts in top-level folders, and a light core."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import re
+import textwrap
+from importlib.metadata import distribution, entry_points
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+PARTS = ("origin", "edge", "kernels", "adapters")
+
+
+def run_python(code: str, cwd: Path) -> dict:
+    """Run ``code`` with ``-P`` from ``cwd`` (outside the checkout); it prints one JSON value."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run(
+        [sys.executable, "-P", "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_parts_are_kdn_subpackages_from_their_top_level_folders(tmp_path):
+    got = run_python(
+        """
+        import importlib, json, sys
+        out = {}
+        for part in ("origin", "edge", "kernels", "adapters"):
+            out["kdn." + part] = importlib.import_module("kdn." + part).__file__
+            try:
+                importlib.import_module(part)
+                out[part] = "imported from " + str(sys.modules[part].__file__)
+            except ModuleNotFoundError as e:
+                out[part] = "ModuleNotFoundError: " + str(e.name)
+        print(json.dumps(out))
+        """,
+        tmp_path,
+    )
+    for part in PARTS:
+        assert Path(got[f"kdn.{part}"]).resolve().parent == CHECKOUT / part
+        assert got[part] == f"ModuleNotFoundError: {part}", f"a generic top-level `{part}` is importable"
+
+
+def test_core_import_stays_light(tmp_path):
+    loaded = run_python(
+        """
+        import json, sys
+        import kdn, kdn.address, kdn.objects, kdn.codecs, kdn.errors, kdn.store
+        print(json.dumps(sorted(m for m in ("torch", "transformers", "aiohttp") if m in sys.modules)))
+        """,
+        tmp_path,
+    )
+    assert loaded == []
+
+
+def test_cli_parser_does_not_load_model_libraries(tmp_path):
+    loaded = run_python(
+        """
+        import json, sys
+        import kdn.cli
+        kdn.cli.build_parser()
+        print(json.dumps(sorted(m for m in ("torch", "transformers") if m in sys.modules)))
+        """,
+        tmp_path,
+    )
+    assert loaded == []
+
+
+def test_console_script_entry_point():
+    (ep,) = entry_points(group="console_scripts", name="kdn")
+    assert ep.value == "kdn.cli:main"
+    assert ep.dist is not None and ep.dist.name == "kdn"
+    declared = re.search(r'^version = "([^"]+)"', (CHECKOUT / "pyproject.toml").read_text(), re.M)
+    assert declared and distribution("kdn").version == declared.group(1)
+
+
+def test_tests_import_the_installed_kdn_package():
+    # tests/ is on sys.path; a tests/kdn/ folder would shadow the package as a namespace package.
+    import kdn
+
+    assert kdn.__file__ is not None, f"`kdn` is {kdn.__spec__}"
+    assert Path(kdn.__file__).resolve() == CHECKOUT / "kdn" / "__init__.py"
+
