@@ -1,0 +1,200 @@
+"""The disk tier: blobs in a ``BlobDir``, one msgpack sidecar of metadata per blob, survives restarts.
+
+Files, under ``root``::
+
+    ab/cd/<address>.<encoding>        the blob (BlobDir: temp file, fsync, rename)
+    ab/cd/<address>.<encoding>.meta   its metadata (msgpack), written the same way
+
+Order of writes: the sidecar is made durable *before* the blob is renamed into
+place, and the blob is unlinked *before* its sidecar. So at every instant, and
+after a crash at any point, a visible blob has a complete sidecar; the worst a
+crash leaves is a temp file or a sidecar without a blob, and the start-up scan
+deletes both. A blob whose sidecar is missing, unreadable or disagrees with it
+(address, encoding, size) is deleted at the scan, never indexed.
+
+Trust: a blob written by this process came from bytes the server verified, so
+it is served as is. After a restart every entry is unverified: its first
+``acquire`` hashes the file (BLAKE3, in a thread) and compares the digest in
+the sidecar; a mismatch deletes the file, counts ``stats.corrupt`` and is a
+miss. A verified entry is served from its path (sendfile) without hashing it
+again: bit rot after that point is caught by the client, which checks every
+blob against its registry digest end to end.
+
+Pinned/TTL state is not persisted: it is policy, and the server re-applies
+its rules (``apply_policy``) after a restart; ``inserted_at`` is persisted so
+a TTL rule measured from insertion still holds.
+
+Blocking work (writing a blob, hashing one, the start-up scan) runs in a
+thread; unlinks are metadata-only and run on the event loop, which keeps
+"remove from the index" and "remove from the disk" one step that no
+concurrent put of the same key can slip between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+from blake3 import blake3
+
+from kdn.edge.eviction import PolicyFactory, S3FIFO
+from kdn.edge.tiers import EntryMeta, EvictCallback, _BaseTier, _Entry, _HandleBase
+from kdn.errors import InvalidInput
+from kdn.store import BlobDir, StoredBlob
+
+_META_VERSION = 1
+_SUFFIX = ".meta"
+
+
+def _sidecar(blob: Path) -> Path:
+    return blob.with_name(blob.name + _SUFFIX)
+
+
+class DiskHandle(_HandleBase):
+    """A pinned read: serve ``path`` with sendfile, or ``await read()`` for the bytes.
+
+    The file is not deleted or replaced before ``release()``.
+    """
+
+    def __init__(self, tier: DiskTier, e: _Entry) -> None:
+        super().__init__(tier, e)
+        self.path: Path = e.payload
+
+    async def read(self) -> bytes:
+        return await asyncio.to_thread(self.path.read_bytes)
+
+
+class DiskTier(_BaseTier):
+    """``DiskTier(root, budget_bytes, policy=S3FIFO)``: see ``kdn.edge.tiers`` for the contract.
+
+    The constructor scans ``root`` (blocking); from a running event loop use
+    ``await DiskTier.open(...)``, which scans in a thread.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        budget: int,
+        policy: PolicyFactory = S3FIFO,
+        *,
+        fsync: bool = True,
+        on_evict: EvictCallback | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(budget, policy, on_evict=on_evict, clock=clock)
+        self.blobs = BlobDir(root, fsync=fsync)
+        self._fsync = fsync
+        self.scan_dropped = 0  # blobs deleted at start for want of valid metadata
+        self._load(self._scan())
+
+    @classmethod
+    async def open(cls, root: str | os.PathLike, budget: int, **kw) -> DiskTier:
+        return await asyncio.to_thread(cls, root, budget, **kw)
+
+    # --- start-up ----------------------------------------------------------
+
+    def _scan(self) -> list[_Entry]:
+        found = []
+        for b in self.blobs.scan():  # also deletes temp files a crash left behind
+            meta = self._read_sidecar(b)
+            if meta is None:
+                b.path.unlink(missing_ok=True)
+                _sidecar(b.path).unlink(missing_ok=True)
+                self.scan_dropped += 1
+                continue
+            found.append((b.mtime, _Entry((b.address, b.encoding), meta, b.path, verified=False)))
+        for side in self.blobs.root.glob(f"??/??/*{_SUFFIX}"):
+            if not side.with_name(side.name[: -len(_SUFFIX)]).exists():
+                side.unlink(missing_ok=True)  # a crash between sidecar and blob
+        found.sort(key=lambda t: t[0])  # oldest first: the policy's queues start in age order
+        return [e for _, e in found]
+
+    @staticmethod
+    def _read_sidecar(b: StoredBlob) -> EntryMeta | None:
+        try:
+            d = msgpack.unpackb(_sidecar(b.path).read_bytes(), raw=False)
+            if d["v"] != _META_VERSION or d["address"] != b.address or d["encoding"] != b.encoding:
+                return None
+            if d["size"] != b.size:
+                return None
+            return EntryMeta(
+                size=d["size"],
+                digest=d["digest"],
+                namespace=d["namespace"],
+                manifest=d.get("manifest"),
+                inserted_at=float(d.get("inserted_at", 0.0)),
+            )
+        except (OSError, ValueError, TypeError, KeyError, msgpack.UnpackException, InvalidInput):
+            return None
+
+    # --- hooks -------------------------------------------------------------
+
+    async def _write(self, e: _Entry, blob: bytes | memoryview) -> Path:
+        return await asyncio.to_thread(self._write_sync, e, blob)
+
+    def _write_sync(self, e: _Entry, blob: bytes | memoryview) -> Path:
+        address, encoding = e.key
+        final = self.blobs.path(address, encoding)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        m = e.meta
+        side = msgpack.packb(
+            {
+                "v": _META_VERSION,
+                "address": address,
+                "encoding": encoding,
+                "size": m.size,
+                "digest": m.digest,
+                "namespace": m.namespace,
+                "manifest": m.manifest,
+                "inserted_at": m.inserted_at,
+            }
+        )
+        self._write_sidecar(_sidecar(final), side)
+        try:
+            return self.blobs.put(address, encoding, blob)
+        except BaseException:
+            _sidecar(final).unlink(missing_ok=True)
+            raise
+
+    def _write_sidecar(self, path: Path, data: bytes) -> None:
+        tmp = self.blobs.tmp / f"{path.name}.{secrets.token_hex(6)}.part"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self._fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if self._fsync:
+            # The sidecar's rename must be durable before the blob's: fsync the folder now.
+            BlobDir._fsync_dir(path.parent)
+
+    def _free(self, e: _Entry) -> None:
+        # Blob first, sidecar second: a blob is never left without its metadata.
+        path: Path = e.payload
+        path.unlink(missing_ok=True)
+        _sidecar(path).unlink(missing_ok=True)
+
+    async def _check(self, e: _Entry) -> bool:
+        return await asyncio.to_thread(_digest_matches, e.payload, e.meta)
+
+    def _handle(self, e: _Entry) -> DiskHandle:
+        return DiskHandle(self, e)
+
+
+def _digest_matches(path: Path, meta: EntryMeta) -> bool:
+    try:
+        if path.stat().st_size != meta.size:
+            return False
+        h = blake3(max_threads=blake3.AUTO)
+        if meta.size:
+            h.update_mmap(path)
+        return h.hexdigest() == meta.digest
+    except OSError:
+        return False  # unreadable counts as corrupt: it is never served

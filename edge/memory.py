@@ -1,0 +1,40 @@
+"""The memory tier: blobs held as ``bytes`` under a byte budget, read through zero-copy views."""
+
+from __future__ import annotations
+
+from kdn.edge.tiers import EntryMeta, Key, _BaseTier, _Entry, _HandleBase
+
+
+class MemoryHandle(_HandleBase):
+    """A pinned read: ``data`` is a read-only view of the cached bytes (no copy).
+
+    The view stays valid after ``release()`` (Python keeps the bytes alive), but
+    the tier no longer counts them: release only once the bytes are sent.
+    """
+
+    def __init__(self, tier: MemoryTier, e: _Entry) -> None:
+        super().__init__(tier, e)
+        self.data = memoryview(e.payload)
+
+    async def read(self) -> memoryview:
+        return self.data
+
+
+class MemoryTier(_BaseTier):
+    """``MemoryTier(budget_bytes, policy=S3FIFO)``: see ``kdn.edge.tiers`` for the contract."""
+
+    name = "memory"
+
+    async def _write(self, e: _Entry, blob: bytes | memoryview) -> bytes:
+        # bytes(b) of an exact bytes object is b itself; a view is copied once,
+        # because its owner may reuse the buffer after put() returns.
+        return blob if type(blob) is bytes else bytes(blob)
+
+    def _free(self, e: _Entry) -> None:
+        e.payload = None
+
+    def _handle(self, e: _Entry) -> MemoryHandle:
+        return MemoryHandle(self, e)
+
+
+__all__ = ["EntryMeta", "Key", "MemoryHandle", "MemoryTier"]

@@ -1,0 +1,489 @@
+"""Cache tiers of the edge: the ``Tier`` interface, its entry types, and the bookkeeping both tiers share.
+
+A tier (memory, disk) holds immutable blobs by ``(address, encoding)`` under a
+byte budget. Reads go through a *handle* that holds the entry while the bytes
+are in use (vLLM's kv_offload pins blocks during I/O the same way): a held
+entry is never evicted or expired, and a ``delete`` of it is deferred until the
+last handle is released. Operator policy (``pinned``: never evicted; TTL) is
+applied from outside with ``apply_policy``; per-namespace quotas with
+``set_quotas``.
+
+When an insert does not fit, room is made in this order (``_BaseTier._make_room``):
+
+1. every TTL-expired entry that is not pinned or in use is dropped (reason ``ttl``);
+2. if the namespace has a quota and the insert would take it over, only that
+   namespace's own entries are evicted, in policy order, until it fits its
+   quota; if its pinned and in-use bytes alone leave no room, the insert is
+   refused. A quota is a hard cap: a namespace never holds more than its quota,
+   so its inserts never push another namespace's data out to grow past it;
+3. if the tier is still over budget, any namespace's entries are evicted in
+   policy order (reason ``capacity``).
+
+Entries that are pinned or held by a reader are skipped by every step. The
+plan is checked before anything is evicted, so a refused insert evicts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+from kdn.address import Address, validate_address, validate_name, validate_namespace
+from kdn.errors import InvalidInput
+from kdn.store import validate_encoding
+
+from kdn.edge.eviction import EvictionPolicy, PolicyFactory, S3FIFO
+
+Key = tuple[Address, str]
+"""``(address, encoding)``: one immutable blob."""
+
+Reason = Literal["capacity", "ttl", "corrupt"]
+EvictCallback = Callable[[Key, "EntryMeta", Reason], None]
+
+
+def validate_key(key: object) -> Key:
+    if not (isinstance(key, tuple) and len(key) == 2):
+        raise InvalidInput("a tier key is an (address, encoding) tuple")
+    return validate_address(key[0]), validate_encoding(key[1])
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """What a tier knows about one blob. ``pinned``/``expires_at`` are policy state, set from outside."""
+
+    size: int
+    digest: str  # BLAKE3 hex of the blob, as in the registry
+    namespace: str
+    manifest: str | None = None  # "namespace/name" of the manifest it was published in
+    inserted_at: float = 0.0  # wall-clock seconds; set by the tier on put
+    pinned: bool = False  # never evicted while pinned
+    expires_at: float | None = None  # after it the entry MAY be dropped; dropped first under pressure
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 0:
+            raise InvalidInput(f"entry size must be a non-negative int, got {self.size!r}")
+        validate_address(self.digest, what="digest")
+        validate_namespace(self.namespace)
+        if self.manifest is not None:
+            ns, _, name = self.manifest.partition("/")
+            validate_namespace(ns)
+            validate_name(name)
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """The operator's verdict on one entry: see ``Tier.apply_policy``."""
+
+    pinned: bool = False
+    expires_at: float | None = None
+
+
+@dataclass
+class TierStats:
+    """Plain counters; the server exports them as Prometheus metrics."""
+
+    hits: int = 0
+    misses: int = 0
+    hit_bytes: int = 0  # bytes handed out through hits
+    inserts: int = 0
+    inserted_bytes: int = 0
+    refused: int = 0  # puts that could not fit
+    corrupt: int = 0  # entries whose bytes failed their digest (disk, first read after a restart)
+    evictions: dict[str, int] = field(default_factory=lambda: {"capacity": 0, "ttl": 0})
+    evicted_bytes: dict[str, int] = field(default_factory=lambda: {"capacity": 0, "ttl": 0})
+
+
+class Handle(Protocol):
+    """A pinned read of one entry. Release it (or leave its ``with`` block) when the bytes are sent."""
+
+    key: Key
+    meta: EntryMeta
+    size: int
+
+    async def read(self) -> bytes | memoryview: ...
+    def release(self) -> None: ...
+    def __enter__(self) -> Handle: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class Tier(Protocol):
+    """One cache tier. Methods that may touch a disk are async; bookkeeping ones are not."""
+
+    name: str  # "memory" / "disk"
+    budget: int  # bytes
+    used: int  # bytes held, including deleted entries still held by readers and writes in flight
+    stats: TierStats
+    on_evict: EvictCallback | None  # called after an entry leaves for "capacity", "ttl" or "corrupt"
+
+    async def acquire(self, key: Key) -> Handle | None:
+        """A pinned handle on the entry, or None on a miss. Counts a hit or a miss."""
+        ...
+
+    async def put(self, key: Key, blob: bytes | memoryview, meta: EntryMeta) -> bool:
+        """Insert; False if it cannot fit. A key already present (or being written) is not written twice."""
+        ...
+
+    async def delete(self, key: Key) -> bool:
+        """Remove now, or at the last release if a reader holds it; False if absent."""
+        ...
+
+    def contains(self, key: Key) -> bool: ...
+    def keys(self) -> list[Key]: ...
+    def entries(self) -> list[tuple[Key, EntryMeta]]: ...
+    def apply_policy(self, fn: Callable[[EntryMeta], PolicyState] | None) -> None:
+        """Set pin and TTL of every entry from ``fn(meta)``, now and on every later put; None clears it."""
+        ...
+
+    def set_quotas(self, quotas: dict[str, int]) -> None: ...
+    async def expire(self, now: float | None = None) -> int:
+        """Drop every expired entry that is not pinned or in use; returns how many."""
+        ...
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: Key
+    meta: EntryMeta
+    payload: Any = None  # bytes (memory) or Path (disk)
+    readers: int = 0
+    writing: bool = False  # reserved, bytes not committed yet
+    doomed: bool = False  # out of the index; freed at the last release
+    gone: bool = False  # freed: no accounting left
+    verified: bool = True
+    verifying: asyncio.Future[bool] | None = None
+
+    @property
+    def protected(self) -> bool:
+        return self.meta.pinned or self.readers > 0 or self.writing
+
+
+class _BaseTier:
+    """Index, accounting, pins, quotas, TTL and eviction for a tier; subclasses move the bytes.
+
+    Hooks: ``_write(entry, blob)`` stores bytes and returns the payload;
+    ``_free(entry)`` drops them (synchronous: at most an unlink);
+    ``_check(entry)`` verifies an unverified entry; ``_handle(entry)`` makes a handle.
+    """
+
+    name = "tier"
+
+    def __init__(
+        self,
+        budget: int,
+        policy: PolicyFactory = S3FIFO,
+        *,
+        on_evict: EvictCallback | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if budget <= 0:
+            raise InvalidInput("a tier budget must be positive")
+        self.budget = budget
+        self.used = 0
+        self.stats = TierStats()
+        self.on_evict = on_evict
+        self._clock = clock
+        self._policy: EvictionPolicy = policy(budget)
+        self._index: dict[Key, _Entry] = {}
+        self._doomed: dict[Key, _Entry] = {}
+        self._pending: dict[Key, asyncio.Future[bool]] = {}
+        self._ns_used: dict[str, int] = {}
+        self._protected = 0  # bytes that no eviction may touch (pinned, read, being written)
+        self._ns_protected: dict[str, int] = {}
+        self._quotas: dict[str, int] = {}
+        self._rule: Callable[[EntryMeta], PolicyState] | None = None
+        self._ttl: list[tuple[float, int, Key]] = []  # heap; stale items are skipped
+        self._seq = 0
+        self._events: list[tuple[Key, EntryMeta, Reason]] = []
+
+    # --- the Tier interface ------------------------------------------------
+
+    async def acquire(self, key: Key) -> Handle | None:
+        key = validate_key(key)
+        e = self._index.get(key)
+        if e is None:
+            self.stats.misses += 1
+            return None
+        self._pin(e)
+        try:
+            ok = e.verified or await self._verify(e)
+        except BaseException:  # cancelled while another reader hashes: give the pin back
+            self._unpin(e)
+            raise
+        if not ok:
+            self._unpin(e)
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.hit_bytes += e.meta.size
+        self._policy.on_access(key)
+        return self._handle(e)
+
+    async def put(self, key: Key, blob: bytes | memoryview, meta: EntryMeta) -> bool:
+        key = validate_key(key)
+        n = memoryview(blob).nbytes
+        if n != meta.size:
+            raise InvalidInput(f"blob is {n} bytes but its metadata says {meta.size}")
+        if key in self._index:
+            return True  # content-addressed: same key, same bytes
+        if key in self._pending:
+            return await asyncio.shield(self._pending[key])
+        meta = self._ruled(replace(meta, inserted_at=self._clock()))
+        if key in self._doomed:  # deleted while read, bytes still here: take it back
+            e = self._doomed.pop(key)
+            self._account(e, -1)
+            e.doomed, e.meta = False, replace(meta, size=e.meta.size)
+            self._account(e, +1)
+            self._commit(e)
+            return True
+        fits = self._make_room(meta.namespace, meta.size)
+        self._notify()
+        if not fits:
+            self.stats.refused += 1
+            return False
+        e = _Entry(key, meta, writing=True)
+        self._account(e, +1)
+        done = asyncio.get_running_loop().create_future()
+        self._pending[key] = done
+        try:
+            e.payload = await self._write(e, blob)
+        except BaseException:
+            self._account(e, -1)
+            done.set_result(False)
+            raise
+        finally:
+            del self._pending[key]
+        self._set(e, writing=False)
+        self._commit(e)
+        self.stats.inserts += 1
+        self.stats.inserted_bytes += meta.size
+        done.set_result(True)
+        return True
+
+    async def delete(self, key: Key) -> bool:
+        e = self._index.get(validate_key(key))
+        if e is None:
+            return False
+        self._drop(e)
+        return True
+
+    def contains(self, key: Key) -> bool:
+        return validate_key(key) in self._index
+
+    def keys(self) -> list[Key]:
+        return list(self._index)
+
+    def entries(self) -> list[tuple[Key, EntryMeta]]:
+        return [(k, e.meta) for k, e in self._index.items()]
+
+    def apply_policy(self, fn: Callable[[EntryMeta], PolicyState] | None) -> None:
+        self._rule = fn
+        if fn is None:
+            return
+        for e in list(self._index.values()):
+            self._set(e, meta=self._ruled(e.meta))
+            self._schedule_ttl(e)
+
+    def set_quotas(self, quotas: dict[str, int]) -> None:
+        """Per-namespace byte caps, replacing the previous ones; applied from the next insert on."""
+        self._quotas = {validate_namespace(ns): int(b) for ns, b in quotas.items()}
+
+    async def expire(self, now: float | None = None) -> int:
+        n = self._expire(self._clock() if now is None else now)
+        self._notify()
+        return n
+
+    # --- room --------------------------------------------------------------
+
+    def _make_room(self, ns: str, size: int) -> bool:
+        """Evict so that ``size`` more bytes of ``ns`` fit; False (and nothing evicted) if they cannot."""
+        quota = self._quotas.get(ns)
+        if self._protected + size > self.budget:
+            return False
+        if quota is not None and self._ns_protected.get(ns, 0) + size > quota:
+            return False
+        ns_over = lambda: quota is not None and self._ns_used.get(ns, 0) + size > quota  # noqa: E731
+        over = lambda: self.used + size > self.budget  # noqa: E731
+        if not (over() or ns_over()):
+            return True
+        self._expire(self._clock())
+        if ns_over():
+            self._evict(lambda e: e.meta.namespace == ns, ns_over)
+        if over():
+            self._evict(lambda e: True, over)
+        return True
+
+    def _evict(self, eligible: Callable[[_Entry], bool], needed: Callable[[], bool]) -> None:
+        # The victims() walk is lazy: remove() each victim before resuming it;
+        # resuming without remove() tells the policy the key was skipped.
+        walk = self._policy.victims()
+        try:
+            for key in walk:
+                e = self._index[key]
+                if e.protected or not eligible(e):
+                    continue
+                self._drop(e, "capacity")
+                if not needed():
+                    break
+        finally:
+            walk.close()
+
+    def _expire(self, now: float) -> int:
+        n, keep = 0, []
+        while self._ttl and self._ttl[0][0] <= now:
+            item = heapq.heappop(self._ttl)
+            e = self._index.get(item[2])
+            if e is None or e.meta.expires_at != item[0]:
+                continue  # stale: entry gone or its TTL changed
+            if e.protected:
+                keep.append(item)  # pinned or read: try again at the next expiry
+                continue
+            self._drop(e, "ttl")
+            n += 1
+        for item in keep:
+            heapq.heappush(self._ttl, item)
+        return n
+
+    # --- bookkeeping -------------------------------------------------------
+
+    def _ruled(self, meta: EntryMeta) -> EntryMeta:
+        if self._rule is None:
+            return meta
+        s = self._rule(meta)
+        return replace(meta, pinned=s.pinned, expires_at=s.expires_at)
+
+    def _load(self, entries: list[_Entry]) -> None:
+        """Index entries found at start (oldest first), then evict down to the budget."""
+        for e in entries:
+            self._account(e, +1)
+            self._commit(e)
+        if self.used > self.budget:
+            self._evict(lambda e: True, lambda: self.used > self.budget)
+        self._notify()
+
+    def _commit(self, e: _Entry) -> None:
+        self._index[e.key] = e
+        self._policy.on_insert(e.key, e.meta.size)
+        self._schedule_ttl(e)
+
+    def _schedule_ttl(self, e: _Entry) -> None:
+        if e.meta.expires_at is not None:
+            self._seq += 1
+            heapq.heappush(self._ttl, (e.meta.expires_at, self._seq, e.key))
+
+    def _drop(self, e: _Entry, reason: Reason | None = None) -> None:
+        """Take ``e`` out of the index; free it now, or at its last release if a reader holds it."""
+        del self._index[e.key]
+        self._policy.remove(e.key)
+        if reason is not None:
+            self.stats.evictions[reason] = self.stats.evictions.get(reason, 0) + 1
+            self.stats.evicted_bytes[reason] = self.stats.evicted_bytes.get(reason, 0) + e.meta.size
+        if e.readers:
+            e.doomed = True
+            self._doomed[e.key] = e
+        else:
+            self._release_bytes(e)
+        if reason is not None:
+            self._events.append((e.key, e.meta, reason))
+
+    def _notify(self) -> None:
+        # Callbacks run after the eviction walk is over, so one that calls
+        # back into the tier cannot disturb the policy's iterator.
+        events, self._events = self._events, []
+        if self.on_evict is not None:
+            for key, meta, reason in events:
+                self.on_evict(key, meta, reason)
+
+    def _release_bytes(self, e: _Entry) -> None:
+        self._account(e, -1)
+        e.gone = True
+        self._free(e)
+
+    def _account(self, e: _Entry, sign: int) -> None:
+        ns, n = e.meta.namespace, e.meta.size
+        self.used += sign * n
+        self._ns_used[ns] = self._ns_used.get(ns, 0) + sign * n
+        if e.protected:
+            self._protected += sign * n
+            self._ns_protected[ns] = self._ns_protected.get(ns, 0) + sign * n
+
+    def _set(self, e: _Entry, **changes: Any) -> None:
+        """Change fields that decide ``protected``, keeping the protected byte counts right."""
+        counted = not e.gone
+        if counted and e.protected:
+            self._protected -= e.meta.size
+            self._ns_protected[e.meta.namespace] -= e.meta.size
+        for k, v in changes.items():
+            setattr(e, k, v)
+        if counted and e.protected:
+            self._protected += e.meta.size
+            self._ns_protected[e.meta.namespace] = self._ns_protected.get(e.meta.namespace, 0) + e.meta.size
+
+    def _pin(self, e: _Entry) -> None:
+        self._set(e, readers=e.readers + 1)
+
+    def _unpin(self, e: _Entry) -> None:
+        self._set(e, readers=e.readers - 1)
+        if e.readers == 0 and e.doomed and not e.gone:
+            del self._doomed[e.key]
+            self._release_bytes(e)
+
+    async def _verify(self, e: _Entry) -> bool:
+        # Readers that arrive while the first one hashes wait on the same
+        # future; whoever resumes first on a mismatch drops the entry, so it
+        # is counted once and nobody ever gets a handle on it.
+        if e.verifying is None:
+            e.verifying = asyncio.ensure_future(self._check(e))
+        ok = await asyncio.shield(e.verifying)
+        if ok:
+            e.verified = True
+        elif not e.gone and not e.doomed:
+            # Nobody holds a handle on an unverified entry (the waiters only
+            # hold pins), so the bytes go now rather than at the last release.
+            self.stats.corrupt += 1
+            del self._index[e.key]
+            self._policy.remove(e.key)
+            self._release_bytes(e)
+            self._events.append((e.key, e.meta, "corrupt"))
+            self._notify()
+        return ok and not e.gone
+
+    # --- hooks -------------------------------------------------------------
+
+    async def _write(self, e: _Entry, blob: bytes | memoryview) -> Any:
+        raise NotImplementedError
+
+    def _free(self, e: _Entry) -> None:
+        raise NotImplementedError
+
+    async def _check(self, e: _Entry) -> bool:
+        return True
+
+    def _handle(self, e: _Entry) -> Handle:
+        raise NotImplementedError
+
+
+class _HandleBase:
+    """Release-once plumbing shared by the handles of both tiers."""
+
+    def __init__(self, tier: _BaseTier, e: _Entry) -> None:
+        self.key, self.meta, self.size = e.key, e.meta, e.meta.size
+        self._tier: _BaseTier | None = tier
+        self._e = e
+
+    def release(self) -> None:
+        if self._tier is not None:
+            tier, self._tier = self._tier, None
+            tier._unpin(self._e)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
