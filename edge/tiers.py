@@ -43,6 +43,8 @@ Key = tuple[Address, str]
 
 Reason = Literal["capacity", "ttl", "corrupt"]
 EvictCallback = Callable[[Key, "EntryMeta", Reason], None]
+PolicyFn = Callable[[Key, "EntryMeta"], "PolicyState"]
+"""``fn(key, meta)``: the key too, because a pin by manifest is decided by address."""
 
 
 def validate_key(key: object) -> Key:
@@ -137,8 +139,8 @@ class Tier(Protocol):
     def contains(self, key: Key) -> bool: ...
     def keys(self) -> list[Key]: ...
     def entries(self) -> list[tuple[Key, EntryMeta]]: ...
-    def apply_policy(self, fn: Callable[[EntryMeta], PolicyState] | None) -> None:
-        """Set pin and TTL of every entry from ``fn(meta)``, now and on every later put; None clears it."""
+    def apply_policy(self, fn: PolicyFn | None) -> None:
+        """Set pin and TTL of every entry from ``fn(key, meta)``, now and on every later put; None clears it."""
         ...
 
     def set_quotas(self, quotas: dict[str, int]) -> None: ...
@@ -197,7 +199,7 @@ class _BaseTier:
         self._protected = 0  # bytes that no eviction may touch (pinned, read, being written)
         self._ns_protected: dict[str, int] = {}
         self._quotas: dict[str, int] = {}
-        self._rule: Callable[[EntryMeta], PolicyState] | None = None
+        self._rule: PolicyFn | None = None
         self._ttl: list[tuple[float, int, Key]] = []  # heap; stale items are skipped
         self._seq = 0
         self._events: list[tuple[Key, EntryMeta, Reason]] = []
@@ -234,7 +236,7 @@ class _BaseTier:
             return True  # content-addressed: same key, same bytes
         if key in self._pending:
             return await asyncio.shield(self._pending[key])
-        meta = self._ruled(replace(meta, inserted_at=self._clock()))
+        meta = self._ruled(key, replace(meta, inserted_at=self._clock()))
         if key in self._doomed:  # deleted while read, bytes still here: take it back
             e = self._doomed.pop(key)
             self._account(e, -1)
@@ -259,7 +261,10 @@ class _BaseTier:
             raise
         finally:
             del self._pending[key]
-        self._set(e, writing=False)
+        # Rule again: a policy applied while the bytes were written saw no
+        # index entry for this key (it is only reserved), so without this a
+        # pin that arrives mid-write would be lost.
+        self._set(e, writing=False, meta=self._ruled(key, e.meta))
         self._commit(e)
         self.stats.inserts += 1
         self.stats.inserted_bytes += meta.size
@@ -282,12 +287,12 @@ class _BaseTier:
     def entries(self) -> list[tuple[Key, EntryMeta]]:
         return [(k, e.meta) for k, e in self._index.items()]
 
-    def apply_policy(self, fn: Callable[[EntryMeta], PolicyState] | None) -> None:
+    def apply_policy(self, fn: PolicyFn | None) -> None:
         self._rule = fn
         if fn is None:
             return
         for e in list(self._index.values()):
-            self._set(e, meta=self._ruled(e.meta))
+            self._set(e, meta=self._ruled(e.key, e.meta))
             self._schedule_ttl(e)
 
     def set_quotas(self, quotas: dict[str, int]) -> None:
@@ -352,10 +357,10 @@ class _BaseTier:
 
     # --- bookkeeping -------------------------------------------------------
 
-    def _ruled(self, meta: EntryMeta) -> EntryMeta:
+    def _ruled(self, key: Key, meta: EntryMeta) -> EntryMeta:
         if self._rule is None:
             return meta
-        s = self._rule(meta)
+        s = self._rule(key, meta)
         return replace(meta, pinned=s.pinned, expires_at=s.expires_at)
 
     def _load(self, entries: list[_Entry]) -> None:

@@ -142,13 +142,13 @@ async def test_delete_removes_blob_and_sidecar(tmp_path):
 
 async def test_policy_state_is_reapplied_not_persisted(tmp_path):
     t = DiskTier(tmp_path, 10_000)
-    t.apply_policy(lambda m: PolicyState(pinned=True, expires_at=m.inserted_at + 5))
+    t.apply_policy(lambda k, m: PolicyState(pinned=True, expires_at=m.inserted_at + 5))
     await fill(t, 1)
     assert t.entries()[0][1].pinned
     t2 = DiskTier(tmp_path, 10_000)
     m = t2.entries()[0][1]
     assert not m.pinned and m.expires_at is None and m.inserted_at > 0
-    t2.apply_policy(lambda m: PolicyState(expires_at=m.inserted_at + 5))
+    t2.apply_policy(lambda k, m: PolicyState(expires_at=m.inserted_at + 5))
     assert await t2.expire(m.inserted_at + 6) == 1
 
 

@@ -172,7 +172,7 @@ async def test_put_of_a_deleted_but_held_entry_takes_it_back(make_tier):
 
 async def test_pinned_entries_survive_pressure(make_tier):
     tier, _ = make_tier(10_000)
-    tier.apply_policy(lambda m: PolicyState(pinned=m.manifest == "public/handbook"))
+    tier.apply_policy(lambda k, m: PolicyState(pinned=m.manifest == "public/handbook"))
     await put(tier, 0, 2_000, manifest="public/handbook")
     await put(tier, 1, 2_000, manifest="public/handbook")
     for i in range(2, 50):
@@ -183,15 +183,25 @@ async def test_pinned_entries_survive_pressure(make_tier):
     before = set(tier.keys())
     assert not await put(tier, 99, 7_000)
     assert set(tier.keys()) == before and tier.stats.refused == 1
-    tier.apply_policy(lambda m: PolicyState())  # unpin: now they may go
+    tier.apply_policy(lambda k, m: PolicyState())  # unpin: now they may go
     for i in range(50, 60):
         await put(tier, i, 2_000)
     assert not tier.contains(key(0)) and not tier.contains(key(1))
 
 
+async def test_policy_applied_while_a_put_is_in_flight_reaches_that_entry(make_tier):
+    tier, _ = make_tier(10_000)
+    data = blob(0, 1_000)
+    writing = asyncio.ensure_future(tier.put(key(0), data, meta(data)))
+    await asyncio.sleep(0)  # the put has reserved its room; the disk tier is still writing in a thread
+    tier.apply_policy(lambda k, m: PolicyState(pinned=k == key(0)))  # the rule decides by key
+    assert await writing
+    assert dict(tier.entries())[key(0)].pinned
+
+
 async def test_pin_everything_refuses_inserts(make_tier):
     tier, _ = make_tier(5_000)
-    tier.apply_policy(lambda m: PolicyState(pinned=True))
+    tier.apply_policy(lambda k, m: PolicyState(pinned=True))
     assert await put(tier, 0, 3_000)
     assert not await put(tier, 1, 3_000)
     assert tier.contains(key(0)) and not tier.contains(key(1))
@@ -201,7 +211,7 @@ async def test_expired_entries_go_first_and_expire_purges_them(make_tier):
     tier, clock = make_tier(10_000)
     reasons = []
     tier.on_evict = lambda k, m, reason: reasons.append((k, reason))
-    tier.apply_policy(lambda m: PolicyState(expires_at=m.inserted_at + 60 if m.namespace == "news" else None))
+    tier.apply_policy(lambda k, m: PolicyState(expires_at=m.inserted_at + 60 if m.namespace == "news" else None))
     await put(tier, 0, 3_000)
     await put(tier, 1, 3_000, ns="news")  # newer than 0, but it will expire
     await put(tier, 2, 3_000)
@@ -222,7 +232,7 @@ async def test_expired_entries_go_first_and_expire_purges_them(make_tier):
 
 async def test_pinned_beats_ttl(make_tier):
     tier, clock = make_tier(10_000)
-    tier.apply_policy(lambda m: PolicyState(pinned=True, expires_at=m.inserted_at + 1))
+    tier.apply_policy(lambda k, m: PolicyState(pinned=True, expires_at=m.inserted_at + 1))
     await put(tier, 0, 100)
     assert await tier.expire(clock.now + 10) == 0 and tier.contains(key(0))
 
@@ -248,7 +258,7 @@ async def test_quota_tenant_cannot_evict_another_tenants_data(make_tier):
 async def test_quota_pinned_bytes_count_and_are_never_evicted(make_tier):
     tier, _ = make_tier(10_000)
     tier.set_quotas({"tenant-a": 3_000})
-    tier.apply_policy(lambda m: PolicyState(pinned=m.manifest is not None))
+    tier.apply_policy(lambda k, m: PolicyState(pinned=m.manifest is not None))
     await put(tier, 0, 2_000, ns="tenant-a", manifest="tenant-a/docs")
     await put(tier, 1, 5_000, ns="tenant-b")
     assert await put(tier, 2, 1_000, ns="tenant-a")

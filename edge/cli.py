@@ -1,0 +1,297 @@
+"""`kdn edge serve`, `kdn policy set|ls|rm` and `kdn ring show`. Imports nothing heavy until a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+from kdn.errors import InvalidInput
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from kdn.cli import registry_arg
+
+    edge = sub.add_parser("edge", help="run an edge node").add_subparsers(dest="edge_command", required=True)
+    p = edge.add_parser("serve", help="cache and serve objects next to an inference server")
+    p.add_argument("--region", default="local", help="region this edge serves (default: local)")
+    registry_arg(p)
+    p.add_argument("--origin", default=None, metavar="URL", help="origin URL (default: the origins in the registry)")
+    p.add_argument("--mem-budget", default=None, metavar="SIZE", help="memory tier budget, e.g. 2GiB (default: 1GiB)")
+    p.add_argument("--disk", default=None, metavar="DIR", help="disk tier folder (default: memory only)")
+    p.add_argument("--disk-budget", default=None, metavar="SIZE", help="disk tier budget, e.g. 50GiB (default: 10GiB)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--node-id", default=None, metavar="ID", help="default: edge-HOSTNAME")
+    p.add_argument("--url", default=None, help="URL advertised to peers (default http://HOST:PORT)")
+    p.add_argument("--token-file", default=None, metavar="F", help="grants file: who may read what from this edge")
+    p.add_argument("--upstream-token-file", default=None, metavar="F", help="token this edge shows peers and the origin")
+    p.add_argument("--prefetch", type=int, default=2, metavar="N", help="chunks fetched ahead of a read (0: off)")
+    p.add_argument("--lease-ttl", default="10s", metavar="DURATION", help="membership lease, e.g. 10s")
+    p.set_defaults(func=cmd_edge_serve)
+
+    policy = sub.add_parser("policy", help="operator policies: pin, warm, ttl, quota").add_subparsers(
+        dest="policy_command", required=True
+    )
+    p = policy.add_parser(
+        "set",
+        help="create or replace a policy",
+        description="Exactly one of --pin, --warm, --ttl, --quota. Edges apply it live; --region limits it to one region.",
+    )
+    p.add_argument("name")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--pin", metavar="MANIFEST", help="never evict the objects of namespace/name")
+    kind.add_argument("--warm", metavar="MANIFEST", help="fetch the objects of namespace/name now")
+    kind.add_argument("--ttl", metavar="DURATION", help="objects may be dropped this long after insertion, e.g. 2h")
+    kind.add_argument("--quota", metavar="SIZE", help="byte cap of --namespace in each tier, e.g. 5GiB")
+    p.add_argument("--namespace", default=None, help="scope of --ttl; the namespace --quota caps")
+    p.add_argument("--manifest", default=None, metavar="MANIFEST", help="scope of --ttl: namespace/name")
+    p.add_argument("--region", default=None, help="only edges of this region (default: every region)")
+    registry_arg(p)
+    p.set_defaults(func=cmd_policy_set)
+    p = policy.add_parser("ls", help="list policies")
+    p.add_argument("--json", action="store_true")
+    registry_arg(p)
+    p.set_defaults(func=cmd_policy_ls)
+    p = policy.add_parser("rm", help="remove a policy")
+    p.add_argument("name")
+    registry_arg(p)
+    p.set_defaults(func=cmd_policy_rm)
+
+    ring = sub.add_parser("ring", help="the consistent-hash ring of a region").add_subparsers(
+        dest="ring_command", required=True
+    )
+    p = ring.add_parser("show", help="live edges of a region and their share of the addresses")
+    p.add_argument("region")
+    p.add_argument("--json", action="store_true")
+    registry_arg(p)
+    p.set_defaults(func=cmd_ring_show)
+
+
+# --- edge serve ----------------------------------------------------------------
+
+
+def cmd_edge_serve(args: argparse.Namespace) -> int:
+    from kdn.address import validate_name
+    from kdn.units import parse_duration, parse_size
+
+    kw: dict = {
+        "region": validate_name(args.region),
+        "registry": args.registry,
+        "host": args.host,
+        "port": _port(args.port),
+        "prefetch": _at_least(args.prefetch, 0, "--prefetch"),
+        "lease_ttl": _positive(parse_duration(args.lease_ttl), "--lease-ttl"),
+        "token_file": _readable(args.token_file, "--token-file"),
+        "upstream_token_file": _readable(args.upstream_token_file, "--upstream-token-file"),
+    }
+    if args.origin is not None:
+        kw["origin"] = _http_url(args.origin, "--origin")
+    if args.url is not None:
+        kw["url"] = _http_url(args.url, "--url")
+    if args.node_id is not None:
+        kw["node_id"] = validate_name(args.node_id)
+    if args.mem_budget is not None:
+        kw["mem_budget"] = _positive(parse_size(args.mem_budget), "--mem-budget")
+    if args.disk is not None:
+        kw["disk"] = args.disk
+    if args.disk_budget is not None:
+        if args.disk is None:
+            raise InvalidInput("--disk-budget needs --disk DIR")
+        kw["disk_budget"] = _positive(parse_size(args.disk_budget), "--disk-budget")
+
+    from kdn.edge.app import EdgeConfig, run  # aiohttp and the tiers: only when serving
+
+    run(EdgeConfig(**kw))
+    return 0
+
+
+def _port(n: int) -> int:
+    if not 0 <= n <= 65535:
+        raise InvalidInput(f"--port must be 0-65535, got {n}")
+    return n
+
+
+def _at_least(n: int, low: int, flag: str) -> int:
+    if n < low:
+        raise InvalidInput(f"{flag} must be >= {low}, got {n}")
+    return n
+
+
+def _positive(x, flag: str):
+    if not x > 0:
+        raise InvalidInput(f"{flag} must be more than zero")
+    return x
+
+
+def _http_url(url: str, flag: str) -> str:
+    if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
+        raise InvalidInput(f"{flag} must be an http:// or https:// URL, got {url[:80]!r}")
+    return url.rstrip("/")
+
+
+def _readable(path: str | None, flag: str) -> str | None:
+    if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        raise InvalidInput(f"{flag} {path[:120]!r} is not a readable file")
+    return path
+
+
+# --- policies ------------------------------------------------------------------
+
+
+def cmd_policy_set(args: argparse.Namespace) -> int:
+    from kdn.edge.policies import validate_policy
+    from kdn.registry.records import Policy
+    from kdn.units import format_duration, format_size, parse_duration, parse_size
+
+    fields: dict = {"name": args.name, "region": args.region}
+    if args.pin is not None or args.warm is not None:
+        if args.namespace is not None or args.manifest is not None:
+            raise InvalidInput("--namespace and --manifest go with --ttl or --quota; --pin and --warm name their manifest")
+        fields.update(kind="pin" if args.pin is not None else "warm", manifest=args.pin or args.warm)
+    elif args.ttl is not None:
+        fields.update(kind="ttl", ttl_s=parse_duration(args.ttl), namespace=args.namespace, manifest=args.manifest)
+    else:
+        if args.namespace is None:
+            raise InvalidInput("--quota needs --namespace NS")
+        if args.manifest is not None:
+            raise InvalidInput("--quota caps a namespace; it takes no --manifest")
+        fields.update(kind="quota", quota_bytes=parse_size(args.quota), namespace=args.namespace)
+    # set_at makes every `policy set` a new record: set a warm again and edges warm again.
+    p = validate_policy(Policy(**fields, extra={"set_at": time.time()}))
+
+    async def go(reg) -> int:
+        await reg.put_policy(p)
+        if p.manifest is not None:
+            ns, name = p.manifest.split("/")
+            if await reg.get_manifest(ns, name) is None:
+                print(f"kdn: note: manifest {p.manifest} is not published yet; edges apply {p.name} once it is", file=sys.stderr)
+        if p.kind == "quota":
+            detail = f"{format_size(p.quota_bytes)} for namespace {p.namespace}"
+        elif p.kind == "ttl":
+            detail = f"{format_duration(p.ttl_s)} for {_scope(p)}"
+        else:
+            detail = p.manifest
+        print(f"policy {p.name} set: {p.kind} {detail} in {_region(p)}")
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_policy_ls(args: argparse.Namespace) -> int:
+    async def go(reg) -> int:
+        rows = await _read_policies(reg)
+        if args.json:
+            print(json.dumps([p.to_dict() if err is None else {"name": name, "invalid": err} for name, p, err in rows], indent=2))
+            return 0
+        if not rows:
+            print("(no policies)", file=sys.stderr)
+            return 0
+        table = [("NAME", "KIND", "REGION", "SCOPE", "SETTING")]
+        for name, p, err in rows:
+            table.append((name, "invalid", "-", "-", err[:80]) if err is not None else _row(p))
+        widths = [max(len(r[i]) for r in table) for i in range(4)]
+        for r in table:
+            print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_policy_rm(args: argparse.Namespace) -> int:
+    from kdn.address import validate_name
+
+    name = validate_name(args.name)
+
+    async def go(reg) -> int:
+        if not await reg.delete_policy(name):
+            print(f"kdn: no policy named {name}", file=sys.stderr)
+            return 1
+        print(f"policy {name} removed")
+        return 0
+
+    return _run(args, go)
+
+
+async def _read_policies(reg) -> list[tuple[str, object, str | None]]:
+    """``(name, policy, None)`` or ``(name, None, why)`` for a record no edge would apply."""
+    from kdn.edge.policies import validate_policy
+    from kdn.errors import KDNError
+    from kdn.registry.records import Policy
+
+    rows = []
+    for key, value in await reg.list_keys("policies/"):
+        name = key.removeprefix("policies/")
+        try:
+            rows.append((name, validate_policy(Policy.unpack(value)), None))
+        except KDNError as e:
+            rows.append((name, None, str(e).splitlines()[0]))
+    return rows
+
+
+def _row(p) -> tuple[str, str, str, str, str]:
+    from kdn.units import format_duration, format_size
+
+    if p.kind in ("pin", "warm"):
+        scope, setting = p.manifest, "-"
+    elif p.kind == "ttl":
+        scope, setting = _scope(p), format_duration(p.ttl_s)
+    else:
+        scope, setting = f"namespace {p.namespace}", format_size(p.quota_bytes)
+    return p.name, p.kind, p.region or "*", scope, setting
+
+
+def _scope(p) -> str:
+    parts = [f"namespace {p.namespace}"] if p.namespace else []
+    if p.manifest:
+        parts.append(f"manifest {p.manifest}")
+    return " and ".join(parts) or "everything"
+
+
+def _region(p) -> str:
+    return f"region {p.region}" if p.region else "every region"
+
+
+# --- ring ----------------------------------------------------------------------
+
+
+def cmd_ring_show(args: argparse.Namespace) -> int:
+    from kdn.address import validate_name
+
+    region = validate_name(args.region)
+
+    async def go(reg) -> int:
+        from kdn.ring import Ring
+
+        nodes = sorted(await reg.list_nodes(role="edge", region=region), key=lambda n: n.node_id)
+        shares = Ring(n.node_id for n in nodes).shares()
+        if args.json:
+            print(json.dumps([{"node_id": n.node_id, "url": n.url, "share": shares[n.node_id]} for n in nodes], indent=2))
+            return 0
+        if not nodes:
+            print(f"(no live edges in region {region})", file=sys.stderr)
+            return 0
+        w_id, w_url = max(len("NODE"), *(len(n.node_id) for n in nodes)), max(len("URL"), *(len(n.url) for n in nodes))
+        print(f"{'NODE':<{w_id}}  {'URL':<{w_url}}  SHARE")
+        for n in nodes:
+            print(f"{n.node_id:<{w_id}}  {n.url:<{w_url}}  {shares[n.node_id] * 100:5.1f}%")
+        return 0
+
+    return _run(args, go)
+
+
+def _run(args: argparse.Namespace, fn: Callable[[object], Awaitable[int]]) -> int:
+    from kdn.registry import open_registry
+
+    async def go() -> int:
+        reg = open_registry(args.registry)
+        try:
+            return await fn(reg)
+        finally:
+            await reg.close()
+
+    return asyncio.run(go())

@@ -1,0 +1,472 @@
+"""Operator policies on an edge: pin, warm, TTL and quota rules kept in the registry, applied live.
+
+Operators know what is hot. They say so with records under ``policies/``
+(``kdn policy set``), and every edge follows them through a watch:
+
+- ``pin`` (manifest ``ns/name``): every cached entry whose address is in the
+  manifest (prefix chain and standalone chunks) is never evicted, in every
+  tier, including entries that arrive later.
+- ``warm`` (manifest): fetch the manifest's objects now, ahead of demand. The
+  engine only decides *when*; the server's ``warm(addresses, namespace)``
+  callback does the fetching.
+- ``ttl`` (``ttl_s``, scoped by ``namespace`` and/or ``manifest``, global if
+  neither): an entry may be dropped ``ttl_s`` after it was inserted. Several
+  matching rules: the smallest wins. A pin beats a TTL (the tier's rule).
+- ``quota`` (``namespace``, ``quota_bytes``): a hard byte cap for that
+  namespace in each tier, so one tenant cannot push another's data out.
+  Several for one namespace: the smallest wins.
+
+A policy applies here if its ``region`` is None or this edge's region.
+
+What "apply" means: after every change the engine builds one rule function
+and hands it to each tier (``Tier.apply_policy``), which re-rules *every
+entry already cached* at once (pins and unpins take effect immediately; a TTL
+is measured from each entry's ``inserted_at``, so an entry older than a new
+TTL is expired at once, dropped first under pressure or at the next
+``Tier.expire()``) and rules every later insert with it. Quotas replace the
+tiers' quotas as a whole (``set_quotas``): the engine owns them. Rules that
+did not change are not re-applied, so a policy event that changes nothing
+costs no walk over the tiers.
+
+Manifests that do not exist yet: the engine also watches ``manifests/`` (a
+watch, not a timer). A put of a manifest some policy names resolves it, and
+a delete unresolves it (its pins go, since the addresses are no longer known).
+
+Warm dedup: a warm runs once per (policy record, manifest addresses). A
+manifest re-published with other addresses, or a policy record that changed
+(another manifest, or ``kdn policy set`` run again, which stamps
+``extra.set_at``) warms again; a watch that re-lists after a reconnect or a
+compaction does not. A new warm of a policy cancels its previous one still in
+flight, and removing the policy cancels it too, so the callback must tolerate
+cancellation. A failed warm is logged and counted (``stats.warm_failures``),
+never retried on its own and never fatal.
+
+Invalid records (not msgpack, bad fields, a ``pin`` without a manifest, a key
+that disagrees with the record's name) are logged, listed in ``invalid`` and
+skipped; a registry that cannot be reached makes the watches retry with
+backoff. Neither stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from kdn.address import validate_name
+from kdn.edge.tiers import EntryMeta, Key, PolicyState, Tier
+from kdn.errors import InvalidInput, KDNError
+from kdn.registry.records import Manifest, Policy
+
+__all__ = ["PolicyEngine", "PolicyStats", "Warm", "validate_policy"]
+
+log = logging.getLogger(__name__)
+
+POLICIES = "policies/"
+MANIFESTS = "manifests/"
+
+Warm = Callable[[list[str], str], Awaitable[None]]
+"""``warm(addresses, namespace)``: fetch these objects into this edge's tiers now."""
+
+
+def validate_policy(p: Policy) -> Policy:
+    """The fields each kind needs, beyond what the record itself checks. Used by the CLI too."""
+    if p.kind in ("pin", "warm"):
+        if p.manifest is None:
+            raise InvalidInput(f"policy {p.name!r}: a {p.kind} policy needs a manifest (namespace/name)")
+    elif p.kind == "ttl":
+        if p.ttl_s is None:
+            raise InvalidInput(f"policy {p.name!r}: a ttl policy needs ttl_s")
+    elif p.kind == "quota":
+        if p.namespace is None or p.quota_bytes is None:
+            raise InvalidInput(f"policy {p.name!r}: a quota policy needs a namespace and quota_bytes")
+    return p
+
+
+@dataclass
+class PolicyStats:
+    """Counters for ``/metrics`` and tests."""
+
+    applies: int = 0  # rule changes handed to the tiers
+    active: dict[str, int] = field(default_factory=dict)  # policies in force here, by kind
+    invalid: int = 0  # invalid records seen (each put of one counts)
+    warm_runs: int = 0  # warm callbacks started
+    warm_done: int = 0  # ... that returned
+    warm_failures: int = 0  # ... that raised
+    resolve_failures: int = 0  # manifest reads that failed (retried)
+    watch_errors: int = 0  # watches that broke and were restarted
+
+
+@dataclass(frozen=True)
+class _Ttl:
+    seconds: float
+    namespace: str | None
+    manifest: str | None
+    addresses: frozenset[str]  # the manifest's, when it is resolved
+
+    def matches(self, key: Key, meta: EntryMeta) -> bool:
+        if self.namespace is not None and meta.namespace != self.namespace:
+            return False
+        if self.manifest is not None and not (key[0] in self.addresses or meta.manifest == self.manifest):
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """The rule function handed to the tiers; equal rules are not re-applied."""
+
+    pinned: frozenset[str] = frozenset()
+    ttls: tuple[_Ttl, ...] = ()
+
+    def __call__(self, key: Key, meta: EntryMeta) -> PolicyState:
+        ttl = min((t.seconds for t in self.ttls if t.matches(key, meta)), default=None)
+        return PolicyState(
+            pinned=key[0] in self.pinned,
+            expires_at=None if ttl is None else meta.inserted_at + ttl,
+        )
+
+
+def _addresses(m: Manifest) -> tuple[str, ...]:
+    return tuple(dict.fromkeys([*m.addresses, *m.standalone]))  # order kept, duplicates dropped
+
+
+class PolicyEngine:
+    """Follows ``policies/`` (and ``manifests/``) in the registry and applies them to this edge's tiers.
+
+    ``await start()`` launches the watches and returns at once; the first
+    snapshot is applied as soon as the registry answers (``ready``).
+    """
+
+    def __init__(
+        self,
+        registry,
+        region: str,
+        tiers: Sequence[Tier],
+        *,
+        warm: Warm | None = None,
+        retry_s: float = 0.5,
+        max_retry_s: float = 30.0,
+    ) -> None:
+        self._registry = registry
+        self.region = validate_name(region)
+        self._tiers = list(tiers)
+        self._warm = warm
+        self._retry_s = retry_s
+        self._max_retry_s = max_retry_s
+        # Registry state, as the watches last told it.
+        self._records: dict[str, Policy] = {}  # valid policies, every region, by name
+        self._invalid: dict[str, str] = {}  # key -> why it is skipped
+        self._manifests: dict[str, Manifest | None] = {}  # refs some policy names -> record (None: not published)
+        self._snapshots: set[str] = set()
+        # What was applied.
+        self._rules: _Rules | None = None
+        self._quotas: dict[str, int] | None = None
+        self._warmed: dict[str, tuple[Policy, tuple[str, ...]]] = {}
+        self._warm_tasks: dict[str, asyncio.Task[None]] = {}
+        # Public views, replaced whole at each apply so a reader never sees half a change.
+        self._policies: dict[str, Policy] = {}
+        self._active: dict[str, Policy] = {}
+        self._pinned: frozenset[str] = frozenset()
+        self._unresolved: frozenset[str] = frozenset()
+        self._invalid_view: dict[str, str] = {}
+        self._ready = False
+        self.stats = PolicyStats()
+        self._queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue(maxsize=256)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._retry: asyncio.TimerHandle | None = None
+        self._changed = asyncio.Event()
+        self._closed = False
+
+    # --- views -------------------------------------------------------------
+
+    @property
+    def policies(self) -> dict[str, Policy]:
+        """Every valid policy in the registry, whatever its region, by name."""
+        return self._policies
+
+    @property
+    def active(self) -> dict[str, Policy]:
+        """The policies in force on this edge (its region, or none)."""
+        return self._active
+
+    @property
+    def invalid(self) -> dict[str, str]:
+        """Registry keys of the records that were skipped, and why."""
+        return self._invalid_view
+
+    @property
+    def pinned_addresses(self) -> frozenset[str]:
+        return self._pinned
+
+    @property
+    def unresolved(self) -> frozenset[str]:
+        """Manifests that a pin, warm or ttl policy in force names but that are not published (yet)."""
+        return self._unresolved
+
+    @property
+    def ready(self) -> bool:
+        """Both watches have delivered their first snapshot and it was applied."""
+        return self._ready
+
+    # --- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._tasks:
+            return
+        self._tasks = [
+            asyncio.create_task(self._watch(POLICIES), name="kdn-policy-watch"),
+            asyncio.create_task(self._watch(MANIFESTS), name="kdn-policy-manifest-watch"),
+            asyncio.create_task(self._process(), name="kdn-policy-apply"),
+        ]
+
+    async def close(self) -> None:
+        """Stop watching and cancel warms in flight. The tiers keep the rules last applied."""
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+        tasks = self._tasks + list(self._warm_tasks.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        self._tasks, self._warm_tasks = [], {}
+
+    async def __aenter__(self) -> PolicyEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def wait_applied(self, predicate: Callable[[PolicyEngine], bool], timeout: float = 10.0) -> None:
+        """Return once ``predicate(self)`` holds, checked after every apply and every warm; TimeoutError if not in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not predicate(self):
+            changed = self._changed
+            remaining = deadline - loop.time()
+            try:
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait_for(changed.wait(), remaining)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before 3.11
+                raise TimeoutError(
+                    f"policy state did not satisfy the predicate within {timeout}s "
+                    f"(active={sorted(self._active)}, invalid={sorted(self._invalid)}, stats={self.stats})"
+                ) from None
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # --- watching ----------------------------------------------------------
+
+    async def _watch(self, prefix: str) -> None:
+        delay = self._retry_s
+        while not self._closed:
+            try:
+                async for ev in self._registry.watch(prefix):
+                    await self._queue.put((prefix, ev))
+                    delay = self._retry_s
+                return  # the registry was closed
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a watch must outlive any one failure; it re-lists
+                self.stats.watch_errors += 1
+                log.warning("policy watch on %s failed (%s); retrying in %.1fs", prefix, _line(e), delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._max_retry_s)
+
+    async def _process(self) -> None:
+        # One consumer for both watches: every change is taken in arrival
+        # order, then manifests are resolved and the rules applied once per
+        # batch. Ordering against the manifest watch: a manifest event for a
+        # ref no policy names yet is ignored; when a policy then names it,
+        # get_manifest reads the registry *after* that event happened, so it
+        # sees the manifest; any later change arrives as a later event.
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                for prefix, ev in batch:
+                    if prefix == POLICIES:
+                        self._take_policy(ev)
+                    elif prefix == MANIFESTS:
+                        self._take_manifest(ev)
+                await self._resolve()
+                self._apply()
+            except Exception:  # noqa: BLE001 - a bug in one batch must not stop every later policy
+                log.exception("applying policies failed; the next change tries again")
+
+    def _take_policy(self, ev) -> None:
+        if ev.kind == "snapshot":
+            self._records, self._invalid = {}, {}
+            for key, value in ev.items.items():
+                self._put_policy(key, value)
+            self._snapshots.add(POLICIES)
+        elif ev.kind == "put":
+            self._put_policy(ev.key, ev.value)
+        elif ev.kind == "delete":
+            self._records.pop(ev.key[len(POLICIES) :], None)
+            self._invalid.pop(ev.key, None)
+
+    def _put_policy(self, key: str, value: bytes | None) -> None:
+        name = key[len(POLICIES) :]
+        self._records.pop(name, None)
+        self._invalid.pop(key, None)
+        try:
+            p = validate_policy(Policy.unpack(value or b""))
+            if p.name != name:
+                raise InvalidInput(f"record names {p.name!r} but sits at {key!r}")
+        except KDNError as e:
+            self.stats.invalid += 1
+            self._invalid[key] = str(e)
+            log.warning("skipping invalid policy %s: %s", key, _line(e))
+            return
+        self._records[name] = p
+
+    def _take_manifest(self, ev) -> None:
+        wanted = self._wanted()
+        if ev.kind == "snapshot":
+            for ref in wanted:
+                self._manifests[ref] = self._unpack_manifest(ref, ev.items.get(MANIFESTS + ref))
+            self._snapshots.add(MANIFESTS)
+            return
+        ref = ev.key[len(MANIFESTS) :]
+        if ref in wanted:
+            self._manifests[ref] = self._unpack_manifest(ref, ev.value) if ev.kind == "put" else None
+
+    @staticmethod
+    def _unpack_manifest(ref: str, value: bytes | None) -> Manifest | None:
+        if value is None:
+            return None
+        try:
+            return Manifest.unpack(value)
+        except KDNError as e:
+            log.warning("manifest %s named by a policy is unreadable: %s", ref, _line(e))
+            return None
+
+    def _wanted(self) -> set[str]:
+        return {p.manifest for p in self._records.values() if p.manifest is not None and self._here(p)}
+
+    def _here(self, p: Policy) -> bool:
+        return p.region is None or p.region == self.region
+
+    async def _resolve(self) -> None:
+        wanted = self._wanted()
+        for ref in list(self._manifests):
+            if ref not in wanted:
+                del self._manifests[ref]  # re-read if a policy names it again: the watch ignored it meanwhile
+        failed = False
+        for ref in sorted(wanted - self._manifests.keys()):
+            ns, name = ref.split("/")
+            try:
+                self._manifests[ref] = await self._registry.get_manifest(ns, name)
+            except InvalidInput as e:
+                log.warning("manifest %s named by a policy is unreadable: %s", ref, _line(e))
+                self._manifests[ref] = None
+            except KDNError as e:
+                self.stats.resolve_failures += 1
+                log.warning("cannot read manifest %s (%s); retrying in %.1fs", ref, _line(e), self._retry_s)
+                failed = True
+        if failed and not self._closed:
+            # Unresolved refs stay out of _manifests, so the next batch reads them again.
+            if self._retry is not None:
+                self._retry.cancel()
+            self._retry = asyncio.get_running_loop().call_later(self._retry_s, self._kick)
+
+    def _kick(self) -> None:
+        with contextlib.suppress(asyncio.QueueFull):  # full: a batch is coming anyway
+            self._queue.put_nowait(("retry", None))
+
+    # --- applying ----------------------------------------------------------
+
+    def _apply(self) -> None:
+        here = {n: p for n, p in self._records.items() if self._here(p)}
+        resolved = {ref: m for ref, m in self._manifests.items() if m is not None}
+        pinned: set[str] = set()
+        ttls: list[_Ttl] = []
+        quotas: dict[str, int] = {}
+        for p in here.values():
+            m = resolved.get(p.manifest) if p.manifest is not None else None
+            if p.kind == "pin" and m is not None:
+                pinned.update(_addresses(m))
+            elif p.kind == "ttl":
+                addrs = frozenset(_addresses(m)) if m is not None else frozenset()
+                ttls.append(_Ttl(float(p.ttl_s), p.namespace, p.manifest, addrs))
+            elif p.kind == "quota":
+                quotas[p.namespace] = min(quotas.get(p.namespace, p.quota_bytes), p.quota_bytes)
+        rules = _Rules(frozenset(pinned), tuple(sorted(ttls, key=lambda t: (t.seconds, t.namespace or "", t.manifest or ""))))
+        changed = False
+        if quotas != self._quotas:
+            for t in self._tiers:
+                t.set_quotas(quotas)
+            self._quotas, changed = quotas, True
+        if rules != self._rules:
+            for t in self._tiers:
+                t.apply_policy(rules)
+            self._rules, changed = rules, True
+        if changed:
+            self.stats.applies += 1
+        self._start_warms(here, resolved)
+        kinds: dict[str, int] = {}
+        for p in here.values():
+            kinds[p.kind] = kinds.get(p.kind, 0) + 1
+        self.stats.active = kinds
+        self._policies, self._active = dict(self._records), here
+        self._pinned = rules.pinned
+        self._unresolved = frozenset(ref for ref in self._manifests if ref not in resolved)
+        self._invalid_view = dict(self._invalid)
+        self._ready = self._snapshots >= {POLICIES, MANIFESTS}
+        self._notify()
+
+    def _start_warms(self, here: dict[str, Policy], resolved: dict[str, Manifest]) -> None:
+        warms = {n: p for n, p in here.items() if p.kind == "warm"}
+        for name in list(self._warmed):
+            if name not in warms:  # removed, or no longer for this region
+                del self._warmed[name]
+                self._cancel_warm(name)
+        if self._warm is None:
+            return
+        for name, p in sorted(warms.items()):
+            m = resolved.get(p.manifest)
+            if m is None:
+                continue  # not published yet: warms when it is
+            addrs = _addresses(m)
+            if self._warmed.get(name) == (p, addrs):
+                continue  # this record, this content: warmed already
+            self._warmed[name] = (p, addrs)
+            self._cancel_warm(name)
+            self.stats.warm_runs += 1
+            self._warm_tasks[name] = asyncio.create_task(self._run_warm(name, list(addrs), m.namespace), name=f"kdn-warm-{name}")
+
+    def _cancel_warm(self, name: str) -> None:
+        task = self._warm_tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+
+    async def _run_warm(self, name: str, addresses: list[str], namespace: str) -> None:
+        t0 = time.monotonic()
+        try:
+            await self._warm(addresses, namespace)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed warm costs a later miss, never the engine
+            self.stats.warm_failures += 1
+            log.warning("warm %s (%d objects of %s) failed: %s", name, len(addresses), namespace, _line(e))
+        else:
+            self.stats.warm_done += 1
+            log.info("warm %s: %d objects of %s in %.2fs", name, len(addresses), namespace, time.monotonic() - t0)
+        finally:
+            if self._warm_tasks.get(name) is asyncio.current_task():
+                del self._warm_tasks[name]
+            self._notify()
+
+
+def _line(e: BaseException) -> str:
+    return (str(e) or type(e).__name__).splitlines()[0][:200]
