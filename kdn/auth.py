@@ -128,3 +128,17 @@ class Grants:
         if grant is None or not (role in grant.roles or "admin" in grant.roles):
             return frozenset()
         return grant.namespaces
+
+
+def read_token(path: str | None) -> str | None:
+    """The first token of a token file (its first field), else $KDN_TOKEN."""
+    if path is None:
+        return os.environ.get("KDN_TOKEN")
+    try:
+        for line in Path(path).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                return line.split()[0]
+    except OSError as e:
+        raise InvalidInput(f"cannot read token file {path!r}: {e.strerror}") from None
+    raise InvalidInput(f"token file {path!r} holds no token")

@@ -60,22 +60,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_token(path: str | None) -> str | None:
-    """The first token of a token file (its first field), else $KDN_TOKEN."""
-    if path is None:
-        return os.environ.get("KDN_TOKEN")
-    try:
-        for line in Path(path).read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                return line.split()[0]
-    except OSError as e:
-        raise InvalidInput(f"cannot read token file {path!r}: {e.strerror}") from None
-    raise InvalidInput(f"token file {path!r} holds no token")
-
-
 def cmd_publish(args: argparse.Namespace) -> int:
     import aiohttp  # noqa: F401  (fail early if the HTTP client is missing)
+
+    from kdn.auth import read_token
 
     token = read_token(args.token_file)
     docs = []

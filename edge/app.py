@@ -1,0 +1,495 @@
+"""The edge server: caches objects next to regional inference servers.
+
+A GET walks memory -> disk -> fill (owner peer -> other regions -> origin,
+see ``fill.py``), caches what it filled, and serves it with
+``X-KDN-Source`` saying where the bytes came from. ``create_app(config)``
+builds the aiohttp app; registry, tiers, membership, HTTP session, policies
+and watches are ``cleanup_ctx`` resources, started in order and stopped in
+reverse.
+
+Routes:
+    GET|HEAD /v1/objects/{address}[?encoding=]   the blob (HEAD: is it here, no fill)
+    POST /v1/lookup                              ordered addresses -> longest available prefix, where each is
+    POST /v1/prefetch                            (edge to edge) fill these in the background
+    GET  /v1/registry/objects/{address}          GET /v1/registry/manifests/{ns}/{name}
+    GET  /healthz                                GET /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from kdn import service
+from kdn.address import validate_address, validate_name
+from kdn.auth import Grant, Grants
+from kdn.errors import SourceError
+from kdn.registry import Manifest, NodeRecord, ObjectRecord, open_registry
+from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
+
+from kdn.edge.disk import DiskTier
+from kdn.edge.fill import CACHED_ONLY, HOP, Filler
+from kdn.edge.membership import Membership
+from kdn.edge.memory import MemoryTier
+from kdn.edge.metrics import EdgeMetrics
+from kdn.edge.policies import PolicyEngine
+from kdn.edge.prefetch import ChainIndex, Prefetcher
+from kdn.edge.tiers import EntryMeta, Key
+
+log = logging.getLogger(__name__)
+
+LOSSLESS_PREFERENCE = ("zstd", "raw")
+MAX_LOOKUP_ADDRESSES = 4096
+
+
+@dataclass
+class EdgeConfig:
+    region: str = "local"
+    registry: str | None = None
+    origin: str | None = None  # default: the origins registered in the registry
+    mem_budget: int = 1 << 30
+    disk: str | None = None
+    disk_budget: int = 10 << 30
+    host: str = "127.0.0.1"
+    port: int = 8100
+    node_id: str = field(default_factory=lambda: validate_name(f"edge-{socket.gethostname().split('.')[0][:40]}"))
+    url: str | None = None
+    token_file: str | None = None  # who may read what from this edge
+    upstream_token_file: str | None = None  # the token this edge shows peers and the origin
+    prefetch: int = 2
+    lease_ttl: float = 10.0
+    fsync: bool = True
+    records_cache: int = 100_000
+
+    @property
+    def advertised_url(self) -> str:
+        return self.url or f"http://{self.host}:{self.port}"
+
+
+class RecordCache:
+    """Object records by address: immutable once written, so cached without expiry (bounded LRU)."""
+
+    def __init__(self, registry, size: int) -> None:
+        self.registry = registry
+        self.size = size
+        self._lru: OrderedDict[str, ObjectRecord] = OrderedDict()
+
+    def _keep(self, rec: ObjectRecord) -> None:
+        self._lru[rec.address] = rec
+        self._lru.move_to_end(rec.address)
+        while len(self._lru) > self.size:
+            self._lru.popitem(last=False)
+
+    async def get(self, address: str) -> ObjectRecord | None:
+        rec = self._lru.get(address)
+        if rec is None:
+            rec = await self.registry.get_object(address)
+            if rec is not None:
+                self._keep(rec)
+        return rec
+
+    async def get_many(self, addresses: list[str]) -> list[ObjectRecord | None]:
+        missing = [a for a in addresses if a not in self._lru]
+        if missing:
+            for rec in await self.registry.get_objects(missing):
+                if rec is not None:
+                    self._keep(rec)
+        return [self._lru.get(a) for a in addresses]
+
+    def forget(self, address: str) -> None:
+        """Encodings can be added to a record later: drop it so the next read sees them."""
+        self._lru.pop(address, None)
+
+
+class Edge:
+    """One edge node's parts, wired together (the app holds one)."""
+
+    def __init__(self, config: EdgeConfig, registry, metrics: EdgeMetrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.m = metrics
+        self.me = NodeRecord(role="edge", region=config.region, node_id=config.node_id, url=config.advertised_url)
+        self.records = RecordCache(registry, config.records_cache)
+        self.memory = MemoryTier(config.mem_budget, on_evict=self._on_evict)
+        self.disk: DiskTier | None = None
+        self.membership: Membership | None = None
+        self.filler: Filler | None = None
+        self.chains = ChainIndex()
+        self.prefetcher = Prefetcher(self.chains, config.prefetch, self._prefetch_one)
+        self.policies: PolicyEngine | None = None
+        self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
+        self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
+
+    @property
+    def tiers(self):
+        return [self.memory] + ([self.disk] if self.disk is not None else [])
+
+    def origin_urls(self) -> list[str]:
+        return self._origins
+
+    # --- eviction accounting -------------------------------------------------
+
+    def _on_evict(self, key: Key, meta: EntryMeta, reason: str) -> None:
+        self.m.evictions.labels(reason).inc()
+        if key in self.prefetched and not any(t.contains(key) for t in self.tiers):
+            self.prefetched.discard(key)
+            self.m.prefetch_wasted.inc()
+
+    def _note_read(self, key: Key) -> None:
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.m.prefetch_used.inc()
+
+    # --- the read path -------------------------------------------------------
+
+    def choose_encoding(self, rec: ObjectRecord, want: str | None) -> str | None:
+        if want is not None:
+            return want if want in rec.encodings else None
+        return next((e for e in LOSSLESS_PREFERENCE if e in rec.encodings), None)
+
+    def meta_for(self, rec: ObjectRecord, encoding: str) -> EntryMeta:
+        enc = rec.encodings[encoding]
+        return EntryMeta(size=enc.size, digest=enc.digest, namespace=rec.namespace, inserted_at=time.time())
+
+    async def fill_and_cache(self, key: Key, rec: ObjectRecord, *, hop: bool) -> tuple[bytes, str]:
+        """Fill from upstream (single-flight) and cache in the tiers this node keeps it in."""
+        filled = await self.filler.fill(key, rec, hop=hop)
+        owner = self.membership.owner(key[0])
+        i_own = owner is None or owner.node_id == self.me.node_id
+        if not self.memory.contains(key):
+            await self.memory.put(key, filled.blob, self.meta_for(rec, key[1]))
+        # The owner keeps a durable copy; other edges keep only a hot copy in memory.
+        if i_own and self.disk is not None and not self.disk.contains(key):
+            await self.disk.put(key, filled.blob, self.meta_for(rec, key[1]))
+        return filled.blob, filled.source
+
+    async def _prefetch_one(self, address: str) -> None:
+        rec = await self.records.get(address)
+        if rec is None:
+            return
+        enc = self.choose_encoding(rec, None)
+        if enc is None:
+            return
+        key = (address, enc)
+        if any(t.contains(key) for t in self.tiers):
+            return
+        owner = self.membership.owner(address)
+        if owner is not None and owner.node_id != self.me.node_id:
+            # The owner fills it; this edge only passes the hint on.
+            async with self.filler.session.post(f"{owner.url}/v1/prefetch", json={"addresses": [address]},
+                                                headers=self.filler.headers) as r:
+                await r.read()
+            return
+        self.m.prefetch_started.inc()
+        await self.fill_and_cache(key, rec, hop=True)
+        self.prefetched.add(key)
+
+    async def warm(self, addresses: list[str], namespace: str) -> None:
+        """Operator 'warm' policy: every edge fills the addresses it owns, ahead of demand."""
+        for address in addresses:
+            owner = self.membership.owner(address)
+            if owner is not None and owner.node_id != self.me.node_id:
+                continue
+            rec = await self.records.get(address)
+            enc = self.choose_encoding(rec, None) if rec is not None else None
+            if enc is None or any(t.contains((address, enc)) for t in self.tiers):
+                continue
+            try:
+                await self.fill_and_cache((address, enc), rec, hop=True)
+                self.m.warmed.inc()
+            except SourceError as e:
+                log.warning("warm of %s failed: %s", address, e)
+
+
+EDGE = web.AppKey("edge", Edge)
+
+
+# --- resources -------------------------------------------------------------
+
+
+async def _registry_ctx(app: web.Application):
+    reg = open_registry(app[EDGE_CONFIG].registry)
+    app[REGISTRY] = reg
+    try:
+        yield
+    finally:
+        await reg.close()
+
+
+async def _edge_ctx(app: web.Application):
+    cfg = app[EDGE_CONFIG]
+    edge = Edge(cfg, app[REGISTRY], app[EDGE_METRICS])
+    app[EDGE] = edge
+    if cfg.disk:
+        edge.disk = await DiskTier.open(cfg.disk, cfg.disk_budget, fsync=cfg.fsync, on_evict=edge._on_evict)
+    upstream = _upstream_headers(cfg.upstream_token_file)
+    connector = aiohttp.TCPConnector(limit=256, limit_per_host=64)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl)
+    edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
+                         upstream_headers=upstream, metrics=edge.m)
+    watchers = [asyncio.create_task(_watch_manifests(edge), name="kdn-edge-manifests")]
+    if not cfg.origin:
+        watchers.append(asyncio.create_task(_watch_origins(edge), name="kdn-edge-origins"))
+    await edge.membership.start()
+    edge.policies = PolicyEngine(app[REGISTRY], cfg.region, edge.tiers, warm=edge.warm)
+    await edge.policies.start()
+    log.info("edge %s in region %s serving at %s", cfg.node_id, cfg.region, cfg.advertised_url)
+    try:
+        yield
+    finally:
+        await edge.policies.close()
+        await edge.prefetcher.close()
+        for t in watchers:
+            t.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        await edge.membership.close()
+        await edge.filler.close()
+        await session.close()
+
+
+def _upstream_headers(path: str | None) -> dict[str, str]:
+    if path is None:
+        token = os.environ.get("KDN_UPSTREAM_TOKEN")
+    else:
+        from kdn.auth import read_token
+
+        token = read_token(path)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+async def _watch_manifests(edge: Edge) -> None:
+    """Keep the chain index (for prefetch) current: list, then follow changes."""
+    backoff = 0.5
+    while True:
+        try:
+            async for ev in edge.registry.watch("manifests/"):
+                backoff = 0.5
+                if ev.kind == "snapshot":
+                    edge.chains = ChainIndex()
+                    edge.prefetcher.index = edge.chains
+                    for value in ev.items.values():
+                        edge.chains.put(Manifest.unpack(value))
+                elif ev.kind == "put":
+                    edge.chains.put(Manifest.unpack(ev.value))
+                elif ev.kind == "delete":
+                    edge.chains.remove(ev.key.split("/", 1)[1])
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # registry down: keep serving with what we know, retry
+            log.warning("manifest watch failed (%s); retrying in %.1f s", e, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+
+async def _watch_origins(edge: Edge) -> None:
+    backoff = 0.5
+    while True:
+        try:
+            async for ev in edge.registry.watch("nodes/origin/"):
+                backoff = 0.5
+                nodes = await edge.registry.list_nodes(role="origin")
+                if nodes or ev.kind != "snapshot":
+                    edge._origins = [n.url.rstrip("/") for n in sorted(nodes, key=lambda n: n.node_id)]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("origin watch failed (%s); retrying in %.1f s", e, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+
+# --- handlers --------------------------------------------------------------
+
+
+async def _readable_record(request: web.Request, address: str) -> ObjectRecord:
+    edge = request.app[EDGE]
+    rec = await edge.records.get(address)
+    allowed = request.app[GRANTS].namespaces(bearer(request), "read")
+    if rec is None or not ("*" in allowed or rec.namespace in allowed):
+        raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
+    return rec
+
+
+async def get_object(request: web.Request) -> web.StreamResponse:
+    edge = request.app[EDGE]
+    address = validate_address(request.match_info["address"])
+    rec = await _readable_record(request, address)
+    want = request.query.get("encoding")
+    encoding = edge.choose_encoding(rec, want)
+    if encoding is None:
+        edge.records.forget(address)
+        raise web.HTTPNotFound(text=f"object {address} has no encoding {want!r}; it has {sorted(rec.encodings)}")
+    key: Key = (address, encoding)
+    digest = rec.encodings[encoding].digest
+    size = rec.encodings[encoding].size
+    if service.not_modified(request, digest):
+        return web.Response(status=304, headers=object_headers(digest, "edge", encoding))
+    head = request.method == "HEAD"
+    hop = HOP in request.headers
+
+    for tier in edge.tiers:
+        handle = await tier.acquire(key)
+        if handle is None:
+            edge.m.misses.labels(tier.name).inc()
+            continue
+        edge.m.hits.labels(tier.name).inc()
+        try:
+            edge._note_read(key)
+            headers = object_headers(digest, tier.name, encoding)
+            if not head:
+                edge.prefetcher.after_read(address)
+            if tier.name == "memory":
+                return await _send_bytes(request, handle.data, headers, head=head, metrics=edge.m, source="memory")
+            # Promote a disk hit into memory, off the response path.
+            if not head and not edge.memory.contains(key):
+                asyncio.create_task(_promote(edge, key, handle.path, rec))
+            return await _send_file(request, handle.path, size, headers, head=head, metrics=edge.m)
+        finally:
+            handle.release()
+
+    if head:  # HEAD never fills: it answers "can you serve it", with where it would come from
+        return web.Response(headers={**object_headers(digest, "miss", encoding), "Content-Length": str(size)})
+    if request.headers.get(CACHED_ONLY):
+        raise web.HTTPNotFound(text=f"{address} is not cached here")
+    edge.m.in_flight.inc()
+    try:
+        blob, source = await edge.fill_and_cache(key, rec, hop=hop)
+    except SourceError as e:
+        raise web.HTTPServiceUnavailable(text=str(e)) from None
+    finally:
+        edge.m.in_flight.dec()
+    edge.prefetcher.after_read(address)
+    return await _send_bytes(request, memoryview(blob), object_headers(digest, source, encoding), head=False,
+                             metrics=edge.m, source=source.split(":", 1)[0])
+
+
+async def _promote(edge: Edge, key: Key, path: Path, rec: ObjectRecord) -> None:
+    try:
+        blob = await asyncio.to_thread(path.read_bytes)
+        if len(blob) == rec.encodings[key[1]].size:
+            await edge.memory.put(key, blob, edge.meta_for(rec, key[1]))
+    except OSError:
+        pass  # evicted meanwhile: the next read fills again
+
+
+async def _send_bytes(request, data: memoryview, headers: dict, *, head: bool, metrics, source: str):
+    # Written inside the handler, while the caller still holds the tier handle:
+    # the bytes cannot be evicted under this write.
+    resp = web.Response(body=None if head else data, headers=headers)
+    if head:
+        resp.headers["Content-Length"] = str(len(data))
+    await resp.prepare(request)
+    await resp.write_eof()
+    if not head:
+        metrics.bytes_served.labels(source).inc(len(data))
+    return resp
+
+
+async def _send_file(request, path: Path, size: int, headers: dict, *, head: bool, metrics):
+    """sendfile(2) the blob; like aiohttp's FileResponse, but with the digest as ETag."""
+    resp = web.StreamResponse(headers=headers)
+    resp.content_length = size
+    await resp.prepare(request)  # StreamResponse sends its headers now, before the body
+    if not head:
+        with open(path, "rb") as f:
+            transport = request.transport
+            if transport is None:
+                raise ConnectionResetError("connection lost")
+            try:
+                await asyncio.get_running_loop().sendfile(transport, f, 0, size)
+            except NotImplementedError:  # e.g. TLS: fall back to plain writes
+                await resp.write(f.read())
+        metrics.bytes_served.labels("disk").inc(size)
+    await resp.write_eof()
+    return resp
+
+
+async def lookup(request: web.Request) -> web.Response:
+    """Ordered addresses in; how many leading ones can be served, and from where each would come."""
+    edge = request.app[EDGE]
+    body = await read_json(request)
+    addrs = body.get("addresses")
+    if not isinstance(addrs, list) or len(addrs) > MAX_LOOKUP_ADDRESSES:
+        raise web.HTTPBadRequest(text=f"'addresses' must be a list of at most {MAX_LOOKUP_ADDRESSES} addresses")
+    addrs = [validate_address(a) for a in addrs]
+    allowed = request.app[GRANTS].namespaces(bearer(request), "read")
+    recs = await edge.records.get_many(addrs)
+    where = []
+    for a, rec in zip(addrs, recs):
+        if rec is None or not ("*" in allowed or rec.namespace in allowed):
+            break
+        enc = edge.choose_encoding(rec, body.get("encoding"))
+        if enc is None:
+            break
+        key = (a, enc)
+        if edge.memory.contains(key):
+            where.append("memory")
+        elif edge.disk is not None and edge.disk.contains(key):
+            where.append("disk")
+        else:
+            owner = edge.membership.owner(a)
+            where.append(f"peer:{owner.node_id}" if owner and owner.node_id != edge.me.node_id else "origin")
+    return web.json_response({"length": len(where), "sources": where})
+
+
+async def prefetch(request: web.Request) -> web.Response:
+    """Edge-to-edge hint: fill these addresses (that I own) in the background."""
+    body = await read_json(request)
+    addrs = body.get("addresses")
+    if not isinstance(addrs, list) or len(addrs) > 64:
+        raise web.HTTPBadRequest(text="'addresses' must be a list of at most 64 addresses")
+    grants = request.app[GRANTS].namespaces(bearer(request), "read")
+    if "*" not in grants:
+        raise web.HTTPForbidden(text="prefetch is for edges (a read-* token)")
+    edge = request.app[EDGE]
+    for a in addrs:
+        edge.prefetcher.schedule(validate_address(a))
+    return web.json_response({"scheduled": len(addrs)}, status=202)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    edge = request.app[EDGE]
+    return web.json_response({
+        "status": "ok", "role": "edge", "node_id": edge.me.node_id, "region": edge.me.region,
+        "ring": edge.membership.ring.nodes if edge.membership else [],
+        "memory": {"used": edge.memory.used, "budget": edge.memory.budget},
+        "disk": {"used": edge.disk.used, "budget": edge.disk.budget} if edge.disk else None,
+        "origins": edge.origin_urls(),
+    })
+
+
+EDGE_CONFIG = web.AppKey("edge_config", EdgeConfig)
+EDGE_METRICS = web.AppKey("edge_metrics", EdgeMetrics)
+
+
+def create_app(config: EdgeConfig) -> web.Application:
+    metrics = CollectorRegistry()
+    app = web.Application(middlewares=[service.metrics_middleware_factory(metrics, "edge"), service.error_middleware])
+    app[EDGE_CONFIG] = config
+    app[METRICS] = metrics
+    app[EDGE_METRICS] = EdgeMetrics(metrics, lambda: app.get(EDGE))
+    app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
+    app.cleanup_ctx.extend([_registry_ctx, _edge_ctx])
+    app.router.add_get("/v1/objects/{address}", get_object)
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_post("/v1/prefetch", prefetch)
+    app.router.add_get("/healthz", healthz)
+    service.add_common_routes(app)
+    return app
+
+
+def run(config: EdgeConfig) -> None:
+    logging.basicConfig(level=os.environ.get("KDN_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    web.run_app(create_app(config), host=config.host, port=config.port, print=None)

@@ -1,0 +1,150 @@
+"""The edge's fill path: where a missing object comes from, read top to bottom.
+
+    local tiers (memory, then disk)          -- served by the caller, not here
+    -> the owner edge of this region          (one hop; skipped when I am the owner
+                                               or the request is already a hop)
+    -> other regions' edges holding it        (cached-only asks, fastest region first)
+    -> the origin
+
+Every body received is checked against the registry digest before it is
+cached or served; a mismatch is counted, never served, and the next source is
+tried. A source error is counted and falls back, never fatal (groupcache's
+``Group.load``). Concurrent fills of one key share one upstream fetch
+(``SingleFlight``); because non-owners go through the owner, that holds
+across the whole region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from blake3 import blake3
+
+from kdn.errors import SourceError
+from kdn.estimate import Estimates
+from kdn.registry import NodeRecord, ObjectRecord
+from kdn.ring import Ring
+
+from kdn.edge.flight import SingleFlight
+from kdn.edge.tiers import Key
+
+log = logging.getLogger(__name__)
+
+HOP = "X-KDN-Hop"  # set on edge-to-edge requests: the receiver fills itself, never forwards in-region
+CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
+MAX_BLOB_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Filled:
+    blob: bytes
+    source: str  # "peer:ID", "region:R", "origin"
+
+
+class Filler:
+    """Fetches a verified blob from the best source; the caller caches and serves it."""
+
+    def __init__(self, *, session: aiohttp.ClientSession, membership, origin_urls, me: NodeRecord,
+                 upstream_headers: dict[str, str], metrics, timeout: float = 30.0) -> None:
+        self.session = session
+        self.membership = membership
+        self.origin_urls = origin_urls  # callable -> list[str] (config, else origins in the registry)
+        self.me = me
+        self.headers = upstream_headers
+        self.m = metrics
+        self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(5.0, timeout))
+        self.estimates = Estimates()
+        self.flight: SingleFlight[Filled] = SingleFlight()
+        self._rings: dict[str, tuple[tuple[str, ...], Ring]] = {}
+
+    async def fill(self, key: Key, rec: ObjectRecord, *, hop: bool) -> Filled:
+        """One fill per key at a time, shared by every concurrent caller."""
+        return await self.flight.do(key, lambda: self._fill(key, rec, hop=hop))
+
+    def plan(self, key: Key, rec: ObjectRecord, *, hop: bool) -> list[tuple[str, str, dict[str, str]]]:
+        """Sources in the order to try: (label, base URL, extra headers)."""
+        address, encoding = key
+        size = rec.encodings[encoding].size
+        out: list[tuple[str, str, dict[str, str]]] = []
+        owner = self.membership.owner(address)
+        if not hop and owner is not None and owner.node_id != self.me.node_id:
+            out.append((f"peer:{owner.node_id}", owner.url, {HOP: "1"}))
+        # Other regions: ask the owner there, cached-only; fastest region first.
+        remote = []
+        for region, nodes in self.membership.regions().items():
+            if region == self.me.region or not nodes:
+                continue
+            ring_owner = self._owner_in(region, nodes, address)
+            if ring_owner is not None:
+                remote.append((f"region:{region}", ring_owner.url))
+        for label, url in sorted(remote, key=lambda r: self.estimates[r[1]].expected(size)):
+            out.append((label, url, {HOP: "1", CACHED_ONLY: "1"}))
+        for url in self.origin_urls():
+            out.append(("origin", url, {}))
+        return out
+
+    def _owner_in(self, region: str, nodes: list[NodeRecord], address: str) -> NodeRecord | None:
+        """The owner of ``address`` in another region's ring (rings cached per membership)."""
+        ids = tuple(sorted(n.node_id for n in nodes))
+        ring = self._rings.get(region)
+        if ring is None or ring[0] != ids:
+            ring = self._rings[region] = (ids, Ring(ids))
+        owner = ring[1].owner(address)
+        return next((n for n in nodes if n.node_id == owner), None)
+
+    async def _fill(self, key: Key, rec: ObjectRecord, *, hop: bool) -> Filled:
+        address, encoding = key
+        enc = rec.encodings[encoding]
+        errors = []
+        for label, base, extra in self.plan(key, rec, hop=hop):
+            kind = label.split(":", 1)[0]
+            t0 = time.perf_counter()
+            try:
+                blob = await self._get(f"{base}/v1/objects/{address}", encoding, extra, enc.size)
+            except SourceError as e:
+                self.estimates[base].fail()
+                self.m.source_errors.labels(kind).inc()
+                errors.append(f"{label}: {e}")
+                continue
+            if blob is None:  # a cached-only probe that missed
+                continue
+            dt = time.perf_counter() - t0
+            if len(blob) != enc.size or blake3(blob).hexdigest() != enc.digest:
+                # A lying or broken source: never cache or serve it, count it, try the next one.
+                self.m.digest_failures.labels(kind).inc()
+                self.estimates[base].fail()
+                log.warning("digest mismatch for %s.%s from %s", address, encoding, label)
+                errors.append(f"{label}: digest mismatch")
+                continue
+            self.estimates[base].observe(len(blob), dt)
+            self.m.fill_seconds.labels(kind).observe(dt)
+            self.m.fill_bytes.labels(kind).inc(len(blob))
+            return Filled(blob, label)
+        raise SourceError(f"no source delivered {address}.{encoding}: " + ("; ".join(errors) or "none holds it"))
+
+    async def _get(self, url: str, encoding: str, extra: dict[str, str], size: int) -> bytes | None:
+        try:
+            async with self.session.get(url, params={"encoding": encoding}, headers={**self.headers, **extra},
+                                        timeout=self.timeout) as r:
+                if r.status == 404 and CACHED_ONLY in extra:
+                    return None
+                if r.status != 200:
+                    raise SourceError(f"HTTP {r.status}")
+                if r.content_length is not None and r.content_length != size:
+                    raise SourceError(f"Content-Length {r.content_length}, expected {size}")
+                body = await r.content.read(size + 1)  # bounded: never read more than the object + 1 byte
+                while len(body) <= size and not r.content.at_eof():
+                    more = await r.content.read(size + 1 - len(body))
+                    if not more:
+                        break
+                    body += more
+                return body
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise SourceError(f"{type(e).__name__}: {str(e)[:120]}") from None
+
+    async def close(self) -> None:
+        await self.flight.close()

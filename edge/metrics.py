@@ -1,0 +1,57 @@
+"""The edge's Prometheus metrics, in one place so the dashboard and the code agree on names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+FILL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class EdgeMetrics:
+    def __init__(self, reg: CollectorRegistry, edge: Callable[[], object]) -> None:
+        self.hits = Counter("kdn_edge_hits", "Object reads served from a tier", ["tier"], registry=reg)
+        self.misses = Counter("kdn_edge_misses", "Object reads a tier could not serve", ["tier"], registry=reg)
+        self.bytes_served = Counter("kdn_edge_bytes_served", "Object bytes served, by where they came from",
+                                    ["source"], registry=reg)
+        self.fill_seconds = Histogram("kdn_edge_fill_seconds", "Fill latency by source", ["source"], registry=reg,
+                                      buckets=FILL_BUCKETS)
+        self.fill_bytes = Counter("kdn_edge_fill_bytes", "Bytes filled from upstream, by source", ["source"], registry=reg)
+        self.evictions = Counter("kdn_edge_evictions", "Entries evicted, by reason", ["reason"], registry=reg)
+        self.prefetch_started = Counter("kdn_edge_prefetch_started", "Prefetch fills started", registry=reg)
+        self.prefetch_used = Counter("kdn_edge_prefetch_used", "Prefetched entries later read", registry=reg)
+        self.prefetch_wasted = Counter("kdn_edge_prefetch_wasted", "Prefetched entries evicted unread", registry=reg)
+        self.warmed = Counter("kdn_edge_warmed", "Entries filled by a warm policy", registry=reg)
+        self.digest_failures = Counter("kdn_edge_digest_failures", "Bodies that failed digest verification, by source",
+                                       ["source"], registry=reg)
+        self.source_errors = Counter("kdn_edge_source_errors", "Failed fetches from a source", ["source"], registry=reg)
+        self.in_flight = Gauge("kdn_edge_fills_in_flight", "Fills in progress", registry=reg)
+
+        def tier_value(tier: str, attr: str) -> Callable[[], float]:
+            def read() -> float:
+                e = edge()
+                t = getattr(e, tier, None) if e is not None else None
+                return float(getattr(t, attr, 0)) if t is not None else 0.0
+            return read
+
+        used = Gauge("kdn_edge_tier_bytes", "Bytes held per tier", ["tier"], registry=reg)
+        budget = Gauge("kdn_edge_tier_budget_bytes", "Byte budget per tier", ["tier"], registry=reg)
+        for tier in ("memory", "disk"):
+            used.labels(tier).set_function(tier_value(tier, "used"))
+            budget.labels(tier).set_function(tier_value(tier, "budget"))
+
+        def ring_members() -> float:
+            e = edge()
+            m = getattr(e, "membership", None) if e is not None else None
+            return float(len(m.ring)) if m is not None else 0.0
+
+        Gauge("kdn_edge_ring_members", "Live edges in this edge's region", registry=reg).set_function(ring_members)
+
+        def corrupt() -> float:
+            e = edge()
+            d = getattr(e, "disk", None) if e is not None else None
+            return float(d.stats.corrupt) if d is not None else 0.0
+
+        Gauge("kdn_edge_disk_corrupt", "Disk entries dropped because their digest did not match",
+              registry=reg).set_function(corrupt)

@@ -1,0 +1,96 @@
+"""Prefetch: when chunk i of a published chain is read, bring chunks i+1..i+k into the owner's tier.
+
+The edge learns chains from the registry's manifests (watched), so it knows
+what follows an address without asking anyone. Each next address goes to its
+owner: this edge fills it in the background if it is the owner, else it asks
+the owner to (``POST /v1/prefetch``). Counting: an entry filled by a prefetch
+is "used" when a real request first reads it and "wasted" when it is evicted
+unread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from kdn.registry import Manifest
+
+log = logging.getLogger(__name__)
+
+
+class ChainIndex:
+    """address -> (chain, position) for every published manifest; kept current by a registry watch."""
+
+    def __init__(self) -> None:
+        self._chains: dict[str, list[str]] = {}  # "ns/name" -> addresses
+        self._pos: dict[str, tuple[str, int]] = {}  # address -> ("ns/name", index)
+
+    def put(self, m: Manifest) -> None:
+        self.remove(m.ref)
+        self._chains[m.ref] = list(m.addresses)
+        for i, a in enumerate(m.addresses):
+            self._pos[a] = (m.ref, i)
+
+    def remove(self, ref: str) -> None:
+        for a in self._chains.pop(ref, []):
+            if self._pos.get(a, (None,))[0] == ref:
+                del self._pos[a]
+
+    def following(self, address: str, k: int) -> list[str]:
+        at = self._pos.get(address)
+        if at is None or k <= 0:
+            return []
+        chain = self._chains[at[0]]
+        return chain[at[1] + 1 : at[1] + 1 + k]
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+
+class Prefetcher:
+    """Schedules background fills of what follows a read; bounded: at most ``max_pending`` at once."""
+
+    def __init__(self, index: ChainIndex, k: int, fetch: Callable[[str], Awaitable[None]], *, max_pending: int = 64):
+        self.index = index
+        self.k = k
+        self._fetch = fetch
+        self._pending: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self.max_pending = max_pending
+        self.dropped = 0
+
+    def after_read(self, address: str) -> None:
+        for nxt in self.index.following(address, self.k):
+            self.schedule(nxt)
+
+    def schedule(self, address: str) -> None:
+        if address in self._pending:
+            return
+        if len(self._pending) >= self.max_pending:
+            self.dropped += 1  # a prefetch is a hint: shed it rather than queue without bound
+            return
+        self._pending.add(address)
+        task = asyncio.create_task(self._run(address), name=f"prefetch-{address[:12]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, address: str) -> None:
+        try:
+            await self._fetch(address)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a failed prefetch costs nothing but the attempt
+            log.debug("prefetch of %s failed: %s", address, e)
+        finally:
+            self._pending.discard(address)
+
+    async def idle(self) -> None:
+        """Wait until no prefetch is running (tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)

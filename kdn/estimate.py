@@ -1,0 +1,68 @@
+"""Moving estimates of a source's round-trip time and bandwidth, and the expected time of a fetch.
+
+Each transfer of ``size`` bytes taking ``seconds`` updates two exponentially
+weighted moving averages: small transfers mostly measure latency, large ones
+bandwidth. ``expected(size) = rtt + size / bandwidth`` ranks sources; a source
+with no samples gets an optimistic prior so it is tried (and measured) once.
+Failures inflate the estimate so a failing source falls behind until it
+recovers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+SMALL = 64 << 10  # transfers below this size update the RTT estimate only
+
+
+@dataclass
+class SourceEstimate:
+    rtt: float = 0.001  # seconds; optimistic prior: unmeasured sources get tried
+    bandwidth: float = 1e9  # bytes/second
+    alpha: float = 0.3
+    samples: int = 0
+    failures: int = 0
+    last_failure: float = 0.0
+    _penalty: float = field(default=0.0, repr=False)
+
+    def observe(self, size: int, seconds: float) -> None:
+        seconds = max(seconds, 1e-6)
+        a = self.alpha if self.samples else 1.0
+        if size < SMALL:
+            self.rtt += a * (seconds - self.rtt)
+        else:
+            # Attribute the RTT to latency and the rest to bandwidth.
+            transfer = max(seconds - self.rtt, seconds * 0.1)
+            self.bandwidth += a * (size / transfer - self.bandwidth)
+        self.samples += 1
+        self._penalty = 0.0
+
+    def fail(self) -> None:
+        self.failures += 1
+        self.last_failure = time.monotonic()
+        self._penalty = min(max(self._penalty * 2, 0.05), 5.0)
+
+    def expected(self, size: int) -> float:
+        return self.rtt + size / max(self.bandwidth, 1.0) + self._penalty
+
+
+class Estimates:
+    """Estimates by source id (a URL or a node id)."""
+
+    def __init__(self) -> None:
+        self._by: dict[str, SourceEstimate] = {}
+
+    def __getitem__(self, source: str) -> SourceEstimate:
+        est = self._by.get(source)
+        if est is None:
+            est = self._by[source] = SourceEstimate()
+        return est
+
+    def rank(self, sources: list[str], size: int) -> list[str]:
+        """Sources by expected time for ``size`` bytes, fastest first (stable for ties)."""
+        return sorted(sources, key=lambda s: self[s].expected(size))
+
+    def snapshot(self) -> dict[str, dict]:
+        return {s: {"rtt_ms": e.rtt * 1e3, "mbps": e.bandwidth * 8 / 1e6, "samples": e.samples, "failures": e.failures}
+                for s, e in self._by.items()}

@@ -1,0 +1,151 @@
+"""A small CDN on loopback for edge tests: real etcd, a real origin, real edges."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from kdn.edge.app import EDGE, EdgeConfig, create_app as create_edge
+from kdn.origin.app import OriginConfig, create_app as create_origin
+
+PUBLISH = "pub-" + "a" * 28
+EDGE_TOKEN = "edge-" + "c" * 27  # read * : what edges show each other and the origin
+TENANT_A = "tenant-a-" + "d" * 23
+TENANT_B = "tenant-b-" + "e" * 23
+
+
+def write_tokens(path: Path) -> Path:
+    path.write_text(f"{PUBLISH}\n{EDGE_TOKEN} read *\n{TENANT_A} publish,read acme\n{TENANT_B} publish,read beta\n")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    registry: str
+    origin: TestServer | None = None
+    edges: dict[str, TestServer] = field(default_factory=dict)
+    configs: dict[str, EdgeConfig] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> Path:
+        return self.tmp / "tokens"
+
+    def origin_url(self) -> str:
+        return str(self.origin.make_url("")).rstrip("/")
+
+    def edge_url(self, node_id: str) -> str:
+        return self.configs[node_id].advertised_url
+
+    def edge(self, node_id: str):
+        return self.edges[node_id].app[EDGE]
+
+    async def start_origin(self, model: str = "tiny-llama") -> None:
+        port = free_port()
+        cfg = OriginConfig(model=model, registry=self.registry, store=str(self.tmp / "origin-store"), port=port,
+                           token_file=str(self.tokens), node_id="origin-1", fsync=False)
+        self.origin = TestServer(create_origin(cfg), host="127.0.0.1", port=port)
+        await self.origin.start_server()
+
+    async def start_edge(self, node_id: str, region: str = "eu", *, mem_budget: int = 64 << 20,
+                         disk_budget: int = 256 << 20, prefetch: int = 0, origin: bool = True, **kw) -> None:
+        cfg = self.configs.get(node_id)
+        if cfg is None:
+            port = free_port()
+            cfg = EdgeConfig(region=region, registry=self.registry, origin=self.origin_url() if origin else None,
+                             mem_budget=mem_budget, disk=str(self.tmp / f"disk-{node_id}"), disk_budget=disk_budget,
+                             port=port, node_id=node_id, token_file=str(self.tokens),
+                             upstream_token_file=str(self.tokens.with_name("edge-token")), prefetch=prefetch,
+                             lease_ttl=2.0, fsync=False, **kw)
+            self.tokens.with_name("edge-token").write_text(EDGE_TOKEN + "\n")
+            self.configs[node_id] = cfg
+        server = TestServer(create_edge(cfg), host="127.0.0.1", port=cfg.port)
+        await server.start_server()
+        self.edges[node_id] = server
+
+    async def stop_edge(self, node_id: str) -> None:
+        await self.edges.pop(node_id).close()
+
+    async def wait_ring(self, node_ids: list[str], region: str = "eu", timeout: float = 10.0) -> None:
+        """Every running edge of ``region`` sees exactly ``node_ids`` in its ring."""
+        want = sorted(node_ids)
+        for nid, server in self.edges.items():
+            if self.configs[nid].region == region:
+                m = server.app[EDGE].membership
+                await m.wait_for(lambda m: sorted(m.ring.nodes) == want, timeout=timeout)
+
+    async def close(self) -> None:
+        for nid in list(self.edges):
+            await self.stop_edge(nid)
+        if self.origin is not None:
+            await self.origin.close()
+
+
+@contextlib.asynccontextmanager
+async def cluster(tmp_path: Path, registry_url: str, *, edges=("e1", "e2", "e3"), model: str = "tiny-llama", **kw):
+    c = Cluster(tmp_path, registry_url)
+    write_tokens(c.tokens)
+    try:
+        await c.start_origin(model)
+        for nid in edges:
+            await c.start_edge(nid, **kw)
+        await c.wait_ring(list(edges))
+        yield c
+    finally:
+        await c.close()
+
+
+async def publish(c: Cluster, text: str, name: str = "doc", namespace: str = "public", token: str = PUBLISH) -> dict:
+    async with aiohttp.ClientSession(c.origin_url(), headers={"Authorization": f"Bearer {token}"}) as s:
+        async with s.post("/v1/publish", json={"name": name, "namespace": namespace, "text": text}) as r:
+            assert r.status == 202, await r.text()
+            job_id = (await r.json())["job"]
+        while True:
+            async with s.get(f"/v1/jobs/{job_id}") as r:
+                job = await r.json()
+            if job["state"] == "done":
+                return job["manifest"]
+            assert job["state"] != "failed", job
+            await asyncio.sleep(0.02)
+
+
+async def get(url: str, address: str, token: str | None = None, **params) -> tuple[int, bytes, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/objects/{address}", params=params, headers=headers) as r:
+            return r.status, await r.read(), r.headers.copy()  # case-insensitive
+
+
+def origin_served(c: Cluster) -> float:
+    """Objects the origin has served so far (its own Prometheus counter)."""
+    from kdn.service import METRICS
+
+    reg = c.origin.app[METRICS]
+    total = 0.0
+    for metric in reg.collect():
+        if metric.name == "kdn_origin_objects_served":
+            total += sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return total
+
+
+def metric(server: TestServer, name: str, **labels) -> float:
+    from kdn.service import METRICS
+
+    total = 0.0
+    for m in server.app[METRICS].collect():
+        for s in m.samples:
+            if s.name in (name, name + "_total") and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
