@@ -3,9 +3,11 @@
 - ``load_model`` / ``model_id_of``: a model by name or path, and its KDN model id.
 - ``extract_chunks`` / ``standalone_chunk`` (origin): per-chunk KV and SSM states of a prefill.
 - ``build_cache`` / ``continue_from_cache`` (engine): chunk states back into a ``DynamicCache``.
+- ``agenerate`` / ``generate`` / ``prompt_tokens`` (engine): reuse the longest cached prefix, then generate.
 """
 
 from kdn.adapters.hf.cache import build_cache, continue_from_cache
+from kdn.adapters.hf.generate import Generation, Report, agenerate, generate, model_id, prompt_tokens
 from kdn.adapters.hf.extract import (
     UNSUPPORTED_FAMILIES,
     ChunkState,
@@ -28,6 +30,12 @@ from kdn.adapters.hf.models import (
 )
 
 __all__ = [
+    "Generation",
+    "Report",
+    "agenerate",
+    "generate",
+    "model_id",
+    "prompt_tokens",
     "BUILTIN_SPECS",
     "TINY_SPECS",
     "UNSUPPORTED_FAMILIES",

@@ -1,0 +1,200 @@
+"""The engine side: look up the longest cached prefix, load it, prefill only the rest, generate.
+
+    from kdn.client import SyncKDNClient
+    from kdn.adapters.hf import generate, prompt_tokens
+
+    with SyncKDNClient(edges=["http://127.0.0.1:8100"]) as client:
+        manifest = client.manifest("public", "harbor-policy")
+        ids = prompt_tokens(tokenizer, manifest, "How much is the hotel limit?")
+        out = generate(model, tokenizer, ids, client, max_new_tokens=32)
+        print(out.text, out.report)
+
+Loading is exact: the cache is built from the objects' tensors as stored, and
+the remaining tokens run with explicit ``position_ids`` (Bamba needs them), so
+the logits equal those of the model continuing from its own cache after the
+same chunked prefill. States are only loaded into the model whose ``ModelId``
+produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kdn.errors import InvalidInput, ModelMismatch
+
+from kdn.adapters.hf.cache import build_cache, continue_from_cache
+from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
+from kdn.adapters.hf.models import model_id_of
+
+_SENTINEL = "\ue000KDN-QUESTION\ue001"
+_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Report:
+    tokens_total: int = 0
+    tokens_reused: int = 0
+    chunks_reused: int = 0
+    lookup_ms: float = 0.0
+    fetch_ms: float = 0.0
+    decode_ms: float = 0.0  # blob -> tensors -> cache
+    prefill_ms: float = 0.0  # the tokens not reused
+    ttft_ms: float = 0.0  # from the call to the first generated token
+    new_tokens: int = 0
+    sources: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        src = ", ".join(f"{k} x{v}" for k, v in sorted(self.sources.items())) or "none"
+        return (f"reused {self.tokens_reused}/{self.tokens_total} tokens ({self.chunks_reused} chunks from {src}); "
+                f"lookup {self.lookup_ms:.1f} ms, fetch {self.fetch_ms:.1f} ms, decode {self.decode_ms:.1f} ms, "
+                f"prefill {self.prefill_ms:.1f} ms; first token after {self.ttft_ms:.1f} ms")
+
+
+@dataclass
+class Generation:
+    ids: list[int]  # the new tokens
+    text: str
+    report: Report
+    first_logits: torch.Tensor  # logits of the prompt's last position [vocab]
+
+
+def model_id(model: Any, tokenizer: Any) -> str:
+    """The ModelId of a loaded model, computed once per model object (weights are hashed)."""
+    mid = _IDS.get(model)
+    if mid is None:
+        dtype = next(model.parameters()).dtype
+        mid = _IDS[model] = model_id_of(model, tokenizer, dtype)
+    return mid
+
+
+def prompt_tokens(tokenizer: Any, manifest: dict, question: str) -> list[int]:
+    """A prompt that begins with exactly the tokens a manifest published, then the question.
+
+    For a manifest published with the chat template, the question continues the
+    user turn that holds the document, the turn is closed, and the assistant's
+    turn opened, as the template renders it. Re-tokenizing the whole text
+    instead could merge tokens across the boundary and silently miss the cache.
+    """
+    published = list(manifest["prefix_tokens"])
+    if manifest.get("template") == "chat":
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                                 add_generation_prompt=True)
+        tail = rendered.split(_SENTINEL, 1)[1]
+        suffix = f"\n\n{question}{tail}"
+    else:
+        suffix = f"\n\n{question}\n"
+    try:
+        extra = tokenizer.encode(suffix, add_special_tokens=False)
+    except TypeError:
+        extra = tokenizer.encode(suffix)
+    return published + list(extra)
+
+
+async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client, *, namespace: str = "public",
+                    model_id_: str | None = None, chunk_tokens: int = 256, max_new_tokens: int = 32,
+                    do_sample: bool = False, temperature: float = 1.0, eos_token_id: int | None = None,
+                    use_cache: bool = True) -> Generation:
+    """Generate from ``prompt`` reusing the longest prefix the KDN holds (``use_cache=False``: plain prefill)."""
+    t_start = time.perf_counter()
+    if isinstance(prompt, str):
+        try:
+            ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        except TypeError:
+            ids = list(tokenizer.encode(prompt))
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidInput("empty prompt")
+    real_id = model_id(model, tokenizer)
+    if model_id_ is not None and model_id_ != real_id:
+        raise ModelMismatch(f"states of model {model_id_[:16]}... cannot be loaded into this model ({real_id[:16]}...)")
+    report = Report(tokens_total=len(ids))
+
+    objects = []
+    if use_cache:
+        t0 = time.perf_counter()
+        hit = await client.lookup(ids, real_id, namespace, chunk_tokens=chunk_tokens)
+        report.lookup_ms = (time.perf_counter() - t0) * 1e3
+        if hit.tokens:
+            states = await client.fetch_prefix(hit)
+            report.fetch_ms, report.sources = states.fetch_s * 1e3, states.sources
+            objects = states.objects
+            for obj in objects:
+                if obj.header.model_id != real_id:
+                    raise ModelMismatch(f"object {obj.header.address[:16]}... was produced by model "
+                                        f"{obj.header.model_id[:16]}..., not this one ({real_id[:16]}...)")
+
+    loop = asyncio.get_running_loop()
+    gen = await loop.run_in_executor(None, _run, model, tokenizer, ids, objects, report, max_new_tokens, do_sample,
+                                     temperature, eos_token_id, t_start)
+    return gen
+
+
+def _run(model, tokenizer, ids, objects, report, max_new_tokens, do_sample, temperature, eos_token_id, t_start):
+    from kdn.objects import to_torch
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        n = 0
+        cache = None
+        if objects:
+            chunks = [to_torch(o, device=model.device) for o in objects]
+            n = sum(o.header.n_tokens for o in objects)
+            if n >= len(ids):
+                # Everything is cached, but the next token needs the last position's logits:
+                # attention KV can be cut back one token; a Mamba state cannot, so drop a chunk.
+                if kind_of(layer_layout(model)) == "kv":
+                    cache, n = build_cache(model, chunks)
+                    cache.crop(len(ids) - 1)
+                    n = len(ids) - 1
+                else:
+                    chunks = chunks[:-1]
+                    n = sum(o.header.n_tokens for o in objects[:-1])
+            if cache is None and chunks:
+                cache, n = build_cache(model, chunks)
+            report.chunks_reused = len(chunks)
+        report.tokens_reused = n
+        report.decode_ms = (time.perf_counter() - t0) * 1e3
+        if cache is None:
+            cache = new_cache(model)
+        t0 = time.perf_counter()
+        logits = continue_from_cache(model, cache, n, ids[n:])  # [len(ids) - n, vocab]
+        report.prefill_ms = (time.perf_counter() - t0) * 1e3
+        first_logits = logits[-1].float()
+        out: list[int] = []
+        pos = len(ids)
+        nxt = _pick(first_logits, do_sample, temperature)
+        report.ttft_ms = (time.perf_counter() - t_start) * 1e3
+        eos = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+        while True:
+            out.append(nxt)
+            if len(out) >= max_new_tokens or (eos is not None and nxt == eos):
+                break
+            step = _forward(model, cache, torch.tensor([nxt], device=model.device), pos, logits=True)
+            pos += 1
+            nxt = _pick(step.logits[0, -1].float(), do_sample, temperature)
+        report.new_tokens = len(out)
+    text = tokenizer.decode(out, skip_special_tokens=True) if hasattr(tokenizer, "decode") else ""
+    return Generation(ids=out, text=text, report=report, first_logits=first_logits)
+
+
+def _pick(logits: torch.Tensor, do_sample: bool, temperature: float) -> int:
+    if not do_sample:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / max(temperature, 1e-5), dim=-1)
+    return int(torch.multinomial(probs, 1))
+
+
+def generate(model: Any, tokenizer: Any, prompt: str | list[int], client, **kwargs) -> Generation:
+    """Blocking ``agenerate`` for scripts: ``client`` is a ``kdn.client.SyncKDNClient``."""
+    from kdn.client import SyncKDNClient
+
+    if not isinstance(client, SyncKDNClient):
+        raise InvalidInput("generate() takes a SyncKDNClient; use agenerate() with a KDNClient")
+    return client.run(agenerate(model, tokenizer, prompt, client.aclient, **kwargs))

@@ -1,0 +1,379 @@
+"""The fetch client an inference server uses: find the longest cached prefix of a prompt and fetch it.
+
+Sources of an object, in the order of preference when nothing is measured
+yet: the owner edge of the client's region (by the same consistent-hash ring
+the edges use), the other edges of the region, other regions' edges, the
+origin. Each source keeps a moving estimate of round-trip time and bandwidth
+(``kdn.estimate``); a fetch goes to the source with the least expected time
+for the object's size, is hedged to the next source when it runs past twice
+its expected time, fails over on error, and is verified against the digest
+the registry promised before anything is decoded. One HTTP session serves
+every request.
+
+    async with KDNClient(edges=["http://127.0.0.1:8100"], token=...) as c:
+        hit = await c.lookup(tokens, model_id, namespace="public")
+        states = await c.fetch_prefix(hit)
+
+``SyncKDNClient`` wraps it for scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+from blake3 import blake3
+
+from kdn import address as A
+from kdn.errors import DigestMismatch, InvalidInput, SourceError
+from kdn.estimate import Estimates
+
+LOSSLESS = ("zstd", "raw")
+MAX_OBJECT_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Source:
+    url: str
+    kind: str  # "edge" | "region" | "origin"
+    label: str  # what reports show: "edge:e1", "region:us", "origin"
+    prior_rtt: float = 0.001
+    node_id: str | None = None  # edges of the client's region: their id on the ring
+
+
+@dataclass
+class Lookup:
+    """The longest reusable prefix of a prompt: ``addresses`` cover ``tokens`` leading tokens."""
+
+    model_id: str
+    namespace: str
+    addresses: list[str]
+    tokens: int
+    chunk_tokens: int
+    records: list[dict] = field(default_factory=list)  # registry records of ``addresses``, in order
+
+    @property
+    def chunks(self) -> int:
+        return len(self.addresses)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    address: str
+    encoding: str
+    blob: bytearray  # the preallocated receive buffer, verified
+    source: str
+    seconds: float
+
+
+@dataclass
+class PrefixStates:
+    lookup: Lookup
+    objects: list  # kdn.objects.DecodedObject, in chain order
+    fetched: list[Fetched]
+    fetch_s: float
+    decode_s: float
+
+    @property
+    def sources(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in self.fetched:
+            out[f.source] = out.get(f.source, 0) + 1
+        return out
+
+
+class KDNClient:
+    """Async fetch client. Give it edge URLs (first = the region's entry point), and/or an origin URL."""
+
+    def __init__(
+        self,
+        *,
+        edges: Sequence[str] = (),
+        remote_edges: Sequence[str] = (),
+        origin: str | None = None,
+        token: str | None = None,
+        hedge: bool = True,
+        concurrency: int = 8,
+        timeout: float = 30.0,
+        ssl: object = None,
+    ) -> None:
+        if not edges and not origin and not remote_edges:
+            raise InvalidInput("KDNClient needs at least one edge or an origin")
+        # ``edges`` may be URLs or (node_id, URL) pairs; with ids, the client routes each
+        # address to its owner edge first, by the same ring the edges use.
+        pairs = [(e, e) if isinstance(e, str) else (e[0], e[1]) for e in edges]
+        self.sources: list[Source] = (
+            [Source(u.rstrip("/"), "edge", f"edge:{nid if nid != u else i}", 0.001, nid if nid != u else None)
+             for i, (nid, u) in enumerate(pairs)]
+            + [Source(u.rstrip("/"), "region", f"region:{i}", 0.05) for i, u in enumerate(remote_edges)]
+            + ([Source(origin.rstrip("/"), "origin", "origin", 0.1)] if origin else [])
+        )
+        ids = [s.node_id for s in self.sources if s.node_id]
+        self._ring = None
+        if ids:
+            from kdn.ring import Ring
+
+            self._ring = Ring(ids)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.hedge = hedge
+        self.estimates = Estimates()
+        for s in self.sources:
+            self.estimates[s.url].rtt = s.prior_rtt
+        self._sem = asyncio.Semaphore(concurrency)
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 5.0))
+        self._ssl = ssl
+        self._session: aiohttp.ClientSession | None = None
+        self.hedges = 0
+        self.failovers = 0
+
+    # --- lifecycle -------------------------------------------------------------
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=64, ssl=self._ssl if self._ssl is not None else True)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self.headers,
+                                                  timeout=self._timeout, auto_decompress=False)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> KDNClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- registry reads through the first source that answers -----------------
+
+    async def _json(self, method: str, path: str, body: dict | None = None) -> dict | None:
+        errors = []
+        for s in self.sources:
+            try:
+                async with self.session.request(method, f"{s.url}{path}", json=body) as r:
+                    if r.status == 404:
+                        return None
+                    if r.status != 200:
+                        errors.append(f"{s.label}: HTTP {r.status}")
+                        continue
+                    return await r.json()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                errors.append(f"{s.label}: {type(e).__name__}")
+        raise SourceError("no source answered " + path.split("?")[0] + ": " + "; ".join(errors))
+
+    async def record(self, address: str) -> dict | None:
+        return await self._json("GET", f"/v1/registry/objects/{A.validate_address(address)}")
+
+    async def manifest(self, namespace: str, name: str) -> dict | None:
+        return await self._json("GET", f"/v1/registry/manifests/{A.validate_namespace(namespace)}/{A.validate_name(name)}")
+
+    # --- lookup ----------------------------------------------------------------
+
+    async def lookup(self, tokens, model_id: str, namespace: str = "public", *,
+                     chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS) -> Lookup:
+        """How many leading tokens of ``tokens`` are published: whole chunks, then a partial tail.
+
+        Whole chunks are found with one ``/v1/lookup``; past them, the last
+        matched chunk's record lists its partial tails (length -> address), so a
+        prompt that continues past a published text (text + question) reuses
+        all of the text.
+        """
+        toks = list(tokens)
+        full = A.prefix_addresses(model_id, namespace, toks, chunk_tokens, full_chunks_only=True)
+        n = 0
+        if full:
+            body = await self._json("POST", "/v1/lookup", {"addresses": full})
+            n = int(body["length"]) if body else 0
+        addrs = full[:n]
+        covered = n * chunk_tokens
+        if n:
+            parent = await self.record(addrs[-1])
+            tails = {int(k): v for k, v in (parent or {}).get("tails", {}).items()}
+            for length in sorted(tails, reverse=True):
+                if covered + length <= len(toks):
+                    cand = A.next_address(addrs[-1], toks[covered:covered + length])
+                    if cand == tails[length] and await self.record(cand) is not None:
+                        addrs.append(cand)
+                        covered += length
+                        break
+        return Lookup(model_id=model_id, namespace=namespace, addresses=addrs, tokens=covered,
+                      chunk_tokens=chunk_tokens)
+
+    # --- fetch -----------------------------------------------------------------
+
+    @classmethod
+    async def from_registry(cls, registry, region: str, **kwargs) -> KDNClient:
+        """Sources from the registry's live nodes: this region's edges, other regions' edges, the origins."""
+        edges = await registry.list_nodes(role="edge")
+        origins = await registry.list_nodes(role="origin")
+        mine = [(n.node_id, n.url) for n in edges if n.region == region]
+        remote = [n.url for n in edges if n.region != region]
+        return cls(edges=mine, remote_edges=remote, origin=origins[0].url if origins else None, **kwargs)
+
+    def _ranked(self, size: int, address: str | None = None) -> list[Source]:
+        """Least expected time first; a non-owner edge pays one extra hop (it asks the owner)."""
+        owner = self._ring.owner(address) if (self._ring is not None and address) else None
+
+        def cost(s: Source) -> float:
+            est = self.estimates[s.url]
+            hop = est.rtt if (s.node_id is not None and owner is not None and s.node_id != owner) else 0.0
+            return est.expected(size) + hop
+
+        return sorted(self.sources, key=cost)
+
+    async def fetch(self, address: str, *, encoding: str | None = None, digest: str | None = None,
+                    size: int | None = None) -> Fetched:
+        """One object, verified. Without ``digest`` the registry record supplies it."""
+        A.validate_address(address)
+        if digest is None or encoding is None or size is None:
+            rec = await self.record(address)
+            if rec is None:
+                raise SourceError(f"{address} is not in the registry")
+            encs = rec["encodings"]
+            encoding = encoding or next((e for e in LOSSLESS if e in encs), None)
+            if encoding is None or encoding not in encs:
+                raise SourceError(f"{address} has no encoding {encoding!r}")
+            digest, size = encs[encoding]["digest"], encs[encoding]["size"]
+        if size > MAX_OBJECT_BYTES:
+            raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
+        async with self._sem:
+            return await self._fetch_hedged(address, encoding, digest, size)
+
+    async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int) -> Fetched:
+        order = self._ranked(size, address)
+        errors: list[str] = []
+        pending: dict[asyncio.Task, Source] = {}
+        i = 0
+
+        def launch() -> None:
+            nonlocal i
+            src = order[i]
+            i += 1
+            pending[asyncio.create_task(self._get(src, address, encoding, digest, size))] = src
+
+        launch()
+        try:
+            while pending:
+                # Hedge: wait the leading request's expected time x2 (at least 20 ms), then add the next source.
+                first = next(iter(pending.values()))
+                budget = max(2 * self.estimates[first.url].expected(size), 0.02)
+                done, _ = await asyncio.wait(pending, timeout=budget if (self.hedge and i < len(order)) else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    self.hedges += 1
+                    launch()
+                    continue
+                for task in done:
+                    src = pending.pop(task)
+                    try:
+                        return task.result()
+                    except (SourceError, DigestMismatch) as e:
+                        errors.append(f"{src.label}: {e}")
+                        self.failovers += 1
+                if not pending and i < len(order):
+                    launch()
+            raise SourceError(f"no source delivered {address}: " + "; ".join(errors))
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _get(self, src: Source, address: str, encoding: str, digest: str, size: int) -> Fetched:
+        t0 = time.perf_counter()
+        est = self.estimates[src.url]
+        try:
+            async with self.session.get(f"{src.url}/v1/objects/{address}", params={"encoding": encoding}) as r:
+                if r.status != 200:
+                    raise SourceError(f"HTTP {r.status}")
+                if r.headers.get("X-KDN-Encoding", encoding) != encoding:
+                    raise SourceError(f"asked for {encoding}, got {r.headers.get('X-KDN-Encoding')}")
+                if r.content_length is not None and r.content_length != size:
+                    raise SourceError(f"Content-Length {r.content_length}, expected {size}")
+                buf = bytearray(size)  # the whole body lands in one preallocated buffer
+                view = memoryview(buf)
+                got = 0
+                async for chunk in r.content.iter_any():
+                    if got + len(chunk) > size:
+                        raise SourceError(f"body longer than the {size} bytes promised")
+                    view[got:got + len(chunk)] = chunk
+                    got += len(chunk)
+                if got != size:
+                    raise SourceError(f"body of {got} bytes, expected {size}")
+                source = r.headers.get("X-KDN-Source", src.label)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            est.fail()
+            raise SourceError(f"{type(e).__name__}: {str(e)[:100]}") from None
+        except SourceError:
+            est.fail()
+            raise
+        if blake3(buf).hexdigest() != digest:
+            est.fail()
+            raise DigestMismatch(f"{address} from {src.label} does not match its digest")
+        dt = time.perf_counter() - t0
+        est.observe(size, dt)
+        return Fetched(address, encoding, buf, f"{src.label}/{source}", dt)
+
+    async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None) -> PrefixStates:
+        """Fetch, verify and decode every object of a lookup, concurrently; objects stay in chain order."""
+        from kdn.objects import decode_object
+
+        t0 = time.perf_counter()
+        fetched = list(await asyncio.gather(*(self.fetch(a, encoding=encoding) for a in hit.addresses)))
+        t1 = time.perf_counter()
+        objects = []
+        for f in fetched:
+            obj = decode_object(f.blob)
+            h = obj.header
+            if h.model_id != hit.model_id or h.namespace != hit.namespace or h.address != f.address:
+                raise DigestMismatch(f"object {f.address} claims model {h.model_id[:12]}/{h.namespace}, "
+                                     f"expected {hit.model_id[:12]}/{hit.namespace}")
+            objects.append(obj)
+        return PrefixStates(hit, objects, fetched, t1 - t0, time.perf_counter() - t1)
+
+
+class SyncKDNClient:
+    """Blocking wrapper for scripts: one ``asyncio.Runner`` owned by this object, closed with it."""
+
+    def __init__(self, **kwargs) -> None:
+        self._runner = asyncio.Runner()
+        self._client = self._runner.run(self._make(kwargs))
+
+    @staticmethod
+    async def _make(kwargs) -> KDNClient:
+        return KDNClient(**kwargs)
+
+    @property
+    def aclient(self) -> KDNClient:
+        """The async client inside (for ``run``)."""
+        return self._client
+
+    def run(self, coro):
+        """Run a coroutine on this wrapper's loop (e.g. ``kdn.adapters.hf.agenerate``)."""
+        return self._runner.run(coro)
+
+    def lookup(self, *args, **kwargs) -> Lookup:
+        return self._runner.run(self._client.lookup(*args, **kwargs))
+
+    def manifest(self, namespace: str, name: str) -> dict | None:
+        return self._runner.run(self._client.manifest(namespace, name))
+
+    def fetch(self, *args, **kwargs) -> Fetched:
+        return self._runner.run(self._client.fetch(*args, **kwargs))
+
+    def fetch_prefix(self, *args, **kwargs) -> PrefixStates:
+        return self._runner.run(self._client.fetch_prefix(*args, **kwargs))
+
+    def close(self) -> None:
+        self._runner.run(self._client.close())
+        self._runner.close()
+
+    def __enter__(self) -> SyncKDNClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
