@@ -389,8 +389,12 @@ async def _send_bytes(request, data: memoryview, headers: dict, *, head: bool, m
     resp = web.Response(body=None if head else data, headers=headers)
     if head:
         resp.headers["Content-Length"] = str(len(data))
-    await resp.prepare(request)
-    await resp.write_eof()
+    try:
+        await resp.prepare(request)
+        await resp.write_eof()
+    except ConnectionError:  # the client hung up (e.g. its hedged twin won): nothing left to do
+        metrics.aborted.inc()
+        return resp
     if not head:
         metrics.bytes_served.labels(source).inc(len(data))
     return resp
@@ -400,6 +404,14 @@ async def _send_file(request, path: Path, size: int, headers: dict, *, head: boo
     """sendfile(2) the blob; like aiohttp's FileResponse, but with the digest as ETag."""
     resp = web.StreamResponse(headers=headers)
     resp.content_length = size
+    try:
+        return await _sendfile_body(request, resp, path, size, head=head, metrics=metrics)
+    except ConnectionError:
+        metrics.aborted.inc()
+        return resp
+
+
+async def _sendfile_body(request, resp, path: Path, size: int, *, head: bool, metrics):
     await resp.prepare(request)  # StreamResponse sends its headers now, before the body
     if not head:
         with open(path, "rb") as f:

@@ -26,6 +26,8 @@ class EdgeMetrics:
         self.digest_failures = Counter("kdn_edge_digest_failures", "Bodies that failed digest verification, by source",
                                        ["source"], registry=reg)
         self.source_errors = Counter("kdn_edge_source_errors", "Failed fetches from a source", ["source"], registry=reg)
+        self.aborted = Counter("kdn_edge_aborted_responses", "Responses cut short by the client hanging up",
+                               registry=reg)
         self.in_flight = Gauge("kdn_edge_fills_in_flight", "Fills in progress", registry=reg)
 
         def tier_value(tier: str, attr: str) -> Callable[[], float]:

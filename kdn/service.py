@@ -70,6 +70,9 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
     except KDNError as e:
         log.warning("request %s %s failed: %s", request.method, request.path, e)
         return json_error(503, "unavailable", str(e))
+    except ConnectionError:
+        # The client hung up mid-response (a hedged fetch whose twin won): nothing to answer.
+        raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return json_error(500, "internal", "internal error; see the server log")

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 
 from edge_helpers import EDGE_TOKEN, TENANT_A, TENANT_B, cluster, publish  # noqa: E402
 
