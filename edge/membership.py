@@ -1,0 +1,281 @@
+"""An edge's view of the live edges: every region's members, and the hash ring of its own region.
+
+An edge registers itself under ``nodes/edge/{region}/{node_id}`` with a lease
+and watches ``nodes/edge/`` (all regions: a miss may be filled from another
+region's edge). The watch's snapshot replaces the view; puts and deletes update
+it; a node whose lease expires (it died, or lost the registry for longer than
+its TTL) arrives as a delete.
+
+Two things keep it alive through a registry outage:
+
+- the watch is retried with backoff; meanwhile the edge keeps serving with the
+  last view it had (a stale ring costs at worst an extra hop or a refetch,
+  never a wrong byte: objects are content-addressed and verified);
+- when its own lease is lost (``lease.done``), the edge registers again with a
+  new lease, so it comes back into everyone's ring when the registry does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import AsyncIterator, Callable
+
+from kdn.errors import InvalidInput, KDNError, RegistryError, RegistryUnavailable
+from kdn.registry import Event, NodeLease, NodeRecord, Registry
+from kdn.ring import Ring
+
+__all__ = ["EDGE_PREFIX", "Membership"]
+
+log = logging.getLogger(__name__)
+
+EDGE_PREFIX = "nodes/edge/"
+
+
+class Membership:
+    """The live edges as this edge sees them; ``start()`` it, ``close()`` it.
+
+    ``nodes`` maps node id to record over all regions (node ids are expected to
+    be unique across regions); ``ring`` is a ``Ring`` of the live edges of
+    ``me.region``, replaced (never mutated) when that set changes, so a caller
+    holding it keeps a consistent view.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        me: NodeRecord,
+        *,
+        ttl: float = 10.0,
+        vnodes: int = 160,
+        backoff: tuple[float, float] = (0.1, 5.0),
+    ) -> None:
+        if not isinstance(me, NodeRecord) or me.role != "edge":
+            raise InvalidInput(f"Membership is for edge nodes, got {me!r}")
+        self.registry = registry
+        self.me = me
+        self.ttl = ttl
+        self.vnodes = vnodes
+        self.nodes: dict[str, NodeRecord] = {}
+        self.ring = Ring(vnodes=vnodes)
+        self.lease: NodeLease | None = None
+        self.revision = 0  # registry revision of the view
+        self.reregistrations = 0
+        self._backoff = backoff
+        self._by_key: dict[str, NodeRecord] = {}  # "nodes/edge/{region}/{id}" -> record
+        self._local: dict[str, NodeRecord] = {}  # my region: id -> record
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    # lifecycle --------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Register, read the first snapshot, then follow changes in the background.
+
+        Raises ``RegistryError`` if the registry cannot be reached now: an edge
+        that never joined should fail to start, not serve alone.
+        """
+        self.lease = await self.registry.register_node(self.me, self.ttl)
+        events = aiter(self.registry.watch(EDGE_PREFIX))
+        try:
+            first = await anext(events, None)
+            if first is None:
+                raise RegistryUnavailable("the registry closed the membership watch before its snapshot")
+        except BaseException:
+            await _aclose(events)
+            with contextlib.suppress(RegistryError):
+                await self.lease.close()
+            raise
+        self._apply(first)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._follow(events), name=f"kdn-membership-watch-{self.me.node_id}"),
+            loop.create_task(self._stay_registered(), name=f"kdn-membership-lease-{self.me.node_id}"),
+        ]
+
+    async def close(self) -> None:
+        """Stop following and revoke the lease: the others drop this edge at once."""
+        self._closing = True
+        await self._stop_tasks()
+        if self.lease is not None:
+            try:
+                await self.lease.close()
+            except RegistryError as e:
+                # Unreachable registry: the key goes when the lease's TTL runs out.
+                log.warning(
+                    "edge %s: could not revoke its lease on close (%s); it expires in %.0fs", self.me.node_id, e, self.ttl
+                )
+
+    async def __aenter__(self) -> Membership:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _kill(self) -> None:
+        """Stop everything without revoking: what a SIGKILLed edge looks like to the others (tests)."""
+        self._closing = True
+        if self.lease is not None:
+            self.lease._stop_keepalive()
+        await self._stop_tasks()
+
+    async def _stop_tasks(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    # queries ----------------------------------------------------------------
+
+    def owner(self, address: str) -> NodeRecord | None:
+        """The edge of my region that owns ``address``; None when the region has none."""
+        node_id = self.ring.owner(address)
+        return None if node_id is None else self._local[node_id]
+
+    def preference(self, address: str, n: int | None = None) -> list[NodeRecord]:
+        """Edges of my region in the order to try for ``address``: owner first."""
+        return [self._local[i] for i in self.ring.preference(address, n)]
+
+    def is_me(self, node_id: str) -> bool:
+        return node_id == self.me.node_id
+
+    def peers(self, region: str | None = None) -> list[NodeRecord]:
+        """Live edges other than me, of all regions or one, sorted by (region, node id)."""
+        return [
+            r
+            for r in _sorted(self._by_key.values())
+            if (region is None or r.region == region) and not (r.region == self.me.region and self.is_me(r.node_id))
+        ]
+
+    def regions(self) -> dict[str, list[NodeRecord]]:
+        """Live edges by region (me included while my key is live), sorted."""
+        out: dict[str, list[NodeRecord]] = {}
+        for r in _sorted(self._by_key.values()):
+            out.setdefault(r.region, []).append(r)
+        return out
+
+    async def wait_for(self, predicate: Callable[[Membership], bool], timeout: float | None = None) -> None:
+        """Return once ``predicate(self)`` holds, re-checking after each change; TimeoutError after ``timeout``."""
+        async with asyncio.timeout(timeout):
+            while not predicate(self):
+                # No await between the check and taking the event: a change
+                # cannot slip in between (one event loop, _notify swaps events).
+                await self._changed.wait()
+
+    # background -------------------------------------------------------------
+
+    async def _follow(self, events: AsyncIterator[Event] | None) -> None:
+        """Apply watch events; on failure keep the last view and re-watch with backoff."""
+        low, high = self._backoff
+        delay = low
+        while True:
+            try:
+                if events is None:
+                    events = aiter(self.registry.watch(EDGE_PREFIX))
+                async for ev in events:
+                    self._apply(ev)
+                    if ev.kind == "snapshot":
+                        delay = low  # the registry answers again
+                if self._closing:
+                    return
+                problem: str = "the watch ended"
+            except RegistryError as e:
+                problem = str(e)
+            except Exception as e:  # noqa: BLE001 - the edge must keep following membership; logged with its traceback
+                log.exception("edge %s: membership watch failed unexpectedly", self.me.node_id)
+                problem = f"{type(e).__name__}: {e}"
+            finally:
+                if events is not None:
+                    await _aclose(events)
+                events = None
+            wait = delay * random.uniform(0.5, 1.0)
+            log.warning(
+                "edge %s: membership watch failed (%s); serving with the last known ring %s, retrying in %.2fs",
+                self.me.node_id,
+                problem,
+                self.ring.nodes,
+                wait,
+            )
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, high)
+
+    async def _stay_registered(self) -> None:
+        """Re-register whenever the lease is lost (expired behind our back, or the registry was down past the TTL)."""
+        low, high = self._backoff
+        while True:
+            old = self.lease
+            assert old is not None
+            await old.done.wait()
+            if self._closing:
+                return
+            log.warning("edge %s: lease %x lost; registering again", self.me.node_id, old.lease_id)
+            delay = low
+            while True:
+                try:
+                    self.lease = await self.registry.register_node(self.me, self.ttl)
+                    break
+                except RegistryError as e:
+                    wait = delay * random.uniform(0.5, 1.0)
+                    log.warning("edge %s: re-registering failed (%s); retrying in %.2fs", self.me.node_id, e, wait)
+                    await asyncio.sleep(wait)
+                    delay = min(delay * 2, high)
+            self.reregistrations += 1
+            log.warning("edge %s: registered again with lease %x", self.me.node_id, self.lease.lease_id)
+            # Tidy the old lease if the server still has it. Our key now belongs
+            # to the new lease (the put above rebound it), so revoking the old
+            # one deletes nothing.
+            with contextlib.suppress(RegistryError):
+                await old.close()
+            self._notify()
+
+    # the view ---------------------------------------------------------------
+
+    def _apply(self, ev: Event) -> None:
+        if ev.kind == "snapshot":
+            self._by_key = {k: rec for k, v in ev.items.items() if (rec := self._decode(k, v)) is not None}
+        elif ev.key is not None:
+            rec = self._decode(ev.key, ev.value) if ev.kind == "put" else None
+            if rec is None:
+                self._by_key.pop(ev.key, None)
+            else:
+                self._by_key[ev.key] = rec
+        self.revision = max(self.revision, ev.revision)
+        self.nodes = {r.node_id: r for r in _sorted(self._by_key.values())}
+        local = {r.node_id: r for r in self._by_key.values() if r.region == self.me.region}
+        if local.keys() != self._local.keys():
+            self.ring = Ring(sorted(local), vnodes=self.vnodes)
+        self._local = local
+        self._notify()
+
+    def _decode(self, key: str, value: bytes | None) -> NodeRecord | None:
+        parts = key.split("/")
+        if len(parts) != 4 or parts[0] != "nodes" or parts[1] != "edge" or value is None:
+            return None
+        try:
+            rec = NodeRecord.unpack(value)
+        except (KDNError, ValueError, TypeError) as e:
+            log.warning("edge %s: ignoring unreadable node record %r: %s", self.me.node_id, key, e)
+            return None
+        if (rec.role, rec.region, rec.node_id) != ("edge", parts[2], parts[3]):
+            log.warning("edge %s: ignoring node record %r that names %s/%s", self.me.node_id, key, rec.region, rec.node_id)
+            return None
+        return rec
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+
+def _sorted(records: object) -> list[NodeRecord]:
+    return sorted(records, key=lambda r: (r.region, r.node_id))  # type: ignore[arg-type]
+
+
+async def _aclose(events: AsyncIterator[Event]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
