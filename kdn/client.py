@@ -154,16 +154,21 @@ class KDNClient:
 
     async def _json(self, method: str, path: str, body: dict | None = None) -> dict | None:
         errors = []
-        for s in self.sources:
+        for s in self._ranked(0):
+            t0 = time.perf_counter()
             try:
                 async with self.session.request(method, f"{s.url}{path}", json=body) as r:
                     if r.status == 404:
                         return None
                     if r.status != 200:
+                        self.estimates[s.url].fail()
                         errors.append(f"{s.label}: HTTP {r.status}")
                         continue
-                    return await r.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    data = await r.json(content_type=None)
+                    self.estimates[s.url].observe(0, time.perf_counter() - t0)  # small: an RTT sample
+                    return data
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+                self.estimates[s.url].fail()
                 errors.append(f"{s.label}: {type(e).__name__}")
         raise SourceError("no source answered " + path.split("?")[0] + ": " + "; ".join(errors))
 
