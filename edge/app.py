@@ -70,10 +70,13 @@ class EdgeConfig:
     lease_ttl: float = 10.0
     fsync: bool = True
     records_cache: int = 100_000
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
 
     @property
     def advertised_url(self) -> str:
-        return self.url or f"http://{self.host}:{self.port}"
+        return self.url or f"{'https' if self.tls_cert else 'http'}://{self.host}:{self.port}"
 
 
 class RecordCache:
@@ -233,7 +236,9 @@ async def _edge_ctx(app: web.Application):
     if cfg.disk:
         edge.disk = await DiskTier.open(cfg.disk, cfg.disk_budget, fsync=cfg.fsync, on_evict=edge._on_evict)
     upstream = _upstream_headers(cfg.upstream_token_file)
-    connector = aiohttp.TCPConnector(limit=256, limit_per_host=64)
+    from kdn.tls import client_context
+
+    connector = aiohttp.TCPConnector(limit=256, limit_per_host=64, ssl=client_context(cfg.ca))
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl)
     edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
@@ -504,4 +509,7 @@ def create_app(config: EdgeConfig) -> web.Application:
 def run(config: EdgeConfig) -> None:
     logging.basicConfig(level=os.environ.get("KDN_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(create_app(config), host=config.host, port=config.port, print=None)
+    from kdn.tls import server_context
+
+    web.run_app(create_app(config), host=config.host, port=config.port, print=None,
+                ssl_context=server_context(config.tls_cert, config.tls_key))

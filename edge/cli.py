@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--upstream-token-file", default=None, metavar="F", help="token this edge shows peers and the origin")
     p.add_argument("--prefetch", type=int, default=2, metavar="N", help="chunks fetched ahead of a read (0: off)")
     p.add_argument("--lease-ttl", default="10s", metavar="DURATION", help="membership lease, e.g. 10s")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
+    p.add_argument("--ca", default=None, metavar="FILE", help="CA bundle to verify peers and the origin (default: system CAs, or $KDN_CA)")
     p.set_defaults(func=cmd_edge_serve)
 
     policy = sub.add_parser("policy", help="operator policies: pin, warm, ttl, quota").add_subparsers(
@@ -88,7 +91,12 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "lease_ttl": _positive(parse_duration(args.lease_ttl), "--lease-ttl"),
         "token_file": _readable(args.token_file, "--token-file"),
         "upstream_token_file": _readable(args.upstream_token_file, "--upstream-token-file"),
+        "tls_cert": _readable(args.tls_cert, "--tls-cert"),
+        "tls_key": _readable(args.tls_key, "--tls-key"),
+        "ca": _readable(args.ca, "--ca"),
     }
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise InvalidInput("--tls-cert and --tls-key go together")
     if args.origin is not None:
         kw["origin"] = _http_url(args.origin, "--origin")
     if args.url is not None:

@@ -98,6 +98,7 @@ class KDNClient:
         hedge: bool = True,
         concurrency: int = 8,
         timeout: float = 30.0,
+        ca: str | None = None,
         ssl: object = None,
     ) -> None:
         if not edges and not origin and not remote_edges:
@@ -125,6 +126,7 @@ class KDNClient:
         self._sem = asyncio.Semaphore(concurrency)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 5.0))
         self._ssl = ssl
+        self._ca = ca
         self._session: aiohttp.ClientSession | None = None
         self.hedges = 0
         self.failovers = 0
@@ -134,7 +136,10 @@ class KDNClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=64, ssl=self._ssl if self._ssl is not None else True)
+            from kdn.tls import client_context
+
+            # HTTPS sources are always verified: against ``ca`` / $KDN_CA, else the system CAs.
+            connector = aiohttp.TCPConnector(limit=64, ssl=self._ssl if self._ssl is not None else client_context(self._ca))
             self._session = aiohttp.ClientSession(connector=connector, headers=self.headers,
                                                   timeout=self._timeout, auto_decompress=False)
         return self._session

@@ -59,10 +59,12 @@ class OriginConfig:
     lease_ttl: float = 10.0
     fsync: bool = True
     cache_dir: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @property
     def advertised_url(self) -> str:
-        return self.url or f"http://{self.host}:{self.port}"
+        return self.url or f"{'https' if self.tls_cert else 'http'}://{self.host}:{self.port}"
 
 
 CONFIG = web.AppKey("config", OriginConfig)
@@ -296,4 +298,7 @@ def create_app(config: OriginConfig) -> web.Application:
 
 def run(config: OriginConfig) -> None:
     logging.basicConfig(level=os.environ.get("KDN_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(create_app(config), host=config.host, port=config.port, print=None)
+    from kdn.tls import server_context
+
+    web.run_app(create_app(config), host=config.host, port=config.port, print=None,
+                ssl_context=server_context(config.tls_cert, config.tls_key))

@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None, help="URL advertised in the registry (default http://HOST:PORT)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-pending-jobs", type=int, default=16)
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("publish", help="publish documents through an origin")
@@ -44,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix", action="store_true", help="publish standalone chunks only")
     p.add_argument("--json", action="store_true", help="print the manifests as JSON")
     p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--ca", default=None, metavar="FILE", help="CA bundle to verify an HTTPS origin (default: system CAs, or $KDN_CA)")
     p.set_defaults(func=cmd_publish)
 
 
@@ -53,7 +56,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = OriginConfig(model=args.model, registry=args.registry, store=args.store, host=args.host, port=args.port,
                        token_file=args.token_file, region=validate_name(args.region), url=args.url, dtype=args.dtype,
-                       max_pending_jobs=args.max_pending_jobs)
+                       max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise InvalidInput("--tls-cert and --tls-key go together")
     if args.node_id:
         cfg.node_id = validate_name(args.node_id)
     run(cfg)
@@ -82,7 +87,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     import asyncio
 
     manifests = asyncio.run(_publish_all(args.origin.rstrip("/"), token, docs, body_common, args.timeout,
-                                         progress=not args.json and sys.stderr.isatty()))
+                                         progress=not args.json and sys.stderr.isatty(), ca=args.ca))
     if args.json:
         print(json.dumps(manifests if len(manifests) > 1 else manifests[0], indent=2))
     else:
@@ -94,12 +99,17 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _publish_all(origin: str, token: str | None, docs, common: dict, timeout: float, progress: bool) -> list[dict]:
+async def _publish_all(origin: str, token: str | None, docs, common: dict, timeout: float, progress: bool,
+                       ca: str | None = None) -> list[dict]:
     import aiohttp
+
+    from kdn.tls import client_context
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     out = []
-    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as s:
+    connector = aiohttp.TCPConnector(ssl=client_context(ca))
+    async with aiohttp.ClientSession(headers=headers, connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as s:
         for name, text in docs:
             try:
                 async with s.post(f"{origin}/v1/publish", json={**common, "name": name, "text": text}) as r:

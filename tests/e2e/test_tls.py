@@ -1,0 +1,88 @@
+"""Origin and edge over HTTPS with a private CA: clients verify, and refuse what they cannot verify."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
+
+from edge_helpers import EDGE_TOKEN, PUBLISH, free_port, write_tokens  # noqa: E402
+
+from kdn.client import KDNClient  # noqa: E402
+from kdn.edge.app import EDGE, EdgeConfig, create_app as create_edge  # noqa: E402
+from kdn.errors import SourceError  # noqa: E402
+from kdn.origin.app import OriginConfig, create_app as create_origin  # noqa: E402
+from kdn.tls import server_context  # noqa: E402
+
+
+def make_ca_and_cert(d: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a certificate for 127.0.0.1 signed by it (openssl CLI)."""
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kdn-test-ca",
+        "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(d / "srv.key"),
+        "-out", str(d / "srv.csr"))
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    run("x509", "-req", "-in", str(d / "srv.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
+        "-CAcreateserial", "-days", "1", "-extfile", str(d / "ext.cnf"), "-out", str(d / "srv.pem"))
+    return d / "ca.pem", d / "srv.pem", d / "srv.key"
+
+
+async def serve(app: web.Application, port: int, cert: Path, key: Path) -> web.AppRunner:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=server_context(str(cert), str(key))).start()
+    return runner
+
+
+async def test_https_origin_and_edge_with_verification(tmp_path, etcd_server):
+    ca, cert, key = make_ca_and_cert(tmp_path)
+    registry = f"{etcd_server.replace('http://', 'etcd://')}/tls{secrets.token_hex(4)}/"
+    tokens = write_tokens(tmp_path / "tokens")
+    (tmp_path / "edge-token").write_text(EDGE_TOKEN + "\n")
+    oport, eport = free_port(), free_port()
+    ocfg = OriginConfig(model="tiny-llama", registry=registry, store=str(tmp_path / "store"), port=oport,
+                        token_file=str(tokens), node_id="o1", fsync=False, tls_cert=str(cert), tls_key=str(key))
+    ecfg = EdgeConfig(region="eu", registry=registry, origin=ocfg.advertised_url, port=eport, node_id="e1",
+                      token_file=str(tokens), upstream_token_file=str(tmp_path / "edge-token"), lease_ttl=2.0,
+                      fsync=False, tls_cert=str(cert), tls_key=str(key), ca=str(ca))
+    assert ocfg.advertised_url.startswith("https://") and ecfg.advertised_url.startswith("https://")
+    runners = [await serve(create_origin(ocfg), oport, cert, key)]
+    try:
+        runners.append(await serve(create_edge(ecfg), eport, cert, key))
+        await runners[1].app[EDGE].membership.wait_for(lambda m: m.ring.nodes == ["e1"], timeout=10)
+        from kdn.tls import client_context
+
+        conn = aiohttp.TCPConnector(ssl=client_context(str(ca)))
+        async with aiohttp.ClientSession(connector=conn, headers={"Authorization": f"Bearer {PUBLISH}"}) as s:
+            async with s.post(f"{ocfg.advertised_url}/v1/publish", json={"name": "d", "text": "x" * 600}) as r:
+                job = (await r.json())["job"]
+            while True:
+                async with s.get(f"{ocfg.advertised_url}/v1/jobs/{job}") as r:
+                    state = await r.json()
+                if state["state"] == "done":
+                    break
+        m = state["manifest"]
+        # the edge fills from the HTTPS origin (verifying it with the CA); the client verifies the edge
+        async with KDNClient(edges=[ecfg.advertised_url], ca=str(ca)) as client:
+            hit = await client.lookup(m["prefix_tokens"], m["model_id"])
+            states = await client.fetch_prefix(hit)
+            assert len(states.objects) == len(m["addresses"])
+            assert set(states.sources) == {"edge:0/origin"}
+        # without the CA the client refuses the server: it never falls back to no verification
+        async with KDNClient(edges=[ecfg.advertised_url]) as client:
+            with pytest.raises(SourceError):
+                await client.fetch(m["addresses"][0])
+    finally:
+        for r in reversed(runners):
+            await r.cleanup()
