@@ -166,6 +166,16 @@ async def publish(request: web.Request) -> web.Response:
 
 
 async def _run_publish(app: web.Application, spec, job: Job) -> dict:
+    try:
+        manifest = await _publish_steps(app, spec, job)
+    except BaseException:
+        app[M]["jobs"].labels("failed").inc()
+        raise
+    app[M]["jobs"].labels("done").inc()
+    return manifest
+
+
+async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
     producer, reg, m = app[PRODUCER], app[REGISTRY], app[M]
     loop = asyncio.get_running_loop()
     plan = await loop.run_in_executor(app[EXECUTOR], producer.plan, spec)
