@@ -49,7 +49,7 @@ class Membership:
         me: NodeRecord,
         *,
         ttl: float = 10.0,
-        vnodes: int = 160,
+        vnodes: int = 320,
         backoff: tuple[float, float] = (0.1, 5.0),
     ) -> None:
         if not isinstance(me, NodeRecord) or me.role != "edge":
@@ -123,10 +123,15 @@ class Membership:
             self.lease._stop_keepalive()
         await self._stop_tasks()
 
-    async def _stop_tasks(self) -> None:
+    async def _stop_tasks(self, timeout: float = 5.0) -> None:
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            # Bounded: cancelling a watch makes the registry client cancel it on
+            # the server, and a wedged client must not hang the edge's shutdown.
+            _, pending = await asyncio.wait(self._tasks, timeout=timeout)
+            if pending:
+                log.warning("edge %s: %d membership task(s) still stopping after %.0fs", self.me.node_id, len(pending), timeout)
         self._tasks = []
 
     # queries ----------------------------------------------------------------

@@ -20,6 +20,7 @@ every request.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.estimate import Estimates
 
 LOSSLESS = ("zstd", "raw")
+STRATEGIES = ("latency", "random", "origin-only")  # source selection; "latency" is KDN's own
 MAX_OBJECT_BYTES = 1 << 30
 
 
@@ -100,9 +102,18 @@ class KDNClient:
         timeout: float = 30.0,
         ca: str | None = None,
         ssl: object = None,
+        strategy: str = "latency",
     ) -> None:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
+        # Benchmarks compare source selection: "random" shuffles every ranking (seed ``self.rng``),
+        # "origin-only" never asks an edge. The default, "latency", is the ranking below.
+        if strategy not in STRATEGIES:
+            raise InvalidInput(f"strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
+        if strategy == "origin-only" and not origin:
+            raise InvalidInput("strategy 'origin-only' needs an origin")
+        self.strategy = strategy
+        self.rng = random.Random()
         # ``edges`` may be URLs or (node_id, URL) pairs; with ids, the client routes each
         # address to its owner edge first, by the same ring the edges use.
         pairs = [(e, e) if isinstance(e, str) else (e[0], e[1]) for e in edges]
@@ -227,13 +238,22 @@ class KDNClient:
         return cls(edges=mine, remote_edges=remote, origin=origins[0].url if origins else None, **kwargs)
 
     def _ranked(self, size: int, address: str | None = None) -> list[Source]:
-        """Least expected time first; a non-owner edge pays one extra hop (it asks the owner)."""
+        """Least expected time first. A non-owner edge of the region fills through the owner, so it
+        costs its own transfer plus the owner's: the owner ranks first while it answers."""
+        if self.strategy == "origin-only":
+            return [s for s in self.sources if s.kind == "origin"]
+        if self.strategy == "random":
+            order = list(self.sources)
+            self.rng.shuffle(order)
+            return order
         owner = self._ring.owner(address) if (self._ring is not None and address) else None
+        owner_url = next((s.url for s in self.sources if s.node_id == owner), None) if owner else None
 
         def cost(s: Source) -> float:
-            est = self.estimates[s.url]
-            hop = est.rtt if (s.node_id is not None and owner is not None and s.node_id != owner) else 0.0
-            return est.expected(size) + hop
+            own = self.estimates[s.url].expected(size)
+            if owner_url is not None and s.node_id is not None and s.url != owner_url:
+                own += self.estimates[owner_url].expected(size)
+            return own
 
         return sorted(self.sources, key=cost)
 

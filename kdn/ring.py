@@ -48,7 +48,7 @@ class Ring:
     Not thread-safe; an edge rebuilds or mutates it from its event loop only.
     """
 
-    def __init__(self, nodes: Iterable[str] = (), *, vnodes: int = 160) -> None:
+    def __init__(self, nodes: Iterable[str] = (), *, vnodes: int = 320) -> None:
         if not (isinstance(vnodes, int) and not isinstance(vnodes, bool) and vnodes > 0):
             raise InvalidInput(f"vnodes must be a positive int, got {vnodes!r}")
         self.vnodes = vnodes

@@ -123,10 +123,11 @@ class FlakyWatch:
         # Broken: the live watch fails at its next event, then two re-watches fail at once.
         if self.broken.is_set() and self.failures < 3:
             raise self._fail()
-        async for ev in self._inner.watch(prefix):
-            if self.broken.is_set() and self.failures == 0:
-                raise self._fail()
-            yield ev
+        async with contextlib.aclosing(self._inner.watch(prefix)) as inner:
+            async for ev in inner:
+                if self.broken.is_set() and self.failures == 0:
+                    raise self._fail()
+                yield ev
 
 
 async def test_watch_failure_keeps_last_ring_and_recovers(registry_factory):
