@@ -34,7 +34,7 @@ from kdn import service
 from kdn.address import validate_address, validate_name
 from kdn.auth import Grant, Grants
 from kdn.errors import SourceError
-from kdn.registry import Manifest, NodeRecord, ObjectRecord, open_registry
+from kdn.registry import Manifest, NodeRecord, ObjectRecord
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
 
 from kdn.edge.disk import DiskTier
@@ -220,15 +220,6 @@ EDGE = web.AppKey("edge", Edge)
 # --- resources -------------------------------------------------------------
 
 
-async def _registry_ctx(app: web.Application):
-    reg = open_registry(app[EDGE_CONFIG].registry)
-    app[REGISTRY] = reg
-    try:
-        yield
-    finally:
-        await reg.close()
-
-
 async def _edge_ctx(app: web.Application):
     cfg = app[EDGE_CONFIG]
     edge = Edge(cfg, app[REGISTRY], app[EDGE_METRICS])
@@ -275,43 +266,29 @@ def _upstream_headers(path: str | None) -> dict[str, str]:
 
 async def _watch_manifests(edge: Edge) -> None:
     """Keep the chain index (for prefetch) current: list, then follow changes."""
-    backoff = 0.5
-    while True:
-        try:
-            async for ev in edge.registry.watch("manifests/"):
-                backoff = 0.5
-                if ev.kind == "snapshot":
-                    edge.chains = ChainIndex()
-                    edge.prefetcher.index = edge.chains
-                    for value in ev.items.values():
-                        edge.chains.put(Manifest.unpack(value))
-                elif ev.kind == "put":
-                    edge.chains.put(Manifest.unpack(ev.value))
-                elif ev.kind == "delete":
-                    edge.chains.remove(ev.key.split("/", 1)[1])
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # registry down: keep serving with what we know, retry
-            log.warning("manifest watch failed (%s); retrying in %.1f s", e, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+
+    async def on_event(ev) -> None:
+        if ev.kind == "snapshot":
+            edge.chains = ChainIndex()
+            edge.prefetcher.index = edge.chains
+            for value in ev.items.values():
+                edge.chains.put(Manifest.unpack(value))
+        elif ev.kind == "put":
+            edge.chains.put(Manifest.unpack(ev.value))
+        elif ev.kind == "delete":
+            edge.chains.remove(ev.key.split("/", 1)[1])
+
+    await service.watch_forever(edge.registry, "manifests/", on_event, what="manifest")
 
 
 async def _watch_origins(edge: Edge) -> None:
-    backoff = 0.5
-    while True:
-        try:
-            async for ev in edge.registry.watch("nodes/origin/"):
-                backoff = 0.5
-                nodes = await edge.registry.list_nodes(role="origin")
-                if nodes or ev.kind != "snapshot":
-                    edge._origins = [n.url.rstrip("/") for n in sorted(nodes, key=lambda n: n.node_id)]
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("origin watch failed (%s); retrying in %.1f s", e, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+    """Without --origin, the origins are whatever the registry lists as live."""
+
+    async def on_event(ev) -> None:
+        nodes = await edge.registry.list_nodes(role="origin")
+        edge._origins = [n.url.rstrip("/") for n in sorted(nodes, key=lambda n: n.node_id)]
+
+    await service.watch_forever(edge.registry, "nodes/origin/", on_event, what="origin")
 
 
 # --- handlers --------------------------------------------------------------
@@ -497,7 +474,7 @@ def create_app(config: EdgeConfig) -> web.Application:
     app[METRICS] = metrics
     app[EDGE_METRICS] = EdgeMetrics(metrics, lambda: app.get(EDGE))
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
-    app.cleanup_ctx.extend([_registry_ctx, _edge_ctx])
+    app.cleanup_ctx.extend([service.registry_ctx(config.registry), _edge_ctx])
     app.router.add_get("/v1/objects/{address}", get_object)
     app.router.add_post("/v1/lookup", lookup)
     app.router.add_post("/v1/prefetch", prefetch)

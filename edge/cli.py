@@ -293,13 +293,6 @@ def cmd_ring_show(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, fn: Callable[[object], Awaitable[int]]) -> int:
-    from kdn.registry import open_registry
+    from kdn.cli import run_registry
 
-    async def go() -> int:
-        reg = open_registry(args.registry)
-        try:
-            return await fn(reg)
-        finally:
-            await reg.close()
-
-    return asyncio.run(go())
+    return run_registry(args, fn)

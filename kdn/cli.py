@@ -63,7 +63,8 @@ def cmd_address(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_registry(args: argparse.Namespace, fn: Callable) -> int:
+def run_registry(args: argparse.Namespace, fn: Callable) -> int:
+    """Open the registry named by ``--registry``, run ``fn(registry)``, close it (parts' commands use this too)."""
     from kdn.registry import open_registry
 
     async def go() -> int:
@@ -92,7 +93,7 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
         print(json.dumps({"type": kind, "record": rec.to_dict()}, indent=2, default=str))
         return 0
 
-    return _run_registry(args, go)
+    return run_registry(args, go)
 
 
 def cmd_registry_ls(args: argparse.Namespace) -> int:
@@ -101,7 +102,7 @@ def cmd_registry_ls(args: argparse.Namespace) -> int:
             print(f"{key}\t{len(value)} B")
         return 0
 
-    return _run_registry(args, go)
+    return run_registry(args, go)
 
 
 def cmd_registry_nodes(args: argparse.Namespace) -> int:
@@ -113,7 +114,7 @@ def cmd_registry_nodes(args: argparse.Namespace) -> int:
             print("(no live nodes)", file=sys.stderr)
         return 0
 
-    return _run_registry(args, go)
+    return run_registry(args, go)
 
 
 def build_parser() -> argparse.ArgumentParser:

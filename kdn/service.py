@@ -9,6 +9,7 @@ the headers of an object response.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +27,7 @@ from kdn.errors import (
     RegistryUnavailable,
     UnknownModel,
 )
-from kdn.registry import Registry
+from kdn.registry import Registry, open_registry
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,37 @@ async def read_json(request: web.Request, limit: int = MAX_JSON_BODY) -> dict:
     if not isinstance(data, dict):
         raise web.HTTPBadRequest(text="body must be a JSON object")
     return data
+
+
+def registry_ctx(url: str | None):
+    """A ``cleanup_ctx`` entry that opens the registry at ``url`` for the app and closes it at shutdown."""
+
+    async def ctx(app: web.Application):
+        reg = open_registry(url)
+        app[REGISTRY] = reg
+        try:
+            yield
+        finally:
+            await reg.close()
+
+    return ctx
+
+
+async def watch_forever(registry, prefix: str, on_event, *, what: str) -> None:
+    """Follow ``registry.watch(prefix)`` for the app's lifetime; when the registry is unreachable,
+    keep serving with what is known and retry with backoff."""
+    backoff = 0.5
+    while True:
+        try:
+            async for ev in registry.watch(prefix):
+                backoff = 0.5
+                await on_event(ev)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("%s watch failed (%s); retrying in %.1f s", what, e, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
 
 
 def bearer(request: web.Request) -> str | None:

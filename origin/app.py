@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kdn import service
 from kdn.address import validate_address, validate_name
 from kdn.auth import Grant, Grants
-from kdn.registry import Manifest, ModelRecord, NodeRecord, open_registry
+from kdn.registry import Manifest, ModelRecord, NodeRecord
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
 from kdn.origin.jobs import Job, JobQueue, QueueFull
@@ -92,15 +92,6 @@ def _metrics(reg: CollectorRegistry) -> dict:
 
 
 # --- resources -------------------------------------------------------------
-
-
-async def _registry_ctx(app: web.Application):
-    reg = open_registry(app[CONFIG].registry)
-    app[REGISTRY] = reg
-    try:
-        yield
-    finally:
-        await reg.close()
 
 
 async def _model_ctx(app: web.Application):
@@ -296,7 +287,7 @@ def create_app(config: OriginConfig) -> web.Application:
     # Anonymous callers may read the public namespace; everything else needs a token.
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
     Path(config.store).mkdir(parents=True, exist_ok=True)
-    app.cleanup_ctx.extend([_registry_ctx, _model_ctx, _jobs_ctx, _lease_ctx])
+    app.cleanup_ctx.extend([service.registry_ctx(config.registry), _model_ctx, _jobs_ctx, _lease_ctx])
     app.router.add_post("/v1/publish", publish)
     app.router.add_get("/v1/jobs/{job_id}", get_job)
     app.router.add_get("/v1/objects/{address}", get_object)  # aiohttp adds HEAD for GET routes
