@@ -30,6 +30,7 @@ from blake3 import blake3
 
 from kdn import address as A
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
+from kdn.encodings import affordable, decode_seconds, parse_budget
 from kdn.estimate import Estimates
 
 LOSSLESS = ("zstd", "raw")
@@ -103,6 +104,7 @@ class KDNClient:
         ca: str | None = None,
         ssl: object = None,
         strategy: str = "latency",
+        quality: str | float = "lossless",
     ) -> None:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
@@ -133,11 +135,14 @@ class KDNClient:
         self.hedge = hedge
         self.estimates = Estimates()
         for s in self.sources:
-            self.estimates[s.url].rtt = s.prior_rtt
+            self.estimates[s.url].set_prior(s.prior_rtt)
         self._sem = asyncio.Semaphore(concurrency)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 5.0))
         self._ssl = ssl
         self._ca = ca
+        # "lossless" (the default) or a maximum NLL increase in %: which encodings a fetch may pick.
+        self.quality = quality
+        parse_budget(quality)
         self._session: aiohttp.ClientSession | None = None
         self.hedges = 0
         self.failovers = 0
@@ -257,18 +262,38 @@ class KDNClient:
 
         return sorted(self.sources, key=cost)
 
+    def choose_encoding(self, encodings: dict, quality: str | float | None = None) -> str | None:
+        """The encoding with the least expected fetch + decode time within the quality budget.
+
+        Lossless requests (the default) never pick a lossy encoding; a lossy
+        one is picked only when the measured link makes its smaller size worth
+        its slower decode.
+        """
+        budget = parse_budget(self.quality if quality is None else quality)
+        best, best_t = None, float("inf")
+        for name, enc in encodings.items():
+            if not affordable(name, budget):
+                continue
+            size = int(enc["size"])
+            t = min(self.estimates[s.url].expected(size) for s in self.sources) + decode_seconds(name, size)
+            if t < best_t:
+                best, best_t = name, t
+        return best
+
     async def fetch(self, address: str, *, encoding: str | None = None, digest: str | None = None,
-                    size: int | None = None) -> Fetched:
-        """One object, verified. Without ``digest`` the registry record supplies it."""
+                    size: int | None = None, quality: str | float | None = None) -> Fetched:
+        """One object, verified. Without ``digest`` the registry record supplies it (and, without
+        ``encoding``, the record's encodings are chosen from by ``quality``)."""
         A.validate_address(address)
         if digest is None or encoding is None or size is None:
             rec = await self.record(address)
             if rec is None:
                 raise SourceError(f"{address} is not in the registry")
             encs = rec["encodings"]
-            encoding = encoding or next((e for e in LOSSLESS if e in encs), None)
+            encoding = encoding or self.choose_encoding(encs, quality)
             if encoding is None or encoding not in encs:
-                raise SourceError(f"{address} has no encoding {encoding!r}")
+                raise SourceError(f"{address} has no encoding {encoding!r} within quality {quality or self.quality!r}"
+                                  f" (it has {sorted(encs)})")
             digest, size = encs[encoding]["digest"], encs[encoding]["size"]
         if size > MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
@@ -345,23 +370,40 @@ class KDNClient:
             est.fail()
             raise DigestMismatch(f"{address} from {src.label} does not match its digest")
         dt = time.perf_counter() - t0
-        est.observe(size, dt)
+        # Only a cache hit measures the link: a response that the source first had to fill from
+        # upstream (X-KDN-Source peer:/region:/origin on an edge) measures the upstream, and would
+        # make a near edge look far because its cache was cold.
+        if source.split(":", 1)[0] in ("memory", "disk") or src.kind == "origin":
+            est.observe(size, dt)
         return Fetched(address, encoding, buf, f"{src.label}/{source}", dt)
 
-    async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None) -> PrefixStates:
+    async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None,
+                           quality: str | float | None = None) -> PrefixStates:
         """Fetch, verify and decode every object of a lookup, concurrently; objects stay in chain order."""
+        from kdn.codecs import get_codec
+        from kdn.errors import UnknownCodec
         from kdn.objects import decode_object
 
+        budget = parse_budget(self.quality if quality is None else quality)
         t0 = time.perf_counter()
-        fetched = list(await asyncio.gather(*(self.fetch(a, encoding=encoding) for a in hit.addresses)))
+        fetched = list(await asyncio.gather(*(self.fetch(a, encoding=encoding, quality=quality)
+                                              for a in hit.addresses)))
         t1 = time.perf_counter()
         objects = []
         for f in fetched:
-            obj = decode_object(f.blob)
+            try:
+                obj = decode_object(f.blob)
+            except UnknownCodec:
+                import kdn.kernels  # noqa: F401  (lossy codecs need torch: registered only when used)
+
+                obj = decode_object(f.blob)
             h = obj.header
             if h.model_id != hit.model_id or h.namespace != hit.namespace or h.address != f.address:
                 raise DigestMismatch(f"object {f.address} claims model {h.model_id[:12]}/{h.namespace}, "
                                      f"expected {hit.model_id[:12]}/{hit.namespace}")
+            if budget is None and not all(get_codec(t.codec).lossless for t in h.tensors.values()):
+                # Belt and braces: the digest already pins the bytes to a lossless encoding.
+                raise DigestMismatch(f"object {f.address} holds lossy tensors but lossless was asked for")
             objects.append(obj)
         return PrefixStates(hit, objects, fetched, t1 - t0, time.perf_counter() - t1)
 

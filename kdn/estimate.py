@@ -6,6 +6,12 @@ bandwidth. ``expected(size) = rtt + size / bandwidth`` ranks sources; a source
 with no samples gets an optimistic prior so it is tried (and measured) once.
 Failures inflate the estimate so a failing source falls behind until it
 recovers.
+
+Estimates go stale: a source not sampled for ``stale_after`` seconds is
+ranked by its prior again, so it gets re-measured. Without that, one slow
+early sample (a cold cache filling from far away) would exile a near source
+for good: it would never be chosen, so never re-measured (seen in
+bench/geo.py, where clients stuck to a region 30 ms away).
 """
 
 from __future__ import annotations
@@ -24,9 +30,20 @@ class SourceEstimate:
     samples: int = 0
     failures: int = 0
     last_failure: float = 0.0
+    stale_after: float = 10.0
+    prior_rtt: float | None = None
+    prior_bandwidth: float | None = None
+    last_sample: float = 0.0
     _penalty: float = field(default=0.0, repr=False)
 
+    def set_prior(self, rtt: float, bandwidth: float | None = None) -> None:
+        self.prior_rtt = self.rtt = rtt
+        if bandwidth is not None:
+            self.bandwidth = bandwidth
+        self.prior_bandwidth = self.bandwidth
+
     def observe(self, size: int, seconds: float) -> None:
+        self.last_sample = time.monotonic()
         seconds = max(seconds, 1e-6)
         a = self.alpha if self.samples else 1.0
         if size < SMALL:
@@ -44,7 +61,10 @@ class SourceEstimate:
         self._penalty = min(max(self._penalty * 2, 0.05), 5.0)
 
     def expected(self, size: int) -> float:
-        return self.rtt + size / max(self.bandwidth, 1.0) + self._penalty
+        rtt, bandwidth = self.rtt, self.bandwidth
+        if self.samples and self.prior_rtt is not None and time.monotonic() - self.last_sample > self.stale_after:
+            rtt, bandwidth = self.prior_rtt, self.prior_bandwidth or bandwidth  # stale: explore again
+        return rtt + size / max(bandwidth, 1.0) + self._penalty
 
 
 class Estimates:

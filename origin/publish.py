@@ -31,6 +31,7 @@ from kdn.store import validate_encoding
 from kdn.origin.store import ObjectStore
 
 TEMPLATES = ("none", "chat")
+LOSSLESS_ENCODINGS = ("zstd", "raw")
 _SENTINEL = "\ue000KDN-DOCUMENT\ue001"  # private-use characters: never in a real chat template
 
 
@@ -122,7 +123,9 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int) ->
     for enc in encodings:
         validate_encoding(enc)
         if enc not in ("raw", "zstd"):
-            raise InvalidInput(f"the origin publishes lossless encodings 'raw' and 'zstd', not {enc!r}")
+            from kdn.kernels import encoding_plan
+
+            encoding_plan(enc, n_layers=1_000)  # raises InvalidInput for an unknown encoding
 
     head = head_text(tokenizer, template, prefix_text, system)
     head_ids = encode_text(tokenizer, head) if head else []
@@ -193,6 +196,8 @@ class Producer:
     def _prefix_chain(self, spec: PublishSpec, plan: Plan) -> Iterator[Step]:
         have = [self._stored(a, spec) for a in plan.addresses]
         first_missing = have.index(False) if False in have else len(have)
+        if first_missing < len(have) and not any(e in LOSSLESS_ENCODINGS for e in spec.encodings):
+            first_missing = 0  # nothing lossless to resume from: recompute (stored blobs are kept as they are)
         kind = self._kind()
         for i in range(first_missing):  # already stored: records only, no model
             s, e = plan.spans[i]
@@ -213,13 +218,16 @@ class Producer:
             yield Step([self._record(addr, spec, state.kind, s, e, parent)], True)
 
     def _resume_cache(self, spec: PublishSpec, plan: Plan, n: int):
-        """A cache rebuilt from the first ``n`` stored chunks, so they are not recomputed."""
+        """A cache rebuilt from the first ``n`` stored chunks, so they are not recomputed.
+
+        Only from a lossless encoding: resuming from lossy states would make every later chunk inexact.
+        """
         if n == 0:
             return None, 0
         from kdn.adapters.hf import build_cache
         from kdn.objects import decode_object, to_torch
 
-        enc = spec.encodings[0]
+        enc = next(e for e in spec.encodings if e in LOSSLESS_ENCODINGS)
         chunks = []
         for a in plan.addresses[:n]:
             blob, info = self.store.get(a, enc)
@@ -244,8 +252,14 @@ class Producer:
         for enc in spec.encodings:
             if self.store.has(addr, enc):
                 continue
+            codec_for = None
+            if enc not in ("raw", "zstd"):
+                from kdn.kernels import encoding_plan
+
+                codec_for = encoding_plan(enc, n_layers=self.loaded.model.config.num_hidden_layers)
             blob = encode_object(kind=kind, address=addr, model_id=self.loaded.model_id, namespace=spec.namespace,
-                                 start=s, end=e, position=position, parent=parent, tensors=raw, encoding=enc)
+                                 start=s, end=e, position=position, parent=parent, tensors=raw, encoding=enc,
+                                 codec_for=codec_for)
             self.store.put(addr, enc, blob)
 
     def _record(self, addr, spec, kind, s, e, parent, *, standalone: bool = False) -> ObjectRecord:

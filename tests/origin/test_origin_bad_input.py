@@ -40,7 +40,7 @@ async def assert_nothing_changed(tmp_path, etcd_url):
         (auth(PUBLISH_TOKEN), {**GOOD, "name": ""}, 400, "bad_request"),
         (auth(PUBLISH_TOKEN), {**GOOD, "template": "chat"}, 400, "bad_request"),  # tiny model: no chat template
         (auth(PUBLISH_TOKEN), {**GOOD, "template": "nope"}, 400, "bad_request"),
-        (auth(PUBLISH_TOKEN), {**GOOD, "encodings": ["int8"]}, 400, "bad_request"),
+        (auth(PUBLISH_TOKEN), {**GOOD, "encodings": ["int7"]}, 400, "bad_request"),
         (auth(PUBLISH_TOKEN), {**GOOD, "prefix": False}, 400, "bad_request"),
     ],
 )

@@ -1,0 +1,836 @@
+"""Geo-distributed simulation: source selection across three regions, over emulated links, on loopback.
+
+    python -P bench/geo.py [--requests 200] [--docs 10] [--doc-tokens 2200] [--seed 7] [--zipf 1.0]
+                           [--remote-share 0.2] [--object-mb 3.9] [--mem-mb 1.5] [--budget-s 540]
+                           [--plot docs/img/geo_cdf.png] [--json bench/work/geo.json]
+
+Everything runs on 127.0.0.1 in this process, except a real etcd (``/usr/bin/etcd``, a free port, a temp
+data dir, stopped by PID). Topology (round-trip times; each one-way delay is half):
+
+    region  edges                      from near            from mid            from far
+    near    near-1, near-2             1 ms / 10 Gbit/s     30 ms / 1 Gbit/s    120 ms / 200 Mbit/s
+    mid     mid-1, mid-2               30 ms / 1 Gbit/s     1 ms / 10 Gbit/s    100 ms / 200 Mbit/s
+    far     far-1, far-2               120 ms / 200 Mbit/s  100 ms / 200 Mbit/s 1 ms / 10 Gbit/s
+    origin  origin-1                   120 ms / 200 Mbit/s from every region
+
+Every server (6 edges, the origin) sits behind one ``LinkEmulator`` (bench/linkemu.py) whose profile is
+chosen by the connecting socket's source address: region ``i`` binds its outgoing sockets to 127.0.i.1
+(edges: their upstream HTTP session) and 127.0.i.2 (its clients). The edges and the origin advertise the
+emulated URLs (``EdgeConfig.url``, ``OriginConfig.url``, the edges' ``origin``), so every hop pays its
+link: client -> edge, edge -> owner peer, edge -> other regions' edges (cached-only), edge -> origin.
+A connection from any other address gets no delay and is counted as "unemulated" (must stay 0).
+
+Objects are tiny-llama chunks (~90 KB zstd), far smaller than real KV. Rather than run a model big
+enough to make multi-MB objects (its prefill alone would eat the time budget on 2 cores), bandwidths
+are scaled by ``mean object size / --object-mb`` (default 3.9 MiB, a SmolLM2-135M 256-token zstd chunk),
+so each transfer takes as long as a real SmolLM2-135M chunk would on the stated link; delays are not
+scaled. Bandwidth is per connection (per TCP flow), not a shared bottleneck.
+
+Workload (seeded): ``--docs`` manifests of ``--doc-tokens`` random token ids each, published through the
+origin (not emulated, not timed); ``--requests`` prompts, doc chosen by Zipf(``--zipf``) popularity; half
+the prompts are the whole doc + a question (every chunk and the tail), half the first k chunks + a
+question; ``--remote-share`` of them come from clients in mid and far, the rest from near. Requests run
+one at a time (closed loop), the same sequence for every strategy, each strategy on fresh, empty edges.
+
+Strategies (the fetch client's ``strategy=`` hook; the bench adds the oracle):
+    latency      KDN's client: least expected time from measured RTT/bandwidth, hedged at 2x expected
+    random       the same client, every ranking shuffled (seeded), hedged the same way
+    origin-only  every lookup and fetch goes to the origin
+    oracle       per object, the source with the least modeled time given the true cache state (read
+                 from the edges' tiers) and the true links, following each source's real fill plan
+                 (``Filler.plan``); no hedging. The choice is modeled, the fetch is measured. Objects it
+                 took from elsewhere are then passed through the client's region owner, untimed, so the
+                 cache state evolves as on the default path (a per-fetch oracle would otherwise take every
+                 cold object straight from the origin -- faster than an edge that probes the other regions
+                 first -- and leave the edges cold for good).
+    latency-hit-only (optional, an experiment) KDN's client, except that a transfer the edge had to fill
+                 (X-KDN-Source not memory/disk) does not update that source's RTT/bandwidth estimate.
+    oracle-probe (optional) every fetch goes to all seven sources at once, the first verified answer wins:
+                 the measured minimum, but seven transfers per object load the 2 cores.
+Plus the latency strategy on edges with prefetch 0 (the others run with prefetch 2, the default).
+
+Measured per request: fetch (``fetch_prefix``'s concurrent fetch of every object, verified) and TTFT at
+the engine (``agenerate`` with tiny-llama, ``max_new_tokens=1``: lookup + fetch + decode + cache build +
+prefill of the question + first token). Origin egress from the origin's /metrics (delta per run); hit
+ratios per tier from each edge's /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import aiohttp  # noqa: E402
+from aiohttp import web  # noqa: E402
+
+from linkemu import LinkEmulator  # noqa: E402
+
+from kdn.client import KDNClient  # noqa: E402
+
+REGIONS = ("near", "mid", "far")
+REGION_NET = {"near": 1, "mid": 2, "far": 3}
+RTT_MS = {("near", "near"): 1, ("mid", "mid"): 1, ("far", "far"): 1,
+          ("near", "mid"): 30, ("near", "far"): 120, ("mid", "far"): 100}
+MBIT = {("near", "near"): 10_000, ("mid", "mid"): 10_000, ("far", "far"): 10_000,
+        ("near", "mid"): 1_000, ("near", "far"): 200, ("mid", "far"): 200}
+ORIGIN_RTT_MS, ORIGIN_MBIT = 120, 200
+PUBLISH_TOKEN = "geo-publisher-" + "p" * 20
+EDGE_TOKEN = "geo-edge-" + "e" * 23
+STRATEGIES = ("oracle", "latency", "random", "origin-only", "oracle-probe", "latency-hit-only")
+DEFAULT_STRATEGIES = ("oracle", "latency", "random", "origin-only")
+
+
+def pair(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if (a, b) in RTT_MS else (b, a)
+
+
+def edge_ip(region: str) -> str:
+    return f"127.0.{REGION_NET[region]}.1"
+
+
+def client_ip(region: str) -> str:
+    return f"127.0.{REGION_NET[region]}.2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- etcd -----------------------------------------------------------------------------------------
+
+
+class Etcd:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kdn-geo-etcd-")
+        self.port, self.peer = free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        c, p = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer}"
+        self.log = open(os.path.join(self.dir, "etcd.log"), "wb")
+        self.proc = subprocess.Popen(
+            ["/usr/bin/etcd", "--name", "geo", "--data-dir", os.path.join(self.dir, "data"),
+             "--listen-client-urls", c, "--advertise-client-urls", c, "--listen-peer-urls", p,
+             "--initial-advertise-peer-urls", p, "--initial-cluster", f"geo={p}", "--initial-cluster-state", "new",
+             "--log-level", "error"], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{c}/health", timeout=1) as r:
+                    if json.load(r).get("health") in ("true", True):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("etcd did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --- the topology -----------------------------------------------------------------------------------
+
+
+class Links:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def rtt(self, a: str, b: str) -> float:
+        if "origin" in (a, b):
+            return ORIGIN_RTT_MS / 1e3
+        return RTT_MS[pair(a, b)] / 1e3
+
+    def rate(self, a: str, b: str) -> float:
+        """Emulated bytes/s (scaled)."""
+        mbit = ORIGIN_MBIT if "origin" in (a, b) else MBIT[pair(a, b)]
+        return mbit * self.scale * 1e6 / 8
+
+    def xfer(self, a: str, b: str, size: int) -> float:
+        return self.rtt(a, b) + size / self.rate(a, b)
+
+    def profiles_to(self, dst_region: str) -> dict[str, tuple[float, float]]:
+        """by_source for the proxy in front of a node of ``dst_region``: (one-way ms, scaled Mbit/s)."""
+        out = {}
+        for r in REGIONS:
+            prof = (self.rtt(r, dst_region) * 1e3 / 2, self.rate(r, dst_region) * 8 / 1e6)
+            out[edge_ip(r)] = prof
+            out[client_ip(r)] = prof
+        return out
+
+
+def bound_session(ip: str, **kw) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=256, limit_per_host=64, local_addr=(ip, 0))
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False, **kw)
+
+
+@dataclass
+class EdgeNode:
+    node_id: str
+    region: str
+    port: int
+    link: LinkEmulator
+    runner: web.AppRunner
+    session: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.link.url
+
+    @property
+    def edge(self):
+        from kdn.edge.app import EDGE
+
+        return self.runner.app[EDGE]
+
+
+class World:
+    """etcd, the origin and its link; per run, six fresh edges with their links."""
+
+    def __init__(self, tmp: Path, args) -> None:
+        self.tmp, self.args = tmp, args
+        self.etcd = Etcd()
+        self.registry = ""
+        self.links = Links(1.0)
+        self.origin_runner: web.AppRunner | None = None
+        self.origin_port = 0
+        self.origin_link: LinkEmulator | None = None
+        self.edges: dict[str, EdgeNode] = {}
+        self.tokens = tmp / "tokens"
+        self.tokens.write_text(f"{PUBLISH_TOKEN}\n{EDGE_TOKEN} read *\n")
+        (tmp / "edge-token").write_text(EDGE_TOKEN + "\n")
+        self.run_no = 0
+
+    async def start(self) -> None:
+        from kdn.origin.app import OriginConfig, create_app
+
+        await asyncio.to_thread(self.etcd.start)
+        self.registry = f"etcd://127.0.0.1:{self.etcd.port}/kdn-geo/"
+        self.origin_port = free_port()
+        self.origin_link = await LinkEmulator(0, "127.0.0.1", self.origin_port, delay_ms=0, mbit=0).start()
+        cfg = OriginConfig(model="tiny-llama", registry=self.registry, store=str(self.tmp / "origin-store"),
+                           port=self.origin_port, token_file=str(self.tokens), node_id="origin-1", fsync=False,
+                           url=self.origin_link.url)
+        self.origin_runner = web.AppRunner(create_app(cfg))
+        await self.origin_runner.setup()
+        await web.TCPSite(self.origin_runner, "127.0.0.1", self.origin_port).start()
+
+    def set_scale(self, scale: float) -> None:
+        """Bandwidths known only after publishing (they scale with the objects' size)."""
+        self.links = Links(scale)
+        self.origin_link.by_source = {ip: _prof(p) for ip, p in self.links.profiles_to("origin").items()}
+
+    @property
+    def origin_direct(self) -> str:
+        return f"http://127.0.0.1:{self.origin_port}"
+
+    async def start_edges(self, prefetch: int) -> None:
+        from kdn.edge.app import EdgeConfig, create_app
+
+        self.run_no += 1
+        for region in REGIONS:
+            for i in (1, 2):
+                nid = f"{region}-{i}"
+                port = free_port()
+                link = await LinkEmulator(0, "127.0.0.1", port, delay_ms=0, mbit=0,
+                                          by_source=self.links.profiles_to(region)).start()
+                cfg = EdgeConfig(region=region, registry=self.registry, origin=self.origin_link.url,
+                                 mem_budget=int(self.args.mem_mb * (1 << 20)),
+                                 disk=str(self.tmp / f"run{self.run_no}" / nid), disk_budget=256 << 20,
+                                 port=port, node_id=nid, url=link.url, token_file=str(self.tokens),
+                                 upstream_token_file=str(self.tmp / "edge-token"), prefetch=prefetch,
+                                 lease_ttl=5.0, fsync=False)
+                runner = web.AppRunner(create_app(cfg))
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                node = EdgeNode(nid, region, port, link, runner, bound_session(edge_ip(region)))
+                # The edge's upstream session (peers, other regions, origin) leaves from its region's address.
+                node.edge.filler.session = node.session
+                self.edges[nid] = node
+        want = {r: sorted(f"{r}-{i}" for i in (1, 2)) for r in REGIONS}
+
+        def complete(m) -> bool:
+            return {r: sorted(n.node_id for n in ns) for r, ns in m.regions().items()} == want
+
+        await asyncio.gather(*(n.edge.membership.wait_for(complete, timeout=20) for n in self.edges.values()))
+
+    async def stop_edges(self) -> None:
+        for node in self.edges.values():
+            await node.runner.cleanup()
+            await node.session.close()
+            await node.link.stop()
+        self.edges.clear()
+
+    def unemulated(self) -> int:
+        links = [n.link for n in self.edges.values()] + [self.origin_link]
+        return sum(lk.stats.by_profile.get(lk.default, 0) for lk in links)
+
+    async def stop(self) -> None:
+        await self.stop_edges()
+        if self.origin_runner is not None:
+            await self.origin_runner.cleanup()
+        if self.origin_link is not None:
+            await self.origin_link.stop()
+        await asyncio.to_thread(self.etcd.stop)
+
+
+def _prof(p):
+    from linkemu import Profile
+
+    return Profile(float(p[0]), float(p[1]))
+
+
+# --- publishing and the workload ------------------------------------------------------------------------
+
+
+async def publish_docs(world: World, n: int, tokens: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    async with aiohttp.ClientSession(world.origin_direct, headers={"Authorization": f"Bearer {PUBLISH_TOKEN}"}) as s:
+        for d in range(n):
+            ids = [rng.randrange(3, 512) for _ in range(tokens)]
+            async with s.post("/v1/publish", json={"name": f"geo-doc-{d}", "namespace": "public", "tokens": ids}) as r:
+                assert r.status == 202, await r.text()
+                job = (await r.json())["job"]
+            while True:
+                async with s.get(f"/v1/jobs/{job}") as r:
+                    j = await r.json()
+                if j["state"] == "done":
+                    out.append(j["manifest"])
+                    break
+                if j["state"] == "failed":
+                    raise RuntimeError(f"publish failed: {j}")
+                await asyncio.sleep(0.05)
+    return out
+
+
+@dataclass
+class Request:
+    region: str
+    doc: int
+    prompt: list[int]
+    whole: bool
+
+
+def workload(manifests: list[dict], n: int, seed: int, zipf: float, remote_share: float) -> list[Request]:
+    rng = random.Random(seed + 1)
+    weights = [1 / (i + 1) ** zipf for i in range(len(manifests))]
+    out = []
+    for _ in range(n):
+        u = rng.random()
+        region = "near" if u >= remote_share else ("mid" if u < remote_share / 2 else "far")
+        d = rng.choices(range(len(manifests)), weights)[0]
+        toks = list(manifests[d]["prefix_tokens"])
+        full = len(toks) // manifests[d]["chunk_tokens"]
+        whole = rng.random() < 0.5 or full < 2
+        head = toks if whole else toks[: rng.randint(1, full - 1) * manifests[d]["chunk_tokens"]]
+        question = [rng.randrange(3, 512) for _ in range(rng.randint(8, 40))]
+        out.append(Request(region, d, head + question, whole))
+    return out
+
+
+# --- clients ------------------------------------------------------------------------------------------
+
+
+class BenchClient(KDNClient):
+    """KDNClient that keeps the last prefix's per-object fetches; ``oracle`` replaces the ranking."""
+
+    def __init__(self, *, oracle=None, probe_all: bool = False, **kw) -> None:
+        super().__init__(**kw)
+        self.oracle = oracle
+        self.probe_all = probe_all
+        self.last: dict = {}  # task -> its last PrefixStates (requests in flight share a client)
+
+    async def _get(self, src, address, encoding, digest, size):
+        """latency-hit-only (an experiment, not KDN's client): a transfer the edge had to fill does not
+        update that source's estimate, so one cold miss cannot brand a near edge as a slow link."""
+        if not getattr(self, "hit_only", False):
+            return await super()._get(src, address, encoding, digest, size)
+        est = self.estimates[src.url]
+        saved = (est.rtt, est.bandwidth, est.samples)
+        f = await super()._get(src, address, encoding, digest, size)
+        served = f.source.split("/", 1)[1].split(":", 1)[0]
+        if src.kind != "origin" and served not in ("memory", "disk", "edge"):
+            est.rtt, est.bandwidth, est.samples = saved
+        return f
+
+    async def _fetch_hedged(self, address, encoding, digest, size):
+        """probe_all: ask every source at once, keep the first verified answer (the measured minimum)."""
+        if not self.probe_all:
+            return await super()._fetch_hedged(address, encoding, digest, size)
+        from kdn.errors import DigestMismatch, SourceError
+
+        tasks = [asyncio.create_task(self._get(s, address, encoding, digest, size)) for s in self.sources]
+        errors = []
+        try:
+            for fut in asyncio.as_completed(tasks):
+                try:
+                    return await fut
+                except (SourceError, DigestMismatch) as e:
+                    errors.append(str(e))
+            raise SourceError(f"no source delivered {address}: " + "; ".join(errors))
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _ranked(self, size, address=None):
+        if self.oracle is not None:
+            return self.oracle(self, size, address)
+        return super()._ranked(size, address)
+
+    async def fetch_prefix(self, hit, *, encoding=None):
+        st = self.last[asyncio.current_task()] = await super().fetch_prefix(hit, encoding=encoding)
+        return st
+
+
+class Oracle:
+    """The least modeled time per object, from the true cache state and the true links."""
+
+    def __init__(self, world: World, region: str, records: dict) -> None:
+        self.world, self.region, self.records = world, region, records
+        self.by_url = {n.url: n for n in world.edges.values()}
+
+    def holds(self, node: EdgeNode, key) -> bool:
+        e = node.edge
+        return e.memory.contains(key) or (e.disk is not None and e.disk.contains(key))
+
+    def fill(self, node: EdgeNode, key, size: int, hop: bool, depth: int = 0) -> float:
+        """Time for ``node`` to obtain ``key`` it does not hold, following its real fill plan."""
+        L, r, t = self.world.links, node.region, 0.0
+        for label, url, _ in node.edge.filler.plan(key, self.records[key[0]], hop=hop):
+            kind = label.split(":", 1)[0]
+            if kind == "origin":
+                return t + L.xfer(r, "origin", size)
+            peer = self.by_url.get(url)
+            if peer is None:
+                continue
+            if kind == "peer":
+                inner = 0.0 if self.holds(peer, key) else self.fill(peer, key, size, True, depth + 1)
+                return t + inner + L.xfer(r, r, size)
+            if self.holds(peer, key):  # another region's owner, cached-only
+                return t + L.xfer(r, peer.region, size)
+            t += L.rtt(r, peer.region)  # its 404
+        return float("inf")
+
+    def cost(self, src, size: int, address: str | None) -> float:
+        L = self.world.links
+        if src.kind == "origin":
+            return L.xfer(self.region, "origin", size)
+        node = self.by_url[src.url]
+        base = L.xfer(self.region, node.region, size)
+        if address is None:
+            return base
+        rec = self.records[address]
+        key = (address, node.edge.choose_encoding(rec, None))
+        return base + (0.0 if self.holds(node, key) else self.fill(node, key, size, False))
+
+    def __call__(self, client: KDNClient, size: int, address: str | None):
+        return sorted(client.sources, key=lambda s: self.cost(s, size, address))
+
+
+def make_client(world: World, region: str, strategy: str, seed: int, records: dict) -> BenchClient:
+    mine = [(n.node_id, n.url) for n in world.edges.values() if n.region == region]
+    remote = [n.url for n in world.edges.values() if n.region != region]
+    kw = dict(edges=mine, remote_edges=remote, origin=world.origin_link.url)
+    if strategy in ("oracle", "oracle-probe"):
+        # oracle: one fetch, to the source with the least modeled time given the true cache state.
+        # oracle-probe: every fetch goes to all sources at once, the first verified answer wins.
+        # Lookups of both: the source with the least RTT.
+        c = BenchClient(**kw, hedge=False, probe_all=strategy == "oracle-probe")
+        c.oracle = Oracle(world, region, records)
+    elif strategy == "latency-hit-only":
+        c = BenchClient(**kw)
+        c.hit_only = True
+    else:
+        c = BenchClient(**kw, strategy=strategy, hedge=strategy != "origin-only")
+    c.rng.seed(seed)
+    c._session = bound_session(client_ip(region), headers=c.headers, timeout=c._timeout)  # leave from my region
+    c.label_region = {s.label: (world.origin_link.url == s.url and "origin")
+                      or next(n.region for n in world.edges.values() if n.url == s.url) for s in c.sources}
+    return c
+
+
+# --- one run ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    region: str
+    fetch_ms: float
+    ttft_ms: float
+    lookup_ms: float
+    objects: int
+    object_ms: list[float]
+    served_from: list[str]  # region of the source the client used, per object
+    x_source: list[str]  # where that source got the bytes (X-KDN-Source)
+    addresses: list[str] = field(default_factory=list, repr=False)
+    labels: list[str] = field(default_factory=list, repr=False)  # the client's source label, per object
+
+
+@dataclass
+class RunResult:
+    name: str
+    strategy: str
+    prefetch: int
+    samples: list[Sample] = field(default_factory=list)
+    origin_bytes: float = 0.0
+    edge_metrics: dict = field(default_factory=dict)  # region -> {metric: value}
+    hedges: int = 0
+    failovers: int = 0
+    wall_s: float = 0.0
+    truncated: bool = False
+    unemulated: int = 0
+    wrong_hits: int = 0
+
+
+async def scrape(url: str) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/metrics") as r:
+            text = await r.text()
+    out: dict[tuple, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def msum(m: dict, name: str, **labels) -> float:
+    return sum(v for (n, lab), v in m.items() if n == name and all(dict(lab).get(k) == w for k, w in labels.items()))
+
+
+async def origin_bytes(world: World) -> float:
+    return msum(await scrape(world.origin_direct), "kdn_origin_bytes_served_total")
+
+
+async def one_run(world: World, name: str, strategy: str, prefetch: int, requests: list[Request], engine,
+                  records: dict, model_id: str, seed: int, deadline: float) -> RunResult:
+    res = RunResult(name, strategy, prefetch)
+    await world.start_edges(prefetch)
+    clients = {r: make_client(world, r, strategy, seed, records) for r in REGIONS}
+    before = await origin_bytes(world)
+    t_run = time.perf_counter()
+    try:
+        queue = list(enumerate(requests))
+        slots: list[Sample | None] = [None] * len(requests)
+
+        async def worker() -> None:
+            while queue:
+                if time.monotonic() > deadline:
+                    res.truncated = True
+                    return
+                i, req = queue.pop(0)
+                slots[i] = await one_request(clients[req.region], req, engine, model_id, res)
+                if strategy == "oracle":
+                    await warm_owners(world, clients[req.region], slots[i].addresses, slots[i].labels)
+
+        await asyncio.gather(*(worker() for _ in range(max(1, world.args.concurrency))))
+        res.samples = [x for x in slots if x is not None]
+        res.wall_s = time.perf_counter() - t_run
+        for node in world.edges.values():  # let background prefetches finish before counting
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(node.edge.prefetcher.idle(), 10)
+        res.origin_bytes = await origin_bytes(world) - before
+        for node in world.edges.values():
+            m = await scrape(f"http://127.0.0.1:{node.port}")
+            agg = res.edge_metrics.setdefault(node.region, {})
+            for key, val in (
+                ("mem_hits", msum(m, "kdn_edge_hits_total", tier="memory")),
+                ("mem_misses", msum(m, "kdn_edge_misses_total", tier="memory")),
+                ("disk_hits", msum(m, "kdn_edge_hits_total", tier="disk")),
+                ("disk_misses", msum(m, "kdn_edge_misses_total", tier="disk")),
+                ("fill_peer", msum(m, "kdn_edge_fill_seconds_count", source="peer")),
+                ("fill_region", msum(m, "kdn_edge_fill_seconds_count", source="region")),
+                ("fill_origin", msum(m, "kdn_edge_fill_seconds_count", source="origin")),
+                ("prefetch_started", msum(m, "kdn_edge_prefetch_started_total")),
+                ("prefetch_used", msum(m, "kdn_edge_prefetch_used_total")),
+                ("prefetch_wasted", msum(m, "kdn_edge_prefetch_wasted_total")),
+            ):
+                agg[key] = agg.get(key, 0.0) + val
+        res.hedges = sum(c.hedges for c in clients.values())
+        res.failovers = sum(c.failovers for c in clients.values())
+        res.unemulated = world.unemulated()
+    finally:
+        for c in clients.values():
+            await c.close()
+        await world.stop_edges()
+    return res
+
+
+_DOC_TOKENS: dict[int, list[int]] = {}
+
+
+async def one_request(c: BenchClient, req: Request, engine, model_id: str, res: RunResult) -> Sample:
+    from kdn.adapters.hf import agenerate
+
+    gen = await agenerate(engine.model, engine.tokenizer, req.prompt, c, model_id_=model_id, max_new_tokens=1)
+    rep = gen.report
+    st = c.last.pop(asyncio.current_task(), None)
+    fetched = st.fetched if st is not None else []
+    want = len(_DOC_TOKENS[req.doc]) if req.whole else len(req.prompt) - len(req.prompt) % 256
+    if rep.tokens_reused != want:
+        res.wrong_hits += 1
+    return Sample(req.region, rep.fetch_ms, rep.ttft_ms, rep.lookup_ms, len(fetched), [f.seconds * 1e3 for f in fetched],
+                  [c.label_region.get(f.source.split("/", 1)[0], "?") for f in fetched],
+                  [f.source.split("/", 1)[1].split(":", 1)[0] for f in fetched],
+                  [f.address for f in fetched], [f.source.split("/", 1)[0] for f in fetched])
+
+
+async def warm_owners(world: World, c: BenchClient, addresses: list[str], labels: list[str]) -> None:
+    """Untimed: objects the oracle took from elsewhere pass through the client's region owner anyway.
+
+    A per-fetch oracle that skips the edges on a miss (the origin is faster than an edge that fills through
+    sequential cross-region probes) would leave the edges cold forever. So the oracle chooses per fetch on
+    the cache state the default path would have built: every object reaches the owner edge of the
+    client's region, as it does when the client asks that owner (prefetch included).
+    """
+    todo = []
+    for a, label in zip(addresses, labels):
+        owner = c._ring.owner(a)
+        if label != f"edge:{owner}":
+            todo.append((world.edges[owner].port, a))
+    if not todo:
+        return
+    async with aiohttp.ClientSession() as s:
+        async def get(port: int, a: str) -> None:
+            async with s.get(f"http://127.0.0.1:{port}/v1/objects/{a}") as r:
+                await r.read()
+
+        await asyncio.gather(*(get(p, a) for p, a in todo), return_exceptions=True)
+
+
+# --- report ------------------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
+    return xs[i]
+
+
+def near(res: RunResult) -> list[Sample]:
+    return [s for s in res.samples if s.region == "near"]
+
+
+def strategy_table(results: list[RunResult]) -> str:
+    rows = ["| strategy | prefetch | requests (near) | fetch p50 ms | fetch p99 ms | per-object p50 ms | "
+            "TTFT p50 ms | TTFT p99 ms | lookup p50 ms | objects from near / mid / far / origin | "
+            "origin egress MB (all clients) | hedges | wall s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for r in results:
+        ss = near(r)
+        f = [s.fetch_ms for s in ss]
+        t = [s.ttft_ms for s in ss]
+        obj = [x for s in ss for x in s.object_ms]
+        src = [x for s in ss for x in s.served_from]
+        mix = " / ".join(f"{100 * src.count(k) / max(1, len(src)):.0f}%" for k in ("near", "mid", "far", "origin"))
+        rows.append(f"| {r.strategy} | {r.prefetch} | {len(ss)}{' (cut)' if r.truncated else ''} | {pct(f, 50):.1f} | "
+                    f"{pct(f, 99):.1f} | {pct(obj, 50):.1f} | {pct(t, 50):.1f} | {pct(t, 99):.1f} | "
+                    f"{pct([s.lookup_ms for s in ss], 50):.1f} | {mix} | {r.origin_bytes / 1e6:.2f} | {r.hedges} | "
+                    f"{r.wall_s:.0f} |")
+    return "\n".join(rows)
+
+
+def tier_table(results: list[RunResult]) -> str:
+    rows = ["| strategy | prefetch | region | edge reads | memory hit | disk hit (of memory misses) | edge hit | "
+            "fills from peer / other region / origin | prefetch started / used / wasted |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for r in results:
+        for region in REGIONS:
+            m = r.edge_metrics.get(region, {})
+            reads = m.get("mem_hits", 0) + m.get("mem_misses", 0)
+            mem = m.get("mem_hits", 0) / reads if reads else float("nan")
+            dreads = m.get("disk_hits", 0) + m.get("disk_misses", 0)
+            disk = m.get("disk_hits", 0) / dreads if dreads else float("nan")
+            edge_hit = (m.get("mem_hits", 0) + m.get("disk_hits", 0)) / reads if reads else float("nan")
+            rows.append(f"| {r.strategy} | {r.prefetch} | {region} | {reads:.0f} | {_p(mem)} | {_p(disk)} | "
+                        f"{_p(edge_hit)} | {m.get('fill_peer', 0):.0f} / {m.get('fill_region', 0):.0f} / "
+                        f"{m.get('fill_origin', 0):.0f} | {m.get('prefetch_started', 0):.0f} / "
+                        f"{m.get('prefetch_used', 0):.0f} / {m.get('prefetch_wasted', 0):.0f} |")
+    return "\n".join(rows)
+
+
+def _p(x: float) -> str:
+    return "n/a" if x != x else f"{x:.0%}"
+
+
+def plot(results: list[RunResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        xs = sorted(s.fetch_ms for s in near(r))
+        if not xs:
+            continue
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.step(xs, ys, where="post", label=f"{r.strategy} (prefetch {r.prefetch})")
+    ax.set_xscale("log")
+    ax.set_xlabel("fetch latency per request, ms (log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- main --------------------------------------------------------------------------------------------
+
+
+async def main(args) -> int:
+    t_all = time.monotonic()
+    deadline = t_all + args.budget_s
+    tmp = Path(tempfile.mkdtemp(prefix="kdn-geo-"))
+    world = World(tmp, args)
+    try:
+        t0 = time.monotonic()
+        await world.start()
+        manifests = await publish_docs(world, args.docs, args.doc_tokens, args.seed)
+        for i, m in enumerate(manifests):
+            _DOC_TOKENS[i] = list(m["prefix_tokens"])
+        from kdn.registry import open_registry
+
+        reg = open_registry(world.registry)
+        try:
+            addrs = [a for m in manifests for a in m["addresses"]]
+            recs = await reg.get_objects(addrs)
+            records = {a: r for a, r in zip(addrs, recs)}
+            for a in list(records):  # tails are listed on their parent's record, not always in the manifest
+                for tail in records[a].tails.values() if hasattr(records[a], "tails") else []:
+                    if tail not in records:
+                        records[tail] = await reg.get_object(tail)
+        finally:
+            await reg.close()
+        sizes = [min(e.size for e in r.encodings.values()) for r in records.values()]
+        mean = statistics.mean(sizes)
+        scale = mean / (args.object_mb * (1 << 20))
+        world.set_scale(scale)
+        from kdn.adapters.hf import load_model
+
+        engine = await asyncio.to_thread(load_model, "tiny-llama")
+        model_id = manifests[0]["model_id"]
+        setup_s = time.monotonic() - t0
+        reqs = workload(manifests, args.requests, args.seed, args.zipf, args.remote_share)
+        print(f"setup {setup_s:.1f} s: {len(manifests)} docs, {len(records)} objects, mean {mean / 1e3:.0f} kB; "
+              f"bandwidth scale {scale:.4f} (= {mean / 1e3:.0f} kB / {args.object_mb} MiB); "
+              f"{len(reqs)} requests, {sum(r.region == 'near' for r in reqs)} from near", flush=True)
+        plan = [(s, 2) for s in args.strategies] + ([("latency", 0)] if args.prefetch0 else [])
+        results = []
+        for strategy, prefetch in plan:
+            r = await one_run(world, f"{strategy}/p{prefetch}", strategy, prefetch, reqs, engine, records, model_id,
+                              args.seed, deadline)
+            results.append(r)
+            print(f"  {strategy:12s} prefetch {prefetch}: {len(r.samples)} requests in {r.wall_s:.1f} s, "
+                  f"near fetch p50 {pct([s.fetch_ms for s in near(r)], 50):.1f} ms, wrong hits {r.wrong_hits}, "
+                  f"unemulated connections {r.unemulated}{' (CUT BY BUDGET)' if r.truncated else ''}", flush=True)
+    finally:
+        await world.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    by = {(r.strategy, r.prefetch): r for r in results}
+    p50 = {k: pct([s.fetch_ms for s in near(v)], 50) for k, v in by.items()}
+    print()
+    print("### Source selection (near clients; prefetch 2 unless noted)\n")
+    print(strategy_table(results))
+    print("\n### Edge tiers (from each edge's /metrics, summed per region; all clients)\n")
+    print(tier_table(results))
+    lines = []
+    if ("latency", 2) in p50 and ("oracle", 2) in p50 and p50[("oracle", 2)] == p50[("oracle", 2)]:
+        ratio = p50[("latency", 2)] / p50[("oracle", 2)]
+        lines.append(f"- latency-aware p50 / oracle p50 = {ratio:.2f} (target <= 1.1): "
+                     f"{'met' if ratio <= 1.1 else 'NOT met'}")
+    if ("latency", 2) in p50 and ("random", 2) in p50:
+        ratio = p50[("random", 2)] / p50[("latency", 2)]
+        lines.append(f"- random p50 / latency-aware p50 = {ratio:.2f} (target >= 2): "
+                     f"{'met' if ratio >= 2 else 'NOT met'}")
+    if ("latency", 0) in by and ("latency", 2) in by:
+        a, b = by[("latency", 0)], by[("latency", 2)]
+        lines.append(f"- prefetch 2 vs 0 (latency-aware): fetch p50 {pct([s.fetch_ms for s in near(b)], 50):.1f} vs "
+                     f"{pct([s.fetch_ms for s in near(a)], 50):.1f} ms, p99 {pct([s.fetch_ms for s in near(b)], 99):.1f}"
+                     f" vs {pct([s.fetch_ms for s in near(a)], 99):.1f} ms, mean {statistics.mean([s.fetch_ms for s in near(b)]):.1f} vs "
+                     f"{statistics.mean([s.fetch_ms for s in near(a)]):.1f} ms")
+    total = time.monotonic() - t_all
+    lines.append(f"- total wall time {total:.0f} s (setup {setup_s:.0f} s); unemulated connections: "
+                 f"{sum(r.unemulated for r in results)}; wrong prefix hits: {sum(r.wrong_hits for r in results)}")
+    print("\n### Targets\n")
+    print("\n".join(lines))
+    if args.plot:
+        plot(results, Path(args.plot), f"{args.requests} requests ({len(near(results[0]))} near), {args.docs} docs, "
+             f"Zipf {args.zipf}, seed {args.seed}; bandwidth x{scale:.4f}")
+        print(f"\nplot: {args.plot}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "args": vars(args), "scale": scale, "mean_object_bytes": mean, "setup_s": setup_s, "total_s": total,
+            "machine": f"{os.cpu_count()} cores, {platform.python_version()}",
+            "runs": [{"strategy": r.strategy, "prefetch": r.prefetch, "origin_bytes": r.origin_bytes,
+                      "edge_metrics": r.edge_metrics, "hedges": r.hedges, "failovers": r.failovers,
+                      "wall_s": r.wall_s, "truncated": r.truncated, "unemulated": r.unemulated,
+                      "samples": [s.__dict__ for s in r.samples]} for r in results]}, indent=1))
+    return 0
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--docs", type=int, default=10)
+    ap.add_argument("--doc-tokens", type=int, default=2200)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--remote-share", type=float, default=0.2)
+    ap.add_argument("--object-mb", type=float, default=3.9, help="real object size the bandwidths are scaled to")
+    ap.add_argument("--mem-mb", type=float, default=1.5, help="each edge's memory tier")
+    ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                    help=f"comma-separated, of {', '.join(STRATEGIES)}")
+    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight (closed loop)")
+    ap.add_argument("--no-prefetch0", dest="prefetch0", action="store_false", help="skip the prefetch-0 run")
+    ap.add_argument("--budget-s", type=float, default=540, help="stop issuing requests after this long")
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "geo_cdf.png"))
+    ap.add_argument("--json", default=str(ROOT / "bench" / "work" / "geo.json"))
+    args = ap.parse_args(argv)
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    bad = [s for s in args.strategies if s not in STRATEGIES]
+    if bad:
+        ap.error(f"unknown strategies {bad}")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse())))

@@ -1,0 +1,71 @@
+"""What each object-level encoding costs in quality and decode time: the table the client chooses by.
+
+Numbers come from ``bench/quality.py`` (SmolLM2-135M bf16, 4 shipped
+documents x 512/1024-token contexts, 256 continuation tokens; see
+docs/benchmarks.md, "Lossy codecs"). ``nll_pct`` is the WORST NLL increase
+seen over the cases (not the median): a caller's quality budget is a bound,
+so the choice must hold for the unlucky document too. ``decode_mbps`` is one
+thread, MB of decoded output per second, measured on a loaded 2-core VM:
+conservative.
+
+Lossless encodings cost 0 by definition; an encoding missing from this table
+is treated as unaffordable for any lossy budget (never chosen silently).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kdn.errors import InvalidInput
+
+LOSSLESS = "lossless"
+
+
+@dataclass(frozen=True)
+class EncodingCost:
+    lossless: bool
+    nll_pct: float  # worst measured NLL increase, %
+    ratio: float  # decoded bytes / encoded bytes (bf16 KV)
+    decode_mbps: float  # decoded MB/s, one thread
+
+
+TABLE: dict[str, EncodingCost] = {
+    "raw": EncodingCost(True, 0.0, 1.00, 1440.0),
+    "zstd": EncodingCost(True, 0.0, 1.45, 404.0),
+    "int8": EncodingCost(False, 0.18, 1.96, 227.0),
+    "int8z": EncodingCost(False, 0.18, 2.05, 194.0),
+    "int4-g32": EncodingCost(False, 0.82, 3.18, 160.0),
+    "int4-g64": EncodingCost(False, 0.89, 3.53, 159.0),
+    "cachegen-6": EncodingCost(False, 0.58, 2.84, 29.0),
+    "ans-5": EncodingCost(False, 0.31, 3.30, 38.0),
+    "ans-4": EncodingCost(False, 1.88, 4.25, 30.0),
+    "cachegen-4": EncodingCost(False, 3.90, 4.59, 39.0),
+}
+
+
+def parse_budget(quality: str | float) -> float | None:
+    """``"lossless"`` -> None (lossless only); a number -> the largest NLL increase (%) allowed."""
+    if quality == LOSSLESS:
+        return None
+    try:
+        budget = float(quality)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"quality must be 'lossless' or a maximum NLL increase in %, got {quality!r}") from None
+    if not budget >= 0:
+        raise InvalidInput(f"quality budget must be >= 0, got {budget}")
+    return budget
+
+
+def affordable(encoding: str, budget: float | None) -> bool:
+    """May ``encoding`` be used under ``budget`` (None: lossless only)?"""
+    cost = TABLE.get(encoding)
+    if cost is None:
+        return False
+    if cost.lossless:
+        return True
+    return budget is not None and cost.nll_pct <= budget
+
+
+def decode_seconds(encoding: str, encoded_size: int) -> float:
+    cost = TABLE[encoding]
+    return encoded_size * cost.ratio / (cost.decode_mbps * 1e6)
