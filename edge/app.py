@@ -131,7 +131,17 @@ class Edge:
         self.prefetcher = Prefetcher(self.chains, config.prefetch, self._prefetch_one)
         self.policies: PolicyEngine | None = None
         self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
+        self._background: set[asyncio.Task] = set()
         self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
+
+    def background(self, coro) -> None:
+        """Run ``coro`` off the response path, holding a reference until it ends (bounded: skip when busy)."""
+        if len(self._background) >= 256:
+            coro.close()
+            return
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def tiers(self):
@@ -246,6 +256,9 @@ async def _edge_ctx(app: web.Application):
     finally:
         await edge.policies.close()
         await edge.prefetcher.close()
+        for t in list(edge._background):
+            t.cancel()
+        await asyncio.gather(*edge._background, return_exceptions=True)
         for t in watchers:
             t.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
@@ -335,7 +348,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
                 return await _send_bytes(request, handle.data, headers, head=head, metrics=edge.m, source="memory")
             # Promote a disk hit into memory, off the response path.
             if not head and not edge.memory.contains(key):
-                asyncio.create_task(_promote(edge, key, handle.path, rec))
+                edge.background(_promote(edge, key, handle.path, rec))
             return await _send_file(request, handle.path, size, headers, head=head, metrics=edge.m)
         finally:
             handle.release()
