@@ -347,7 +347,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
             if tier.name == "memory":
                 return await _send_bytes(request, handle.data, headers, head=head, metrics=edge.m, source="memory")
             # Promote a disk hit into memory, off the response path.
-            if not head and not edge.memory.contains(key):
+            if not head and not edge.memory.contains(key) and size <= edge.memory.budget:
                 edge.background(_promote(edge, key, handle.path, rec))
             return await _send_file(request, handle.path, size, headers, head=head, metrics=edge.m)
         finally:

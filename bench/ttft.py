@@ -1,0 +1,566 @@
+"""Time to first token: full prefill against loading the prefix KV from an edge (memory / disk tier).
+
+    python -P bench/ttft.py [--models smollm2-135m,qwen2-0.5b-shape] [--lengths 512,2048,8192]
+                            [--repeat 3] [--suffix 16] [--quick] [--plot docs/img/ttft.png]
+
+For each model the bench starts, on 127.0.0.1 only and in their own
+processes, an origin (embedded ``file:`` registry, temp store) and two edges:
+
+- ``edge-mem``  (region ``mem``):  1 GiB memory tier, no disk tier;
+- ``edge-disk`` (region ``disk``): a 4 KiB memory tier (no KV object fits)
+  over a disk tier, so every hit is served from disk (``X-KDN-Source: disk``).
+
+Each edge is alone in its region, so it owns (and keeps) every address. For
+each context length L it publishes L tokens once through ``POST /v1/publish``
+(not timed), warms both edges, then times, in rotating order within each
+repeat, the first token of the prompt ``published + suffix``:
+
+- ``prefill``: ``agenerate(use_cache=False)``: one forward pass over the whole
+  prompt (one-shot, not chunked). agenerate computes the logits of every
+  prompt position, as it does for the hit paths' suffix;
+- ``prefill-lean``: the same one-shot forward with ``logits_to_keep=1`` (what
+  an engine does): the fair lower bound of recomputing;
+- ``memory`` / ``disk``: ``agenerate(use_cache=True)`` with a ``KDNClient``
+  on that edge: lookup, fetch + verify, decode, build the cache, prefill the
+  suffix only.
+
+Models: ``smollm2-135m`` (real weights, bf16; real text: the shipped docs
+concatenated) and ``qwen2-0.5b-shape`` (a Qwen2-0.5B-shaped random-init bf16
+model built once with a fixed seed into ``bench/work/``; random token ids with
+a fixed seed). Prints a markdown table (medians, min-max over repeats),
+writes a PNG plot and ``bench/work/ttft.json``. Everything it starts it stops;
+its temp folders are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Before torch loads (here and in the server processes, which inherit it): on a shared 2-core
+# machine, OpenMP threads that spin-wait for a descheduled sibling made a 16-token forward
+# 5-30x slower (measured: 4.9 s vs 0.19 s); passive waiting removes that pathology.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "bench" / "work"
+DOCS = ROOT / "kdn" / "data" / "docs"
+QWEN = "qwen2-0.5b-shape"
+SMOL = "smollm2-135m"
+PUBLISH_TOKEN = "bench-publisher-" + "p" * 24
+QWEN_SEED = 0
+IDS_SEED = 1234
+QUESTION = "\n\nQuestion: according to the documents above, what should a first-time visitor check before leaving?\n"
+
+
+# --- server processes (the bench re-runs itself with --serve) -----------------------
+
+
+def _serve(role: str, cfg_json: str) -> None:
+    import logging
+
+    from aiohttp import web
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = json.loads(cfg_json)
+    if role == "origin":
+        from kdn.origin.app import OriginConfig, create_app
+
+        app = create_app(OriginConfig(**cfg))
+    else:
+        from kdn.edge.app import EdgeConfig, create_app
+
+        app = create_app(EdgeConfig(**cfg))
+    web.run_app(app, host=cfg["host"], port=cfg["port"], print=None)  # SIGTERM/SIGINT: graceful stop
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    popen: subprocess.Popen
+    log: Path
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+
+def start(name: str, role: str, cfg: dict, tmp: Path) -> Proc:
+    log = tmp / f"{name}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(log, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-P", str(Path(__file__).resolve()), "--serve", role, json.dumps(cfg)],
+                             stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(tmp))
+    return Proc(name, f"http://127.0.0.1:{cfg['port']}", p, log)
+
+
+async def wait_healthy(session, proc: Proc, timeout: float, ready=lambda body: True) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+        try:
+            async with session.get(f"{proc.url}/healthz") as r:
+                if r.status == 200:
+                    body = await r.json()
+                    if ready(body):
+                        return body
+        except Exception:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{proc.name} not healthy after {timeout:.0f} s:\n{proc.tail()}")
+
+
+# --- models and prompts ----------------------------------------------------------
+
+
+def qwen_folder() -> Path:
+    """A Qwen2-0.5B-shaped random-init bf16 checkpoint, built once (fixed seed) under bench/work/."""
+    dest = WORK / QWEN
+    if (dest / "config.json").exists() and (dest / "model.safetensors").exists():
+        return dest
+    import torch
+    import transformers as T
+
+    print(f"building {dest} (random init, seed {QWEN_SEED}) ...", flush=True)
+    cfg = T.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(QWEN_SEED)
+    try:
+        model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    model = model.to(torch.bfloat16)
+    WORK.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{QWEN}.", dir=WORK))
+    try:
+        model.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    del model
+    gc.collect()
+    return dest
+
+
+def model_spec(name: str) -> str:
+    return str(qwen_folder()) if name == QWEN else name
+
+
+def token_stream(name: str, lm, n: int, suffix: int) -> tuple[list[int], list[int]]:
+    """(n document tokens, `suffix` question tokens) for a model."""
+    if name == QWEN:
+        import numpy as np
+
+        rng = np.random.default_rng(IDS_SEED)
+        vocab = lm.model.config.vocab_size
+        return rng.integers(0, vocab, n).tolist(), rng.integers(0, vocab, suffix).tolist()
+    tok = lm.tokenizer
+    text = "\n\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
+    ids = list(tok.encode(text, add_special_tokens=False))
+    doc = (ids * (n // len(ids) + 1))[:n]  # repeated if the docs are shorter than n
+    q = list(tok.encode(QUESTION, add_special_tokens=False))
+    q = (q * (suffix // len(q) + 1))[:suffix]
+    return doc, q
+
+
+# --- measuring -------------------------------------------------------------------
+
+
+def _client_class():
+    from kdn.client import KDNClient
+
+    class TimedClient(KDNClient):
+        """Keeps the last ``fetch_prefix`` result: its codec decode time and blob sizes are not in ``Report``."""
+
+        last = None
+
+        async def fetch_prefix(self, hit, **kw):
+            st = await super().fetch_prefix(hit, **kw)
+            self.last = st
+            return st
+
+    return TimedClient
+
+
+@dataclass
+class Sample:
+    ttft_ms: float
+    lookup_ms: float = 0.0
+    fetch_ms: float = 0.0
+    codec_ms: float = 0.0  # zstd byte-plane decode + header checks (client)
+    build_ms: float = 0.0  # blobs -> torch -> DynamicCache (Report.decode_ms)
+    prefill_ms: float = 0.0
+    tokens_reused: int = 0
+    sources: dict = field(default_factory=dict)
+    wire_bytes: int = 0
+    encodings: list = field(default_factory=list)
+    first_token: int = -1
+
+
+async def run_hit(lm, ids, client) -> Sample:
+    from kdn.adapters.hf import agenerate
+
+    client.last = None
+    g = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=1)
+    r = g.report
+    st = client.last
+    return Sample(ttft_ms=r.ttft_ms, lookup_ms=r.lookup_ms, fetch_ms=r.fetch_ms,
+                  codec_ms=st.decode_s * 1e3 if st else 0.0, build_ms=r.decode_ms, prefill_ms=r.prefill_ms,
+                  tokens_reused=r.tokens_reused, sources=dict(r.sources),
+                  wire_bytes=sum(len(f.blob) for f in st.fetched) if st else 0,
+                  encodings=sorted({f.encoding for f in st.fetched}) if st else [], first_token=g.ids[0])
+
+
+async def run_prefill(lm, ids, client) -> Sample:
+    from kdn.adapters.hf import agenerate
+
+    g = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=1, use_cache=False)
+    return Sample(ttft_ms=g.report.ttft_ms, prefill_ms=g.report.prefill_ms, first_token=g.ids[0])
+
+
+def _lean(lm, ids) -> Sample:
+    import torch
+
+    from kdn.adapters.hf.extract import _forward, new_cache
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = _forward(lm.model, new_cache(lm.model), torch.tensor(ids, dtype=torch.long), 0, logits=False)
+        tok = int(torch.argmax(out.logits[0, -1].float()))
+    ms = (time.perf_counter() - t0) * 1e3
+    return Sample(ttft_ms=ms, prefill_ms=ms, first_token=tok)
+
+
+async def run_lean(lm, ids, client) -> Sample:
+    return await asyncio.get_running_loop().run_in_executor(None, _lean, lm, ids)
+
+
+PATHS = ("prefill", "prefill-lean", "memory", "disk")
+
+
+async def publish(session, origin: str, name: str, tokens: list[int], timeout: float = 3600) -> dict:
+    headers = {"Authorization": f"Bearer {PUBLISH_TOKEN}"}
+    async with session.post(f"{origin}/v1/publish", json={"name": name, "tokens": tokens}, headers=headers) as r:
+        body = await r.json()
+        if r.status != 202:
+            raise RuntimeError(f"publish {name}: HTTP {r.status} {body}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with session.get(f"{origin}{body['url']}", headers=headers) as r:
+            job = await r.json()
+        if job["state"] == "done":
+            return job["manifest"]
+        if job["state"] == "failed":
+            raise RuntimeError(f"publish {name} failed: {job.get('error')}")
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"publish {name} did not finish in {timeout:.0f} s")
+
+
+async def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log) -> list[dict]:
+    import aiohttp
+    import torch
+
+    from kdn.adapters.hf import load_model
+    from kdn.adapters.hf.generate import model_id as engine_model_id
+
+    spec = model_spec(name)
+    tmp = Path(tempfile.mkdtemp(prefix="kdn-ttft-"))
+    procs: list[Proc] = []
+    rows = []
+    try:
+        (tmp / "tokens").write_text(PUBLISH_TOKEN + "\n")
+        registry = f"file:{tmp / 'registry.sqlite3'}"
+        o_port = free_port()
+        origin = start("origin", "origin", dict(model=spec, registry=registry, store=str(tmp / "origin-store"),
+                                                host="127.0.0.1", port=o_port, token_file=str(tmp / "tokens"),
+                                                node_id="origin-1", fsync=False), tmp)
+        procs.append(origin)
+        t0 = time.perf_counter()
+        lm = load_model(spec)  # meanwhile, in this process
+        lm.model.eval()
+        log(f"[{name}] loaded in {time.perf_counter() - t0:.1f} s ({lm.dtype}, {lm.architecture}), "
+            f"torch threads {torch.get_num_threads()}")
+        edges = {}
+        for nid, region, mem in (("edge-mem", "mem", 1 << 30), ("edge-disk", "disk", 4 << 10)):
+            cfg = dict(region=region, registry=registry, origin=origin.url, mem_budget=mem,
+                       disk=str(tmp / f"disk-{nid}") if region == "disk" else None, disk_budget=8 << 30,
+                       host="127.0.0.1", port=free_port(), node_id=nid, prefetch=0, lease_ttl=10.0, fsync=False)
+            edges[region] = start(nid, "edge", cfg, tmp)
+            procs.append(edges[region])
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+            await wait_healthy(s, origin, 600)
+            for region, p in edges.items():
+                await wait_healthy(s, p, 120, ready=lambda b, nid=p.name: nid in (b.get("ring") or []))
+            log(f"[{name}] origin {origin.url}, edges {edges['mem'].url} (memory), {edges['disk'].url} (disk)")
+
+            TimedClient = _client_class()
+            clients = {"memory": TimedClient(edges=[edges["mem"].url]), "disk": TimedClient(edges=[edges["disk"].url])}
+            try:
+                doc, q = token_stream(name, lm, max(lengths), suffix)
+                # Warm torch (first forward pays one-off costs) and compute the model id (hashes the weights).
+                await run_lean(lm, doc[:256], None)
+                await run_prefill(lm, doc[:256], clients["memory"])
+                for L in lengths:
+                    t0 = time.perf_counter()
+                    man = await publish(s, origin.url, f"ttft-{L}", doc[:L])
+                    pub_s = time.perf_counter() - t0
+                    mid = engine_model_id(lm.model, lm.tokenizer)
+                    if man["model_id"] != mid:
+                        raise RuntimeError(f"origin model id {man['model_id'][:12]} != bench model id {mid[:12]}")
+                    ids = doc[:L] + q
+                    # Warm: the first hit fills each edge from the origin; the second must come from its tier.
+                    for path, c in clients.items():
+                        first = await run_hit(lm, ids, c)
+                        again = await run_hit(lm, ids, c)
+                        log(f"[{name} L={L}] warm {path}: first from {first.sources}, then {again.sources}")
+                    samples: dict[str, list[Sample]] = {p: [] for p in PATHS}
+                    runners = {"prefill": run_prefill, "prefill-lean": run_lean, "memory": run_hit, "disk": run_hit}
+                    for r in range(repeat):
+                        order = PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]  # rotate: spread drift over paths
+                        for path in order:
+                            gc.collect()
+                            c = clients.get(path, clients["memory"])
+                            smp = await runners[path](lm, ids, c)
+                            samples[path].append(smp)
+                            log(f"[{name} L={L}] rep {r + 1}/{repeat} {path:12s} ttft {smp.ttft_ms:9.1f} ms"
+                                + (f"  (lookup {smp.lookup_ms:.1f}, fetch {smp.fetch_ms:.1f}, codec {smp.codec_ms:.1f}, "
+                                   f"build {smp.build_ms:.1f}, suffix prefill {smp.prefill_ms:.1f}; {smp.sources})"
+                                   if path in ("memory", "disk") else ""))
+                    rows.append(summarize(name, lm, L, suffix, pub_s, samples))
+            finally:
+                for c in clients.values():
+                    await c.close()
+        del lm
+        gc.collect()
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
+
+
+def summarize(name, lm, L, suffix, pub_s, samples: dict[str, list[Sample]]) -> dict:
+    cfg = lm.model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = L * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2  # bf16 K and V
+    row = {"model": name, "length": L, "suffix": suffix, "publish_s": pub_s, "kv_bytes": kv_bytes, "paths": {}}
+    first_tokens = {p: sorted({s.first_token for s in v}) for p, v in samples.items()}
+    row["first_tokens"] = first_tokens
+    for p, v in samples.items():
+        d = {"ttft": _stats([s.ttft_ms for s in v])}
+        if p in ("memory", "disk"):
+            for k in ("lookup_ms", "fetch_ms", "codec_ms", "build_ms", "prefill_ms"):
+                d[k] = statistics.median(getattr(s, k) for s in v)
+            d["other_ms"] = statistics.median(
+                s.ttft_ms - s.lookup_ms - s.fetch_ms - s.codec_ms - s.build_ms - s.prefill_ms for s in v)
+            srcs: dict[str, int] = {}
+            for s in v:
+                for k, n in s.sources.items():
+                    srcs[k] = srcs.get(k, 0) + n
+            d["sources"] = srcs
+            d["tokens_reused"] = sorted({s.tokens_reused for s in v})
+            d["wire_bytes"] = v[0].wire_bytes
+            d["encodings"] = v[0].encodings
+        row["paths"][p] = d
+    base = row["paths"]["prefill"]["ttft"]["median"]
+    lean = row["paths"]["prefill-lean"]["ttft"]["median"]
+    for p in ("memory", "disk"):
+        t = row["paths"][p]["ttft"]["median"]
+        row["paths"][p]["speedup"] = base / t
+        row["paths"][p]["speedup_lean"] = lean / t
+    return row
+
+
+# --- output ----------------------------------------------------------------------
+
+
+def fmt_ms(st: dict) -> str:
+    def f(x: float) -> str:
+        return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+    return f"{f(st['median'])} ({f(st['min'])}-{f(st['max'])})"
+
+
+def tables(rows: list[dict]) -> str:
+    out = ["| model | context | path | TTFT ms median (min-max) | vs prefill | vs prefill-lean | source of the chunks |",
+           "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
+    for row in rows:
+        for p in PATHS:
+            d = row["paths"][p]
+            if p in ("memory", "disk"):
+                sp, spl = f"**{d['speedup']:.1f}x**", f"{d['speedup_lean']:.1f}x"
+                src = ", ".join(f"{k.split('/', 1)[-1]} x{n}" for k, n in sorted(d["sources"].items()))
+                src += f"; reused {'/'.join(map(str, d['tokens_reused']))} tok"
+            else:
+                sp = spl = src = ""
+            out.append(f"| {row['model']} | {row['length']:,} | {p} | {fmt_ms(d['ttft'])} | {sp} | {spl} | {src} |")
+    out += ["", "Breakdown of the hit paths (medians, ms); KV = bf16 K+V of the context; wire = fetched blob bytes:", "",
+            "| model | context | path | KV MiB | wire MiB | lookup | fetch + verify | codec decode | build cache "
+            "| suffix prefill | other | TTFT |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        for p in ("memory", "disk"):
+            d = row["paths"][p]
+            out.append(f"| {row['model']} | {row['length']:,} | {p} | {row['kv_bytes'] / 2**20:.1f} | "
+                       f"{d['wire_bytes'] / 2**20:.1f} | {d['lookup_ms']:.1f} | {d['fetch_ms']:.1f} | "
+                       f"{d['codec_ms']:.1f} | {d['build_ms']:.1f} | {d['prefill_ms']:.1f} | {d['other_ms']:.1f} | "
+                       f"{d['ttft']['median']:.1f} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"prefill": "tab:red", "prefill-lean": "tab:orange", "memory": "tab:blue", "disk": "tab:green"}
+    styles = {SMOL: ("-", "o"), QWEN: ("--", "s")}
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mr = sorted((r for r in rows if r["model"] == model), key=lambda r: r["length"])
+        ls, mk = styles.get(model, (":", "^"))
+        for p in PATHS:
+            xs = [r["length"] for r in mr]
+            med = [r["paths"][p]["ttft"]["median"] for r in mr]
+            lo = [m - r["paths"][p]["ttft"]["min"] for m, r in zip(med, mr)]
+            hi = [r["paths"][p]["ttft"]["max"] - m for m, r in zip(med, mr)]
+            ax.errorbar(xs, med, yerr=[lo, hi], color=colors[p], linestyle=ls, marker=mk, capsize=3,
+                        label=f"{model}: {p}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted({r["length"] for r in rows})
+    ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens published; prompt = context + suffix)")
+    ax.set_ylabel("time to first token (ms, median; bars: min-max)")
+    ax.set_title("KDN: TTFT, full prefill vs KV loaded from an edge (2-core CPU, bf16)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def machine() -> str:
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import torch
+    import transformers
+
+    return (f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, no GPU; Python {platform.python_version()}, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), "
+            f"transformers {transformers.__version__}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=f"{SMOL},{QWEN}", help=f"comma list of {SMOL}, {QWEN}")
+    ap.add_argument("--lengths", default="512,2048,8192", help="context lengths, multiples of 256")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--suffix", type=int, default=16, help="prompt tokens after the published context")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores)")
+    ap.add_argument("--quick", action="store_true", help=f"{SMOL} only, 512 and 2048, repeat 2")
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "ttft.png"), help="PNG to write ('' for none)")
+    ap.add_argument("--json", default=str(WORK / "ttft.json"), help="raw results ('' for none)")
+    ap.add_argument("--serve", nargs=2, metavar=("ROLE", "CONFIG"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        _serve(*args.serve)
+        return 0
+    if args.quick:
+        args.models, args.lengths, args.repeat = SMOL, "512,2048", 2
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    for m in models:
+        if m not in (SMOL, QWEN):
+            ap.error(f"unknown model {m!r}")
+    for L in lengths:
+        if L <= 0 or L % 256:
+            ap.error(f"length {L} is not a positive multiple of the 256-token chunk")
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    t_all = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"{time.perf_counter() - t_all:7.1f}s {msg}", flush=True)
+
+    rows = []
+    for m in models:
+        rows += asyncio.run(bench_model(m, lengths, args.repeat, args.suffix, log))
+    print()
+    print(f"Machine: {machine()}")
+    print(f"Command: python -P bench/ttft.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    print(f"Total {time.perf_counter() - t_all:.0f} s; publish times (s, not in TTFT): "
+          + ", ".join(f"{r['model']}@{r['length']}: {r['publish_s']:.1f}" for r in rows))
+    for r in rows:
+        agree = {p: v for p, v in r["first_tokens"].items()}
+        if len({t for v in agree.values() for t in v}) != 1:
+            print(f"note: first tokens differ between paths for {r['model']}@{r['length']}: {agree}")
+    print()
+    print(tables(rows))
+    if args.plot:
+        plot(rows, Path(args.plot))
+        print(f"\nplot: {args.plot}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
