@@ -8,6 +8,7 @@
 
 from kdn.adapters.hf.cache import build_cache, continue_from_cache
 from kdn.adapters.hf.generate import Generation, Report, agenerate, generate, model_id, prompt_tokens
+from kdn.adapters.hf.rag import generate_rag
 from kdn.adapters.hf.extract import (
     UNSUPPORTED_FAMILIES,
     ChunkState,
@@ -34,6 +35,7 @@ __all__ = [
     "Report",
     "agenerate",
     "generate",
+    "generate_rag",
     "model_id",
     "prompt_tokens",
     "BUILTIN_SPECS",

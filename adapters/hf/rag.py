@@ -1,0 +1,333 @@
+"""Non-prefix reuse for HF Llama-family models: compose standalone chunks in any order, blend, generate.
+
+    async with KDNClient(edges=["http://127.0.0.1:8100"]) as client:
+        out = await generate_rag(model, tokenizer, "What is the hotel limit?", [doc_a, doc_b], client)
+        print(out.text, out.report.line())
+
+The context is ``[head][chunk 1]..[chunk k][query]``. Each document chunk's KV
+was computed on its own at positions ``0..n-1`` (the origin publishes them with
+``"standalone": true``); ``head`` (system prompt / chat-template opening) and
+``query`` are computed fresh. ``blend_prefill`` follows CacheBlend:
+
+1. compose: shift each chunk's keys to its offset (``kdn.kernels.rope``), concatenate;
+2. layers ``0..check_layer``: recompute every token (cheap: 2 of 30 layers for
+   SmolLM2), which gives the true K/V of the check layer;
+3. select the ``recompute_ratio`` of reused tokens whose check-layer K/V deviate
+   most from the composed ones (``kdn.kernels.blend.select_tokens``);
+4. deeper layers: only the selected tokens and the fresh ones run; their
+   queries attend to the composed K/V of all tokens, with their own rows
+   replaced by the recomputed ones, layer by layer.
+
+``recompute_ratio=0`` is pure composition (no check layer: fresh tokens on top
+of the shifted chunks). ``recompute_ratio=1`` runs every token in every layer,
+the same operations as ``full_prefill``, and gives bit-identical results.
+Decoder layers are driven here (embed_tokens, layers, norm, rotary_emb), with
+explicit positions, for ``llama`` and ``qwen2`` (full attention) models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kdn import address as A
+from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
+from kdn.kernels.blend import compose, kv_deviation, select_tokens
+from kdn.kernels.rope import rope_of
+
+from kdn.adapters.hf.cache import build_cache
+from kdn.adapters.hf.extract import _forward, standalone_chunk
+from kdn.adapters.hf.generate import _pick, model_id
+
+BLEND_FAMILIES = frozenset({"llama", "qwen2"})
+_SENTINEL = "\ue000KDN-CONTEXT\ue001"
+
+
+@dataclass
+class Segment:
+    """A run of tokens in the composed context: ``kv`` holds its standalone states, or ``None`` (compute fresh)."""
+
+    ids: Sequence[int]
+    kv: Mapping[str, torch.Tensor] | None = None
+
+
+@dataclass
+class Blend:
+    logits: torch.Tensor  # [n_logits, vocab] of the context's last positions
+    keys: list[torch.Tensor]  # per layer [1, kv_heads, S, head_dim], as the cache should hold them
+    values: list[torch.Tensor]
+    n_tokens: int
+    n_reused: int  # tokens whose KV came from standalone chunks
+    recomputed: torch.Tensor  # indices of reused tokens recomputed in the deep layers (ascending)
+
+
+def _check_model(model: Any) -> None:
+    cfg = model.config
+    if cfg.model_type not in BLEND_FAMILIES:
+        raise ModelMismatch(f"blending drives {sorted(BLEND_FAMILIES)} decoder layers, not {cfg.model_type!r}")
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
+        raise ModelMismatch(f"blending needs full attention in every layer, this model has {sorted(kinds)}")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           K: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer for the tokens ``idx`` (positions = indices) over the context's K/V.
+
+    h: [1, s, hidden] of tokens idx [s]; K, V: [1, Hkv, S, D] of the whole context,
+    rows ``idx`` replaced by the ones computed here. Returns (h', K', V').
+    """
+    attn = layer.self_attn
+    s, D = h.shape[1], attn.head_dim
+    x = layer.input_layernorm(h)  # [1, s, hidden]
+    q = attn.q_proj(x).view(1, s, -1, D).transpose(1, 2)  # [1, Hq, s, D]
+    k = attn.k_proj(x).view(1, s, -1, D).transpose(1, 2)  # [1, Hkv, s, D]
+    v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
+    c, sn = cos[:, None], sin[:, None]  # [1, 1, s, D]
+    q = q * c + _rotate_half(q) * sn
+    k = k * c + _rotate_half(k) * sn
+    K = K.index_copy(2, idx, k)  # [1, Hkv, S, D]
+    V = V.index_copy(2, idx, v)
+    S = K.shape[2]
+    mask = torch.arange(S, device=idx.device)[None, :] <= idx[:, None]  # [s, S]: causal by position
+    o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask[None, None], scale=attn.scaling,
+                                       enable_gqa=True)  # [1, Hq, s, D]
+    h = h + attn.o_proj(o.transpose(1, 2).reshape(1, s, -1))
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return h, K, V
+
+
+def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: float = 0.15, check_layer: int = 1,
+                  n_logits: int = 1) -> Blend:
+    """Prefill a context of reused and fresh segments, CacheBlend style (see the module doc).
+
+    The last ``n_logits`` tokens must be fresh (their logits are returned).
+    """
+    _check_model(model)
+    if not 0.0 <= recompute_ratio <= 1.0:
+        raise InvalidInput(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+    inner = model.model
+    layers = list(inner.layers)
+    if not 0 <= check_layer < len(layers):
+        raise InvalidInput(f"check_layer {check_layer} is not a layer of this {len(layers)}-layer model")
+    p = next(model.parameters())
+    dev, dtype = p.device, p.dtype
+    lengths = [len(s.ids) for s in segments]
+    if not lengths or min(lengths) == 0:
+        raise InvalidInput("every segment needs at least one token")
+    ids = torch.tensor([t for s in segments for t in s.ids], dtype=torch.long, device=dev)  # [S]
+    S = ids.numel()
+    fresh = torch.cat([torch.full((n,), s.kv is None, dtype=torch.bool) for s, n in zip(segments, lengths)]).to(dev)
+    if not bool(fresh[S - n_logits:].all()):
+        raise InvalidInput(f"the last {n_logits} tokens must be fresh (a query) to have logits")
+    reused_idx = (~fresh).nonzero().flatten()  # [R]
+    fresh_idx = fresh.nonzero().flatten()
+    attn0 = layers[0].self_attn
+    H = model.config.num_key_value_heads
+    Ks, Vs = compose([s.kv for s in segments], lengths, rope_of(model), range(len(layers)),
+                     kv_shape=(H, attn0.head_dim), dtype=dtype, device=dev)
+    embed = inner.embed_tokens
+
+    def cos_sin(idx: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return inner.rotary_emb(like, position_ids=idx[None])  # each [1, s, D]
+
+    with torch.inference_mode():
+        if recompute_ratio == 0.0:
+            start, idx = 0, fresh_idx
+            h = embed(ids[idx])[None]  # [1, s, hidden]
+        else:
+            idx = torch.arange(S, device=dev)
+            h = embed(ids)[None]  # [1, S, hidden]
+            cos, sin = cos_sin(idx, h)
+            for i in range(check_layer + 1):
+                comp_k, comp_v = Ks[i], Vs[i]
+                h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, comp_k, comp_v)
+            # Deviation of the reused tokens at the check layer: true (just computed) vs composed.
+            d = kv_deviation(Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx],
+                             comp_k[:, :, reused_idx], comp_v[:, :, reused_idx])  # [R]
+            chosen = reused_idx[select_tokens(d, recompute_ratio)]
+            idx = torch.sort(torch.cat((chosen, fresh_idx))).values  # [s]
+            h = h.index_select(1, idx)
+            start = check_layer + 1
+        recomputed = idx[~fresh[idx]]
+        cos, sin = cos_sin(idx, h)
+        for i in range(start, len(layers)):
+            h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i])
+        assert bool((idx[-n_logits:] == torch.arange(S - n_logits, S, device=dev)).all())
+        logits = model.lm_head(inner.norm(h[:, -n_logits:]))[0]  # [n_logits, vocab]
+    return Blend(logits=logits, keys=Ks, values=Vs, n_tokens=S, n_reused=int(reused_idx.numel()),
+                 recomputed=recomputed)
+
+
+def full_prefill(model: Any, ids: Sequence[int], *, n_logits: int = 1) -> Blend:
+    """Every token in every layer, by ``blend_prefill``'s own routine (the reference for ratio 1)."""
+    return blend_prefill(model, [Segment(list(ids))], recompute_ratio=1.0, n_logits=n_logits)
+
+
+def blend_cache(model: Any, b: Blend) -> Any:
+    """A ``DynamicCache`` holding a blend's K/V, to continue generating from position ``b.n_tokens``."""
+    chunk = {}
+    for i, (k, v) in enumerate(zip(b.keys, b.values)):
+        chunk[f"L{i}.k"], chunk[f"L{i}.v"] = k[0], v[0]
+    cache, n = build_cache(model, [chunk])
+    assert n == b.n_tokens
+    return cache
+
+
+# --- generate_rag: fetch standalone chunks from the KDN, blend, generate -------------------------------
+
+
+@dataclass
+class RagReport:
+    tokens_total: int = 0
+    tokens_reused: int = 0  # document tokens whose KV was loaded (fetched or computed alone here)
+    tokens_recomputed: int = 0  # of those, recomputed in the deep layers
+    chunks_fetched: int = 0
+    chunks_computed: int = 0  # not in the KDN: computed locally, alone
+    missing: list[str] = field(default_factory=list)  # addresses the KDN could not serve
+    sources: dict[str, int] = field(default_factory=dict)
+    fetch_ms: float = 0.0
+    compute_ms: float = 0.0  # local fallback
+    blend_ms: float = 0.0
+    ttft_ms: float = 0.0
+    new_tokens: int = 0
+
+    def line(self) -> str:
+        src = ", ".join(f"{k} x{v}" for k, v in sorted(self.sources.items())) or "none"
+        return (f"reused {self.tokens_reused}/{self.tokens_total} tokens ({self.chunks_fetched} chunks fetched "
+                f"from {src}, {self.chunks_computed} computed here), recomputed {self.tokens_recomputed}; "
+                f"fetch {self.fetch_ms:.1f} ms, local {self.compute_ms:.1f} ms, blend {self.blend_ms:.1f} ms; "
+                f"first token after {self.ttft_ms:.1f} ms")
+
+
+@dataclass
+class RagGeneration:
+    ids: list[int]
+    text: str
+    report: RagReport
+    first_logits: torch.Tensor  # [vocab]
+    blend: Blend = field(repr=False)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))  # as the origin tokenizes a publish
+    except TypeError:
+        return list(tokenizer.encode(text))
+
+
+def rag_frame(tokenizer: Any, query: str, system: str | None) -> tuple[str, str]:
+    """Text before the documents and after them (the query), from the chat template if there is one."""
+    if getattr(tokenizer, "chat_template", None):
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
+        rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        head, tail = rendered.split(_SENTINEL, 1)
+        return head, f"\n\n{query}{tail}"
+    return (f"{system}\n\n" if system else ""), f"\n\n{query}\n"
+
+
+async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: list[str], device: Any,
+                        report: RagReport) -> list[dict | None]:
+    """Each address's tensors, or ``None`` where the KDN cannot serve it (a miss is a recompute)."""
+    from kdn.objects import decode_object, to_torch
+
+    if client is None:
+        report.missing.extend(addrs)
+        return [None] * len(addrs)
+    t0 = time.perf_counter()
+    got = await asyncio.gather(*(client.fetch(a) for a in addrs), return_exceptions=True)
+    report.fetch_ms = (time.perf_counter() - t0) * 1e3
+    out: list[dict | None] = []
+    for a, f in zip(addrs, got):
+        if isinstance(f, SourceError):
+            report.missing.append(a)
+            out.append(None)
+            continue
+        if isinstance(f, BaseException):
+            raise f
+        obj = decode_object(f.blob)
+        h = obj.header
+        if h.address != a or h.model_id != mid or h.namespace != namespace or h.position != 0:
+            raise DigestMismatch(f"object {a[:16]}... is not the standalone chunk of this model/namespace")
+        out.append(to_torch(obj, device=device))
+        report.chunks_fetched += 1
+        report.sources[f.source] = report.sources.get(f.source, 0) + 1
+    return out
+
+
+async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequence[str], client: Any, *,
+                       namespace: str = "public", recompute_ratio: float = 0.15, system: str | None = None,
+                       max_new_tokens: int = 32, chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS,
+                       check_layer: int = 1) -> RagGeneration:
+    """Answer ``query`` over ``documents`` (in this order) reusing their standalone chunks from the KDN.
+
+    ``client`` is a ``kdn.client.KDNClient`` (or ``None``: compute every chunk
+    here). Each document is tokenized as the origin does, cut into chunks of
+    ``chunk_tokens``, and each chunk fetched by its standalone address; a
+    chunk the KDN does not have is computed locally, alone, and reported.
+    From a script: ``SyncKDNClient.run(generate_rag(..., sync_client.aclient))``.
+    """
+    t_start = time.perf_counter()
+    _check_model(model)
+    if not documents:
+        raise InvalidInput("generate_rag needs at least one document")
+    mid = model_id(model, tokenizer)
+    head_text, tail_text = rag_frame(tokenizer, query, system)
+    head, tail = _encode(tokenizer, head_text), _encode(tokenizer, tail_text)
+    pieces: list[list[int]] = []
+    for d in documents:
+        toks = _encode(tokenizer, d)
+        if not toks:
+            raise InvalidInput("an empty document")
+        pieces += [toks[s:e] for s, e in A.chunk_spans(len(toks), chunk_tokens)]
+    addrs = [A.standalone_address(mid, namespace, p) for p in pieces]
+    report = RagReport()
+    device = next(model.parameters()).device
+    states = await _fetch_chunks(client, mid, namespace, addrs, device, report)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, _run, model, tokenizer, head, pieces, states, tail, report,
+                                      recompute_ratio, check_layer, max_new_tokens, t_start)
+
+
+def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_layer, max_new_tokens, t_start):
+    t0 = time.perf_counter()
+    for j, st in enumerate(states):
+        if st is None:
+            states[j] = standalone_chunk(model, pieces[j]).tensors
+            report.chunks_computed += 1
+    report.compute_ms = (time.perf_counter() - t0) * 1e3
+    segments = ([Segment(head)] if head else []) + [Segment(p, st) for p, st in zip(pieces, states)] + [Segment(tail)]
+    t0 = time.perf_counter()
+    b = blend_prefill(model, segments, recompute_ratio=ratio, check_layer=check_layer)
+    report.blend_ms = (time.perf_counter() - t0) * 1e3
+    report.tokens_total, report.tokens_reused = b.n_tokens, b.n_reused
+    report.tokens_recomputed = int(b.recomputed.numel())
+    first_logits = b.logits[-1].float()
+    nxt = _pick(first_logits, False, 1.0)
+    report.ttft_ms = (time.perf_counter() - t_start) * 1e3
+    out: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    with torch.inference_mode():
+        cache = blend_cache(model, b) if max_new_tokens > 1 else None
+        pos = b.n_tokens
+        while True:
+            out.append(nxt)
+            if len(out) >= max_new_tokens or (eos is not None and nxt == eos):
+                break
+            step = _forward(model, cache, torch.tensor([nxt], device=model.device), pos, logits=True)
+            pos += 1
+            nxt = _pick(step.logits[0, -1].float(), False, 1.0)
+    report.new_tokens = len(out)
+    text = tokenizer.decode(out, skip_special_tokens=True)
+    return RagGeneration(ids=out, text=text, report=report, first_logits=first_logits, blend=b)

@@ -1,0 +1,87 @@
+"""CacheBlend's tensor work: compose standalone chunks, measure KV deviation, pick the tokens to recompute.
+
+CacheBlend (Yao et al., EuroSys'25) reuses the KV of chunks that were each
+computed on their own, in any order. Their keys sit at the wrong positions
+(fixed by a RoPE shift, ``compose``) and lack the cross-attention to the
+chunks before them (fixed by recomputing the few tokens whose KV deviates
+most, ``select_tokens``). The layer-by-layer driver that uses these lives with
+the engine adapter (``kdn.adapters.hf.rag``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kdn.kernels.rope import rope_of, rope_shift
+
+
+def n_select(n: int, ratio: float) -> int:
+    """How many of ``n`` candidates a ``ratio`` selects: ``round(ratio * n)``, at least 1 when ``ratio > 0``."""
+    assert 0.0 <= ratio <= 1.0, ratio
+    if ratio == 0.0 or n == 0:
+        return 0
+    return min(n, max(1, int(math.floor(ratio * n + 0.5))))
+
+
+def select_tokens(deviation: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Indices (ascending, int64) of the ``n_select(n, ratio)`` tokens with the largest ``deviation`` ``[n]``.
+
+    Ties go to the earlier token, so the choice is deterministic.
+    """
+    assert deviation.dim() == 1, deviation.shape
+    assert bool(torch.isfinite(deviation).all()), "deviation has NaN/inf"
+    k = n_select(deviation.numel(), ratio)
+    # A stable descending sort keeps equal deviations in index order (topk does not promise that).
+    order = torch.sort(deviation.float(), descending=True, stable=True).indices  # [n]
+    return torch.sort(order[:k]).values
+
+
+def select_tokens_ref(deviation: Sequence[float] | torch.Tensor, ratio: float) -> list[int]:
+    """Plain-Python reference of ``select_tokens``."""
+    dev = [float(x) for x in deviation]
+    k = n_select(len(dev), ratio)
+    return sorted(sorted(range(len(dev)), key=lambda i: (-dev[i], i))[:k])
+
+
+def kv_deviation(k_true: torch.Tensor, v_true: torch.Tensor, k_reused: torch.Tensor,
+                 v_reused: torch.Tensor) -> torch.Tensor:
+    """Per-token squared L2 distance of K and V over heads and head dims: ``[.., H, n, D]`` x4 -> ``[n]``."""
+    assert k_true.shape == k_reused.shape and v_true.shape == v_reused.shape, (k_true.shape, k_reused.shape)
+    dk = (k_true.float() - k_reused.float()).pow(2)  # [.., H, n, D]
+    dv = (v_true.float() - v_reused.float()).pow(2)
+    dims = [d for d in range(dk.dim()) if d != dk.dim() - 2]
+    return dk.sum(dim=dims) + dv.sum(dim=dims)  # [n]
+
+
+def compose(chunks: Sequence[Mapping[str, torch.Tensor] | None], lengths: Sequence[int], rope: Any,
+            layers: Sequence[int], *, kv_shape: tuple[int, int], dtype: torch.dtype,
+            device: torch.device | str = "cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Concatenate standalone chunks into one context: per layer K ``[1, H, S, D]`` (shifted) and V.
+
+    ``chunks[j]`` holds ``L{i}.k`` / ``L{i}.v`` ``[H, lengths[j], D]`` computed at
+    positions ``0..lengths[j]-1``, or is ``None`` for a segment computed fresh
+    (zeros here: the driver overwrites them). Chunk ``j`` lands at offset
+    ``sum(lengths[:j])``; its keys are rotated there.
+    """
+    r = rope_of(rope)
+    H, D = kv_shape
+    S = sum(lengths)
+    ks, vs = [], []
+    for i in layers:
+        K = torch.zeros(1, H, S, D, dtype=dtype, device=device)  # [1, H, S, D]
+        V = torch.zeros(1, H, S, D, dtype=dtype, device=device)
+        off = 0
+        for chunk, n in zip(chunks, lengths):
+            if chunk is not None:
+                k, v = chunk[f"L{i}.k"], chunk[f"L{i}.v"]  # [H, n, D]
+                assert tuple(k.shape) == (H, n, D) and tuple(v.shape) == (H, n, D), (k.shape, (H, n, D))
+                K[0, :, off:off + n] = rope_shift(k.to(device), off, r).to(dtype)
+                V[0, :, off:off + n] = v.to(device=device, dtype=dtype)
+            off += n
+        ks.append(K)
+        vs.append(V)
+    return ks, vs

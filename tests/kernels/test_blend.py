@@ -1,0 +1,157 @@
+"""CacheBlend: token selection, and blending standalone chunks in any order (tiny-llama / tiny-qwen2; SmolLM2 slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kdn.adapters.hf import build_cache, continue_from_cache, load_model, standalone_chunk
+from kdn.adapters.hf.rag import Segment, blend_cache, blend_prefill, full_prefill
+from kdn.errors import InvalidInput, ModelMismatch
+from kdn.kernels.blend import kv_deviation, n_select, select_tokens, select_tokens_ref
+from kdn.kernels.rope import rope_shift
+
+_MODELS: dict[str, object] = {}
+
+
+def model(name: str):
+    if name not in _MODELS:
+        _MODELS[name] = load_model(name, dtype=torch.float32).model
+    return _MODELS[name]
+
+
+def toks(seed: int, n: int, vocab: int = 500) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(3, vocab, (n,), generator=g)).tolist()
+
+
+HEAD, DOC_A, DOC_B, DOC_C, QUERY = toks(1, 12), toks(2, 70), toks(3, 45), toks(4, 90), toks(5, 9)
+
+
+def segments(m, docs, *, head=HEAD, query=QUERY):
+    return [Segment(head)] + [Segment(d, standalone_chunk(m, d).tensors) for d in docs] + [Segment(query)]
+
+
+# --- select_tokens ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 100, allow_nan=False, width=32), max_size=60), st.floats(0, 1))
+def test_select_tokens_matches_ref(dev, ratio):
+    got = select_tokens(torch.tensor(dev, dtype=torch.float32), ratio)
+    assert got.tolist() == select_tokens_ref(dev, ratio)
+    assert got.numel() == n_select(len(dev), ratio)
+
+
+def test_select_tokens_ties_and_bounds():
+    d = torch.tensor([1.0, 5.0, 5.0, 0.0, 5.0])
+    assert select_tokens(d, 0.4).tolist() == [1, 2]  # ties -> earlier tokens
+    assert select_tokens(d, 0.0).tolist() == []
+    assert select_tokens(d, 1.0).tolist() == [0, 1, 2, 3, 4]
+    assert select_tokens(d, 0.01).tolist() == [1]  # any ratio > 0 recomputes at least one token
+    with pytest.raises(AssertionError):
+        select_tokens(torch.tensor([1.0, float("nan")]), 0.5)
+
+
+def test_kv_deviation_is_per_token():
+    k = torch.zeros(1, 2, 4, 3)
+    k2 = k.clone()
+    k2[0, 1, 2, 0] = 2.0
+    assert kv_deviation(k2, k, k, k).tolist() == [0.0, 0.0, 4.0, 0.0]
+
+
+# --- blending --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_full_recompute_is_bit_identical_to_the_routines_full_prefill(name):
+    m = model(name)
+    for docs in ([DOC_A, DOC_B, DOC_C], [DOC_C, DOC_A, DOC_B]):  # any order
+        segs = segments(m, docs)
+        ids = [t for s in segs for t in s.ids]
+        b = blend_prefill(m, segs, recompute_ratio=1.0, n_logits=len(QUERY))
+        ref = full_prefill(m, ids, n_logits=len(QUERY))
+        assert b.recomputed.numel() == b.n_reused == sum(map(len, docs))
+        assert torch.equal(b.logits, ref.logits)
+        for i in range(len(b.keys)):
+            assert torch.equal(b.keys[i], ref.keys[i]) and torch.equal(b.values[i], ref.values[i])
+        # and the routine agrees with the model's own forward
+        with torch.inference_mode():
+            own = m(input_ids=torch.tensor([ids])).logits[0, -len(QUERY):]
+        err = (ref.logits - own).abs().max().item()
+        print(f"{name}: routine vs model forward, max |dlogit| = {err:.2e}")
+        torch.testing.assert_close(ref.logits, own, atol=1e-4, rtol=1e-4)
+
+
+def test_ratio_zero_is_pure_composition():
+    m = model("tiny-llama")
+    docs = [DOC_B, DOC_A]
+    segs = segments(m, docs, head=[5])
+    segs[0] = Segment([5], standalone_chunk(m, [5]).tensors)  # a reused head: nothing but the query is fresh
+    b = blend_prefill(m, segs, recompute_ratio=0.0)
+    assert b.recomputed.numel() == 0
+    # the cache holds the shifted chunks untouched
+    off = 1
+    for d, s in zip(docs, segs[1:]):
+        for i in range(len(b.keys)):
+            assert torch.equal(b.keys[i][0, :, off:off + len(d)], rope_shift(s.kv[f"L{i}.k"], off, m))
+            assert torch.equal(b.values[i][0, :, off:off + len(d)], s.kv[f"L{i}.v"])
+        off += len(d)
+    # and the query's logits are the model's own, continuing from a cache of the shifted chunks
+    chunks = [{n: (rope_shift(t, o, m) if n.endswith(".k") else t) for n, t in s.kv.items()}
+              for s, o in zip(segs[:-1], (0, 1, 1 + len(docs[0])))]
+    cache, n = build_cache(m, chunks)
+    own = continue_from_cache(m, cache, n, QUERY)[-1]
+    torch.testing.assert_close(b.logits[-1], own, atol=1e-4, rtol=1e-4)
+
+
+def test_partial_recompute_touches_only_the_selected_tokens():
+    m = model("tiny-llama")
+    segs = segments(m, [DOC_A, DOC_C])
+    zero = blend_prefill(m, segs, recompute_ratio=0.0)
+    b = blend_prefill(m, segs, recompute_ratio=0.2, check_layer=0)
+    reused = b.n_reused
+    assert b.recomputed.numel() == round(0.2 * reused)
+    sel = set(b.recomputed.tolist())
+    untouched = [t for t in range(len(HEAD), len(HEAD) + reused) if t not in sel]
+    last = len(b.keys) - 1  # deeper than the check layer: unselected reused rows stay composed
+    assert torch.equal(b.keys[last][:, :, untouched], zero.keys[last][:, :, untouched])
+    assert not torch.equal(b.keys[last][:, :, sorted(sel)], zero.keys[last][:, :, sorted(sel)])
+
+
+def test_blended_cache_continues_generation():
+    m = model("tiny-qwen2")
+    segs = segments(m, [DOC_B, DOC_A])
+    b = blend_prefill(m, segs, recompute_ratio=1.0)
+    cache = blend_cache(m, b)
+    ids = [t for s in segs for t in s.ids]
+    nxt = int(b.logits[-1].argmax())
+    got = continue_from_cache(m, cache, b.n_tokens, [nxt])[-1]
+    with torch.inference_mode():
+        own = m(input_ids=torch.tensor([ids + [nxt]])).logits[0, -1]
+    torch.testing.assert_close(got, own, atol=1e-4, rtol=1e-4)
+
+
+def test_refusals():
+    m = model("tiny-llama")
+    with pytest.raises(InvalidInput, match="fresh"):
+        blend_prefill(m, [Segment(DOC_A, standalone_chunk(m, DOC_A).tensors)])
+    with pytest.raises(InvalidInput):
+        blend_prefill(m, segments(m, [DOC_A]), recompute_ratio=1.5)
+    with pytest.raises(ModelMismatch):
+        blend_prefill(load_model("tiny-bamba").model, [Segment(QUERY)])
+
+
+@pytest.mark.slow
+def test_smollm2_full_recompute_is_exact():
+    m = model("smollm2-135m")
+    segs = segments(m, [toks(7, 300, 49000), toks(8, 200, 49000)], head=toks(9, 20, 49000), query=toks(10, 8, 49000))
+    ids = [t for s in segs for t in s.ids]
+    b = blend_prefill(m, segs, recompute_ratio=1.0, n_logits=8)
+    ref = full_prefill(m, ids, n_logits=8)
+    assert torch.equal(b.logits, ref.logits)
+    with torch.inference_mode():
+        own = m(input_ids=torch.tensor([ids])).logits[0, -8:]
+    print(f"smollm2 fp32: routine vs model forward, max |dlogit| = {(ref.logits - own).abs().max().item():.2e}")
+    torch.testing.assert_close(ref.logits, own, atol=2e-3, rtol=2e-3)
