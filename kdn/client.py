@@ -30,6 +30,7 @@ from blake3 import blake3
 
 from kdn import address as A
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
+from kdn.bodyget import BodyError, BodyGetter
 from kdn.encodings import affordable, decode_seconds, parse_budget
 from kdn.estimate import Estimates
 
@@ -144,10 +145,20 @@ class KDNClient:
         self.quality = quality
         parse_budget(quality)
         self._session: aiohttp.ClientSession | None = None
+        self._getter: BodyGetter | None = None
         self.hedges = 0
         self.failovers = 0
 
     # --- lifecycle -------------------------------------------------------------
+
+    @property
+    def getter(self) -> BodyGetter:
+        """The object-body path: keep-alive connections that read into preallocated buffers."""
+        if self._getter is None:
+            from kdn.tls import client_context
+
+            self._getter = BodyGetter(ssl=self._ssl if self._ssl is not None else client_context(self._ca))
+        return self._getter
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -161,6 +172,9 @@ class KDNClient:
         return self._session
 
     async def close(self) -> None:
+        if self._getter is not None:
+            self._getter.close()
+            self._getter = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -341,31 +355,23 @@ class KDNClient:
     async def _get(self, src: Source, address: str, encoding: str, digest: str, size: int) -> Fetched:
         t0 = time.perf_counter()
         est = self.estimates[src.url]
+        buf = bytearray(size)  # the whole body lands in one preallocated buffer, read straight into it
         try:
-            async with self.session.get(f"{src.url}/v1/objects/{address}", params={"encoding": encoding}) as r:
-                if r.status != 200:
-                    raise SourceError(f"HTTP {r.status}")
-                if r.headers.get("X-KDN-Encoding", encoding) != encoding:
-                    raise SourceError(f"asked for {encoding}, got {r.headers.get('X-KDN-Encoding')}")
-                if r.content_length is not None and r.content_length != size:
-                    raise SourceError(f"Content-Length {r.content_length}, expected {size}")
-                buf = bytearray(size)  # the whole body lands in one preallocated buffer
-                view = memoryview(buf)
-                got = 0
-                async for chunk in r.content.iter_any():
-                    if got + len(chunk) > size:
-                        raise SourceError(f"body longer than the {size} bytes promised")
-                    view[got:got + len(chunk)] = chunk
-                    got += len(chunk)
-                if got != size:
-                    raise SourceError(f"body of {got} bytes, expected {size}")
-                source = r.headers.get("X-KDN-Source", src.label)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            r = await self.getter.get(f"{src.url}/v1/objects/{address}?encoding={encoding}", memoryview(buf),
+                                      self.headers, self._timeout.total)
+        except (BodyError, asyncio.TimeoutError, OSError) as e:
             est.fail()
             raise SourceError(f"{type(e).__name__}: {str(e)[:100]}") from None
-        except SourceError:
+        if r.status != 200:
             est.fail()
-            raise
+            raise SourceError(f"HTTP {r.status}")
+        if r.headers.get("x-kdn-encoding", encoding) != encoding:
+            est.fail()
+            raise SourceError(f"asked for {encoding}, got {r.headers.get('x-kdn-encoding')}")
+        if r.length != size:
+            est.fail()
+            raise SourceError(f"Content-Length {r.length}, expected {size}")
+        source = r.headers.get("x-kdn-source", src.label)
         # Hash large bodies off the event loop, so the loop keeps reading other transfers meanwhile.
         got_digest = await asyncio.to_thread(lambda: blake3(buf, max_threads=1).hexdigest()) \
             if size >= (1 << 20) else blake3(buf).hexdigest()

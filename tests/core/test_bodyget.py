@@ -1,0 +1,130 @@
+"""The object-body GET path against real sockets that answer well, badly, or not at all."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kdn.bodyget import BodyError, BodyGetter
+
+BODY = bytes(range(256)) * 4000  # 1 MB
+
+
+async def serve(handler):
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def read_request(reader) -> bytes:
+    return await reader.readuntil(b"\r\n\r\n")
+
+
+def good(body: bytes = BODY, extra_headers: bytes = b""):
+    connections = {"n": 0, "requests": 0}
+
+    async def handler(reader, writer):
+        connections["n"] += 1
+        try:
+            while True:
+                await read_request(reader)
+                connections["requests"] += 1
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nX-KDN-Source: memory\r\n%s\r\n"
+                             % (len(body), extra_headers))
+                writer.write(body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    return handler, connections
+
+
+async def test_reads_into_the_buffer_and_reuses_the_connection():
+    handler, stats = good()
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        for _ in range(3):
+            buf = bytearray(len(BODY))
+            r = await g.get(url + "/v1/objects/x?encoding=zstd", memoryview(buf), {"Authorization": "Bearer t"}, 5)
+            assert r.status == 200 and r.headers["x-kdn-source"] == "memory" and bytes(buf) == BODY
+        assert stats["n"] == 1 and stats["requests"] == 3
+    finally:
+        g.close()
+        server.close()
+
+
+@pytest.mark.parametrize("response,match", [
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", "chunked"),
+    (b"HTTP/1.1 200 OK\r\n\r\n", "Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999\r\n\r\n", "exceeds"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "connection lost"),
+    (b"garbage\r\n\r\n", "bad response"),
+    (b"HTTP/1.1 200 OK\r\nX: " + b"a" * 20000, "too large"),
+])
+async def test_bad_responses_raise_body_error(response, match):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(response)
+        await writer.drain()
+        writer.close()
+
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        with pytest.raises(BodyError, match=match):
+            await g.get(url + "/o", memoryview(bytearray(1000)), {}, 5)
+    finally:
+        g.close()
+        server.close()
+
+
+async def test_non_200_status_is_returned_not_pooled():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        r = await g.get(url + "/o", memoryview(bytearray(10)), {}, 5)
+        assert r.status == 404 and not any(g._idle.values())
+    finally:
+        g.close()
+        server.close()
+
+
+async def test_a_pooled_connection_closed_by_the_server_is_retried_fresh():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc")
+        await writer.drain()
+        writer.close()  # no keep-alive on the server side
+
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        for _ in range(3):
+            buf = bytearray(3)
+            await g.get(url + "/o", memoryview(buf), {}, 5)
+            assert bytes(buf) == b"abc"
+    finally:
+        g.close()
+        server.close()
+
+
+async def test_timeout_closes_the_connection():
+    async def handler(reader, writer):
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        with pytest.raises(TimeoutError):
+            await g.get(url + "/o", memoryview(bytearray(3)), {}, 0.2)
+        assert not any(g._idle.values())
+    finally:
+        g.close()
+        server.close()
