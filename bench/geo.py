@@ -383,10 +383,10 @@ class BenchClient(KDNClient):
             est.rtt, est.bandwidth, est.samples = saved
         return f
 
-    async def _fetch_hedged(self, address, encoding, digest, size):
+    async def _fetch_hedged(self, address, encoding, digest, size, *, hedge=True):
         """probe_all: ask every source at once, keep the first verified answer (the measured minimum)."""
         if not self.probe_all:
-            return await super()._fetch_hedged(address, encoding, digest, size)
+            return await super()._fetch_hedged(address, encoding, digest, size, hedge=hedge)
         from kdn.errors import DigestMismatch, SourceError
 
         tasks = [asyncio.create_task(self._get(s, address, encoding, digest, size)) for s in self.sources]
@@ -473,7 +473,8 @@ def make_client(world: World, region: str, strategy: str, seed: int, records: di
     else:
         c = BenchClient(**kw, strategy=strategy, hedge=strategy != "origin-only")
     c.rng.seed(seed)
-    c._session = bound_session(client_ip(region), headers=c.headers, timeout=c._timeout)  # leave from my region
+    c._local_addr = client_ip(region)  # leave from my region: the link emulator picks the link by source address
+    c._session = bound_session(client_ip(region), headers=c.headers, timeout=c._timeout)
     c.label_region = {s.label: (world.origin_link.url == s.url and "origin")
                       or next(n.region for n in world.edges.values() if n.url == s.url) for s in c.sources}
     return c

@@ -128,8 +128,9 @@ def _parse(head: bytes) -> Response:
 class BodyGetter:
     """A pool of keep-alive connections; ``get`` fills ``buf`` with one object's body."""
 
-    def __init__(self, *, ssl: _ssl.SSLContext | None, per_host: int = 32) -> None:
+    def __init__(self, *, ssl: _ssl.SSLContext | None, per_host: int = 32, local_addr: str | None = None) -> None:
         self._ssl = ssl
+        self._local_addr = (local_addr, 0) if local_addr else None
         self._idle: dict[tuple, list[_Conn]] = defaultdict(list)
         self._per_host = per_host
 
@@ -149,7 +150,8 @@ class BodyGetter:
                 try:
                     if conn is None:
                         _, conn = await loop.create_connection(_Conn, host, port, ssl=self._ssl if tls else None,
-                                                               server_hostname=host if tls else None)
+                                                               server_hostname=host if tls else None,
+                                                               local_addr=self._local_addr)
                     conn._arm(buf)
                     conn.transport.write(request)
                     resp = await conn.done

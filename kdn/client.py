@@ -58,6 +58,7 @@ class Lookup:
     tokens: int
     chunk_tokens: int
     records: list[dict] = field(default_factory=list)  # registry records of ``addresses``, in order
+    cold: set[str] = field(default_factory=set)  # addresses the entry edge reported as not cached yet
 
     @property
     def chunks(self) -> int:
@@ -106,6 +107,7 @@ class KDNClient:
         ssl: object = None,
         strategy: str = "latency",
         quality: str | float = "lossless",
+        local_addr: str | None = None,
     ) -> None:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
@@ -146,6 +148,7 @@ class KDNClient:
         parse_budget(quality)
         self._session: aiohttp.ClientSession | None = None
         self._getter: BodyGetter | None = None
+        self._local_addr = local_addr  # bind outgoing connections to this IP (multi-homed hosts, link emulation)
         self.hedges = 0
         self.failovers = 0
 
@@ -157,7 +160,8 @@ class KDNClient:
         if self._getter is None:
             from kdn.tls import client_context
 
-            self._getter = BodyGetter(ssl=self._ssl if self._ssl is not None else client_context(self._ca))
+            self._getter = BodyGetter(ssl=self._ssl if self._ssl is not None else client_context(self._ca),
+                                      local_addr=self._local_addr)
         return self._getter
 
     @property
@@ -166,7 +170,8 @@ class KDNClient:
             from kdn.tls import client_context
 
             # HTTPS sources are always verified: against ``ca`` / $KDN_CA, else the system CAs.
-            connector = aiohttp.TCPConnector(limit=64, ssl=self._ssl if self._ssl is not None else client_context(self._ca))
+            connector = aiohttp.TCPConnector(limit=64, ssl=self._ssl if self._ssl is not None else client_context(self._ca),
+                                             local_addr=(self._local_addr, 0) if self._local_addr else None)
             self._session = aiohttp.ClientSession(connector=connector, headers=self.headers,
                                                   timeout=self._timeout, auto_decompress=False)
         return self._session
@@ -230,6 +235,8 @@ class KDNClient:
         if full:
             body = await self._json("POST", "/v1/lookup", {"addresses": full})
             n = int(body["length"]) if body else 0
+            where = body.get("sources", []) if body else []
+            cold = {a for a, w in zip(full, where) if w == "origin"}
         addrs = full[:n]
         covered = n * chunk_tokens
         if n:
@@ -243,7 +250,7 @@ class KDNClient:
                         covered += length
                         break
         return Lookup(model_id=model_id, namespace=namespace, addresses=addrs, tokens=covered,
-                      chunk_tokens=chunk_tokens)
+                      chunk_tokens=chunk_tokens, cold=cold if n else set())
 
     # --- fetch -----------------------------------------------------------------
 
@@ -295,7 +302,7 @@ class KDNClient:
         return best
 
     async def fetch(self, address: str, *, encoding: str | None = None, digest: str | None = None,
-                    size: int | None = None, quality: str | float | None = None) -> Fetched:
+                    size: int | None = None, quality: str | float | None = None, cold: bool = False) -> Fetched:
         """One object, verified. Without ``digest`` the registry record supplies it (and, without
         ``encoding``, the record's encodings are chosen from by ``quality``)."""
         A.validate_address(address)
@@ -312,9 +319,15 @@ class KDNClient:
         if size > MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         async with self._sem:
-            return await self._fetch_hedged(address, encoding, digest, size)
+            return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold)
 
-    async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int) -> Fetched:
+    async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int, *, hedge: bool = True) -> Fetched:
+        """Ask the best source; past twice its expected time, ask the next one too; first verified body wins.
+
+        Not for an object the edges reported cold (``hedge=False``): every edge would have to fill
+        it from the same upstream, so a second request only doubles the upstream's load (the geo
+        bench saw hedges to a far region win races against a near edge's fill).
+        """
         order = self._ranked(size, address)
         errors: list[str] = []
         pending: dict[asyncio.Task, Source] = {}
@@ -332,7 +345,7 @@ class KDNClient:
                 # Hedge: wait the leading request's expected time x2 (at least 20 ms), then add the next source.
                 first = next(iter(pending.values()))
                 budget = max(2 * self.estimates[first.url].expected(size), 0.02)
-                done, _ = await asyncio.wait(pending, timeout=budget if (self.hedge and i < len(order)) else None,
+                done, _ = await asyncio.wait(pending, timeout=budget if (hedge and i < len(order)) else None,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     self.hedges += 1
@@ -395,8 +408,8 @@ class KDNClient:
 
         budget = parse_budget(self.quality if quality is None else quality)
         t0 = time.perf_counter()
-        fetched = list(await asyncio.gather(*(self.fetch(a, encoding=encoding, quality=quality)
-                                              for a in hit.addresses)))
+        fetched = list(await asyncio.gather(*(self.fetch(a, encoding=encoding, quality=quality,
+                                                         cold=a in hit.cold) for a in hit.addresses)))
         t1 = time.perf_counter()
         objects = []
         for f in fetched:
