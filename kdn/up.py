@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import importlib.util
 import secrets
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -44,6 +44,7 @@ _SCHEMA = (
     "INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0)",
 )
 _PRUNE_EVERY = 64  # revisions between log prunes
+_LOCKED_RETRY_S = 30.0  # how long a call retries SQLite's immediate 'database is locked'
 
 
 def _range_end(prefix: str) -> str:
@@ -104,14 +105,26 @@ class EmbeddedRegistry(KVRegistry):
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
             raise RegistryError(f"{self!r} is closed")
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        except sqlite3.OperationalError as e:
-            raise RegistryUnavailable(f"registry file {self.path}: {e}") from e
-        except sqlite3.Error as e:
-            raise RegistryError(f"registry file {self.path}: {e}") from e
-        except OSError as e:  # e.g. its folder cannot be created
-            raise RegistryUnavailable(f"registry file {self.path}: {e.strerror or e}") from e
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _LOCKED_RETRY_S
+        delay = 0.005
+        while True:
+            try:
+                return await loop.run_in_executor(self._executor, fn, *args)
+            except sqlite3.OperationalError as e:
+                # SQLite answers "database is locked" at once, without its busy wait, where waiting
+                # could deadlock (two connections of a fresh file switching it to WAL together, or
+                # a lock upgrade). Every call is a whole transaction, rolled back on error, so
+                # running it again is safe.
+                if "locked" in str(e) and loop.time() < deadline:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.2)
+                    continue
+                raise RegistryUnavailable(f"registry file {self.path}: {e}") from e
+            except sqlite3.Error as e:
+                raise RegistryError(f"registry file {self.path}: {e}") from e
+            except OSError as e:  # e.g. its folder cannot be created
+                raise RegistryUnavailable(f"registry file {self.path}: {e.strerror or e}") from e
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:

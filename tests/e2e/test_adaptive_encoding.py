@@ -8,7 +8,6 @@ import sys
 
 import aiohttp
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 

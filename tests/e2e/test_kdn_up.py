@@ -48,4 +48,4 @@ def test_kdn_up_runs_the_demo_and_reuses_the_document(tmp_path):
     assert warm, out
     assert int(warm.group(1)) >= 3000  # the whole published document came from the cache
     assert re.search(r"\d+\.\dx faster with KDN", out)
-    assert f"kdn registry show" in out and "kdn publish" in out
+    assert "kdn registry show" in out and "kdn publish" in out

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kdn.errors import InvalidAddress, InvalidInput, LeaseExpired
-from kdn.registry import Manifest, ModelRecord, NodeRecord, Policy, Registry
+from kdn.registry import Manifest, Policy, Registry
 from registry_helpers import MID, addr, chain, enc, eventually, manifest, model, next_event, node, obj, policy, until
 
 
