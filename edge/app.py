@@ -49,7 +49,6 @@ from kdn.edge.tiers import EntryMeta, Key
 log = logging.getLogger(__name__)
 
 LOSSLESS_PREFERENCE = ("zstd", "raw")
-MAX_LOOKUP_ADDRESSES = 4096
 
 
 @dataclass
@@ -431,11 +430,7 @@ async def _sendfile_body(request, resp, path: Path, size: int, *, head: bool, me
 async def lookup(request: web.Request) -> web.Response:
     """Ordered addresses in; how many leading ones can be served, and from where each would come."""
     edge = request.app[EDGE]
-    body = await read_json(request)
-    addrs = body.get("addresses")
-    if not isinstance(addrs, list) or len(addrs) > MAX_LOOKUP_ADDRESSES:
-        raise web.HTTPBadRequest(text=f"'addresses' must be a list of at most {MAX_LOOKUP_ADDRESSES} addresses")
-    addrs = [validate_address(a) for a in addrs]
+    body, addrs = await service.read_addresses(request)
     allowed = request.app[GRANTS].namespaces(bearer(request), "read")
     recs = await edge.records.get_many(addrs)
     where = []

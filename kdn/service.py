@@ -157,6 +157,18 @@ async def watch_forever(registry, prefix: str, on_event, *, what: str) -> None:
             backoff = min(backoff * 2, 10.0)
 
 
+MAX_LOOKUP_ADDRESSES = 4096
+
+
+async def read_addresses(request: web.Request, limit: int = MAX_LOOKUP_ADDRESSES) -> tuple[dict, list[str]]:
+    """A lookup-style body: ``{"addresses": [...]}`` with at most ``limit`` valid addresses (400 otherwise)."""
+    body = await read_json(request)
+    addrs = body.get("addresses")
+    if not isinstance(addrs, list) or len(addrs) > limit:
+        raise web.HTTPBadRequest(text=f"'addresses' must be a list of at most {limit} addresses")
+    return body, [validate_address(a) for a in addrs]
+
+
 def bearer(request: web.Request) -> str | None:
     return request.headers.get("Authorization")
 

@@ -39,7 +39,6 @@ from kdn.origin.store import ObjectStore
 log = logging.getLogger(__name__)
 
 LOSSLESS_PREFERENCE = ("zstd", "raw")  # what a GET without ?encoding= gets
-MAX_LOOKUP_ADDRESSES = 4096
 
 
 @dataclass
@@ -250,11 +249,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
 
 async def lookup(request: web.Request) -> web.Response:
     """Ordered addresses in; how many leading ones this origin holds out."""
-    body = await read_json(request)
-    addrs = body.get("addresses")
-    if not isinstance(addrs, list) or len(addrs) > MAX_LOOKUP_ADDRESSES:
-        raise web.HTTPBadRequest(text=f"'addresses' must be a list of at most {MAX_LOOKUP_ADDRESSES} addresses")
-    addrs = [validate_address(a) for a in addrs]
+    _, addrs = await service.read_addresses(request)
     allowed = request.app[GRANTS].namespaces(bearer(request), "read")
     store, n = request.app[STORE], 0
     for a in addrs:

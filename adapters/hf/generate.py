@@ -172,16 +172,24 @@ def _run(model, tokenizer, ids, objects, report, max_new_tokens, do_sample, temp
         nxt = _pick(first_logits, do_sample, temperature)
         report.ttft_ms = (time.perf_counter() - t_start) * 1e3
         eos = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
-        while True:
-            out.append(nxt)
-            if len(out) >= max_new_tokens or (eos is not None and nxt == eos):
-                break
-            step = _forward(model, cache, torch.tensor([nxt], device=model.device), pos, logits=True)
-            pos += 1
-            nxt = _pick(step.logits[0, -1].float(), do_sample, temperature)
+        out = decode_loop(model, cache, nxt, pos, max_new_tokens, eos, do_sample, temperature)
         report.new_tokens = len(out)
     text = tokenizer.decode(out, skip_special_tokens=True) if hasattr(tokenizer, "decode") else ""
     return Generation(ids=out, text=text, report=report, first_logits=first_logits)
+
+
+def decode_loop(model: Any, cache: Any, first: int, pos: int, max_new_tokens: int, eos: int | None,
+                do_sample: bool = False, temperature: float = 1.0) -> list[int]:
+    """Generate from ``first`` (already chosen) at position ``pos`` on, one token per forward."""
+    out: list[int] = []
+    nxt = first
+    while True:
+        out.append(nxt)
+        if len(out) >= max_new_tokens or (eos is not None and nxt == eos):
+            return out
+        step = _forward(model, cache, torch.tensor([nxt], device=model.device), pos, logits=True)
+        pos += 1
+        nxt = _pick(step.logits[0, -1].float(), do_sample, temperature)
 
 
 def _pick(logits: torch.Tensor, do_sample: bool, temperature: float) -> int:

@@ -42,8 +42,8 @@ from kdn.kernels.blend import compose, kv_deviation, select_tokens
 from kdn.kernels.rope import rope_of
 
 from kdn.adapters.hf.cache import build_cache
-from kdn.adapters.hf.extract import _forward, standalone_chunk
-from kdn.adapters.hf.generate import _pick, model_id
+from kdn.adapters.hf.extract import standalone_chunk
+from kdn.adapters.hf.generate import _pick, decode_loop, model_id
 
 BLEND_FAMILIES = frozenset({"llama", "qwen2"})
 _SENTINEL = "\ue000KDN-CONTEXT\ue001"
@@ -316,18 +316,10 @@ def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_laye
     first_logits = b.logits[-1].float()
     nxt = _pick(first_logits, False, 1.0)
     report.ttft_ms = (time.perf_counter() - t_start) * 1e3
-    out: list[int] = []
     eos = getattr(tokenizer, "eos_token_id", None)
     with torch.inference_mode():
         cache = blend_cache(model, b) if max_new_tokens > 1 else None
-        pos = b.n_tokens
-        while True:
-            out.append(nxt)
-            if len(out) >= max_new_tokens or (eos is not None and nxt == eos):
-                break
-            step = _forward(model, cache, torch.tensor([nxt], device=model.device), pos, logits=True)
-            pos += 1
-            nxt = _pick(step.logits[0, -1].float(), False, 1.0)
+        out = decode_loop(model, cache, nxt, b.n_tokens, max_new_tokens, eos)
     report.new_tokens = len(out)
     text = tokenizer.decode(out, skip_special_tokens=True)
     return RagGeneration(ids=out, text=text, report=report, first_logits=first_logits, blend=b)
