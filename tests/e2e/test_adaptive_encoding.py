@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import sys
 
-import aiohttp
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 
-from edge_helpers import PUBLISH, cluster  # noqa: E402
+from edge_helpers import cluster  # noqa: E402
+from edge_helpers import publish as publish_doc  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
 from kdn.codecs import get_codec  # noqa: E402
@@ -22,16 +22,7 @@ TEXT = ("Lamp oil was measured each morning and logged against the hours of dark
 
 
 async def publish(c, encodings) -> dict:
-    async with aiohttp.ClientSession(c.origin_url(), headers={"Authorization": f"Bearer {PUBLISH}"}) as s:
-        async with s.post("/v1/publish", json={"name": "d", "text": TEXT, "encodings": encodings}) as r:
-            assert r.status == 202, await r.text()
-            job_id = (await r.json())["job"]
-        while True:
-            async with s.get(f"/v1/jobs/{job_id}") as r:
-                job = await r.json()
-            if job["state"] in ("done", "failed"):
-                assert job["state"] == "done", job
-                return job["manifest"]
+    return await publish_doc(c, TEXT, "d", encodings=encodings)
 
 
 def freeze_link(client: KDNClient, url: str, bandwidth: float) -> None:

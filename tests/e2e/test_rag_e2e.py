@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import sys
 
-import aiohttp
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 
-from edge_helpers import PUBLISH, cluster  # noqa: E402
+from edge_helpers import cluster, publish  # noqa: E402
 
 from kdn import address as A  # noqa: E402
 from kdn.adapters.hf import generate_rag, load_model  # noqa: E402
@@ -27,18 +26,7 @@ QUERY = "What is the mileage rate?"
 
 
 async def publish_standalone(c, text: str, name: str) -> dict:
-    async with aiohttp.ClientSession(c.origin_url(), headers={"Authorization": f"Bearer {PUBLISH}"}) as s:
-        body = {"name": name, "text": text, "standalone": True, "prefix": False}
-        async with s.post("/v1/publish", json=body) as r:
-            assert r.status == 202, await r.text()
-            job_id = (await r.json())["job"]
-        while True:
-            async with s.get(f"/v1/jobs/{job_id}") as r:
-                job = await r.json()
-            if job["state"] in ("done", "failed"):
-                assert job["state"] == "done", job
-                return job["manifest"]
-            await __import__("asyncio").sleep(0.02)
+    return await publish(c, text, name, standalone=True, prefix=False)
 
 
 async def test_generate_rag_fetches_every_chunk_and_ratio_one_is_exact(tmp_path, etcd_url):

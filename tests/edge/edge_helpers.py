@@ -107,9 +107,12 @@ async def cluster(tmp_path: Path, registry_url: str, *, edges=("e1", "e2", "e3")
         await c.close()
 
 
-async def publish(c: Cluster, text: str, name: str = "doc", namespace: str = "public", token: str = PUBLISH) -> dict:
+async def publish(c: Cluster, text: str, name: str = "doc", namespace: str = "public", token: str = PUBLISH,
+                  **fields) -> dict:
+    """Publish through the origin and wait for the job; ``fields`` go into the body (encodings, standalone...)."""
     async with aiohttp.ClientSession(c.origin_url(), headers={"Authorization": f"Bearer {token}"}) as s:
-        async with s.post("/v1/publish", json={"name": name, "namespace": namespace, "text": text}) as r:
+        body = {"name": name, "namespace": namespace, "text": text, **fields}
+        async with s.post("/v1/publish", json=body) as r:
             assert r.status == 202, await r.text()
             job_id = (await r.json())["job"]
         while True:
