@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -108,6 +109,21 @@ class Compactable(Protocol):
 
 
 # --- leases ------------------------------------------------------------------
+
+
+async def _bounded(coro, seconds: float, what: str) -> None:
+    """Run ``coro`` for at most ``seconds``; past that, cancel it and move on without waiting.
+
+    Shutdown must end: ``asyncio.wait_for`` waits for the cancelled task to finish, and a gRPC
+    call stuck inside aetcd (a watch cancel, seen in CI) may never finish.
+    """
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        logging.getLogger(__name__).warning("%s took over %.0f s; abandoned", what, seconds)
+    elif not task.cancelled() and task.exception() is not None:
+        logging.getLogger(__name__).debug("%s failed: %s", what, task.exception())
 
 
 class NodeLease:
@@ -424,10 +440,9 @@ class KVRegistry(abc.ABC):
         if self._closed:
             return
         for lease in list(self._leases):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(lease.close(), 2.0)
+            await _bounded(lease.close(), 2.0, "revoking a lease")
         self._closed = True
-        await self._close()
+        await _bounded(self._close(), 5.0, "closing the registry client")
 
     async def __aenter__(self) -> KVRegistry:
         return self
