@@ -111,7 +111,9 @@ def _forward(model: Any, cache: Any, ids: torch.Tensor, first_position: int, *, 
     # Explicit position_ids: Bamba (and others) do not offset positions by the cache length.
     pos = torch.arange(first_position, first_position + ids.numel(), device=ids.device)[None]  # [1, n]
     kw = {} if logits else {"logits_to_keep": 1}  # skip the vocab projection of all but one token
-    return model(input_ids=ids[None], position_ids=pos, cache=cache, use_cache=True, **kw)
+    # ``past_key_values=``: transformers 5.24 renamed it ``cache=`` (keeping the old name), but the 5.19
+    # that vLLM pins only knows the old one and would silently start from an empty cache of its own.
+    return model(input_ids=ids[None], position_ids=pos, past_key_values=cache, use_cache=True, **kw)
 
 
 def _steps(model: Any, ids: torch.Tensor, chunk_tokens: int | None, start_position: int,
