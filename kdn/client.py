@@ -59,6 +59,7 @@ class Lookup:
     chunk_tokens: int
     records: list[dict] = field(default_factory=list)  # registry records of ``addresses``, in order
     cold: set[str] = field(default_factory=set)  # addresses the entry edge reported as not cached yet
+    sources: list[str] = field(default_factory=list)  # per whole chunk: where the entry edge would serve it from
 
     @property
     def chunks(self) -> int:
@@ -232,10 +233,11 @@ class KDNClient:
         toks = list(tokens)
         full = A.prefix_addresses(model_id, namespace, toks, chunk_tokens, full_chunks_only=True)
         n = 0
+        where: list = []
         if full:
             body = await self._json("POST", "/v1/lookup", {"addresses": full})
             n = int(body["length"]) if body else 0
-            where = body.get("sources", []) if body else []
+            where = body.get("sources") if body and isinstance(body.get("sources"), list) else []
             cold = {a for a, w in zip(full, where) if w == "origin"}
         addrs = full[:n]
         covered = n * chunk_tokens
@@ -250,7 +252,8 @@ class KDNClient:
                         covered += length
                         break
         return Lookup(model_id=model_id, namespace=namespace, addresses=addrs, tokens=covered,
-                      chunk_tokens=chunk_tokens, cold=cold if n else set())
+                      chunk_tokens=chunk_tokens, cold=cold if n else set(),
+                      sources=[str(w) for w in where[:n]])
 
     # --- fetch -----------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import json
 import math
 import struct
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -416,6 +416,7 @@ def decode_object(
     expected_digest: str | None = None,
     max_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
     out: bytearray | memoryview | None = None,
+    names: Collection[str] | None = None,
 ) -> DecodedObject:
     """Verify, parse and decode an object into raw tensors.
 
@@ -423,8 +424,9 @@ def decode_object(
     parsed. ``raw`` tensors are zero-copy views into ``blob`` (keep it alive and
     unchanged); other codecs return fresh buffers, or, with ``out`` (at least
     :func:`decoded_nbytes` bytes, reused across calls on a hot path), views
-    into ``out``. A codec that finds its payload corrupt raises
-    :class:`kdn.errors.CodecError`.
+    into ``out``. With ``names``, only those tensors are decoded; a name the
+    object lacks raises ``TensorMismatch``. A codec that finds its payload
+    corrupt raises :class:`kdn.errors.CodecError`.
     """
     mv = _as_view(blob)
     if len(mv) > max_bytes:
@@ -433,30 +435,58 @@ def decode_object(
         got = blob_digest(mv)
         if got != expected_digest:
             raise DigestMismatch(f"blob digest {got[:16]}... differs from expected {str(expected_digest)[:16]}...")
-    layout = _layout(mv, max_bytes)
-    buf = None
-    if out is not None:
-        buf = _as_view(out)
-        need = decoded_nbytes(layout.header)
-        if buf.readonly or len(buf) < need:
-            raise InvalidInput(f"decode buffer must be writable and >= {need} bytes, got {len(buf)}")
-    tensors: dict[str, RawTensor] = {}
-    pos = 0
-    for name, info in layout.header.tensors.items():
-        b, e = layout.offsets[name]
-        payload = mv[layout.data_start + b : layout.data_start + e]
-        want = math.prod(info.shape) * itemsize(info.dtype)
-        codec = get_codec(info.codec)
-        if buf is not None and info.codec != "raw":
-            data = codec.decode(payload, info.dtype, info.shape, info.params, out=buf[pos : pos + want])
-            pos += _align64(want)
-        else:
-            data = codec.decode(payload, info.dtype, info.shape, info.params)
-        dv = _as_view(data)
-        if len(dv) != want:
-            raise TensorMismatch(f"tensor {name[:64]!r}: codec {info.codec!r} decoded {len(dv)} bytes, expected {want}")
-        tensors[name] = RawTensor(name, info.dtype, info.shape, dv)
-    return DecodedObject(layout.header, tensors)
+    view = ObjectView(mv, max_bytes=max_bytes)
+    return DecodedObject(view.header, view.decode(names, out=out))
+
+
+class ObjectView:
+    """A parsed, validated object whose tensors are decoded on demand (an engine loading layer by layer).
+
+    The header and layout are checked once, here; :meth:`decode` then costs
+    only the codec work of the tensors asked for. Keep ``blob`` alive and
+    unchanged while the view and any ``raw`` tensor from it are in use.
+    """
+
+    def __init__(self, blob: Buffer, *, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> None:
+        self._mv = _as_view(blob)
+        self._layout = _layout(self._mv, max_bytes)
+
+    @property
+    def header(self) -> ObjectHeader:
+        return self._layout.header
+
+    def decode(self, names: Collection[str] | None = None, *, out: bytearray | memoryview | None = None) -> dict[str, RawTensor]:
+        """The tensors ``names`` (all of them by default), decoded; see :func:`decode_object`."""
+        layout, mv = self._layout, self._mv
+        buf = None
+        if out is not None:
+            buf = _as_view(out)
+            need = decoded_nbytes(layout.header)
+            if buf.readonly or len(buf) < need:
+                raise InvalidInput(f"decode buffer must be writable and >= {need} bytes, got {len(buf)}")
+        wanted = layout.header.tensors
+        if names is not None:
+            missing = [n for n in names if n not in wanted]
+            if missing:
+                raise TensorMismatch(f"object has no tensor {str(missing[0])[:64]!r}")
+            wanted = {n: wanted[n] for n in names}
+        tensors: dict[str, RawTensor] = {}
+        pos = 0
+        for name, info in wanted.items():
+            b, e = layout.offsets[name]
+            payload = mv[layout.data_start + b : layout.data_start + e]
+            want = math.prod(info.shape) * itemsize(info.dtype)
+            codec = get_codec(info.codec)
+            if buf is not None and info.codec != "raw":
+                data = codec.decode(payload, info.dtype, info.shape, info.params, out=buf[pos : pos + want])
+                pos += _align64(want)
+            else:
+                data = codec.decode(payload, info.dtype, info.shape, info.params)
+            dv = _as_view(data)
+            if len(dv) != want:
+                raise TensorMismatch(f"tensor {name[:64]!r}: codec {info.codec!r} decoded {len(dv)} bytes, expected {want}")
+            tensors[name] = RawTensor(name, info.dtype, info.shape, dv)
+        return tensors
 
 
 # --- torch bridge (torch imported only here) ---------------------------------

@@ -327,6 +327,14 @@ def encoding_plan(encoding: str, *, n_layers: int | None = None) -> Callable:
     return codec_for
 
 
+def encode_as(encoding: str, *, n_layers: int, **fields) -> bytes:
+    """One object (``kdn.objects.encode_object`` fields) in ``encoding``, each tensor coded by its plan."""
+    from kdn.objects import encode_object
+
+    codec_for = None if encoding in ("raw", "zstd") else encoding_plan(encoding, n_layers=n_layers)
+    return encode_object(encoding=encoding, codec_for=codec_for, **fields)
+
+
 for _mode in ("channel", "token"):
     register_codec(Int8Codec(_mode), replace=True)
     register_codec(Int8Codec(_mode, zstd_level=1), replace=True)

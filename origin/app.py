@@ -60,6 +60,8 @@ class OriginConfig:
     cache_dir: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    engine: str = "hf"  # what computes the states: "hf" (transformers) or "vllm"
+    max_context: int = 32768  # with the vllm engine: the longest document it is sized for
 
     @property
     def advertised_url(self) -> str:
@@ -103,7 +105,10 @@ async def _model_ctx(app: web.Application):
     loaded = await loop.run_in_executor(app[EXECUTOR], lambda: load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir))
     app[LOADED] = loaded
     app[STORE] = await asyncio.to_thread(ObjectStore, cfg.store, fsync=cfg.fsync)
-    app[PRODUCER] = Producer(loaded, app[STORE], cfg.node_id)
+    if cfg.engine == "vllm":
+        app[PRODUCER] = await loop.run_in_executor(app[EXECUTOR], _vllm_producer, cfg, loaded, app[STORE])
+    else:
+        app[PRODUCER] = Producer(loaded, app[STORE], cfg.node_id)
     await app[REGISTRY].put_model(ModelRecord(
         model_id=loaded.model_id, name=loaded.name, architecture=loaded.architecture, dtype=loaded.dtype,
         chunk_tokens=loaded.chunk_tokens, config=loaded.config_fields,
@@ -114,6 +119,18 @@ async def _model_ctx(app: web.Application):
         yield
     finally:
         app[EXECUTOR].shutdown(wait=True, cancel_futures=True)
+
+
+def _vllm_producer(cfg: OriginConfig, loaded, store: ObjectStore) -> Producer:
+    """vLLM on the model thread, with the KDN connector saving into this origin's store."""
+    from kdn.adapters.hf.models import model_folder
+    from kdn.adapters.vllm.produce import VllmEngine
+    from kdn.origin.publish import VllmProducer
+
+    folder = model_folder(cfg.model, loaded.dtype, cache_dir=cfg.cache_dir)
+    engine = VllmEngine(str(folder), dtype=loaded.dtype, store=cfg.store, chunk_tokens=loaded.chunk_tokens,
+                        max_model_len=min(loaded.max_positions, cfg.max_context))
+    return VllmProducer(loaded, store, cfg.node_id, engine)
 
 
 async def _jobs_ctx(app: web.Application):
@@ -147,7 +164,10 @@ async def publish(request: web.Request) -> web.Response:
     app[GRANTS].check(bearer(request), "publish", namespace if isinstance(namespace, str) else "")
     loaded = app[LOADED]
     spec = parse_request(body, tokenizer=loaded.tokenizer, vocab_size=loaded.model.config.vocab_size,
-                         max_tokens=loaded.max_positions)
+                         max_tokens=min(loaded.max_positions, app[CONFIG].max_context) if app[CONFIG].engine == "vllm"
+                         else loaded.max_positions)
+    if spec.standalone and app[CONFIG].engine != "hf":
+        return json_error(400, "invalid_input", "standalone chunks are computed by an origin with --engine hf")
     try:
         job = app[JOBS].submit(spec.name, spec.namespace, lambda job: _run_publish(app, spec, job))
     except QueueFull as e:
@@ -214,11 +234,22 @@ async def _namespace_of(app: web.Application, address: str) -> str | None:
     return ns
 
 
+async def _adopt(app: web.Application, address: str) -> dict:
+    """Blobs an engine saved into this store on its own (``kv_role`` producer with ``registry``), found by
+    their registry record and indexed once their bytes match its digests."""
+    rec = await app[REGISTRY].get_object(address)
+    if rec is None:
+        return {}
+    for name, enc in rec.encodings.items():
+        await asyncio.to_thread(app[STORE].adopt, address, name, enc.digest)
+    return app[STORE].encodings(address)
+
+
 async def get_object(request: web.Request) -> web.StreamResponse:
     app = request.app
     address = validate_address(request.match_info["address"])
     store = app[STORE]
-    have = store.encodings(address)
+    have = store.encodings(address) or await _adopt(app, address)
     ns = await _namespace_of(app, address) if have else None
     allowed = app[GRANTS].namespaces(bearer(request), "read")
     if ns is None or not ("*" in allowed or ns in allowed):

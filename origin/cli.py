@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None, help="URL advertised in the registry (default http://HOST:PORT)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-pending-jobs", type=int, default=16)
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                   help="what computes the states: transformers (default) or vLLM (pip install 'kdn[vllm]')")
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     p.set_defaults(func=cmd_serve)
@@ -56,7 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = OriginConfig(model=args.model, registry=args.registry, store=args.store, host=args.host, port=args.port,
                        token_file=args.token_file, region=validate_name(args.region), url=args.url, dtype=args.dtype,
-                       max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                       max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                       engine=args.engine)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidInput("--tls-cert and --tls-key go together")
     if args.node_id:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kdn import address as A
 from kdn.address import Address
-from kdn.errors import InvalidInput
+from kdn.errors import InvalidInput, KDNError
 from kdn.registry import Encoding, ObjectRecord
 from kdn.store import validate_encoding
 
@@ -160,9 +160,12 @@ class Producer:
     """Runs the model over a spec and stores one object per chunk. Blocking: run on the model thread."""
 
     def __init__(self, loaded, store: ObjectStore, origin_id: str) -> None:
+        import transformers
+
         self.loaded = loaded
         self.store = store
         self.origin_id = origin_id
+        self.engine = f"transformers {transformers.__version__}"  # named on every record it writes
 
     @property
     def chunk_tokens(self) -> int:
@@ -246,20 +249,16 @@ class Producer:
         return plan.addresses[i - 1] if i > 0 else None
 
     def _store(self, addr, spec, kind, s, e, position, parent, tensors) -> None:
-        from kdn.objects import encode_object, from_torch
+        from kdn.kernels import encode_as
+        from kdn.objects import from_torch
 
         raw = from_torch(tensors)
         for enc in spec.encodings:
             if self.store.has(addr, enc):
                 continue
-            codec_for = None
-            if enc not in ("raw", "zstd"):
-                from kdn.kernels import encoding_plan
-
-                codec_for = encoding_plan(enc, n_layers=self.loaded.model.config.num_hidden_layers)
-            blob = encode_object(kind=kind, address=addr, model_id=self.loaded.model_id, namespace=spec.namespace,
-                                 start=s, end=e, position=position, parent=parent, tensors=raw, encoding=enc,
-                                 codec_for=codec_for)
+            blob = encode_as(enc, n_layers=self.loaded.model.config.num_hidden_layers, kind=kind, address=addr,
+                             model_id=self.loaded.model_id, namespace=spec.namespace, start=s, end=e,
+                             position=position, parent=parent, tensors=raw)
             self.store.put(addr, enc, blob)
 
     def _record(self, addr, spec, kind, s, e, parent, *, standalone: bool = False) -> ObjectRecord:
@@ -270,4 +269,40 @@ class Producer:
             encs[enc] = Encoding(enc, info.size, info.digest)
         return ObjectRecord(address=addr, model_id=self.loaded.model_id, namespace=spec.namespace, kind=kind,
                             start=s, end=e, parent=parent, standalone=standalone, encodings=encs,
-                            origin=self.origin_id)
+                            origin=self.origin_id, engine=self.engine)
+
+
+class VllmProducer(Producer):
+    """Computes with vLLM (``kdn.adapters.vllm.produce``); stores and records like the transformers one.
+
+    The engine's connector writes each chunk's blob into the store folder
+    during the prefill; afterwards the blobs are indexed here and recorded in
+    order, so the effects stay ordered as the module docstring says (blob,
+    then record, then manifest).
+    """
+
+    def __init__(self, loaded, store: ObjectStore, origin_id: str, engine) -> None:
+        super().__init__(loaded, store, origin_id)
+        self.vllm = engine
+        self.engine = engine.engine_name()
+
+    def produce(self, spec: PublishSpec, plan: Plan) -> Iterator[Step]:
+        if spec.standalone:
+            raise InvalidInput("standalone chunks are computed by an origin with --engine hf")
+        yield from self._prefix_chain(spec, plan)
+
+    def _prefix_chain(self, spec: PublishSpec, plan: Plan) -> Iterator[Step]:
+        have = [self._stored(a, spec) for a in plan.addresses]
+        if not all(have):
+            self.vllm.compute(spec.tokens, spec.namespace, spec.encodings)
+            for a in plan.addresses:
+                for enc in spec.encodings:
+                    if not self.store.has(a, enc):
+                        self.store.adopt(a, enc)
+        kind = self._kind()
+        for i, (s, e) in enumerate(plan.spans):
+            addr = plan.addresses[i]
+            if not self._stored(addr, spec):
+                raise KDNError(f"vLLM did not store chunk {i} [{s}, {e}) of {spec.namespace}/{spec.name}; "
+                               "the origin's log says why")
+            yield Step([self._record(addr, spec, kind, s, e, self._parent(plan, i))], not have[i])

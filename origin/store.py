@@ -71,6 +71,23 @@ class ObjectStore:
             self._index[(address, encoding)] = info
         return info
 
+    def adopt(self, address: str, encoding: str, digest: str | None = None) -> BlobInfo | None:
+        """Index a blob that another writer put into the folder (an engine saving through its connector).
+
+        With ``digest`` (from the object's registry record) a file that does not match is not indexed.
+        None if there is no such file, or it does not match.
+        """
+        data = self.dir.read(validate_address(address), validate_encoding(encoding))
+        if data is None:
+            return None
+        info = BlobInfo(len(data), blob_digest(data))
+        if digest is not None and info.digest != digest:
+            log.warning("stored blob %s.%s does not match its record's digest: not served", address, encoding)
+            return None
+        with self._lock:
+            self._index[(address, encoding)] = info
+        return info
+
     def get(self, address: str, encoding: str) -> tuple[bytes, BlobInfo] | None:
         """The blob and its info, verified against the indexed digest; None if absent."""
         info = self.info(address, encoding)

@@ -26,6 +26,7 @@ from kdn.adapters.hf.models import (
     LoadedModel,
     load_model,
     model_id_of,
+    save_tiny,
     tokenizer_digest,
     weights_digest,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "load_model",
     "model_id_of",
     "prefill",
+    "save_tiny",
     "standalone_chunk",
     "tokenizer_digest",
     "weights_digest",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import struct
@@ -114,6 +115,8 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
 
     common = dict(vocab_size=_TINY_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   max_position_embeddings=_TINY_POSITIONS, tie_word_embeddings=False)
+    wide = dict(vocab_size=_TINY_VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=2, head_dim=64,
+                max_position_embeddings=_TINY_POSITIONS, tie_word_embeddings=False)
     ssm2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=32)
     return {
         # Different head layouts on purpose, so that states of one tiny model do not fit another.
@@ -139,12 +142,19 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
             **common, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64),
+        # vLLM-shaped: its CPU kernels want head_dim 64 (attention and gated delta net alike).
+        "tiny-llama64": lambda: T.LlamaConfig(**wide, num_hidden_layers=2, num_key_value_heads=1),
+        "tiny-qwen3next64": lambda: T.Qwen3NextConfig(
+            **wide, num_hidden_layers=4, num_key_value_heads=1, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            layer_types=["linear_attention"] * 3 + ["full_attention"]),
     }
 
 
 TINY_SPECS = (
     "tiny-llama", "tiny-qwen2", "tiny-bamba", "tiny-jamba", "tiny-falconh1", "tiny-zamba2",
-    "tiny-granitemoehybrid", "tiny-qwen3next",
+    "tiny-granitemoehybrid", "tiny-qwen3next", "tiny-llama64", "tiny-qwen3next64",
 )
 BUILTIN_SPECS = (*TINY_SPECS, SMOLLM2)
 
@@ -157,7 +167,30 @@ def _load_tiny(spec: str, dtype: torch.dtype) -> tuple[Any, Any]:
     # the same in every process.
     with _seeded(_TINY_SEED):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec == "tiny-qwen3next64":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    # Slow decay: with the default init the recurrent state fades within ~100 tokens, and a
+                    # test could not tell a loaded state from a zero one.
+                    p.fill_(math.log(1e-3))
     return model.to(dtype), ByteTokenizer()
+
+
+def save_tiny(spec: str, folder: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32) -> Path:
+    """Write a tiny model as a transformers folder (config + safetensors, no tokenizer: bytes), for an
+    engine that loads weights from disk (vLLM). Loading the folder gives the same weights and model id."""
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        model, _ = _load_tiny(spec, _as_dtype(dtype))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            model.save_pretrained(tmp)
+            tmp.chmod(0o755)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 class _seeded:
@@ -236,11 +269,18 @@ def _load_folder(path: Path, dtype: torch.dtype | None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype is not None else "auto")
+    if not any((path / f).exists() for f in _TOKENIZER_FILES):
+        # A folder without tokenizer files: bytes, so that text still works. (Asked anyway,
+        # transformers builds some families an empty tokenizer of their class instead of failing.)
+        return model, ByteTokenizer()
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
-        tok = ByteTokenizer()  # a folder without tokenizer files: bytes, so that text still works
+        tok = ByteTokenizer()
     return model, tok
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 # --- public API ---------------------------------------------------------------------
@@ -289,6 +329,28 @@ def load_model(spec: str, *, dtype: torch.dtype | str | None = None, cache_dir: 
         dtype=dtype_name,
         config_fields=fields,
     )
+
+
+def model_folder(spec: str, dtype: str | torch.dtype, *, cache_dir: str | os.PathLike | None = None) -> Path:
+    """A transformers folder holding the weights of ``spec`` (for an engine that loads from disk, vLLM).
+
+    A folder is itself; ``smollm2-135m`` and ``.gguf`` files are their converted folder; a tiny model is
+    written once into ``{cache_dir}/models/{spec}-{dtype}``.
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = Path(os.path.expanduser(spec))
+    if spec in TINY_SPECS:
+        dt = _as_dtype(dtype)
+        folder = root / "models" / f"{spec}-{_dtype_name(dt)}"
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        return save_tiny(spec, folder, dtype=dt)
+    if spec == SMOLLM2:
+        return convert_gguf(smollm2_gguf_path(), root / "models" / SMOLLM2)
+    if path.suffix == ".gguf" and path.is_file():
+        return convert_gguf(path, root / "models" / path.stem)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise UnknownModel(f"unknown model {spec!r}")
 
 
 def architecture_of(model: Any) -> str:

@@ -145,6 +145,9 @@ class ObjectRecord(_Record):
     origin: str  # node id or URL that produced it
     tails: dict[int, str] = field(default_factory=dict)  # partial child length -> its address
     created: float = field(default_factory=time.time)
+    # The engine that computed the states, "transformers 5.19.0" / "vllm 0.32.0" ("" in records from
+    # before it was kept). The model id pins the weights, but each engine's kernels round differently.
+    engine: str = ""
 
     def __post_init__(self) -> None:
         validate_address(self.address)
@@ -167,6 +170,7 @@ class ObjectRecord(_Record):
             _require(_is_int(length) and length > 0, f"ObjectRecord.tails key must be a positive int, got {length!r}")
             validate_address(addr, what="tail address")
         _require(_is_number(self.created), "ObjectRecord.created must be a number")
+        _require(isinstance(self.engine, str) and len(self.engine) <= 64, "ObjectRecord.engine must be a short string")
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -206,6 +210,8 @@ class ObjectRecord(_Record):
             encodings={**self.encodings, **newer.encodings},
             tails={**self.tails, **newer.tails},
             created=min(self.created, newer.created),
+            # Stored blobs are never rewritten, so the bytes stay the first producer's.
+            engine=self.engine or newer.engine,
         )
 
 

@@ -1,0 +1,158 @@
+"""The connector's settings: ``kv_connector_extra_config``, validated at engine start. No vLLM here.
+
+Every key, its default, and what it is for (the README's "From vLLM" section
+shows them in a ``vllm serve`` command line):
+
+consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
+    ``edges``          list of edge URLs of this region, or ``{"id": url}`` pairs (ids route to owners)
+    ``registry``       instead of ``edges``: a registry URL (``etcd://...``, ``file:...``) to find them in
+    ``region``         with ``registry``: this engine's region (its edges rank first)
+    ``origin``         an origin URL, the source of last resort
+    ``namespace``      the namespace to look up (default ``public``); the token must grant it
+    ``token_file``     file whose first token is sent to edges (or ``$KDN_TOKEN``)
+    ``quality``        ``"lossless"`` (default) or the largest NLL increase in % a lossy encoding may cost
+    ``load_timeout``   seconds a request's load may take before it is abandoned and recomputed (default 10)
+    ``lookup_timeout`` seconds a lookup may take before the request is scheduled without it (default 2)
+    ``load``           ``"auto"`` (default: layer by layer inside the forward for attention-only models,
+                       in the background between steps for hybrid ones), ``"sync"`` or ``"async"``
+    ``engines``        producer engines whose states are accepted, e.g. ``["vllm"]``; default: any
+    ``model_id``       skip hashing the weights at start: the model id ``kdn model-id`` printed
+    ``ca``             CA bundle for HTTPS edges (default: system CAs, or ``$KDN_CA``)
+
+producer (``kv_role`` ``kv_producer`` or ``kv_both``)
+    ``store``          the origin's object-store folder that chunk blobs are written into
+    ``save``           ``"request"`` (default: only requests that ask, see ``kv_transfer_params``) or ``"all"``
+    ``encodings``      encodings to store (default ``["zstd"]``)
+    ``registry``       if given, the connector also writes each object's registry record
+    ``node_id``        the ``origin`` named in those records (default ``vllm-<hostname>``)
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdn.address import DEFAULT_CHUNK_TOKENS, PUBLIC_NAMESPACE, validate_model_id, validate_name, validate_namespace
+from kdn.encodings import parse_budget
+from kdn.errors import InvalidInput
+
+LOAD_MODES = ("auto", "sync", "async")
+SAVE_MODES = ("request", "all")
+_KEYS = frozenset({
+    "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
+    "lookup_timeout", "load", "engines", "model_id", "ca", "store", "save", "encodings", "node_id",
+    "chunk_tokens",
+})
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    edges: tuple[str | tuple[str, str], ...] = ()
+    registry: str | None = None
+    region: str | None = None
+    origin: str | None = None
+    namespace: str = PUBLIC_NAMESPACE
+    token_file: str | None = None
+    quality: str | float = "lossless"
+    load_timeout: float = 10.0
+    lookup_timeout: float = 2.0
+    load: str = "auto"
+    engines: tuple[str, ...] | None = None
+    model_id: str | None = None
+    ca: str | None = None
+    store: str | None = None
+    save: str = "request"
+    encodings: tuple[str, ...] = ("zstd",)
+    node_id: str = field(default_factory=lambda: "vllm-" + (socket.gethostname().split(".")[0][:50] or "node"))
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    @property
+    def can_look_up(self) -> bool:
+        return bool(self.edges or self.origin or (self.registry and self.region))
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, *, consumer: bool, producer: bool) -> ConnectorConfig:
+        """Validate ``kv_connector_extra_config``; raise ``InvalidInput`` naming the bad key."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise InvalidInput(f"unknown KDN connector setting(s) {unknown}; known: {sorted(_KEYS)}")
+        kw: dict[str, Any] = {}
+        if "edges" in extra:
+            kw["edges"] = _edges(extra["edges"])
+        for key in ("registry", "region", "origin", "token_file", "ca", "store"):
+            if extra.get(key) is not None:
+                kw[key] = _string(key, extra[key])
+        if "region" in kw:
+            validate_name(kw["region"])
+        if "namespace" in extra:
+            kw["namespace"] = validate_namespace(extra["namespace"])
+        if "quality" in extra:
+            parse_budget(extra["quality"])  # raises on a bad budget
+            kw["quality"] = extra["quality"]
+        for key in ("load_timeout", "lookup_timeout"):
+            if key in extra:
+                v = extra[key]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
+                    raise InvalidInput(f"KDN connector setting {key!r} must be seconds in (0, 3600], got {v!r}")
+                kw[key] = float(v)
+        if "load" in extra:
+            kw["load"] = _choice("load", extra["load"], LOAD_MODES)
+        if "save" in extra:
+            kw["save"] = _choice("save", extra["save"], SAVE_MODES)
+        if extra.get("engines") is not None:
+            kw["engines"] = tuple(_string("engines", e) for e in _list("engines", extra["engines"]))
+        if extra.get("model_id") is not None:
+            kw["model_id"] = validate_model_id(extra["model_id"])
+        if "encodings" in extra:
+            encs = tuple(_string("encodings", e) for e in _list("encodings", extra["encodings"]))
+            if not encs:
+                raise InvalidInput("KDN connector setting 'encodings' must not be empty")
+            kw["encodings"] = encs
+        if "node_id" in extra:
+            kw["node_id"] = validate_name(extra["node_id"])
+        if "chunk_tokens" in extra:
+            v = extra["chunk_tokens"]
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise InvalidInput(f"KDN connector setting 'chunk_tokens' must be a positive int, got {v!r}")
+            kw["chunk_tokens"] = v
+        cfg = cls(**kw)
+        if consumer and not cfg.can_look_up:
+            raise InvalidInput("the KDN connector needs 'edges', 'origin', or 'registry' with 'region' to load from")
+        if producer and not cfg.store:
+            raise InvalidInput("a KDN producer (kv_role kv_producer / kv_both) needs 'store': the origin's store folder")
+        return cfg
+
+
+def _string(key: str, v: object) -> str:
+    if not isinstance(v, str) or not v or len(v) > 4096:
+        raise InvalidInput(f"KDN connector setting {key!r} must be a non-empty string, got {str(v)[:60]!r}")
+    return v
+
+
+def _list(key: str, v: object) -> list:
+    if isinstance(v, str):
+        v = [x for x in v.split(",") if x]  # "a,b" as a CLI user would write it
+    if not isinstance(v, list) or len(v) > 256:
+        raise InvalidInput(f"KDN connector setting {key!r} must be a list, got {str(v)[:60]!r}")
+    return v
+
+
+def _choice(key: str, v: object, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise InvalidInput(f"KDN connector setting {key!r} must be one of {list(allowed)}, got {str(v)[:30]!r}")
+    return str(v)
+
+
+def _edges(v: object) -> tuple[str | tuple[str, str], ...]:
+    if isinstance(v, dict):
+        return tuple((validate_name(k), _url("edges", u)) for k, u in v.items())
+    return tuple(_url("edges", u) for u in _list("edges", v))
+
+
+def _url(key: str, u: object) -> str:
+    s = _string(key, u)
+    if not s.startswith(("http://", "https://")):
+        raise InvalidInput(f"KDN connector setting {key!r}: {s[:60]!r} is not an http(s) URL")
+    return s.rstrip("/")

@@ -1,0 +1,191 @@
+"""``KDNConnector``: vLLM's KV connector interface, answered by KDN.
+
+vLLM builds one instance per role (``KVConnectorRole.SCHEDULER`` in the
+engine core, ``WORKER`` next to the model) and calls the methods of that role
+only; this class is the thin switchboard from vLLM's names to
+``scheduler.SchedulerSide``, ``worker.WorkerSide`` and ``save.Saver``, which
+hold the logic. ``SupportsHMA`` is what lets a hybrid model (attention and
+gated-delta-net layers, several KV cache groups) start with a connector.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kdn.errors import InvalidInput
+
+from kdn.adapters.vllm import compat
+from kdn.adapters.vllm.bridge import LoopThread
+from kdn.adapters.vllm.config import ConnectorConfig
+from kdn.adapters.vllm.identity import model_id_for
+from kdn.adapters.vllm.meta import KDNMetadata
+from kdn.adapters.vllm.stats import KDNPromMetrics, KDNStats
+
+log = logging.getLogger("kdn.adapters.vllm")
+
+
+class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        compat.check_version()
+        tc = self._kv_transfer_config
+        self.consume = tc.kv_role in ("kv_consumer", "kv_both")
+        self.produce = tc.kv_role in ("kv_producer", "kv_both")
+        self.cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config, consumer=self.consume,
+                                              producer=self.produce)
+        self.groups = compat.groups(kv_cache_config)
+        mamba = tuple(g.id for g in self.groups if g.kind == "mamba")
+        self.hybrid = bool(mamba)
+        if self.hybrid and self.cfg.load == "sync":
+            raise InvalidInput("hybrid models load between steps ('load': 'async' or 'auto'): vLLM takes no "
+                               "block-level load errors with several KV cache groups")
+        if self.hybrid and self.consume and compat.mamba_mode(vllm_config) != "align":
+            log.warning("KDN: a hybrid model loads states only with prefix caching on (mamba_cache_mode 'align'); "
+                        "this engine will not load from the KDN")
+            self.consume = False
+        path, dtype = compat.model_source(vllm_config)
+        self.model_id = self.cfg.model_id or model_id_for(path, dtype)
+        n_layers = int(vllm_config.model_config.hf_config.num_hidden_layers)
+        self.bridge = LoopThread(f"kdn-{role.name.lower()}") if self.consume or (self.produce and self.cfg.registry) else None
+        self.client = self.bridge.run(_make_client(self.cfg), timeout=30) if self.consume else None
+        self.registry = None
+        attn = next((g for g in self.groups if g.kind == "attention"), None)
+        if attn is None:
+            raise InvalidInput("the KDN connector needs a model with attention layers")
+        if role == compat.KVConnectorRole.SCHEDULER:
+            from kdn.adapters.vllm.scheduler import SchedulerSide
+
+            self.sched = SchedulerSide(cfg=self.cfg, model_id=self.model_id, block_size=attn.block_size,
+                                       hybrid=self.hybrid, consume=self.consume, produce=self.produce,
+                                       background=self.hybrid or self.cfg.load == "async", bridge=self.bridge,
+                                       client=self.client, mamba_groups=mamba,
+                                       mamba_mode=compat.mamba_mode(vllm_config))
+            self.worker = self.saver = None
+        else:
+            from kdn.adapters.vllm.worker import WorkerSide
+
+            self.sched = None
+            self.worker = WorkerSide(cfg=self.cfg, model_id=self.model_id, groups=self.groups, bridge=self.bridge,
+                                     client=self.client, device=torch.device(vllm_config.device_config.device))
+            self.worker.register(compat.forward_layers(vllm_config))
+            self.saver = None
+            if self.produce:
+                from kdn.adapters.vllm.save import Saver
+
+                if self.cfg.registry:
+                    from kdn.registry import open_registry
+
+                    self.registry = open_registry(self.cfg.registry)
+                self.saver = Saver(cfg=self.cfg, model_id=self.model_id, worker=self.worker, n_layers=n_layers,
+                                   kind="hybrid" if self.hybrid else "kv", bridge=self.bridge, registry=self.registry)
+        log.info("KDN connector (%s, %s) for model %s: %s", role.name.lower(), tc.kv_role, self.model_id[:16],
+                 "hybrid, loads between steps" if self.hybrid else "attention only")
+
+    # --- worker ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.saver is not None:
+            self.saver.check_layouts()  # the caches exist now; refuse to start if K/V cannot be read back
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KDNMetadata)
+        if meta.loads:
+            self.worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.saver is not None:
+            meta = self._get_connector_metadata()
+            self.saver.save_layer(meta, layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self.worker.end_step()
+        if self.saver is not None:
+            meta = self._get_connector_metadata()
+            n = self.saver.finish_step(meta)
+            if n:
+                with self.worker._lock:
+                    self.worker.stats.data["saved"] += n
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.bad_blocks()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        done, failed = self.worker.transfer_results()
+        return compat.KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> KDNStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KDNStats | None:
+        return KDNStats(data=dict(data)) if data else KDNStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KDNPromMetrics:
+        return KDNPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # --- scheduler ---------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.sched is not None:
+            self.sched.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.sched.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.sched.allocated(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+        return self.sched.hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KDNMetadata:
+        return self.sched.build_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.sched.finished(request)
+        return False, None  # saves finish inside the step, loads are reported through get_finished
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self.request_finished(request, [])
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss
+
+    # --- both --------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.bridge is not None:
+            async def _close() -> None:
+                if self.client is not None:
+                    await self.client.close()
+                if self.registry is not None:
+                    await self.registry.close()
+
+            self.bridge.close(_close)
+            self.bridge = None
+
+
+async def _make_client(cfg: ConnectorConfig):
+    from kdn.auth import read_token
+    from kdn.client import KDNClient
+
+    kw = dict(token=read_token(cfg.token_file), quality=cfg.quality, ca=cfg.ca, timeout=cfg.load_timeout)
+    if cfg.edges or cfg.origin:
+        return KDNClient(edges=list(cfg.edges), origin=cfg.origin, **kw)
+    from kdn.registry import open_registry
+
+    async with open_registry(cfg.registry) as reg:
+        return await KDNClient.from_registry(reg, cfg.region, **kw)

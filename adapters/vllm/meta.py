@@ -1,0 +1,44 @@
+"""What the scheduler-side connector tells the worker-side one each step (pickled between processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kdn.adapters.vllm.compat import KVConnectorMetadata
+from kdn.adapters.vllm.plan import LoadPlan
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Write ``plan``'s tokens (and, for a hybrid model, the state at ``plan.end``) into these blocks."""
+
+    req_id: str
+    plan: LoadPlan
+    block_ids: tuple[list[int], ...]  # per KV cache group, the request's block table
+    background: bool  # async: load between steps and report in get_finished; else inside this step's forward
+
+
+@dataclass(frozen=True)
+class SaveChunk:
+    address: str
+    parent: str | None
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Read these chunks out of the request's blocks once this step's forward has computed them."""
+
+    req_id: str
+    namespace: str
+    encodings: tuple[str, ...]
+    chunks: tuple[SaveChunk, ...]
+    block_ids: tuple[list[int], ...]
+    state_blocks: dict[int, int] = field(default_factory=dict)  # mamba group -> block holding the state at chunks[-1].end
+
+
+@dataclass
+class KDNMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)

@@ -1,0 +1,270 @@
+"""The connector's scheduler side: how many of a request's tokens the KDN can supply, and which to save.
+
+vLLM's scheduler is synchronous and asks ``matched`` for every request it
+considers admitting, possibly several times while it waits for blocks. The
+first call starts one lookup on the connector's own loop (``/v1/lookup`` for
+the whole chunks, the parent record for a tail, then the records of the hit
+for their digests); the answer is kept per request, so later calls cost
+nothing and say the same. A lookup that has not answered yet makes ``matched``
+return None (vLLM asks again next step) until ``lookup_timeout``, after which
+the request runs without the KDN: a slow edge delays no one for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdn import address as A
+from kdn.errors import KDNError
+from kdn.store import validate_encoding
+
+from kdn.adapters.vllm import compat
+from kdn.adapters.vllm.config import ConnectorConfig
+from kdn.adapters.vllm.meta import KDNMetadata, LoadJob, SaveChunk, SaveJob
+from kdn.adapters.vllm.plan import LoadPlan, Piece, plan_load
+
+log = logging.getLogger("kdn.adapters.vllm")
+
+FIRST_WAIT = 0.02  # seconds the first ``matched`` call waits for its lookup before answering "ask again"
+
+
+@dataclass
+class _Lookup:
+    future: concurrent.futures.Future
+    started: float
+    pieces: list[Piece] | None = None  # None until answered; [] for a miss or a failure
+
+
+@dataclass
+class _Save:
+    namespace: str
+    encodings: tuple[str, ...]
+    chunks: list[SaveChunk]
+    next: int = 0  # index of the first chunk not yet handed to the worker
+    state_ok: bool = True
+
+
+@dataclass
+class SchedulerSide:
+    cfg: ConnectorConfig
+    model_id: str
+    block_size: int
+    hybrid: bool
+    consume: bool
+    produce: bool
+    background: bool  # load between steps (async) rather than inside the forward
+    bridge: Any = None  # LoopThread, when consuming
+    client: Any = None  # KDNClient on that loop
+    kv_cache_manager: Any = None
+    mamba_groups: tuple[int, ...] = ()  # hybrid models: the groups whose blocks hold states
+    mamba_mode: str = "none"  # vLLM's mamba_cache_mode: "align" (prefix caching) or "none"
+    _lookups: dict[str, _Lookup] = field(default_factory=dict)
+    _plans: dict[str, LoadPlan] = field(default_factory=dict)
+    _ready: list[LoadJob] = field(default_factory=list)
+    _saves: dict[str, _Save] = field(default_factory=dict)
+    lookups_failed: int = 0
+
+    # --- consumer --------------------------------------------------------------------------
+
+    def matched(self, request: Any, computed: int) -> tuple[int | None, bool]:
+        if not self.consume or compat.kdn_params(request).get("load") is False:
+            return 0, False
+        rid = request.request_id
+        lk = self._lookups.get(rid)
+        if lk is None:
+            tokens = compat.prompt_tokens(request)
+            if len(tokens) < self.cfg.chunk_tokens:
+                return 0, False  # a lookup matches whole chunks first: a prompt shorter than one never hits
+            lk = self._lookups[rid] = _Lookup(self.bridge.submit(self._lookup(tokens)), time.monotonic())
+            try:
+                lk.future.result(FIRST_WAIT)
+            except (concurrent.futures.TimeoutError, Exception):  # noqa: BLE001 -- read below
+                pass
+        if lk.pieces is None:
+            if not lk.future.done():
+                if time.monotonic() - lk.started < self.cfg.lookup_timeout:
+                    return None, False
+                lk.future.cancel()
+                log.warning("KDN lookup for %s took over %.1f s: computing it instead", rid, self.cfg.lookup_timeout)
+                lk.pieces = []
+                self.lookups_failed += 1
+            elif lk.future.cancelled() or lk.future.exception() is not None:
+                log.warning("KDN lookup for %s failed: %s", rid, lk.future.exception() if not lk.future.cancelled() else "cancelled")
+                lk.pieces = []
+                self.lookups_failed += 1
+            else:
+                lk.pieces = lk.future.result()
+        plan = plan_load(lk.pieces, computed=computed, num_tokens=request.num_tokens, block_size=self.block_size,
+                         needs_state=self.hybrid)
+        if plan is None:
+            self._plans.pop(rid, None)
+            return 0, False
+        self._plans[rid] = plan
+        return plan.tokens, self.background
+
+    async def _lookup(self, tokens: list[int]) -> list[Piece]:
+        """The published chain under ``tokens``, each piece with the encoding and digest to fetch."""
+        c = self.client
+        hit = await c.lookup(tokens, self.model_id, self.cfg.namespace, chunk_tokens=self.cfg.chunk_tokens)
+        if not hit.addresses:
+            return []
+        recs = await asyncio.gather(*(c.record(a) for a in hit.addresses))
+        pieces: list[Piece] = []
+        pos = 0
+        for i, (addr, rec) in enumerate(zip(hit.addresses, recs)):
+            want_end = min(pos + self.cfg.chunk_tokens, hit.tokens)
+            why = self._refuse(rec, addr, pos, want_end)
+            if why:
+                log.info("KDN chain for this prompt stops at token %d: %s", pos, why)
+                break
+            enc = c.choose_encoding(rec["encodings"])
+            if enc is None:
+                break
+            e = rec["encodings"][enc]
+            tier = hit.sources[i] if i < len(hit.sources) else ""
+            pieces.append(Piece(addr, pos, want_end, enc, e["digest"], int(e["size"]), tier))
+            pos = want_end
+        return pieces
+
+    def _refuse(self, rec: dict | None, addr: str, start: int, end: int) -> str | None:
+        """Why a record cannot be used for tokens ``[start, end)`` of this prompt, or None."""
+        if rec is None:
+            return f"no record for {addr[:16]}"
+        try:
+            if rec["model_id"] != self.model_id or rec["namespace"] != self.cfg.namespace:
+                return "record of another model or namespace"
+            if (rec["start"], rec["end"]) != (start, end) or rec.get("standalone"):
+                return f"record span [{rec['start']}, {rec['end']}) is not [{start}, {end})"
+            engine = str(rec.get("engine") or "transformers")
+            if self.cfg.engines is not None and engine.split(" ")[0] not in self.cfg.engines:
+                return f"produced by {engine}, not one of {list(self.cfg.engines)}"
+            if not isinstance(rec["encodings"], dict):
+                return "malformed record"
+        except (KeyError, TypeError):
+            return "malformed record"
+        return None
+
+    def hit_sources(self, request: Any, n: int) -> dict:
+        """Tokens of the hit by the tier the entry edge said would serve them, as vLLM counts tiers."""
+        plan = self._plans.get(request.request_id)
+        if not n or plan is None:
+            return {}
+        out: dict = {}
+        for p, lo, hi in plan.spans():
+            src = _HIT_SOURCE.get(p.tier.split(":", 1)[0], compat.CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + (hi - lo)
+        return out
+
+    def allocated(self, request: Any, blocks: Any, n: int) -> None:
+        rid = request.request_id
+        if n > 0:
+            plan = self._plans.pop(rid, None)
+            if plan is None or plan.tokens != n:
+                # vLLM asked for a count the connector never offered: load nothing, it recomputes.
+                log.error("vLLM allocated %d external tokens for %s, the KDN offered %s", n, rid,
+                          plan.tokens if plan else 0)
+            else:
+                self._ready.append(LoadJob(rid, plan, compat.block_ids_of(blocks), self.background))
+        if self.produce and rid not in self._saves:
+            self._track_save(request)
+
+    # --- producer --------------------------------------------------------------------------
+
+    def _track_save(self, request: Any) -> None:
+        params = compat.kdn_params(request)
+        if not (params.get("save") or self.cfg.save == "all"):
+            return
+        try:
+            ns = A.validate_namespace(params.get("namespace", self.cfg.namespace))
+            encs = params.get("encodings", self.cfg.encodings)
+            if not isinstance(encs, (list, tuple)) or not encs:
+                raise KDNError("'encodings' must be a non-empty list")
+            encs = tuple(validate_encoding(e) for e in encs)
+        except KDNError as e:
+            log.error("request %s: not saved: %s", request.request_id, e)
+            return
+        tokens = compat.prompt_tokens(request)
+        addrs = A.prefix_addresses(self.model_id, ns, tokens, self.cfg.chunk_tokens)
+        spans = A.chunk_spans(len(tokens), self.cfg.chunk_tokens)
+        chunks = [SaveChunk(a, addrs[i - 1] if i else None, s, e) for i, (a, (s, e)) in enumerate(zip(addrs, spans))]
+        self._saves[request.request_id] = _Save(ns, encs, chunks)
+
+    def _save_jobs(self, out: Any) -> list[SaveJob]:
+        if not self._saves:
+            return []
+        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        states = compat.boundary_states(out) if self.hybrid else {}
+        jobs = []
+        for rid, st in list(self._saves.items()):
+            if rid not in out.num_scheduled_tokens:
+                continue
+            done = computed.get(rid, 0) + out.num_scheduled_tokens[rid]  # tokens computed once this step ran
+            ready = []
+            while st.next < len(st.chunks) and st.chunks[st.next].end <= done:
+                ready.append(st.chunks[st.next])
+                st.next += 1
+            if not ready:
+                continue
+            block_ids = tuple(list(b) for b in self.kv_cache_manager.get_block_ids(rid))
+            state_blocks: dict[int, int] = {}
+            if self.hybrid:
+                # A hybrid object carries the state at its end, and the engine holds only the state
+                # where this step stops: each chunk must end a step (the origin schedules 256-token steps).
+                if len(ready) > 1 or ready[-1].end != done:
+                    log.error("request %s: step ended at token %d, not at a chunk end: hybrid chunks from %d on "
+                              "are not saved (run the producer with max_num_batched_tokens = %d)",
+                              rid, done, ready[0].start, self.cfg.chunk_tokens)
+                    del self._saves[rid]
+                    continue
+                state_blocks = self._state_blocks(rid, block_ids, states.get(rid, []), done)
+                if state_blocks is None:
+                    del self._saves[rid]
+                    continue
+            jobs.append(SaveJob(rid, st.namespace, st.encodings, tuple(ready), block_ids, state_blocks))
+            if st.next == len(st.chunks):
+                del self._saves[rid]
+        return jobs
+
+    def _state_blocks(self, rid: str, block_ids, offered: list, done: int) -> dict[int, int] | None:
+        """The block of each mamba group that holds the state at ``done`` after this step."""
+        out = {}
+        for g in self.mamba_groups:
+            hit = [b for (gid, b, n) in offered if gid == g and n == done]
+            if hit:
+                out[g] = hit[0]
+            elif self.mamba_mode == "none" and block_ids[g]:
+                out[g] = block_ids[g][-1]  # one state slot per request, updated in place
+            else:
+                log.error("request %s: no state block for group %d at token %d: not saved", rid, g, done)
+                return None
+        return out
+
+    # --- both ------------------------------------------------------------------------------
+
+    def build_meta(self, out: Any) -> KDNMetadata:
+        meta = KDNMetadata(loads=self._ready, saves=self._save_jobs(out) if self.produce else [])
+        self._ready = []
+        return meta
+
+    def finished(self, request: Any) -> None:
+        rid = request.request_id
+        lk = self._lookups.pop(rid, None)
+        if lk is not None and not lk.future.done():
+            lk.future.cancel()
+        self._plans.pop(rid, None)
+        self._saves.pop(rid, None)
+
+
+_HIT_SOURCE = {
+    # The KDN is a remote store: an edge's memory reads as a peer's memory over the network, its
+    # disk as disk; a fill from another edge, region or the origin has no closer vLLM name.
+    "memory": compat.CacheHitSource.P2P,
+    "disk": compat.CacheHitSource.DISK,
+}

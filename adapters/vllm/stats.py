@@ -1,0 +1,93 @@
+"""What the connector reports to vLLM's stats logger and Prometheus endpoint.
+
+Worker-side counts travel to the engine's logger as ``KDNStats`` (vLLM calls
+``get_kv_connector_stats`` each step and aggregates); ``KDNPromMetrics``
+turns them into ``kdn_vllm_*`` series on vLLM's own ``/metrics``:
+
+- ``kdn_vllm_loaded_tokens_total{tier}``: tokens loaded, by the KDN tier that served them
+  (``memory``, ``disk``, ``peer``, ``region``, ``origin``);
+- ``kdn_vllm_load_failures_total{reason}``: loads given up (the engine recomputed those tokens):
+  ``missing``, ``timeout``, ``digest``, ``decode``, ``mismatch``;
+- ``kdn_vllm_load_seconds``: one request's load, fetch to last layer written;
+- ``kdn_vllm_saved_chunks_total``: chunks a producer wrote to its store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kdn.adapters.vllm.compat import KVConnectorPromMetrics, KVConnectorStats
+
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def _empty() -> dict[str, Any]:
+    return {"loads": 0, "tokens": {}, "failures": {}, "seconds": [], "saved": 0}
+
+
+@dataclass
+class KDNStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = _empty()
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not (d["loads"] or d["failures"] or d["saved"])
+
+    def loaded(self, tier: str, tokens: int) -> None:
+        self.data["tokens"][tier] = self.data["tokens"].get(tier, 0) + tokens
+
+    def failed(self, reason: str) -> None:
+        self.data["failures"][reason] = self.data["failures"].get(reason, 0) + 1
+
+    def aggregate(self, other: KVConnectorStats) -> KDNStats:
+        o = other.data
+        d = self.data
+        d["loads"] += o.get("loads", 0)
+        d["saved"] += o.get("saved", 0)
+        d["seconds"] = (d["seconds"] + list(o.get("seconds", [])))[-4096:]  # bounded between log intervals
+        for key in ("tokens", "failures"):
+            for k, v in o.get(key, {}).items():
+                d[key][k] = d[key].get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        secs = sorted(d["seconds"])
+        out: dict[str, int | float] = {"kdn_loads": d["loads"], "kdn_tokens": sum(d["tokens"].values()),
+                                       "kdn_failures": sum(d["failures"].values()), "kdn_saved_chunks": d["saved"]}
+        if secs:
+            out["kdn_load_ms_p50"] = round(secs[len(secs) // 2] * 1e3, 2)
+            out["kdn_load_ms_max"] = round(secs[-1] * 1e3, 2)
+        return out
+
+
+class KDNPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._tokens = self._counter_cls(name="kdn_vllm_loaded_tokens", labelnames=labelnames + ["tier"],
+                                         documentation="Prompt tokens loaded from the KDN instead of computed, by tier")
+        self._failures = self._counter_cls(name="kdn_vllm_load_failures", labelnames=labelnames + ["reason"],
+                                           documentation="KDN loads given up (the engine recomputed), by reason")
+        self._seconds = self._histogram_cls(name="kdn_vllm_load_seconds", labelnames=labelnames, buckets=_BUCKETS,
+                                            documentation="Time to load one request's prefix from the KDN")
+        self._saved = self._counter_cls(name="kdn_vllm_saved_chunks", labelnames=labelnames,
+                                        documentation="Chunks a KDN producer wrote to its store")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        d = transfer_stats_data
+        for tier, n in d.get("tokens", {}).items():
+            self._tokens.labels(*labels, tier).inc(n)
+        for reason, n in d.get("failures", {}).items():
+            self._failures.labels(*labels, reason).inc(n)
+        for s in d.get("seconds", []):
+            self._seconds.labels(*labels).observe(s)
+        if d.get("saved"):
+            self._saved.labels(*labels).inc(d["saved"])
