@@ -333,6 +333,7 @@ class KDNClient:
         """
         order = self._ranked(size, address)
         errors: list[str] = []
+        lies = 0
         pending: dict[asyncio.Task, Source] = {}
         i = 0
 
@@ -360,9 +361,12 @@ class KDNClient:
                         return task.result()
                     except (SourceError, DigestMismatch) as e:
                         errors.append(f"{src.label}: {e}")
+                        lies += isinstance(e, DigestMismatch)
                         self.failovers += 1
                 if not pending and i < len(order):
                     launch()
+            if lies == len(errors):  # every source that answered sent bytes that are not the object
+                raise DigestMismatch(f"no source delivered {address} intact: " + "; ".join(errors))
             raise SourceError(f"no source delivered {address}: " + "; ".join(errors))
         finally:
             for task in pending:

@@ -16,7 +16,6 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``load``           ``"auto"`` (default: layer by layer inside the forward for attention-only models,
                        in the background between steps for hybrid ones), ``"sync"`` or ``"async"``
     ``engines``        producer engines whose states are accepted, e.g. ``["vllm"]``; default: any
-    ``model_id``       skip hashing the weights at start: the model id ``kdn model-id`` printed
     ``ca``             CA bundle for HTTPS edges (default: system CAs, or ``$KDN_CA``)
 
 producer (``kv_role`` ``kv_producer`` or ``kv_both``)
@@ -33,7 +32,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdn.address import DEFAULT_CHUNK_TOKENS, PUBLIC_NAMESPACE, validate_model_id, validate_name, validate_namespace
+from kdn.address import DEFAULT_CHUNK_TOKENS, PUBLIC_NAMESPACE, validate_name, validate_namespace
 from kdn.encodings import parse_budget
 from kdn.errors import InvalidInput
 
@@ -41,7 +40,7 @@ LOAD_MODES = ("auto", "sync", "async")
 SAVE_MODES = ("request", "all")
 _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
-    "lookup_timeout", "load", "engines", "model_id", "ca", "store", "save", "encodings", "node_id",
+    "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
     "chunk_tokens",
 })
 
@@ -59,7 +58,6 @@ class ConnectorConfig:
     lookup_timeout: float = 2.0
     load: str = "auto"
     engines: tuple[str, ...] | None = None
-    model_id: str | None = None
     ca: str | None = None
     store: str | None = None
     save: str = "request"
@@ -103,8 +101,6 @@ class ConnectorConfig:
             kw["save"] = _choice("save", extra["save"], SAVE_MODES)
         if extra.get("engines") is not None:
             kw["engines"] = tuple(_string("engines", e) for e in _list("engines", extra["engines"]))
-        if extra.get("model_id") is not None:
-            kw["model_id"] = validate_model_id(extra["model_id"])
         if "encodings" in extra:
             encs = tuple(_string("encodings", e) for e in _list("encodings", extra["encodings"]))
             if not encs:

@@ -46,8 +46,11 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             log.warning("KDN: a hybrid model loads states only with prefix caching on (mamba_cache_mode 'align'); "
                         "this engine will not load from the KDN")
             self.consume = False
+        if self.consume and tc.kv_load_failure_policy != "recompute":
+            log.warning("KDN: kv_load_failure_policy is %r: a failed load fails its request; set it to "
+                        "'recompute' to have vLLM compute what could not be loaded", tc.kv_load_failure_policy)
         path, dtype = compat.model_source(vllm_config)
-        self.model_id = self.cfg.model_id or model_id_for(path, dtype)
+        self.model_id = model_id_for(path, dtype)
         n_layers = int(vllm_config.model_config.hf_config.num_hidden_layers)
         self.bridge = LoopThread(f"kdn-{role.name.lower()}") if self.consume or (self.produce and self.cfg.registry) else None
         self.client = self.bridge.run(_make_client(self.cfg), timeout=30) if self.consume else None
@@ -108,10 +111,7 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         self.worker.end_step()
         if self.saver is not None:
             meta = self._get_connector_metadata()
-            n = self.saver.finish_step(meta)
-            if n:
-                with self.worker._lock:
-                    self.worker.stats.data["saved"] += n
+            self.worker.saved(self.saver.finish_step(meta))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.bad_blocks()
@@ -147,6 +147,10 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         return self.sched.hit_sources(request, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if connector_output.failed_recving:
+            self.sched.load_failed(set(connector_output.failed_recving))
 
     def build_connector_meta(self, scheduler_output: Any) -> KDNMetadata:
         return self.sched.build_meta(scheduler_output)

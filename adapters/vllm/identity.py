@@ -4,8 +4,8 @@ A model id hashes the architecture, the state-changing config fields, the
 weights, the tokenizer and the dtype (``kdn.address.model_id``); it says
 nothing of the engine. vLLM is given a folder of weights, so the id is
 computed the way the transformers adapter computes it for that folder (load
-on the CPU, hash, drop), once per process and folder. ``model_id`` in the
-connector's settings skips this for large models (``kdn model-id FOLDER``).
+on the CPU, hash, drop), once per process and folder. (No setting names the
+id instead: a wrong one would load another model's states into this one.)
 """
 
 from __future__ import annotations

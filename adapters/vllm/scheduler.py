@@ -67,14 +67,15 @@ class SchedulerSide:
     _plans: dict[str, LoadPlan] = field(default_factory=dict)
     _ready: list[LoadJob] = field(default_factory=list)
     _saves: dict[str, _Save] = field(default_factory=dict)
+    _given_up: set[str] = field(default_factory=set)  # requests whose load failed: vLLM recomputes them whole
     lookups_failed: int = 0
 
     # --- consumer --------------------------------------------------------------------------
 
     def matched(self, request: Any, computed: int) -> tuple[int | None, bool]:
-        if not self.consume or compat.kdn_params(request).get("load") is False:
-            return 0, False
         rid = request.request_id
+        if not self.consume or compat.kdn_params(request).get("load") is False or rid in self._given_up:
+            return 0, False
         lk = self._lookups.get(rid)
         if lk is None:
             tokens = compat.prompt_tokens(request)
@@ -253,8 +254,14 @@ class SchedulerSide:
         self._ready = []
         return meta
 
+    def load_failed(self, req_ids: set[str]) -> None:
+        """A background load failed and vLLM re-queued the request from scratch: asked again (it will be,
+        its computed tokens are 0), offer nothing, or the same bad source would fail it again and again."""
+        self._given_up.update(req_ids)
+
     def finished(self, request: Any) -> None:
         rid = request.request_id
+        self._given_up.discard(rid)
         lk = self._lookups.pop(rid, None)
         if lk is not None and not lk.future.done():
             lk.future.cancel()

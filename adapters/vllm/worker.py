@@ -100,7 +100,8 @@ class WorkerSide:
         self.states: list[StateLayer] = []
         self.attn_group = next((g.id for g in groups if g.kind == "attention"), None)
         self.block_size = groups[self.attn_group].block_size if self.attn_group is not None else 0
-        self.stats = KDNStats()
+        self.stats = KDNStats()  # since vLLM last took them (its logger and /metrics)
+        self.totals = KDNStats()  # since start (tests, health reports)
         self._lock = threading.Lock()
         self._running: list[_Running] = []
         self._bad_blocks: set[int] = set()
@@ -192,7 +193,8 @@ class WorkerSide:
         run.upto = min(run.upto, first)
         log.warning("KDN load of %s stopped at token %d (%s); vLLM recomputes", job.req_id, first, e)
         with self._lock:
-            self.stats.failed(e.reason)
+            for st in (self.stats, self.totals):
+                st.failed(e.reason)
             if not job.background:
                 # In-forward loads fail by block: vLLM recomputes from the first bad one. A background
                 # load fails as a whole request (vLLM takes no block errors with several cache groups).
@@ -211,11 +213,14 @@ class WorkerSide:
         self._running = []
 
     def _account(self, run: _Running) -> None:
+        seconds = time.perf_counter() - run.started
         with self._lock:
-            self.stats.data["loads"] += 1
-            self.stats.data["seconds"].append(time.perf_counter() - run.started)
-            for i, _, lo, hi in run.spans():
-                self.stats.loaded(run.fetched[i].source.split("/")[-1].split(":")[0], hi - lo)
+            for st in (self.stats, self.totals):
+                st.data["loads"] += 1
+                st.data["seconds"].append(seconds)
+                for i, _, lo, hi in run.spans():
+                    st.loaded(run.fetched[i].source.split("/")[-1].split(":")[0], hi - lo)
+            del self.totals.data["seconds"][:-1024]
 
     # --- decode and write --------------------------------------------------------------------
 
@@ -286,6 +291,11 @@ class WorkerSide:
             done, failed = self._done | self._failed, set(self._failed)
             self._done, self._failed = set(), set()
         return done, failed
+
+    def saved(self, n: int) -> None:
+        with self._lock:
+            for st in (self.stats, self.totals):
+                st.data["saved"] += n
 
     def take_stats(self) -> KDNStats | None:
         with self._lock:

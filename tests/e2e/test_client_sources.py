@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edg
 from edge_helpers import EDGE_TOKEN, cluster, free_port, publish  # noqa: E402
 
 from kdn.client import KDNClient, SyncKDNClient  # noqa: E402
-from kdn.errors import SourceError  # noqa: E402
+from kdn.errors import DigestMismatch  # noqa: E402
 from kdn.registry import open_registry  # noqa: E402
 
 TEXT = ("The fog bell rang twice a minute through the night. " * 30)[:900]
@@ -107,7 +107,7 @@ async def test_fails_over_from_dead_failing_and_lying_sources(tmp_path, etcd_url
                     assert len(states.objects) == len(m["addresses"])
                     assert all(not f.source.startswith("edge:0") for f in states.fetched)
             async with KDNClient(edges=[url(liar)], hedge=False) as client:
-                with pytest.raises(SourceError, match="digest"):
+                with pytest.raises(DigestMismatch, match="intact"):  # every source lied: not a plain miss
                     await client.fetch(m["addresses"][0])
         finally:
             await liar.close()

@@ -1,0 +1,303 @@
+"""vLLM's time to first token: a KDN hit vs its own prefill vs its own prefix-cache hit.
+
+    python -P bench/vllm_ttft.py [--models smollm2-135m,qwen2-0.5b-shape] [--lengths 2048,8192]
+                                 [--repeat 3] [--suffix 16] [--plot docs/img/vllm_ttft.png]
+
+Per model, on 127.0.0.1 in their own processes: an origin (transformers,
+bf16, embedded ``file:`` registry) and one edge with a 2 GiB memory tier;
+then one vLLM engine (CPU, bf16, in this process) with ``KDNConnector`` as
+consumer pointed at the edge. Each context of L tokens is published once (not
+timed) and read once through the engine, which fills the edge's memory tier.
+Then, in rotating order per repeat, the time to the first token of
+``context + suffix`` (``LLM.generate`` with one output token, no tokenizer):
+
+- ``prefill``: the engine computes everything. Each request gets a fresh
+  cache salt, so its prefix cache holds nothing for it: what prefix caching
+  off computes (it is on only because the other two paths need it);
+- ``local-hit``: vLLM's own prefix cache holds the context (the same salt
+  as a warming request just before): the best any cache can do;
+- ``kdn-hit``: a fresh salt and the connector: lookup on the edge, fetch and
+  verify from its memory tier over HTTP, decode and write into the paged cache
+  layer by layer, then the suffix.
+
+Both hits reuse the context's whole 128-token blocks and compute the rest.
+Models: SmolLM2-135M-Instruct (converted folder; the shipped docs as text) and
+a Qwen2-0.5B-shaped random-init bf16 model (``bench/ttft.py`` builds it;
+random ids). Prints a markdown table (medians and min-max), writes
+``bench/work/vllm_ttft.json`` and a PNG. Everything it starts, it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "bench" / "work"
+sys.path.insert(0, str(ROOT / "bench"))
+PUBLISH_TOKEN = "bench-publisher-" + "p" * 24
+PATHS = ("prefill", "local-hit", "kdn-hit")
+
+
+def vllm_env() -> None:
+    """vLLM's CPU build, in this process: set before vllm is imported."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if iomp.exists() and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
+        # Intel's OpenMP must be preloaded; restart once with it (LD_PRELOAD is read at exec).
+        os.environ["LD_PRELOAD"] = f"{iomp}:{os.environ['LD_PRELOAD']}" if os.environ.get("LD_PRELOAD") else str(iomp)
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
+        self.name, self.log = name, log
+        with open(log, "wb") as f:
+            self.p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**os.environ, "LD_PRELOAD": ""})
+
+    def wait(self, url: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError(f"{self.name} not up after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+
+
+def publish(origin: str, name: str, tokens: list[int]) -> dict:
+    def call(method: str, url: str, body: dict | None = None) -> dict:
+        req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body else None,
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {PUBLISH_TOKEN}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    job = call("POST", f"{origin}/v1/publish", {"name": name, "tokens": tokens})
+    while True:
+        job = call("GET", f"{origin}/v1/jobs/{job.get('job') or job['id']}")
+        if job["state"] == "done":
+            return job["manifest"]
+        if job["state"] == "failed":
+            raise RuntimeError(f"publish {name} failed: {job['error']}")
+        time.sleep(0.2)
+
+
+def model_inputs(name: str, lengths: list[int], suffix: int) -> tuple[str, list[int], list[int]]:
+    """(weights folder, document ids, question ids) of a bench model."""
+    import ttft  # bench/ttft.py: the same models and text as the transformers TTFT bench
+
+    from kdn.adapters.hf import load_model
+    from kdn.adapters.hf.models import model_folder
+
+    folder = str(ttft.qwen_folder()) if name == ttft.QWEN else str(model_folder(name, "bfloat16"))
+    lm = load_model(folder if name == ttft.QWEN else name, dtype="bfloat16")
+    doc, q = ttft.token_stream(name, lm, max(lengths), suffix)
+    return folder, doc, q
+
+
+def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log) -> list[dict]:
+    folder, doc, q = model_inputs(name, lengths, suffix)
+    tmp = Path(tempfile.mkdtemp(prefix="kdn-vllm-ttft-"))
+    procs: list[Proc] = []
+    rows = []
+    try:
+        (tmp / "tokens").write_text(PUBLISH_TOKEN + "\n")
+        registry = f"file:{tmp / 'registry.sqlite3'}"
+        op, ep = free_port(), free_port()
+        origin = Proc("origin", ["kdn", "origin", "serve", "--model", folder, "--dtype", "bfloat16", "--registry",
+                                 registry, "--store", str(tmp / "store"), "--port", str(op), "--token-file",
+                                 str(tmp / "tokens")], tmp / "origin.log")
+        procs.append(origin)
+        origin.wait(f"http://127.0.0.1:{op}/healthz")
+        edge = Proc("edge", ["kdn", "edge", "serve", "--region", "bench", "--registry", registry, "--origin",
+                             f"http://127.0.0.1:{op}", "--port", str(ep), "--mem-budget", "2GiB"], tmp / "edge.log")
+        procs.append(edge)
+        edge.wait(f"http://127.0.0.1:{ep}/healthz")
+        for L in lengths:
+            t0 = time.perf_counter()
+            publish(f"http://127.0.0.1:{op}", f"ctx-{L}", doc[:L])
+            log(f"[{name}] published {L} tokens in {time.perf_counter() - t0:.1f} s")
+
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(model=folder, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
+                  enable_prefix_caching=True, max_model_len=max(lengths) + suffix + 64, gpu_memory_utilization=0.3,
+                  kv_transfer_config={"kv_connector": "KDNConnector", "kv_connector_module_path": "kdn.adapters.vllm",
+                                      "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+                                      "kv_connector_extra_config": {"edges": [f"http://127.0.0.1:{ep}"]}})
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().worker
+
+        def first_token(ids: list[int], load: bool, salt: str) -> tuple[float, int, int]:
+            sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                extra_args={"kv_transfer_params": {"kdn": {"load": load}}})
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids, cache_salt=salt)], sp, use_tqdm=False)[0]
+            return (time.perf_counter() - t0) * 1e3, out.num_cached_tokens, out.outputs[0].token_ids[0]
+
+        first_token(doc[:300], False, "warm")  # one-off engine costs out of the way
+        for L in lengths:
+            ids = doc[:L] + q
+            first_token(ids, True, secrets.token_hex(4))  # fills the edge's memory tier from the origin
+            samples: dict[str, list[tuple[float, int, int]]] = {p: [] for p in PATHS}
+            for r in range(repeat):
+                for path in PATHS[r % 3:] + PATHS[:r % 3]:
+                    salt = secrets.token_hex(4)
+                    if path == "local-hit":
+                        first_token(doc[:L] + [q[0] ^ 1] + q[1:], False, salt)  # the same context, warm
+                    smp = first_token(ids, path == "kdn-hit", salt)
+                    samples[path].append(smp)
+                    log(f"[{name} L={L}] rep {r + 1} {path:9s} {smp[0]:9.1f} ms, {smp[1]} tokens reused")
+            tiers = dict(worker.totals.data["tokens"])
+            rows.append(summarize(name, L, suffix, samples, tiers))
+        del llm
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def summarize(name: str, L: int, suffix: int, samples: dict, tiers: dict) -> dict:
+    row = {"model": name, "length": L, "suffix": suffix, "tiers_so_far": tiers, "paths": {}}
+    for p, v in samples.items():
+        ms = [s[0] for s in v]
+        row["paths"][p] = {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "all": ms,
+                           "reused": sorted({s[1] for s in v}), "first_tokens": sorted({s[2] for s in v})}
+    P = row["paths"]
+    row["kdn_vs_local"] = P["kdn-hit"]["median"] / P["local-hit"]["median"]
+    row["kdn_vs_local_worst"] = P["kdn-hit"]["max"] / P["local-hit"]["median"]
+    row["prefill_vs_kdn"] = P["prefill"]["median"] / P["kdn-hit"]["median"]
+    row["prefill_vs_kdn_worst"] = P["prefill"]["min"] / P["kdn-hit"]["max"]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    def ms(st: dict) -> str:
+        return f"{st['median']:,.0f} ({st['min']:,.0f}-{st['max']:,.0f})"
+
+    out = ["| model | context | vLLM prefill ms | local prefix-cache hit ms | KDN hit ms (edge memory) | "
+           "KDN / local (worst) | prefill / KDN (worst) | tokens reused |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        P = r["paths"]
+        out.append(f"| {r['model']} | {r['length']:,} | {ms(P['prefill'])} | {ms(P['local-hit'])} | {ms(P['kdn-hit'])} "
+                   f"| {r['kdn_vs_local']:.2f}x ({r['kdn_vs_local_worst']:.2f}x) "
+                   f"| {r['prefill_vs_kdn']:.1f}x ({r['prefill_vs_kdn_worst']:.1f}x) "
+                   f"| {'/'.join(str(x) for x in P['kdn-hit']['reused'])} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['model']}\n{r['length'] // 1024}k" for r in rows]
+    width = 0.27
+    for i, p in enumerate(PATHS):
+        ys = [r["paths"][p]["median"] for r in rows]
+        lo = [r["paths"][p]["median"] - r["paths"][p]["min"] for r in rows]
+        hi = [r["paths"][p]["max"] - r["paths"][p]["median"] for r in rows]
+        ax.bar([x + (i - 1) * width for x in range(len(rows))], ys, width, yerr=[lo, hi], label=p, capsize=2)
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token, ms (log)")
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_title("vLLM (CPU): KDN hit vs own prefill vs own prefix-cache hit")
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def machine() -> str:
+    import torch
+    import vllm
+
+    return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, vLLM {vllm.__version__} (CPU)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2-135m,qwen2-0.5b-shape")
+    ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--suffix", type=int, default=16)
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "vllm_ttft.png"))
+    ap.add_argument("--json", default=str(WORK / "vllm_ttft.json"))
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one model, rows to this file
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    t_all = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"{time.perf_counter() - t_all:7.1f}s {msg}", flush=True)
+
+    if args.one:
+        vllm_env()
+        rows = bench_model(args.models, lengths, args.repeat, args.suffix, log)
+        Path(args.one).write_text(json.dumps(rows))
+        return 0
+    rows = []
+    for m in [m.strip() for m in args.models.split(",") if m.strip()]:
+        # One process per model: a vLLM engine is a process-wide thing (its connector, its threads).
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            subprocess.run([sys.executable, "-P", __file__, "--one", f.name, "--models", m, "--lengths", args.lengths,
+                            "--repeat", str(args.repeat), "--suffix", str(args.suffix)], check=True)
+            rows += json.loads(Path(f.name).read_text())
+    print()
+    print(f"Machine: {machine()}")
+    print(f"Command: python -P bench/vllm_ttft.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    print()
+    print(table(rows))
+    if args.json:
+        WORK.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

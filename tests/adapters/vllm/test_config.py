@@ -1,0 +1,45 @@
+"""The connector's settings: validated when the engine starts, every bad key named."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdn.adapters.vllm.config import ConnectorConfig
+from kdn.errors import InvalidInput
+
+
+def test_defaults_and_edges_forms():
+    c = ConnectorConfig.from_extra({"edges": ["http://127.0.0.1:8701/"]}, consumer=True, producer=False)
+    assert c.edges == ("http://127.0.0.1:8701",) and c.namespace == "public" and c.quality == "lossless"
+    assert c.load == "auto" and c.engines is None and c.load_timeout == 10.0
+    c = ConnectorConfig.from_extra({"edges": {"e1": "http://a:1", "e2": "http://b:2"}}, consumer=True, producer=False)
+    assert c.edges == (("e1", "http://a:1"), ("e2", "http://b:2"))
+    c = ConnectorConfig.from_extra({"edges": "http://a:1,http://b:2", "engines": "vllm"}, consumer=True,
+                                   producer=False)
+    assert c.edges == ("http://a:1", "http://b:2") and c.engines == ("vllm",)
+
+
+@pytest.mark.parametrize("extra, consumer, producer, match", [
+    ({}, True, False, "needs 'edges'"),
+    ({"registry": "file:/x"}, True, False, "needs 'edges'"),  # a registry needs the engine's region
+    ({"edges": ["ftp://x"]}, True, False, "not an http"),
+    ({"edges": ["http://x"], "namspace": "a"}, True, False, "unknown KDN connector setting"),
+    ({"edges": ["http://x"], "namespace": "Bad/NS"}, True, False, "namespace"),
+    ({"edges": ["http://x"], "quality": "best"}, True, False, "quality"),
+    ({"edges": ["http://x"], "load_timeout": 0}, True, False, "load_timeout"),
+    ({"edges": ["http://x"], "load_timeout": True}, True, False, "load_timeout"),
+    ({"edges": ["http://x"], "load": "eager"}, True, False, "'load'"),
+    ({"edges": ["http://x"], "chunk_tokens": -1}, True, False, "chunk_tokens"),
+    ({}, False, True, "needs 'store'"),
+    ({"store": "/s", "save": "some"}, False, True, "'save'"),
+    ({"store": "/s", "encodings": []}, False, True, "encodings"),
+])
+def test_bad_settings_are_named(extra, consumer, producer, match):
+    with pytest.raises(InvalidInput, match=match):
+        ConnectorConfig.from_extra(extra, consumer=consumer, producer=producer)
+
+
+def test_registry_and_region_is_enough_to_look_up():
+    c = ConnectorConfig.from_extra({"registry": "etcd://127.0.0.1:2379", "region": "eu"}, consumer=True,
+                                   producer=False)
+    assert c.can_look_up

@@ -1,0 +1,174 @@
+"""vLLM loads published prefixes of an attention-only model (tiny Llama, head_dim 64, fp32) from a KDN.
+
+Two small CDNs on loopback: "v" publishes through vLLM (``kdn origin serve
+--engine vllm``), "h" through transformers (plus a bf16 origin: another model
+id). Engine "ev" reads from v's edge through a proxy that can lie, stall or
+die; engine "eh" reads from h's edge as tenant acme. Each request carries a
+fresh vLLM cache salt, so vLLM's own prefix cache never answers for the KDN.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import TENANT_A, TENANT_B, Cluster, Engine, Proxy, document, kv_config, question, salt, wait_http
+
+DOC_TOKENS = 1100  # 4 whole chunks and a 76-token tail; vLLM's CPU blocks are 128 tokens
+LOADED = 1024  # what a prompt of the document plus a question can load: whole blocks below the tail
+LOAD_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def world(module_tmp):
+    from kdn.adapters.hf.models import model_folder
+
+    folder = str(model_folder("tiny-llama64", "float32"))
+    (module_tmp / "v").mkdir()
+    (module_tmp / "h").mkdir()
+    (module_tmp / "tenant-a").write_text(TENANT_A + "\n")
+    v, h = Cluster(module_tmp / "v"), Cluster(module_tmp / "h")
+    proxy = Proxy()
+    engines: list[Engine] = []
+    try:
+        origins = [v.origin("vllm", "tiny-llama64", dtype="float32", engine="vllm"),
+                   h.origin("hf", "tiny-llama64", dtype="float32"), h.origin("bf16", "tiny-llama64", dtype="bfloat16")]
+        # The engines start while the origins do (each takes seconds): nothing is contacted before a request.
+        ev = Engine("ev", module_tmp, model=folder, dtype="float32", blocks=20, max_model_len=2048,
+                    kv=kv_config(edges=[proxy.url], load_timeout=LOAD_TIMEOUT, lookup_timeout=2))
+        eh = Engine("eh", module_tmp, model=folder, dtype="float32",
+                    kv=kv_config(edges=[h.edge_url], namespace="acme", token_file=str(module_tmp / "tenant-a")))
+        engines += [ev, eh]
+        for p, url in origins:
+            wait_http(p, url + "/healthz")
+        v.edge(v.origins["vllm"])
+        h.edge(h.origins["hf"])
+        proxy.target = v.edge_url
+        docs = {
+            "v1": v.publish("vllm", document(1, DOC_TOKENS), "v1"),
+            "v2": v.publish("vllm", document(2, DOC_TOKENS), "v2"),
+            "v3": v.publish("vllm", document(3, DOC_TOKENS), "v3"),
+            "acme": h.publish("hf", document(4, DOC_TOKENS), "a", namespace="acme", token=TENANT_A),
+            "beta": h.publish("hf", document(5, DOC_TOKENS), "b", namespace="beta", token=TENANT_B),
+            "public": h.publish("hf", document(6, DOC_TOKENS), "p"),
+            "foreign": h.publish("bf16", document(7, DOC_TOKENS), "f", namespace="acme", token=TENANT_A),
+        }
+        ev.wait_ready()
+        eh.wait_ready()
+        yield {"v": v, "h": h, "proxy": proxy, "ev": ev, "eh": eh, "docs": docs}
+    finally:
+        for e in engines:
+            e.close()
+        proxy.stop()
+        v.stop()
+        h.stop()
+
+
+def reference(engine: Engine, doc: dict, q: list[int], max_tokens: int = 32) -> dict:
+    """The engine's own prefill of the document (from its own prefix cache), then the question."""
+    s = salt()
+    engine.generate([doc["prefix_tokens"] + question(99)], load=False, salt=s, max_tokens=1)  # fills vLLM's cache
+    out = engine.generate([doc["prefix_tokens"] + q], load=False, salt=s, max_tokens=max_tokens)[0]
+    assert out["cached"] == LOADED, out["cached"]  # the same whole blocks the KDN offers
+    return out
+
+
+def loaded_tokens(engine: Engine) -> int:
+    return sum(engine.stats()["totals"]["tokens"].values())
+
+
+def failures(engine: Engine, reason: str) -> int:
+    return engine.stats()["totals"]["failures"].get(reason, 0)
+
+
+def test_vllm_made_states_load_bit_exactly(world):
+    ev, doc = world["ev"], world["docs"]["v1"]
+    q = question(1)
+    ref = reference(ev, doc, q)
+    before = loaded_tokens(ev)
+    got = ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=32)[0]
+    assert got["cached"] == LOADED
+    assert loaded_tokens(ev) - before == LOADED
+    assert got["tokens"] == ref["tokens"]
+    assert got["logprobs"] == ref["logprobs"], "logprobs after loading differ from vLLM's own prefill"
+    tiers = ev.stats()["totals"]["tokens"]
+    assert set(tiers) <= {"memory", "disk", "origin", "peer"} and sum(tiers.values()) >= LOADED
+
+
+def test_lying_edge_is_caught_and_recomputed(world):
+    ev, proxy, doc = world["ev"], world["proxy"], world["docs"]["v2"]
+    q = question(2)
+    ref = reference(ev, doc, q)
+    bad = failures(ev, "digest")
+    proxy.mode = "flip"
+    try:
+        got = ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=32)[0]
+    finally:
+        proxy.mode = "ok"
+    assert failures(ev, "digest") > bad, "a flipped byte must fail the digest check"
+    assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"]
+
+
+def test_stalled_edge_costs_at_most_the_load_deadline(world):
+    ev, proxy, doc = world["ev"], world["proxy"], world["docs"]["v3"]
+    q = question(3)
+    ref = reference(ev, doc, q)
+    late = failures(ev, "timeout")
+    proxy.mode = "stall"
+    try:
+        t0 = time.perf_counter()
+        got = ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=32)[0]
+        took = time.perf_counter() - t0
+    finally:
+        proxy.mode = "ok"
+    assert failures(ev, "timeout") > late
+    assert took < LOAD_TIMEOUT + 15, f"a stalled edge held the request {took:.1f} s"
+    assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"]
+
+
+def test_dead_edge_means_a_plain_prefill(world):
+    ev, proxy, doc = world["ev"], world["proxy"], world["docs"]["v1"]
+    q = question(4)
+    ref = reference(ev, doc, q)
+    before = loaded_tokens(ev)
+    proxy.mode = "down"
+    try:
+        got = ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=32)[0]
+    finally:
+        proxy.mode = "ok"
+    assert loaded_tokens(ev) == before
+    assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"]
+
+
+def test_transformers_made_states_load_across_engines(world):
+    eh, doc = world["eh"], world["docs"]["acme"]
+    q = question(5)
+    ref = reference(eh, doc, q)
+    got = eh.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=32)[0]
+    assert got["cached"] == LOADED
+    # Kernels differ, so bytes do: the same model id, fp32, agrees to float rounding, not bit for bit.
+    assert got["tokens"] == ref["tokens"]
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])) < 1e-3
+
+
+@pytest.mark.parametrize("doc", ["beta", "public", "foreign"])
+def test_other_namespaces_and_models_load_nothing(world, doc):
+    eh, d = world["eh"], world["docs"][doc]
+    before = loaded_tokens(eh)
+    got = eh.generate([d["prefix_tokens"] + question(6)], salt=salt(), max_tokens=4)[0]
+    assert got["cached"] == 0 and loaded_tokens(eh) == before
+
+
+def test_preemption_leaks_no_blocks_and_no_state(world):
+    ev, docs = world["ev"], world["docs"]
+    free = ev.call(op="blocks")
+    before = ev.stats()["preempted"]
+    # 20 blocks of 128 tokens, three 1140-token prompts growing by 200 tokens: someone is preempted.
+    outs = ev.generate([docs[k]["prefix_tokens"] + question(7 + i) for i, k in enumerate(("v1", "v2", "v3"))],
+                       salt=salt(), max_tokens=200)
+    assert all(len(o["tokens"]) == 200 for o in outs)
+    st = ev.stats()
+    assert st["preempted"] > before, "the scenario must actually preempt"
+    assert ev.call(op="blocks") == free, "every block is back in the pool"
+    assert (st["lookups"], st["plans"], st["ready"], st["running"], st["requests"]) == (0, 0, 0, 0, 0)
