@@ -17,9 +17,11 @@ vLLM (``--engine vllm``). The same documents are published on both. Then:
 Reported per direction: greedy tokens that agree before the first difference
 (of ``--new``), and the largest difference of the log-probability of the
 chosen token (vLLM: over the agreeing tokens; transformers: teacher-forced on
-its own greedy tokens, all of them). The same-engine case is exact (the
-tests assert it bit for bit), so these numbers are the whole cost of
-crossing engines. Prints a table, writes ``bench/work/cross_engine.json``.
+its own greedy tokens, all of them). Loading an engine's own states is exact
+(the tests assert it bit for bit), so these numbers are the whole cost of
+crossing engines; beside them, the same engine's own rounding noise:
+transformers prefilling the document in one pass instead of 256-token chunks.
+Prints a table, writes ``bench/work/cross_engine.json``.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def hf_side(folder: str, dtype: str, edge: str, prompts: list[list[int]], new: i
             lps = torch.log_softmax(lg, -1)[torch.arange(len(ref)), torch.tensor(ref)].tolist()
         return toks, lps
 
-    rows = []
+    rows, floor = [], []
     for ids, doc_len in prompts:
         chunks = asyncio.run(fetch(ids))
         n = sum(_tokens(c) for c in chunks)
@@ -163,7 +165,10 @@ def hf_side(folder: str, dtype: str, edge: str, prompts: list[list[int]], new: i
         got, got_lp = greedy_and_lps(lambda: build_cache(lm.model, chunks)[0], n, ids[n:], own)
         rows.append({"agree": agree(own, got), "max_dlogprob": max(abs(a - b) for a, b in zip(own_lp, got_lp)),
                      "reused": n})
-    return rows
+        # The same engine's own rounding noise: the document in one forward pass instead of 256-token chunks.
+        one, one_lp = greedy_and_lps(lambda: prefill(lm.model, ids[:n], chunk_tokens=None), n, ids[n:], own)
+        floor.append({"agree": agree(own, one), "max_dlogprob": max(abs(a - b) for a, b in zip(own_lp, one_lp))})
+    return rows, floor
 
 
 def _tokens(chunk: dict) -> int:
@@ -190,7 +195,7 @@ def one_model(model: str, docs: int, new: int, log) -> dict:
                 publish(origin, f"d{i}", d)
             prompts.append((d + question(model, tok, i), len(d)))
         log(f"[{model}] published {len(texts)} documents of {LENGTHS[model]} tokens on both CDNs")
-        hf_rows = hf_side(folder, dtype, vl_edge, prompts, new)
+        hf_rows, floor = hf_side(folder, dtype, vl_edge, prompts, new)
         log(f"[{model}] transformers loading vLLM-made states: {hf_rows}")
         vl_rows = vllm_side(folder, dtype, hf_edge, prompts, new)
         log(f"[{model}] vLLM loading transformers-made states: {vl_rows}")
@@ -199,15 +204,16 @@ def one_model(model: str, docs: int, new: int, log) -> dict:
             p.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return {"model": model, "dtype": dtype, "tokens": LENGTHS[model], "new": new,
-            "vllm_loads_hf": vl_rows, "hf_loads_vllm": hf_rows}
+            "vllm_loads_hf": vl_rows, "hf_loads_vllm": hf_rows, "hf_one_shot_vs_chunked": floor}
 
 
 def table(results: list[dict]) -> str:
     out = ["| model | dtype | direction | greedy tokens agreeing (min / median of N) | max logprob difference |",
            "| --- | --- | --- | ---: | ---: |"]
     for r in results:
-        for key, label in (("vllm_loads_hf", "vLLM loads transformers-made"), ("hf_loads_vllm",
-                                                                             "transformers loads vLLM-made")):
+        for key, label in (("vllm_loads_hf", "vLLM loads transformers-made"),
+                           ("hf_loads_vllm", "transformers loads vLLM-made"),
+                           ("hf_one_shot_vs_chunked", "(noise floor) transformers, one-shot vs chunked prefill")):
             rows = r[key]
             ag = sorted(x["agree"] for x in rows)
             out.append(f"| {r['model']} | {r['dtype']} | {label} | {ag[0]} / {ag[len(ag) // 2]} of {r['new']} "

@@ -21,6 +21,9 @@ Then, in rotating order per repeat, the time to the first token of
   layer by layer, then the suffix.
 
 Both hits reuse the context's whole 128-token blocks and compute the rest.
+The origin publishes ``--encodings`` (default ``zstd,raw``, both lossless):
+the client picks per object by its measured link, which on loopback is raw
+(no decode); ``--encodings zstd`` measures the default publish.
 Models: SmolLM2-135M-Instruct (converted folder; the shipped docs as text) and
 a Qwen2-0.5B-shaped random-init bf16 model (``bench/ttft.py`` builds it;
 random ids). Prints a markdown table (medians and min-max), writes
@@ -99,7 +102,7 @@ class Proc:
                 os.killpg(self.p.pid, signal.SIGKILL)
 
 
-def publish(origin: str, name: str, tokens: list[int]) -> dict:
+def publish(origin: str, name: str, tokens: list[int], encodings: list[str] | None = None) -> dict:
     def call(method: str, url: str, body: dict | None = None) -> dict:
         req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body else None,
                                      headers={"Content-Type": "application/json",
@@ -107,7 +110,7 @@ def publish(origin: str, name: str, tokens: list[int]) -> dict:
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())
 
-    job = call("POST", f"{origin}/v1/publish", {"name": name, "tokens": tokens})
+    job = call("POST", f"{origin}/v1/publish", {"name": name, "tokens": tokens, **({"encodings": encodings} if encodings else {})})
     while True:
         job = call("GET", f"{origin}/v1/jobs/{job.get('job') or job['id']}")
         if job["state"] == "done":
@@ -130,8 +133,11 @@ def model_inputs(name: str, lengths: list[int], suffix: int) -> tuple[str, list[
     return folder, doc, q
 
 
-def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log) -> list[dict]:
+def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, encodings: list[str]) -> list[dict]:
     folder, doc, q = model_inputs(name, lengths, suffix)
+    max_pos = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
+    # SmolLM2's context is 8192: its "8k" context is the largest whole-chunk one that leaves room for the suffix.
+    lengths = [min(L, (max_pos - suffix) // 256 * 256) for L in lengths]
     tmp = Path(tempfile.mkdtemp(prefix="kdn-vllm-ttft-"))
     procs: list[Proc] = []
     rows = []
@@ -150,14 +156,15 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log) ->
         edge.wait(f"http://127.0.0.1:{ep}/healthz")
         for L in lengths:
             t0 = time.perf_counter()
-            publish(f"http://127.0.0.1:{op}", f"ctx-{L}", doc[:L])
+            publish(f"http://127.0.0.1:{op}", f"ctx-{L}", doc[:L], encodings)
             log(f"[{name}] published {L} tokens in {time.perf_counter() - t0:.1f} s")
 
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
         llm = LLM(model=folder, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
-                  enable_prefix_caching=True, max_model_len=max(lengths) + suffix + 64, gpu_memory_utilization=0.3,
+                  enable_prefix_caching=True, max_model_len=min(max_pos, max(lengths) + suffix + 64),
+                  gpu_memory_utilization=0.3,
                   kv_transfer_config={"kv_connector": "KDNConnector", "kv_connector_module_path": "kdn.adapters.vllm",
                                       "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
                                       "kv_connector_extra_config": {"edges": [f"http://127.0.0.1:{ep}"]}})
@@ -185,8 +192,9 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log) ->
                     smp = first_token(ids, path == "kdn-hit", salt)
                     samples[path].append(smp)
                     log(f"[{name} L={L}] rep {r + 1} {path:9s} {smp[0]:9.1f} ms, {smp[1]} tokens reused")
-            tiers = dict(worker.totals.data["tokens"])
-            rows.append(summarize(name, L, suffix, samples, tiers))
+            before = dict(worker.totals.data["bytes"])
+            rows.append(summarize(name, L, suffix, samples, dict(worker.totals.data["tokens"])))
+            rows[-1]["bytes_by_encoding_so_far"] = before
         del llm
     finally:
         for p in reversed(procs):
@@ -265,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suffix", type=int, default=16)
     ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "vllm_ttft.png"))
     ap.add_argument("--json", default=str(WORK / "vllm_ttft.json"))
+    ap.add_argument("--encodings", default="zstd,raw",
+                    help="encodings the origin publishes; the client picks by measured link (raw on loopback)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one model, rows to this file
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -275,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.one:
         vllm_env()
-        rows = bench_model(args.models, lengths, args.repeat, args.suffix, log)
+        rows = bench_model(args.models, lengths, args.repeat, args.suffix, log, args.encodings.split(","))
         Path(args.one).write_text(json.dumps(rows))
         return 0
     rows = []
@@ -283,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         # One process per model: a vLLM engine is a process-wide thing (its connector, its threads).
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([sys.executable, "-P", __file__, "--one", f.name, "--models", m, "--lengths", args.lengths,
-                            "--repeat", str(args.repeat), "--suffix", str(args.suffix)], check=True)
+                            "--repeat", str(args.repeat), "--suffix", str(args.suffix), "--encodings", args.encodings],
+                           check=True)
             rows += json.loads(Path(f.name).read_text())
     print()
     print(f"Machine: {machine()}")

@@ -78,8 +78,21 @@ def run_registry(args: argparse.Namespace, fn: Callable) -> int:
 
 
 def cmd_registry_show(args: argparse.Namespace) -> int:
-    from kdn.address import validate_address
+    from kdn.address import validate_address, validate_name, validate_namespace
 
+    if "/" in args.address:  # NAMESPACE/NAME: a manifest
+        ns, _, name = args.address.partition("/")
+        ns, name = validate_namespace(ns), validate_name(name)
+
+        async def manifest(reg) -> int:
+            m = await reg.get_manifest(ns, name)
+            if m is None:
+                print(f"kdn: no manifest {ns}/{name} in the registry", file=sys.stderr)
+                return 1
+            print(json.dumps({"type": "manifest", "record": m.to_dict()}, indent=2, default=str))
+            return 0
+
+        return run_registry(args, manifest)
     key = validate_address(args.address, what="address or model id")
 
     async def go(reg) -> int:
@@ -131,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_address)
 
     reg = sub.add_parser("registry", help="query the registry").add_subparsers(dest="registry_command", required=True)
-    p = reg.add_parser("show", help="show the record of an object address or a model id")
-    p.add_argument("address")
+    p = reg.add_parser("show", help="show the record of an object address, a model id, or a manifest NAMESPACE/NAME")
+    p.add_argument("address", metavar="ADDRESS|MODEL_ID|NAMESPACE/NAME")
     registry_arg(p)
     p.set_defaults(func=cmd_registry_show)
     p = reg.add_parser("ls", help="list registry keys")

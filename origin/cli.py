@@ -48,6 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix", action="store_true", help="publish standalone chunks only")
     p.add_argument("--json", action="store_true", help="print the manifests as JSON")
     p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--wait", type=float, default=120.0, metavar="SECONDS",
+                   help="how long to wait for an origin that is still starting (default 120)")
     p.add_argument("--ca", default=None, metavar="FILE", help="CA bundle to verify an HTTPS origin (default: system CAs, or $KDN_CA)")
     p.set_defaults(func=cmd_publish)
 
@@ -90,7 +92,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
     import asyncio
 
     manifests = asyncio.run(_publish_all(args.origin.rstrip("/"), token, docs, body_common, args.timeout,
-                                         progress=not args.json and sys.stderr.isatty(), ca=args.ca))
+                                         progress=not args.json and sys.stderr.isatty(), ca=args.ca,
+                                         args_wait=args.wait))
     if args.json:
         print(json.dumps(manifests if len(manifests) > 1 else manifests[0], indent=2))
     else:
@@ -102,8 +105,31 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _await_origin(s, origin: str, seconds: float) -> None:
+    """Wait up to ``seconds`` for an origin that is still starting (``kdn origin serve ... &`` just ran)."""
+    import asyncio
+
+    import aiohttp
+
+    deadline = time.monotonic() + seconds
+    said = False
+    while True:
+        try:
+            async with s.get(f"{origin}/healthz") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        if time.monotonic() > deadline:
+            return  # the publish below reports what is wrong
+        if not said:
+            print(f"waiting for the origin at {origin} ...", file=sys.stderr)
+            said = True
+        await asyncio.sleep(0.5)
+
+
 async def _publish_all(origin: str, token: str | None, docs, common: dict, timeout: float, progress: bool,
-                       ca: str | None = None) -> list[dict]:
+                       ca: str | None = None, args_wait: float = 0.0) -> list[dict]:
     import aiohttp
 
     from kdn.tls import client_context
@@ -113,6 +139,7 @@ async def _publish_all(origin: str, token: str | None, docs, common: dict, timeo
     connector = aiohttp.TCPConnector(ssl=client_context(ca))
     async with aiohttp.ClientSession(headers=headers, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as s:
+        await _await_origin(s, origin, args_wait)
         for name, text in docs:
             try:
                 async with s.post(f"{origin}/v1/publish", json={**common, "name": name, "text": text}) as r:

@@ -162,6 +162,12 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self.request_finished(request, [])
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Loads inside the forward wait in each attention layer (wait_for_layer_load): a captured
+        # CUDA graph would skip those waits on replay. Background loads never wait there.
+        return (extra_config or {}).get("load", "auto") != "async"
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss

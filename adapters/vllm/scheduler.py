@@ -164,7 +164,7 @@ class SchedulerSide:
     def allocated(self, request: Any, blocks: Any, n: int) -> None:
         rid = request.request_id
         if n > 0:
-            plan = self._plans.pop(rid, None)
+            plan = self._plans.get(rid)  # kept: vLLM asks hit_sources next, and finished() forgets it
             if plan is None or plan.tokens != n:
                 # vLLM asked for a count the connector never offered: load nothing, it recomputes.
                 log.error("vLLM allocated %d external tokens for %s, the KDN offered %s", n, rid,

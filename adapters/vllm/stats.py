@@ -8,6 +8,8 @@ turns them into ``kdn_vllm_*`` series on vLLM's own ``/metrics``:
   (``memory``, ``disk``, ``peer``, ``region``, ``origin``);
 - ``kdn_vllm_load_failures_total{reason}``: loads given up (the engine recomputed those tokens):
   ``missing``, ``timeout``, ``digest``, ``decode``, ``mismatch``;
+- ``kdn_vllm_loaded_bytes_total{encoding}``: object bytes fetched for those loads, by encoding
+  (``zstd``, ``raw``, a lossy one within the ``quality`` budget);
 - ``kdn_vllm_load_seconds``: one request's load, fetch to last layer written;
 - ``kdn_vllm_saved_chunks_total``: chunks a producer wrote to its store.
 """
@@ -23,7 +25,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 
 def _empty() -> dict[str, Any]:
-    return {"loads": 0, "tokens": {}, "failures": {}, "seconds": [], "saved": 0}
+    return {"loads": 0, "tokens": {}, "bytes": {}, "failures": {}, "seconds": [], "saved": 0}
 
 
 @dataclass
@@ -42,6 +44,9 @@ class KDNStats(KVConnectorStats):
     def loaded(self, tier: str, tokens: int) -> None:
         self.data["tokens"][tier] = self.data["tokens"].get(tier, 0) + tokens
 
+    def fetched(self, encoding: str, nbytes: int) -> None:
+        self.data["bytes"][encoding] = self.data["bytes"].get(encoding, 0) + nbytes
+
     def failed(self, reason: str) -> None:
         self.data["failures"][reason] = self.data["failures"].get(reason, 0) + 1
 
@@ -51,7 +56,7 @@ class KDNStats(KVConnectorStats):
         d["loads"] += o.get("loads", 0)
         d["saved"] += o.get("saved", 0)
         d["seconds"] = (d["seconds"] + list(o.get("seconds", [])))[-4096:]  # bounded between log intervals
-        for key in ("tokens", "failures"):
+        for key in ("tokens", "bytes", "failures"):
             for k, v in o.get(key, {}).items():
                 d[key][k] = d[key].get(k, 0) + v
         return self
@@ -73,6 +78,8 @@ class KDNPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._tokens = self._counter_cls(name="kdn_vllm_loaded_tokens", labelnames=labelnames + ["tier"],
                                          documentation="Prompt tokens loaded from the KDN instead of computed, by tier")
+        self._bytes = self._counter_cls(name="kdn_vllm_loaded_bytes", labelnames=labelnames + ["encoding"],
+                                        documentation="Object bytes fetched from the KDN for loads, by encoding")
         self._failures = self._counter_cls(name="kdn_vllm_load_failures", labelnames=labelnames + ["reason"],
                                            documentation="KDN loads given up (the engine recomputed), by reason")
         self._seconds = self._histogram_cls(name="kdn_vllm_load_seconds", labelnames=labelnames, buckets=_BUCKETS,
@@ -85,6 +92,8 @@ class KDNPromMetrics(KVConnectorPromMetrics):
         d = transfer_stats_data
         for tier, n in d.get("tokens", {}).items():
             self._tokens.labels(*labels, tier).inc(n)
+        for enc, n in d.get("bytes", {}).items():
+            self._bytes.labels(*labels, enc).inc(n)
         for reason, n in d.get("failures", {}).items():
             self._failures.labels(*labels, reason).inc(n)
         for s in d.get("seconds", []):

@@ -75,6 +75,7 @@ class _Running:
     fetches: list[concurrent.futures.Future]
     fetched: list[Any] | None = None  # kdn.client.Fetched, in plan order, as far as they arrived
     views: list[Any] = field(default_factory=list)  # kdn.objects.ObjectView of each, header checked
+    ahead: dict[str, concurrent.futures.Future] = field(default_factory=dict)  # layer name -> its decoded K/V
     error: LoadFailed | None = None
     upto: int = -1  # tokens [plan.first, upto) are still being written; a failure lowers it
     started: float = field(default_factory=time.perf_counter)
@@ -108,6 +109,9 @@ class WorkerSide:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-load")
+        # Decodes layer i+1 while the engine writes (and computes) layer i: codec work and cache writes
+        # both run outside the GIL, so on two cores the load takes about the longer of the two.
+        self._decoder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-decode")
         import kdn.kernels  # noqa: F401  (registers the lossy codecs a quality budget may pick)
 
     def register(self, layers: dict[str, Any]) -> None:
@@ -185,6 +189,9 @@ class WorkerSide:
             run.views.append(view)
         for fut in run.fetches[len(run.fetched):]:
             fut.cancel()
+        if run.views:
+            for layer in sorted(self.attn.values(), key=lambda a: a.index):  # the order the forward asks for them
+                run.ahead[layer.name] = self._decoder.submit(self._decode_layer, run, layer)
 
     def _fail(self, run: _Running, e: LoadFailed) -> None:
         run.error = e
@@ -219,7 +226,9 @@ class WorkerSide:
                 st.data["loads"] += 1
                 st.data["seconds"].append(seconds)
                 for i, _, lo, hi in run.spans():
-                    st.loaded(run.fetched[i].source.split("/")[-1].split(":")[0], hi - lo)
+                    f = run.fetched[i]
+                    st.loaded(f.source.split("/")[-1].split(":")[0], hi - lo)
+                    st.fetched(f.encoding, len(f.blob))
             del self.totals.data["seconds"][:-1024]
 
     # --- decode and write --------------------------------------------------------------------
@@ -233,23 +242,44 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 -- a codec or shape error in bytes that came over the network
             raise LoadFailed("decode", run.job.plan.pieces[i], f"{type(e).__name__}: {e}") from None
 
-    def _write_layer(self, run: _Running, layer: AttnLayer) -> None:
-        """Decode layer ``layer``'s K/V of every piece and write the load's token range of it."""
+    def _decode_layer(self, run: _Running, layer: AttnLayer) -> list[tuple[torch.Tensor, torch.Tensor] | LoadFailed]:
+        """Layer ``layer``'s K/V ``[kv_heads, n, head_dim]`` of each piece, in order, up to the first bad one."""
         names = [f"L{layer.index}.k", f"L{layer.index}.v"]
+        out: list = []
+        for i, p in enumerate(run.job.plan.pieces[:len(run.views)]):
+            try:
+                t = self._tensors(run, i, names)
+                k, v = t[names[0]], t[names[1]]
+                want = (layer.kv_heads, p.end - p.start, layer.head_dim)
+                if tuple(k.shape) != want or tuple(v.shape) != want:
+                    raise LoadFailed("mismatch", p, f"{names[0]} is {tuple(k.shape)}, the engine wants {want}")
+            except LoadFailed as e:
+                out.append(e)
+                break
+            out.append((k, v))
+        return out
+
+    def _write_layer(self, run: _Running, layer: AttnLayer) -> None:
+        """Write the load's token range of layer ``layer``, piece by piece, as its decode comes in."""
+        left = max(run.started + self.cfg.load_timeout - time.perf_counter(), 0)
+        try:
+            decoded = run.ahead[layer.name].result(left)
+        except concurrent.futures.TimeoutError:
+            raise LoadFailed("timeout", run.job.plan.pieces[0], f"decoding ran past {self.cfg.load_timeout:g} s") from None
+        cache = layer.module.kv_cache
         ks, vs = [], []
         for i, p, lo, hi in run.spans():
-            t = self._tensors(run, i, names)
-            k, v = t[names[0]], t[names[1]]  # [kv_heads, n, head_dim]
-            want = (layer.kv_heads, p.end - p.start, layer.head_dim)
-            if tuple(k.shape) != want or tuple(v.shape) != want:
-                raise LoadFailed("mismatch", p, f"{names[0]} is {tuple(k.shape)}, the engine wants {want}")
-            ks.append(k[:, lo - p.start:hi - p.start])
-            vs.append(v[:, lo - p.start:hi - p.start])
-        cache = layer.module.kv_cache
-        k = torch.cat(ks, dim=1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()  # [n, H, D]
-        v = torch.cat(vs, dim=1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()
-        job = run.job
-        slot = paged.slots(job.block_ids[self.attn_group], job.plan.first, run.upto, self.block_size, cache.device)
+            got = decoded[i] if i < len(decoded) else LoadFailed("decode", p, "not decoded")
+            if isinstance(got, LoadFailed):
+                raise got
+            ks.append(got[0][:, lo - p.start:hi - p.start])
+            vs.append(got[1][:, lo - p.start:hi - p.start])
+        # One write per layer (a backend write has a fixed cost per call, ~0.1 ms here): the pieces joined
+        # [H, n, D], then handed over as a [n, H, D] view -- the backend's write reads strides.
+        k = torch.cat(ks, dim=1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype)
+        v = torch.cat(vs, dim=1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype)
+        slot = paged.slots(run.job.block_ids[self.attn_group], run.job.plan.first, run.upto, self.block_size,
+                           cache.device)
         paged.write(layer.module, cache, k, v, slot)
 
     def _write_states(self, run: _Running) -> None:
@@ -306,3 +336,4 @@ class WorkerSide:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._decoder.shutdown(wait=True, cancel_futures=True)

@@ -28,10 +28,11 @@ def serve(tmp, name: str, folder: str, kv: dict) -> tuple[Proc, str]:
     return p, url
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, label: str = "") -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
 
 
 def test_second_fresh_server_loads_what_the_first_saved(tmp_path):
@@ -65,7 +66,9 @@ def test_second_fresh_server_loads_what_the_first_saved(tmp_path):
         servers.append(s2)
         second = http_json("POST", url2 + "/v1/completions", body)
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 896
-        assert metric(url2, "kdn_vllm_loaded_tokens_total") == 896
+        assert metric(url2, "kdn_vllm_loaded_tokens_total", 'tier="origin"') == 896  # the edge filled from the origin
+        # and vLLM's own count of cached prompt tokens by source: a fill from the origin has no nearer name
+        assert metric(url2, "vllm:prompt_tokens_cached_by_source_total", 'source="external_unspecified"') == 896
         assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     finally:
         for s in servers:
