@@ -240,7 +240,7 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['model']}\n{r['length'] // 1024}k" for r in rows]
+    labels = [f"{r['model']}\n{r['length']:,} tokens" for r in rows]
     width = 0.27
     for i, p in enumerate(PATHS):
         ys = [r["paths"][p]["median"] for r in rows]

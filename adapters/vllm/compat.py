@@ -115,6 +115,24 @@ def block_ids_of(blocks: Any) -> tuple[list[int], ...]:
     return tuple(list(b) for b in blocks.get_block_ids())
 
 
+def step_tokens(scheduler_output: Any) -> dict[str, tuple[int, int]]:
+    """``{req_id: (tokens computed before this step, tokens this step computes)}``."""
+    out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    out.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return {rid: (out.get(rid, 0), n) for rid, n in scheduler_output.num_scheduled_tokens.items()}
+
+
+def request_blocks(kv_cache_manager: Any, req_id: str) -> tuple[list[int], ...]:
+    """A running request's block table, per group."""
+    return tuple(list(b) for b in kv_cache_manager.get_block_ids(req_id))
+
+
+def attention_dims(layer: Any) -> tuple[int, int]:
+    """``(kv_heads, head_dim)`` of an attention layer on this worker (after tensor parallelism)."""
+    return int(layer.num_kv_heads), int(layer.head_size)
+
+
 def boundary_states(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
     """``{req_id: [(group, block, tokens)]}``: mamba states the scheduler materialised this step (align mode)."""
     state = getattr(scheduler_output, "kv_connector_block_state", None)

@@ -198,22 +198,20 @@ class SchedulerSide:
     def _save_jobs(self, out: Any) -> list[SaveJob]:
         if not self._saves:
             return []
-        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
-        cached = out.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        progress = compat.step_tokens(out)
         states = compat.boundary_states(out) if self.hybrid else {}
         jobs = []
         for rid, st in list(self._saves.items()):
-            if rid not in out.num_scheduled_tokens:
+            if rid not in progress:
                 continue
-            done = computed.get(rid, 0) + out.num_scheduled_tokens[rid]  # tokens computed once this step ran
+            done = sum(progress[rid])  # tokens computed once this step ran
             ready = []
             while st.next < len(st.chunks) and st.chunks[st.next].end <= done:
                 ready.append(st.chunks[st.next])
                 st.next += 1
             if not ready:
                 continue
-            block_ids = tuple(list(b) for b in self.kv_cache_manager.get_block_ids(rid))
+            block_ids = compat.request_blocks(self.kv_cache_manager, rid)
             state_blocks: dict[int, int] = {}
             if self.hybrid:
                 # A hybrid object carries the state at its end, and the engine holds only the state

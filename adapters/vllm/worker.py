@@ -121,7 +121,7 @@ class WorkerSide:
                 mod = layers[name]
                 idx = compat.layer_index(name)
                 if g.kind == "attention":
-                    self.attn[name] = AttnLayer(name, idx, mod, int(mod.num_kv_heads), int(mod.head_size))
+                    self.attn[name] = AttnLayer(name, idx, mod, *compat.attention_dims(mod))
                 else:
                     if not compat.is_gdn(mod):
                         raise compat.ModelMismatch(f"layer {name} is a {type(mod).__name__}: the KDN connector "
