@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import TENANT_A, TENANT_B, Cluster, Engine, Proxy, document, kv_config, question, salt, wait_http
+from vllm_harness import TENANT_A, TENANT_B, Cluster, Engine, Proxy, document, kv_config, question, salt, wait_http
 
 DOC_TOKENS = 1100  # 4 whole chunks and a 76-token tail; vLLM's CPU blocks are 128 tokens
 LOADED = 1024  # what a prompt of the document plus a question can load: whole blocks below the tail

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Cluster, Engine, Proxy, document, kv_config, question, salt, wait_http
+from vllm_harness import Cluster, Engine, Proxy, document, kv_config, question, salt, wait_http
 
 DOC_TOKENS = 1700  # 6 whole chunks and a 164-token tail
 LOADED = 1536  # the largest multiple of 768 below the prompt

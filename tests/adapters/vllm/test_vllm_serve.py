@@ -13,7 +13,7 @@ import random
 import sys
 import urllib.request
 
-from conftest import Cluster, Proc, free_port, http_json, wait_http
+from vllm_harness import Cluster, Proc, free_port, http_json, wait_http
 
 
 def serve(tmp, name: str, folder: str, kv: dict) -> tuple[Proc, str]:
