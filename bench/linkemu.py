@@ -1,6 +1,6 @@
 """A user-space link emulator: an asyncio TCP proxy that adds one-way delay and caps bandwidth per direction.
 
-``tc netem`` is not available here (PLATFORM.md, "Network emulation"), so the
+``tc netem`` is not available here (no kernel module on this project's VM), so the
 geo bench and its tests put one of these in front of every server they want
 to look "far away":
 

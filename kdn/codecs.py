@@ -9,7 +9,7 @@ The lossless codecs live here:
   then all byte 1s, ...), then one zstd frame (level 1, content size and
   checksum in the frame). 16-bit floats are nearly incompressible as is
   (ratio ~1.1), but their high-byte plane (sign, exponent) is very
-  compressible: ~1.46x on bf16 randn, ~1.47x on real KV (PLATFORM.md).
+  compressible: ~1.46x on bf16 randn, ~1.45x on real KV (docs/benchmarks.md).
 
 Lossy codecs (int8, 4-bit, ...) need tensor math and live in ``kdn.kernels``;
 they register themselves here with :func:`register_codec`.

@@ -25,7 +25,7 @@ class EtcdProcess:
         if not os.path.exists(binary):
             raise RuntimeError(
                 f"{binary} not found: the registry tests need a real etcd "
-                "(apt-get install -y etcd-server; see PLATFORM.md)"
+                "(apt-get install -y etcd-server; scripts/setup does)"
             )
         self.binary = binary
         self.data_dir = tempfile.mkdtemp(prefix="kdn-etcd-")
