@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run registry, origin and edges on loopback; publish a sample and ask it a question")
     p.add_argument("--model", default=None, help="default: smollm2-135m if installed, else tiny-llama")
     p.add_argument("--dir", default=None, help="state folder (default: a fresh temp folder)")
-    p.add_argument("--port", type=int, default=8700, help="origin port; edges take the next four")
+    p.add_argument("--port", type=int, default=8700,
+                   help="origin port; edges take the next four (taken ones: free ports are used instead, and said)")
     p.add_argument("--question", default="What is the nightly hotel limit, and who approves exceptions?")
     p.add_argument("--no-serve", action="store_true", help="exit after the demo instead of serving")
     p.set_defaults(func=cmd_up)
@@ -36,11 +37,43 @@ def default_model() -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from kdn.errors import KDNError
+
     try:
         return asyncio.run(_up(args))
     except KeyboardInterrupt:
         print("\nkdn up: stopped.")
         return 0
+    except OSError as e:  # a port, a folder, a file: one line, not a traceback
+        raise KDNError(f"kdn up could not start: {e.strerror or e}") from None
+
+
+def ports(base: int, n: int = 5) -> list[int]:
+    """``base .. base+n-1`` when all are free on 127.0.0.1, else ``n`` ports the OS picks (and say so)."""
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    if all(free(base + i) for i in range(n)):
+        return [base + i for i in range(n)]
+    held = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+        out = [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+    _say(f"kdn up: ports {base}-{base + n - 1} are not all free; using {', '.join(map(str, out))}")
+    return out
 
 
 def _say(msg: str) -> None:
@@ -60,17 +93,18 @@ async def _up(args: argparse.Namespace) -> int:
     (root / "tokens").write_text(f"{token}\n")
     (root / "tokens").chmod(0o600)
     registry = f"file:{root / 'registry.sqlite3'}"
+    port, *edge_ports = ports(args.port)
     _say(f"kdn up: state in {root}")
     _say(f"  registry  {registry}  (embedded)")
     _say(f"  origin    loading model {model} ...")
     t0 = time.perf_counter()
-    cfg = OriginConfig(model=model, registry=registry, store=str(root / "origin-store"), port=args.port,
+    cfg = OriginConfig(model=model, registry=registry, store=str(root / "origin-store"), port=port,
                        token_file=str(root / "tokens"), node_id="origin-1")
     runner = web.AppRunner(create_app(cfg), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", args.port)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
-    origin = f"http://127.0.0.1:{args.port}"
+    origin = f"http://127.0.0.1:{port}"
     _say(f"  origin    {origin}  ready in {time.perf_counter() - t0:.1f} s")
     try:
         headers = {"Authorization": f"Bearer {token}"}
@@ -105,7 +139,7 @@ async def _up(args: argparse.Namespace) -> int:
 
     runners = [runner]
     try:
-        edges = await _start_edges(root, registry, origin, token, args.port, runners)
+        edges = await _start_edges(root, registry, origin, token, edge_ports, runners)
         await _ask(runner.app, edges, m, token, args.question)
     except BaseException:
         for r in reversed(runners):
@@ -130,15 +164,14 @@ async def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _start_edges(root: Path, registry: str, origin: str, token: str, port: int, runners: list) -> list:
+async def _start_edges(root: Path, registry: str, origin: str, token: str, ports: list[int], runners: list) -> list:
     from aiohttp import web
 
     from kdn.edge.app import EDGE, EdgeConfig, create_app as create_edge
 
     (root / "edge-token").write_text(f"{token}\n")
     edges = []
-    for i, (region, node) in enumerate([("eu", "eu-1"), ("eu", "eu-2"), ("us", "us-1"), ("us", "us-2")]):
-        p = port + 1 + i
+    for p, (region, node) in zip(ports, [("eu", "eu-1"), ("eu", "eu-2"), ("us", "us-1"), ("us", "us-2")]):
         cfg = EdgeConfig(region=region, registry=registry, origin=origin, mem_budget=512 << 20,
                          disk=str(root / f"edge-{node}"), disk_budget=2 << 30, port=p, node_id=node,
                          token_file=str(root / "tokens"), upstream_token_file=str(root / "edge-token"), prefetch=2)

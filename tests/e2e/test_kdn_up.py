@@ -49,3 +49,32 @@ def test_kdn_up_runs_the_demo_and_reuses_the_document(tmp_path):
     assert int(warm.group(1)) >= 3000  # the whole published document came from the cache
     assert re.search(r"\d+\.\dx faster with KDN", out)
     assert "kdn registry show" in out and "kdn publish" in out
+
+
+def test_kdn_up_takes_free_ports_when_its_own_are_busy_and_floods_no_progress_bars(tmp_path):
+    port = free_port_block(4)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port + 2))  # one edge port taken by someone else
+        busy.listen()
+        r = subprocess.run(
+            [sys.executable, "-P", "-m", "kdn.cli", "up", "--no-serve", "--model", "tiny-llama", "--dir", str(tmp_path),
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"ports {port}-{port + 4} are not all free; using" in r.stdout
+    assert re.search(r"KDN, warm .*reused", r.stdout)
+    # not a terminal: no progress bar redraws in the captured output
+    assert "it/s]" not in r.stdout + r.stderr
+
+
+def test_kdn_up_startup_failure_is_one_line(tmp_path):
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the state folder should go")
+    r = subprocess.run([sys.executable, "-P", "-m", "kdn.cli", "up", "--no-serve", "--model", "tiny-llama",
+                        "--dir", str(blocker)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("kdn: error: kdn up could not start")
+    assert len(r.stderr.strip().splitlines()) == 1
