@@ -1,8 +1,11 @@
 """The edge server: caches objects next to regional inference servers.
 
-A GET walks memory -> disk -> fill (owner peer -> other regions -> origin,
-see ``fill.py``), caches what it filled, and serves it with
-``X-KDN-Source`` saying where the bytes came from. ``create_app(config)``
+Every read goes through one function, ``Edge.load``: memory -> disk -> (one
+flight per key) owner peer -> other regions -> origin (the source plan is
+``fill.py``), verify, keep in memory, persist on disk off the response path.
+The handler sends what it returns with ``X-KDN-Source`` saying where the
+bytes came from; prefetch and warm call the same function, lookup the same
+planner. ``create_app(config)``
 builds the aiohttp app; registry, tiers, membership, HTTP session, policies
 and watches are ``cleanup_ctx`` resources, started in order and stopped in
 reverse.
@@ -39,12 +42,13 @@ from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_
 
 from kdn.edge.disk import DiskTier
 from kdn.edge.fill import CACHED_ONLY, HOP, Filler
+from kdn.edge.flight import SingleFlight
 from kdn.edge.membership import Membership
-from kdn.edge.memory import MemoryTier
+from kdn.edge.memory import MemoryHandle, MemoryTier
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.policies import PolicyEngine
 from kdn.edge.prefetch import ChainIndex, Prefetcher
-from kdn.edge.tiers import EntryMeta, Key
+from kdn.edge.tiers import EntryMeta, Handle, Key
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +117,22 @@ class RecordCache:
         self._lru.pop(address, None)
 
 
+@dataclass
+class Loaded:
+    """What one read got: bytes in memory to write, or a file to sendfile. ``release()`` once sent."""
+
+    source: str  # "memory", "disk", or where a fill came from: "peer:ID", "region:R", "origin"
+    size: int
+    data: memoryview | None = None
+    path: Path | None = None
+    handle: Handle | None = None  # pins a tier entry against eviction while it is sent
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.release()
+            self.handle = None
+
+
 class Edge:
     """One edge node's parts, wired together (the app holds one)."""
 
@@ -130,6 +150,7 @@ class Edge:
         self.prefetcher = Prefetcher(self.chains, config.prefetch, self._prefetch_one)
         self.policies: PolicyEngine | None = None
         self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
+        self.flight: SingleFlight[tuple[bytes, str]] = SingleFlight()  # one fill per key at a time
         self._background: set[asyncio.Task] = set()
         self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
 
@@ -173,51 +194,109 @@ class Edge:
         enc = rec.encodings[encoding]
         return EntryMeta(size=enc.size, digest=enc.digest, namespace=rec.namespace, inserted_at=time.time())
 
-    async def fill_and_cache(self, key: Key, rec: ObjectRecord, *, hop: bool) -> tuple[bytes, str]:
-        """Fill from upstream (single-flight) and cache in the tiers this node keeps it in."""
-        filled = await self.filler.fill(key, rec, hop=hop)
-        owner = self.membership.owner(key[0])
-        i_own = owner is None or owner.node_id == self.me.node_id
-        if not self.memory.contains(key):
-            await self.memory.put(key, filled.blob, self.meta_for(rec, key[1]))
-        # The owner keeps a durable copy; other edges keep only a hot copy in memory.
-        if i_own and self.disk is not None and not self.disk.contains(key):
-            await self.disk.put(key, filled.blob, self.meta_for(rec, key[1]))
+    def holds(self, key: Key) -> bool:
+        return any(t.contains(key) for t in self.tiers)
+
+    def owns(self, address: str) -> bool:
+        owner = self.membership.owner(address)
+        return owner is None or owner.node_id == self.me.node_id
+
+    async def load(self, key: Key, rec: ObjectRecord, *, hop: bool = False, fill: bool = True) -> Loaded | None:
+        """Every read, top to bottom (groupcache's ``Group.load``).
+
+        1. The tiers, memory then disk: a hit needs no coordination (a disk hit is
+           promoted into memory off the response path).
+        2. A miss joins the key's one flight (``_fill``), which re-checks the tiers,
+           walks the source plan, verifies, keeps the blob, and hands every caller
+           waiting on it the same bytes.
+
+        With ``fill=False`` a miss is None (HEAD and cached-only probes never fill).
+        Raises ``SourceError`` when no source delivers an intact blob.
+        """
+        hit = await self._from_tiers(key, rec)
+        if hit is not None or not fill:
+            return hit
+        self.m.in_flight.inc()
+        try:
+            blob, source = await self.flight.do(key, lambda: self._fill(key, rec, hop=hop))
+        finally:
+            self.m.in_flight.dec()
+        return Loaded(source, len(blob), data=memoryview(blob))
+
+    async def _from_tiers(self, key: Key, rec: ObjectRecord, *, count: bool = True) -> Loaded | None:
+        for tier in self.tiers:
+            handle = await tier.acquire(key)
+            if handle is None:
+                if count:
+                    self.m.misses.labels(tier.name).inc()
+                continue
+            if count:
+                self.m.hits.labels(tier.name).inc()
+            if isinstance(handle, MemoryHandle):
+                return Loaded("memory", handle.size, data=handle.data, handle=handle)
+            if count and not self.memory.contains(key) and handle.size <= self.memory.budget:
+                self.background(_promote(self, key, handle.path, rec))
+            return Loaded(tier.name, handle.size, path=handle.path, handle=handle)
+        return None
+
+    async def _fill(self, key: Key, rec: ObjectRecord, *, hop: bool) -> tuple[bytes, str]:
+        """Inside the key's single flight: re-check, fetch from the plan, verify, keep.
+
+        Event order that makes the re-check necessary: caller A misses the tiers,
+        caller B's flight for the same key completes and puts the blob in memory,
+        then A starts a new flight; without the re-check A would fetch it again.
+        """
+        again = await self._from_tiers(key, rec, count=False)
+        if again is not None:
+            try:
+                blob = again.data.obj if again.data is not None else await asyncio.to_thread(again.path.read_bytes)
+                return bytes(blob), again.source
+            finally:
+                again.release()
+        filled = await self.filler.fetch(key, rec, hop=hop)  # verified against the record's digest
+        meta = self.meta_for(rec, key[1])
+        await self.memory.put(key, filled.blob, meta)
+        # The owner keeps a durable copy (fsynced: not on the response path); other edges a hot one.
+        if self.disk is not None and self.owns(key[0]) and not self.disk.contains(key):
+            self.background(self.disk.put(key, filled.blob, meta))
         return filled.blob, filled.source
+
+    def where(self, key: Key, rec: ObjectRecord) -> str:
+        """Where a read of ``key`` would come from now: a tier, else the first source the plan would fill from."""
+        if self.memory.contains(key):
+            return "memory"
+        if self.disk is not None and self.disk.contains(key):
+            return "disk"
+        plan = self.filler.plan(key, rec, hop=False)
+        return next((label for label, _, extra in plan if CACHED_ONLY not in extra), "origin")
 
     async def _prefetch_one(self, address: str) -> None:
         rec = await self.records.get(address)
-        if rec is None:
+        enc = self.choose_encoding(rec, None) if rec is not None else None
+        if enc is None or self.holds((address, enc)):
             return
-        enc = self.choose_encoding(rec, None)
-        if enc is None:
-            return
-        key = (address, enc)
-        if any(t.contains(key) for t in self.tiers):
-            return
-        owner = self.membership.owner(address)
-        if owner is not None and owner.node_id != self.me.node_id:
+        if not self.owns(address):
             # The owner fills it; this edge only passes the hint on.
+            owner = self.membership.owner(address)
             async with self.filler.session.post(f"{owner.url}/v1/prefetch", json={"addresses": [address]},
                                                 headers=self.filler.headers) as r:
                 await r.read()
             return
         self.m.prefetch_started.inc()
-        await self.fill_and_cache(key, rec, hop=True)
-        self.prefetched.add(key)
+        (await self.load((address, enc), rec, hop=True)).release()
+        self.prefetched.add((address, enc))
 
     async def warm(self, addresses: list[str], namespace: str) -> None:
         """Operator 'warm' policy: every edge fills the addresses it owns, ahead of demand."""
         for address in addresses:
-            owner = self.membership.owner(address)
-            if owner is not None and owner.node_id != self.me.node_id:
+            if not self.owns(address):
                 continue
             rec = await self.records.get(address)
             enc = self.choose_encoding(rec, None) if rec is not None else None
-            if enc is None or any(t.contains((address, enc)) for t in self.tiers):
+            if enc is None or self.holds((address, enc)):
                 continue
             try:
-                await self.fill_and_cache((address, enc), rec, hop=True)
+                (await self.load((address, enc), rec, hop=True)).release()
                 self.m.warmed.inc()
             except SourceError as e:
                 log.warning("warm of %s failed: %s", address, e)
@@ -255,6 +334,10 @@ async def _edge_ctx(app: web.Application):
     finally:
         await edge.policies.close()
         await edge.prefetcher.close()
+        # Let the background work end (durable disk copies, promotions: each is quick), then cancel what
+        # is left: a cancelled disk put leaves only a temp file, which the next start deletes.
+        if edge._background:
+            await asyncio.wait(list(edge._background), timeout=5)
         for t in list(edge._background):
             t.cancel()
         await asyncio.gather(*edge._background, return_exceptions=True)
@@ -262,7 +345,7 @@ async def _edge_ctx(app: web.Application):
             t.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
         await edge.membership.close()
-        await edge.filler.close()
+        await edge.flight.close()
         await session.close()
 
 
@@ -330,42 +413,27 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     if service.not_modified(request, digest):
         return web.Response(status=304, headers=object_headers(digest, "edge", encoding))
     head = request.method == "HEAD"
-    hop = HOP in request.headers
-
-    for tier in edge.tiers:
-        handle = await tier.acquire(key)
-        if handle is None:
-            edge.m.misses.labels(tier.name).inc()
-            continue
-        edge.m.hits.labels(tier.name).inc()
-        try:
-            edge._note_read(key)
-            headers = object_headers(digest, tier.name, encoding)
-            if not head:
-                edge.prefetcher.after_read(address)
-            if tier.name == "memory":
-                return await _send_bytes(request, handle.data, headers, head=head, metrics=edge.m, source="memory")
-            # Promote a disk hit into memory, off the response path.
-            if not head and not edge.memory.contains(key) and size <= edge.memory.budget:
-                edge.background(_promote(edge, key, handle.path, rec))
-            return await _send_file(request, handle.path, size, headers, head=head, metrics=edge.m)
-        finally:
-            handle.release()
-
-    if head:  # HEAD never fills: it answers "can you serve it", with where it would come from
-        return web.Response(headers={**object_headers(digest, "miss", encoding), "Content-Length": str(size)})
-    if request.headers.get(CACHED_ONLY):
-        raise web.HTTPNotFound(text=f"{address} is not cached here")
-    edge.m.in_flight.inc()
+    cached_only = bool(request.headers.get(CACHED_ONLY))
     try:
-        blob, source = await edge.fill_and_cache(key, rec, hop=hop)
+        loaded = await edge.load(key, rec, hop=HOP in request.headers, fill=not (head or cached_only))
     except SourceError as e:
         raise web.HTTPServiceUnavailable(text=str(e)) from None
+    if loaded is None:
+        if head:  # HEAD never fills: it answers "can you serve it", with where it would come from
+            return web.Response(headers={**object_headers(digest, "miss", encoding), "Content-Length": str(size)})
+        raise web.HTTPNotFound(text=f"{address} is not cached here")
+    try:
+        if loaded.handle is not None:
+            edge._note_read(key)
+        if not head:
+            edge.prefetcher.after_read(address)
+        headers = object_headers(digest, loaded.source, encoding)
+        if loaded.path is not None:
+            return await _send_file(request, loaded.path, loaded.size, headers, head=head, metrics=edge.m)
+        return await _send_bytes(request, loaded.data, headers, head=head, metrics=edge.m,
+                                 source=loaded.source.split(":", 1)[0])
     finally:
-        edge.m.in_flight.dec()
-    edge.prefetcher.after_read(address)
-    return await _send_bytes(request, memoryview(blob), object_headers(digest, source, encoding), head=False,
-                             metrics=edge.m, source=source.split(":", 1)[0])
+        loaded.release()
 
 
 async def _promote(edge: Edge, key: Key, path: Path, rec: ObjectRecord) -> None:
@@ -440,14 +508,7 @@ async def lookup(request: web.Request) -> web.Response:
         enc = edge.choose_encoding(rec, body.get("encoding"))
         if enc is None:
             break
-        key = (a, enc)
-        if edge.memory.contains(key):
-            where.append("memory")
-        elif edge.disk is not None and edge.disk.contains(key):
-            where.append("disk")
-        else:
-            owner = edge.membership.owner(a)
-            where.append(f"peer:{owner.node_id}" if owner and owner.node_id != edge.me.node_id else "origin")
+        where.append(edge.where((a, enc), rec))
     return web.json_response({"length": len(where), "sources": where})
 
 

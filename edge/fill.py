@@ -9,9 +9,9 @@
 Every body received is checked against the registry digest before it is
 cached or served; a mismatch is counted, never served, and the next source is
 tried. A source error is counted and falls back, never fatal (groupcache's
-``Group.load``). Concurrent fills of one key share one upstream fetch
-(``SingleFlight``); because non-owners go through the owner, that holds
-across the whole region.
+``Group.load``). ``Edge.load`` calls ``fetch`` inside the key's single
+flight, so concurrent reads of one key share one upstream fetch; because
+non-owners go through the owner, that holds across the whole region.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from kdn.estimate import Estimates
 from kdn.registry import NodeRecord, ObjectRecord
 from kdn.ring import Ring
 
-from kdn.edge.flight import SingleFlight
 from kdn.edge.tiers import Key
 
 log = logging.getLogger(__name__)
@@ -58,12 +57,7 @@ class Filler:
         self.m = metrics
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(5.0, timeout))
         self.estimates = Estimates()
-        self.flight: SingleFlight[Filled] = SingleFlight()
         self._rings: dict[str, tuple[tuple[str, ...], Ring]] = {}
-
-    async def fill(self, key: Key, rec: ObjectRecord, *, hop: bool) -> Filled:
-        """One fill per key at a time, shared by every concurrent caller."""
-        return await self.flight.do(key, lambda: self._fill(key, rec, hop=hop))
 
     def plan(self, key: Key, rec: ObjectRecord, *, hop: bool) -> list[tuple[str, str, dict[str, str]]]:
         """Sources in the order to try: (label, base URL, extra headers)."""
@@ -96,7 +90,8 @@ class Filler:
         owner = ring[1].owner(address)
         return next((n for n in nodes if n.node_id == owner), None)
 
-    async def _fill(self, key: Key, rec: ObjectRecord, *, hop: bool) -> Filled:
+    async def fetch(self, key: Key, rec: ObjectRecord, *, hop: bool) -> Filled:
+        """The first source of the plan that delivers the blob intact (its length and digest checked)."""
         address, encoding = key
         enc = rec.encodings[encoding]
         errors = []
@@ -145,6 +140,3 @@ class Filler:
                 return body
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise SourceError(f"{type(e).__name__}: {str(e)[:120]}") from None
-
-    async def close(self) -> None:
-        await self.flight.close()

@@ -77,15 +77,22 @@ async def test_cancelled_caller_does_not_cancel_the_fill(tmp_path, etcd_url):
         edge = c.edge("e1")
         rec = await edge.records.get(a)
         key = (a, "zstd")
-        first = asyncio.create_task(edge.filler.fill(key, rec, hop=False))
-        second = asyncio.create_task(edge.filler.fill(key, rec, hop=False))
-        await asyncio.sleep(0)  # both joined the same flight
-        assert edge.filler.flight.in_flight(key)
+        first = asyncio.create_task(edge.load(key, rec))
+        second = asyncio.create_task(edge.load(key, rec))
+        for _ in range(20):  # both pass the tiers (a miss) and join the same flight
+            await asyncio.sleep(0)
+            if edge.flight.joined:
+                break
+        assert edge.flight.in_flight(key) and edge.flight.started == 1 and edge.flight.joined == 1
         first.cancel()
-        filled = await second
-        assert blake3(filled.blob).hexdigest() == rec.encodings["zstd"].digest
+        loaded = await second
+        assert loaded.source == "origin"
+        assert blake3(loaded.data).hexdigest() == rec.encodings["zstd"].digest
         with pytest.raises(asyncio.CancelledError):
             await first
+        again = await edge.load(key, rec)  # kept in memory by the flight, not by each caller
+        assert again.source == "memory" and again.data.obj is loaded.data.obj
+        again.release()
 
 
 async def test_disk_tier_survives_restart_and_corruption_is_never_served(tmp_path, etcd_url):
@@ -186,3 +193,22 @@ async def test_lookup_reports_longest_prefix_and_sources(tmp_path, etcd_url):
                 body = await r.json()
         assert body["length"] == len(addrs)
         assert body["sources"][0] == "memory" and set(body["sources"][1:]) == {"origin"}
+
+
+async def test_the_owner_persists_to_disk_off_the_response_path(tmp_path, etcd_url):
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        m = await publish(c, TEXT)
+        a = m["addresses"][0]
+        edge = c.edge("e1")
+        rec = await edge.records.get(a)
+        key = (a, "zstd")
+        loaded = await edge.load(key, rec)
+        loaded.release()
+        assert loaded.source == "origin" and edge.memory.contains(key)
+        for _ in range(200):  # the durable copy lands in the background
+            if edge.disk.contains(key):
+                break
+            await asyncio.sleep(0.01)
+        assert edge.disk.contains(key)
+        status, body, headers = await get(c.edge_url("e1"), a)
+        assert status == 200 and headers["X-KDN-Source"] == "memory"
