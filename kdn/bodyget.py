@@ -39,8 +39,9 @@ class _Conn(asyncio.BufferedProtocol):
         self.closed = False
         self._arm(None)
 
-    def _arm(self, body: memoryview | None) -> None:
+    def _arm(self, body: memoryview | None, hasher=None) -> None:
         self.body = body
+        self.hasher = hasher  # fed each body segment as it lands, while it is still in cache
         self.hn = 0
         self.resp: Response | None = None
         self.got = 0
@@ -64,6 +65,8 @@ class _Conn(asyncio.BufferedProtocol):
             if self.got >= self.resp.length:
                 self._fail(BodyError("body longer than Content-Length"))
                 return
+            if self.hasher is not None:
+                self.hasher.update(self.body[self.got:self.got + n])
             self.got += n
         else:
             self.hn += n
@@ -88,6 +91,8 @@ class _Conn(asyncio.BufferedProtocol):
                 self._fail(BodyError("body longer than Content-Length"))
                 return
             self.body[:extra] = self.hview[end + 4:self.hn]
+            if self.hasher is not None and extra:
+                self.hasher.update(self.body[:extra])
             self.got = extra
         if self.resp is not None and self.got >= self.resp.length and not self.done.done():
             self.done.set_result(self.resp)
@@ -134,7 +139,10 @@ class BodyGetter:
         self._idle: dict[tuple, list[_Conn]] = defaultdict(list)
         self._per_host = per_host
 
-    async def get(self, url: str, buf: memoryview, headers: dict[str, str], timeout: float) -> Response:
+    async def get(self, url: str, buf: memoryview, headers: dict[str, str], timeout: float, *,
+                  hasher=None) -> Response:
+        """GET ``url`` into ``buf``; with ``hasher`` (e.g. ``blake3()``), every body byte is also fed to it as
+        it arrives, so verifying costs no second pass over the buffer."""
         u = urlsplit(url)
         tls = u.scheme == "https"
         host, port = u.hostname, u.port or (443 if tls else 80)
@@ -152,7 +160,7 @@ class BodyGetter:
                         _, conn = await loop.create_connection(_Conn, host, port, ssl=self._ssl if tls else None,
                                                                server_hostname=host if tls else None,
                                                                local_addr=self._local_addr)
-                    conn._arm(buf)
+                    conn._arm(buf, hasher)  # a retry follows only a failure before any byte: the hasher is fresh
                     conn.transport.write(request)
                     resp = await conn.done
                     break
