@@ -195,7 +195,6 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
             before = dict(worker.totals.data["bytes"])
             rows.append(summarize(name, L, suffix, samples, dict(worker.totals.data["tokens"])))
             rows[-1]["bytes_by_encoding_so_far"] = before
-        del llm
     finally:
         for p in reversed(procs):
             p.stop()

@@ -14,7 +14,6 @@ object (and a partial last chunk as its parent's tail), blob first.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 

@@ -88,7 +88,7 @@ async def test_ttl_and_quota_policies(tmp_path, etcd_url):
             await reg.put_policy(Policy(name="q", kind="quota", namespace="public", quota_bytes=1))
             await e.policies.wait_applied(lambda p: "q" in p.active)
             await reg.delete_policy("short")
-            await e.policies.wait_applied(lambda p: not "short" in p.active)
+            await e.policies.wait_applied(lambda p: "short" not in p.active)
             status, _, _ = await get(c.edge_url("e1"), a)
             assert status == 200  # served, but not cached beyond the namespace's quota
             assert e.memory.used <= 1 or not any(k[0] == a for k, _ in e.memory.entries())
