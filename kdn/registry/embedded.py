@@ -3,8 +3,10 @@
 It mirrors etcd's semantics closely enough that the same contract suite passes:
 
 - a global revision, bumped once per write transaction;
-- a ``changes`` log (revision, key, kind, value) that watches poll. The log
-  lives in the file, so a watch sees writes from any process sharing it;
+- a ``changes`` log (revision, key, kind, value) that watches follow. The log
+  lives in the file, so a watch sees writes from any process sharing it. One
+  poller per handle reads it for every watch of that handle (``_Hub``): five
+  watches cost one poll every ``poll_s``, not five;
 - the log keeps the last ``log_revisions`` revisions (the "compaction"); a
   watcher that fell further behind re-lists, as with etcd's ErrCompacted;
 - leases are rows with an expiry time. Nothing runs in the background: any
@@ -79,6 +81,91 @@ class _Tx:
             self.conn.execute("INSERT INTO changes (rev, key, kind, value) VALUES (?, ?, 'delete', NULL)", (self._revision(), key))
 
 
+_RELIST = object()  # tells a watch to list again: it fell behind the pruned log, or its queue overflowed
+_MAX_QUEUED = 10_000  # events one watch may have waiting before it is made to re-list instead
+
+
+class _Sub:
+    def __init__(self, prefix: str, after: int) -> None:
+        self.prefix, self.end = prefix, _range_end(prefix)
+        self.after = after  # the revision of its snapshot: events at or below it are already in it
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.dead = False
+
+    def offer(self, item: Any) -> None:
+        if self.dead:
+            return
+        if self.queue.qsize() >= _MAX_QUEUED:  # a watch that does not keep up: bounded, it re-lists
+            self.dead = True
+            item = _RELIST
+        self.queue.put_nowait(item)
+
+
+class _Hub:
+    """Every watch of one registry handle, fed from one poll of the change log.
+
+    Subscribing and polling take the same lock, so a new watch is caught up from
+    its snapshot's revision to the hub's (one query of its own) before the next
+    shared poll: no event is missed between its snapshot and its first poll, and
+    none is delivered twice.
+    """
+
+    def __init__(self, reg: EmbeddedRegistry) -> None:
+        self.reg = reg
+        self.subs: set[_Sub] = set()
+        self.rev: int | None = None  # the change log is read up to here
+        self.lock = asyncio.Lock()
+        self.task: asyncio.Task | None = None
+        self.polls = 0
+
+    async def subscribe(self, prefix: str, after: int) -> _Sub:
+        sub = _Sub(prefix, after)
+        async with self.lock:
+            if self.rev is None:
+                self.rev = after
+            if after < self.rev:
+                rows, _ = await self.reg._call(self.reg._poll_sync, prefix, after, self.rev)
+                self._deliver(sub, rows)
+            self.subs.add(sub)
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run(), name="kdn-registry-watch")
+        return sub
+
+    def unsubscribe(self, sub: _Sub) -> None:
+        self.subs.discard(sub)
+
+    def _deliver(self, sub: _Sub, rows) -> None:
+        if rows is None:
+            sub.offer(_RELIST)
+            return
+        for r, key, kind, value in rows:
+            if r > sub.after and sub.prefix <= key < sub.end:
+                sub.offer(Event(kind, key=self.reg._rel(key), value=value, revision=r))  # type: ignore[arg-type]
+
+    async def _run(self) -> None:
+        try:
+            while self.subs and not self.reg._closed:
+                async with self.lock:
+                    rows, current = await self.reg._call(self.reg._poll_sync, self.reg.prefix, self.rev, None)
+                    self.polls += 1
+                    for sub in list(self.subs):
+                        self._deliver(sub, rows)
+                    self.rev = current
+                if not rows:
+                    await asyncio.sleep(self.reg.poll_s)
+        except asyncio.CancelledError:
+            self.wake(_RELIST)
+            raise
+        except Exception as e:  # noqa: BLE001 -- handed to every watch, whose owner retries
+            self.wake(e)
+
+    def wake(self, item: Any) -> None:
+        """Give every waiting watch ``item`` (an error to raise, or _RELIST) and forget them."""
+        for sub in list(self.subs):
+            sub.queue.put_nowait(item)
+        self.subs.clear()
+
+
 class EmbeddedRegistry(KVRegistry):
     max_txn_ops = None  # one SQLite transaction holds any number of keys
 
@@ -96,6 +183,7 @@ class EmbeddedRegistry(KVRegistry):
         self.log_revisions = log_revisions
         self._conn: sqlite3.Connection | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-registry")
+        self._hub = _Hub(self)
 
     def __repr__(self) -> str:
         return f"EmbeddedRegistry(file:{self.path}, prefix={self.prefix!r})"
@@ -242,15 +330,18 @@ class EmbeddedRegistry(KVRegistry):
         with self._write() as tx:
             self._drop_lease(tx, lease_id)
 
-    def _poll_sync(self, prefix: str, after: int) -> tuple[list[tuple[int, str, str, bytes | None]] | None, int]:
-        """Changes under ``prefix`` after revision ``after`` and the current revision; None if compacted away."""
+    def _poll_sync(self, prefix: str, after: int,
+                   upto: int | None) -> tuple[list[tuple[int, str, str, bytes | None]] | None, int]:
+        """Changes under ``prefix`` in revisions ``(after, upto]`` (``upto`` None: up to now) and the
+        revision read up to; None if ``after`` was compacted away."""
         with self._read_txn() as conn:
-            rev = self._meta(conn, "revision")
+            rev = self._meta(conn, "revision") if upto is None else upto
             if after + 1 < self._meta(conn, "compacted"):
                 return None, rev
             rows = conn.execute(
-                "SELECT rev, key, kind, value FROM changes WHERE rev > ? AND key >= ? AND key < ? ORDER BY id",
-                (after, prefix, _range_end(prefix)),
+                "SELECT rev, key, kind, value FROM changes WHERE rev > ? AND rev <= ? AND key >= ? AND key < ?"
+                " ORDER BY id",
+                (after, rev, prefix, _range_end(prefix)),
             ).fetchall()
             return rows, rev
 
@@ -294,17 +385,25 @@ class EmbeddedRegistry(KVRegistry):
         while not self._closed:
             items, rev = await self._call(self._range_sync, full)
             yield Event("snapshot", items={self._rel(k): v for k, v in items}, revision=rev)
-            while not self._closed:
-                rows, current = await self._call(self._poll_sync, full, rev)
-                if rows is None:
-                    break  # fell behind the pruned log: re-list
-                for r, key, kind, value in rows:
-                    yield Event(kind, key=self._rel(key), value=value, revision=r)  # type: ignore[arg-type]
-                rev = current
-                if not rows:
-                    await asyncio.sleep(self.poll_s)
+            sub = await self._hub.subscribe(full, rev)
+            try:
+                while not self._closed:
+                    item = await sub.queue.get()
+                    if item is _RELIST:
+                        break  # fell behind the pruned log (or did not keep up, or closed): list again
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+            finally:
+                self._hub.unsubscribe(sub)
 
     async def _close(self) -> None:
+        self._hub.wake(_RELIST)
+        task = self._hub.task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         with contextlib.suppress(RuntimeError):  # executor already shut down
             await asyncio.get_running_loop().run_in_executor(self._executor, self._close_sync)
         self._executor.shutdown(wait=False)

@@ -73,3 +73,39 @@ async def test_expired_lease_is_collected_by_any_instance(tmp_path):
 
         await eventually(gone, timeout=2)
         assert await a._refresh(lease.lease_id) is False  # an expired lease is not revived
+
+
+async def test_one_poller_serves_every_watch_of_a_handle(tmp_path):
+    """Five watches on one handle: the change log is read by one poller, and each watch sees its own prefix."""
+    import asyncio
+
+    from kdn.registry import EmbeddedRegistry, Policy
+
+    reg = EmbeddedRegistry(tmp_path / "r.sqlite3", poll_s=0.02)
+    writer = EmbeddedRegistry(tmp_path / "r.sqlite3")  # another handle: another process, as far as the file goes
+    seen: dict[str, list] = {p: [] for p in ("policies/", "nodes/", "manifests/", "models/", "objects/")}
+    try:
+        async def follow(prefix):
+            async for ev in reg.watch(prefix):
+                seen[prefix].append(ev)
+
+        tasks = [asyncio.create_task(follow(p)) for p in seen]
+        while not all(seen.values()):  # every watch has its snapshot
+            await asyncio.sleep(0.01)
+        await writer.put_policy(Policy(name="p1", kind="pin", manifest="public/doc"))
+        for _ in range(200):
+            if len(seen["policies/"]) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        polls = reg._hub.polls
+        await asyncio.sleep(0.5)
+        # one poll per interval for the handle, not one per watch (5 watches would make ~125 here)
+        assert reg._hub.polls - polls <= 0.5 / 0.02 + 3
+        assert [e.kind for e in seen["policies/"]] == ["snapshot", "put"]
+        assert all(len(v) == 1 for k, v in seen.items() if k != "policies/"), "a watch saw another prefix's event"
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await reg.close()
+        await writer.close()
