@@ -37,7 +37,7 @@ from kdn import service
 from kdn.address import validate_address, validate_name
 from kdn.auth import Grant, Grants
 from kdn.errors import SourceError
-from kdn.registry import Manifest, NodeRecord, ObjectRecord
+from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
 
 from kdn.edge.disk import DiskTier
@@ -373,7 +373,7 @@ async def _watch_manifests(edge: Edge) -> None:
         elif ev.kind == "delete":
             edge.chains.remove(ev.key.split("/", 1)[1])
 
-    await service.watch_forever(edge.registry, "manifests/", on_event, what="manifest")
+    await follow(edge.registry, "manifests/", on_event, what="manifest")
 
 
 async def _watch_origins(edge: Edge) -> None:
@@ -383,7 +383,7 @@ async def _watch_origins(edge: Edge) -> None:
         nodes = await edge.registry.list_nodes(role="origin")
         edge._origins = [n.url.rstrip("/") for n in sorted(nodes, key=lambda n: n.node_id)]
 
-    await service.watch_forever(edge.registry, "nodes/origin/", on_event, what="origin")
+    await follow(edge.registry, "nodes/origin/", on_event, what="origin")
 
 
 # --- handlers --------------------------------------------------------------

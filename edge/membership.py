@@ -8,7 +8,7 @@ its TTL) arrives as a delete.
 
 Two things keep it alive through a registry outage:
 
-- the watch is retried with backoff; meanwhile the edge keeps serving with the
+- the watch is retried with backoff (``kdn.registry.follow``); meanwhile the edge keeps serving with the
   last view it had (a stale ring costs at worst an extra hop or a refetch,
   never a wrong byte: objects are content-addressed and verified);
 - when its own lease is lost (``lease.done``), the edge registers again with a
@@ -21,10 +21,10 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
-from kdn.errors import InvalidInput, KDNError, RegistryError, RegistryUnavailable
-from kdn.registry import Event, NodeLease, NodeRecord, Registry
+from kdn.errors import InvalidInput, KDNError, RegistryError
+from kdn.registry import Event, NodeLease, NodeRecord, Registry, follow
 from kdn.ring import Ring
 
 __all__ = ["EDGE_PREFIX", "Membership"]
@@ -79,20 +79,21 @@ class Membership:
         that never joined should fail to start, not serve alone.
         """
         self.lease = await self.registry.register_node(self.me, self.ttl)
-        events = aiter(self.registry.watch(EDGE_PREFIX))
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future = loop.create_future()
+        watch = loop.create_task(follow(self.registry, EDGE_PREFIX, self._apply, what=f"edge {self.me.node_id} membership",
+                                        backoff=self._backoff, ready=ready),
+                                 name=f"kdn-membership-watch-{self.me.node_id}")
         try:
-            first = await anext(events, None)
-            if first is None:
-                raise RegistryUnavailable("the registry closed the membership watch before its snapshot")
+            await ready  # the first snapshot is applied, or the first failure raised
         except BaseException:
-            await _aclose(events)
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
             with contextlib.suppress(RegistryError):
                 await self.lease.close()
             raise
-        self._apply(first)
-        loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._follow(events), name=f"kdn-membership-watch-{self.me.node_id}"),
+            watch,
             loop.create_task(self._stay_registered(), name=f"kdn-membership-lease-{self.me.node_id}"),
         ]
 
@@ -173,41 +174,6 @@ class Membership:
 
     # background -------------------------------------------------------------
 
-    async def _follow(self, events: AsyncIterator[Event] | None) -> None:
-        """Apply watch events; on failure keep the last view and re-watch with backoff."""
-        low, high = self._backoff
-        delay = low
-        while True:
-            try:
-                if events is None:
-                    events = aiter(self.registry.watch(EDGE_PREFIX))
-                async for ev in events:
-                    self._apply(ev)
-                    if ev.kind == "snapshot":
-                        delay = low  # the registry answers again
-                if self._closing:
-                    return
-                problem: str = "the watch ended"
-            except RegistryError as e:
-                problem = str(e)
-            except Exception as e:  # noqa: BLE001 - the edge must keep following membership; logged with its traceback
-                log.exception("edge %s: membership watch failed unexpectedly", self.me.node_id)
-                problem = f"{type(e).__name__}: {e}"
-            finally:
-                if events is not None:
-                    await _aclose(events)
-                events = None
-            wait = delay * random.uniform(0.5, 1.0)
-            log.warning(
-                "edge %s: membership watch failed (%s); serving with the last known ring %s, retrying in %.2fs",
-                self.me.node_id,
-                problem,
-                self.ring.nodes,
-                wait,
-            )
-            await asyncio.sleep(wait)
-            delay = min(delay * 2, high)
-
     async def _stay_registered(self) -> None:
         """Re-register whenever the lease is lost (expired behind our back, or the registry was down past the TTL)."""
         low, high = self._backoff
@@ -277,10 +243,3 @@ class Membership:
 
 def _sorted(records: object) -> list[NodeRecord]:
     return sorted(records, key=lambda r: (r.region, r.node_id))  # type: ignore[arg-type]
-
-
-async def _aclose(events: AsyncIterator[Event]) -> None:
-    aclose = getattr(events, "aclose", None)
-    if aclose is not None:
-        with contextlib.suppress(Exception):
-            await aclose()

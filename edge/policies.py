@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from kdn.address import validate_name
 from kdn.edge.tiers import EntryMeta, Key, PolicyState, Tier
 from kdn.errors import InvalidInput, KDNError
+from kdn.registry.follow import follow
 from kdn.registry.records import Manifest, Policy
 
 __all__ = ["PolicyEngine", "PolicyStats", "Warm", "validate_policy"]
@@ -266,20 +267,11 @@ class PolicyEngine:
     # --- watching ----------------------------------------------------------
 
     async def _watch(self, prefix: str) -> None:
-        delay = self._retry_s
-        while not self._closed:
-            try:
-                async for ev in self._registry.watch(prefix):
-                    await self._queue.put((prefix, ev))
-                    delay = self._retry_s
-                return  # the registry was closed
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a watch must outlive any one failure; it re-lists
-                self.stats.watch_errors += 1
-                log.warning("policy watch on %s failed (%s); retrying in %.1fs", prefix, _line(e), delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._max_retry_s)
+        def failed(_: str) -> None:
+            self.stats.watch_errors += 1
+
+        await follow(self._registry, prefix, lambda ev: self._queue.put((prefix, ev)), what="policy",
+                     backoff=(self._retry_s, self._max_retry_s), on_error=failed)
 
     async def _process(self) -> None:
         # One consumer for both watches: every change is taken in arrival

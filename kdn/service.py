@@ -9,7 +9,6 @@ the headers of an object response.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -138,23 +137,6 @@ def registry_ctx(url: str | None):
             await reg.close()
 
     return ctx
-
-
-async def watch_forever(registry, prefix: str, on_event, *, what: str) -> None:
-    """Follow ``registry.watch(prefix)`` for the app's lifetime; when the registry is unreachable,
-    keep serving with what is known and retry with backoff."""
-    backoff = 0.5
-    while True:
-        try:
-            async for ev in registry.watch(prefix):
-                backoff = 0.5
-                await on_event(ev)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("%s watch failed (%s); retrying in %.1f s", what, e, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
 
 
 MAX_LOOKUP_ADDRESSES = 4096

@@ -15,6 +15,7 @@ from kdn.registry.base import (
     Watchable,
 )
 from kdn.registry.embedded import EmbeddedRegistry
+from kdn.registry.follow import follow
 from kdn.registry.etcd import EtcdRegistry
 from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
 from kdn.registry.url import default_registry_path, open_registry
@@ -41,5 +42,6 @@ __all__ = [
     "Registry",
     "Watchable",
     "default_registry_path",
+    "follow",
     "open_registry",
 ]
