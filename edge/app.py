@@ -76,6 +76,7 @@ class EdgeConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
+    trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
 
     @property
     def advertised_url(self) -> str:
@@ -83,12 +84,27 @@ class EdgeConfig:
 
 
 class RecordCache:
-    """Object records by address: immutable once written, so cached without expiry (bounded LRU)."""
+    """Object records by address: immutable once written, so cached without expiry (bounded LRU).
 
-    def __init__(self, registry, size: int) -> None:
+    With a ``verifier`` (the publisher keys this edge trusts), a record that is not
+    signed by one of them is treated as absent, and never cached: its digest is
+    not believed, so no byte is fetched, kept or served for it.
+    """
+
+    def __init__(self, registry, size: int, verifier=None, on_refused=None) -> None:
         self.registry = registry
         self.size = size
+        self.verifier = verifier
+        self.on_refused = on_refused
         self._lru: OrderedDict[str, ObjectRecord] = OrderedDict()
+
+    def _trusted(self, rec: ObjectRecord | None) -> ObjectRecord | None:
+        if rec is None or self.verifier is None or self.verifier.ok(rec):
+            return rec
+        log.warning("object record %s is not signed by a trusted publisher key: treated as absent", rec.address)
+        if self.on_refused is not None:
+            self.on_refused()
+        return None
 
     def _keep(self, rec: ObjectRecord) -> None:
         self._lru[rec.address] = rec
@@ -99,7 +115,7 @@ class RecordCache:
     async def get(self, address: str) -> ObjectRecord | None:
         rec = self._lru.get(address)
         if rec is None:
-            rec = await self.registry.get_object(address)
+            rec = self._trusted(await self.registry.get_object(address))
             if rec is not None:
                 self._keep(rec)
         return rec
@@ -108,6 +124,7 @@ class RecordCache:
         missing = [a for a in addresses if a not in self._lru]
         if missing:
             for rec in await self.registry.get_objects(missing):
+                rec = self._trusted(rec)
                 if rec is not None:
                     self._keep(rec)
         return [self._lru.get(a) for a in addresses]
@@ -141,7 +158,12 @@ class Edge:
         self.registry = registry
         self.m = metrics
         self.me = NodeRecord(role="edge", region=config.region, node_id=config.node_id, url=config.advertised_url)
-        self.records = RecordCache(registry, config.records_cache)
+        verifier = None
+        if config.trusted_keys:
+            from kdn.signing import Verifier
+
+            verifier = Verifier.from_file(config.trusted_keys)
+        self.records = RecordCache(registry, config.records_cache, verifier, metrics.refused_records.inc)
         self.memory = MemoryTier(config.mem_budget, on_evict=self._on_evict)
         self.disk: DiskTier | None = None
         self.membership: Membership | None = None
@@ -411,7 +433,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     digest = rec.encodings[encoding].digest
     size = rec.encodings[encoding].size
     if service.not_modified(request, digest):
-        return web.Response(status=304, headers=object_headers(digest, "edge", encoding))
+        return web.Response(status=304, headers=object_headers(digest, "edge", encoding, rec.namespace))
     head = request.method == "HEAD"
     cached_only = bool(request.headers.get(CACHED_ONLY))
     try:
@@ -420,14 +442,15 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         raise web.HTTPServiceUnavailable(text=str(e)) from None
     if loaded is None:
         if head:  # HEAD never fills: it answers "can you serve it", with where it would come from
-            return web.Response(headers={**object_headers(digest, "miss", encoding), "Content-Length": str(size)})
+            return web.Response(headers={**object_headers(digest, "miss", encoding, rec.namespace),
+                                         "Content-Length": str(size)})
         raise web.HTTPNotFound(text=f"{address} is not cached here")
     try:
         if loaded.handle is not None:
             edge._note_read(key)
         if not head:
             edge.prefetcher.after_read(address)
-        headers = object_headers(digest, loaded.source, encoding)
+        headers = object_headers(digest, loaded.source, encoding, rec.namespace)
         if loaded.path is not None:
             return await _send_file(request, loaded.path, loaded.size, headers, head=head, metrics=edge.m)
         return await _send_bytes(request, loaded.data, headers, head=head, metrics=edge.m,

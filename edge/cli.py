@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     p.add_argument("--ca", default=None, metavar="FILE", help="CA bundle to verify peers and the origin (default: system CAs, or $KDN_CA)")
+    p.add_argument("--trusted-keys", default=None, metavar="FILE",
+                   help="publisher keys (ed25519:HEX per line): records they did not sign are misses")
     p.set_defaults(func=cmd_edge_serve)
 
     policy = sub.add_parser("policy", help="operator policies: pin, warm, ttl, quota").add_subparsers(
@@ -93,7 +95,12 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "tls_cert": _readable(args.tls_cert, "--tls-cert"),
         "tls_key": _readable(args.tls_key, "--tls-key"),
         "ca": _readable(args.ca, "--ca"),
+        "trusted_keys": _readable(args.trusted_keys, "--trusted-keys"),
     }
+    if kw["trusted_keys"]:
+        from kdn.signing import Verifier
+
+        Verifier.from_file(kw["trusted_keys"])  # a bad key file fails here, in one line
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidInput("--tls-cert and --tls-key go together")
     if args.origin is not None:

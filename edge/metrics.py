@@ -25,6 +25,9 @@ class EdgeMetrics:
         self.warmed = Counter("kdn_edge_warmed", "Entries filled by a warm policy", registry=reg)
         self.digest_failures = Counter("kdn_edge_digest_failures", "Bodies that failed digest verification, by source",
                                        ["source"], registry=reg)
+        self.refused_records = Counter("kdn_edge_refused_records",
+                                       "Object records not trusted (unsigned, or not by a trusted publisher key)",
+                                       registry=reg)
         self.source_errors = Counter("kdn_edge_source_errors", "Failed fetches from a source", ["source"], registry=reg)
         self.aborted = Counter("kdn_edge_aborted_responses", "Responses cut short by the client hanging up",
                                registry=reg)

@@ -20,6 +20,8 @@ every request.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -33,6 +35,8 @@ from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.bodyget import BodyError, BodyGetter
 from kdn.encodings import affordable, decode_seconds, parse_budget
 from kdn.estimate import Estimates
+
+log = logging.getLogger(__name__)
 
 LOSSLESS = ("zstd", "raw")
 STRATEGIES = ("latency", "random", "origin-only")  # source selection; "latency" is KDN's own
@@ -91,6 +95,18 @@ class PrefixStates:
         return out
 
 
+def _verifier(keys):
+    if keys is None:
+        return None
+    from kdn.signing import Verifier
+
+    if isinstance(keys, Verifier):
+        return keys
+    if isinstance(keys, (str, os.PathLike)) and not str(keys).startswith("ed25519:"):
+        return Verifier.from_file(keys)
+    return Verifier([keys] if isinstance(keys, str) else keys)
+
+
 class KDNClient:
     """Async fetch client. Give it edge URLs (first = the region's entry point), and/or an origin URL."""
 
@@ -109,6 +125,7 @@ class KDNClient:
         strategy: str = "latency",
         quality: str | float = "lossless",
         local_addr: str | None = None,
+        trusted_keys=None,
     ) -> None:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
@@ -152,6 +169,10 @@ class KDNClient:
         self._local_addr = local_addr  # bind outgoing connections to this IP (multi-homed hosts, link emulation)
         self.hedges = 0
         self.failovers = 0
+        # Publisher keys (a kdn.signing.Verifier, key strings, or a file of them): with them, a record
+        # whose signature does not verify is a miss -- its digest is never believed.
+        self.verifier = _verifier(trusted_keys)
+        self.rejected_records = 0
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -198,7 +219,7 @@ class KDNClient:
         for s in self._ranked(0):
             t0 = time.perf_counter()
             try:
-                async with self.session.request(method, f"{s.url}{path}", json=body) as r:
+                async with self.session.request(method, f"{s.url}{path}", json=body, allow_redirects=False) as r:
                     if r.status == 404:
                         return None
                     if r.status != 200:
@@ -214,10 +235,30 @@ class KDNClient:
         raise SourceError("no source answered " + path.split("?")[0] + ": " + "; ".join(errors))
 
     async def record(self, address: str) -> dict | None:
-        return await self._json("GET", f"/v1/registry/objects/{A.validate_address(address)}")
+        d = await self._json("GET", f"/v1/registry/objects/{A.validate_address(address)}")
+        return self._trusted(d, "object", address)
 
     async def manifest(self, namespace: str, name: str) -> dict | None:
-        return await self._json("GET", f"/v1/registry/manifests/{A.validate_namespace(namespace)}/{A.validate_name(name)}")
+        d = await self._json("GET", f"/v1/registry/manifests/{A.validate_namespace(namespace)}/{A.validate_name(name)}")
+        return self._trusted(d, "manifest", f"{namespace}/{name}")
+
+    def _trusted(self, d: dict | None, kind: str, what: str) -> dict | None:
+        """``d`` if no keys are configured or a trusted key signed it (and it says what it was asked for)."""
+        if d is None or self.verifier is None:
+            return d
+        from kdn.registry import Manifest, ObjectRecord
+        from kdn.signing import SignatureError
+
+        try:
+            rec = ObjectRecord.from_dict(d) if kind == "object" else Manifest.from_dict(d)
+            self.verifier.check(rec)
+            if (rec.address if kind == "object" else rec.ref) != what:
+                raise SignatureError(f"asked for {what}, got a record of {rec.address if kind == 'object' else rec.ref}")
+        except (SignatureError, InvalidInput) as e:
+            self.rejected_records += 1
+            log.warning("KDN record refused: %s", e)
+            return None
+        return d
 
     # --- lookup ----------------------------------------------------------------
 
@@ -240,19 +281,27 @@ class KDNClient:
             where = body.get("sources") if body and isinstance(body.get("sources"), list) else []
             cold = {a for a, w in zip(full, where) if w == "origin"}
         addrs = full[:n]
+        records: list[dict] = []
+        if n and self.verifier is not None:
+            # The edge's "I have n" is a claim; a chunk counts only once its signed record verifies.
+            recs = await asyncio.gather(*(self.record(a) for a in addrs))
+            n = next((i for i, r in enumerate(recs) if r is None), n)
+            addrs, records = addrs[:n], list(recs[:n])
         covered = n * chunk_tokens
         if n:
-            parent = await self.record(addrs[-1])
+            parent = records[-1] if records else await self.record(addrs[-1])
             tails = {int(k): v for k, v in (parent or {}).get("tails", {}).items()}
             for length in sorted(tails, reverse=True):
                 if covered + length <= len(toks):
                     cand = A.next_address(addrs[-1], toks[covered:covered + length])
-                    if cand == tails[length] and await self.record(cand) is not None:
+                    tail = await self.record(cand) if cand == tails[length] else None
+                    if tail is not None:
                         addrs.append(cand)
+                        records += [tail] if records else []
                         covered += length
                         break
         return Lookup(model_id=model_id, namespace=namespace, addresses=addrs, tokens=covered,
-                      chunk_tokens=chunk_tokens, cold=cold if n else set(),
+                      chunk_tokens=chunk_tokens, records=records, cold=cold if n else set(),
                       sources=[str(w) for w in where[:n]])
 
     # --- fetch -----------------------------------------------------------------
@@ -417,8 +466,17 @@ class KDNClient:
         t0 = time.perf_counter()
         arrived: list[float] = []
 
+        known = dict(zip(hit.addresses, hit.records))  # verified by the lookup: no second record read
+
         async def one(address: str):
-            f = await self.fetch(address, encoding=encoding, quality=quality, cold=address in hit.cold)
+            rec = known.get(address)
+            enc = encoding or (self.choose_encoding(rec["encodings"], quality) if rec else None)
+            if rec is not None and enc in rec["encodings"]:
+                e = rec["encodings"][enc]
+                f = await self.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
+                                     cold=address in hit.cold)
+            else:
+                f = await self.fetch(address, encoding=encoding, quality=quality, cold=address in hit.cold)
             arrived.append(time.perf_counter())
             return f, await asyncio.to_thread(_decode_checked, f, hit, budget)
 

@@ -94,12 +94,17 @@ async def _up(args: argparse.Namespace) -> int:
     (root / "tokens").chmod(0o600)
     registry = f"file:{root / 'registry.sqlite3'}"
     port, *edge_ports = ports(args.port)
+    from kdn.signing import Signer
+
+    # The origin signs every record; the edges and the client below trust only its key.
+    signer = Signer.generate(root / "origin.key") if not (root / "origin.key").exists() else Signer.load(root / "origin.key")
+    (root / "trusted-keys").write_text(signer.public + "\n")
     _say(f"kdn up: state in {root}")
     _say(f"  registry  {registry}  (embedded)")
     _say(f"  origin    loading model {model} ...")
     t0 = time.perf_counter()
     cfg = OriginConfig(model=model, registry=registry, store=str(root / "origin-store"), port=port,
-                       token_file=str(root / "tokens"), node_id="origin-1")
+                       token_file=str(root / "tokens"), node_id="origin-1", signing_key=str(root / "origin.key"))
     runner = web.AppRunner(create_app(cfg), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
@@ -140,7 +145,7 @@ async def _up(args: argparse.Namespace) -> int:
     runners = [runner]
     try:
         edges = await _start_edges(root, registry, origin, token, edge_ports, runners)
-        await _ask(runner.app, edges, m, token, args.question)
+        await _ask(runner.app, edges, m, token, args.question, str(root / "trusted-keys"))
     except BaseException:
         for r in reversed(runners):
             await r.cleanup()
@@ -174,7 +179,8 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
     for p, (region, node) in zip(ports, [("eu", "eu-1"), ("eu", "eu-2"), ("us", "us-1"), ("us", "us-2")]):
         cfg = EdgeConfig(region=region, registry=registry, origin=origin, mem_budget=512 << 20,
                          disk=str(root / f"edge-{node}"), disk_budget=2 << 30, port=p, node_id=node,
-                         token_file=str(root / "tokens"), upstream_token_file=str(root / "edge-token"), prefetch=2)
+                         token_file=str(root / "tokens"), upstream_token_file=str(root / "edge-token"), prefetch=2,
+                         trusted_keys=str(root / "trusted-keys"))
         r = web.AppRunner(create_edge(cfg), access_log=None)
         await r.setup()
         await web.TCPSite(r, "127.0.0.1", p).start()
@@ -188,7 +194,7 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
     return edges
 
 
-async def _ask(origin_app, edges, manifest: dict, token: str, question: str) -> None:
+async def _ask(origin_app, edges, manifest: dict, token: str, question: str, trusted: str) -> None:
     from kdn.adapters.hf import agenerate, prompt_tokens
     from kdn.client import KDNClient
     from kdn.origin.app import LOADED
@@ -196,7 +202,7 @@ async def _ask(origin_app, edges, manifest: dict, token: str, question: str) -> 
     lm = origin_app[LOADED]  # the origin's model, idle now that the publish is done
     _say(f"\nasking: {question!r}")
     eu = [(n, u) for n, reg, u, _ in edges if reg == "eu"]
-    async with KDNClient(edges=eu, token=token) as client:
+    async with KDNClient(edges=eu, token=token, trusted_keys=trusted) as client:
         ids = prompt_tokens(lm.tokenizer, manifest, question) if lm.tokenizer is not None else None
         plain = await agenerate(lm.model, lm.tokenizer, ids, client, use_cache=False, max_new_tokens=40)
         _say(f"  without KDN  first token after {plain.report.ttft_ms:7.0f} ms  (prefill of {len(ids)} tokens)")

@@ -61,6 +61,7 @@ class OriginConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     engine: str = "hf"  # what computes the states: "hf" (transformers) or "vllm"
+    signing_key: str | None = None  # Ed25519 key (kdn origin keygen): every record and manifest is signed
     max_context: int = 32768  # with the vllm engine: the longest document it is sized for
 
     @property
@@ -97,6 +98,11 @@ def _metrics(reg: CollectorRegistry) -> dict:
 
 async def _model_ctx(app: web.Application):
     cfg = app[CONFIG]
+    if cfg.signing_key:
+        from kdn.signing import Signer
+
+        app[REGISTRY].signer = Signer.load(cfg.signing_key)
+        log.info("origin signs its records with key %s", app[REGISTRY].signer.key_id)
     # One thread owns the model: torch state (inference mode, the model itself) is not shared.
     app[EXECUTOR] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-model")
     from kdn.adapters.hf import load_model
@@ -159,6 +165,10 @@ async def _lease_ctx(app: web.Application):
 
 async def publish(request: web.Request) -> web.Response:
     app = request.app
+    # The token first: a caller who may publish nowhere never gets the origin to read (up to
+    # max_body_bytes of) a body. The namespace it names is checked once the body is read.
+    if not app[GRANTS].namespaces(bearer(request), "publish"):
+        app[GRANTS].check(bearer(request), "publish", "public")  # raises 401/403 with the usual answer
     body = await read_json(request, app[CONFIG].max_body_bytes)
     namespace = body.get("namespace", "public")
     app[GRANTS].check(bearer(request), "publish", namespace if isinstance(namespace, str) else "")
@@ -264,7 +274,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         if encoding is None:
             raise web.HTTPNotFound(text=f"object {address} has no lossless encoding")
     info = have[encoding]
-    headers = object_headers(info.digest, f"origin:{app[CONFIG].node_id}", encoding)
+    headers = object_headers(info.digest, f"origin:{app[CONFIG].node_id}", encoding, ns)
     if service.not_modified(request, info.digest):
         return web.Response(status=304, headers=headers)
     if request.method == "HEAD":

@@ -29,11 +29,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None, help="URL advertised in the registry (default http://HOST:PORT)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-pending-jobs", type=int, default=16)
+    p.add_argument("--signing-key", default=None, metavar="FILE",
+                   help="Ed25519 key (kdn origin keygen) that signs every object record and manifest")
     p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                    help="what computes the states: transformers (default) or vLLM (pip install 'kdn[vllm]')")
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     p.set_defaults(func=cmd_serve)
+
+    p = origin.add_parser("keygen", help="make an origin signing key (FILE, mode 600) and FILE.pub for consumers")
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("publish", help="publish documents through an origin")
     p.add_argument("files", nargs="+", metavar="FILE", help="text files ('-' for stdin)")
@@ -61,12 +67,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = OriginConfig(model=args.model, registry=args.registry, store=args.store, host=args.host, port=args.port,
                        token_file=args.token_file, region=validate_name(args.region), url=args.url, dtype=args.dtype,
                        max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                       engine=args.engine)
+                       engine=args.engine, signing_key=args.signing_key)
+    if args.signing_key:
+        from kdn.signing import Signer
+
+        Signer.load(args.signing_key)  # a bad or world-readable key fails here, in one line
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidInput("--tls-cert and --tls-key go together")
     if args.node_id:
         cfg.node_id = validate_name(args.node_id)
     run(cfg)
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from kdn.signing import Signer
+
+    signer = Signer.generate(args.out)
+    print(f"signing key {args.out} (keep it private); give consumers its public key, also in {args.out}.pub:")
+    print(signer.public)
     return 0
 
 

@@ -17,6 +17,7 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
                        in the background between steps for hybrid ones), ``"sync"`` or ``"async"``
     ``engines``        producer engines whose states are accepted, e.g. ``["vllm"]``; default: any
     ``ca``             CA bundle for HTTPS edges (default: system CAs, or ``$KDN_CA``)
+    ``trusted_keys``   file of publisher keys (``ed25519:<hex>`` per line): records they did not sign are misses
 
 producer (``kv_role`` ``kv_producer`` or ``kv_both``)
     ``store``          the origin's object-store folder that chunk blobs are written into
@@ -24,6 +25,7 @@ producer (``kv_role`` ``kv_producer`` or ``kv_both``)
     ``encodings``      encodings to store (default ``["zstd"]``)
     ``registry``       if given, the connector also writes each object's registry record
     ``node_id``        the ``origin`` named in those records (default ``vllm-<hostname>``)
+    ``signing_key``    with ``registry``: the Ed25519 key (``kdn origin keygen``) those records are signed with
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ SAVE_MODES = ("request", "all")
 _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
-    "chunk_tokens",
+    "chunk_tokens", "trusted_keys", "signing_key",
 })
 
 
@@ -59,6 +61,8 @@ class ConnectorConfig:
     load: str = "auto"
     engines: tuple[str, ...] | None = None
     ca: str | None = None
+    trusted_keys: str | None = None
+    signing_key: str | None = None
     store: str | None = None
     save: str = "request"
     encodings: tuple[str, ...] = ("zstd",)
@@ -79,7 +83,7 @@ class ConnectorConfig:
         kw: dict[str, Any] = {}
         if "edges" in extra:
             kw["edges"] = _edges(extra["edges"])
-        for key in ("registry", "region", "origin", "token_file", "ca", "store"):
+        for key in ("registry", "region", "origin", "token_file", "ca", "store", "trusted_keys", "signing_key"):
             if extra.get(key) is not None:
                 kw[key] = _string(key, extra[key])
         if "region" in kw:

@@ -82,6 +82,10 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                     from kdn.registry import open_registry
 
                     self.registry = open_registry(self.cfg.registry)
+                    if self.cfg.signing_key:
+                        from kdn.signing import Signer
+
+                        self.registry.signer = Signer.load(self.cfg.signing_key)
                 self.saver = Saver(cfg=self.cfg, model_id=self.model_id, worker=self.worker, n_layers=n_layers,
                                    kind="hybrid" if self.hybrid else "kv", bridge=self.bridge, registry=self.registry)
         log.info("KDN connector (%s, %s) for model %s: %s", role.name.lower(), tc.kv_role, self.model_id[:16],
@@ -192,7 +196,8 @@ async def _make_client(cfg: ConnectorConfig):
     from kdn.auth import read_token
     from kdn.client import KDNClient
 
-    kw = dict(token=read_token(cfg.token_file), quality=cfg.quality, ca=cfg.ca, timeout=cfg.load_timeout)
+    kw = dict(token=read_token(cfg.token_file), quality=cfg.quality, ca=cfg.ca, timeout=cfg.load_timeout,
+              trusted_keys=cfg.trusted_keys)
     if cfg.edges or cfg.origin:
         return KDNClient(edges=list(cfg.edges), origin=cfg.origin, **kw)
     from kdn.registry import open_registry

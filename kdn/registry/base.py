@@ -21,6 +21,7 @@ Values are msgpack records (``kdn.registry.records``).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import asyncio
 import logging
 import contextlib
@@ -230,6 +231,7 @@ class KVRegistry(abc.ABC):
         self.prefix = normalize_prefix(prefix)
         self._leases: weakref.WeakSet[NodeLease] = weakref.WeakSet()
         self._closed = False
+        self.signer = None  # kdn.signing.Signer: an origin signs every object record and manifest it writes
 
     # primitives: full keys (prefix included) --------------------------------
 
@@ -337,6 +339,15 @@ class KVRegistry(abc.ABC):
             raise InvalidInput(f"tail length must be a positive int, got {length!r}")
         return await self._update_object(parent, lambda rec: rec.with_tail(length, address))
 
+    def _signed(self, rec):
+        """``rec`` signed by this writer's key (``signer``, set by an origin), else as it is.
+
+        Signing here, on the final record inside the write transaction, is what keeps a
+        signature true: a record merged with what was stored, or given a tail, is signed
+        as it is stored, not as the writer built it.
+        """
+        return self.signer.sign(rec) if self.signer is not None else rec
+
     async def _update_object(self, address: str, change: Callable[[ObjectRecord], ObjectRecord]) -> ObjectRecord | None:
         key = self._object_key(address)
 
@@ -345,7 +356,10 @@ class KVRegistry(abc.ABC):
             if old is None:
                 return Writes(result=None)
             new = change(old)
-            return Writes(result=new) if new == old else Writes(puts=[(key, new.pack())], result=new)
+            if new == old:
+                return Writes(result=new)
+            new = self._signed(new)
+            return Writes(puts=[(key, new.pack())], result=new)
 
         return await self._transact([key], build)
 
@@ -373,7 +387,7 @@ class KVRegistry(abc.ABC):
     async def put_manifest(self, manifest: Manifest, objects: Sequence[ObjectRecord] = ()) -> None:
         _expect(manifest, Manifest)
         key = self._manifest_key(manifest.namespace, manifest.name)
-        await self._put_objects_then(objects, (key, manifest.pack()))
+        await self._put_objects_then(objects, (key, self._signed(manifest).pack()))
 
     async def get_manifest(self, namespace: str, name: str) -> Manifest | None:
         (v,) = await self._read([self._manifest_key(namespace, name)])
@@ -457,8 +471,9 @@ def _merge_build(reg: KVRegistry, batch: list[ObjectRecord], extra: list[tuple[s
         for rec, old_bytes in zip(batch, values):
             old = _object(old_bytes)
             new = rec if old is None else old.merged(rec)
-            if new != old:  # re-publishing the same object is not a change watchers hear about
-                puts.append((reg._object_key(rec.address), new.pack()))
+            if old is not None and dataclasses.replace(new, sig=old.sig) == old and (old.sig or reg.signer is None):
+                continue  # re-publishing the same object is not a change watchers hear about
+            puts.append((reg._object_key(rec.address), reg._signed(new).pack()))
         return Writes(puts=puts + extra)
 
     return build

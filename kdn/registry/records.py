@@ -48,6 +48,12 @@ def _check_dict(rec: str, name: str, v: object) -> None:
     _require(isinstance(v, dict), f"{rec}.{name} must be a map, got {type(v).__name__}")
 
 
+def _check_sig(rec: str, sig: object) -> None:
+    _require(isinstance(sig, dict) and len(sig) <= 4 and all(isinstance(k, str) and isinstance(v, str) and len(v) <= 256
+                                                             for k, v in sig.items()),
+             f"{rec}.sig must be a small map of strings")
+
+
 def validate_manifest_ref(value: object) -> str:
     """``"namespace/name"``: how a policy names a manifest."""
     if not isinstance(value, str) or value.count("/") != 1:
@@ -148,6 +154,7 @@ class ObjectRecord(_Record):
     # The engine that computed the states, "transformers 5.19.0" / "vllm 0.32.0" ("" in records from
     # before it was kept). The model id pins the weights, but each engine's kernels round differently.
     engine: str = ""
+    sig: dict = field(default_factory=dict)  # {"key": key id, "ed25519": hex}: the origin's signature (kdn/signing.py)
 
     def __post_init__(self) -> None:
         validate_address(self.address)
@@ -171,6 +178,7 @@ class ObjectRecord(_Record):
             validate_address(addr, what="tail address")
         _require(_is_number(self.created), "ObjectRecord.created must be a number")
         _require(isinstance(self.engine, str) and len(self.engine) <= 64, "ObjectRecord.engine must be a short string")
+        _check_sig("ObjectRecord", self.sig)
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -231,6 +239,7 @@ class Manifest(_Record):
     created: float = field(default_factory=time.time)
     head_tokens: int = 0  # leading tokens of prefix_tokens that come from the template / prefix text
     extra: dict = field(default_factory=dict)
+    sig: dict = field(default_factory=dict)  # the origin's signature (kdn/signing.py)
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
@@ -238,6 +247,7 @@ class Manifest(_Record):
         _require(_is_int(self.head_tokens) and 0 <= self.head_tokens <= len(self.prefix_tokens),
                  "Manifest.head_tokens must be an int within prefix_tokens")
         _require(isinstance(self.extra, dict), "Manifest.extra must be a map")
+        _check_sig("Manifest", self.sig)
         validate_model_id(self.model_id)
         _require(isinstance(self.addresses, list), "Manifest.addresses must be a list")
         for a in self.addresses:

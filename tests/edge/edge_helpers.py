@@ -52,19 +52,20 @@ class Cluster:
     def edge(self, node_id: str):
         return self.edges[node_id].app[EDGE]
 
-    async def start_origin(self, model: str = "tiny-llama") -> None:
+    async def start_origin(self, model: str = "tiny-llama", **kw) -> None:
         port = free_port()
         cfg = OriginConfig(model=model, registry=self.registry, store=str(self.tmp / "origin-store"), port=port,
-                           token_file=str(self.tokens), node_id="origin-1", fsync=False)
+                           token_file=str(self.tokens), node_id="origin-1", fsync=False, **kw)
         self.origin = TestServer(create_origin(cfg), host="127.0.0.1", port=port)
         await self.origin.start_server()
 
     async def start_edge(self, node_id: str, region: str = "eu", *, mem_budget: int = 64 << 20,
-                         disk_budget: int = 256 << 20, prefetch: int = 0, origin: bool = True, **kw) -> None:
+                         disk_budget: int = 256 << 20, prefetch: int = 0, origin: bool | str = True, **kw) -> None:
         cfg = self.configs.get(node_id)
         if cfg is None:
             port = free_port()
-            cfg = EdgeConfig(region=region, registry=self.registry, origin=self.origin_url() if origin else None,
+            upstream = origin if isinstance(origin, str) else (self.origin_url() if origin else None)
+            cfg = EdgeConfig(region=region, registry=self.registry, origin=upstream,
                              mem_budget=mem_budget, disk=str(self.tmp / f"disk-{node_id}"), disk_budget=disk_budget,
                              port=port, node_id=node_id, token_file=str(self.tokens),
                              upstream_token_file=str(self.tokens.with_name("edge-token")), prefetch=prefetch,
@@ -94,11 +95,12 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster(tmp_path: Path, registry_url: str, *, edges=("e1", "e2", "e3"), model: str = "tiny-llama", **kw):
+async def cluster(tmp_path: Path, registry_url: str, *, edges=("e1", "e2", "e3"), model: str = "tiny-llama",
+                  origin_kw: dict | None = None, **kw):
     c = Cluster(tmp_path, registry_url)
     write_tokens(c.tokens)
     try:
-        await c.start_origin(model)
+        await c.start_origin(model, **(origin_kw or {}))
         for nid in edges:
             await c.start_edge(nid, **kw)
         await c.wait_ring(list(edges))

@@ -103,6 +103,7 @@ def main() -> None:
             elif op["op"] == "stats":
                 w, s = connector("worker").worker, sched.connector.sched
                 answer({"totals": w.totals.data, "lookups": len(s._lookups), "plans": len(s._plans),
+                        "refused_records": s.client.rejected_records if s.client is not None else 0,
                         "ready": len(s._ready), "saves": len(s._saves), "running": len(w._running),
                         "preempted": preempted[0], "requests": len(sched.requests)})
             elif op["op"] == "quit":

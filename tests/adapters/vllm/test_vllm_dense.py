@@ -15,6 +15,8 @@ import pytest
 
 from vllm_harness import TENANT_A, TENANT_B, Cluster, Engine, Proxy, document, kv_config, question, salt, wait_http
 
+from kdn.signing import Signer
+
 DOC_TOKENS = 1100  # 4 whole chunks and a 76-token tail; vLLM's CPU blocks are 128 tokens
 LOADED = 1024  # what a prompt of the document plus a question can load: whole blocks below the tail
 LOAD_TIMEOUT = 3.0
@@ -29,16 +31,21 @@ def world(module_tmp):
     (module_tmp / "h").mkdir()
     (module_tmp / "tenant-a").write_text(TENANT_A + "\n")
     v, h = Cluster(module_tmp / "v"), Cluster(module_tmp / "h")
+    key = Signer.generate(module_tmp / "origin.key")  # h's transformers origin signs; eh trusts only that key
+    (module_tmp / "trusted").write_text(key.public + "\n")
     proxy = Proxy()
     engines: list[Engine] = []
     try:
         origins = [v.origin("vllm", "tiny-llama64", dtype="float32", engine="vllm"),
-                   h.origin("hf", "tiny-llama64", dtype="float32"), h.origin("bf16", "tiny-llama64", dtype="bfloat16")]
+                   h.origin("hf", "tiny-llama64", dtype="float32", signing_key=str(module_tmp / "origin.key")),
+                   h.origin("bf16", "tiny-llama64", dtype="bfloat16"),
+                   h.origin("unsigned", "tiny-llama64", dtype="float32", store="hf")]
         # The engines start while the origins do (each takes seconds): nothing is contacted before a request.
         ev = Engine("ev", module_tmp, model=folder, dtype="float32", blocks=20, max_model_len=2048,
                     kv=kv_config(edges=[proxy.url], load_timeout=LOAD_TIMEOUT, lookup_timeout=2))
         eh = Engine("eh", module_tmp, model=folder, dtype="float32",
-                    kv=kv_config(edges=[h.edge_url], namespace="acme", token_file=str(module_tmp / "tenant-a")))
+                    kv=kv_config(edges=[h.edge_url], namespace="acme", token_file=str(module_tmp / "tenant-a"),
+                                 trusted_keys=str(module_tmp / "trusted")))
         engines += [ev, eh]
         for p, url in origins:
             wait_http(p, url + "/healthz")
@@ -53,6 +60,8 @@ def world(module_tmp):
             "beta": h.publish("hf", document(5, DOC_TOKENS), "b", namespace="beta", token=TENANT_B),
             "public": h.publish("hf", document(6, DOC_TOKENS), "p"),
             "foreign": h.publish("bf16", document(7, DOC_TOKENS), "f", namespace="acme", token=TENANT_A),
+            # the same model and namespace, into the store the edge reads, but written by an origin without the key
+            "unsigned": h.publish("unsigned", document(8, DOC_TOKENS), "u", namespace="acme", token=TENANT_A),
         }
         ev.wait_ready()
         eh.wait_ready()
@@ -158,6 +167,14 @@ def test_other_namespaces_and_models_load_nothing(world, doc):
     before = loaded_tokens(eh)
     got = eh.generate([d["prefix_tokens"] + question(6)], salt=salt(), max_tokens=4)[0]
     assert got["cached"] == 0 and loaded_tokens(eh) == before
+
+
+def test_records_not_signed_by_a_trusted_key_load_nothing(world):
+    eh, d = world["eh"], world["docs"]["unsigned"]
+    before, refused = loaded_tokens(eh), eh.stats()["refused_records"]
+    got = eh.generate([d["prefix_tokens"] + question(11)], salt=salt(), max_tokens=4)[0]
+    assert got["cached"] == 0 and loaded_tokens(eh) == before
+    assert eh.stats()["refused_records"] > refused
 
 
 def test_preemption_leaks_no_blocks_and_no_state(world):

@@ -110,12 +110,14 @@ class Cluster:
         self.edge_port = free_port()  # known before the edge starts: engines may start first
         self.edge_url = f"http://127.0.0.1:{self.edge_port}"
 
-    def origin(self, name: str, model: str, *, dtype: str, engine: str = "hf", store: str | None = None) -> tuple[Proc, str]:
+    def origin(self, name: str, model: str, *, dtype: str, engine: str = "hf", store: str | None = None,
+               signing_key: str | None = None) -> tuple[Proc, str]:
         port = free_port()
         p = Proc(f"origin-{name}", ["kdn", "origin", "serve", "--model", model, "--dtype", dtype, "--engine", engine,
                                     "--registry", self.registry, "--store", str(self.tmp / f"store-{store or name}"),
                                     "--port", str(port), "--token-file", str(self.tmp / "tokens"),
-                                    "--node-id", f"origin-{name}"], self.tmp / f"origin-{name}.log")
+                                    "--node-id", f"origin-{name}"]
+                 + (["--signing-key", signing_key] if signing_key else []), self.tmp / f"origin-{name}.log")
         self.procs.append(p)
         self.origins[name] = f"http://127.0.0.1:{port}"
         return p, self.origins[name]

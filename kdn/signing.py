@@ -1,0 +1,206 @@
+"""Origin-signed records: Ed25519 over a canonical encoding of every field a consumer relies on.
+
+A digest is only worth the record it came from. An origin signs each object
+record and manifest it writes (the registry signs the final, merged record
+inside the write transaction: ``KVRegistry.signer``); a consumer -- the fetch
+client, an edge, an engine adapter -- verifies the signature against the
+publisher keys it trusts before it believes a digest. An unsigned or badly
+signed record is a miss. Because a signed record verifies itself, it can
+travel with its object through edges that are not trusted.
+
+    kdn origin keygen --out origin.key          # origin.key (private, 0600) + origin.key.pub
+    kdn origin serve --signing-key origin.key ...
+    kdn edge serve --trusted-keys keys.txt ...  # one public key per line: ed25519:<64 hex>
+
+Rotation: trust the new key beside the old one, switch the origin to the new
+key, re-publish, then drop the old key. Revocation: drop a key from the
+trusted set; every record it signed is a miss from then on.
+
+Signed fields (``payload``): objects -- address, model id, namespace, kind,
+token span, parent, standalone, every encoding's size and digest, tails,
+origin, engine; manifests -- namespace, name, model id, addresses, token
+counts, the published token ids, template, standalone addresses. Not signed:
+``created`` (no consumer decides anything by it) and the signature itself.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blake3 import blake3
+
+from kdn.address import canonical_json
+from kdn.errors import InvalidInput, KDNError
+
+KEY_PREFIX = "ed25519:"
+
+
+class SignatureError(KDNError):
+    """A record is unsigned, signed by a key nobody trusts here, or its signature does not match."""
+
+
+def payload(rec: Any) -> bytes:
+    """The canonical bytes signed for an ``ObjectRecord`` or a ``Manifest``."""
+    from kdn.registry.records import Manifest, ObjectRecord
+
+    if isinstance(rec, ObjectRecord):
+        body = {
+            "t": "kdn/object-record/v1", "address": rec.address, "model_id": rec.model_id, "namespace": rec.namespace,
+            "kind": rec.kind, "start": rec.start, "end": rec.end, "parent": rec.parent, "standalone": rec.standalone,
+            "encodings": {n: {"size": e.size, "digest": e.digest} for n, e in sorted(rec.encodings.items())},
+            "tails": {str(k): v for k, v in sorted(rec.tails.items())}, "origin": rec.origin, "engine": rec.engine,
+        }
+    elif isinstance(rec, Manifest):
+        body = {
+            "t": "kdn/manifest/v1", "namespace": rec.namespace, "name": rec.name, "model_id": rec.model_id,
+            "addresses": rec.addresses, "tokens": rec.tokens, "chunk_tokens": rec.chunk_tokens,
+            "prefix_tokens": rec.prefix_tokens, "template": rec.template, "standalone": rec.standalone,
+            "head_tokens": rec.head_tokens,
+        }
+    else:
+        raise InvalidInput(f"cannot sign a {type(rec).__name__}")
+    return canonical_json(body).encode("utf-8")
+
+
+def key_id(public_raw: bytes) -> str:
+    """A short name for a public key: the first 16 hex digits of its BLAKE3."""
+    return blake3(public_raw).hexdigest()[:16]
+
+
+def _public_text(public_raw: bytes) -> str:
+    return KEY_PREFIX + public_raw.hex()
+
+
+def parse_public_key(text: str):
+    """``ed25519:<64 hex>`` -> an Ed25519 public key."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    t = text.strip()
+    if not t.startswith(KEY_PREFIX):
+        raise InvalidInput(f"a publisher key looks like {KEY_PREFIX}<64 hex digits>, got {t[:24]!r}")
+    try:
+        raw = bytes.fromhex(t[len(KEY_PREFIX):])
+        if len(raw) != 32:
+            raise ValueError("not 32 bytes")
+        return Ed25519PublicKey.from_public_bytes(raw)
+    except ValueError as e:
+        raise InvalidInput(f"bad publisher key {t[:24]!r}: {e}") from None
+
+
+@dataclass
+class Signer:
+    """An origin's private key; ``sign(rec)`` returns the record with its signature."""
+
+    key: Any  # Ed25519PrivateKey
+    key_id: str
+    public: str  # ed25519:<hex>
+
+    @classmethod
+    def generate(cls, path: str | os.PathLike) -> Signer:
+        """A new key in ``path`` (PEM, mode 0600, never overwritten) and its public key in ``path.pub``."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        p = Path(path)
+        key = Ed25519PrivateKey.generate()
+        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise InvalidInput(f"{p} exists: a signing key is never overwritten") from None
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        signer = cls._of(key)
+        Path(f"{p}.pub").write_text(signer.public + "\n")
+        return signer
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Signer:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        p = Path(path)
+        try:
+            data = p.read_bytes()
+            mode = p.stat().st_mode
+        except OSError as e:
+            raise InvalidInput(f"cannot read signing key {str(p)!r}: {e.strerror}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise InvalidInput(f"signing key {p} is readable by others (chmod 600 it)")
+        try:
+            key = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError) as e:
+            raise InvalidInput(f"{p} is not a PEM private key: {e}") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise InvalidInput(f"{p} is not an Ed25519 key")
+        return cls._of(key)
+
+    @classmethod
+    def _of(cls, key: Any) -> Signer:
+        from cryptography.hazmat.primitives import serialization
+
+        raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return cls(key, key_id(raw), _public_text(raw))
+
+    def sign(self, rec: Any) -> Any:
+        import dataclasses
+
+        sig = {"key": self.key_id, "ed25519": self.key.sign(payload(rec)).hex()}
+        return dataclasses.replace(rec, sig=sig)
+
+
+class Verifier:
+    """The publisher keys a consumer trusts; ``check(rec)`` raises ``SignatureError`` unless one signed it."""
+
+    def __init__(self, public_keys: Iterable[str]) -> None:
+        from cryptography.hazmat.primitives import serialization
+
+        self.keys: dict[str, Any] = {}
+        for text in public_keys:
+            k = parse_public_key(text)
+            raw = k.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            self.keys[key_id(raw)] = k
+        if not self.keys:
+            raise InvalidInput("no trusted publisher key given")
+        self.rejected = 0  # records refused (tests, metrics)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Verifier:
+        """One ``ed25519:<hex>`` per line; ``#`` starts a comment at the start of a line."""
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise InvalidInput(f"cannot read trusted keys {str(path)!r}: {e.strerror}") from None
+        return cls(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))
+
+    def check(self, rec: Any) -> Any:
+        from cryptography.exceptions import InvalidSignature
+
+        sig = getattr(rec, "sig", None) or {}
+        key = self.keys.get(sig.get("key")) if isinstance(sig, dict) else None
+        if key is None:
+            self.rejected += 1
+            raise SignatureError(f"record {_name(rec)} is {'unsigned' if not sig else 'signed by an untrusted key'}")
+        try:
+            key.verify(bytes.fromhex(str(sig.get("ed25519", ""))), payload(rec))
+        except (InvalidSignature, ValueError):
+            self.rejected += 1
+            raise SignatureError(f"record {_name(rec)}: the signature does not match its fields") from None
+        return rec
+
+    def ok(self, rec: Any) -> bool:
+        try:
+            self.check(rec)
+            return True
+        except SignatureError:
+            return False
+
+
+def _name(rec: Any) -> str:
+    return str(getattr(rec, "address", None) or f"{getattr(rec, 'namespace', '?')}/{getattr(rec, 'name', '?')}")[:32]
