@@ -123,8 +123,10 @@ class Filler:
 
     async def _get(self, url: str, encoding: str, extra: dict[str, str], size: int) -> bytes | None:
         try:
+            # No redirects: a source that answers 3xx is a failed source, not a pointer to follow (it would
+            # otherwise lead this edge, and its upstream token, to any host it names).
             async with self.session.get(url, params={"encoding": encoding}, headers={**self.headers, **extra},
-                                        timeout=self.timeout) as r:
+                                        timeout=self.timeout, allow_redirects=False) as r:
                 if r.status == 404 and CACHED_ONLY in extra:
                     return None
                 if r.status != 200:

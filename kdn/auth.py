@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from kdn.address import validate_namespace
 from kdn.errors import InvalidInput, KDNError
 
 ROLES = frozenset({"read", "publish", "admin"})
+_COMMENT = re.compile(r"(?:^|\s)#")
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{1,512}")
 ANY = "*"
 
 
@@ -63,10 +66,14 @@ class Grants:
     def parse(cls, text: str, *, anonymous: Grant | None = None) -> Grants:
         grants: dict[bytes, Grant] = {}
         for lineno, raw in enumerate(text.splitlines(), 1):
-            line = raw.split("#", 1)[0].strip()
+            # A comment starts with '#' at the start of a line or after whitespace; a '#' inside a token
+            # is a bad token (once it silently cut the line to one field: every role, every namespace).
+            line = _COMMENT.split(raw, 1)[0].strip()
             if not line:
                 continue
             parts = line.split()
+            if not _TOKEN.fullmatch(parts[0]):
+                raise InvalidInput(f"token file line {lineno}: a token is made of A-Z a-z 0-9 . _ ~ + / = - (at most 512)")
             if len(parts) == 1:
                 grant = Grant(frozenset(ROLES), frozenset({ANY}))
             elif len(parts) == 3:

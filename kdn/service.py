@@ -198,11 +198,17 @@ def add_common_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", get_metrics)
 
 
-def object_headers(digest: str, source: str, encoding: str) -> dict[str, str]:
-    """Headers of an object response: content-addressed blobs never change (RFC 8246 immutable)."""
+def object_headers(digest: str, source: str, encoding: str, namespace: str = "public") -> dict[str, str]:
+    """Headers of an object response: content-addressed blobs never change (RFC 8246 immutable).
+
+    Only the ``public`` namespace may sit in shared caches; a tenant's object is ``private`` (a proxy
+    between the edge and a tenant must not hand it to the next caller) and varies by credential.
+    """
+    shared = namespace == "public"
     return {
         "ETag": f'"{digest}"',
-        "Cache-Control": "public, max-age=31536000, immutable",
+        "Cache-Control": f"{'public' if shared else 'private'}, max-age=31536000, immutable",
+        **({} if shared else {"Vary": "Authorization"}),
         "X-KDN-Source": source,
         "X-KDN-Encoding": encoding,
         "Content-Type": "application/vnd.kdn.object+safetensors",

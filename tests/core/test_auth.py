@@ -227,3 +227,18 @@ def test_namespaces_of_unknown_token_is_401(grants):
     with pytest.raises(AuthError) as e:
         grants.namespaces(bearer("z" * 32))
     assert e.value.status == 401
+
+
+def test_a_hash_inside_a_token_is_refused_not_read_as_a_comment():
+    # Once, 'abc#def publish acme' was cut at '#' to a bare token: every role on every namespace.
+    with pytest.raises(InvalidInput, match="token file line 1"):
+        Grants.parse("tenant-token-0123#456 publish acme\n")
+    g = Grants.parse("tenant-token-0123456 publish acme  # a comment after whitespace\n# a whole-line comment\n")
+    grant = g.lookup("Bearer tenant-token-0123456")
+    assert grant is not None and grant.allows("publish", "acme") and not grant.allows("publish", "public")
+
+
+def test_tokens_are_a_charset_not_any_bytes():
+    for bad in ("tok\u00e9n-0123456789abc read *", "tok'en-0123456789abc read *"):
+        with pytest.raises(InvalidInput, match="a token is made of"):
+            Grants.parse(bad)

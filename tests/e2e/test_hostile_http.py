@@ -1,0 +1,78 @@
+"""HTTP-level attacks on origin and edge, each named after what it tried (and what used to work)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
+
+from edge_helpers import TENANT_A, cluster, free_port, get, publish  # noqa: E402
+
+TEXT = ("Tide tables for the north harbor, kept by the pier master every morning. " * 12)[:700]
+
+
+async def test_tenant_objects_are_not_marked_for_shared_caches(tmp_path, etcd_url):
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        public = await publish(c, TEXT)
+        tenant = await publish(c, TEXT, name="t", namespace="acme", token=TENANT_A)
+        _, _, h = await get(c.edge_url("e1"), public["addresses"][0])
+        assert h["Cache-Control"].startswith("public")
+        for url in (c.edge_url("e1"), c.origin_url()):
+            status, _, h = await get(url, tenant["addresses"][0], token=TENANT_A)
+            assert status == 200
+            # A proxy between the edge and a tenant must not hand the object to the next caller.
+            assert h["Cache-Control"].startswith("private") and h["Vary"] == "Authorization"
+
+
+async def test_a_publish_body_is_not_read_before_the_token_is_checked(tmp_path, etcd_url):
+    async with cluster(tmp_path, etcd_url, edges=()) as c:
+        host, port = c.origin.host, c.origin.port
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            # Announce 10 MB and send none of it: the old origin waited for the body before asking for a token.
+            writer.write(f"POST /v1/publish HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 10000000\r\n\r\n".encode())
+            await writer.drain()
+            status_line = await asyncio.wait_for(reader.readline(), 5)
+        finally:
+            writer.close()
+        assert status_line.split()[1] == b"401", status_line
+
+
+async def test_an_upstream_redirect_is_not_followed_with_the_edge_token(tmp_path, etcd_url):
+    """A source that answers 302 to another host is a failed source: the edge's token never goes there."""
+    seen: list[dict] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        return web.Response(text="stolen")
+
+    trap = web.Application()
+    trap.router.add_route("*", "/{tail:.*}", elsewhere)
+    trap_server = TestServer(trap, host="127.0.0.1")
+    await trap_server.start_server()
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound(str(trap_server.make_url(request.path_qs)))
+
+    bad = web.Application()
+    bad.router.add_route("*", "/{tail:.*}", redirect)
+    bad_server = TestServer(bad, host="127.0.0.1", port=free_port())
+    await bad_server.start_server()
+    try:
+        async with cluster(tmp_path, etcd_url, edges=()) as c:
+            m = await publish(c, TEXT)
+            # an edge whose only upstream redirects
+            await c.start_edge("e1", origin=str(bad_server.make_url("")).rstrip("/"))
+            await c.wait_ring(["e1"])
+            status, _, _ = await get(c.edge_url("e1"), m["addresses"][0])
+            assert status == 503
+            assert seen == [], "the edge followed the redirect (and showed its upstream token)"
+    finally:
+        await bad_server.close()
+        await trap_server.close()
