@@ -48,6 +48,12 @@ FORMAT_VERSION = 1
 KINDS = frozenset({"kv", "ssm", "hybrid"})
 MAX_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
+# Decoding is bounded before anything is allocated: by the caller's limit (an engine knows the exact
+# size its model's chunk decodes to), else by MAX_EXPANSION x the blob's own size, with a floor for
+# small objects. Legitimate codecs expand 1-5x (zstd ~1.45x, int4 ~3.5x, cachegen ~4.6x); a 17 KB
+# zstd object that claimed 512 MiB of zeros once decoded in full.
+MAX_EXPANSION = 16
+MIN_DECODED_CAP = 16 << 20
 _META_KEY = "__metadata__"
 _KDN_KEY = "kdn"
 
@@ -417,6 +423,7 @@ def decode_object(
     max_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
     out: bytearray | memoryview | None = None,
     names: Collection[str] | None = None,
+    max_decoded: int | None = None,
 ) -> DecodedObject:
     """Verify, parse and decode an object into raw tensors.
 
@@ -425,8 +432,11 @@ def decode_object(
     unchanged); other codecs return fresh buffers, or, with ``out`` (at least
     :func:`decoded_nbytes` bytes, reused across calls on a hot path), views
     into ``out``. With ``names``, only those tensors are decoded; a name the
-    object lacks raises ``TensorMismatch``. A codec that finds its payload
-    corrupt raises :class:`kdn.errors.CodecError`.
+    object lacks raises ``TensorMismatch``. What the header says the tensors
+    decode to is checked against ``max_decoded`` (default: ``MAX_EXPANSION`` x
+    the blob, at least ``MIN_DECODED_CAP``) before anything is allocated
+    (``ObjectTooLarge``). A codec that finds its payload corrupt raises
+    :class:`kdn.errors.CodecError`.
     """
     mv = _as_view(blob)
     if len(mv) > max_bytes:
@@ -435,7 +445,7 @@ def decode_object(
         got = blob_digest(mv)
         if got != expected_digest:
             raise DigestMismatch(f"blob digest {got[:16]}... differs from expected {str(expected_digest)[:16]}...")
-    view = ObjectView(mv, max_bytes=max_bytes)
+    view = ObjectView(mv, max_bytes=max_bytes, max_decoded=max_decoded)
     return DecodedObject(view.header, view.decode(names, out=out))
 
 
@@ -447,9 +457,15 @@ class ObjectView:
     unchanged while the view and any ``raw`` tensor from it are in use.
     """
 
-    def __init__(self, blob: Buffer, *, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> None:
+    def __init__(self, blob: Buffer, *, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+                 max_decoded: int | None = None) -> None:
         self._mv = _as_view(blob)
         self._layout = _layout(self._mv, max_bytes)
+        need = decoded_nbytes(self._layout.header)
+        cap = max_decoded if max_decoded is not None else min(max_bytes, max(MIN_DECODED_CAP, MAX_EXPANSION * len(self._mv)))
+        if need > cap:
+            raise ObjectTooLarge(f"object decodes to {need} bytes, over the {cap}-byte limit for a "
+                                 f"{len(self._mv)}-byte blob (a decompression bomb, or a model it was not made for)")
 
     @property
     def header(self) -> ObjectHeader:

@@ -53,10 +53,19 @@ class BlobDir:
         e = validate_encoding(encoding)
         return self.root / a[:2] / a[2:4] / f"{a}.{e}"
 
-    def put(self, address: str, encoding: str, data: bytes | memoryview) -> Path:
-        """Write a blob atomically; an existing blob of the same name is replaced whole."""
+    def put(self, address: str, encoding: str, data: bytes | memoryview, *, digest: str | None = None) -> Path:
+        """Write a blob atomically; an existing blob of the same name is replaced whole.
+
+        With ``digest`` (its BLAKE3), the digest is written beside it first (``<blob>.b3``): a reader
+        can later tell bit rot from the truth without trusting a re-hash (``attested``).
+        """
         final = self.path(address, encoding)
         final.parent.mkdir(parents=True, exist_ok=True)
+        if digest is not None:
+            side = final.with_name(final.name + ".b3")
+            tmp_side = self.tmp / f"{side.name}.{secrets.token_hex(6)}.part"
+            tmp_side.write_text(validate_address(digest, what="digest"))
+            os.replace(tmp_side, side)
         tmp = self.tmp / f"{final.name}.{secrets.token_hex(6)}.part"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -77,6 +86,14 @@ class BlobDir:
             self._fsync_dir(final.parent)
         return final
 
+    def attested(self, address: str, encoding: str) -> str | None:
+        """The digest written with the blob (``put(..., digest=)``), or None."""
+        try:
+            text = self.path(address, encoding).with_name(f"{address}.{encoding}.b3").read_text().strip()
+        except OSError:
+            return None
+        return text if len(text) == 64 else None
+
     def read(self, address: str, encoding: str) -> bytes | None:
         try:
             return self.path(address, encoding).read_bytes()
@@ -90,8 +107,10 @@ class BlobDir:
             return None
 
     def delete(self, address: str, encoding: str) -> bool:
+        p = self.path(address, encoding)
+        p.with_name(p.name + ".b3").unlink(missing_ok=True)
         try:
-            self.path(address, encoding).unlink()
+            p.unlink()
             return True
         except FileNotFoundError:
             return False

@@ -1,11 +1,16 @@
 """The origin's content-addressed object store: blobs on disk plus an in-memory index.
 
 Blobs live in a ``BlobDir`` (atomic temp-file + fsync + rename writes, fan-out
-folders). The index maps ``(address, encoding)`` to size and BLAKE3 digest; a
-restart rebuilds it by scanning and hashing the folder (BLAKE3 runs at several
-GB/s, so a 50 GB store re-indexes in well under a minute). Every read is
-checked against the indexed digest, so bit rot on the origin's disk is caught
-and reported rather than served.
+folders). Beside each blob, its BLAKE3 digest is written at write time
+(``<blob>.b3``, before the blob itself is renamed into place). A restart
+indexes a blob only if its bytes still match that digest: a flipped bit on
+the origin's disk is found at start and the blob dropped, never re-hashed into
+a new "truth" that a re-publish would then record (a re-publish recomputes and
+rewrites it instead). Blobs without a digest file (from before it was kept, or
+written by an engine's connector) are indexed by their hash with a warning;
+``adopt`` checks them against their registry record. Every read is checked
+against the indexed digest too. The index is by address, so looking one up
+costs the same in a store of twenty blobs or twenty thousand.
 """
 
 from __future__ import annotations
@@ -34,29 +39,43 @@ class ObjectStore:
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
         self.dir = BlobDir(root, fsync=fsync)
-        self._index: dict[tuple[str, str], BlobInfo] = {}
+        self._index: dict[str, dict[str, BlobInfo]] = {}  # address -> encoding -> info
         self._lock = threading.Lock()
+        self.dropped = 0  # blobs whose bytes no longer matched the digest written with them
+        unattested = 0
         for blob in self.dir.scan():
             data = blob.path.read_bytes()
-            self._index[(blob.address, blob.encoding)] = BlobInfo(len(data), blob_digest(data))
+            got = blob_digest(data)
+            want = self.dir.attested(blob.address, blob.encoding)
+            if want is None:
+                unattested += 1
+            elif want != got:
+                log.error("stored blob %s.%s does not match the digest written with it: dropped (a re-publish "
+                          "rewrites it)", blob.address, blob.encoding)
+                self.dir.delete(blob.address, blob.encoding)
+                self.dropped += 1
+                continue
+            self._index.setdefault(blob.address, {})[blob.encoding] = BlobInfo(len(data), got)
+        if unattested:
+            log.warning("object store %s: %d blobs have no digest written beside them; indexed by their hash",
+                        root, unattested)
         if self._index:
-            log.info("object store %s: %d blobs, %d bytes", root, len(self._index), self.total_bytes)
+            log.info("object store %s: %d blobs, %d bytes", root, len(self), self.total_bytes)
 
     @property
     def total_bytes(self) -> int:
         with self._lock:
-            return sum(i.size for i in self._index.values())
+            return sum(i.size for encs in self._index.values() for i in encs.values())
 
     def __len__(self) -> int:
-        return len(self._index)
+        return sum(len(encs) for encs in self._index.values())
 
     def info(self, address: str, encoding: str) -> BlobInfo | None:
-        return self._index.get((validate_address(address), validate_encoding(encoding)))
+        return self._index.get(validate_address(address), {}).get(validate_encoding(encoding))
 
     def encodings(self, address: str) -> dict[str, BlobInfo]:
-        a = validate_address(address)
         with self._lock:
-            return {enc: info for (addr, enc), info in self._index.items() if addr == a}
+            return dict(self._index.get(validate_address(address), {}))
 
     def has(self, address: str, encoding: str) -> bool:
         return self.info(address, encoding) is not None
@@ -66,9 +85,9 @@ class ObjectStore:
         info = BlobInfo(len(blob), blob_digest(blob))
         if self.info(address, encoding) == info:
             return info
-        self.dir.put(address, encoding, blob)
+        self.dir.put(address, encoding, blob, digest=info.digest)  # the digest lands first, beside it
         with self._lock:
-            self._index[(address, encoding)] = info
+            self._index.setdefault(address, {})[encoding] = info
         return info
 
     def adopt(self, address: str, encoding: str, digest: str | None = None) -> BlobInfo | None:
@@ -85,7 +104,7 @@ class ObjectStore:
             log.warning("stored blob %s.%s does not match its record's digest: not served", address, encoding)
             return None
         with self._lock:
-            self._index[(address, encoding)] = info
+            self._index.setdefault(address, {})[encoding] = info
         return info
 
     def get(self, address: str, encoding: str) -> tuple[bytes, BlobInfo] | None:
@@ -96,7 +115,7 @@ class ObjectStore:
         data = self.dir.read(address, encoding)
         if data is None:
             with self._lock:
-                self._index.pop((address, encoding), None)
+                self._index.get(address, {}).pop(encoding, None)
             return None
         if len(data) != info.size or blob_digest(data) != info.digest:
             raise DigestMismatch(f"stored blob {address}.{encoding} does not match its digest (disk corruption?)")

@@ -96,7 +96,9 @@ class Saver:
                 blob = encode_as(enc, n_layers=self.n_layers, kind=self.kind, address=c.address, model_id=self.model_id,
                                  namespace=job.namespace, start=c.start, end=c.end, position=c.start, parent=c.parent,
                                  tensors=raw)
-                self.store.put(Address(c.address), enc, blob)
+                from kdn.address import blob_digest
+
+                self.store.put(Address(c.address), enc, blob, digest=blob_digest(blob))
         if self.registry is not None:
             self.bridge.run(self._record(job, c), timeout=30)
 

@@ -128,6 +128,12 @@ class WorkerSide:
                                                    "loads gated-delta-net states only")
                     self.states.append(StateLayer(name, idx, g.id, mod))
 
+    def _max_decoded(self, n_tokens: int) -> int:
+        """The most an object of ``n_tokens`` for this model can decode to (fp32 at worst, aligned)."""
+        per_token = sum(2 * a.kv_heads * a.head_dim * 4 for a in self.attn.values())
+        states = sum(4 * t.numel() // max(t.shape[0], 1) for s in self.states for t in s.module.kv_cache)
+        return per_token * n_tokens + 2 * states + 64 * (2 * len(self.attn) + 2 * len(self.states))
+
     # --- load --------------------------------------------------------------------------------
 
     def start(self, meta: KDNMetadata) -> None:
@@ -175,11 +181,18 @@ class WorkerSide:
                 self._fail(run, LoadFailed("missing", p, str(e)))
                 break
             try:
-                view = ObjectView(f.blob)
+                # Bounded before a byte is decoded: at most what this model's chunk of that length holds.
+                view = ObjectView(f.blob, max_decoded=self._max_decoded(p.end - p.start))
             except KDNError as e:
                 self._fail(run, LoadFailed("decode", p, str(e)))
                 break
             h = view.header
+            bad = next((f"L{a.index}.{x}" for a in self.attn.values() for x in ("k", "v")
+                        if getattr(h.tensors.get(f"L{a.index}.{x}"), "shape", None) != (a.kv_heads, p.end - p.start,
+                                                                                       a.head_dim)), None)
+            if bad is not None:
+                self._fail(run, LoadFailed("mismatch", p, f"{bad} is missing or not this model's shape"))
+                break
             if (h.address, h.model_id, h.namespace, h.start, h.end) != (p.address, self.model_id, self.cfg.namespace,
                                                                         p.start, p.end):
                 self._fail(run, LoadFailed("mismatch", p, f"object {h.address[:16]} [{h.start}, {h.end}) of "

@@ -207,15 +207,17 @@ class ObjectRecord(_Record):
         return dataclasses.replace(self, tails={**self.tails, length: address})
 
     def merged(self, newer: ObjectRecord) -> ObjectRecord:
-        """``newer`` with this record's encodings and tails kept (the newer's win on a clash).
+        """``newer`` with this record's encodings and tails kept.
 
         Re-publishing an object must not drop an encoding or a tail that another
         writer added since; the record is content-addressed, so everything else
-        is the same anyway.
+        is the same anyway. An encoding already recorded keeps its digest: a
+        re-publish can add encodings, never change what an existing one's bytes
+        are (a re-hash of a rotten file once became the recorded "truth" that way).
         """
         return dataclasses.replace(
             newer,
-            encodings={**self.encodings, **newer.encodings},
+            encodings={**newer.encodings, **self.encodings},
             tails={**self.tails, **newer.tails},
             created=min(self.created, newer.created),
             # Stored blobs are never rewritten, so the bytes stay the first producer's.

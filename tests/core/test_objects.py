@@ -523,3 +523,20 @@ def test_decode_into_reused_buffer():
             assert np.shares_memory(np.frombuffer(dec.tensors[name].data, np.uint8), np.frombuffer(buf, np.uint8))
     with pytest.raises(InvalidInput):
         decode_object(blob, out=bytearray(8))
+
+
+def test_a_zstd_bomb_is_refused_before_it_is_decoded():
+    """64 MiB of zeros compress to a few KB: the header's claim is checked before any allocation."""
+    import numpy as np
+
+    from kdn.objects import MAX_EXPANSION, RawTensor, decode_object, encode_object
+
+    zeros = np.zeros(32 << 20, dtype=np.uint16)  # 64 MiB of bf16 zeros
+    t = RawTensor("L0.k", "BF16", (1, 32 << 20, 1), memoryview(zeros).cast("B"))
+    blob = encode_object(kind="kv", address="aa" * 32, model_id="bb" * 32, namespace="public", start=0, end=1,
+                         position=0, parent=None, tensors={"L0.k": t}, encoding="zstd")
+    assert len(blob) * MAX_EXPANSION < 64 << 20  # a real bomb: tiny on the wire
+    with pytest.raises(ObjectTooLarge, match="decompression bomb"):
+        decode_object(blob)
+    # an engine that knows its model's chunk size bounds it exactly; a caller that expects it may allow it
+    assert decode_object(blob, max_decoded=64 << 20).tensors["L0.k"].shape == (1, 32 << 20, 1)
