@@ -435,22 +435,27 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     if service.not_modified(request, digest):
         return web.Response(status=304, headers=object_headers(digest, "edge", encoding, rec.namespace))
     head = request.method == "HEAD"
-    cached_only = bool(request.headers.get(CACHED_ONLY))
+    # Hop and cached-only requests are how edges ask each other; from anyone else they would be a way
+    # to probe what is cached (or to skip the owner), so only a read-everything (edge) grant sets them.
+    peer = "*" in request.app[GRANTS].namespaces(bearer(request), "read")
+    cached_only = peer and bool(request.headers.get(CACHED_ONLY))
     try:
-        loaded = await edge.load(key, rec, hop=HOP in request.headers, fill=not (head or cached_only))
+        loaded = await edge.load(key, rec, hop=peer and HOP in request.headers, fill=not (head or cached_only))
     except SourceError as e:
         raise web.HTTPServiceUnavailable(text=str(e)) from None
     if loaded is None:
         if head:  # HEAD never fills: it answers "can you serve it", with where it would come from
-            return web.Response(headers={**object_headers(digest, "miss", encoding, rec.namespace),
-                                         "Content-Length": str(size)})
+            return web.Response(headers={**object_headers(digest, "miss" if peer or bearer(request) else "edge",
+                                                          encoding, rec.namespace), "Content-Length": str(size)})
         raise web.HTTPNotFound(text=f"{address} is not cached here")
     try:
         if loaded.handle is not None:
             edge._note_read(key)
         if not head:
             edge.prefetcher.after_read(address)
-        headers = object_headers(digest, loaded.source, encoding, rec.namespace)
+        # An anonymous HEAD learns whether it can read the object, not which tier holds it.
+        source = loaded.source if (peer or bearer(request) or not head) else "edge"
+        headers = object_headers(digest, source, encoding, rec.namespace)
         if loaded.path is not None:
             return await _send_file(request, loaded.path, loaded.size, headers, head=head, metrics=edge.m)
         return await _send_bytes(request, loaded.data, headers, head=head, metrics=edge.m,

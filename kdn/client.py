@@ -277,7 +277,10 @@ class KDNClient:
         where: list = []
         if full:
             body = await self._json("POST", "/v1/lookup", {"addresses": full})
-            n = int(body["length"]) if body else 0
+            try:  # an edge's answer is a claim: a number within the chain, or nothing
+                n = max(0, min(int(body["length"]), len(full))) if body else 0
+            except (KeyError, TypeError, ValueError):
+                n = 0
             where = body.get("sources") if body and isinstance(body.get("sources"), list) else []
             cold = {a for a, w in zip(full, where) if w == "origin"}
         addrs = full[:n]

@@ -6,6 +6,7 @@ import asyncio
 import os
 import sys
 
+import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -76,3 +77,50 @@ async def test_an_upstream_redirect_is_not_followed_with_the_edge_token(tmp_path
     finally:
         await bad_server.close()
         await trap_server.close()
+
+
+async def test_cache_probes_are_for_edges_only(tmp_path, etcd_url):
+    """Cached-only and hop headers, and HEAD's tier, once answered anyone: a free probe of what is cached."""
+    from edge_helpers import EDGE_TOKEN
+
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        m = await publish(c, TEXT)
+        a, b = m["addresses"][0], m["addresses"][1]
+        status, _, _ = await get(c.edge_url("e1"), a, EDGE_TOKEN)
+        assert status == 200  # (and that read warms it)
+        async with aiohttp.ClientSession() as s:
+            probe = {"X-KDN-Cached-Only": "1"}
+            async with s.get(f"{c.edge_url('e1')}/v1/objects/{b}", headers={**probe, "Authorization": f"Bearer {EDGE_TOKEN}"}) as r:
+                assert r.status == 404  # an edge's probe: answered from the tiers only
+            async with s.get(f"{c.edge_url('e1')}/v1/objects/{b}", headers=probe) as r:
+                assert r.status == 200  # anyone else: the header means nothing, a normal read
+            async with s.head(f"{c.edge_url('e1')}/v1/objects/{a}") as r:
+                assert r.status == 200 and r.headers["X-KDN-Source"] == "edge"  # not which tier holds it
+            async with s.head(f"{c.edge_url('e1')}/v1/objects/{a}", headers={"Authorization": f"Bearer {EDGE_TOKEN}"}) as r:
+                assert r.headers["X-KDN-Source"] == "memory"
+
+
+async def test_a_lying_lookup_length_is_clamped(tmp_path):
+    """An edge answering a lookup with -1 or 10**9 chunks once made the client slice its chain wrongly."""
+    from kdn.client import KDNClient
+
+    answers = iter([{"length": -1}, {"length": 10**9}, {"length": "many"}])
+
+    async def lookup(request: web.Request) -> web.Response:
+        return web.json_response(next(answers))
+
+    async def record(request: web.Request) -> web.Response:
+        raise web.HTTPNotFound()
+
+    app = web.Application()
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_get("/v1/registry/objects/{a}", record)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")]) as client:
+            tokens = list(range(600))
+            hits = [await client.lookup(tokens, "ab" * 32) for _ in range(3)]
+    finally:
+        await server.close()
+    assert [h.tokens for h in hits] == [0, 512, 0]  # -1 -> nothing; 10**9 -> at most the 2 whole chunks asked
