@@ -118,13 +118,20 @@ def _parse(head: bytes) -> Response:
     proto, status = lines[0].split(" ", 2)[:2]
     if not proto.startswith("HTTP/1."):
         raise ValueError(f"not HTTP/1.x: {lines[0][:40]!r}")
-    headers = {}
+    headers: dict[str, str] = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+        name, value = name.strip().lower(), value.strip()
+        if name == "content-length" and headers.get(name, value) != value:
+            # RFC 9112 §6.3: differing lengths are an unrecoverable error (request smuggling's favourite).
+            raise ValueError("conflicting Content-Length headers")
+        headers[name] = value
     if "chunked" in headers.get("transfer-encoding", "").lower():
         raise ValueError("chunked bodies are not supported on the object route")
-    length = int(headers.get("content-length", "-1"))
+    raw = headers.get("content-length")
+    if raw is not None and not (raw.isascii() and raw.isdigit() and len(raw) <= 15):
+        raise ValueError(f"bad Content-Length {raw[:20]!r}")  # not int()'s '+5', ' 5' or '5_0'
+    length = int(raw) if raw is not None else -1
     if int(status) == 200 and length < 0:
         raise ValueError("no Content-Length")
     return Response(int(status), headers, max(length, 0))

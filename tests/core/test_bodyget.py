@@ -128,3 +128,26 @@ async def test_timeout_closes_the_connection():
     finally:
         g.close()
         server.close()
+
+
+@pytest.mark.parametrize("head", [
+    b"Content-Length: 1000\r\nContent-Length: 1001\r\n",  # two lengths: which body is this?
+    b"Content-Length: +1000\r\n",  # int() would take these
+    b"Content-Length: 1_000\r\n",
+])
+async def test_ambiguous_content_lengths_are_refused(head):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n" + b"x" * 1000)
+        await writer.drain()
+        writer.close()
+
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        with pytest.raises(BodyError, match="Content-Length"):
+            await g.get(url + "/v1/objects/x", memoryview(bytearray(1001)), {}, 5)
+    finally:
+        g.close()
+        server.close()
+        await server.wait_closed()
