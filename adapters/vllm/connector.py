@@ -196,7 +196,9 @@ async def _make_client(cfg: ConnectorConfig):
     from kdn.auth import read_token
     from kdn.client import KDNClient
 
-    kw = dict(token=read_token(cfg.token_file), quality=cfg.quality, ca=cfg.ca, timeout=cfg.load_timeout,
+    # The client's own per-request timeout is a backstop behind the load deadline, not a second one
+    # racing it: a stalled edge is the worker's "timeout" (it cancels the fetch), never a "missing".
+    kw = dict(token=read_token(cfg.token_file), quality=cfg.quality, ca=cfg.ca, timeout=cfg.load_timeout * 1.5 + 1,
               trusted_keys=cfg.trusted_keys)
     if cfg.edges or cfg.origin:
         return KDNClient(edges=list(cfg.edges), origin=cfg.origin, **kw)
