@@ -7,7 +7,11 @@ aetcd notes that shaped this file:
   the revision it was read at: that is the snapshot a watch starts after;
 - a watch that starts below the compaction revision first reports "created",
   then raises ``RevisionCompactedError`` from its iterator;
-- keys and values must be ``bytes``; several reads batch into one ``Txn``.
+- keys and values must be ``bytes``; several reads batch into one ``Txn``;
+- it opens only plaintext channels, and authenticates (user + password) once:
+  ``_Client`` opens a TLS channel when asked, and re-authenticates when etcd
+  says a token expired (simple tokens expire after ``--auth-token-ttl`` idle
+  seconds, 300 by default), the way etcd's own Go client does.
 """
 
 from __future__ import annotations
@@ -15,28 +19,167 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import random
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-import aetcd
+# gRPC's C core logs each failed TLS handshake or reconnect to stderr, the same failure
+# the caller gets as one RegistryUnavailable line; GRPC_VERBOSITY=INFO brings them back.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from kdn.errors import LeaseExpired, RegistryConflict, RegistryError, RegistryUnavailable
-from kdn.registry.base import DEFAULT_PREFIX, Build, Event, KVRegistry
+import aetcd  # noqa: E402
+import aetcd.exceptions  # noqa: E402
+import aetcd.rpc  # noqa: E402
+import aetcd.watcher  # noqa: E402
+import grpc  # noqa: E402
+
+from kdn.errors import LeaseExpired, RegistryConflict, RegistryError, RegistryUnavailable  # noqa: E402
+from kdn.registry.base import DEFAULT_PREFIX, Build, Event, KVRegistry  # noqa: E402
 
 _MAX_ATTEMPTS = 64
+# etcd's answers to a client it will not serve (etcdserver/api/v3rpc/rpctypes).
+_REFUSED = ("authentication failed", "user name is empty", "permission denied", "invalid auth token")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EtcdAuth:
+    """How to reach a locked-down etcd: TLS (a CA to verify it, a client certificate for
+    ``--client-cert-auth``, whose CN etcd takes as the user) and/or a user and password."""
+
+    ca: bytes | None = None  # PEM; None: the system trust store (when tls)
+    cert: bytes | None = None  # PEM client certificate chain
+    key: bytes | None = None  # PEM private key of ``cert``
+    user: str | None = None
+    password: str | None = None
+    tls: bool = False
+
+    def __repr__(self) -> str:  # never print the password or the key
+        return f"EtcdAuth(tls={self.tls}, client_cert={self.cert is not None}, user={self.user!r})"
+
+
+class _Client(aetcd.Client):
+    """aetcd's client with a TLS channel and re-authentication (see the module notes).
+
+    ``connect`` follows aetcd 1.0.0's own (pinned in pyproject) but opens the
+    channel this deployment asks for.
+    """
+
+    def __init__(self, host: str, port: int, auth: EtcdAuth, timeout: float) -> None:
+        super().__init__(host=host, port=port, username=auth.user, password=auth.password,
+                         timeout=timeout)  # type: ignore[arg-type]
+        self._auth = auth
+
+    def _channel(self) -> grpc.aio.Channel:
+        target = f"{self._host}:{self._port}"
+        if not self._auth.tls:
+            return aetcd.rpc.insecure_channel(target, options=self._options.items())
+        creds = grpc.ssl_channel_credentials(root_certificates=self._auth.ca, private_key=self._auth.key,
+                                             certificate_chain=self._auth.cert)
+        return aetcd.rpc.secure_channel(target, creds, options=self._options.items())
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = self._channel()
+            if self._auth.user is not None:
+                await self._authenticate()
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = self._new_watcher()
+            self._connected.set()
+        except aetcd.rpc.AioRpcError as e:
+            aetcd.exceptions._handle_exception(e)
+        finally:
+            self._is_connecting = False
+
+    async def _authenticate(self) -> None:
+        self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+        req = aetcd.rpc.AuthenticateRequest(name=self._auth.user, password=self._auth.password)
+        resp = await self.auth_stub.Authenticate(req, timeout=self._timeout)
+        self.metadata = (("token", resp.token),)
+
+    def _new_watcher(self) -> _Watcher:
+        return _Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+
+    async def reauthenticate(self) -> bool:
+        """Fetch a fresh token; False when this client has no password to do it with.
+
+        etcd checks a new watch against the token its stream was opened with, so a
+        stream opened with the old token refuses every new watch: the watch stream
+        is replaced too. Its watches end, and ``EtcdRegistry.watch`` re-lists and
+        re-watches on the new one.
+        """
+        if self._auth.user is None or not self._connected.is_set():
+            return False
+        try:
+            await self._authenticate()
+        except aetcd.rpc.AioRpcError as e:
+            aetcd.exceptions._handle_exception(e)
+        old, self._watcher = self._watcher, self._new_watcher()
+        if old is not None:
+            await old.shutdown()
+        return True
+
+
+class _Watcher(aetcd.watcher.Watcher):
+    """aetcd's watcher, except that a watch etcd refuses or cancels is an error, not silence.
+
+    etcd answers a watch it will not serve (permission denied, a stale stream
+    token) with ``created`` and ``canceled`` together; aetcd 1.0.0 registers it as
+    live, and its iterator then waits forever for events that never come.
+    """
+
+    async def _handle_response(self, response: Any) -> None:
+        if not response.canceled or response.compact_revision != 0:
+            await super()._handle_response(response)  # events, and compaction (aetcd raises it)
+            return
+        reason = response.cancel_reason or "etcd cancelled the watch"
+        kind = aetcd.exceptions.UnauthenticatedError if "invalid auth token" in reason else aetcd.exceptions.ClientError
+        error = kind(reason)
+        async with self._lock:
+            if response.created and self._new_callback is not None:
+                self._new_callback.error = error
+                self._new_callback_ready.notify_all()
+                return
+            callback = self._callbacks.pop(response.watch_id, None)
+        if callback is not None:  # (None: the answer to our own cancel)
+            await self._process_callback(callback, error)
 
 
 class EtcdRegistry(KVRegistry):
     max_txn_ops = 128  # etcd's default --max-txn-ops
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 2379, prefix: str = DEFAULT_PREFIX, *, timeout: float = 5.0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 2379, prefix: str = DEFAULT_PREFIX, *,
+                 timeout: float = 5.0, auth: EtcdAuth | None = None):
         super().__init__(prefix)
         self.host, self.port = host, port
-        self._client = aetcd.Client(host=host, port=port, timeout=timeout)  # type: ignore[arg-type]
+        self.auth = auth or EtcdAuth()
+        self._client = _Client(host, port, self.auth, timeout)
 
     def __repr__(self) -> str:
-        return f"EtcdRegistry(etcd://{self.host}:{self.port}{self.prefix})"
+        scheme = "etcds" if self.auth.tls else "etcd"
+        user = f"{self.auth.user}@" if self.auth.user else ""
+        return f"EtcdRegistry({scheme}://{user}{self.host}:{self.port}{self.prefix})"
+
+    async def _rpc(self, call: Callable[[], Awaitable[T]]) -> T:
+        """One etcd call with errors mapped, retried once on a fresh token if etcd says ours expired."""
+        with self._errors():
+            try:
+                return await call()
+            except aetcd.exceptions.UnauthenticatedError as e:
+                if "invalid auth token" not in str(e) or not await self._client.reauthenticate():
+                    raise
+            return await call()
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
@@ -44,26 +187,30 @@ class EtcdRegistry(KVRegistry):
             yield
         except (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.WatchTimeoutError) as e:
             raise RegistryUnavailable(f"etcd at {self.host}:{self.port} is unreachable: {_first_line(e)}") from e
+        except aetcd.exceptions.UnauthenticatedError as e:
+            raise RegistryError(f"etcd at {self.host}:{self.port} refused this client: {_first_line(e)}"
+                                " (check the registry URL's user and password, or its client certificate)") from e
         except aetcd.ClientError as e:
+            if any(m in str(e) for m in _REFUSED):
+                raise RegistryError(f"etcd at {self.host}:{self.port} refused this client: {_first_line(e)}"
+                                    " (check the registry URL's user and password, or its client certificate)") from e
             if "lease not found" in str(e):
                 raise LeaseExpired(f"etcd at {self.host}:{self.port}: {_first_line(e)}") from e
             raise RegistryError(f"etcd at {self.host}:{self.port} failed: {_first_line(e)}") from e
 
     async def __aenter__(self) -> EtcdRegistry:
         # aetcd connects lazily; touch the server so a wrong address fails here, not later.
-        with self._errors():
-            await self._client.get(self.prefix.encode())
+        await self._rpc(lambda: self._client.get(self.prefix.encode()))
         return self
 
     # primitives -------------------------------------------------------------
 
     async def _read(self, keys: Sequence[str]) -> list[bytes | None]:
-        with self._errors():
-            if len(keys) == 1:
-                got = await self._client.get(keys[0].encode())
-                return [None if got is None else got.value]
-            values, _ = await self._read_many(keys)
-            return values
+        if len(keys) == 1:
+            got = await self._rpc(lambda: self._client.get(keys[0].encode()))
+            return [None if got is None else got.value]
+        values, _ = await self._rpc(lambda: self._read_many(keys))
+        return values
 
     async def _read_many(self, keys: Sequence[str]) -> tuple[list[bytes | None], list[int]]:
         """Values and mod revisions (0: absent) of ``keys``, at one revision per batch of 128."""
@@ -79,61 +226,58 @@ class EtcdRegistry(KVRegistry):
         return values, mods
 
     async def _range(self, prefix: str) -> tuple[list[tuple[str, bytes]], int]:
-        with self._errors():
-            got = await self._client.get_prefix(prefix.encode(), sort_order="ascend")
+        got = await self._rpc(lambda: self._client.get_prefix(prefix.encode(), sort_order="ascend"))
         return [(kv.key.decode(), kv.value) for kv in got], got.header.revision
 
     async def _transact(self, reads: Sequence[str], build: Build) -> Any:
+        return await self._rpc(lambda: self._transact_once(reads, build))
+
+    async def _transact_once(self, reads: Sequence[str], build: Build) -> Any:
         tx = self._client.transactions
-        with self._errors():
-            for attempt in range(_MAX_ATTEMPTS):
-                values, mods = await self._read_many(reads) if reads else ([], [])
-                w = build(values)
-                if not w.puts and not w.deletes:
-                    return w.result
-                # Compare-and-swap on each read key's mod revision (0 = still absent):
-                # another writer that changed one between our read and this commit
-                # makes the compare fail, and we rebuild from its value.
-                compare = [tx.mod(k.encode()) == m for k, m in zip(reads, mods)]
-                ops = [tx.delete(k.encode()) for k in w.deletes]
-                ops += [tx.put(k.encode(), v, lease=w.lease) for k, v in w.puts]
-                ok, _ = await self._client.transaction(compare=compare, success=ops, failure=[])
-                if ok:
-                    return w.result
-                if attempt >= 2:  # heavy contention: spread the retries out
-                    await asyncio.sleep(random.uniform(0, 0.002 * attempt))
+        for attempt in range(_MAX_ATTEMPTS):
+            values, mods = await self._read_many(reads) if reads else ([], [])
+            w = build(values)
+            if not w.puts and not w.deletes:
+                return w.result
+            # Compare-and-swap on each read key's mod revision (0 = still absent):
+            # another writer that changed one between our read and this commit
+            # makes the compare fail, and we rebuild from its value.
+            compare = [tx.mod(k.encode()) == m for k, m in zip(reads, mods)]
+            ops = [tx.delete(k.encode()) for k in w.deletes]
+            ops += [tx.put(k.encode(), v, lease=w.lease) for k, v in w.puts]
+            ok, _ = await self._client.transaction(compare=compare, success=ops, failure=[])
+            if ok:
+                return w.result
+            if attempt >= 2:  # heavy contention: spread the retries out
+                await asyncio.sleep(random.uniform(0, 0.002 * attempt))
         raise RegistryConflict(f"gave up after {_MAX_ATTEMPTS} conflicting writes to {reads[:1]}")
 
     async def _grant(self, ttl: float) -> tuple[int, float]:
-        with self._errors():
-            lease = await self._client.lease(max(1, math.ceil(ttl)))
+        lease = await self._rpc(lambda: self._client.lease(max(1, math.ceil(ttl))))
         # etcd may grant more than asked (its minimum TTL is 1.5 x the election timeout).
         return lease.id, float(lease.ttl)
 
     async def _refresh(self, lease_id: int) -> bool:
-        with self._errors():
-            reply = await self._client.refresh_lease(lease_id)
+        reply = await self._rpc(lambda: self._client.refresh_lease(lease_id))
         return reply is not None and reply.TTL > 0
 
     async def _revoke(self, lease_id: int) -> None:
         try:
-            with self._errors():
-                await self._client.revoke_lease(lease_id)
+            await self._rpc(lambda: self._client.revoke_lease(lease_id))
         except LeaseExpired:
             pass  # already expired: its keys are gone, as asked
 
     async def compact(self, revision: int) -> None:
         """Drop history before ``revision``; watches behind it re-list."""
-        with self._errors():
-            await self._client.compact(revision, physical=True)
+        await self._rpc(lambda: self._client.compact(revision, physical=True))
 
     async def watch(self, prefix: str = "") -> AsyncIterator[Event]:
         full = self._key(prefix).encode()
         while not self._closed:
             items, rev = await self._range(full.decode())
             yield Event("snapshot", items={self._rel(k): v for k, v in items}, revision=rev)
-            with self._errors():
-                w = await self._client.watch_prefix(full, start_revision=rev + 1)
+            # A token that expired while the consumer held the snapshot is renewed by _rpc.
+            w = await self._rpc(lambda: self._client.watch_prefix(full, start_revision=rev + 1))
             try:
                 with self._errors():
                     async for ev in w:
@@ -160,4 +304,4 @@ class EtcdRegistry(KVRegistry):
 
 def _first_line(e: BaseException) -> str:
     text = str(e) or type(e).__name__
-    return text.splitlines()[0][:200]
+    return text.splitlines()[0][:300]

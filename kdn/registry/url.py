@@ -1,17 +1,29 @@
-"""Registry URLs: ``etcd://host:port[/prefix]`` or ``file:PATH``, and the default when none is given."""
+"""Registry URLs, and the default when none is given.
+
+- ``file:PATH``: the embedded registry (one machine).
+- ``etcd://[USER@]HOST:PORT[/PREFIX][?password_file=FILE]``: etcd over plaintext.
+- ``etcds://[USER@]HOST:PORT[/PREFIX][?ca=FILE&cert=FILE&key=FILE&password_file=FILE]``:
+  etcd over TLS, verified against ``ca`` (else the system's CAs), with a client
+  certificate when etcd runs ``--client-cert-auth`` (etcd takes its CN as the user).
+
+A password never sits in the URL (it would show in ``ps``, logs and shell
+history): it comes from ``password_file`` or ``$KDN_ETCD_PASSWORD``.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kdn.errors import InvalidInput
 from kdn.registry.base import DEFAULT_PREFIX, KVRegistry
 from kdn.registry.embedded import EmbeddedRegistry
-from kdn.registry.etcd import EtcdRegistry
+from kdn.registry.etcd import EtcdAuth, EtcdRegistry
 
 ENV_VAR = "KDN_REGISTRY"
+PASSWORD_ENV_VAR = "KDN_ETCD_PASSWORD"
+_ETCD_FORM = "etcd[s]://[USER@]HOST:PORT[/PREFIX][?ca=FILE&cert=FILE&key=FILE&password_file=FILE]"
 ETCD_DEFAULT_PORT = 2379
 
 
@@ -42,14 +54,73 @@ def open_registry(url: str | None = None) -> KVRegistry:
         if not path:
             raise InvalidInput(f"bad registry URL {url[:100]!r}: file: needs a path")
         return EmbeddedRegistry(os.path.expanduser(path))
-    if url.startswith("etcd://"):
+    if url.startswith(("etcd://", "etcds://")):
+        return _open_etcd(url)
+    raise InvalidInput(f"bad registry URL {url[:100]!r}: expected {_ETCD_FORM} or file:PATH")
+
+
+def _open_etcd(url: str) -> EtcdRegistry:
+    def bad(why: str) -> InvalidInput:
+        return InvalidInput(f"bad registry URL {_shown(url)!r}: {why}")
+
+    try:
         parts = urlsplit(url)
-        try:
-            host, port = parts.hostname, parts.port
-        except ValueError as e:
-            raise InvalidInput(f"bad registry URL {url[:100]!r}: {e}") from None
-        if not host or parts.query or parts.fragment or parts.username or parts.password:
-            raise InvalidInput(f"bad registry URL {url[:100]!r}: expected etcd://HOST:PORT[/PREFIX]")
-        prefix = parts.path if parts.path.strip("/") else DEFAULT_PREFIX
-        return EtcdRegistry(host, port or ETCD_DEFAULT_PORT, prefix)
-    raise InvalidInput(f"bad registry URL {url[:100]!r}: expected etcd://HOST:PORT[/PREFIX] or file:PATH")
+        host, port = parts.hostname, parts.port
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if not host or parts.fragment:
+        raise bad(f"expected {_ETCD_FORM}")
+    if parts.password is not None:
+        raise bad("a password does not belong in a URL (ps, logs and shell history show it): "
+                  f"use ?password_file=FILE or ${PASSWORD_ENV_VAR}")
+    try:
+        opts = dict(parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)))
+    except ValueError:
+        raise bad("its query must be key=value pairs joined by '&'") from None
+    unknown = set(opts) - {"ca", "cert", "key", "password_file"}
+    if unknown:
+        raise bad(f"unknown option(s) {sorted(unknown)}; known: ca, cert, key, password_file")
+    tls = parts.scheme == "etcds"
+    if not tls and opts.keys() & {"ca", "cert", "key"}:
+        raise bad("ca, cert and key are TLS options: use etcds://")
+    if ("cert" in opts) != ("key" in opts):
+        raise bad("a client certificate needs both cert= and key=")
+    user = unquote(parts.username) if parts.username else None
+    password = None
+    if "password_file" in opts:
+        password = _read(opts["password_file"], "password_file").decode("utf-8", "replace").strip()
+    elif user is not None:
+        password = os.environ.get(PASSWORD_ENV_VAR)
+    if user is not None and not password:
+        raise bad(f"user {user!r} needs a password: ?password_file=FILE or ${PASSWORD_ENV_VAR}")
+    if user is None and password is not None:
+        raise bad("a password needs a user: etcd[s]://USER@HOST:PORT")
+    auth = EtcdAuth(
+        tls=tls,
+        ca=_read(opts["ca"], "ca") if "ca" in opts else None,
+        cert=_read(opts["cert"], "cert") if "cert" in opts else None,
+        key=_read(opts["key"], "key") if "key" in opts else None,
+        user=user,
+        password=password,
+    )
+    prefix = parts.path if parts.path.strip("/") else DEFAULT_PREFIX
+    return EtcdRegistry(host, port or ETCD_DEFAULT_PORT, prefix, auth=auth)
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            return f.read(1 << 20)
+    except OSError as e:
+        raise InvalidInput(f"registry URL's {what}={path!r}: cannot read it: {e.strerror or e}") from None
+
+
+def _shown(url: str) -> str:
+    """The URL as errors may print it: cut, and without a password someone put in it."""
+    try:
+        password = urlsplit(url[:200]).password
+    except ValueError:
+        password = None
+    if password:
+        url = url.replace(f":{password}@", ":***@", 1)
+    return url[:100]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,27 +14,13 @@ from aiohttp import web
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 
 from edge_helpers import EDGE_TOKEN, PUBLISH, free_port, write_tokens  # noqa: E402
+from tls_certs import make_ca_and_cert  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
 from kdn.edge.app import EDGE, EdgeConfig, create_app as create_edge  # noqa: E402
 from kdn.errors import SourceError  # noqa: E402
 from kdn.origin.app import OriginConfig, create_app as create_origin  # noqa: E402
 from kdn.tls import server_context  # noqa: E402
-
-
-def make_ca_and_cert(d: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a certificate for 127.0.0.1 signed by it (openssl CLI)."""
-    def run(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kdn-test-ca",
-        "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(d / "srv.key"),
-        "-out", str(d / "srv.csr"))
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
-    run("x509", "-req", "-in", str(d / "srv.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
-        "-CAcreateserial", "-days", "1", "-extfile", str(d / "ext.cnf"), "-out", str(d / "srv.pem"))
-    return d / "ca.pem", d / "srv.pem", d / "srv.key"
 
 
 async def serve(app: web.Application, port: int, cert: Path, key: Path) -> web.AppRunner:

@@ -1,4 +1,5 @@
-"""The registry contract: every test runs against the embedded and the etcd registry."""
+"""The registry contract: every test runs against the embedded registry, etcd, and a locked-down etcd
+(TLS only, client certificates required, auth on: what a production deployment runs)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,22 @@ import pytest
 
 from kdn.errors import InvalidAddress, InvalidInput, LeaseExpired
 from kdn.registry import Manifest, Policy, Registry
+from conftest import make_registry_factory
 from registry_helpers import MID, addr, chain, enc, eventually, manifest, model, next_event, node, obj, policy, until
+
+
+@pytest.fixture(params=["embedded", "etcd", "etcd-secured"])
+async def registry_factory(request, tmp_path):
+    make = make_registry_factory(request, tmp_path, request.param)
+    made = []
+
+    def factory():
+        made.append(make())
+        return made[-1]
+
+    yield factory
+    for reg in made:
+        await reg.close()
 
 
 async def test_is_a_registry(registry):

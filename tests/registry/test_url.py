@@ -66,3 +66,40 @@ def test_malformed_urls_are_one_line_errors(url):
     with pytest.raises(InvalidInput) as e:
         open_registry(url)
     assert "\n" not in str(e.value)
+
+
+async def test_etcds_urls_carry_tls_files_and_a_user(tmp_path, monkeypatch):
+    for name in ("ca.pem", "c.pem", "c.key"):
+        (tmp_path / name).write_bytes(f"-- {name} --".encode())
+    (tmp_path / "pw").write_text("s3cret\n")
+    reg = open_registry(f"etcds://kdn@h:2379/team/?ca={tmp_path}/ca.pem&cert={tmp_path}/c.pem&key={tmp_path}/c.key"
+                        f"&password_file={tmp_path}/pw")
+    a = reg.auth
+    assert a.tls and a.ca == b"-- ca.pem --" and a.cert == b"-- c.pem --" and a.key == b"-- c.key --"
+    assert (a.user, a.password, reg.prefix) == ("kdn", "s3cret", "/team/")
+    assert "s3cret" not in repr(reg) and "s3cret" not in repr(a) and "c.key" not in repr(a)
+    await reg.close()
+    monkeypatch.setenv("KDN_ETCD_PASSWORD", "from-env")
+    reg = open_registry("etcd://kdn@h:2379")
+    assert not reg.auth.tls and reg.auth.password == "from-env"
+    await reg.close()
+    reg = open_registry("etcds://h")  # TLS against the system's CAs, no client identity
+    assert reg.auth.tls and reg.auth.ca is None and reg.auth.user is None and reg.port == 2379
+    await reg.close()
+
+
+@pytest.mark.parametrize("url, words", [
+    ("etcd://kdn:hunter2@h:1", "does not belong in a URL"),
+    ("etcd://h:1?ca=/x", "use etcds://"),
+    ("etcds://h:1?cert=/x", "both cert= and key="),
+    ("etcds://h:1?verify=no", "unknown option"),
+    ("etcds://kdn@h:1", "needs a password"),
+    ("etcds://h:1?ca=/no/such/file", "cannot read it"),
+    ("etcds://h:1?ca", "key=value pairs"),
+])
+def test_bad_secured_urls_say_why_and_never_echo_a_password(url, words, monkeypatch):
+    monkeypatch.delenv("KDN_ETCD_PASSWORD", raising=False)
+    with pytest.raises(InvalidInput) as e:
+        open_registry(url)
+    msg = str(e.value)
+    assert words in msg and "\n" not in msg and "hunter2" not in msg
