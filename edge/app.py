@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -35,7 +36,7 @@ from prometheus_client import CollectorRegistry
 
 from kdn import service
 from kdn.address import validate_address, validate_name
-from kdn.auth import Grant, Grants
+from kdn.auth import Grant, Grants, TokenScope
 from kdn.errors import SourceError
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
@@ -69,6 +70,8 @@ class EdgeConfig:
     url: str | None = None
     token_file: str | None = None  # who may read what from this edge
     upstream_token_file: str | None = None  # the token this edge shows peers and the origin
+    # hosts that token may reach over plain http (https: any); None = loopback (kdn.auth.TokenScope)
+    token_hosts: str | None = None
     prefetch: int = 2
     lease_ttl: float = 10.0
     fsync: bool = True
@@ -301,7 +304,7 @@ class Edge:
             # The owner fills it; this edge only passes the hint on.
             owner = self.membership.owner(address)
             async with self.filler.session.post(f"{owner.url}/v1/prefetch", json={"addresses": [address]},
-                                                headers=self.filler.headers) as r:
+                                                headers=self.filler.headers(owner.url)) as r:
                 await r.read()
             return
         self.m.prefetch_started.inc()
@@ -343,7 +346,7 @@ async def _edge_ctx(app: web.Application):
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl)
     edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
-                         upstream_headers=upstream, metrics=edge.m)
+                         upstream_headers=upstream, metrics=edge.m, token_scope=token_scope(cfg))
     watchers = [asyncio.create_task(_watch_manifests(edge), name="kdn-edge-manifests")]
     if not cfg.origin:
         watchers.append(asyncio.create_task(_watch_origins(edge), name="kdn-edge-origins"))
@@ -369,6 +372,17 @@ async def _edge_ctx(app: web.Application):
         await edge.membership.close()
         await edge.flight.close()
         await session.close()
+
+
+def token_scope(cfg: EdgeConfig) -> TokenScope:
+    """Where the upstream token may go over plain http: ``--token-hosts`` (loopback by default),
+    plus the host of a configured ``--origin`` (the operator named it)."""
+    patterns = list(TokenScope(cfg.token_hosts).patterns)
+    if cfg.origin:
+        host = urlsplit(cfg.origin).hostname
+        if host:
+            patterns.append(host)
+    return TokenScope(patterns)
 
 
 def _upstream_headers(path: str | None) -> dict[str, str]:

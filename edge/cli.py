@@ -29,6 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None, help="URL advertised to peers (default http://HOST:PORT)")
     p.add_argument("--token-file", default=None, metavar="F", help="grants file: who may read what from this edge")
     p.add_argument("--upstream-token-file", default=None, metavar="F", help="token this edge shows peers and the origin")
+    p.add_argument("--token-hosts", default=None, metavar="PATTERNS",
+                   help="hosts that token may reach over plain http, comma-separated names, globs or CIDRs "
+                        "(e.g. 'origin,edge-*' or '*.kdn.svc.cluster.local'; https: any host; default: loopback "
+                        "and --origin's host)")
     p.add_argument("--prefetch", type=int, default=2, metavar="N", help="chunks fetched ahead of a read (0: off)")
     p.add_argument("--lease-ttl", default="10s", metavar="DURATION", help="membership lease, e.g. 10s")
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
@@ -92,6 +96,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "lease_ttl": _positive(parse_duration(args.lease_ttl), "--lease-ttl"),
         "token_file": _readable(args.token_file, "--token-file"),
         "upstream_token_file": _readable(args.upstream_token_file, "--upstream-token-file"),
+        "token_hosts": args.token_hosts,
         "tls_cert": _readable(args.tls_cert, "--tls-cert"),
         "tls_key": _readable(args.tls_key, "--tls-key"),
         "ca": _readable(args.ca, "--ca"),
@@ -101,6 +106,10 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         from kdn.signing import Verifier
 
         Verifier.from_file(kw["trusted_keys"])  # a bad key file fails here, in one line
+    if args.token_hosts is not None:
+        from kdn.auth import TokenScope
+
+        TokenScope(args.token_hosts)  # a bad pattern fails here, in one line
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidInput("--tls-cert and --tls-key go together")
     if args.origin is not None:
@@ -143,9 +152,12 @@ def _positive(x, flag: str):
 
 
 def _http_url(url: str, flag: str) -> str:
-    if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
-        raise InvalidInput(f"{flag} must be an http:// or https:// URL, got {url[:80]!r}")
-    return url.rstrip("/")
+    from kdn.registry.records import validate_node_url
+
+    try:
+        return validate_node_url(url.rstrip("/"))
+    except InvalidInput as e:
+        raise InvalidInput(f"{flag}: {e}") from None
 
 
 def _readable(path: str | None, flag: str) -> str | None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 from blake3 import blake3
 
+from kdn.auth import TokenScope
 from kdn.errors import SourceError
 from kdn.estimate import Estimates
 from kdn.registry import NodeRecord, ObjectRecord
@@ -48,16 +49,31 @@ class Filler:
     """Fetches a verified blob from the best source; the caller caches and serves it."""
 
     def __init__(self, *, session: aiohttp.ClientSession, membership, origin_urls, me: NodeRecord,
-                 upstream_headers: dict[str, str], metrics, timeout: float = 30.0) -> None:
+                 upstream_headers: dict[str, str], metrics, timeout: float = 30.0,
+                 token_scope: TokenScope | None = None) -> None:
         self.session = session
         self.membership = membership
         self.origin_urls = origin_urls  # callable -> list[str] (config, else origins in the registry)
         self.me = me
-        self.headers = upstream_headers
+        self._headers = upstream_headers
+        self.scope = token_scope or TokenScope()
+        self._withheld: set[str] = set()  # hosts already warned about
         self.m = metrics
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(5.0, timeout))
         self.estimates = Estimates()
         self._rings: dict[str, tuple[tuple[str, ...], Ring]] = {}
+
+    def headers(self, url: str) -> dict[str, str]:
+        """The upstream token for ``url`` if it may go there (https, or a host the operator named)."""
+        if not self._headers or self.scope.allows(url):
+            return self._headers
+        self.m.token_withheld.inc()
+        host = url.split("/")[2] if url.count("/") >= 2 else url
+        if host not in self._withheld and len(self._withheld) < 1024:
+            self._withheld.add(host)
+            log.warning("not sending the upstream token to %s over plain http (not in --token-hosts %s)",
+                        host, ",".join(self.scope.patterns))
+        return {}
 
     def plan(self, key: Key, rec: ObjectRecord, *, hop: bool) -> list[tuple[str, str, dict[str, str]]]:
         """Sources in the order to try: (label, base URL, extra headers)."""
@@ -125,7 +141,7 @@ class Filler:
         try:
             # No redirects: a source that answers 3xx is a failed source, not a pointer to follow (it would
             # otherwise lead this edge, and its upstream token, to any host it names).
-            async with self.session.get(url, params={"encoding": encoding}, headers={**self.headers, **extra},
+            async with self.session.get(url, params={"encoding": encoding}, headers={**self.headers(url), **extra},
                                         timeout=self.timeout, allow_redirects=False) as r:
                 if r.status == 404 and CACHED_ONLY in extra:
                     return None

@@ -18,11 +18,14 @@ comparison time does not depend on how many leading characters match.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import ipaddress
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kdn.address import validate_namespace
 from kdn.errors import InvalidInput, KDNError
@@ -149,3 +152,55 @@ def read_token(path: str | None) -> str | None:
     except OSError as e:
         raise InvalidInput(f"cannot read token file {path!r}: {e.strerror}") from None
     raise InvalidInput(f"token file {path!r} holds no token")
+
+
+DEFAULT_TOKEN_HOSTS = ("localhost", "127.0.0.0/8", "::1")
+
+
+class TokenScope:
+    """Where a node may send its own token: any ``https://`` URL, and plain ``http://``
+    only to hosts an operator named.
+
+    The URLs an edge fills from come from the registry (peers, other regions,
+    origins); a registry writer could name any host. Over plain HTTP the token
+    would cross the network readable, so it goes only to hosts matching one of
+    ``patterns``: an exact name, a glob (``*.kdn.svc.cluster.local``,
+    ``edge-*``) or an address block (``10.0.0.0/8``). Loopback by default.
+    """
+
+    def __init__(self, patterns: list[str] | tuple[str, ...] | str | None = None) -> None:
+        if patterns is None:
+            patterns = DEFAULT_TOKEN_HOSTS
+        if isinstance(patterns, str):
+            patterns = [p for p in (x.strip() for x in patterns.split(",")) if p]
+        self.names: list[str] = []
+        self.nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for p in patterns:
+            if not isinstance(p, str) or not p or any(c.isspace() for c in p) or len(p) > 253:
+                raise InvalidInput(f"bad token host pattern {str(p)[:80]!r}")
+            try:
+                self.nets.append(ipaddress.ip_network(p.strip("[]"), strict=False))
+            except ValueError:
+                self.names.append(p.lower())
+        self.patterns = tuple(patterns)
+
+    def allows(self, url: str) -> bool:
+        try:
+            parts = urlsplit(url)
+            host = (parts.hostname or "").lower()
+        except ValueError:
+            return False
+        if not host or parts.username is not None:
+            return False
+        if parts.scheme == "https":
+            return True
+        if parts.scheme != "http":
+            return False
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return any(fnmatch.fnmatchcase(host, n) for n in self.names)
+        return any(ip in net for net in self.nets) or host in self.names
+
+    def __repr__(self) -> str:
+        return f"TokenScope({','.join(self.patterns)})"

@@ -310,10 +310,25 @@ class KDNClient:
     # --- fetch -----------------------------------------------------------------
 
     @classmethod
-    async def from_registry(cls, registry, region: str, **kwargs) -> KDNClient:
-        """Sources from the registry's live nodes: this region's edges, other regions' edges, the origins."""
+    async def from_registry(cls, registry, region: str, *, token_hosts: str | list[str] | None = None,
+                            **kwargs) -> KDNClient:
+        """Sources from the registry's live nodes: this region's edges, other regions' edges, the origins.
+
+        With a ``token``, nodes it may not reach are left out: a registry writer names these URLs,
+        and the token goes over plain http only to ``token_hosts`` (loopback by default; https: any).
+        """
         edges = await registry.list_nodes(role="edge")
         origins = await registry.list_nodes(role="origin")
+        if kwargs.get("token"):
+            from kdn.auth import TokenScope
+
+            scope = TokenScope(token_hosts)
+            dropped = [n.url for n in edges + origins if not scope.allows(n.url)]
+            if dropped:
+                log.warning("leaving out %d node(s) the token may not reach over plain http (token_hosts %s): %s",
+                            len(dropped), ",".join(scope.patterns), ", ".join(dropped[:5]))
+            edges = [n for n in edges if scope.allows(n.url)]
+            origins = [n for n in origins if scope.allows(n.url)]
         mine = [(n.node_id, n.url) for n in edges if n.region == region]
         remote = [n.url for n in edges if n.region != region]
         return cls(edges=mine, remote_edges=remote, origin=origins[0].url if origins else None, **kwargs)

@@ -63,7 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kdn.address import validate_name
     from kdn.origin.app import OriginConfig, run
+    from kdn.registry.records import validate_node_url
 
+    if args.url is not None:
+        args.url = validate_node_url(args.url.rstrip("/"))
     cfg = OriginConfig(model=args.model, registry=args.registry, store=args.store, host=args.host, port=args.port,
                        token_file=args.token_file, region=validate_name(args.region), url=args.url, dtype=args.dtype,
                        max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key,

@@ -7,6 +7,8 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``edges``          list of edge URLs of this region, or ``{"id": url}`` pairs (ids route to owners)
     ``registry``       instead of ``edges``: a registry URL (``etcd://...``, ``file:...``) to find them in
     ``region``         with ``registry``: this engine's region (its edges rank first)
+    ``token_hosts``    with ``registry``: hosts the token may reach over plain http, comma-separated names,
+                       globs or CIDRs (default: loopback; https: any); other listed nodes are left out
     ``origin``         an origin URL, the source of last resort
     ``namespace``      the namespace to look up (default ``public``); the token must grant it
     ``token_file``     file whose first token is sent to edges (or ``$KDN_TOKEN``)
@@ -43,7 +45,7 @@ SAVE_MODES = ("request", "all")
 _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
-    "chunk_tokens", "trusted_keys", "signing_key",
+    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts",
 })
 
 
@@ -52,6 +54,7 @@ class ConnectorConfig:
     edges: tuple[str | tuple[str, str], ...] = ()
     registry: str | None = None
     region: str | None = None
+    token_hosts: str | None = None
     origin: str | None = None
     namespace: str = PUBLIC_NAMESPACE
     token_file: str | None = None
@@ -83,9 +86,14 @@ class ConnectorConfig:
         kw: dict[str, Any] = {}
         if "edges" in extra:
             kw["edges"] = _edges(extra["edges"])
-        for key in ("registry", "region", "origin", "token_file", "ca", "store", "trusted_keys", "signing_key"):
+        for key in ("registry", "region", "origin", "token_file", "ca", "store", "trusted_keys", "signing_key",
+                    "token_hosts"):
             if extra.get(key) is not None:
                 kw[key] = _string(key, extra[key])
+        if "token_hosts" in kw:
+            from kdn.auth import TokenScope
+
+            TokenScope(kw["token_hosts"])  # a bad pattern fails at engine start
         if "region" in kw:
             validate_name(kw["region"])
         if "namespace" in extra:

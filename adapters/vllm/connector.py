@@ -205,4 +205,4 @@ async def _make_client(cfg: ConnectorConfig):
     from kdn.registry import open_registry
 
     async with open_registry(cfg.registry) as reg:
-        return await KDNClient.from_registry(reg, cfg.region, **kw)
+        return await KDNClient.from_registry(reg, cfg.region, token_hosts=cfg.token_hosts, **kw)

@@ -425,7 +425,12 @@ class KVRegistry(abc.ABC):
             if region is not None:
                 rel += f"{validate_name(region)}/"
         items, _ = await self._range(self._key(rel))
-        nodes = [NodeRecord.unpack(v) for _, v in items]
+        nodes = []
+        for key, v in items:
+            try:
+                nodes.append(NodeRecord.unpack(v))
+            except InvalidInput as e:  # one bad record (a rogue URL, a newer writer) hides only itself
+                logging.getLogger(__name__).warning("ignoring node record %s: %s", self._rel(key), e)
         return [n for n in nodes if region is None or n.region == region]
 
     # policies ---------------------------------------------------------------

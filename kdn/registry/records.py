@@ -15,6 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import msgpack
 
@@ -42,6 +43,35 @@ def _is_number(v: object) -> bool:
 
 def _check_str(rec: str, name: str, v: object, *, optional: bool = False) -> None:
     _require(isinstance(v, str) or (optional and v is None), f"{rec}.{name} must be a string, got {type(v).__name__}")
+
+
+MAX_URL_LEN = 512
+
+
+def validate_node_url(url: object) -> str:
+    """A node's base URL: ``http(s)://HOST[:PORT][/PATH]`` and nothing else.
+
+    Edges send their upstream token to the URLs node records name, and clients
+    follow them: no userinfo (``http://user@evil`` reads like a host), no query
+    or fragment, no whitespace or control characters, a bounded length.
+    """
+    _require(isinstance(url, str), f"node URL must be a string, got {type(url).__name__}")
+    assert isinstance(url, str)
+    _require(0 < len(url) <= MAX_URL_LEN, f"node URL must be 1..{MAX_URL_LEN} characters")
+    _require(url.isprintable() and not any(c.isspace() for c in url), f"node URL {url[:80]!r} has spaces or control characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise InvalidInput(f"node URL {url[:80]!r}: {e}") from None
+    _require(parts.scheme in ("http", "https"), f"node URL {url[:80]!r} must be http:// or https://")
+    _require(bool(parts.hostname), f"node URL {url[:80]!r} has no host")
+    _require(parts.username is None and parts.password is None and "@" not in parts.netloc,
+             f"node URL {url[:80]!r} must not carry a user or password")
+    _require(not parts.query and not parts.fragment and "?" not in url and "#" not in url,
+             f"node URL {url[:80]!r} must not carry a query or fragment")
+    _require(port is None or port > 0, f"node URL {url[:80]!r} has port 0")
+    return url
 
 
 def _check_dict(rec: str, name: str, v: object) -> None:
@@ -285,7 +315,7 @@ class NodeRecord(_Record):
             v = getattr(self, n)
             _check_str("NodeRecord", n, v)
             validate_name(v)
-        _check_str("NodeRecord", "url", self.url)
+        validate_node_url(self.url)
         _check_dict("NodeRecord", "extra", self.extra)
 
 

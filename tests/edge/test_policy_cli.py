@@ -153,7 +153,9 @@ async def test_policy_ls_shows_a_record_no_edge_would_apply(cli, backend):
         (["edge", "serve", "--port", "70000"], ["--port must be 0-65535"]),
         (["edge", "serve", "--prefetch", "-1"], ["--prefetch must be >= 0"]),
         (["edge", "serve", "--region", "eu west"], ["invalid name"]),
-        (["edge", "serve", "--origin", "ftp://x"], ["--origin must be an http"]),
+        (["edge", "serve", "--origin", "ftp://x"], ["--origin", "must be http:// or https://"]),
+        (["edge", "serve", "--url", "http://user@evil:8100"], ["--url", "must not carry a user"]),
+        (["edge", "serve", "--token-hosts", "a b"], ["bad token host pattern"]),
         (["edge", "serve", "--token-file", "/no/such/file"], ["--token-file", "not a readable file"]),
     ],
 )

@@ -33,6 +33,7 @@ def test_defaults_and_edges_forms():
     ({}, False, True, "needs 'store'"),
     ({"store": "/s", "save": "some"}, False, True, "'save'"),
     ({"store": "/s", "encodings": []}, False, True, "encodings"),
+    ({"registry": "file:/x", "region": "eu", "token_hosts": "a b"}, True, False, "token host pattern"),
 ])
 def test_bad_settings_are_named(extra, consumer, producer, match):
     with pytest.raises(InvalidInput, match=match):
@@ -43,3 +44,16 @@ def test_registry_and_region_is_enough_to_look_up():
     c = ConnectorConfig.from_extra({"registry": "etcd://127.0.0.1:2379", "region": "eu"}, consumer=True,
                                    producer=False)
     assert c.can_look_up
+
+
+def test_every_setting_is_in_the_readme():
+    """The README's table is what operators read: a key missing there is a key nobody can find."""
+    import re
+    from pathlib import Path
+
+    from kdn.adapters.vllm.config import _KEYS
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    first_cells = re.findall(r"^\|([^|]*)\|", readme, flags=re.M)
+    rows = {name for cell in first_cells for name in re.findall(r"`([a-z_]+)`", cell)}
+    assert _KEYS - rows == set()
