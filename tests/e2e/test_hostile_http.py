@@ -7,6 +7,7 @@ import os
 import sys
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -124,3 +125,48 @@ async def test_a_lying_lookup_length_is_clamped(tmp_path):
     finally:
         await server.close()
     assert [h.tokens for h in hits] == [0, 512, 0]  # -1 -> nothing; 10**9 -> at most the 2 whole chunks asked
+
+
+@pytest.mark.parametrize("token_hosts, leaks", [("127.0.0.1", False), (None, True)])
+async def test_a_rogue_node_record_does_not_get_the_edge_token(tmp_path, etcd_url, token_hosts, leaks):
+    """One node record written into the registry once made every fill send the edge's ``read *`` token to
+    that URL. Now the token goes over plain http only to --token-hosts; the default (loopback, which
+    includes ``localhost``) shows the rogue gets it when its host is allowed, so the test can fail."""
+    from edge_helpers import EDGE_TOKEN, metric
+
+    from kdn.registry import NodeRecord, open_registry
+
+    seen: list[str | None] = []
+
+    async def rogue(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", rogue)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    reg = open_registry(etcd_url)
+    try:
+        async with cluster(tmp_path, etcd_url, edges=()) as c:
+            m = await publish(c, TEXT)
+            # "another region's edge", by a name the loopback pattern covers but 127.0.0.1 does not
+            lease = await reg.register_node(NodeRecord("edge", "us", "rogue", f"http://localhost:{server.port}"), ttl=10)
+            try:
+                await c.start_edge("e1", token_hosts=token_hosts)
+                await c.wait_ring(["e1"])
+                await c.edge("e1").membership.wait_for(lambda mb: "us" in mb.regions(), timeout=10)
+                for a in m["addresses"][:2]:
+                    status, _, headers = await get(c.edge_url("e1"), a, EDGE_TOKEN)
+                    assert status == 200 and headers["X-KDN-Source"] == "origin"  # served all the same
+                assert seen, "the edge never asked the rogue region; the test proves nothing"
+                if leaks:
+                    assert seen == [f"Bearer {EDGE_TOKEN}"] * len(seen)
+                else:
+                    assert seen == [None] * len(seen)
+                    assert metric(c.edges["e1"], "kdn_edge_token_withheld") == len(seen)
+            finally:
+                await lease.close()
+    finally:
+        await reg.close()
+        await server.close()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import random
 
+import msgpack
 import pytest
 
 from kdn.edge.membership import Membership
@@ -166,7 +167,13 @@ async def test_ignores_keys_that_are_not_edge_records(registry_factory):
         await reg._put(reg._key("nodes/edge/eu/junk"), b"\xc1not msgpack")  # unreadable
         await reg._put(reg._key("nodes/edge/eu/liar"), rec("someone-else").pack())  # key and record disagree
         await reg._put(reg._key("nodes/origin/eu/o-1"), NodeRecord("origin", "eu", "o-1", "http://o", {}).pack())
+        for nid, url in [("thief", "http://kdn:pw@evil.test"), ("files", "file:///etc/passwd"), ("blank", "")]:
+            # a writer that skips NodeRecord's checks: URLs no edge may send its token or a request to
+            raw = {**rec(nid).to_dict(), "url": url}
+            await reg._put(reg._key(f"nodes/edge/eu/{nid}"), msgpack.packb(raw, use_bin_type=True))
         await reg.register_node(rec("eu-2"), TTL)  # a real one, after the others: its arrival means they were seen
         await e1.wait_for(has("eu-2"), WAIT)
         assert sorted(e1.nodes) == ["eu-1", "eu-2"]
         assert e1.ring.nodes == ["eu-1", "eu-2"]
+        listed = {n.node_id for n in await reg.list_nodes("edge")}
+        assert {"eu-1", "eu-2"} <= listed and not listed & {"thief", "files", "blank"}
