@@ -33,7 +33,7 @@ def registry_arg(p: argparse.ArgumentParser) -> None:
         "--registry",
         default=None,
         metavar="URL",
-        help="etcd://host:port[/prefix] or file:PATH (default: $KDN_REGISTRY, else an embedded file in the user data dir)",
+        help="etcd://host:port[/prefix], etcds://[user@]host:port[/prefix]?ca=&cert=&key=&password_file= (TLS, credentials) or file:PATH (default: $KDN_REGISTRY, else an embedded file in the user data dir)",
     )
 
 

@@ -141,6 +141,10 @@ def test_compose_flags_exist(help_flags):
         _yaml_commands({"command": svc.get("command") or []}, f"compose.yaml:{name}", found)
     assert sorted(c for _, c, _ in found) == [("edge", "serve")] * 4 + [("origin", "serve")]
     _check(found, help_flags)
+    # trust: records signed at the origin and checked at every edge; the edge token kept to named hosts
+    for where, cmd, flags in found:
+        want = {"--signing-key"} if cmd == ("origin", "serve") else {"--trusted-keys", "--token-hosts"}
+        assert want <= {f.split("=")[0] for f in flags}, f"{where} lacks {want}"
 
 
 def test_helm_template_flags_exist(help_flags):
@@ -193,7 +197,7 @@ def test_helm_templates_parse_when_stripped():
             if doc is not None:
                 assert {"apiVersion", "kind", "metadata"} <= set(doc), f"{p.name}: {doc!r:.200}"
                 kinds.add(doc["kind"])
-    assert {"Deployment", "StatefulSet", "Service", "ServiceMonitor"} <= kinds
+    assert {"Deployment", "StatefulSet", "Service", "ServiceMonitor", "NetworkPolicy"} <= kinds
 
 
 def test_values_budgets_give_requests():
@@ -215,6 +219,8 @@ HELM = shutil.which("helm")
     [],
     ["etcd.deploy=false", "etcd.endpoint=etcd://etcd.infra:2379/kdn/", "serviceMonitor.enabled=true",
      "inference.podLabels.app=vllm", "edge.diskBudgetGiB=0"],
+    ["etcd.deploy=false", "etcd.endpoint=etcd.infra:2379/kdn/", "etcd.client.tls=true", "etcd.client.ca=true",
+     "etcd.client.cert=true", "etcd.client.user=kdn", "etcd.client.secret=etcd-client", "auth.signingKeyKey="],
 ])
 def test_helm_renders(sets, help_flags):
     args = [HELM, "template", "t", str(CHART), "--set", "auth.existingSecret=kdn-tokens"]
@@ -233,6 +239,14 @@ def test_helm_renders(sets, help_flags):
             assert c["livenessProbe"]["httpGet"]["path"] == c["readinessProbe"]["httpGet"]["path"] == "/healthz"
             budget = int(re.search(r"--mem-budget=(\d+)MiB", " ".join(c["args"])).group(1))
             assert int(c["resources"]["requests"]["memory"].removesuffix("Mi")) > budget
+            assert "--token-hosts=*.default.svc.cluster.local" in c["args"]
+        if d["kind"] in ("StatefulSet", "Deployment") and "etcd.client.user=kdn" in sets:
+            c = d["spec"]["template"]["spec"]["containers"][0]
+            if c["name"] != "etcd":
+                want = ("--registry=etcds://kdn@etcd.infra:2379/kdn/?ca=/etc/kdn/etcd/ca.crt&cert=/etc/kdn/etcd/tls.crt"
+                        "&key=/etc/kdn/etcd/tls.key&password_file=/etc/kdn/etcd/password")
+                assert want in c["args"] and {"name": "etcd-client", "mountPath": "/etc/kdn/etcd",
+                                              "readOnly": True} in c["volumeMounts"]
 
 
 # --- Grafana ----------------------------------------------------------------------------

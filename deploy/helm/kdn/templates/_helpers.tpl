@@ -24,12 +24,28 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
-{{/* etcd://HOST:PORT[/prefix] for --registry. */}}
+{{/* etcd[s]://[USER@]HOST:PORT[/prefix][?ca=&cert=&key=&password_file=] for --registry:
+     the endpoint (deployed or yours), then the client credentials mounted at /etc/kdn/etcd. */}}
 {{- define "kdn.registry" -}}
+{{- $c := .Values.etcd.client -}}
+{{- $base := "" -}}
 {{- if .Values.etcd.deploy -}}
-etcd://{{ include "kdn.fullname" . }}-etcd:2379{{ .Values.etcd.prefix }}
+{{- $base = printf "%s-etcd:2379%s" (include "kdn.fullname" .) .Values.etcd.prefix -}}
 {{- else -}}
-{{- required "set etcd.endpoint (etcd://HOST:PORT[/prefix]) or etcd.deploy=true" .Values.etcd.endpoint -}}
+{{- $base = required "set etcd.endpoint (HOST:PORT[/prefix]) or etcd.deploy=true" .Values.etcd.endpoint | trimPrefix "etcd://" | trimPrefix "etcds://" -}}
+{{- end -}}
+{{- $opts := list -}}
+{{- if $c.ca }}{{ $opts = append $opts "ca=/etc/kdn/etcd/ca.crt" }}{{ end -}}
+{{- if $c.cert }}{{ $opts = append $opts "cert=/etc/kdn/etcd/tls.crt&key=/etc/kdn/etcd/tls.key" }}{{ end -}}
+{{- if $c.user }}{{ $opts = append $opts "password_file=/etc/kdn/etcd/password" }}{{ end -}}
+{{- if $c.tls }}etcds{{ else }}etcd{{ end }}://{{ with $c.user }}{{ . }}@{{ end }}{{ $base }}{{ with $opts }}?{{ join "&" . }}{{ end }}
+{{- end -}}
+
+{{/* Whether the etcd client Secret is mounted (any credential or CA from it). */}}
+{{- define "kdn.etcdSecret" -}}
+{{- $c := .Values.etcd.client -}}
+{{- if or $c.ca $c.cert $c.user -}}
+{{- required "etcd.client.secret: a Secret holding ca.crt, tls.crt/tls.key and/or password" $c.secret -}}
 {{- end -}}
 {{- end -}}
 
