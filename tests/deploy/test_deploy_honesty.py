@@ -145,6 +145,16 @@ def test_compose_flags_exist(help_flags):
     for where, cmd, flags in found:
         want = {"--signing-key"} if cmd == ("origin", "serve") else {"--trusted-keys", "--token-hosts"}
         assert want <= {f.split("=")[0] for f in flags}, f"{where} lacks {want}"
+    # every node reaches etcd as the user etcd-init.sh creates, its password from a secret
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, svc in services.items():
+        if "--registry" in " ".join(svc.get("command") or []):
+            reg = next(a for a in svc["command"] if a.startswith("--registry="))
+            assert reg == "--registry=etcd://kdn@etcd:2379/kdn/?password_file=/run/secrets/kdn_etcd_password", name
+            assert "kdn_etcd_password" in svc["secrets"], name
+            assert svc["depends_on"] == {"etcd-init": {"condition": "service_completed_successfully"}}, name
+    assert services["etcd-init"]["entrypoint"][-1] == "/etc/kdn/etcd-init.sh"
+    assert (DEPLOY / "etcd-init.sh").exists()
 
 
 def test_helm_template_flags_exist(help_flags):
