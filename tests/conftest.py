@@ -134,6 +134,13 @@ def make_registry_factory(request, tmp_path, kind: str):
     return make
 
 
+@pytest.fixture
+def registry_maker():
+    """``make_registry_factory`` for a module that overrides ``registry_factory`` with more kinds
+    (a fixture, since ``from conftest import`` resolves to whichever conftest.py loaded first)."""
+    return make_registry_factory
+
+
 @pytest.fixture(params=["embedded", "etcd"])
 async def registry_factory(request, tmp_path):
     """Call it to open another handle on the same registry (same file / etcd prefix); all are closed at the end."""

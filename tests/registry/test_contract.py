@@ -11,13 +11,12 @@ import pytest
 
 from kdn.errors import InvalidAddress, InvalidInput, LeaseExpired
 from kdn.registry import Manifest, Policy, Registry
-from conftest import make_registry_factory
 from registry_helpers import MID, addr, chain, enc, eventually, manifest, model, next_event, node, obj, policy, until
 
 
 @pytest.fixture(params=["embedded", "etcd", "etcd-secured"])
-async def registry_factory(request, tmp_path):
-    make = make_registry_factory(request, tmp_path, request.param)
+async def registry_factory(request, tmp_path, registry_maker):
+    make = registry_maker(request, tmp_path, request.param)
     made = []
 
     def factory():
