@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -31,11 +32,14 @@ def auth(token: str) -> dict:
 
 @contextlib.asynccontextmanager
 async def running_origin(tmp_path: Path, registry_url: str, model: str = "tiny-llama", **kw):
-    cfg = OriginConfig(model=model, registry=registry_url, store=str(tmp_path / "store"), port=0,
+    # A port picked before start: the origin registers its URL at start, and port 0 is no URL.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = OriginConfig(model=model, registry=registry_url, store=str(tmp_path / "store"), port=port,
                        token_file=str(write_tokens(tmp_path / "tokens")), node_id="origin-test", fsync=False, **kw)
-    server = TestServer(create_app(cfg), host="127.0.0.1")
+    server = TestServer(create_app(cfg), host="127.0.0.1", port=port)
     await server.start_server()
-    cfg.port = server.port
     try:
         async with aiohttp.ClientSession(str(server.make_url(""))) as session:
             yield server, session
