@@ -80,6 +80,7 @@ class EdgeConfig:
     tls_key: str | None = None
     ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
     trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
+    deadlines: service.Deadlines = field(default_factory=service.Deadlines)  # request bodies, responses
 
     @property
     def advertised_url(self) -> str:
@@ -497,11 +498,16 @@ async def _send_bytes(request, data: memoryview, headers: dict, *, head: bool, m
     """
     resp = web.StreamResponse(headers=headers)
     resp.content_length = len(data)
-    try:
+
+    async def send() -> None:
         await resp.prepare(request)
         if not head:
             await resp.write(data)
         await resp.write_eof()
+
+    try:
+        if not await service.send_within(request, len(data), send()):
+            return resp  # a stalled reader: cut off, so the handle it pins is released
     except ConnectionError:  # the client hung up (e.g. its hedged twin won): nothing left to do
         metrics.aborted.inc()
         return resp
@@ -515,7 +521,8 @@ async def _send_file(request, path: Path, size: int, headers: dict, *, head: boo
     resp = web.StreamResponse(headers=headers)
     resp.content_length = size
     try:
-        return await _sendfile_body(request, resp, path, size, head=head, metrics=metrics)
+        await service.send_within(request, size, _sendfile_body(request, resp, path, size, head=head, metrics=metrics))
+        return resp
     except ConnectionError:
         metrics.aborted.inc()
         return resp
@@ -590,6 +597,7 @@ def create_app(config: EdgeConfig) -> web.Application:
     app[EDGE_CONFIG] = config
     app[METRICS] = metrics
     app[EDGE_METRICS] = EdgeMetrics(metrics, lambda: app.get(EDGE))
+    service.install_deadlines(app, config.deadlines, metrics, "edge")
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
     app.cleanup_ctx.extend([service.registry_ctx(config.registry), _edge_ctx])
     app.router.add_get("/v1/objects/{address}", get_object)

@@ -9,9 +9,12 @@ the headers of an object response.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 import prometheus_client
@@ -27,6 +30,7 @@ from kdn.errors import (
     UnknownModel,
 )
 from kdn.registry import Registry, open_registry
+from kdn.store import validate_encoding
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +45,60 @@ HTTP_METRICS = web.AppKey("http_metrics", dict)
 MAX_JSON_BODY = 1 << 20  # lookup/publish bodies larger than this get 413, not parsed
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a peer may take. A request body must arrive within ``body`` seconds (408 after);
+    a response of N bytes must be taken within ``send_grace + N / min_send_rate`` seconds, or its
+    connection is aborted. Without them a slow body holds a connection, and a stalled reader its
+    response and the tier entry it pins, forever."""
+
+    body: float = 30.0
+    send_grace: float = 10.0
+    min_send_rate: float = float(1 << 20)  # bytes per second
+
+    def __post_init__(self) -> None:
+        if not (self.body > 0 and self.send_grace > 0 and self.min_send_rate > 0):
+            raise InvalidInput(f"deadlines must be positive, got {self}")
+
+    def send(self, size: int) -> float:
+        return self.send_grace + size / self.min_send_rate
+
+
+DEADLINES = web.AppKey("deadlines", Deadlines)
+
+
+def install_deadlines(app: web.Application, deadlines: Deadlines, metrics: CollectorRegistry, service: str) -> None:
+    """Give ``app`` its deadlines and the counter of requests they cut off."""
+    app[DEADLINES] = deadlines
+    c = Counter("kdn_http_deadline_exceeded", "Requests cut off by a deadline: a body not received in time "
+                "(kind=body), a response not taken in time (kind=send)", ["service", "kind"], registry=metrics)
+    app[HTTP_METRICS] = {"body": c.labels(service, "body"), "send": c.labels(service, "send")}
+
+
+async def send_within(request: web.Request, size: int, send: Awaitable) -> bool:
+    """Await ``send`` (the writing of a ``size``-byte response) within its deadline. If the reader
+    stalls past it, abort the connection, count it, and return False."""
+    deadlines = request.app.get(DEADLINES) or Deadlines()
+    try:
+        async with asyncio.timeout(deadlines.send(size)):
+            await send
+        return True
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        if HTTP_METRICS in request.app:
+            request.app[HTTP_METRICS]["send"].inc()
+        log.info("%s %s: reader took more than %.1f s for %d bytes; connection aborted",
+                 request.method, request.path, deadlines.send(size), size)
+        return False
+
+
 def json_error(status: int, code: str, detail: str) -> web.Response:
     return web.json_response({"error": code, "detail": detail}, status=status)
 
 
 _STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-                 409: "conflict", 413: "too_large", 415: "unsupported_media_type", 503: "unavailable"}
+                 408: "timeout", 409: "conflict", 413: "too_large", 415: "unsupported_media_type", 503: "unavailable"}
 
 
 @web.middleware
@@ -58,7 +110,16 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         if e.status < 400 or e.content_type == "application/json":
             raise
         detail = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
-        return json_error(e.status, _STATUS_CODES.get(e.status, "error"), detail or e.reason)
+        resp = json_error(e.status, _STATUS_CODES.get(e.status, "error"), detail or e.reason)
+        if e.headers.get("Connection", "").lower() == "close":
+            # A body cut off by its deadline: answer, then close at once (aiohttp would otherwise
+            # linger up to 10 s reading the rest of the body, which is what the deadline refused).
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return resp
     except AuthError as e:
         return json_error(e.status, _STATUS_CODES[e.status], str(e))
     except (InvalidInput, UnknownModel) as e:
@@ -108,16 +169,24 @@ async def read_json(request: web.Request, limit: int = MAX_JSON_BODY) -> dict:
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length,
                                             text=f"body larger than {limit} bytes")
+    seconds = (request.app.get(DEADLINES) or Deadlines()).body
     body = bytearray()
-    async for chunk in request.content.iter_chunked(1 << 16):
-        body += chunk
-        if len(body) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body),
-                                                text=f"body larger than {limit} bytes")
-    import json
-
+    try:
+        async with asyncio.timeout(seconds):
+            async for chunk in request.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body),
+                                                        text=f"body larger than {limit} bytes")
+    except TimeoutError:
+        if HTTP_METRICS in request.app:
+            request.app[HTTP_METRICS]["body"].inc()
+        raise web.HTTPRequestTimeout(text=f"body not received within {seconds:g} s",
+                                     headers={"Connection": "close"}) from None
     try:
         data = json.loads(body)
+    except RecursionError:  # nesting deeper than the parser's stack: not a body any route takes
+        raise web.HTTPBadRequest(text="body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError):
         raise web.HTTPBadRequest(text="body is not valid JSON") from None
     if not isinstance(data, dict):
@@ -148,6 +217,8 @@ async def read_addresses(request: web.Request, limit: int = MAX_LOOKUP_ADDRESSES
     addrs = body.get("addresses")
     if not isinstance(addrs, list) or len(addrs) > limit:
         raise web.HTTPBadRequest(text=f"'addresses' must be a list of at most {limit} addresses")
+    if body.get("encoding") is not None:
+        validate_encoding(body["encoding"])  # the one optional field both lookups read
     return body, [validate_address(a) for a in addrs]
 
 

@@ -63,6 +63,7 @@ class OriginConfig:
     engine: str = "hf"  # what computes the states: "hf" (transformers) or "vllm"
     signing_key: str | None = None  # Ed25519 key (kdn origin keygen): every record and manifest is signed
     max_context: int = 32768  # with the vllm engine: the longest document it is sized for
+    deadlines: service.Deadlines = field(default_factory=service.Deadlines)  # request bodies, responses
 
     @property
     def advertised_url(self) -> str:
@@ -283,9 +284,23 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     if got is None:
         raise web.HTTPNotFound(text=f"no object {address}")
     blob, _ = got
+    resp = web.StreamResponse(headers=headers)
+    resp.content_length = len(blob)
+
+    async def send() -> None:
+        await resp.prepare(request)
+        await resp.write(blob)
+        await resp.write_eof()
+
+    # Counted as it starts (a reader may act on the body before this handler resumes); readers cut
+    # off are counted by kdn_http_deadline_exceeded_total.
     app[M]["objects_served"].labels(encoding).inc()
     app[M]["bytes_served"].labels(encoding).inc(len(blob))
-    return web.Response(body=blob, headers=headers)
+    try:
+        await service.send_within(request, len(blob), send())  # a stalled reader is cut off
+    except ConnectionError:  # the reader hung up: nothing left to do
+        pass
+    return resp
 
 
 async def lookup(request: web.Request) -> web.Response:
@@ -319,6 +334,7 @@ def create_app(config: OriginConfig) -> web.Application:
     app[CONFIG] = config
     app[METRICS] = metrics
     app[M] = _metrics(metrics)
+    service.install_deadlines(app, config.deadlines, metrics, "origin")
     app[NAMESPACES] = {}
     # Anonymous callers may read the public namespace; everything else needs a token.
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))

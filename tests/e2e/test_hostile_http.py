@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 
 import aiohttp
@@ -170,3 +171,126 @@ async def test_a_rogue_node_record_does_not_get_the_edge_token(tmp_path, etcd_ur
     finally:
         await reg.close()
         await server.close()
+
+
+async def _stalled_get(port: int, path: str) -> socket.socket:
+    """A reader that asks for an object and never reads: a tiny receive buffer, so the server's writes stall."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", port))
+    s.send(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return s
+
+
+def _drained_until_closed(s: socket.socket, timeout: float) -> int:
+    """Read what is left; the byte count once the server closes (raises if it never does)."""
+    s.setblocking(True)
+    s.settimeout(timeout)
+    n = 0
+    try:
+        while chunk := s.recv(1 << 20):
+            n += len(chunk)
+    except ConnectionResetError:
+        pass
+    return n
+
+
+async def test_a_stalled_reader_is_cut_off_and_releases_its_pin(tmp_path, etcd_url):
+    """A reader that never reads once held its response, and the memory entry it pins, forever (an edge full
+    of such pins refuses every insert). Now a response must be taken within grace + size / min rate."""
+    from edge_helpers import metric
+
+    from kdn.service import Deadlines
+
+    def small_send_buffers(app: web.Application) -> None:
+        # Loopback's send buffers grow to megabytes and would swallow a whole object; a slow
+        # network path does not. Shrink the server side of each connection to 8 KiB.
+        async def shrink(request, response):
+            sock = request.transport.get_extra_info("socket") if request.transport else None
+            if sock is not None and request.path.startswith("/v1/objects/"):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        app.on_response_prepare.append(shrink)
+
+    quick = Deadlines(send_grace=0.5, min_send_rate=1e12)
+    async with cluster(tmp_path, etcd_url, edges=(), origin_kw={"deadlines": quick, "prepare": small_send_buffers}) as c:
+        await c.start_edge("e1", deadlines=quick, prepare=small_send_buffers)
+        await c.wait_ring(["e1"])
+        m = await publish(c, TEXT * 5, encodings=["raw"])
+        a = m["addresses"][0]
+        status, body, _ = await get(c.edge_url("e1"), a, encoding="raw")
+        assert status == 200 and len(body) > 100_000
+        edge = c.edge("e1")
+        readers = [await _stalled_get(c.edges["e1"].port, f"/v1/objects/{a}?encoding=raw") for _ in range(3)]
+        try:
+            await asyncio.sleep(0.2)
+            entry = edge.memory._index[(a, "raw")]  # noqa: SLF001 - the pin count is the point
+            assert entry.readers == 3, "the stalled readers do not hold the entry; the test proves nothing"
+            for _ in range(60):
+                if entry.readers == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert entry.readers == 0
+            assert metric(c.edges["e1"], "kdn_http_deadline_exceeded", kind="send") == 3
+            for r in readers:
+                assert await asyncio.to_thread(_drained_until_closed, r, 5) < len(body)  # cut, not finished
+        finally:
+            for r in readers:
+                r.close()
+        # the origin too (a stalled edge or client there)
+        r = await _stalled_get(c.origin.port, f"/v1/objects/{a}?encoding=raw")
+        try:
+            for _ in range(60):
+                if metric(c.origin, "kdn_http_deadline_exceeded", kind="send") == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert metric(c.origin, "kdn_http_deadline_exceeded", kind="send") == 1
+        finally:
+            r.close()
+        assert (await get(c.edge_url("e1"), a, encoding="raw"))[0] == 200  # and it goes on serving
+
+
+async def test_a_slow_body_gets_408_and_the_connection_closes(tmp_path, etcd_url):
+    """A body that trickles in (or never completes) once held its connection forever."""
+    from edge_helpers import metric
+
+    from kdn.service import Deadlines
+
+    quick = Deadlines(body=0.5)
+    async with cluster(tmp_path, etcd_url, edges=("e1",), deadlines=quick, origin_kw={"deadlines": quick}) as c:
+        for server, path in ((c.edges["e1"], "/v1/lookup"), (c.origin, "/v1/lookup")):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            try:
+                writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{\"addresses\": [")
+                await writer.drain()
+                t0 = asyncio.get_running_loop().time()
+                status_line = await asyncio.wait_for(reader.readline(), 5)
+                assert status_line.split()[1] == b"408", status_line
+                rest = await asyncio.wait_for(reader.read(), 5)  # the server closes: EOF
+                assert b"body not received within 0.5 s" in rest
+                assert asyncio.get_running_loop().time() - t0 < 3
+            finally:
+                writer.close()
+            assert metric(server, "kdn_http_deadline_exceeded", kind="body") == 1
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 100_000 + b"]" * 100_000,  # deeper than the parser's stack
+    b'{"addresses": "' + b"a" * 64 + b'"}',  # not a list
+    b'{"addresses": [1, 2]}',  # not addresses
+    b'{"addresses": [], "encoding": 7}',  # a non-string encoding
+    b'{"addresses": [], "encoding": ["zstd"]}',
+    b"\xff\xfe{}",
+    b"",
+], ids=["deep", "addresses-str", "addresses-int", "encoding-int", "encoding-list", "not-utf8", "empty"])
+async def test_malformed_bodies_get_one_line_400s(tmp_path, etcd_url, body):
+    """Deep JSON and a non-string ``encoding`` once gave 500 with a traceback in the log."""
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        async with aiohttp.ClientSession() as s:
+            for url in (c.edge_url("e1"), c.origin_url()):
+                async with s.post(f"{url}/v1/lookup", data=body, headers={"Content-Type": "application/json"}) as r:
+                    answer = await r.json()
+                    assert r.status == 400, (url, answer)
+                    assert answer["error"] == "bad_request" and "\n" not in answer["detail"]
+                    assert len(answer["detail"]) < 300

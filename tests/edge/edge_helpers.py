@@ -52,15 +52,19 @@ class Cluster:
     def edge(self, node_id: str):
         return self.edges[node_id].app[EDGE]
 
-    async def start_origin(self, model: str = "tiny-llama", **kw) -> None:
+    async def start_origin(self, model: str = "tiny-llama", *, prepare=None, **kw) -> None:
         port = free_port()
         cfg = OriginConfig(model=model, registry=self.registry, store=str(self.tmp / "origin-store"), port=port,
                            token_file=str(self.tokens), node_id="origin-1", fsync=False, **kw)
-        self.origin = TestServer(create_origin(cfg), host="127.0.0.1", port=port)
+        app = create_origin(cfg)
+        if prepare is not None:
+            prepare(app)  # e.g. a signal handler a test adds before the app is frozen
+        self.origin = TestServer(app, host="127.0.0.1", port=port)
         await self.origin.start_server()
 
     async def start_edge(self, node_id: str, region: str = "eu", *, mem_budget: int = 64 << 20,
-                         disk_budget: int = 256 << 20, prefetch: int = 0, origin: bool | str = True, **kw) -> None:
+                         disk_budget: int = 256 << 20, prefetch: int = 0, origin: bool | str = True, prepare=None,
+                         **kw) -> None:
         cfg = self.configs.get(node_id)
         if cfg is None:
             port = free_port()
@@ -72,7 +76,10 @@ class Cluster:
                              lease_ttl=2.0, fsync=False, **kw)
             self.tokens.with_name("edge-token").write_text(EDGE_TOKEN + "\n")
             self.configs[node_id] = cfg
-        server = TestServer(create_edge(cfg), host="127.0.0.1", port=cfg.port)
+        app = create_edge(cfg)
+        if prepare is not None:
+            prepare(app)
+        server = TestServer(app, host="127.0.0.1", port=cfg.port)
         await server.start_server()
         self.edges[node_id] = server
 
