@@ -21,6 +21,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import ipaddress
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class Grants:
     @classmethod
     def parse(cls, text: str, *, anonymous: Grant | None = None) -> Grants:
         grants: dict[bytes, Grant] = {}
+        seen: dict[bytes, int] = {}  # token digest -> its line
         for lineno, raw in enumerate(text.splitlines(), 1):
             # A comment starts with '#' at the start of a line or after whitespace; a '#' inside a token
             # is a bad token (once it silently cut the line to one field: every role, every namespace).
@@ -94,7 +96,13 @@ class Grants:
                 raise InvalidInput(f"token file line {lineno}: expected 'TOKEN' or 'TOKEN ROLES NAMESPACES'")
             if len(parts[0]) < 16:
                 raise InvalidInput(f"token file line {lineno}: tokens must be at least 16 characters")
-            grants[_digest(parts[0])] = grant
+            digest = _digest(parts[0])
+            if digest in seen:
+                # Which line wins would be an accident of order: say so instead of granting either.
+                raise InvalidInput(f"token file line {lineno}: the token of line {seen[digest]} again; "
+                                   "one line per token, its roles and namespaces comma-separated")
+            seen[digest] = lineno
+            grants[digest] = grant
         return cls(grants, anonymous=anonymous)
 
     @classmethod
@@ -103,8 +111,12 @@ class Grants:
             return cls(anonymous=anonymous)
         try:
             text = Path(path).read_text()
+            mode = os.stat(path).st_mode
         except OSError as e:
             raise InvalidInput(f"cannot read token file {str(path)!r}: {e.strerror}") from None
+        if mode & 0o004:
+            logging.getLogger(__name__).warning(
+                "token file %s is readable by every user on this machine (mode %o): chmod o-r it", path, mode & 0o777)
         return cls.parse(text, anonymous=anonymous)
 
     @property

@@ -242,3 +242,20 @@ def test_tokens_are_a_charset_not_any_bytes():
     for bad in ("tok\u00e9n-0123456789abc read *", "tok'en-0123456789abc read *"):
         with pytest.raises(InvalidInput, match="a token is made of"):
             Grants.parse(bad)
+
+
+def test_a_token_on_two_lines_is_refused_not_resolved_by_order():
+    """Two lines for one token once meant the last one silently won (a narrowed grant undone by a stray line)."""
+    with pytest.raises(InvalidInput, match="line 3: the token of line 1 again"):
+        Grants.parse(f"{READER} read acme\n{PUB} publish public\n{READER} admin *\n")
+
+
+def test_a_world_readable_token_file_is_warned_about(tmp_path, caplog):
+    path = tmp_path / "tokens"
+    path.write_text(TOKEN_FILE)
+    path.chmod(0o640)
+    Grants.from_file(path)
+    assert "readable by every user" not in caplog.text
+    path.chmod(0o644)
+    Grants.from_file(path)
+    assert "readable by every user" in caplog.text and "chmod o-r" in caplog.text
