@@ -95,12 +95,33 @@ class RecordCache:
     not believed, so no byte is fetched, kept or served for it.
     """
 
-    def __init__(self, registry, size: int, verifier=None, on_refused=None) -> None:
+    def __init__(self, registry, size: int, verifier=None, on_refused=None, negative_ttl: float = 2.0) -> None:
         self.registry = registry
         self.size = size
         self.verifier = verifier
         self.on_refused = on_refused
         self._lru: OrderedDict[str, ObjectRecord] = OrderedDict()
+        # Addresses the registry did not have (or whose record is not trusted), for negative_ttl
+        # seconds: a flood of requests for absent addresses costs one registry read each per TTL,
+        # not one per request. A record published meanwhile is seen at most that late.
+        self.negative_ttl = negative_ttl
+        self._absent: OrderedDict[str, float] = OrderedDict()  # address -> when to ask again
+
+    def _known_absent(self, address: str) -> bool:
+        until = self._absent.get(address)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._absent[address]
+        return False
+
+    def _note_absent(self, address: str) -> None:
+        if self.negative_ttl > 0:
+            self._absent[address] = time.monotonic() + self.negative_ttl
+            self._absent.move_to_end(address)
+            while len(self._absent) > self.size:
+                self._absent.popitem(last=False)
 
     def _trusted(self, rec: ObjectRecord | None) -> ObjectRecord | None:
         if rec is None or self.verifier is None or self.verifier.ok(rec):
@@ -118,24 +139,29 @@ class RecordCache:
 
     async def get(self, address: str) -> ObjectRecord | None:
         rec = self._lru.get(address)
-        if rec is None:
+        if rec is None and not self._known_absent(address):
             rec = self._trusted(await self.registry.get_object(address))
             if rec is not None:
                 self._keep(rec)
+            else:
+                self._note_absent(address)
         return rec
 
     async def get_many(self, addresses: list[str]) -> list[ObjectRecord | None]:
-        missing = [a for a in addresses if a not in self._lru]
+        missing = list(dict.fromkeys(a for a in addresses if a not in self._lru and not self._known_absent(a)))
         if missing:
-            for rec in await self.registry.get_objects(missing):
+            for address, rec in zip(missing, await self.registry.get_objects(missing)):
                 rec = self._trusted(rec)
                 if rec is not None:
                     self._keep(rec)
+                else:
+                    self._note_absent(address)
         return [self._lru.get(a) for a in addresses]
 
     def forget(self, address: str) -> None:
         """Encodings can be added to a record later: drop it so the next read sees them."""
         self._lru.pop(address, None)
+        self._absent.pop(address, None)
 
 
 @dataclass

@@ -1,0 +1,61 @@
+"""The edge's record cache: records kept, absences remembered briefly (a flood of unknown addresses
+once cost one registry read per request)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "registry"))
+
+from registry_helpers import addr, model, obj  # noqa: E402
+
+from kdn.edge.app import RecordCache  # noqa: E402
+from kdn.registry import EmbeddedRegistry  # noqa: E402
+
+
+class Counting:
+    """The real registry, with its object reads counted."""
+
+    def __init__(self, reg) -> None:
+        self.reg, self.reads = reg, 0
+
+    async def get_object(self, address):
+        self.reads += 1
+        return await self.reg.get_object(address)
+
+    async def get_objects(self, addresses):
+        self.reads += len(addresses)
+        return await self.reg.get_objects(addresses)
+
+
+async def test_absent_addresses_cost_one_registry_read_per_ttl(tmp_path):
+    async with EmbeddedRegistry(tmp_path / "r.sqlite3") as reg:
+        await reg.put_model(model())
+        counting = Counting(reg)
+        cache = RecordCache(counting, size=100, negative_ttl=0.3)
+        a = addr("one")
+        for _ in range(1000):
+            assert await cache.get(a) is None
+        assert await cache.get_many([a] * 4096) == [None] * 4096
+        assert counting.reads == 1
+        await reg.put_objects([obj("one")])  # published meanwhile: seen once the TTL has passed
+        assert await cache.get(a) is None
+        await asyncio.sleep(0.35)
+        assert (await cache.get(a)).address == a
+        assert counting.reads == 2
+        for _ in range(10):
+            await cache.get(a)  # a record, once found, is kept
+        assert counting.reads == 2
+
+
+async def test_absences_are_bounded_and_forget_clears_one(tmp_path):
+    async with EmbeddedRegistry(tmp_path / "r.sqlite3") as reg:
+        counting = Counting(reg)
+        cache = RecordCache(counting, size=10, negative_ttl=60)
+        await cache.get_many([addr(str(i)) for i in range(100)])
+        assert len(cache._absent) == 10  # noqa: SLF001 - the bound is the point
+        cache.forget(addr("99"))
+        await cache.get(addr("99"))
+        assert counting.reads == 101
