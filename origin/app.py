@@ -16,6 +16,7 @@ Routes (JSON errors ``{"error", "detail"}`` everywhere):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -76,6 +77,7 @@ LOADED = web.AppKey("loaded", object)
 PRODUCER = web.AppKey("producer", Producer)
 JOBS = web.AppKey("jobs", JobQueue)
 EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
+TOKENIZER = web.AppKey("tokenizer", ThreadPoolExecutor)
 NAMESPACES = web.AppKey("namespaces", dict)  # address -> namespace (immutable, so cacheable)
 M = web.AppKey("origin_metrics", dict)
 
@@ -106,6 +108,9 @@ async def _model_ctx(app: web.Application):
         log.info("origin signs its records with key %s", app[REGISTRY].signer.key_id)
     # One thread owns the model: torch state (inference mode, the model itself) is not shared.
     app[EXECUTOR] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-model")
+    # Another tokenizes publish bodies (up to max_body_bytes of text: seconds), off the event loop
+    # and not queued behind a forward pass; one thread, so the tokenizer is never used concurrently.
+    app[TOKENIZER] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-tokenize")
     from kdn.adapters.hf import load_model
 
     loop = asyncio.get_running_loop()
@@ -126,6 +131,7 @@ async def _model_ctx(app: web.Application):
         yield
     finally:
         app[EXECUTOR].shutdown(wait=True, cancel_futures=True)
+        app[TOKENIZER].shutdown(wait=True, cancel_futures=True)
 
 
 def _vllm_producer(cfg: OriginConfig, loaded, store: ObjectStore) -> Producer:
@@ -174,9 +180,11 @@ async def publish(request: web.Request) -> web.Response:
     namespace = body.get("namespace", "public")
     app[GRANTS].check(bearer(request), "publish", namespace if isinstance(namespace, str) else "")
     loaded = app[LOADED]
-    spec = parse_request(body, tokenizer=loaded.tokenizer, vocab_size=loaded.model.config.vocab_size,
-                         max_tokens=min(loaded.max_positions, app[CONFIG].max_context) if app[CONFIG].engine == "vllm"
-                         else loaded.max_positions)
+    max_tokens = (min(loaded.max_positions, app[CONFIG].max_context) if app[CONFIG].engine == "vllm"
+                  else loaded.max_positions)
+    spec = await asyncio.get_running_loop().run_in_executor(app[TOKENIZER], functools.partial(
+        parse_request, body, tokenizer=loaded.tokenizer, vocab_size=loaded.model.config.vocab_size,
+        max_tokens=max_tokens))
     if spec.standalone and app[CONFIG].engine != "hf":
         return json_error(400, "invalid_input", "standalone chunks are computed by an origin with --engine hf")
     try:
