@@ -151,3 +151,44 @@ async def test_ambiguous_content_lengths_are_refused(head):
         g.close()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize("late", [b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nxyz", b"x"])
+async def test_a_pooled_connection_holding_unsolicited_bytes_is_not_reused(late):
+    """A server (or a path) that sends bytes while the connection sits idle in the pool could once have them
+    read as the head of the next response: a forged answer to a request not yet sent."""
+    sent_late = asyncio.Event()
+    connections = {"n": 0}
+
+    async def handler(reader, writer):
+        connections["n"] += 1
+        try:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc")
+            await writer.drain()
+            if connections["n"] == 1:
+                await asyncio.sleep(0.05)
+                writer.write(late)  # unasked, while the client holds the connection idle
+                await writer.drain()
+                sent_late.set()
+            while True:
+                await read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        buf = bytearray(3)
+        await g.get(url + "/o", memoryview(buf), {}, 5)
+        await asyncio.wait_for(sent_late.wait(), 5)
+        await asyncio.sleep(0.05)
+        buf = bytearray(3)
+        r = await g.get(url + "/o", memoryview(buf), {}, 5)
+        assert r.status == 200 and bytes(buf) == b"abc"  # the real answer, not the planted "xyz"
+        assert connections["n"] == 2  # the dirty connection was dropped, a fresh one used
+    finally:
+        g.close()
+        server.close()
