@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from kdn import service
 from kdn.address import validate_address, validate_name
 from kdn.auth import Grant, Grants, TokenScope
-from kdn.errors import SourceError
+from kdn.errors import KDNError, SourceError
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
 
@@ -425,14 +425,27 @@ def _upstream_headers(path: str | None) -> dict[str, str]:
 async def _watch_manifests(edge: Edge) -> None:
     """Keep the chain index (for prefetch) current: list, then follow changes."""
 
+    warned: set[str] = set()
+
+    def put(key: str, value: bytes) -> None:
+        # One unreadable manifest (a newer writer, a bad hand edit) hides itself only: once it failed
+        # the whole snapshot, which left prefetch off and re-listed every manifest in a retry loop.
+        try:
+            edge.chains.put(Manifest.unpack(value))
+        except KDNError as e:
+            edge.m.bad_records.labels("manifest").inc()
+            if key not in warned and len(warned) < 1024:
+                warned.add(key)
+                log.warning("skipping unreadable manifest record %s: %s", key, str(e).splitlines()[0][:200])
+
     async def on_event(ev) -> None:
         if ev.kind == "snapshot":
             edge.chains = ChainIndex()
             edge.prefetcher.index = edge.chains
-            for value in ev.items.values():
-                edge.chains.put(Manifest.unpack(value))
+            for key, value in ev.items.items():
+                put(key, value)
         elif ev.kind == "put":
-            edge.chains.put(Manifest.unpack(ev.value))
+            put(ev.key, ev.value)
         elif ev.kind == "delete":
             edge.chains.remove(ev.key.split("/", 1)[1])
 

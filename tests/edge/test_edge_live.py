@@ -121,3 +121,23 @@ async def _wait(pred, timeout: float = 10.0) -> None:
     while not pred():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+async def test_a_malformed_manifest_record_hides_only_itself(tmp_path, etcd_url):
+    """One unreadable manifest record once failed the prefetch index's whole snapshot: prefetch off for every
+    manifest, and every manifest re-listed in a retry loop."""
+    reg = open_registry(etcd_url)
+    try:
+        async with cluster(tmp_path, etcd_url, edges=(), prefetch=2) as c:
+            await reg._put(reg._key("manifests/public/broken"), b"\xc1 not msgpack")  # noqa: SLF001 - a raw bad record
+            m = await publish(c, TEXT)  # before the edge starts: both are in its first snapshot
+            await c.start_edge("e1", prefetch=2)
+            await c.wait_ring(["e1"])
+            a = m["addresses"]
+            await _wait(lambda: c.edge("e1").chains.following(a[0], 2) == a[1:3])
+            await reg._put(reg._key("manifests/public/broken2"), b"\xc1")  # noqa: SLF001 - and one that arrives live
+            m2 = await publish(c, TEXT + " and again", name="doc2")
+            await _wait(lambda: c.edge("e1").chains.following(m2["addresses"][0], 1) == m2["addresses"][1:2])
+            assert metric(c.edges["e1"], "kdn_edge_bad_registry_records", kind="manifest") == 2
+    finally:
+        await reg.close()
