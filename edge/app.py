@@ -204,6 +204,7 @@ class Edge:
         self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
         self.flight: SingleFlight[tuple[bytes, str]] = SingleFlight()  # one fill per key at a time
         self._background: set[asyncio.Task] = set()
+        self._disk_error_logged = float("-inf")
         self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
 
     def background(self, coro) -> None:
@@ -310,8 +311,20 @@ class Edge:
         await self.memory.put(key, filled.blob, meta)
         # The owner keeps a durable copy (fsynced: not on the response path); other edges a hot one.
         if self.disk is not None and self.owns(key[0]) and not self.disk.contains(key):
-            self.background(self.disk.put(key, filled.blob, meta))
+            self.background(self._persist(key, filled.blob, meta))
         return filled.blob, filled.source
+
+    async def _persist(self, key: Key, blob: bytes, meta: EntryMeta) -> None:
+        """The owner's disk copy. A disk that fails (full, read-only, gone) costs that copy only: the
+        memory tier and the response are not affected; counted, and logged at most once a minute."""
+        try:
+            await self.disk.put(key, blob, meta)
+        except OSError as e:
+            self.m.disk_write_errors.inc()
+            now = time.monotonic()
+            if now - self._disk_error_logged > 60:
+                self._disk_error_logged = now
+                log.warning("disk tier write failed (%s); serving from memory and upstream", e)
 
     def where(self, key: Key, rec: ObjectRecord) -> str:
         """Where a read of ``key`` would come from now: a tier, else the first source the plan would fill from."""

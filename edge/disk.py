@@ -165,12 +165,16 @@ class DiskTier(_BaseTier):
 
     def _write_sidecar(self, path: Path, data: bytes) -> None:
         tmp = self.blobs.tmp / f"{path.name}.{secrets.token_hex(6)}.part"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self._fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # e.g. ENOSPC: leave no temp file behind
+            tmp.unlink(missing_ok=True)
+            raise
         if self._fsync:
             # The sidecar's rename must be durable before the blob's: fsync the folder now.
             BlobDir._fsync_dir(path.parent)

@@ -1,0 +1,459 @@
+"""A KDN of real processes on 127.0.0.1, readers that check every byte, and faults injected by PID.
+
+Used by ``bench/faults.py`` (every scenario, with figures) and ``tests/faults/`` (a fast
+subset in CI). Nothing here is mocked: etcd is ``/usr/bin/etcd`` on free ports with its
+own data directory (stopped and restarted on the same one), the origin and the edges are
+``python -m kdn.cli ... serve`` processes, and faults are signals to their PIDs, etcd
+stopped and started, a size-limited tmpfs under a disk tier, or a kill in the middle of
+writes.
+
+    world = World(tmp, regions={"eu": 2, "us": 2})
+    await world.start()
+    manifest = await world.publish(text)              # digests recorded from the registry now
+    readers = Readers(world, addresses, per_region=4)
+    async with readers.running():
+        await asyncio.sleep(1)
+        world.edges["eu-1"].kill()                    # the fault
+        ...
+    print(readers.stats)                              # reads, failed, wrong bytes, latencies
+
+Wrong bytes are checked against digests read from the registry right after publishing,
+before any fault: a reader trusts neither the edge it reads nor the headers it gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from blake3 import blake3
+
+ETCD_BIN = os.environ.get("KDN_ETCD_BIN", "/usr/bin/etcd")
+PREFIX = "/kdn-faults/"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- etcd --------------------------------------------------------------------------------
+
+
+class Etcd:
+    """One etcd member whose data survives ``stop()``: stop and start it again on the same ports."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.data = root / "etcd-data"
+        self.client_port, self.peer_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log = root / "etcd.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def registry(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}{PREFIX}"
+
+    def start(self, *, new: bool | None = None, timeout: float = 20.0) -> None:
+        if not os.path.exists(ETCD_BIN):
+            raise RuntimeError(f"{ETCD_BIN} not found: apt-get install etcd-server (scripts/setup does)")
+        c, p = self.endpoint, f"http://127.0.0.1:{self.peer_port}"
+        state = "new" if (new if new is not None else not self.data.exists()) else "existing"
+        args = [ETCD_BIN, "--name", "f", "--data-dir", str(self.data),
+                "--listen-client-urls", c, "--advertise-client-urls", c,
+                "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
+                "--initial-cluster", f"f={p}", "--initial-cluster-state", state,
+                "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}", "--log-level", "error"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log.read_text()[-1500:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
+                    if json.load(r).get("health") in ("true", True):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"etcd did not become healthy in {timeout} s")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def etcdctl(self, *args: str) -> str:
+        r = subprocess.run(["etcdctl", f"--endpoints={self.endpoint}", *args], capture_output=True, text=True,
+                           timeout=30, env={**os.environ, "ETCDCTL_API": "3"})
+        if r.returncode != 0:
+            raise RuntimeError(f"etcdctl {' '.join(args)}: {r.stderr.strip()[-500:]}")
+        return r.stdout
+
+    def snapshot(self, path: Path) -> None:
+        self.etcdctl("snapshot", "save", str(path))
+
+    def restore(self, path: Path) -> None:
+        """Replace the data with a snapshot (etcd stopped): what an operator does after losing the member."""
+        assert self.proc is None, "stop etcd first"
+        shutil.rmtree(self.data, ignore_errors=True)
+        r = subprocess.run(["etcdctl", "snapshot", "restore", str(path), "--data-dir", str(self.data),
+                            "--name", "f", "--initial-cluster", f"f=http://127.0.0.1:{self.peer_port}",
+                            "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}"],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "ETCDCTL_API": "3"})
+        if r.returncode != 0:
+            raise RuntimeError(f"snapshot restore: {r.stderr[-500:]}")
+
+    def compact_now(self) -> None:
+        status = json.loads(self.etcdctl("endpoint", "status", "-w", "json"))
+        rev = status[0]["Status"]["header"]["revision"]
+        self.etcdctl("compaction", str(rev))
+
+
+# --- KDN processes -------------------------------------------------------------------------
+
+
+class Node:
+    """One ``kdn ... serve`` process: started, killed, stopped and restarted with the same arguments."""
+
+    def __init__(self, name: str, args: list[str], port: int, log: Path) -> None:
+        self.name, self.args, self.port, self.log = name, args, port, log
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def spawn(self) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kdn.cli", *self.args],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env)
+
+    async def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+            while True:
+                if not self.alive:
+                    raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with s.get(f"{self.url}/healthz") as r:
+                        if r.status == 200:
+                            return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} not healthy in {timeout} s: {self.log.read_text()[-2000:]}")
+                await asyncio.sleep(0.1)
+
+    async def start(self, timeout: float = 60.0) -> None:
+        self.spawn()
+        await self.wait_healthy(timeout)
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no lease revoke; the registry notices after the lease TTL."""
+        if self.alive:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The sum of a Prometheus series on this node's /metrics (0 when absent)."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            async with s.get(f"{self.url}/metrics") as r:
+                text = await r.text()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("#") or not line.startswith(name):
+                continue
+            series, _, value = line.rpartition(" ")
+            base, _, rest = series.partition("{")
+            if base not in (name, name + "_total"):
+                continue
+            if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+                total += float(value)
+        return total
+
+
+PUBLISH = "pub-" + secrets.token_hex(14)
+EDGE = "edge-" + secrets.token_hex(14)
+
+
+@dataclass
+class World:
+    """etcd, one origin, and edges in regions; every process on 127.0.0.1 under ``root``."""
+
+    root: Path
+    regions: dict[str, int] = field(default_factory=lambda: {"eu": 2, "us": 2})
+    model: str = "tiny-llama"
+    mem_budget: str = "64MiB"
+    disk_budget: str = "256MiB"
+    lease_ttl: str = "2s"
+    disks: dict[str, Path] = field(default_factory=dict)  # edge name -> its disk folder (default: under root)
+    etcd: Etcd = field(init=False)
+    origin: Node = field(init=False)
+    edges: dict[str, Node] = field(init=False, default_factory=dict)
+    digests: dict[str, tuple[str, str, int]] = field(init=False, default_factory=dict)  # address -> enc, digest, size
+
+    def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.etcd = Etcd(self.root)
+        (self.root / "tokens").write_text(f"{PUBLISH} publish,read *\n{EDGE} read *\n")
+        (self.root / "edge.token").write_text(EDGE + "\n")
+        (self.root / "tokens").chmod(0o600)
+        port = free_port()
+        self.origin = Node("origin", ["origin", "serve", "--model", self.model, "--registry", self.etcd.registry,
+                                      "--store", str(self.root / "origin-store"), "--port", str(port),
+                                      "--node-id", "origin-1", "--token-file", str(self.root / "tokens")],
+                           port, self.root / "origin.log")
+        for region, n in self.regions.items():
+            for i in range(1, n + 1):
+                name = f"{region}-{i}"
+                port = free_port()
+                disk = self.disks.get(name, self.root / f"disk-{name}")
+                self.edges[name] = Node(name, [
+                    "edge", "serve", "--region", region, "--registry", self.etcd.registry, "--port", str(port),
+                    "--node-id", name, "--mem-budget", self.mem_budget, "--disk", str(disk),
+                    "--disk-budget", self.disk_budget, "--lease-ttl", self.lease_ttl, "--prefetch", "0",
+                    "--token-file", str(self.root / "tokens"), "--upstream-token-file", str(self.root / "edge.token"),
+                ], port, self.root / f"{name}.log")
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.etcd.start)
+        await self.origin.start(timeout=120)
+        for e in self.edges.values():
+            e.spawn()
+        for e in self.edges.values():
+            await e.wait_healthy()
+        await self.wait_rings()
+
+    async def close(self) -> None:
+        for n in [*self.edges.values(), self.origin]:
+            n.stop()
+        await asyncio.to_thread(self.etcd.stop)
+
+    def region_of(self, edge: str) -> str:
+        return edge.rsplit("-", 1)[0]
+
+    def live_edges(self, region: str | None = None) -> list[Node]:
+        return [e for n, e in self.edges.items() if e.alive and (region is None or self.region_of(n) == region)]
+
+    async def ring(self, region: str) -> list[str]:
+        from kdn.registry import open_registry
+
+        async with open_registry(self.etcd.registry) as reg:
+            return sorted(n.node_id for n in await reg.list_nodes("edge", region))
+
+    async def wait_rings(self, timeout: float = 30.0) -> float:
+        """Until every region's registered edges are exactly its live ones; the seconds it took."""
+        t0 = time.monotonic()
+        while True:
+            ok = True
+            for region in self.regions:
+                want = sorted(e.name for e in self.live_edges(region))
+                try:
+                    ok = ok and await self.ring(region) == want
+                except Exception:  # noqa: BLE001 - etcd may be down: not healed yet
+                    ok = False
+            if ok:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"rings did not settle in {timeout} s")
+            await asyncio.sleep(0.1)
+
+    async def publish(self, text: str, name: str, encodings: tuple[str, ...] = ("zstd",), timeout: float = 180) -> dict:
+        """Publish through the origin, wait for the job, and record each address's digest from the registry."""
+        from kdn.registry import open_registry
+
+        async with aiohttp.ClientSession(self.origin.url, headers={"Authorization": f"Bearer {PUBLISH}"}) as s:
+            async with s.post("/v1/publish", json={"name": name, "text": text, "encodings": list(encodings)}) as r:
+                body = await r.json()
+                if r.status != 202:
+                    raise RuntimeError(f"publish: {r.status} {body}")
+            deadline = time.monotonic() + timeout
+            while True:
+                async with s.get(f"/v1/jobs/{body['job']}") as r:
+                    job = await r.json()
+                if job["state"] == "done":
+                    break
+                if job["state"] == "failed" or time.monotonic() > deadline:
+                    raise RuntimeError(f"publish job: {job}")
+                await asyncio.sleep(0.05)
+        manifest = job["manifest"]
+        async with open_registry(self.etcd.registry) as reg:
+            for a in manifest["addresses"]:
+                rec = await reg.get_object(a)
+                enc = encodings[0]
+                self.digests[a] = (enc, rec.encodings[enc].digest, rec.encodings[enc].size)
+        return manifest
+
+
+# --- readers ------------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    reads: int = 0
+    failed: int = 0  # no edge of the region answered 200
+    wrong: int = 0  # a 200 whose bytes do not match the digest recorded at publish time
+    retried: int = 0  # first edge failed, another answered
+    latencies: list[float] = field(default_factory=list)
+    failures: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, why), first 200
+    statuses: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, why: str) -> None:
+        self.failed += 1
+        self.statuses[why] = self.statuses.get(why, 0) + 1
+        if len(self.failures) < 200:
+            self.failures.append((time.monotonic(), why))
+
+    def pct(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Readers:
+    """Concurrent readers, each in a region, reading addresses at random through that region's live edges.
+
+    A read tries one live edge of its region, and on a connection error or a 5xx one other
+    (what a client with two edges configured does); it is *failed* if neither answers 200.
+    Every 200 body is hashed and compared with the digest recorded at publish time.
+    """
+
+    def __init__(self, world: World, addresses: list[str], *, per_region: int = 4, pause: float = 0.0,
+                 seed: int = 0, timeout: float = 10.0, token: str | None = None) -> None:
+        self.world, self.addresses = world, list(addresses)
+        self.per_region, self.pause, self.timeout = per_region, pause, timeout
+        self.rng = random.Random(seed)
+        self.stats = Stats()
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._stop = asyncio.Event()
+
+    async def _read_once(self, s: aiohttp.ClientSession, region: str, address: str) -> None:
+        enc, digest, size = self.world.digests[address]
+        edges = self.world.live_edges(region)
+        self.rng.shuffle(edges)
+        t0 = time.monotonic()
+        why = "no live edge"
+        for attempt, edge in enumerate(edges[:2]):
+            try:
+                async with s.get(f"{edge.url}/v1/objects/{address}", params={"encoding": enc},
+                                 headers=self.headers) as r:
+                    body = await r.read()
+                    if r.status == 200:
+                        self.stats.reads += 1
+                        if len(body) != size or blake3(body).hexdigest() != digest:
+                            self.stats.wrong += 1
+                        self.stats.latencies.append(time.monotonic() - t0)
+                        self.stats.retried += attempt > 0
+                        return
+                    why = f"http {r.status}"
+                    if r.status < 500:
+                        break  # a 4xx is an answer, not a dead edge
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                why = type(e).__name__
+        self.stats.reads += 1
+        self.stats.fail(why)
+
+    async def _reader(self, region: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout, sock_connect=2)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            while not self._stop.is_set():
+                await self._read_once(s, region, self.rng.choice(self.addresses))
+                if self.pause:
+                    await asyncio.sleep(self.pause)
+                else:
+                    await asyncio.sleep(0)
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        self._stop.clear()
+        tasks = [asyncio.create_task(self._reader(r)) for r in self.world.regions for _ in range(self.per_region)]
+        try:
+            yield self.stats
+        finally:
+            self._stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def read_all(self, region: str) -> Stats:
+        """Read every address once through ``region`` (warming, or a check after a fault)."""
+        before = Stats(**{k: v for k, v in vars(self.stats).items()})
+        self.stats = Stats()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as s:
+            for a in self.addresses:
+                await self._read_once(s, region, a)
+        got, self.stats = self.stats, before
+        return got
+
+
+# --- tmpfs --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` (root only): a disk tier that runs out of space."""
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        raise PermissionError(f"cannot mount a tmpfs at {path} (needs root): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def can_mount() -> bool:
+    probe = Path(f"/tmp/kdn-mount-probe-{os.getpid()}")
+    try:
+        with small_filesystem(probe, "64k"):
+            return True
+    except PermissionError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            probe.rmdir()

@@ -1,0 +1,368 @@
+"""Faults under load: each scenario runs a KDN of real processes while readers keep reading, injects one
+fault, and measures reads failed, wrong bytes served, and the time to heal.
+
+    python -P bench/faults.py                      # every scenario, full durations (a few minutes)
+    python -P bench/faults.py --quick              # the durations CI uses (tests/faults/)
+    python -P bench/faults.py --only etcd_down     # one scenario
+    python -P bench/faults.py --json out.json
+
+Every process is on 127.0.0.1 under a temp folder (faultlib.World); faults go to PIDs. A read
+is *failed* when no live edge of the reader's region answers 200 (a reader tries two, as a
+client with two edges does); *wrong* when a 200's bytes differ from the digest recorded at
+publish time, before any fault. The disk-full scenario needs root (a size-limited tmpfs).
+The results table is the one in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+_here = Path(__file__).resolve().parent
+if "kdn_bench_faultlib" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("kdn_bench_faultlib", _here / "faultlib.py")
+    sys.modules["kdn_bench_faultlib"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["kdn_bench_faultlib"])
+F = sys.modules["kdn_bench_faultlib"]
+
+# Texts that fill tiny-llama's 4096-token context about 85%: 13 chunks each.
+PARAGRAPH = ("The keeper's log for the north light: wind, weather, ships sighted, oil burned, the lens cleaned "
+             "at dawn, and the fog signal sounded when the light could not be seen from the harbor wall. ")
+
+
+def text(n: int) -> str:
+    return f"Volume {n}. " + (PARAGRAPH * 20)[:3400]
+
+
+@dataclass
+class Row:
+    scenario: str
+    what: str  # what happened, in words
+    reads: int = 0
+    failed: int = 0
+    wrong: int = 0
+    heal_s: float | None = None  # fault cleared -> healed (see each scenario)
+    p50_ms: float = float("nan")
+    p99_ms: float = float("nan")
+    notes: dict = field(default_factory=dict)
+    expect_failed: int | None = 0  # the goal for `failed`: 0 where a source stays alive
+
+    @property
+    def ok(self) -> bool:
+        return self.wrong == 0 and (self.expect_failed is None or self.failed <= self.expect_failed)
+
+
+def _row(name: str, what: str, stats, **kw) -> Row:
+    return Row(name, what, stats.reads, stats.failed, stats.wrong, p50_ms=stats.pct(0.5) * 1e3,
+               p99_ms=stats.pct(0.99) * 1e3, **kw)
+
+
+async def _world(tmp: Path, **kw):
+    w = F.World(tmp, **kw)
+    await w.start()
+    return w
+
+
+# --- scenarios -------------------------------------------------------------------------------
+
+
+async def owner_killed(tmp: Path, quick: bool) -> Row:
+    """The owner of addresses SIGKILLed while readers fill through it: fills fall back, then the ring heals."""
+    w = await _world(tmp, regions={"eu": 3})
+    try:
+        m = await w.publish(text(1), "vol1")
+        r = F.Readers(w, m["addresses"], per_region=6)
+        async with r.running() as stats:
+            await asyncio.sleep(0.3)  # cold: reads are filling through their owners now
+            victim = w.edges["eu-2"]
+            victim.kill()
+            t_kill = time.monotonic()
+            await w.wait_rings(timeout=30)
+            heal = time.monotonic() - t_kill
+            await asyncio.sleep(1.0 if quick else 5.0)
+        peer_errors = sum([await e.metric("kdn_edge_source_errors", source="peer") for e in w.live_edges()])
+        return _row("owner_killed", "owner SIGKILLed mid-fill; its peers fall back to the origin, "
+                    "then take its share when its lease expires (TTL 2 s; heal = kill to ring settled)", stats,
+                    heal_s=heal, notes={"fills_from_dead_owner_failed": peer_errors,
+                                        "reads_retried_on_2nd_edge": stats.retried})
+    finally:
+        await w.close()
+
+
+async def lying_peer(tmp: Path, quick: bool) -> Row:
+    """A registered 'edge' that serves flipped bytes for everything it owns: never passed on."""
+    from aiohttp import web
+
+    from kdn.registry import NodeRecord, open_registry
+
+    w = await _world(tmp, regions={"eu": 2})
+    reg = None
+    runner = None
+    try:
+        m = await w.publish(text(2), "vol2")
+
+        async def liar(request: web.Request) -> web.Response:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{w.origin.url}/v1/objects/{request.match_info['address']}", params=request.query,
+                                 headers={"Authorization": f"Bearer {F.EDGE}"}) as up:
+                    body = bytearray(await up.read())
+            body[len(body) // 2] ^= 0x40
+            return web.Response(body=bytes(body))
+
+        app = web.Application()
+        app.router.add_get("/v1/objects/{address}", liar)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = F.free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        reg = open_registry(w.etcd.registry)
+        lease = await reg.register_node(NodeRecord("edge", "eu", "liar", f"http://127.0.0.1:{port}"), ttl=10)
+        await asyncio.sleep(1.0)  # the edges see the liar in their ring
+        r = F.Readers(w, m["addresses"], per_region=4)
+        async with r.running() as stats:
+            await asyncio.sleep(2.0 if quick else 10.0)
+        refused = sum([await e.metric("kdn_edge_digest_failures") for e in w.edges.values()])
+        await lease.close()
+        return _row("lying_peer", "a registered peer serves one flipped byte in every object it owns; edges "
+                    "verify, count it and fill from the origin", stats, notes={"digest_failures": refused})
+    finally:
+        if reg is not None:
+            await reg.close()
+        if runner is not None:
+            await runner.cleanup()
+        await w.close()
+
+
+async def etcd_down(tmp: Path, quick: bool) -> Row:
+    """etcd stopped while readers read a warm working set; back after `down` s, compacted at once."""
+    down = 5.0 if quick else 30.0
+    w = await _world(tmp, regions={"eu": 2, "us": 2})
+    try:
+        m = await w.publish(text(3), "vol3")
+        r = F.Readers(w, m["addresses"], per_region=4)
+        for region in w.regions:  # warm: records and bytes at the edges
+            warm = await r.read_all(region)
+            assert warm.failed == 0 and warm.wrong == 0, vars(warm)
+        async with r.running() as stats:
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(w.etcd.stop)
+            await asyncio.sleep(down)
+            await asyncio.to_thread(w.etcd.start)
+            t_back = time.monotonic()
+            await asyncio.to_thread(w.etcd.compact_now)  # watches resuming from their revision must re-list
+            m2 = await w.publish(text(4), "vol4")  # a write after the outage
+            heal = await w.wait_rings(timeout=60)
+            # the new manifest reaches readers through the edges (records watched and fetched again)
+            r2 = F.Readers(w, m2["addresses"], per_region=1)
+            after = await r2.read_all("us")
+            healed = time.monotonic() - t_back
+            await asyncio.sleep(0.5)
+        stats.reads += after.reads
+        stats.failed += after.failed
+        stats.wrong += after.wrong
+        return _row("etcd_down", f"etcd stopped {down:.0f} s under load, then back and compacted at once: "
+                    "edges serve the warm set throughout; rings, writes and new records resume", stats,
+                    heal_s=healed, notes={"rings_ok_after_s": round(heal, 2)})
+    finally:
+        await w.close()
+
+
+async def etcd_restored(tmp: Path, quick: bool) -> Row:
+    """etcd lost and restored from a snapshot taken before a later publish: the later records are gone,
+    what the snapshot holds is served, and publishing again restores the rest."""
+    w = await _world(tmp, regions={"eu": 2})
+    try:
+        m1 = await w.publish(text(5), "vol5")
+        snap = tmp / "etcd.snap"
+        await asyncio.to_thread(w.etcd.snapshot, snap)
+        m2 = await w.publish(text(6), "vol6")
+        r = F.Readers(w, m1["addresses"], per_region=4)
+        async with r.running() as stats:
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(w.etcd.stop)
+            await asyncio.to_thread(w.etcd.restore, snap)
+            await asyncio.to_thread(w.etcd.start, new=False)
+            t_back = time.monotonic()
+            heal = await w.wait_rings(timeout=60)
+            await asyncio.sleep(1.0 if quick else 5.0)
+        await w.publish(text(6), "vol6")  # the lost records, written again
+        after = await F.Readers(w, m2["addresses"]).read_all("eu")
+        return _row("etcd_restored", "etcd replaced by a snapshot older than the last publish: the snapshot's "
+                    "objects keep serving; a re-publish brings the rest back", stats, heal_s=heal,
+                    notes={"rings_ok_after_restore_s": round(time.monotonic() - t_back, 2),
+                           "republished_reads_failed": after.failed, "republished_wrong": after.wrong})
+    finally:
+        await w.close()
+
+
+async def origin_down(tmp: Path, quick: bool) -> Row:
+    """The origin SIGKILLed: hot objects keep serving, cold ones answer a clear 503, publishes fail cleanly;
+    the origin restarted, cold objects serve again."""
+    import aiohttp
+
+    w = await _world(tmp, regions={"eu": 2})
+    try:
+        m = await w.publish(text(7), "vol7")
+        hot, cold = m["addresses"][::2], m["addresses"][1::2]
+        r = F.Readers(w, hot, per_region=4)
+        warm = await r.read_all("eu")
+        assert warm.failed == 0, vars(warm)
+        async with r.running() as stats:
+            await asyncio.sleep(0.3)
+            w.origin.kill()
+            await asyncio.sleep(2.0 if quick else 10.0)
+            cold_reads = await F.Readers(w, cold).read_all("eu")
+            publish_error = None
+            try:
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(f"{w.origin.url}/v1/publish", json={"name": "x", "text": "y"}) as resp:
+                        publish_error = f"http {resp.status}"
+            except aiohttp.ClientError as e:
+                publish_error = type(e).__name__
+            await w.origin.start(timeout=120)
+            t_back = time.monotonic()
+            while True:  # healed: a cold object serves again
+                again = await F.Readers(w, cold[:1]).read_all("eu")
+                if again.failed == 0:
+                    break
+                await asyncio.sleep(0.2)
+            heal = time.monotonic() - t_back
+        return _row("origin_down", "origin SIGKILLed: the hot half keeps serving from the edges; each cold read is "
+                    "a 503 until the origin is back", stats, heal_s=heal,
+                    notes={"cold_reads": cold_reads.reads, "cold_statuses": cold_reads.statuses,
+                           "cold_wrong": cold_reads.wrong, "publish_while_down": publish_error})
+    finally:
+        await w.close()
+
+
+async def disk_full(tmp: Path, quick: bool) -> Row:
+    """The owner's disk tier on a 1 MiB tmpfs (budget 256 MiB): writes fail, memory keeps serving."""
+    disk = tmp / "small-disk"
+    with F.small_filesystem(disk, "1m"):
+        w = await _world(tmp, regions={"eu": 1}, disks={"eu-1": disk})
+        try:
+            m1 = await w.publish(text(8), "vol8")
+            m2 = await w.publish(text(9), "vol9")
+            r = F.Readers(w, m1["addresses"] + m2["addresses"], per_region=4)
+            async with r.running() as stats:
+                await asyncio.sleep(2.0 if quick else 10.0)
+            edge = w.edges["eu-1"]
+            errors = await edge.metric("kdn_edge_disk_write_errors")
+            alive = edge.alive
+            leftovers = [p.name for p in disk.rglob("*.part")]
+            edge.stop()  # and after a restart, only whole blobs are found and served
+            await edge.start()
+            after = await r.read_all("eu")
+            return _row("disk_full", "the disk tier's file system fills (1 MiB tmpfs under a 256 MiB budget): "
+                        "writes fail and are counted, memory and the origin keep serving", stats,
+                        notes={"disk_write_errors": errors, "edge_alive": alive, "temp_files_left": len(leftovers),
+                               "after_restart_failed": after.failed, "after_restart_wrong": after.wrong})
+        finally:
+            await w.close()
+
+
+async def kill_during_write(tmp: Path, quick: bool) -> Row:
+    """An edge SIGKILLed while it writes its disk tier, restarted on the same folder; the origin SIGKILLed
+    in the middle of a publish, restarted, the publish repeated. Nothing half-written is ever served."""
+    w = await _world(tmp, regions={"eu": 2})
+    try:
+        docs = [await w.publish(text(10 + i), f"vol{10 + i}") for i in range(2)]
+        addrs = [a for d in docs for a in d["addresses"]]
+        r = F.Readers(w, addrs, per_region=6)
+        edge = w.edges["eu-1"]
+        async with r.running() as stats:
+            await asyncio.sleep(0.4)  # cold reads: the owner is writing blobs to disk
+            edge.kill()
+            await edge.start()
+            t_back = time.monotonic()
+            await asyncio.sleep(1.0 if quick else 5.0)
+        heal = time.monotonic() - t_back
+        leftovers = len(list((tmp / "disk-eu-1").rglob("*.part")))
+        # the origin, killed mid-publish
+        publish = asyncio.create_task(w.publish(text(20), "vol20"))
+        await asyncio.sleep(1.0)
+        w.origin.kill()
+        try:
+            await publish
+            interrupted = False
+        except Exception:  # noqa: BLE001 - the job dies with the origin
+            interrupted = True
+        await w.origin.start(timeout=120)
+        m = await w.publish(text(20), "vol20")
+        after = await F.Readers(w, m["addresses"]).read_all("eu")
+        stats.reads += after.reads
+        stats.failed += after.failed
+        stats.wrong += after.wrong
+        return _row("kill_during_write", "edge SIGKILLed while writing its disk tier and restarted on it; origin "
+                    "SIGKILLed mid-publish, restarted, publish repeated", stats, heal_s=heal,
+                    notes={"edge_temp_files_after_restart": leftovers, "publish_interrupted": interrupted,
+                           "reads_retried_on_2nd_edge": stats.retried})
+    finally:
+        await w.close()
+
+
+SCENARIOS = {
+    "owner_killed": owner_killed,
+    "lying_peer": lying_peer,
+    "etcd_down": etcd_down,
+    "etcd_restored": etcd_restored,
+    "origin_down": origin_down,
+    "disk_full": disk_full,
+    "kill_during_write": kill_during_write,
+}
+
+
+def table(rows: list[Row]) -> str:
+    out = ["| scenario | what happens | reads | failed | wrong bytes | heal (s) | p50 / p99 (ms) | notes |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        heal = "—" if r.heal_s is None else f"{r.heal_s:.2f}"
+        notes = ", ".join(f"{k} {v}" for k, v in r.notes.items())
+        out.append(f"| {r.scenario} | {r.what} | {r.reads} | {r.failed} | {r.wrong} | {heal} | "
+                   f"{r.p50_ms:.1f} / {r.p99_ms:.1f} | {notes} |")
+    return "\n".join(out)
+
+
+async def main(args) -> int:
+    names = args.only or list(SCENARIOS)
+    if "disk_full" in names and not F.can_mount():
+        print("disk_full needs root (a size-limited tmpfs); left out", file=sys.stderr)
+        names.remove("disk_full")
+    rows = []
+    for name in names:
+        with tempfile.TemporaryDirectory(prefix=f"kdn-fault-{name}-") as tmp:
+            t0 = time.monotonic()
+            row = await SCENARIOS[name](Path(tmp), args.quick)
+            row.notes["scenario_s"] = round(time.monotonic() - t0, 1)
+            rows.append(row)
+            print(f"{name}: reads {row.reads} failed {row.failed} wrong {row.wrong} heal {row.heal_s}", flush=True)
+    print()
+    print(table(rows))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=_here).stdout.strip()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"commit": commit, "command": " ".join(sys.argv), "quick": args.quick,
+                                               "rows": [asdict(r) for r in rows]}, indent=1, default=str))
+    bad = [r.scenario for r in rows if not r.ok]
+    if bad:
+        print(f"\nFAILED: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short durations (what CI runs)")
+    ap.add_argument("--only", action="append", choices=sorted(SCENARIOS), help="run only these (repeatable)")
+    ap.add_argument("--json", help="write the rows here")
+    sys.exit(asyncio.run(main(ap.parse_args())))

@@ -1,0 +1,79 @@
+"""The fault scenarios of bench/faults.py, with CI's short durations: real processes, faults by PID.
+
+Each asserts what the scenario promises: no wrong byte ever, no failed read while a source lives,
+and the figure it heals by. The full runs and their table are in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_bench = Path(__file__).resolve().parents[2] / "bench"
+if "kdn_bench_faults" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("kdn_bench_faults", _bench / "faults.py")
+    sys.modules["kdn_bench_faults"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["kdn_bench_faults"])
+faults = sys.modules["kdn_bench_faults"]
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def check(row) -> None:
+    print(faults.table([row]))
+    assert row.reads > 100, "the readers hardly read: the scenario proves nothing"
+    assert row.wrong == 0, f"{row.scenario}: {row.wrong} wrong bodies served"
+    if row.expect_failed is not None:
+        assert row.failed <= row.expect_failed, f"{row.scenario}: {row.failed} failed reads"
+
+
+async def test_owner_killed_mid_fill(tmp_path):
+    row = await faults.owner_killed(tmp_path, quick=True)
+    check(row)
+    assert row.heal_s < 2.0 + 2.5  # lease TTL 2 s, plus the watch and a margin
+
+
+async def test_lying_peer_is_never_passed_on(tmp_path):
+    row = await faults.lying_peer(tmp_path, quick=True)
+    check(row)
+    assert row.notes["digest_failures"] > 0, "the liar was never asked: the test proves nothing"
+
+
+async def test_etcd_down_and_back(tmp_path):
+    row = await faults.etcd_down(tmp_path, quick=True)
+    check(row)
+    assert row.heal_s < 30
+
+
+async def test_etcd_restored_from_a_snapshot(tmp_path):
+    row = await faults.etcd_restored(tmp_path, quick=True)
+    check(row)
+    assert row.notes["republished_reads_failed"] == 0 and row.notes["republished_wrong"] == 0
+
+
+async def test_origin_down(tmp_path):
+    row = await faults.origin_down(tmp_path, quick=True)
+    check(row)
+    assert row.notes["cold_statuses"] == {"http 503": row.notes["cold_reads"]}  # a clear answer, every time
+    assert row.notes["cold_wrong"] == 0
+    assert row.notes["publish_while_down"] == "ClientConnectorError"
+
+
+async def test_disk_tier_out_of_space(tmp_path):
+    if not faults.F.can_mount():
+        pytest.skip("needs root to mount a size-limited tmpfs (CI runs as root)")
+    row = await faults.disk_full(tmp_path, quick=True)
+    check(row)
+    assert row.notes["disk_write_errors"] > 0, "the disk never filled: the test proves nothing"
+    assert row.notes["edge_alive"] and row.notes["temp_files_left"] == 0
+    assert row.notes["after_restart_failed"] == 0 and row.notes["after_restart_wrong"] == 0
+
+
+async def test_kill_during_writes(tmp_path):
+    row = await faults.kill_during_write(tmp_path, quick=True)
+    check(row)
+    assert row.notes["edge_temp_files_after_restart"] == 0
+    assert row.notes["publish_interrupted"], "the origin finished before it was killed: the test proves nothing"
