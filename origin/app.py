@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kdn import service
 from kdn.address import validate_address, validate_name
 from kdn.auth import Grant, Grants
+from kdn.errors import RegistryUnavailable
 from kdn.registry import Manifest, ModelRecord, NodeRecord
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
@@ -216,7 +217,7 @@ async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
             step = await loop.run_in_executor(app[EXECUTOR], next, steps, None)
             if step is None:
                 break
-            await reg.put_objects(step.records)  # blobs first, then their records
+            await _retrying(lambda: reg.put_objects(step.records), job)  # blobs first, then their records
             for rec in step.records:
                 app[NAMESPACES][rec.address] = rec.namespace
             job.chunks_done += 1
@@ -226,13 +227,34 @@ async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
                             addresses=plan.addresses, tokens=len(spec.tokens), chunk_tokens=producer.chunk_tokens,
                             prefix_tokens=spec.tokens, template=spec.template, standalone=plan.standalone,
                             head_tokens=spec.head_tokens)
-        await reg.put_manifest(manifest)  # every object it names is stored and recorded by now
+        await _retrying(lambda: reg.put_manifest(manifest), job)  # every object it names is recorded by now
         if plan.tail is not None:
             parent, length = plan.tail
-            await reg.add_tail(parent, length, plan.addresses[-1])
+            await _retrying(lambda: reg.add_tail(parent, length, plan.addresses[-1]), job)
     m["store_objects"].set(len(app[STORE]))
     m["store_bytes"].set(app[STORE].total_bytes)
     return manifest.to_dict()
+
+
+REGISTRY_RETRY_S = 60.0  # how long a publish job waits out a registry outage before it fails
+
+
+async def _retrying(write, job: Job, limit: float = REGISTRY_RETRY_S):
+    """A registry write, retried with backoff while the registry is unreachable (an etcd restart, a
+    leader election): the job's computed chunks are not thrown away for an outage of seconds. Writes
+    are idempotent (records merge, a manifest is replaced whole), so a retry after a lost answer is
+    safe. Other errors, and an outage longer than ``limit``, fail the job."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + limit, 0.2
+    while True:
+        try:
+            return await write()
+        except RegistryUnavailable as e:
+            if loop.time() + delay > deadline:
+                raise
+            log.warning("publish job %s: registry unavailable (%s); retrying in %.1f s", job.id, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 async def get_job(request: web.Request) -> web.Response:
