@@ -232,6 +232,7 @@ class World:
     disk_budget: str = "256MiB"
     lease_ttl: str = "2s"
     disks: dict[str, Path] = field(default_factory=dict)  # edge name -> its disk folder (default: under root)
+    edge_args: list[str] = field(default_factory=list)  # more flags for every edge (e.g. --origin via a link)
     etcd: Etcd = field(init=False)
     origin: Node = field(init=False)
     edges: dict[str, Node] = field(init=False, default_factory=dict)
@@ -258,6 +259,7 @@ class World:
                     "--node-id", name, "--mem-budget", self.mem_budget, "--disk", str(disk),
                     "--disk-budget", self.disk_budget, "--lease-ttl", self.lease_ttl, "--prefetch", "0",
                     "--token-file", str(self.root / "tokens"), "--upstream-token-file", str(self.root / "edge.token"),
+                    *self.edge_args,
                 ], port, self.root / f"{name}.log")
 
     async def start(self) -> None:

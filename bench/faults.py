@@ -32,6 +32,11 @@ if "kdn_bench_faultlib" not in sys.modules:
     sys.modules["kdn_bench_faultlib"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["kdn_bench_faultlib"])
 F = sys.modules["kdn_bench_faultlib"]
+if "kdn_bench_linkemu" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("kdn_bench_linkemu", _here / "linkemu.py")
+    sys.modules["kdn_bench_linkemu"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["kdn_bench_linkemu"])
+LinkEmulator = sys.modules["kdn_bench_linkemu"].LinkEmulator
 
 # Texts that fill tiny-llama's 4096-token context about 85%: 13 chunks each.
 PARAGRAPH = ("The keeper's log for the north light: wind, weather, ships sighted, oil burned, the lens cleaned "
@@ -75,13 +80,21 @@ async def _world(tmp: Path, **kw):
 
 
 async def owner_killed(tmp: Path, quick: bool) -> Row:
-    """The owner of addresses SIGKILLed while readers fill through it: fills fall back, then the ring heals."""
-    w = await _world(tmp, regions={"eu": 3})
+    """The owner of addresses SIGKILLed while readers fill through it: fills fall back, then the ring heals.
+
+    The edges reach the origin over an emulated link (20 ms each way, 50 Mbit/s), so a fill takes tens of
+    milliseconds and some are in flight through the victim when it dies."""
+    link_port = F.free_port()
+    w = F.World(tmp, regions={"eu": 3}, edge_args=["--origin", f"http://127.0.0.1:{link_port}"])
+    link = LinkEmulator(link_port, "127.0.0.1", w.origin.port, delay_ms=20, mbit=50)
+    await link.start()
     try:
+        await w.start()
         m = await w.publish(text(1), "vol1")
-        r = F.Readers(w, m["addresses"], per_region=6)
+        m2 = await w.publish(text(21), "vol21")
+        r = F.Readers(w, m["addresses"] + m2["addresses"], per_region=6)
         async with r.running() as stats:
-            await asyncio.sleep(0.3)  # cold: reads are filling through their owners now
+            await asyncio.sleep(0.15)  # cold: reads are filling through their owners now
             victim = w.edges["eu-2"]
             victim.kill()
             t_kill = time.monotonic()
@@ -89,12 +102,13 @@ async def owner_killed(tmp: Path, quick: bool) -> Row:
             heal = time.monotonic() - t_kill
             await asyncio.sleep(1.0 if quick else 5.0)
         peer_errors = sum([await e.metric("kdn_edge_source_errors", source="peer") for e in w.live_edges()])
-        return _row("owner_killed", "owner SIGKILLed mid-fill; its peers fall back to the origin, "
+        return _row("owner_killed", "owner SIGKILLed mid-fill (origin 20 ms away); its peers fall back to the origin, "
                     "then take its share when its lease expires (TTL 2 s; heal = kill to ring settled)", stats,
                     heal_s=heal, notes={"fills_from_dead_owner_failed": peer_errors,
                                         "reads_retried_on_2nd_edge": stats.retried})
     finally:
         await w.close()
+        await link.stop()
 
 
 async def lying_peer(tmp: Path, quick: bool) -> Row:

@@ -33,6 +33,7 @@ def check(row) -> None:
 async def test_owner_killed_mid_fill(tmp_path):
     row = await faults.owner_killed(tmp_path, quick=True)
     check(row)
+    assert row.notes["fills_from_dead_owner_failed"] > 0, "no fill was in flight through the victim"
     assert row.heal_s < 2.0 + 2.5  # lease TTL 2 s, plus the watch and a margin
 
 
