@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -111,6 +112,8 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
             raise
         detail = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
         resp = json_error(e.status, _STATUS_CODES.get(e.status, "error"), detail or e.reason)
+        if "Allow" in e.headers:  # a 405 must say which methods the resource takes (RFC 9110 15.5.6)
+            resp.headers["Allow"] = e.headers["Allow"]
         if e.headers.get("Connection", "").lower() == "close":
             # A body cut off by its deadline: answer, then close at once (aiohttp would otherwise
             # linger up to 10 s reading the rest of the body, which is what the deadline refused).
@@ -191,7 +194,31 @@ async def read_json(request: web.Request, limit: int = MAX_JSON_BODY) -> dict:
         raise web.HTTPBadRequest(text="body is not valid JSON") from None
     if not isinstance(data, dict):
         raise web.HTTPBadRequest(text="body must be a JSON object")
+    if _MAYBE_SURROGATE.search(body) and _has_lone_surrogate(data):
+        # JSON can spell them ("\ud800"), but they are not text: encoding one (a tokenizer, msgpack) raises.
+        raise web.HTTPBadRequest(text="body has a string that is not valid Unicode (a lone surrogate)")
     return data
+
+
+# What a lone surrogate can come from in a JSON body: a \uD800-\uDFFF escape, or its UTF-8-style bytes
+# (json.loads reads bytes with "surrogatepass"). Only a body with one of them is walked.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(data: object) -> bool:
+    stack = [data]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def registry_ctx(url: str | None):
@@ -223,7 +250,15 @@ async def read_addresses(request: web.Request, limit: int = MAX_LOOKUP_ADDRESSES
 
 
 def bearer(request: web.Request) -> str | None:
-    return request.headers.get("Authorization")
+    """The ``Authorization`` header. One that is not UTF-8 (aiohttp passes such bytes on as lone
+    surrogates, which no token is made of and which cannot be hashed) is a 401 here."""
+    value = request.headers.get("Authorization")
+    if value is not None and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise AuthError("Authorization header is not valid UTF-8", status=401) from None
+    return value
 
 
 # --- registry read endpoints (origin and edge serve the same) --------------
