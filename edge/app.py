@@ -216,6 +216,11 @@ class Edge:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def idle(self) -> None:
+        """Until the background work started so far (disk copies) is done: for tests and shutdown."""
+        while self._background:
+            await asyncio.wait(list(self._background))
+
     @property
     def tiers(self):
         return [self.memory] + ([self.disk] if self.disk is not None else [])
