@@ -233,8 +233,8 @@ class ZstdCodec:
         if out is not None:
             out = _check_out(out, want)
         width = params.get("shuffle", itemsize(dtype)) if isinstance(params, dict) else None
-        if width not in (1, 2, 4, 8) or isinstance(width, bool) or want % width:
-            raise CodecError(f"zstd: bad shuffle width {width!r} for {dtype}{list(shape)}")
+        if not isinstance(width, int) or isinstance(width, bool) or width not in (1, 2, 4, 8) or want % width:
+            raise CodecError(f"zstd: bad shuffle width {str(width)[:20]!r} for {dtype}{list(shape)}")
         mv = _as_bytes_view(data)
         frames = params.get("frames", [len(mv)])
         if (

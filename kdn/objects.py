@@ -104,8 +104,8 @@ class RawTensor:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidInput(f"tensor {self.name!r}: unknown dtype {str(self.dtype)[:20]!r}")
         shape = tuple(self.shape)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise InvalidInput(f"tensor {self.name!r}: shape {list(shape)!r} is not a list of non-negative ints")
+        if not _shape_ok(shape):
+            raise InvalidInput(f"tensor {self.name!r}: shape {str(list(shape))[:60]} is not {_SHAPE_RULE}")
         mv = self.data if isinstance(self.data, memoryview) else memoryview(self.data)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
@@ -235,6 +235,25 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+MAX_NDIM = 64  # numpy's own limit
+_SHAPE_RULE = f"a list of at most {MAX_NDIM} non-negative ints whose non-zero dims multiply to < 2**63"
+
+
+def _shape_ok(shape: object) -> bool:
+    """``_SHAPE_RULE``: what numpy and torch can hold. A zero-size [0, 2**64] or [0, 10**4000] overflowed
+    them (and the decoded-size message), and a 100k-dim shape made every message that names it 300 KB."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
+        return False
+    n = 1
+    for d in shape:
+        if not _is_int(d) or d < 0:
+            return False
+        n *= d or 1
+        if n >> 63:
+            return False
+    return True
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     d = dict(pairs)
     if len(d) != len(pairs):
@@ -272,8 +291,8 @@ def _check_header_fields(h: ObjectHeader) -> None:
         raise CorruptObject(str(e)) from None
     for name in ("start", "end", "position"):
         v = getattr(h, name)
-        if not _is_int(v) or v < 0:
-            raise CorruptObject(f"{name} {str(v)[:20]!r} is not a non-negative int")
+        if not _is_int(v) or not 0 <= v < 1 << 63:  # int64, as token positions are; and short in messages
+            raise CorruptObject(f"{name} {str(v)[:20]!r} is not a non-negative int below 2**63")
     if h.end < h.start:
         raise CorruptObject(f"end {h.end} < start {h.start}")
     if not isinstance(h.encoding, str) or not h.encoding or len(h.encoding) > 32:
@@ -292,7 +311,7 @@ def _parse_kdn(meta: object) -> ObjectHeader:
     if not _is_int(v):
         raise CorruptObject(f"KDN header field 'v' is {str(v)[:20]!r}, expected an int")
     if v != FORMAT_VERSION:
-        raise UnsupportedVersion(f"KDN format version {v}; this code reads version {FORMAT_VERSION}")
+        raise UnsupportedVersion(f"KDN format version {str(v)[:20]}; this code reads version {FORMAT_VERSION}")
     want = {"v", "kind", "address", "model_id", "namespace", "start", "end", "position", "parent", "encoding", "tensors"}
     missing, extra = want - k.keys(), k.keys() - want
     if missing or extra:
@@ -308,8 +327,8 @@ def _parse_kdn(meta: object) -> ObjectHeader:
         dtype, shape, codec, params = t["dtype"], t["shape"], t["codec"], t["params"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CorruptObject(f"KDN tensor {name[:64]!r}: unknown dtype {str(dtype)[:20]!r}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise CorruptObject(f"KDN tensor {name[:64]!r}: shape {str(shape)[:40]} is not a list of non-negative ints")
+        if not isinstance(shape, list) or not _shape_ok(shape):
+            raise CorruptObject(f"KDN tensor {name[:64]!r}: shape {str(shape)[:40]} is not {_SHAPE_RULE}")
         if not isinstance(codec, str) or not codec or len(codec) > 32:
             raise CorruptObject(f"KDN tensor {name[:64]!r}: codec {str(codec)[:40]!r} is not a short string")
         if not isinstance(params, dict):
@@ -357,12 +376,12 @@ def _layout(mv: memoryview, max_bytes: int) -> _Layout:
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise CorruptObject(f"tensor entry {name[:64]!r}: expected fields dtype, shape, data_offsets")
         off = e["data_offsets"]
-        if not (isinstance(off, list) and len(off) == 2 and all(_is_int(o) for o in off) and 0 <= off[0] <= off[1]):
-            raise CorruptObject(f"tensor {name[:64]!r}: data_offsets {str(off)[:60]} are not [begin, end] with 0 <= begin <= end")
+        if not (isinstance(off, list) and len(off) == 2 and all(_is_int(o) for o in off) and 0 <= off[0] <= off[1] < 1 << 64):
+            raise CorruptObject(f"tensor {name[:64]!r}: data_offsets {str(off)[:60]} are not [begin, end] with 0 <= begin <= end < 2**64")
         if not isinstance(e["dtype"], str) or e["dtype"] not in DTYPES:
             raise CorruptObject(f"tensor {name[:64]!r}: unknown stored dtype {str(e['dtype'])[:20]!r}")
-        if not isinstance(e["shape"], list) or not all(_is_int(d) and d >= 0 for d in e["shape"]):
-            raise CorruptObject(f"tensor {name[:64]!r}: stored shape {str(e['shape'])[:40]} is not a list of non-negative ints")
+        if not isinstance(e["shape"], list) or not _shape_ok(e["shape"]):
+            raise CorruptObject(f"tensor {name[:64]!r}: stored shape {str(e['shape'])[:40]} is not {_SHAPE_RULE}")
         offsets[name] = (off[0], off[1])
 
     if offsets.keys() != header.tensors.keys():

@@ -168,7 +168,7 @@ class LossyCodec:
         if 0 in shape:
             if len(mv):
                 raise CodecError(f"{self.name}: {len(mv)} payload bytes for an empty tensor")
-            x = torch.empty(shape, dtype=torch.float32)
+            x = torch.empty(0, dtype=torch.float32)  # not of `shape`: its other dims may overflow int64
         else:
             x = self._decode(mv, shape, params)
         return write_float(x, dtype, out)
