@@ -7,7 +7,8 @@ the GPU, and host-to-device copy throughput. One short script, so a lent GPU is 
    device: compute the chunk states (``extract_chunks``), write them as KDN objects (zstd and raw),
    read them back (``decode_object`` on the host, ``to_torch(device=...)``), build the cache and
    continue; the logits must equal, bit for bit, those of the device's own chunked prefill.
-2. **TTFT on the device**, a Qwen2-0.5B-shaped random-init bf16 model (24 layers, 2 KV heads x 64):
+2. **TTFT on the device**, random-init bf16 models of a real shape (Qwen2-0.5B: 24 layers, 2 KV heads
+   x 64; Llama-3-8B: 32 layers, 8 KV heads x 128):
    the lean one-shot prefill (``logits_to_keep=1``, what an engine does) against loading the context
    from KDN objects held in host memory as bytes (what a client has after fetching and verifying
    from an edge): decode on the host, copy to the device, build the cache, prefill a 16-token
@@ -77,23 +78,33 @@ def exactness(device: str, chunk: int = 32) -> list[dict]:
     return rows
 
 
-def qwen2_shape(device: str):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def shaped_model(shape: str, device: str):
+    """A random-init bf16 model of a real model's shape (the weights do not matter for timing)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                      num_key_value_heads=2, vocab_size=151936, max_position_embeddings=40960,
-                      tie_word_embeddings=True, torch_dtype="bfloat16")
+    if shape == "qwen2-0.5b-shape":  # 24 layers, 2 KV heads x 64: 12 KiB of KV per token
+        cls, cfg = Qwen2ForCausalLM, Qwen2Config(
+            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True)
+    elif shape == "llama3-8b-shape":  # 32 layers, 8 KV heads x 128: 128 KiB of KV per token
+        cls, cfg = LlamaForCausalLM, LlamaConfig(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=40960, rope_theta=500000.0)
+    else:
+        raise SystemExit(f"unknown shape {shape!r}")
     with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = cls(cfg).to(torch.bfloat16).eval()
     return model
 
 
-def ttft(device: str, lengths: list[int], repeat: int, suffix: int = 16, chunk: int = 256) -> list[dict]:
-    model = qwen2_shape(device)
+def ttft(device: str, lengths: list[int], repeat: int, suffix: int = 16, chunk: int = 256,
+         shape: str = "qwen2-0.5b-shape") -> list[dict]:
+    model = shaped_model(shape, device)
+    vocab = model.config.vocab_size
     rows = []
     for length in lengths:
-        ids = torch.randint(0, 151936, (length + suffix,), generator=torch.Generator().manual_seed(length)).to(device)
+        ids = torch.randint(0, vocab, (length + suffix,), generator=torch.Generator().manual_seed(length)).to(device)
         with torch.inference_mode():
             chunks = list(extract_chunks(model, ids[:length], chunk_tokens=chunk))
         blobs = {enc: blobs_of(chunks, enc) for enc in ("raw", "zstd")}
@@ -124,7 +135,7 @@ def ttft(device: str, lengths: list[int], repeat: int, suffix: int = 16, chunk: 
                 times[name].append(time.perf_counter() - t0)
         base = statistics.median(times["prefill-lean"])
         for name, ts in times.items():
-            rows.append({"length": length, "path": name, "median_ms": round(statistics.median(ts) * 1e3, 2),
+            rows.append({"shape": shape, "length": length, "path": name, "median_ms": round(statistics.median(ts) * 1e3, 2),
                          "min_ms": round(min(ts) * 1e3, 2), "max_ms": round(max(ts) * 1e3, 2),
                          "speedup_vs_lean": round(base / statistics.median(ts), 2),
                          "worst_speedup": round(min(times["prefill-lean"]) / max(ts), 2),
@@ -161,6 +172,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--shapes", default="qwen2-0.5b-shape", help="comma list: qwen2-0.5b-shape, llama3-8b-shape")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: exactness,ttft,h2d")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -178,7 +190,9 @@ def main() -> int:
     if "exactness" not in skip:
         out["exactness"] = exactness(args.device)
     if "ttft" not in skip:
-        out["ttft"] = ttft(args.device, [int(x) for x in args.lengths.split(",")], args.repeat)
+        out["ttft"] = []
+        for shape in args.shapes.split(","):
+            out["ttft"] += ttft(args.device, [int(x) for x in args.lengths.split(",")], args.repeat, shape=shape)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
