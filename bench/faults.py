@@ -302,15 +302,8 @@ async def kill_during_write(tmp: Path, quick: bool) -> Row:
             await asyncio.sleep(1.0 if quick else 5.0)
         heal = time.monotonic() - t_back
         leftovers = len(list((tmp / "disk-eu-1").rglob("*.part")))
-        # the origin, killed mid-publish
-        publish = asyncio.create_task(w.publish(text(20), "vol20"))
-        await asyncio.sleep(1.0)
-        w.origin.kill()
-        try:
-            await publish
-            interrupted = False
-        except Exception:  # noqa: BLE001 - the job dies with the origin
-            interrupted = True
+        # the origin, killed mid-publish: as soon as its job has stored a first chunk
+        interrupted = await _kill_mid_publish(w, text(20), "vol20")
         await w.origin.start(timeout=120)
         m = await w.publish(text(20), "vol20")
         after = await F.Readers(w, m["addresses"]).read_all("eu")
@@ -323,6 +316,27 @@ async def kill_during_write(tmp: Path, quick: bool) -> Row:
                            "reads_retried_on_2nd_edge": stats.retried})
     finally:
         await w.close()
+
+
+async def _kill_mid_publish(w, body_text: str, name: str) -> bool:
+    """Start a publish, SIGKILL the origin once the job has stored one chunk and not all; True if it was
+    interrupted (the job seen running with chunks left)."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {F.PUBLISH}"}
+    async with aiohttp.ClientSession(w.origin.url, headers=headers) as s:
+        async with s.post("/v1/publish", json={"name": name, "text": body_text, "encodings": ["zstd", "raw"]}) as r:
+            job = (await r.json())["job"]
+        while True:
+            async with s.get(f"/v1/jobs/{job}") as r:
+                state = await r.json()
+            progress = state["progress"]
+            if state["state"] in ("done", "failed"):
+                return False
+            if progress["done"] >= 1 and progress["done"] < progress["total"]:
+                w.origin.kill()
+                return True
+            await asyncio.sleep(0.005)
 
 
 SCENARIOS = {
