@@ -223,8 +223,11 @@ async def test_a_stalled_reader_is_cut_off_and_releases_its_pin(tmp_path, etcd_u
         edge = c.edge("e1")
         readers = [await _stalled_get(c.edges["e1"].port, f"/v1/objects/{a}?encoding=raw") for _ in range(3)]
         try:
-            await asyncio.sleep(0.2)
             entry = edge.memory._index[(a, "raw")]  # noqa: SLF001 - the pin count is the point
+            for _ in range(100):  # until all three requests are being answered (and stall)
+                if entry.readers == 3:
+                    break
+                await asyncio.sleep(0.005)
             assert entry.readers == 3, "the stalled readers do not hold the entry; the test proves nothing"
             for _ in range(60):
                 if entry.readers == 0:
