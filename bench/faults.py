@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import subprocess
 import sys
@@ -27,16 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 _here = Path(__file__).resolve().parent
-if "kdn_bench_faultlib" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("kdn_bench_faultlib", _here / "faultlib.py")
-    sys.modules["kdn_bench_faultlib"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["kdn_bench_faultlib"])
-F = sys.modules["kdn_bench_faultlib"]
-if "kdn_bench_linkemu" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("kdn_bench_linkemu", _here / "linkemu.py")
-    sys.modules["kdn_bench_linkemu"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["kdn_bench_linkemu"])
-LinkEmulator = sys.modules["kdn_bench_linkemu"].LinkEmulator
+if str(_here) not in sys.path:  # run as a script it is there already; imported by tests/faults, not
+    sys.path.insert(0, str(_here))
+
+import faultlib as F  # noqa: E402
+from linkemu import LinkEmulator  # noqa: E402
 
 # Texts that fill tiny-llama's 4096-token context about 85%: 13 chunks each.
 PARAGRAPH = ("The keeper's log for the north light: wind, weather, ships sighted, oil burned, the lens cleaned "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -38,11 +37,10 @@ import aiohttp
 from blake3 import blake3
 
 _here = Path(__file__).resolve().parent
-if "kdn_bench_faultlib" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("kdn_bench_faultlib", _here / "faultlib.py")
-    sys.modules["kdn_bench_faultlib"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["kdn_bench_faultlib"])
-F = sys.modules["kdn_bench_faultlib"]
+if str(_here) not in sys.path:
+    sys.path.insert(0, str(_here))
+
+import faultlib as F  # noqa: E402
 
 TRACE = _here / "traces" / "mooncake_conversation_trace.jsonl"
 CHUNK = 256

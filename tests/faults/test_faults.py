@@ -6,18 +6,9 @@ and the figure it heals by. The full runs and their table are in docs/reliabilit
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_bench = Path(__file__).resolve().parents[2] / "bench"
-if "kdn_bench_faults" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("kdn_bench_faults", _bench / "faults.py")
-    sys.modules["kdn_bench_faults"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["kdn_bench_faults"])
-faults = sys.modules["kdn_bench_faults"]
+import faults  # bench/faults.py, on sys.path through conftest.py
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -4,22 +4,14 @@ flight waits the outage out instead of failing (its computed chunks are not thro
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from kdn.errors import RegistryUnavailable
 from kdn.registry import EtcdRegistry
 
-_bench = Path(__file__).resolve().parents[2] / "bench"
-if "kdn_bench_faultlib" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("kdn_bench_faultlib", _bench / "faultlib.py")
-    sys.modules["kdn_bench_faultlib"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["kdn_bench_faultlib"])
-F = sys.modules["kdn_bench_faultlib"]
+import faultlib as F  # bench/, on sys.path through conftest.py
 
 pytestmark = pytest.mark.timeout(180)
 
