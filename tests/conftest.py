@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import uuid
@@ -75,6 +76,20 @@ def _enable_auth(proc: EtcdProcess, auth: list[str], cert: list[str]) -> None:
     proc.etcdctl("get", "/", auth=auth)  # auth is on, and root gets in
 
 
+def _secured(proc: EtcdProcess, d: Path, auth: list[str], cert: list[str]):
+    """Start ``proc``, turn its auth on (``_enable_auth``), yield it as a ``SecuredEtcd``, stop it."""
+    try:
+        proc.start()
+        _enable_auth(proc, auth, cert)
+    except RuntimeError as e:
+        proc.stop()
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield SecuredEtcd(proc, d)
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="session")
 def secured_etcd(tmp_path_factory):
     d = tmp_path_factory.mktemp("etcd-tls")
@@ -83,18 +98,8 @@ def secured_etcd(tmp_path_factory):
     for user in ("root", "kdn"):
         issue(ca, d, user, cn=user, server=False)
     issue(make_ca(d, "other-ca"), d, "stranger", cn="kdn", server=False)
-    proc = EtcdProcess(tls=(str(cert), str(key), str(ca[0])), client_cert_auth=True)
-    try:
-        proc.start()
-        root = ["--cert", str(d / "root.pem"), "--key", str(d / "root.key")]
-        _enable_auth(proc, root, root)
-    except RuntimeError as e:
-        proc.stop()
-        pytest.fail(str(e), pytrace=False)
-    try:
-        yield SecuredEtcd(proc, d)
-    finally:
-        proc.stop()
+    root = ["--cert", str(d / "root.pem"), "--key", str(d / "root.key")]
+    yield from _secured(EtcdProcess(tls=(str(cert), str(key), str(ca[0])), client_cert_auth=True), d, root, root)
 
 
 @pytest.fixture(scope="session")
@@ -106,16 +111,7 @@ def password_etcd(tmp_path_factory):
     (d / "kdn.password").write_text("kdnpw\n")
     (d / "wrong.password").write_text("not-it\n")
     proc = EtcdProcess(tls=(str(cert), str(key), str(ca[0])), extra=["--auth-token", "simple", "--auth-token-ttl", "2"])
-    try:
-        proc.start()
-        _enable_auth(proc, ["--user", "root:rootpw"], [])
-    except RuntimeError as e:
-        proc.stop()
-        pytest.fail(str(e), pytrace=False)
-    try:
-        yield SecuredEtcd(proc, d)
-    finally:
-        proc.stop()
+    yield from _secured(proc, d, ["--user", "root:rootpw"], [])
 
 
 def make_registry_factory(request, tmp_path, kind: str):
@@ -134,26 +130,35 @@ def make_registry_factory(request, tmp_path, kind: str):
     return make
 
 
-@pytest.fixture
-def registry_maker():
-    """``make_registry_factory`` for a module that overrides ``registry_factory`` with more kinds
-    (a fixture, since ``from conftest import`` resolves to whichever conftest.py loaded first)."""
-    return make_registry_factory
-
-
-@pytest.fixture(params=["embedded", "etcd"])
-async def registry_factory(request, tmp_path):
-    """Call it to open another handle on the same registry (same file / etcd prefix); all are closed at the end."""
-    make = make_registry_factory(request, tmp_path, request.param)
+@contextlib.asynccontextmanager
+async def registry_handles(request, tmp_path, kind: str):
+    """A factory of handles on one registry of ``kind`` (same file / etcd prefix); all closed on exit."""
+    make = make_registry_factory(request, tmp_path, kind)
     made = []
 
     def factory():
         made.append(make())
         return made[-1]
 
-    yield factory
-    for reg in made:
-        await reg.close()
+    try:
+        yield factory
+    finally:
+        for reg in made:
+            await reg.close()
+
+
+@pytest.fixture
+def registry_maker():
+    """``registry_handles`` for a module that overrides ``registry_factory`` with more kinds (a
+    fixture, since ``from conftest import`` resolves to whichever conftest.py loaded first)."""
+    return registry_handles
+
+
+@pytest.fixture(params=["embedded", "etcd"])
+async def registry_factory(request, tmp_path):
+    """Call it to open another handle on the same registry (same file / etcd prefix); all are closed at the end."""
+    async with registry_handles(request, tmp_path, request.param) as factory:
+        yield factory
 
 
 @pytest.fixture

@@ -16,16 +16,8 @@ from registry_helpers import MID, addr, chain, enc, eventually, manifest, model,
 
 @pytest.fixture(params=["embedded", "etcd", "etcd-secured"])
 async def registry_factory(request, tmp_path, registry_maker):
-    make = registry_maker(request, tmp_path, request.param)
-    made = []
-
-    def factory():
-        made.append(make())
-        return made[-1]
-
-    yield factory
-    for reg in made:
-        await reg.close()
+    async with registry_maker(request, tmp_path, request.param) as factory:
+        yield factory
 
 
 async def test_is_a_registry(registry):
