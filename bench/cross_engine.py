@@ -76,7 +76,7 @@ def question(model: str, tokenizer, seed: int) -> list[int]:
 def cdn(tmp: Path, name: str, folder: str, dtype: str, engine: str, procs: list) -> tuple[str, str]:
     d = tmp / name
     d.mkdir()
-    (d / "tokens").write_text(PUBLISH_TOKEN + "\n")
+    (d / "tokens").write_text(PUBLISH_TOKEN + " admin *\n")
     registry = f"file:{d / 'registry.sqlite3'}"
     op, ep = free_port(), free_port()
     o = Proc(f"origin-{name}", ["kdn", "origin", "serve", "--model", folder, "--dtype", dtype, "--engine", engine,

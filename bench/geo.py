@@ -226,7 +226,7 @@ class World:
         self.origin_link: LinkEmulator | None = None
         self.edges: dict[str, EdgeNode] = {}
         self.tokens = tmp / "tokens"
-        self.tokens.write_text(f"{PUBLISH_TOKEN}\n{EDGE_TOKEN} read *\n")
+        self.tokens.write_text(f"{PUBLISH_TOKEN} admin *\n{EDGE_TOKEN} read *\n")
         (tmp / "edge-token").write_text(EDGE_TOKEN + "\n")
         self.run_no = 0
 

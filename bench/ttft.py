@@ -306,7 +306,7 @@ async def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, l
     procs: list[Proc] = []
     rows = []
     try:
-        (tmp / "tokens").write_text(PUBLISH_TOKEN + "\n")
+        (tmp / "tokens").write_text(PUBLISH_TOKEN + " admin *\n")
         registry = f"file:{tmp / 'registry.sqlite3'}"
         o_port = free_port()
         origin = start("origin", "origin", dict(model=spec, registry=registry, store=str(tmp / "origin-store"),

@@ -142,7 +142,7 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
     procs: list[Proc] = []
     rows = []
     try:
-        (tmp / "tokens").write_text(PUBLISH_TOKEN + "\n")
+        (tmp / "tokens").write_text(PUBLISH_TOKEN + " admin *\n")
         registry = f"file:{tmp / 'registry.sqlite3'}"
         op, ep = free_port(), free_port()
         origin = Proc("origin", ["kdn", "origin", "serve", "--model", folder, "--dtype", "bfloat16", "--registry",

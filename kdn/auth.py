@@ -7,8 +7,9 @@ A token file has one grant per line; ``#`` starts a comment::
     77aa...02                        read             acme
     b0b0...ff                        admin            *
 
-A line with only a token grants every role on every namespace (the simple
-single-publisher case). The namespace a reader may use comes from its token,
+Every line names its roles and namespaces: ``TOKEN admin *`` is the one
+that grants everything (a token alone on a line is refused, so no grant is
+ever broader than written). The namespace a reader may use comes from its token,
 never from a field the client fills in: servers call ``Grants.check`` with
 the token from the ``Authorization`` header and get the allowed namespaces.
 
@@ -79,9 +80,7 @@ class Grants:
             parts = line.split()
             if not _TOKEN.fullmatch(parts[0]):
                 raise InvalidInput(f"token file line {lineno}: a token is made of A-Z a-z 0-9 . _ ~ + / = - (at most 512)")
-            if len(parts) == 1:
-                grant = Grant(frozenset(ROLES), frozenset({ANY}))
-            elif len(parts) == 3:
+            if len(parts) == 3:
                 roles = frozenset(r for r in parts[1].split(",") if r)
                 if not roles <= ROLES:
                     raise InvalidInput(f"token file line {lineno}: unknown role(s) {sorted(roles - ROLES)}")
@@ -92,8 +91,13 @@ class Grants:
                     except InvalidInput as e:
                         raise InvalidInput(f"token file line {lineno}: {e}") from None
                 grant = Grant(roles, nss)
+            elif len(parts) == 1:
+                # Once a bare token granted every role on every namespace: a line cut short by accident
+                # (a stray '#', a lost field) became the most powerful grant in the file.
+                raise InvalidInput(f"token file line {lineno}: a token alone grants nothing; write 'TOKEN admin *' "
+                                   "for every role on every namespace, or 'TOKEN ROLES NAMESPACES'")
             else:
-                raise InvalidInput(f"token file line {lineno}: expected 'TOKEN' or 'TOKEN ROLES NAMESPACES'")
+                raise InvalidInput(f"token file line {lineno}: expected 'TOKEN ROLES NAMESPACES'")
             if len(parts[0]) < 16:
                 raise InvalidInput(f"token file line {lineno}: tokens must be at least 16 characters")
             digest = _digest(parts[0])
@@ -153,12 +157,12 @@ class Grants:
 
 
 def read_token(path: str | None) -> str | None:
-    """The first token of a token file (its first field), else $KDN_TOKEN."""
+    """The first token of a token file (its first field: a grants file works too), else $KDN_TOKEN."""
     if path is None:
         return os.environ.get("KDN_TOKEN")
     try:
         for line in Path(path).read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
+            line = _COMMENT.split(line, 1)[0].strip()
             if line:
                 return line.split()[0]
     except OSError as e:

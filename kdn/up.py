@@ -85,12 +85,13 @@ async def _up(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kdn.origin.app import OriginConfig, create_app
+    from kdn.service import server_options
 
     model = args.model or default_model()
     root = Path(args.dir or tempfile.mkdtemp(prefix="kdn-up-"))
     root.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
-    (root / "tokens").write_text(f"{token}\n")
+    (root / "tokens").write_text(f"{token} admin *\n")
     (root / "tokens").chmod(0o600)
     registry = f"file:{root / 'registry.sqlite3'}"
     port, *edge_ports = ports(args.port)
@@ -105,7 +106,8 @@ async def _up(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cfg = OriginConfig(model=model, registry=registry, store=str(root / "origin-store"), port=port,
                        token_file=str(root / "tokens"), node_id="origin-1", signing_key=str(root / "origin.key"))
-    runner = web.AppRunner(create_app(cfg), access_log=None)
+    app = create_app(cfg)
+    runner = web.AppRunner(app, **server_options(app))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
@@ -173,6 +175,7 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
     from aiohttp import web
 
     from kdn.edge.app import EDGE, EdgeConfig, create_app as create_edge
+    from kdn.service import server_options
 
     (root / "edge-token").write_text(f"{token}\n")
     edges = []
@@ -181,7 +184,8 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
                          disk=str(root / f"edge-{node}"), disk_budget=2 << 30, port=p, node_id=node,
                          token_file=str(root / "tokens"), upstream_token_file=str(root / "edge-token"), prefetch=2,
                          trusted_keys=str(root / "trusted-keys"))
-        r = web.AppRunner(create_edge(cfg), access_log=None)
+        app = create_edge(cfg)
+        r = web.AppRunner(app, **server_options(app))
         await r.setup()
         await web.TCPSite(r, "127.0.0.1", p).start()
         runners.append(r)

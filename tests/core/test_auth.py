@@ -39,12 +39,11 @@ def status_of(grants: Grants, authorization: str | None, role: str, namespace: s
 # --- parse -----------------------------------------------------------------------
 
 
-def test_single_token_line_grants_every_role_everywhere():
-    g = Grants.parse(f"{ALL}\n")
+def test_admin_star_grants_every_role_everywhere():
+    g = Grants.parse(f"{ALL} admin *\n")
     for role in ROLES:
         for ns in ("public", "acme", "z"):
-            got = g.check(bearer(ALL), role, ns)
-            assert got == Grant(frozenset(ROLES), frozenset({ANY}))
+            assert g.check(bearer(ALL), role, ns) == Grant(frozenset({"admin"}), frozenset({ANY}))
     assert g.namespaces(bearer(ALL), "publish") == {ANY}
 
 
@@ -57,7 +56,7 @@ def test_roles_and_namespaces_lines(grants):
 def test_comments_and_blank_lines_are_ignored():
     g = Grants.parse("# only comments\n\n   \n  # indented comment\n")
     assert g.empty
-    g = Grants.parse(f"{ALL}  # trailing comment\n")
+    g = Grants.parse(f"{ALL} admin *  # trailing comment\n")
     assert not g.empty
     assert g.check(bearer(ALL), "admin", "public")
 
@@ -72,14 +71,15 @@ def test_empty_text_is_empty():
     [
         (f"{ALL} read,write public", "unknown role(s) ['write']"),
         (f"{ALL} Read public", "unknown role(s) ['Read']"),
-        (f"{ALL} read", "expected 'TOKEN' or 'TOKEN ROLES NAMESPACES'"),
-        (f"{ALL} read public extra", "expected 'TOKEN' or 'TOKEN ROLES NAMESPACES'"),
-        ("short", "at least 16 characters"),
+        (f"{ALL} read", "expected 'TOKEN ROLES NAMESPACES'"),
+        (f"{ALL} read public extra", "expected 'TOKEN ROLES NAMESPACES'"),
+        (ALL, "a token alone grants nothing; write 'TOKEN admin *'"),
+        ("short read *", "at least 16 characters"),
         ("x" * 15 + " read public", "at least 16 characters"),
     ],
 )
 def test_bad_line_names_its_line_number(line, says):
-    text = f"# header\n\n{ALL}\n{line}\n"
+    text = f"# header\n\n{ALL.upper()} admin *\n{line}\n"
     with pytest.raises(InvalidInput) as e:
         Grants.parse(text)
     assert "line 4" in str(e.value)
@@ -87,7 +87,7 @@ def test_bad_line_names_its_line_number(line, says):
 
 
 def test_token_of_exactly_16_characters_is_accepted():
-    g = Grants.parse("y" * 16)
+    g = Grants.parse("y" * 16 + " read public")
     assert g.check(bearer("y" * 16), "read", "public")
 
 
@@ -102,7 +102,7 @@ def test_bad_namespace_error_names_the_line():
     # validate_namespace's own message, without the "token file line N: "
     # prefix every other bad line gets, so the operator cannot find the line.
     with pytest.raises(InvalidInput) as e:
-        Grants.parse(f"# header\n{ALL}\n{ALL} read Not/A/Namespace\n")
+        Grants.parse(f"# header\n{ALL.upper()} admin *\n{ALL} read Not/A/Namespace\n")
     assert "line 3" in str(e.value)
 
 
@@ -236,6 +236,23 @@ def test_a_hash_inside_a_token_is_refused_not_read_as_a_comment():
     g = Grants.parse("tenant-token-0123456 publish acme  # a comment after whitespace\n# a whole-line comment\n")
     grant = g.lookup("Bearer tenant-token-0123456")
     assert grant is not None and grant.allows("publish", "acme") and not grant.allows("publish", "public")
+
+
+def test_a_bare_token_line_grants_nothing_it_is_refused():
+    """A bare token once granted every role on every namespace: a line that lost its fields (a stray '#', a bad
+    edit) became the file's most powerful grant. Everything a line grants is now written on it."""
+    with pytest.raises(InvalidInput, match="line 2: a token alone grants nothing; write 'TOKEN admin \\*'"):
+        Grants.parse(f"{PUB} publish public\n{READER}   # the reader, roles to follow\n")
+
+
+def test_read_token_takes_the_first_field_of_a_grants_file(tmp_path):
+    from kdn.auth import read_token
+
+    path = tmp_path / "tokens"
+    path.write_text(f"# who\n{PUB} publish,read public  # publisher\n{READER} read acme\n")
+    assert read_token(str(path)) == PUB
+    path.write_text("tenant-token-0123#456 read *\n")  # no silent truncation at a '#' inside a token
+    assert read_token(str(path)) == "tenant-token-0123#456"
 
 
 def test_tokens_are_a_charset_not_any_bytes():

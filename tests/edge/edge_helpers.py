@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from kdn.edge.app import EDGE, EdgeConfig, create_app as create_edge
 from kdn.origin.app import OriginConfig, create_app as create_origin
+from kdn.service import server_options
 
 PUBLISH = "pub-" + "a" * 28
 EDGE_TOKEN = "edge-" + "c" * 27  # read * : what edges show each other and the origin
@@ -21,7 +22,7 @@ TENANT_B = "tenant-b-" + "e" * 23
 
 
 def write_tokens(path: Path) -> Path:
-    path.write_text(f"{PUBLISH}\n{EDGE_TOKEN} read *\n{TENANT_A} publish,read acme\n{TENANT_B} publish,read beta\n")
+    path.write_text(f"{PUBLISH} admin *\n{EDGE_TOKEN} read *\n{TENANT_A} publish,read acme\n{TENANT_B} publish,read beta\n")
     return path
 
 
@@ -60,7 +61,7 @@ class Cluster:
         if prepare is not None:
             prepare(app)  # e.g. a signal handler a test adds before the app is frozen
         self.origin = TestServer(app, host="127.0.0.1", port=port)
-        await self.origin.start_server()
+        await self.origin.start_server(**server_options(app))  # (TestServer drops its constructor's options)
 
     async def start_edge(self, node_id: str, region: str = "eu", *, mem_budget: int = 64 << 20,
                          disk_budget: int = 256 << 20, prefetch: int = 0, origin: bool | str = True, prepare=None,
@@ -80,7 +81,7 @@ class Cluster:
         if prepare is not None:
             prepare(app)
         server = TestServer(app, host="127.0.0.1", port=cfg.port)
-        await server.start_server()
+        await server.start_server(**server_options(app))
         self.edges[node_id] = server
 
     async def stop_edge(self, node_id: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from kdn.origin.app import OriginConfig, create_app
+from kdn.service import server_options
 
 PUBLISH_TOKEN = "pub-" + "a" * 28
 TENANT_TOKEN = "acme-" + "b" * 27  # publish + read in namespace acme only
@@ -21,7 +22,7 @@ READ_ALL = "edge-" + "c" * 27  # read everywhere (what an edge uses)
 
 def write_tokens(path: Path) -> Path:
     path.write_text(
-        f"# test grants\n{PUBLISH_TOKEN}\n{TENANT_TOKEN} publish,read acme\n{READ_ALL} read *\n"
+        f"# test grants\n{PUBLISH_TOKEN} admin *\n{TENANT_TOKEN} publish,read acme\n{READ_ALL} read *\n"
     )
     return path
 
@@ -38,8 +39,9 @@ async def running_origin(tmp_path: Path, registry_url: str, model: str = "tiny-l
         port = s.getsockname()[1]
     cfg = OriginConfig(model=model, registry=registry_url, store=str(tmp_path / "store"), port=port,
                        token_file=str(write_tokens(tmp_path / "tokens")), node_id="origin-test", fsync=False, **kw)
-    server = TestServer(create_app(cfg), host="127.0.0.1", port=port)
-    await server.start_server()
+    app = create_app(cfg)
+    server = TestServer(app, host="127.0.0.1", port=port)
+    await server.start_server(**server_options(app))
     try:
         async with aiohttp.ClientSession(str(server.make_url(""))) as session:
             yield server, session

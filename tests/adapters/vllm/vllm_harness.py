@@ -102,7 +102,7 @@ class Cluster:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.registry = f"file:{tmp / 'registry.sqlite3'}"
-        (tmp / "tokens").write_text(f"{PUBLISH}\n{EDGE_TOKEN} read *\n{TENANT_A} publish,read acme\n"
+        (tmp / "tokens").write_text(f"{PUBLISH} admin *\n{EDGE_TOKEN} read *\n{TENANT_A} publish,read acme\n"
                                     f"{TENANT_B} publish,read beta\n")
         (tmp / "edge-token").write_text(EDGE_TOKEN + "\n")
         self.procs: list[Proc] = []
