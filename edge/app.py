@@ -670,7 +670,6 @@ def run(config: EdgeConfig) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kdn.tls import server_context
 
-    # No access log: at thousands of object reads a second it cost 3-4% of the edge's CPU
-    # (bench/serve.py profile); per-route counts and latencies are in /metrics.
-    web.run_app(create_app(config), host=config.host, port=config.port, print=None, access_log=None,
-                ssl_context=server_context(config.tls_cert, config.tls_key))
+    app = create_app(config)
+    web.run_app(app, host=config.host, port=config.port, print=None,
+                ssl_context=server_context(config.tls_cert, config.tls_key), **service.server_options(app))

@@ -383,5 +383,6 @@ def run(config: OriginConfig) -> None:
     logging.basicConfig(level=os.environ.get("KDN_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kdn.tls import server_context
 
-    web.run_app(create_app(config), host=config.host, port=config.port, print=None,
-                ssl_context=server_context(config.tls_cert, config.tls_key))
+    app = create_app(config)
+    web.run_app(app, host=config.host, port=config.port, print=None,
+                ssl_context=server_context(config.tls_cert, config.tls_key), **service.server_options(app))

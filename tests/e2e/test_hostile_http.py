@@ -278,6 +278,56 @@ async def test_a_slow_body_gets_408_and_the_connection_closes(tmp_path, etcd_url
             assert metric(server, "kdn_http_deadline_exceeded", kind="body") == 1
 
 
+async def test_a_trickled_request_head_is_cut_off(tmp_path, etcd_url):
+    """A request head sent a byte at a time once held its connection for as long as the sender liked
+    (aiohttp gives headers no deadline of their own): the head deadline closes it."""
+    from kdn.service import Deadlines
+
+    quick = Deadlines(headers=1.0)
+    async with cluster(tmp_path, etcd_url, edges=("e1",), deadlines=quick, origin_kw={"deadlines": quick}) as c:
+        for server in (c.edges["e1"], c.origin):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            try:
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                closed_after = None
+                for _ in range(40):  # one header byte every 0.1 s, for up to 4 s: never a whole head
+                    try:
+                        writer.write(b"X")
+                        await writer.drain()
+                        if await asyncio.wait_for(reader.read(1), 0.1) == b"":
+                            closed_after = loop.time() - t0
+                            break
+                    except asyncio.TimeoutError:
+                        continue
+                    except ConnectionError:
+                        closed_after = loop.time() - t0
+                        break
+            finally:
+                writer.close()
+            assert closed_after is not None, "the trickled head was still being read after 4 s"
+            assert 0.9 <= closed_after < 3.0, closed_after
+        # A whole request still gets its answer on a fresh connection.
+        async with aiohttp.ClientSession() as s, s.get(c.edge_url("e1") + "/healthz") as r:
+            assert r.status == 200
+
+
+async def test_a_401_says_how_to_authenticate(tmp_path, etcd_url):
+    """RFC 9110 requires WWW-Authenticate on a 401; without it a client cannot tell what to send."""
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        async with aiohttp.ClientSession() as s:
+            body = {"name": "t", "text": "x"}
+            async with s.post(c.origin_url() + "/v1/publish", json=body) as r:
+                assert r.status == 401 and r.headers["WWW-Authenticate"] == 'Bearer realm="kdn"'
+            bad = {"Authorization": "Bearer " + "z" * 32}
+            async with s.post(c.origin_url() + "/v1/publish", json=body, headers=bad) as r:
+                assert r.status == 401
+                assert r.headers["WWW-Authenticate"] == 'Bearer realm="kdn", error="invalid_token"'
+            async with s.get(c.edge_url("e1") + "/v1/objects/" + "a" * 64, headers=bad) as r:
+                assert r.status == 401 and "invalid_token" in r.headers["WWW-Authenticate"]
+
+
 MALFORMED = {
     "deep": b"[" * 100_000 + b"]" * 100_000,  # deeper than the parser's stack
     "addresses-str": b'{"addresses": "' + b"a" * 64 + b'"}',  # not a list
