@@ -6,9 +6,9 @@ flight per key) owner peer -> other regions -> origin (the source plan is
 The handler sends what it returns with ``X-KDN-Source`` saying where the
 bytes came from; prefetch and warm call the same function, lookup the same
 planner. ``create_app(config)``
-builds the aiohttp app; registry, tiers, membership, HTTP session, policies
-and watches are ``cleanup_ctx`` resources, started in order and stopped in
-reverse.
+builds the aiohttp app; the registry, the edge and its tiers, the upstream
+(HTTP session, membership), background work, policies and the registry views
+are each a ``cleanup_ctx`` resource, started in order and stopped in reverse.
 
 Routes:
     GET|HEAD /v1/objects/{address}[?encoding=]   the blob (HEAD: is it here, no fill)
@@ -221,6 +221,17 @@ class Edge:
         while self._background:
             await asyncio.wait(list(self._background))
 
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Stop prefetching; let the background work end (durable disk copies, promotions: each is
+        quick), then cancel what is left: a cancelled disk put leaves only a temp file, which the next
+        start deletes."""
+        await self.prefetcher.close()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout)
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
     @property
     def tiers(self):
         return [self.memory] + ([self.disk] if self.disk is not None else [])
@@ -378,45 +389,76 @@ EDGE = web.AppKey("edge", Edge)
 # --- resources -------------------------------------------------------------
 
 
+# Each long-lived resource is its own cleanup_ctx (create_app lists them): started in that order,
+# stopped in reverse, so what produces work (watches, policies) stops before what does it (background
+# fills and disk copies), and that before what it uses (membership, the HTTP session, the tiers).
+
+
 async def _edge_ctx(app: web.Application):
+    """The edge itself: its tiers (the disk tier opened here) and its one-flight-per-key table."""
     cfg = app[EDGE_CONFIG]
     edge = Edge(cfg, app[REGISTRY], app[EDGE_METRICS])
     app[EDGE] = edge
     if cfg.disk:
         edge.disk = await DiskTier.open(cfg.disk, cfg.disk_budget, fsync=cfg.fsync, on_evict=edge._on_evict)
-    upstream = _upstream_headers(cfg.upstream_token_file)
+    try:
+        yield
+    finally:
+        await edge.flight.close()
+
+
+async def _upstream_ctx(app: web.Application):
+    """The HTTP session every fill goes through, the region's membership (a lease and a watch on
+    ``nodes/edge/``) and the filler that plans sources from it."""
+    cfg, edge = app[EDGE_CONFIG], app[EDGE]
     from kdn.tls import client_context
 
     connector = aiohttp.TCPConnector(limit=256, limit_per_host=64, ssl=client_context(cfg.ca))
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl)
-    edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
-                         upstream_headers=upstream, metrics=edge.m, token_scope=token_scope(cfg))
-    watchers = [asyncio.create_task(_watch_manifests(edge), name="kdn-edge-manifests")]
-    if not cfg.origin:
-        watchers.append(asyncio.create_task(_watch_origins(edge), name="kdn-edge-origins"))
-    await edge.membership.start()
-    edge.policies = PolicyEngine(app[REGISTRY], cfg.region, edge.tiers, warm=edge.warm)
+    try:
+        edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl)
+        edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
+                             upstream_headers=_upstream_headers(cfg.upstream_token_file), metrics=edge.m,
+                             token_scope=token_scope(cfg))
+        await edge.membership.start()
+        try:
+            yield
+        finally:
+            await edge.membership.close()
+    finally:
+        await session.close()
+
+
+async def _background_ctx(app: web.Application):
+    """Work off the response path (prefetch, durable disk copies, promotions): drained at shutdown."""
+    yield
+    await app[EDGE].drain()
+
+
+async def _policies_ctx(app: web.Application):
+    cfg, edge = app[EDGE_CONFIG], app[EDGE]
+    edge.policies = PolicyEngine(app[REGISTRY], cfg.region, edge.tiers, warm=edge.warm, manifest_feed=True)
     await edge.policies.start()
-    log.info("edge %s in region %s serving at %s", cfg.node_id, cfg.region, cfg.advertised_url)
     try:
         yield
     finally:
         await edge.policies.close()
-        await edge.prefetcher.close()
-        # Let the background work end (durable disk copies, promotions: each is quick), then cancel what
-        # is left: a cancelled disk put leaves only a temp file, which the next start deletes.
-        if edge._background:
-            await asyncio.wait(list(edge._background), timeout=5)
-        for t in list(edge._background):
-            t.cancel()
-        await asyncio.gather(*edge._background, return_exceptions=True)
+
+
+async def _views_ctx(app: web.Application):
+    """The edge's registry views: one of ``manifests/`` (the prefetch chain index and the policy engine
+    both read it) and, without ``--origin``, one of the live origins."""
+    cfg, edge = app[EDGE_CONFIG], app[EDGE]
+    watchers = [asyncio.create_task(_watch_manifests(edge), name="kdn-edge-manifests")]
+    if not cfg.origin:
+        watchers.append(asyncio.create_task(_watch_origins(edge), name="kdn-edge-origins"))
+    log.info("edge %s in region %s serving at %s", cfg.node_id, cfg.region, cfg.advertised_url)
+    try:
+        yield
+    finally:
         for t in watchers:
             t.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
-        await edge.membership.close()
-        await edge.flight.close()
-        await session.close()
 
 
 def token_scope(cfg: EdgeConfig) -> TokenScope:
@@ -441,7 +483,8 @@ def _upstream_headers(path: str | None) -> dict[str, str]:
 
 
 async def _watch_manifests(edge: Edge) -> None:
-    """Keep the chain index (for prefetch) current: list, then follow changes."""
+    """The edge's one view of ``manifests/``: keeps the chain index (for prefetch) current and hands
+    each event on to the policy engine (pins and warms name manifests)."""
 
     warned: set[str] = set()
 
@@ -466,6 +509,8 @@ async def _watch_manifests(edge: Edge) -> None:
             put(ev.key, ev.value)
         elif ev.kind == "delete":
             edge.chains.remove(ev.key.split("/", 1)[1])
+        if edge.policies is not None:
+            await edge.policies.feed_manifests(ev)
 
     await follow(edge.registry, "manifests/", on_event, what="manifest")
 
@@ -656,7 +701,8 @@ def create_app(config: EdgeConfig) -> web.Application:
     app[EDGE_METRICS] = EdgeMetrics(metrics, lambda: app.get(EDGE))
     service.install_deadlines(app, config.deadlines, metrics, "edge")
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
-    app.cleanup_ctx.extend([service.registry_ctx(config.registry), _edge_ctx])
+    app.cleanup_ctx.extend([service.registry_ctx(config.registry), _edge_ctx, _upstream_ctx, _background_ctx,
+                            _policies_ctx, _views_ctx])
     app.router.add_get("/v1/objects/{address}", get_object)
     app.router.add_post("/v1/lookup", lookup)
     app.router.add_post("/v1/prefetch", prefetch)

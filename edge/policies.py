@@ -139,7 +139,10 @@ class PolicyEngine:
     """Follows ``policies/`` (and ``manifests/``) in the registry and applies them to this edge's tiers.
 
     ``await start()`` launches the watches and returns at once; the first
-    snapshot is applied as soon as the registry answers (``ready``).
+    snapshot is applied as soon as the registry answers (``ready``). With
+    ``manifest_feed=True`` the engine does not watch ``manifests/`` itself:
+    its owner, which follows that prefix anyway (the edge's one manifest view),
+    hands it each event through ``feed_manifests``.
     """
 
     def __init__(
@@ -151,8 +154,10 @@ class PolicyEngine:
         warm: Warm | None = None,
         retry_s: float = 0.5,
         max_retry_s: float = 30.0,
+        manifest_feed: bool = False,
     ) -> None:
         self._registry = registry
+        self._manifest_feed = manifest_feed
         self.region = validate_name(region)
         self._tiers = list(tiers)
         self._warm = warm
@@ -220,9 +225,17 @@ class PolicyEngine:
             return
         self._tasks = [
             asyncio.create_task(self._watch(POLICIES), name="kdn-policy-watch"),
-            asyncio.create_task(self._watch(MANIFESTS), name="kdn-policy-manifest-watch"),
             asyncio.create_task(self._process(), name="kdn-policy-apply"),
         ]
+        if not self._manifest_feed:
+            self._tasks.append(asyncio.create_task(self._watch(MANIFESTS), name="kdn-policy-manifest-watch"))
+
+    async def feed_manifests(self, ev) -> None:
+        """One event (snapshot, put, delete) of the owner's ``manifests/`` view, in the order it came.
+        Waits while the engine is behind by more than its queue (256 batches of changes)."""
+        if not self._manifest_feed:
+            raise RuntimeError("this PolicyEngine follows manifests/ itself (manifest_feed=False)")
+        await self._queue.put((MANIFESTS, ev))
 
     async def close(self) -> None:
         """Stop watching and cancel warms in flight. The tiers keep the rules last applied."""

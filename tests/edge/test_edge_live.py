@@ -142,3 +142,35 @@ async def test_a_malformed_manifest_record_hides_only_itself(tmp_path, etcd_url)
             assert metric(c.edges["e1"], "kdn_edge_bad_registry_records", kind="manifest") >= 2
     finally:
         await reg.close()
+
+
+async def test_an_edge_follows_manifests_once_and_a_pin_named_before_its_manifest_applies(tmp_path, etcd_url,
+                                                                                          monkeypatch):
+    """The prefetch index and the policy engine once each watched ``manifests/``: two watches, two
+    copies of every manifest. The edge now has one view and hands each event to the engine."""
+    import kdn.edge.app as edge_app
+    import kdn.edge.membership as membership
+    import kdn.edge.policies as policies
+    from kdn.registry.follow import follow
+
+    followed: list[str] = []
+
+    def counting(registry, prefix, *a, **kw):
+        followed.append(prefix)
+        return follow(registry, prefix, *a, **kw)
+
+    for module in (edge_app, policies, membership):
+        monkeypatch.setattr(module, "follow", counting)
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        e = c.edge("e1")
+        reg = open_registry(etcd_url)
+        try:
+            # The pin names a manifest that does not exist yet: it resolves through the edge's feed.
+            await reg.put_policy(Policy(name="pin-later", kind="pin", region="eu", manifest="public/later"))
+            await e.policies.wait_applied(lambda p: "public/later" in p.unresolved)
+            m = await publish(c, TEXT, name="later")
+            await e.policies.wait_applied(lambda p: set(m["addresses"]) <= p.pinned_addresses)
+        finally:
+            await reg.close()
+        assert followed.count("manifests/") == 1, followed
+        assert followed.count("policies/") == 1, followed
