@@ -36,7 +36,8 @@ from prometheus_client import CollectorRegistry
 
 from kdn import service
 from kdn.address import validate_address, validate_name
-from kdn.auth import Grant, Grants, TokenScope
+from kdn.auth import Grant, Grants, TokenScope, covers
+from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import KDNError, SourceError
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
@@ -53,7 +54,6 @@ from kdn.edge.tiers import EntryMeta, Handle, Key
 
 log = logging.getLogger(__name__)
 
-LOSSLESS_PREFERENCE = ("zstd", "raw")
 
 
 @dataclass
@@ -532,7 +532,7 @@ async def _readable_record(request: web.Request, address: str) -> ObjectRecord:
     edge = request.app[EDGE]
     rec = await edge.records.get(address)
     allowed = request.app[GRANTS].namespaces(bearer(request), "read")
-    if rec is None or not ("*" in allowed or rec.namespace in allowed):
+    if rec is None or not covers(allowed, rec.namespace):
         raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
     return rec
 
@@ -654,7 +654,7 @@ async def lookup(request: web.Request) -> web.Response:
     recs = await edge.records.get_many(addrs)
     where = []
     for a, rec in zip(addrs, recs):
-        if rec is None or not ("*" in allowed or rec.namespace in allowed):
+        if rec is None or not covers(allowed, rec.namespace):
             break
         enc = edge.choose_encoding(rec, body.get("encoding"))
         if enc is None:

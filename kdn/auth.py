@@ -46,6 +46,11 @@ class AuthError(KDNError):
         self.status = status
 
 
+def covers(namespaces: frozenset[str], namespace: str) -> bool:
+    """Whether granted ``namespaces`` (``*``: all of them) include ``namespace``: the one namespace check."""
+    return ANY in namespaces or namespace in namespaces
+
+
 @dataclass(frozen=True)
 class Grant:
     roles: frozenset[str]
@@ -53,7 +58,7 @@ class Grant:
 
     def allows(self, role: str, namespace: str) -> bool:
         role_ok = role in self.roles or "admin" in self.roles
-        return role_ok and (ANY in self.namespaces or namespace in self.namespaces)
+        return role_ok and covers(self.namespaces, namespace)
 
 
 def _digest(token: str) -> bytes:

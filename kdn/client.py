@@ -38,7 +38,6 @@ from kdn.estimate import Estimates
 
 log = logging.getLogger(__name__)
 
-LOSSLESS = ("zstd", "raw")
 STRATEGIES = ("latency", "random", "origin-only")  # source selection; "latency" is KDN's own
 MAX_OBJECT_BYTES = 1 << 30
 

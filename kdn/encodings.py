@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from kdn.errors import InvalidInput
 
 LOSSLESS = "lossless"
+# The lossless encodings, preferred first: what a read without ``?encoding=`` gets, and what a publish
+# must include before a lossy one can be derived.
+LOSSLESS_PREFERENCE = ("zstd", "raw")
 
 
 @dataclass(frozen=True)

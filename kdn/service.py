@@ -23,7 +23,7 @@ import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from kdn.address import validate_address, validate_name, validate_namespace
-from kdn.auth import AuthError, Grants
+from kdn.auth import AuthError, Grants, covers
 from kdn.errors import (
     InvalidInput,
     KDNError,
@@ -305,8 +305,7 @@ async def get_registry_manifest(request: web.Request) -> web.Response:
 
 def _may_read(request: web.Request, namespace: str) -> bool:
     grants = request.app[GRANTS]
-    allowed = grants.namespaces(bearer(request), "read")
-    return "*" in allowed or namespace in allowed
+    return covers(grants.namespaces(bearer(request), "read"), namespace)
 
 
 async def get_metrics(request: web.Request) -> web.Response:

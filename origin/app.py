@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kdn import service
 from kdn.address import validate_address, validate_name
-from kdn.auth import Grant, Grants
+from kdn.auth import Grant, Grants, covers
+from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import RegistryUnavailable
 from kdn.registry import Manifest, ModelRecord, NodeRecord
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
@@ -40,7 +41,6 @@ from kdn.origin.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
-LOSSLESS_PREFERENCE = ("zstd", "raw")  # what a GET without ?encoding= gets
 
 
 @dataclass
@@ -293,7 +293,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     have = store.encodings(address) or await _adopt(app, address)
     ns = await _namespace_of(app, address) if have else None
     allowed = app[GRANTS].namespaces(bearer(request), "read")
-    if ns is None or not ("*" in allowed or ns in allowed):
+    if ns is None or not covers(allowed, ns):
         raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
     want = request.query.get("encoding")
     if want is not None:
@@ -341,7 +341,7 @@ async def lookup(request: web.Request) -> web.Response:
     for a in addrs:
         have = store.encodings(a)
         ns = await _namespace_of(request.app, a) if have else None
-        if ns is None or not ("*" in allowed or ns in allowed):
+        if ns is None or not covers(allowed, ns):
             break
         n += 1
     src = f"origin:{request.app[CONFIG].node_id}"

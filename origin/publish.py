@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kdn import address as A
 from kdn.address import Address
+from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry import Encoding, ObjectRecord
 from kdn.store import validate_encoding
@@ -31,7 +32,6 @@ from kdn.store import validate_encoding
 from kdn.origin.store import ObjectStore
 
 TEMPLATES = ("none", "chat")
-LOSSLESS_ENCODINGS = ("zstd", "raw")
 _SENTINEL = "\ue000KDN-DOCUMENT\ue001"  # private-use characters: never in a real chat template
 
 
@@ -199,7 +199,7 @@ class Producer:
     def _prefix_chain(self, spec: PublishSpec, plan: Plan) -> Iterator[Step]:
         have = [self._stored(a, spec) for a in plan.addresses]
         first_missing = have.index(False) if False in have else len(have)
-        if first_missing < len(have) and not any(e in LOSSLESS_ENCODINGS for e in spec.encodings):
+        if first_missing < len(have) and not any(e in LOSSLESS_PREFERENCE for e in spec.encodings):
             first_missing = 0  # nothing lossless to resume from: recompute (stored blobs are kept as they are)
         kind = self._kind()
         for i in range(first_missing):  # already stored: records only, no model
@@ -230,7 +230,7 @@ class Producer:
         from kdn.adapters.hf import build_cache
         from kdn.objects import decode_object, to_torch
 
-        enc = next(e for e in spec.encodings if e in LOSSLESS_ENCODINGS)
+        enc = next(e for e in spec.encodings if e in LOSSLESS_PREFERENCE)
         chunks = []
         for a in plan.addresses[:n]:
             blob, info = self.store.get(a, enc)
