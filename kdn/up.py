@@ -85,6 +85,7 @@ async def _up(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kdn.origin.app import OriginConfig, create_app
+    from kdn.origin.cli import publish_documents
     from kdn.service import server_options
 
     model = args.model or default_model()
@@ -114,32 +115,24 @@ async def _up(args: argparse.Namespace) -> int:
     origin = f"http://127.0.0.1:{port}"
     _say(f"  origin    {origin}  ready in {time.perf_counter() - t0:.1f} s")
     try:
-        headers = {"Authorization": f"Bearer {token}"}
-        async with aiohttp.ClientSession(origin, headers=headers) as s:
-            text = SAMPLE.read_text()
-            if model.startswith("tiny-"):
-                text = text[:3000]  # tiny models read bytes: keep it within their context
-            _say(f"\npublishing {SAMPLE.name} as public/{SAMPLE.stem} ...")
-            t0 = time.perf_counter()
-            body = {"name": SAMPLE.stem, "text": text, "template": "chat" if model == "smollm2-135m" else None}
-            async with s.post("/v1/publish", json={k: v for k, v in body.items() if v is not None}) as r:
-                job = await r.json()
-                if r.status != 202:
-                    raise SystemExit(f"kdn up: publish failed: {job}")
-            while True:
-                async with s.get(f"/v1/jobs/{job['job']}") as r:
-                    state = await r.json()
-                if state["state"] in ("done", "failed"):
-                    break
-                await asyncio.sleep(0.1)
-            if state["state"] == "failed":
-                raise SystemExit(f"kdn up: publish failed: {state['error']}")
-            m = state["manifest"]
-            _say(f"published {m['tokens']} tokens as {len(m['addresses'])} chunks in {time.perf_counter() - t0:.1f} s"
-                 f" (model {m['model_id'][:16]}...)")
-            first = m["addresses"][0]
-            async with s.head(f"/v1/objects/{first}") as r:
-                _say(f"  chunk 0: {first}\n           {r.headers['Content-Length']} bytes, ETag {r.headers['ETag'][:20]}...")
+        text = SAMPLE.read_text()
+        if model.startswith("tiny-"):
+            text = text[:3000]  # tiny models read bytes: keep it within their context
+        _say(f"\npublishing {SAMPLE.name} as public/{SAMPLE.stem} ...")
+        t0 = time.perf_counter()
+        common = {"template": "chat"} if model == "smollm2-135m" else {}
+        from kdn.errors import KDNError
+
+        try:
+            (m,) = await publish_documents(origin, token, [(SAMPLE.stem, text)], common, timeout=600, progress=False)
+        except KDNError as e:
+            raise SystemExit(f"kdn up: {e}") from None
+        _say(f"published {m['tokens']} tokens as {len(m['addresses'])} chunks in {time.perf_counter() - t0:.1f} s"
+             f" (model {m['model_id'][:16]}...)")
+        first = m["addresses"][0]
+        async with aiohttp.ClientSession(origin, headers={"Authorization": f"Bearer {token}"}) as s, \
+                s.head(f"/v1/objects/{first}") as r:
+            _say(f"  chunk 0: {first}\n           {r.headers['Content-Length']} bytes, ETag {r.headers['ETag'][:20]}...")
     except BaseException:
         await runner.cleanup()
         raise
@@ -172,9 +165,11 @@ async def _up(args: argparse.Namespace) -> int:
 
 
 async def _start_edges(root: Path, registry: str, origin: str, token: str, ports: list[int], runners: list) -> list:
+    import aiohttp
     from aiohttp import web
 
-    from kdn.edge.app import EDGE, EdgeConfig, create_app as create_edge
+    from kdn.edge.app import EdgeConfig, create_app as create_edge
+    from kdn.errors import KDNError
     from kdn.service import server_options
 
     (root / "edge-token").write_text(f"{token}\n")
@@ -190,9 +185,17 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
         await web.TCPSite(r, "127.0.0.1", p).start()
         runners.append(r)
         edges.append((node, region, f"http://127.0.0.1:{p}", r))
-    for node, region, url, r in edges:  # wait until each edge sees its region's ring
-        peers = sorted(n for n, reg, _, _ in edges if reg == region)
-        await r.app[EDGE].membership.wait_for(lambda mb, peers=peers: sorted(mb.ring.nodes) == peers, timeout=15)
+    async with aiohttp.ClientSession() as s:  # until each edge's /healthz shows its region's whole ring
+        for node, region, url, _ in edges:
+            peers = sorted(n for n, reg, _, _ in edges if reg == region)
+            deadline = time.monotonic() + 15
+            while True:
+                async with s.get(f"{url}/healthz") as r:
+                    if sorted((await r.json()).get("ring", [])) == peers:
+                        break
+                if time.monotonic() > deadline:
+                    raise KDNError(f"edge {node} did not see its region's ring {peers} within 15 s")
+                await asyncio.sleep(0.05)
     for region in ("eu", "us"):
         _say(f"  edges     {region}: " + ", ".join(f"{n} {u}" for n, reg, u, _ in edges if reg == region))
     return edges

@@ -113,7 +113,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
             body_common[key] = getattr(args, key)
     import asyncio
 
-    manifests = asyncio.run(_publish_all(args.origin.rstrip("/"), token, docs, body_common, args.timeout,
+    manifests = asyncio.run(publish_documents(args.origin.rstrip("/"), token, docs, body_common, args.timeout,
                                          progress=not args.json and sys.stderr.isatty(), ca=args.ca,
                                          args_wait=args.wait))
     if args.json:
@@ -150,8 +150,11 @@ async def _await_origin(s, origin: str, seconds: float) -> None:
         await asyncio.sleep(0.5)
 
 
-async def _publish_all(origin: str, token: str | None, docs, common: dict, timeout: float, progress: bool,
-                       ca: str | None = None, args_wait: float = 0.0) -> list[dict]:
+async def publish_documents(origin: str, token: str | None, docs, common: dict, timeout: float, progress: bool,
+                            ca: str | None = None, args_wait: float = 0.0) -> list[dict]:
+    """Publish ``docs`` (``(name, text)`` pairs, each with the fields in ``common``) through ``origin``
+    one after the other, waiting for each job; the manifests, in order. What ``kdn publish`` and
+    ``kdn up`` call."""
     import aiohttp
 
     from kdn.tls import client_context
