@@ -26,6 +26,7 @@ import os
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -147,7 +148,7 @@ class RecordCache:
                 self._note_absent(address)
         return rec
 
-    async def get_many(self, addresses: list[str]) -> list[ObjectRecord | None]:
+    async def get_many(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
         missing = list(dict.fromkeys(a for a in addresses if a not in self._lru and not self._known_absent(a)))
         if missing:
             for address, rec in zip(missing, await self.registry.get_objects(missing)):

@@ -29,7 +29,7 @@ import re
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import NewType
+from typing import Any, NewType, cast
 
 from blake3 import blake3
 
@@ -107,12 +107,14 @@ def _token_bytes(tokens: Sequence[int] | object) -> bytes:
         if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() > _U32_MAX):
             raise InvalidInput("token ids must be integers in [0, 2**32)")
         return arr.astype("<u4", copy=False).tobytes()
+    # Anything else is taken as an iterable of ints: array() raises TypeError (reported below) if it is not.
+    ints = cast("Iterable[int]", tokens)
     try:
-        out = array("I", tokens)  # 'I' is 4 bytes on every platform CPython supports
+        out = array("I", ints)  # 'I' is 4 bytes on every platform CPython supports
     except (OverflowError, TypeError) as e:
         raise InvalidInput(f"token ids must be integers in [0, 2**32): {e}") from None
     if out.itemsize != 4:  # pragma: no cover - exotic platform
-        out = array("L", tokens)
+        out = array("L", ints)
     if sys.byteorder == "big":  # pragma: no cover
         out.byteswap()
     return out.tobytes()
@@ -131,7 +133,7 @@ def model_id(
     *,
     architecture: str,
     dtype: str,
-    config_fields: dict,
+    config_fields: dict[str, Any],
     weights_digest: str,
     tokenizer_digest: str,
 ) -> ModelId:
@@ -234,7 +236,7 @@ def standalone_addresses(
     return [standalone_address(mid, namespace, array("I", tb[s : s + step])) for s in range(0, len(tb), step)]
 
 
-def blob_digest(data: bytes | memoryview) -> str:
+def blob_digest(data: bytes | bytearray | memoryview) -> str:
     """BLAKE3 hex digest of a whole blob (the registry's digest and the HTTP ETag)."""
     return blake3(data).hexdigest()
 

@@ -115,7 +115,7 @@ class Grants:
         return cls(grants, anonymous=anonymous)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike | None, *, anonymous: Grant | None = None) -> Grants:
+    def from_file(cls, path: str | os.PathLike[str] | None, *, anonymous: Grant | None = None) -> Grants:
         if path is None:
             return cls(anonymous=anonymous)
         try:

@@ -15,9 +15,17 @@ import asyncio
 import ssl as _ssl
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 MAX_HEADER = 16 << 10
+_NO_BODY = memoryview(b"")  # an idle connection's body: nothing may land in it
+
+
+class Hasher(Protocol):
+    """What ``get`` feeds body segments to (``blake3()``, a ``hashlib`` object)."""
+
+    def update(self, data: memoryview, /) -> object: ...
 
 
 class BodyError(Exception):
@@ -37,18 +45,35 @@ class _Conn(asyncio.BufferedProtocol):
         self.head = bytearray(MAX_HEADER)
         self.hview = memoryview(self.head)
         self.closed = False
-        self._arm(None)
+        self.done: asyncio.Future[Response] | None = None
+        self._disarm()
 
-    def _arm(self, body: memoryview | None, hasher=None) -> None:
+    def _arm(self, body: memoryview, hasher: Hasher | None) -> asyncio.Future[Response]:
+        """Expect one response whose body lands in ``body``; the future resolves with its head."""
+        self._reset(body, hasher)
+        self.done = asyncio.get_running_loop().create_future()
+        return self.done
+
+    def _disarm(self) -> None:
+        """Idle (pooled): any byte that arrives now is a protocol error."""
+        self._reset(_NO_BODY, None)
+        self.done = None
+
+    def _reset(self, body: memoryview, hasher: Hasher | None) -> None:
         self.body = body
         self.hasher = hasher  # fed each body segment as it lands, while it is still in cache
         self.hn = 0
         self.resp: Response | None = None
         self.got = 0
-        self.done: asyncio.Future | None = asyncio.get_running_loop().create_future() if body is not None else None
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # What create_connection hands a stream protocol (plain or TLS) is a full Transport.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def send(self, data: bytes) -> None:
+        if self.transport is None:
+            raise BodyError("not connected")
+        self.transport.write(data)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.resp is None:
@@ -102,7 +127,7 @@ class _Conn(asyncio.BufferedProtocol):
             self.done.set_exception(exc)
         self.close()
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.done is not None and not self.done.done():
             self.done.set_exception(BodyError(f"connection lost: {exc or 'closed by peer'}"))
@@ -137,23 +162,28 @@ def _parse(head: bytes) -> Response:
     return Response(int(status), headers, max(length, 0))
 
 
+_Key = tuple[str, str, int]  # (scheme, host, port): one pool of idle connections each
+
+
 class BodyGetter:
     """A pool of keep-alive connections; ``get`` fills ``buf`` with one object's body."""
 
     def __init__(self, *, ssl: _ssl.SSLContext | None, per_host: int = 32, local_addr: str | None = None) -> None:
         self._ssl = ssl
         self._local_addr = (local_addr, 0) if local_addr else None
-        self._idle: dict[tuple, list[_Conn]] = defaultdict(list)
+        self._idle: dict[_Key, list[_Conn]] = defaultdict(list)
         self._per_host = per_host
 
-    async def get(self, url: str, buf: memoryview, headers: dict[str, str], timeout: float, *,
-                  hasher=None) -> Response:
+    async def get(self, url: str, buf: memoryview, headers: dict[str, str], timeout: float | None, *,
+                  hasher: Hasher | None = None) -> Response:
         """GET ``url`` into ``buf``; with ``hasher`` (e.g. ``blake3()``), every body byte is also fed to it as
         it arrives, so verifying costs no second pass over the buffer."""
         u = urlsplit(url)
         tls = u.scheme == "https"
         host, port = u.hostname, u.port or (443 if tls else 80)
-        key = (u.scheme, host, port)
+        if not host:  # getaddrinfo would take no host for loopback
+            raise BodyError(f"no host in URL {url[:80]!r}")
+        key: _Key = (u.scheme, host, port)
         target = u.path + (f"?{u.query}" if u.query else "")
         head = [f"GET {target} HTTP/1.1", f"Host: {u.netloc}"] + [f"{k}: {v}" for k, v in headers.items()]
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
@@ -167,26 +197,29 @@ class BodyGetter:
                         _, conn = await loop.create_connection(_Conn, host, port, ssl=self._ssl if tls else None,
                                                                server_hostname=host if tls else None,
                                                                local_addr=self._local_addr)
-                    conn._arm(buf, hasher)  # a retry follows only a failure before any byte: the hasher is fresh
-                    conn.transport.write(request)
-                    resp = await conn.done
+                    done = conn._arm(buf, hasher)  # a retry follows only a failure before any byte: the hasher is fresh
+                    conn.send(request)
+                    resp = await done
                     break
                 except BodyError:
-                    conn.close()
+                    if conn is not None:
+                        conn.close()
                     # A pooled connection the server closed meanwhile fails before any byte: retry once fresh.
-                    if not (reused and conn.hn == 0):
+                    if not (reused and conn is not None and conn.hn == 0):
                         raise
                 except BaseException:
                     if conn is not None:
                         conn.close()
                     raise
+            else:  # pragma: no cover - the fresh second attempt breaks or raises
+                raise BodyError("no attempt left")
         if resp.status == 200 and resp.headers.get("connection", "").lower() != "close":
             self._give(key, conn)
         else:
             conn.close()
         return resp
 
-    def _take(self, key: tuple) -> _Conn | None:
+    def _take(self, key: _Key) -> _Conn | None:
         idle = self._idle[key]
         while idle:
             conn = idle.pop()
@@ -194,8 +227,8 @@ class BodyGetter:
                 return conn
         return None
 
-    def _give(self, key: tuple, conn: _Conn) -> None:
-        conn._arm(None)
+    def _give(self, key: _Key, conn: _Conn) -> None:
+        conn._disarm()
         idle = self._idle[key]
         if len(idle) < self._per_host:
             idle.append(conn)

@@ -14,9 +14,13 @@ import asyncio
 import importlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from kdn.errors import KDNError
+
+if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily: `kdn address` needs none of it
+    from kdn.registry import ModelRecord, ObjectRecord, Registry
 
 # Parts that contribute subcommands: module path -> its `register(subparsers)`.
 # Each module must import nothing heavy at import time.
@@ -24,7 +28,7 @@ _PARTS = ("kdn.origin.cli", "kdn.edge.cli", "kdn.up")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse's own convention)
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse's own convention)
         self.exit(2, f"kdn: error: {message}\n")
 
 
@@ -63,7 +67,7 @@ def cmd_address(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_registry(args: argparse.Namespace, fn: Callable) -> int:
+def run_registry(args: argparse.Namespace, fn: Callable[[Registry], Awaitable[int]]) -> int:
     """Open the registry named by ``--registry``, run ``fn(registry)``, close it (parts' commands use this too)."""
     from kdn.registry import open_registry
 
@@ -84,7 +88,7 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
         ns, _, name = args.address.partition("/")
         ns, name = validate_namespace(ns), validate_name(name)
 
-        async def manifest(reg) -> int:
+        async def manifest(reg: Registry) -> int:
             m = await reg.get_manifest(ns, name)
             if m is None:
                 print(f"kdn: no manifest {ns}/{name} in the registry", file=sys.stderr)
@@ -95,8 +99,8 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
         return run_registry(args, manifest)
     key = validate_address(args.address, what="address or model id")
 
-    async def go(reg) -> int:
-        rec = await reg.get_object(key)
+    async def go(reg: Registry) -> int:
+        rec: ObjectRecord | ModelRecord | None = await reg.get_object(key)
         kind = "object"
         if rec is None:
             rec, kind = await reg.get_model(key), "model"
@@ -110,7 +114,7 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
 
 
 def cmd_registry_ls(args: argparse.Namespace) -> int:
-    async def go(reg) -> int:
+    async def go(reg: Registry) -> int:
         for key, value in await reg.list_keys(args.prefix):
             print(f"{key}\t{len(value)} B")
         return 0
@@ -119,7 +123,7 @@ def cmd_registry_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_registry_nodes(args: argparse.Namespace) -> int:
-    async def go(reg) -> int:
+    async def go(reg: Registry) -> int:
         nodes = await reg.list_nodes(role=args.role, region=args.region)
         for n in nodes:
             print(f"{n.role:<7} {n.region:<12} {n.node_id:<20} {n.url}")

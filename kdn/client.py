@@ -23,9 +23,11 @@ import asyncio
 import logging
 import os
 import random
+import ssl as _ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 from blake3 import blake3
@@ -36,7 +38,17 @@ from kdn.bodyget import BodyError, BodyGetter
 from kdn.encodings import affordable, decode_seconds, parse_budget
 from kdn.estimate import Estimates
 
+if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
+    from kdn.objects import DecodedObject
+    from kdn.registry import Membership
+    from kdn.ring import Ring
+    from kdn.signing import Verifier
+
+    # Publisher keys: a Verifier, key strings (ed25519:<hex>), or a file of them.
+    TrustedKeys = Verifier | str | os.PathLike[str] | Iterable[str]
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STRATEGIES = ("latency", "random", "origin-only")  # source selection; "latency" is KDN's own
 MAX_OBJECT_BYTES = 1 << 30
@@ -57,11 +69,11 @@ class Lookup:
 
     model_id: str
     namespace: str
-    addresses: list[str]
+    addresses: list[A.Address]
     tokens: int
     chunk_tokens: int
-    records: list[dict] = field(default_factory=list)  # registry records of ``addresses``, in order
-    cold: set[str] = field(default_factory=set)  # addresses the entry edge reported as not cached yet
+    records: list[dict[str, Any]] = field(default_factory=list)  # registry records of ``addresses``, in order
+    cold: set[A.Address] = field(default_factory=set)  # addresses the entry edge reported as not cached yet
     sources: list[str] = field(default_factory=list)  # per whole chunk: where the entry edge would serve it from
 
     @property
@@ -81,7 +93,7 @@ class Fetched:
 @dataclass
 class PrefixStates:
     lookup: Lookup
-    objects: list  # kdn.objects.DecodedObject, in chain order
+    objects: list[DecodedObject]  # in chain order
     fetched: list[Fetched]
     fetch_s: float
     decode_s: float
@@ -94,16 +106,18 @@ class PrefixStates:
         return out
 
 
-def _verifier(keys):
+def _verifier(keys: TrustedKeys | None) -> Verifier | None:
     if keys is None:
         return None
-    from kdn.signing import Verifier
+    from kdn.signing import KEY_PREFIX, Verifier
 
     if isinstance(keys, Verifier):
         return keys
-    if isinstance(keys, (str, os.PathLike)) and not str(keys).startswith("ed25519:"):
+    if isinstance(keys, str):
+        return Verifier([keys]) if keys.startswith(KEY_PREFIX) else Verifier.from_file(keys)
+    if isinstance(keys, os.PathLike):
         return Verifier.from_file(keys)
-    return Verifier([keys] if isinstance(keys, str) else keys)
+    return Verifier(keys)
 
 
 class KDNClient:
@@ -112,7 +126,7 @@ class KDNClient:
     def __init__(
         self,
         *,
-        edges: Sequence[str] = (),
+        edges: Sequence[str | tuple[str, str]] = (),
         remote_edges: Sequence[str] = (),
         origin: str | None = None,
         token: str | None = None,
@@ -120,11 +134,11 @@ class KDNClient:
         concurrency: int = 8,
         timeout: float = 30.0,
         ca: str | None = None,
-        ssl: object = None,
+        ssl: _ssl.SSLContext | None = None,
         strategy: str = "latency",
         quality: str | float = "lossless",
         local_addr: str | None = None,
-        trusted_keys=None,
+        trusted_keys: TrustedKeys | None = None,
     ) -> None:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
@@ -146,7 +160,7 @@ class KDNClient:
             + ([Source(origin.rstrip("/"), "origin", "origin", 0.1)] if origin else [])
         )
         ids = [s.node_id for s in self.sources if s.node_id]
-        self._ring = None
+        self._ring: Ring | None = None
         if ids:
             from kdn.ring import Ring
 
@@ -213,7 +227,9 @@ class KDNClient:
 
     # --- registry reads through the first source that answers -----------------
 
-    async def _json(self, method: str, path: str, body: dict | None = None) -> dict | None:
+    async def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The JSON object the first source to answer sends (None: 404). Any other answer, a JSON
+        array or string included, fails that source and the next is asked."""
         errors = []
         for s in self._ranked(0):
             t0 = time.perf_counter()
@@ -226,6 +242,8 @@ class KDNClient:
                         errors.append(f"{s.label}: HTTP {r.status}")
                         continue
                     data = await r.json(content_type=None)
+                    if not isinstance(data, dict):
+                        raise ValueError("not a JSON object")
                     self.estimates[s.url].observe(0, time.perf_counter() - t0)  # small: an RTT sample
                     return data
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
@@ -233,15 +251,15 @@ class KDNClient:
                 errors.append(f"{s.label}: {type(e).__name__}")
         raise SourceError("no source answered " + path.split("?")[0] + ": " + "; ".join(errors))
 
-    async def record(self, address: str) -> dict | None:
+    async def record(self, address: str) -> dict[str, Any] | None:
         d = await self._json("GET", f"/v1/registry/objects/{A.validate_address(address)}")
         return self._trusted(d, "object", address)
 
-    async def manifest(self, namespace: str, name: str) -> dict | None:
+    async def manifest(self, namespace: str, name: str) -> dict[str, Any] | None:
         d = await self._json("GET", f"/v1/registry/manifests/{A.validate_namespace(namespace)}/{A.validate_name(name)}")
         return self._trusted(d, "manifest", f"{namespace}/{name}")
 
-    def _trusted(self, d: dict | None, kind: str, what: str) -> dict | None:
+    def _trusted(self, d: dict[str, Any] | None, kind: str, what: str) -> dict[str, Any] | None:
         """``d`` if no keys are configured or a trusted key signed it (and it says what it was asked for)."""
         if d is None or self.verifier is None:
             return d
@@ -249,10 +267,16 @@ class KDNClient:
         from kdn.signing import SignatureError
 
         try:
-            rec = ObjectRecord.from_dict(d) if kind == "object" else Manifest.from_dict(d)
+            rec: ObjectRecord | Manifest
+            if kind == "object":
+                rec = ObjectRecord.from_dict(d)
+                got = rec.address
+            else:
+                rec = Manifest.from_dict(d)
+                got = rec.ref
             self.verifier.check(rec)
-            if (rec.address if kind == "object" else rec.ref) != what:
-                raise SignatureError(f"asked for {what}, got a record of {rec.address if kind == 'object' else rec.ref}")
+            if got != what:
+                raise SignatureError(f"asked for {what}, got a record of {got}")
         except (SignatureError, InvalidInput) as e:
             self.rejected_records += 1
             log.warning("KDN record refused: %s", e)
@@ -261,7 +285,7 @@ class KDNClient:
 
     # --- lookup ----------------------------------------------------------------
 
-    async def lookup(self, tokens, model_id: str, namespace: str = "public", *,
+    async def lookup(self, tokens: Iterable[int], model_id: str, namespace: str = "public", *,
                      chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS) -> Lookup:
         """How many leading tokens of ``tokens`` are published: whole chunks, then a partial tail.
 
@@ -271,24 +295,25 @@ class KDNClient:
         all of the text.
         """
         toks = list(tokens)
-        full = A.prefix_addresses(model_id, namespace, toks, chunk_tokens, full_chunks_only=True)
+        full = A.prefix_addresses(A.validate_model_id(model_id), namespace, toks, chunk_tokens, full_chunks_only=True)
         n = 0
-        where: list = []
+        where: list[object] = []
         if full:
             body = await self._json("POST", "/v1/lookup", {"addresses": full})
             try:  # an edge's answer is a claim: a number within the chain, or nothing
                 n = max(0, min(int(body["length"]), len(full))) if body else 0
             except (KeyError, TypeError, ValueError):
                 n = 0
-            where = body.get("sources") if body and isinstance(body.get("sources"), list) else []
+            sources = body.get("sources") if body else None
+            where = sources if isinstance(sources, list) else []
             cold = {a for a, w in zip(full, where) if w == "origin"}
         addrs = full[:n]
-        records: list[dict] = []
+        records: list[dict[str, Any]] = []
         if n and self.verifier is not None:
             # The edge's "I have n" is a claim; a chunk counts only once its signed record verifies.
             recs = await asyncio.gather(*(self.record(a) for a in addrs))
             n = next((i for i, r in enumerate(recs) if r is None), n)
-            addrs, records = addrs[:n], list(recs[:n])
+            addrs, records = addrs[:n], [r for r in recs[:n] if r is not None]  # (none is, below n)
         covered = n * chunk_tokens
         if n:
             parent = records[-1] if records else await self.record(addrs[-1])
@@ -309,8 +334,8 @@ class KDNClient:
     # --- fetch -----------------------------------------------------------------
 
     @classmethod
-    async def from_registry(cls, registry, region: str, *, token_hosts: str | list[str] | None = None,
-                            **kwargs) -> KDNClient:
+    async def from_registry(cls, registry: Membership, region: str, *, token_hosts: str | list[str] | None = None,
+                            **kwargs: Any) -> KDNClient:
         """Sources from the registry's live nodes: this region's edges, other regions' edges, the origins.
 
         With a ``token``, nodes it may not reach are left out: a registry writer names these URLs,
@@ -352,7 +377,7 @@ class KDNClient:
 
         return sorted(self.sources, key=cost)
 
-    def choose_encoding(self, encodings: dict, quality: str | float | None = None) -> str | None:
+    def choose_encoding(self, encodings: dict[str, dict[str, Any]], quality: str | float | None = None) -> str | None:
         """The encoding with the least expected fetch + decode time within the quality budget.
 
         Lossless requests (the default) never pick a lossy encoding; a lossy
@@ -400,7 +425,7 @@ class KDNClient:
         order = self._ranked(size, address)
         errors: list[str] = []
         lies = 0
-        pending: dict[asyncio.Task, Source] = {}
+        pending: dict[asyncio.Task[Fetched], Source] = {}
         i = 0
 
         def launch() -> None:
@@ -485,7 +510,7 @@ class KDNClient:
 
         known = dict(zip(hit.addresses, hit.records))  # verified by the lookup: no second record read
 
-        async def one(address: str):
+        async def one(address: A.Address) -> tuple[Fetched, DecodedObject]:
             rec = known.get(address)
             enc = encoding or (self.choose_encoding(rec["encodings"], quality) if rec else None)
             if rec is not None and enc in rec["encodings"]:
@@ -502,7 +527,7 @@ class KDNClient:
         return PrefixStates(hit, [o for _, o in done], [f for f, _ in done], t_last - t0, time.perf_counter() - t_last)
 
 
-def _decode_checked(f: Fetched, hit: Lookup, budget: float | None):
+def _decode_checked(f: Fetched, hit: Lookup, budget: float | None) -> DecodedObject:
     """Decode a verified object and check it is the one the lookup asked for."""
     from kdn.codecs import get_codec
     from kdn.errors import UnknownCodec
@@ -527,12 +552,12 @@ def _decode_checked(f: Fetched, hit: Lookup, budget: float | None):
 class SyncKDNClient:
     """Blocking wrapper for scripts: one ``asyncio.Runner`` owned by this object, closed with it."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         self._runner = asyncio.Runner()
         self._client = self._runner.run(self._make(kwargs))
 
     @staticmethod
-    async def _make(kwargs) -> KDNClient:
+    async def _make(kwargs: dict[str, Any]) -> KDNClient:
         return KDNClient(**kwargs)
 
     @property
@@ -540,20 +565,20 @@ class SyncKDNClient:
         """The async client inside (for ``run``)."""
         return self._client
 
-    def run(self, coro):
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on this wrapper's loop (e.g. ``kdn.adapters.hf.agenerate``)."""
         return self._runner.run(coro)
 
-    def lookup(self, *args, **kwargs) -> Lookup:
+    def lookup(self, *args: Any, **kwargs: Any) -> Lookup:
         return self._runner.run(self._client.lookup(*args, **kwargs))
 
-    def manifest(self, namespace: str, name: str) -> dict | None:
+    def manifest(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._runner.run(self._client.manifest(namespace, name))
 
-    def fetch(self, *args, **kwargs) -> Fetched:
+    def fetch(self, *args: Any, **kwargs: Any) -> Fetched:
         return self._runner.run(self._client.fetch(*args, **kwargs))
 
-    def fetch_prefix(self, *args, **kwargs) -> PrefixStates:
+    def fetch_prefix(self, *args: Any, **kwargs: Any) -> PrefixStates:
         return self._runner.run(self._client.fetch_prefix(*args, **kwargs))
 
     def close(self) -> None:

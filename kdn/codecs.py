@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 import threading
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import zstandard
@@ -77,9 +77,9 @@ class Codec(Protocol):
     name: str
     lossless: bool
 
-    def encode(self, data: Buffer, dtype: str, shape: tuple[int, ...]) -> tuple[bytes, dict]: ...
+    def encode(self, data: Buffer, dtype: str, shape: tuple[int, ...]) -> tuple[bytes, dict[str, Any]]: ...
 
-    def decode(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict, out: memoryview | None = None) -> Buffer:
+    def decode(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], out: memoryview | None = None) -> Buffer:
         """Decoded bytes; with ``out`` (writable, exactly ``nbytes(dtype, shape)`` long) they are written there."""
         ...
 
@@ -109,12 +109,12 @@ class RawCodec:
     name = "raw"
     lossless = True
 
-    def encode(self, data: Buffer, dtype: str, shape: tuple[int, ...]) -> tuple[bytes, dict]:
+    def encode(self, data: Buffer, dtype: str, shape: tuple[int, ...]) -> tuple[bytes, dict[str, Any]]:
         mv = _as_bytes_view(data)
         _check_length(mv, dtype, shape, "raw encode")
         return bytes(mv), {}
 
-    def decode(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict, out: memoryview | None = None) -> Buffer:
+    def decode(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], out: memoryview | None = None) -> Buffer:
         mv = _as_bytes_view(data)
         _check_length(mv, dtype, shape, "raw decode")
         if out is not None:
@@ -128,7 +128,7 @@ _local = threading.local()
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache = _local.__dict__.setdefault("cctx", {})
+    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("cctx", {})
     if level not in cache:
         # Content size and checksum in the frame: decode checks both, so a
         # corrupted payload raises instead of returning wrong bytes.
@@ -216,7 +216,7 @@ class ZstdCodec:
             raise InvalidInput(f"zstd level {level!r} out of range [-7, 22]")
         self.level = level
 
-    def encode(self, data: Buffer, dtype: str, shape: tuple[int, ...]) -> tuple[bytes, dict]:
+    def encode(self, data: Buffer, dtype: str, shape: tuple[int, ...]) -> tuple[bytes, dict[str, Any]]:
         mv = _as_bytes_view(data)
         _check_length(mv, dtype, shape, "zstd encode")
         width = itemsize(dtype)
@@ -225,10 +225,10 @@ class ZstdCodec:
             frame = cctx.compress(mv)
             return frame, {"level": self.level, "shuffle": width, "frames": [len(frame)]}
         planes = shuffle(mv, width).reshape(width, -1)  # planes: [width, n]
-        frames = [cctx.compress(plane) for plane in planes]
+        frames = [cctx.compress(plane.data) for plane in planes]  # .data: each row's bytes, as a memoryview
         return b"".join(frames), {"level": self.level, "shuffle": width, "frames": [len(f) for f in frames]}
 
-    def decode(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict, out: memoryview | None = None) -> Buffer:
+    def decode(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], out: memoryview | None = None) -> Buffer:
         want = nbytes(dtype, shape)
         if out is not None:
             out = _check_out(out, want)
@@ -245,7 +245,7 @@ class ZstdCodec:
         ):
             raise CodecError(f"zstd: frame lengths {str(frames)[:60]} do not split {len(mv)} bytes into 1 or {width} frames")
         per_frame = want // len(frames)
-        outs = []
+        outs: list[Buffer] = []
         offset = 0
         for flen in frames:
             outs.append(self._frame(mv[offset : offset + flen], per_frame, dtype, shape))

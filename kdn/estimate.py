@@ -83,6 +83,6 @@ class Estimates:
         """Sources by expected time for ``size`` bytes, fastest first (stable for ties)."""
         return sorted(sources, key=lambda s: self[s].expected(size))
 
-    def snapshot(self) -> dict[str, dict]:
+    def snapshot(self) -> dict[str, dict[str, float]]:
         return {s: {"rtt_ms": e.rtt * 1e3, "mbps": e.bandwidth * 8 / 1e6, "samples": e.samples, "failures": e.failures}
                 for s, e in self._by.items()}

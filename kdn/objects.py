@@ -66,7 +66,7 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     codec: str
-    params: dict = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def blob_digest(blob: Buffer) -> str:
 # --- writer ------------------------------------------------------------------
 
 
-def _stored(t: RawTensor, codec_name: str) -> tuple[str, tuple[int, ...], bytes | memoryview, dict]:
+def _stored(t: RawTensor, codec_name: str) -> tuple[str, tuple[int, ...], bytes | memoryview, dict[str, Any]]:
     """(stored dtype, stored shape, stored bytes, params) of one tensor under ``codec_name``."""
     if codec_name == "raw":
         return t.dtype, t.shape, t.data, {}
@@ -254,7 +254,7 @@ def _shape_ok(shape: object) -> bool:
     return True
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     d = dict(pairs)
     if len(d) != len(pairs):
         dup = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
@@ -262,7 +262,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return d
 
 
-def _loads(text: bytes | str, what: str) -> dict:
+def _loads(text: bytes | str, what: str) -> dict[str, Any]:
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates)
     except CorruptObject:
@@ -560,12 +560,12 @@ def from_torch(tensors: Mapping[str, torch.Tensor]) -> dict[str, RawTensor]:
             raise InvalidInput(f"tensor {str(name)[:64]!r}: unsupported torch dtype {t.dtype}")
         flat = t.detach().to("cpu").contiguous().reshape(-1)
         # Viewing as uint8 is a reinterpretation (numpy has no bfloat16).
-        data = memoryview(flat.view(torch.uint8).numpy())
+        data = flat.view(torch.uint8).numpy().data  # a memoryview over the tensor's memory
         out[name] = RawTensor(name, by_torch[t.dtype], tuple(t.shape), data)
     return out
 
 
-def to_torch(obj: DecodedObject | Mapping[str, RawTensor], *, device=None) -> dict[str, torch.Tensor]:
+def to_torch(obj: DecodedObject | Mapping[str, RawTensor], *, device: str | int | torch.device | None = None) -> dict[str, torch.Tensor]:
     """Torch tensors from raw tensors, with their own dtypes (bf16 included).
 
     Aliasing: on the CPU a tensor aliases the decoded bytes when their buffer is

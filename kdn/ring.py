@@ -86,7 +86,8 @@ class Ring:
 
     def owner(self, address: str) -> str | None:
         """The node that owns ``address``; None when the ring is empty."""
-        return self._ring.get_node(validate_address(address))
+        node: str | None = self._ring.get_node(validate_address(address))  # uhashring is untyped
+        return node
 
     def preference(self, address: str, n: int | None = None) -> list[str]:
         """Distinct nodes in the order a request walks them: the owner first, then its fallbacks.

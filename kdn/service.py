@@ -14,15 +14,16 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from kdn.address import validate_address, validate_name, validate_namespace
+from kdn.address import Address, validate_address, validate_name, validate_namespace
 from kdn.auth import AuthError, Grants, covers
 from kdn.errors import (
     InvalidInput,
@@ -37,7 +38,7 @@ from kdn.store import validate_encoding
 log = logging.getLogger(__name__)
 
 # `*_created` series double the output and no dashboard reads them.
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
 
 REGISTRY = web.AppKey("registry", Registry)
 GRANTS = web.AppKey("grants", Grants)
@@ -90,7 +91,7 @@ def install_deadlines(app: web.Application, deadlines: Deadlines, metrics: Colle
     app[HTTP_METRICS] = {"body": c.labels(service, "body"), "send": c.labels(service, "send")}
 
 
-async def send_within(request: web.Request, size: int, send: Awaitable) -> bool:
+async def send_within(request: web.Request, size: int, send: Awaitable[object]) -> bool:
     """Await ``send`` (the writing of a ``size``-byte response) within its deadline. If the reader
     stalls past it, abort the connection, count it, and return False."""
     deadlines = request.app.get(DEADLINES) or Deadlines()
@@ -117,7 +118,7 @@ _STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404:
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as ``{"error": code, "detail": ...}``; never a stack trace."""
     try:
         return await handler(request)
@@ -160,14 +161,14 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         return json_error(500, "internal", "internal error; see the server log")
 
 
-def metrics_middleware_factory(metrics: CollectorRegistry, service: str):
+def metrics_middleware_factory(metrics: CollectorRegistry, service: str) -> Middleware:
     requests = Counter("kdn_http_requests", "HTTP requests by route and status", ["service", "route", "status"],
                        registry=metrics)
     latency = Histogram("kdn_http_request_seconds", "HTTP request latency by route", ["service", "route"],
                         registry=metrics, buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))
 
     @web.middleware
-    async def metrics_middleware(request: web.Request, handler):
+    async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         t0 = time.perf_counter()
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
         status = 500
@@ -185,7 +186,7 @@ def metrics_middleware_factory(metrics: CollectorRegistry, service: str):
     return metrics_middleware
 
 
-async def read_json(request: web.Request, limit: int = MAX_JSON_BODY) -> dict:
+async def read_json(request: web.Request, limit: int = MAX_JSON_BODY) -> dict[str, Any]:
     """The request's JSON object body, bounded: 413 past ``limit``, 400 if not a JSON object."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length,
@@ -239,10 +240,10 @@ def _has_lone_surrogate(data: object) -> bool:
     return False
 
 
-def registry_ctx(url: str | None):
+def registry_ctx(url: str | None) -> Callable[[web.Application], AsyncIterator[None]]:
     """A ``cleanup_ctx`` entry that opens the registry at ``url`` for the app and closes it at shutdown."""
 
-    async def ctx(app: web.Application):
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
         reg = open_registry(url)
         app[REGISTRY] = reg
         try:
@@ -256,7 +257,7 @@ def registry_ctx(url: str | None):
 MAX_LOOKUP_ADDRESSES = 4096
 
 
-async def read_addresses(request: web.Request, limit: int = MAX_LOOKUP_ADDRESSES) -> tuple[dict, list[str]]:
+async def read_addresses(request: web.Request, limit: int = MAX_LOOKUP_ADDRESSES) -> tuple[dict[str, Any], list[Address]]:
     """A lookup-style body: ``{"addresses": [...]}`` with at most ``limit`` valid addresses (400 otherwise)."""
     body = await read_json(request)
     addrs = body.get("addresses")

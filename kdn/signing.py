@@ -30,12 +30,19 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from blake3 import blake3
 
 from kdn.address import canonical_json
 from kdn.errors import InvalidInput, KDNError
+
+if TYPE_CHECKING:  # pragma: no cover - imported where used: kdn.registry and cryptography load lazily
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+    from kdn.registry.records import Manifest, ObjectRecord
+
+    Signable = TypeVar("Signable", bound=ObjectRecord | Manifest)
 
 KEY_PREFIX = "ed25519:"
 
@@ -44,7 +51,7 @@ class SignatureError(KDNError):
     """A record is unsigned, signed by a key nobody trusts here, or its signature does not match."""
 
 
-def payload(rec: Any) -> bytes:
+def payload(rec: ObjectRecord | Manifest) -> bytes:
     """The canonical bytes signed for an ``ObjectRecord`` or a ``Manifest``."""
     from kdn.registry.records import Manifest, ObjectRecord
 
@@ -76,7 +83,7 @@ def _public_text(public_raw: bytes) -> str:
     return KEY_PREFIX + public_raw.hex()
 
 
-def parse_public_key(text: str):
+def parse_public_key(text: str) -> Ed25519PublicKey:
     """``ed25519:<64 hex>`` -> an Ed25519 public key."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -96,12 +103,12 @@ def parse_public_key(text: str):
 class Signer:
     """An origin's private key; ``sign(rec)`` returns the record with its signature."""
 
-    key: Any  # Ed25519PrivateKey
+    key: Ed25519PrivateKey
     key_id: str
     public: str  # ed25519:<hex>
 
     @classmethod
-    def generate(cls, path: str | os.PathLike) -> Signer:
+    def generate(cls, path: str | os.PathLike[str]) -> Signer:
         """A new key in ``path`` (PEM, mode 0600, never overwritten) and its public key in ``path.pub``."""
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -121,7 +128,7 @@ class Signer:
         return signer
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Signer:
+    def load(cls, path: str | os.PathLike[str]) -> Signer:
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -142,13 +149,13 @@ class Signer:
         return cls._of(key)
 
     @classmethod
-    def _of(cls, key: Any) -> Signer:
+    def _of(cls, key: Ed25519PrivateKey) -> Signer:
         from cryptography.hazmat.primitives import serialization
 
         raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return cls(key, key_id(raw), _public_text(raw))
 
-    def sign(self, rec: Any) -> Any:
+    def sign(self, rec: Signable) -> Signable:
         import dataclasses
 
         sig = {"key": self.key_id, "ed25519": self.key.sign(payload(rec)).hex()}
@@ -161,7 +168,7 @@ class Verifier:
     def __init__(self, public_keys: Iterable[str]) -> None:
         from cryptography.hazmat.primitives import serialization
 
-        self.keys: dict[str, Any] = {}
+        self.keys: dict[str, Ed25519PublicKey] = {}
         for text in public_keys:
             k = parse_public_key(text)
             raw = k.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -171,7 +178,7 @@ class Verifier:
         self.rejected = 0  # records refused (tests, metrics)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> Verifier:
+    def from_file(cls, path: str | os.PathLike[str]) -> Verifier:
         """One ``ed25519:<hex>`` per line; ``#`` starts a comment at the start of a line."""
         try:
             lines = Path(path).read_text().splitlines()
@@ -179,12 +186,13 @@ class Verifier:
             raise InvalidInput(f"cannot read trusted keys {str(path)!r}: {e.strerror}") from None
         return cls(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))
 
-    def check(self, rec: Any) -> Any:
+    def check(self, rec: Signable) -> Signable:
         from cryptography.exceptions import InvalidSignature
 
-        sig = getattr(rec, "sig", None) or {}
-        key = self.keys.get(sig.get("key")) if isinstance(sig, dict) else None
-        if key is None:
+        sig: object = getattr(rec, "sig", None) or {}
+        kid = sig.get("key") if isinstance(sig, dict) else None
+        key = self.keys.get(kid) if isinstance(kid, str) else None
+        if key is None or not isinstance(sig, dict):  # (no key without a map)
             self.rejected += 1
             raise SignatureError(f"record {_name(rec)} is {'unsigned' if not sig else 'signed by an untrusted key'}")
         try:
@@ -194,7 +202,7 @@ class Verifier:
             raise SignatureError(f"record {_name(rec)}: the signature does not match its fields") from None
         return rec
 
-    def ok(self, rec: Any) -> bool:
+    def ok(self, rec: ObjectRecord | Manifest) -> bool:
         try:
             self.check(rec)
             return True
@@ -202,5 +210,5 @@ class Verifier:
             return False
 
 
-def _name(rec: Any) -> str:
+def _name(rec: ObjectRecord | Manifest) -> str:
     return str(getattr(rec, "address", None) or f"{getattr(rec, 'namespace', '?')}/{getattr(rec, 'name', '?')}")[:32]

@@ -42,7 +42,7 @@ class StoredBlob:
 class BlobDir:
     """Blobs by ``(address, encoding)`` under one root folder. Blocking I/O: call from a thread."""
 
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
         self.root = Path(root)
         self.tmp = self.root / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,18 @@ import secrets
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - aiohttp loads only when `kdn up` runs
+    from aiohttp import web
+
+# One started edge: node id, region, URL, its runner.
+_Edge = tuple[str, str, str, "web.AppRunner"]
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "docs" / "harbor-policy.md"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="run registry, origin and edges on loopback; publish a sample and ask it a question")
     p.add_argument("--model", default=None, help="default: smollm2-135m if installed, else tiny-llama")
     p.add_argument("--dir", default=None, help="state folder (default: a fresh temp folder)")
@@ -142,8 +149,8 @@ async def _up(args: argparse.Namespace) -> int:
         edges = await _start_edges(root, registry, origin, token, edge_ports, runners)
         await _ask(runner.app, edges, m, token, args.question, str(root / "trusted-keys"))
     except BaseException:
-        for r in reversed(runners):
-            await r.cleanup()
+        for started in reversed(runners):
+            await started.cleanup()
         raise
 
     _say("\nnext, in another shell:")
@@ -159,12 +166,13 @@ async def _up(args: argparse.Namespace) -> int:
             _say("\nserving; Ctrl-C stops everything.")
             await asyncio.Event().wait()
     finally:
-        for r in reversed(runners):
-            await r.cleanup()
+        for started in reversed(runners):
+            await started.cleanup()
     return 0
 
 
-async def _start_edges(root: Path, registry: str, origin: str, token: str, ports: list[int], runners: list) -> list:
+async def _start_edges(root: Path, registry: str, origin: str, token: str, ports: list[int],
+                       runners: list[web.AppRunner]) -> list[_Edge]:
     import aiohttp
     from aiohttp import web
 
@@ -173,7 +181,7 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
     from kdn.service import server_options
 
     (root / "edge-token").write_text(f"{token}\n")
-    edges = []
+    edges: list[_Edge] = []
     for p, (region, node) in zip(ports, [("eu", "eu-1"), ("eu", "eu-2"), ("us", "us-1"), ("us", "us-2")]):
         cfg = EdgeConfig(region=region, registry=registry, origin=origin, mem_budget=512 << 20,
                          disk=str(root / f"edge-{node}"), disk_budget=2 << 30, port=p, node_id=node,
@@ -190,8 +198,8 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
             peers = sorted(n for n, reg, _, _ in edges if reg == region)
             deadline = time.monotonic() + 15
             while True:
-                async with s.get(f"{url}/healthz") as r:
-                    if sorted((await r.json()).get("ring", [])) == peers:
+                async with s.get(f"{url}/healthz") as health:
+                    if sorted((await health.json()).get("ring", [])) == peers:
                         break
                 if time.monotonic() > deadline:
                     raise KDNError(f"edge {node} did not see its region's ring {peers} within 15 s")
@@ -201,7 +209,8 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
     return edges
 
 
-async def _ask(origin_app, edges, manifest: dict, token: str, question: str, trusted: str) -> None:
+async def _ask(origin_app: web.Application, edges: list[_Edge], manifest: dict[str, Any], token: str, question: str,
+               trusted: str) -> None:
     from kdn.adapters.hf import agenerate, prompt_tokens
     from kdn.client import KDNClient
     from kdn.origin.app import LOADED
@@ -210,7 +219,7 @@ async def _ask(origin_app, edges, manifest: dict, token: str, question: str, tru
     _say(f"\nasking: {question!r}")
     eu = [(n, u) for n, reg, u, _ in edges if reg == "eu"]
     async with KDNClient(edges=eu, token=token, trusted_keys=trusted) as client:
-        ids = prompt_tokens(lm.tokenizer, manifest, question) if lm.tokenizer is not None else None
+        ids = prompt_tokens(lm.tokenizer, manifest, question)  # (load_model always gives a tokenizer)
         plain = await agenerate(lm.model, lm.tokenizer, ids, client, use_cache=False, max_new_tokens=40)
         _say(f"  without KDN  first token after {plain.report.ttft_ms:7.0f} ms  (prefill of {len(ids)} tokens)")
         cold = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=40)

@@ -28,11 +28,14 @@ import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from kdn.address import validate_address, validate_model_id, validate_name, validate_namespace
 from kdn.errors import InvalidInput, RegistryError
 from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+
+if TYPE_CHECKING:  # pragma: no cover - kdn.signing loads cryptography, which only an origin needs
+    from kdn.signing import Signable, Signer
 
 DEFAULT_PREFIX = "/kdn/"
 
@@ -112,7 +115,7 @@ class Compactable(Protocol):
 # --- leases ------------------------------------------------------------------
 
 
-async def _bounded(coro, seconds: float, what: str) -> None:
+async def _bounded(coro: Awaitable[object], seconds: float, what: str) -> None:
     """Run ``coro`` for at most ``seconds``; past that, cancel it and move on without waiting.
 
     Shutdown must end: ``asyncio.wait_for`` waits for the cancelled task to finish, and a gRPC
@@ -231,7 +234,7 @@ class KVRegistry(abc.ABC):
         self.prefix = normalize_prefix(prefix)
         self._leases: weakref.WeakSet[NodeLease] = weakref.WeakSet()
         self._closed = False
-        self.signer = None  # kdn.signing.Signer: an origin signs every object record and manifest it writes
+        self.signer: Signer | None = None  # an origin signs every object record and manifest it writes
 
     # primitives: full keys (prefix included) --------------------------------
 
@@ -300,7 +303,8 @@ class KVRegistry(abc.ABC):
         def build(values: list[bytes | None]) -> Writes:
             return Writes(result=False) if values[0] is None else Writes(deletes=[key], result=True)
 
-        return await self._transact([key], build)
+        deleted: bool = await self._transact([key], build)
+        return deleted
 
     # models -----------------------------------------------------------------
 
@@ -339,7 +343,7 @@ class KVRegistry(abc.ABC):
             raise InvalidInput(f"tail length must be a positive int, got {length!r}")
         return await self._update_object(parent, lambda rec: rec.with_tail(length, address))
 
-    def _signed(self, rec):
+    def _signed(self, rec: Signable) -> Signable:
         """``rec`` signed by this writer's key (``signer``, set by an origin), else as it is.
 
         Signing here, on the final record inside the write transaction, is what keeps a
@@ -361,7 +365,8 @@ class KVRegistry(abc.ABC):
             new = self._signed(new)
             return Writes(puts=[(key, new.pack())], result=new)
 
-        return await self._transact([key], build)
+        updated: ObjectRecord | None = await self._transact([key], build)
+        return updated
 
     async def _put_objects_then(self, records: Sequence[ObjectRecord], last: tuple[str, bytes] | None) -> None:
         """Write object records (merged into any existing ones), then ``last``.

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import os
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Final, Literal, TypeVar, cast
 
 from kdn.errors import InvalidInput, LeaseExpired, RegistryError, RegistryUnavailable
 from kdn.registry.base import DEFAULT_PREFIX, Build, Event, KVRegistry
@@ -81,7 +82,13 @@ class _Tx:
             self.conn.execute("INSERT INTO changes (rev, key, kind, value) VALUES (?, ?, 'delete', NULL)", (self._revision(), key))
 
 
-_RELIST = object()  # tells a watch to list again: it fell behind the pruned log, or its queue overflowed
+class _Signal(enum.Enum):
+    RELIST = "relist"
+
+
+_RELIST: Final = _Signal.RELIST  # tells a watch to list again: it fell behind the pruned log, or its queue overflowed
+_Item = Event | Exception | _Signal  # what a watch's queue holds: an event, an error to raise, or _RELIST
+_Change = tuple[int, str, Literal["put", "delete"], bytes | None]  # a row of the change log: rev, key, kind, value
 _MAX_QUEUED = 10_000  # events one watch may have waiting before it is made to re-list instead
 
 
@@ -89,10 +96,10 @@ class _Sub:
     def __init__(self, prefix: str, after: int) -> None:
         self.prefix, self.end = prefix, _range_end(prefix)
         self.after = after  # the revision of its snapshot: events at or below it are already in it
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.dead = False
 
-    def offer(self, item: Any) -> None:
+    def offer(self, item: _Item) -> None:
         if self.dead:
             return
         if self.queue.qsize() >= _MAX_QUEUED:  # a watch that does not keep up: bounded, it re-lists
@@ -115,7 +122,7 @@ class _Hub:
         self.subs: set[_Sub] = set()
         self.rev: int | None = None  # the change log is read up to here
         self.lock = asyncio.Lock()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.polls = 0
 
     async def subscribe(self, prefix: str, after: int) -> _Sub:
@@ -134,13 +141,13 @@ class _Hub:
     def unsubscribe(self, sub: _Sub) -> None:
         self.subs.discard(sub)
 
-    def _deliver(self, sub: _Sub, rows) -> None:
+    def _deliver(self, sub: _Sub, rows: list[_Change] | None) -> None:
         if rows is None:
             sub.offer(_RELIST)
             return
         for r, key, kind, value in rows:
             if r > sub.after and sub.prefix <= key < sub.end:
-                sub.offer(Event(kind, key=self.reg._rel(key), value=value, revision=r))  # type: ignore[arg-type]
+                sub.offer(Event(kind, key=self.reg._rel(key), value=value, revision=r))
 
     async def _run(self) -> None:
         try:
@@ -159,7 +166,7 @@ class _Hub:
         except Exception as e:  # noqa: BLE001 -- handed to every watch, whose owner retries
             self.wake(e)
 
-    def wake(self, item: Any) -> None:
+    def wake(self, item: Exception | _Signal) -> None:
         """Give every waiting watch ``item`` (an error to raise, or _RELIST) and forget them."""
         for sub in list(self.subs):
             sub.queue.put_nowait(item)
@@ -281,7 +288,8 @@ class EmbeddedRegistry(KVRegistry):
 
     @staticmethod
     def _meta(conn: sqlite3.Connection, name: str) -> int:
-        return conn.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()[0]
+        value: int = conn.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()[0]
+        return value
 
     # primitives, on the thread ----------------------------------------------
 
@@ -319,7 +327,8 @@ class EmbeddedRegistry(KVRegistry):
 
     def _grant_sync(self, ttl: float) -> int:
         with self._write() as tx:
-            return tx.conn.execute("INSERT INTO leases (ttl, expires) VALUES (?, ?)", (ttl, time.time() + ttl)).lastrowid
+            cur = tx.conn.execute("INSERT INTO leases (ttl, expires) VALUES (?, ?)", (ttl, time.time() + ttl))
+            return cast(int, cur.lastrowid)  # an INSERT always sets it
 
     def _refresh_sync(self, lease_id: int) -> bool:
         with self._write() as tx:  # expired leases are dropped first, so an expired one is not revived
@@ -331,7 +340,7 @@ class EmbeddedRegistry(KVRegistry):
             self._drop_lease(tx, lease_id)
 
     def _poll_sync(self, prefix: str, after: int,
-                   upto: int | None) -> tuple[list[tuple[int, str, str, bytes | None]] | None, int]:
+                   upto: int | None) -> tuple[list[_Change] | None, int]:
         """Changes under ``prefix`` in revisions ``(after, upto]`` (``upto`` None: up to now) and the
         revision read up to; None if ``after`` was compacted away."""
         with self._read_txn() as conn:

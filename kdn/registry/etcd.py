@@ -60,7 +60,7 @@ class EtcdAuth:
         return f"EtcdAuth(tls={self.tls}, client_cert={self.cert is not None}, user={self.user!r})"
 
 
-class _Client(aetcd.Client):
+class _Client(aetcd.Client):  # type: ignore[misc]  # aetcd ships no types: its classes are Any
     """aetcd's client with a TLS channel and re-authentication (see the module notes).
 
     ``connect`` follows aetcd 1.0.0's own (pinned in pyproject) but opens the
@@ -70,7 +70,7 @@ class _Client(aetcd.Client):
     # gRPC backs off reconnecting up to 120 s by default: after an etcd outage of half a minute, the
     # channel kept failing fast ("failed to connect to all addresses") for as long again after etcd
     # was back. Retry the connection every second at most, so a node is back within ~1 s of etcd.
-    CHANNEL_OPTIONS = {
+    CHANNEL_OPTIONS: dict[str, int] = {
         "grpc.initial_reconnect_backoff_ms": 200,
         "grpc.min_reconnect_backoff_ms": 200,
         "grpc.max_reconnect_backoff_ms": 1000,
@@ -78,16 +78,21 @@ class _Client(aetcd.Client):
 
     def __init__(self, host: str, port: int, auth: EtcdAuth, timeout: float) -> None:
         super().__init__(host=host, port=port, username=auth.user, password=auth.password,
-                         timeout=timeout, options=dict(self.CHANNEL_OPTIONS))  # type: ignore[arg-type]
+                         timeout=timeout, options=dict(self.CHANNEL_OPTIONS))
         self._auth = auth
+
+    _is_connecting: bool  # aetcd's, set in its __init__
 
     def _channel(self) -> grpc.aio.Channel:
         target = f"{self._host}:{self._port}"
+        channel: grpc.aio.Channel
         if not self._auth.tls:
-            return aetcd.rpc.insecure_channel(target, options=self._options.items())
-        creds = grpc.ssl_channel_credentials(root_certificates=self._auth.ca, private_key=self._auth.key,
-                                             certificate_chain=self._auth.cert)
-        return aetcd.rpc.secure_channel(target, creds, options=self._options.items())
+            channel = aetcd.rpc.insecure_channel(target, options=self._options.items())
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=self._auth.ca, private_key=self._auth.key,
+                                                 certificate_chain=self._auth.cert)
+            channel = aetcd.rpc.secure_channel(target, creds, options=self._options.items())
+        return channel
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -140,7 +145,7 @@ class _Client(aetcd.Client):
         return True
 
 
-class _Watcher(aetcd.watcher.Watcher):
+class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]  # aetcd ships no types
     """aetcd's watcher, except that a watch etcd refuses or cancels is an error, not silence.
 
     etcd answers a watch it will not serve (permission denied, a stale stream

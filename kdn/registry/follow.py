@@ -20,13 +20,13 @@ import random
 from collections.abc import Awaitable, Callable
 
 from kdn.errors import RegistryUnavailable
-from kdn.registry.base import Event
+from kdn.registry.base import Event, Watchable
 
 log = logging.getLogger(__name__)
 
 
-async def follow(registry, prefix: str, on_event: Callable[[Event], Awaitable[None] | None], *, what: str,
-                 backoff: tuple[float, float] = (0.5, 10.0), ready: asyncio.Future | None = None,
+async def follow(registry: Watchable, prefix: str, on_event: Callable[[Event], Awaitable[None] | None], *, what: str,
+                 backoff: tuple[float, float] = (0.5, 10.0), ready: asyncio.Future[None] | None = None,
                  on_error: Callable[[str], None] | None = None) -> None:
     """Hand every event under ``prefix`` to ``on_event`` until cancelled; retry a failed watch with backoff.
 

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeGuard, TypeVar
 from urllib.parse import urlsplit
 
 import msgpack
@@ -33,7 +33,7 @@ def _require(ok: bool, what: str) -> None:
         raise InvalidInput(what)
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -97,8 +97,11 @@ def validate_manifest_ref(value: object) -> str:
 class _Record:
     """Dict and msgpack round trips shared by every record dataclass."""
 
+    # Every subclass is a dataclass: this tells the type checker so (``asdict``, ``fields``).
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return dataclasses.asdict(self)
 
     @classmethod
     def _fields_from(cls, d: object) -> dict[str, Any]:
@@ -107,7 +110,7 @@ class _Record:
             raise InvalidInput(f"{cls.__name__} record must be a map, got {type(d).__name__}")
         out: dict[str, Any] = {}
         missing = []
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls):
             if f.name in d:
                 out[f.name] = d[f.name]
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -139,8 +142,8 @@ class ModelRecord(_Record):
     architecture: str
     dtype: str
     chunk_tokens: int
-    config: dict = field(default_factory=dict)
-    extra: dict = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate_model_id(self.model_id)
@@ -184,7 +187,7 @@ class ObjectRecord(_Record):
     # The engine that computed the states, "transformers 5.19.0" / "vllm 0.32.0" ("" in records from
     # before it was kept). The model id pins the weights, but each engine's kernels round differently.
     engine: str = ""
-    sig: dict = field(default_factory=dict)  # {"key": key id, "ed25519": hex}: the origin's signature (kdn/signing.py)
+    sig: dict[str, str] = field(default_factory=dict)  # {"key": key id, "ed25519": hex}: the origin's signature (kdn/signing.py)
 
     def __post_init__(self) -> None:
         validate_address(self.address)
@@ -270,8 +273,8 @@ class Manifest(_Record):
     standalone: list[str] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     head_tokens: int = 0  # leading tokens of prefix_tokens that come from the template / prefix text
-    extra: dict = field(default_factory=dict)
-    sig: dict = field(default_factory=dict)  # the origin's signature (kdn/signing.py)
+    extra: dict[str, Any] = field(default_factory=dict)
+    sig: dict[str, str] = field(default_factory=dict)  # the origin's signature (kdn/signing.py)
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
@@ -308,7 +311,7 @@ class NodeRecord(_Record):
     region: str
     node_id: str
     url: str
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for n in ("role", "region", "node_id"):
@@ -330,7 +333,7 @@ class Policy(_Record):
     namespace: str | None = None
     ttl_s: float | None = None
     quota_bytes: int | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate_name(self.name)

@@ -192,3 +192,19 @@ async def test_a_pooled_connection_holding_unsolicited_bytes_is_not_reused(late)
     finally:
         g.close()
         server.close()
+
+
+async def test_a_url_without_a_host_is_refused_not_sent_to_loopback():
+    # getaddrinfo takes a missing host for loopback: "http://:PORT/..." reached a local server, while
+    # the client's aiohttp session (registry reads) refused the same source URL as invalid.
+    handler, stats = good()
+    server, url = await serve(handler)
+    port = url.rsplit(":", 1)[1]
+    g = BodyGetter(ssl=None)
+    try:
+        with pytest.raises(BodyError, match="no host"):
+            await g.get(f"http://:{port}/o", memoryview(bytearray(len(BODY))), {}, 5)
+        assert stats["n"] == 0
+    finally:
+        g.close()
+        server.close()

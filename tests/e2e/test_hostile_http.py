@@ -128,6 +128,31 @@ async def test_a_lying_lookup_length_is_clamped(tmp_path):
     assert [h.tokens for h in hits] == [0, 512, 0]  # -1 -> nothing; 10**9 -> at most the 2 whole chunks asked
 
 
+async def test_a_source_answering_json_that_is_not_an_object_is_a_failed_source(tmp_path):
+    """A record, a lookup or a manifest answered with a JSON array once came back as "the record": the fetch
+    then died with a TypeError (and a lookup with an AttributeError) instead of failing over to the next source."""
+    from kdn.client import KDNClient
+    from kdn.errors import SourceError
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(["not", "a", "record"])
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")]) as client:
+            with pytest.raises(SourceError, match="no source answered"):
+                await client.fetch("ab" * 32)
+            with pytest.raises(SourceError, match="no source answered"):
+                await client.lookup(list(range(600)), "ab" * 32)
+            with pytest.raises(SourceError, match="no source answered"):
+                await client.manifest("public", "doc")
+    finally:
+        await server.close()
+
+
 @pytest.mark.parametrize("token_hosts, leaks", [("127.0.0.1", False), (None, True)])
 async def test_a_rogue_node_record_does_not_get_the_edge_token(tmp_path, etcd_url, token_hosts, leaks):
     """One node record written into the registry once made every fill send the edge's ``read *`` token to
