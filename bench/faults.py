@@ -333,6 +333,84 @@ async def _kill_mid_publish(w, body_text: str, name: str) -> bool:
             await asyncio.sleep(0.005)
 
 
+async def slow_region_link(tmp: Path, quick: bool) -> Row:
+    """Clients in region a read objects whose nearest copy is in region b, over an emulated inter-region
+    link that is slowed, then stalled outright, then restored; the origin is farther but stays up.
+
+    Topology: a-1 (region a) cannot keep the objects (its tiers are smaller than one object: a region
+    whose working set far exceeds its cache), so every read in a crosses to b; b-1 holds them all in
+    memory and advertises its URL through a link (10 ms each way, 400 Mbit/s), so a-1's cached-only
+    probes and the clients' direct asks both pay it; the origin sits behind its own link (30 ms,
+    100 Mbit/s). Clients are ``KDNClient``s with a-1 as their edge, b-1 as a remote edge and the origin:
+    ranked, hedged at 2x the expected time, failing over on error (kdn/client.py)."""
+    from kdn.client import KDNClient
+
+    phase_s = 3.0 if quick else 10.0
+    olink_port, blink_port = F.free_port(), F.free_port()
+    w = F.World(tmp, regions={"a": 1, "b": 1}, edge_args=["--origin", f"http://127.0.0.1:{olink_port}"],
+                per_edge_args={"a-1": ["--mem-budget", "16KiB", "--disk-budget", "16KiB"],
+                               "b-1": ["--url", f"http://127.0.0.1:{blink_port}"]})
+    olink = LinkEmulator(olink_port, "127.0.0.1", w.origin.port, delay_ms=30, mbit=100)
+    blink = LinkEmulator(blink_port, "127.0.0.1", w.edges["b-1"].port, delay_ms=10, mbit=400)
+    await olink.start()
+    await blink.start()
+    try:
+        await w.start()
+        m = await w.publish(text(30), "vol30")
+        m2 = await w.publish(text(31), "vol31")
+        addrs = m["addresses"] + m2["addresses"]
+        warm = await F.Readers(w, addrs).read_all("b")  # b-1 holds every object
+        assert warm.failed == 0 and warm.wrong == 0, vars(warm)
+        a1 = w.edges["a-1"]
+        r = F.ClientReaders(w, addrs, lambda: KDNClient(edges=[("a-1", a1.url)], remote_edges=[blink.url],
+                                                       origin=olink.url, timeout=10.0), n=4)
+        hedges = {}
+        plain: dict[str, str] = {}
+
+        async def plain_read(phase: str) -> None:
+            """One read of a-1 with no hedging (curl, or a client given one edge): what the edge itself does."""
+            import aiohttp
+
+            enc = w.digests[addrs[0]][0]
+            t0 = time.monotonic()
+            try:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=phase_s - 0.5)) as s:
+                    async with s.get(f"{a1.url}/v1/objects/{addrs[0]}", params={"encoding": enc}) as resp:
+                        await resp.read()
+                        plain[phase] = f"http {resp.status} in {(time.monotonic() - t0) * 1e3:.0f} ms"
+            except asyncio.TimeoutError:
+                plain[phase] = f"no answer in {phase_s - 0.5:.1f} s"
+
+        async with r.running() as stats:
+            for phase, fault in (("normal", None), ("slowed", lambda: blink.set_profile(150, 8)),
+                                 ("stalled", blink.stall), ("restored", lambda: (blink.set_profile(10, 400),
+                                                                                  blink.resume()))):
+                if fault is not None:
+                    fault()
+                r.phase = phase
+                h0 = r.hedges
+                await asyncio.gather(asyncio.sleep(phase_s), plain_read(phase))
+                hedges[phase] = r.hedges - h0
+        region_errors = await a1.metric("kdn_edge_source_errors", source="region")
+        region_fills = await a1.metric("kdn_edge_fill_bytes", source="region")
+        notes = {}
+        for phase, st in r.by_phase.items():
+            notes[f"{phase}_p50_p99_ms"] = f"{st.pct(0.5) * 1e3:.0f}/{st.pct(0.99) * 1e3:.0f}"
+            notes[f"{phase}_max_ms"] = round(max(st.latencies, default=float("nan")) * 1e3)
+            notes[f"{phase}_failed"] = st.failed
+            notes[f"{phase}_sources"] = r.sources.get(phase, {})
+            notes[f"{phase}_hedges"] = hedges.get(phase, 0)
+        notes.update(a1_region_errors=region_errors, a1_region_fill_bytes=region_fills,
+                     failovers=r.failovers, plain_read_of_a1=plain)
+        return _row("slow_region_link", "clients in region a read objects held in region b over an emulated link: "
+                    "slowed (150 ms each way, 8 Mbit/s), then stalled, then restored; hedges and failover to "
+                    "the origin (30 ms away) carry the reads", stats, notes=notes)
+    finally:
+        await w.close()
+        await blink.stop()
+        await olink.stop()
+
+
 SCENARIOS = {
     "owner_killed": owner_killed,
     "lying_peer": lying_peer,
@@ -341,6 +419,7 @@ SCENARIOS = {
     "origin_down": origin_down,
     "disk_full": disk_full,
     "kill_during_write": kill_during_write,
+    "slow_region_link": slow_region_link,
 }
 
 

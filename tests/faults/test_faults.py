@@ -69,3 +69,22 @@ async def test_kill_during_writes(tmp_path):
     check(row)
     assert row.notes["edge_temp_files_after_restart"] == 0
     assert row.notes["publish_interrupted"], "the origin finished before it was killed: the test proves nothing"
+
+
+def _ms(pair: str) -> tuple[float, float]:
+    p50, p99 = pair.split("/")
+    return float(p50), float(p99)
+
+
+async def test_slow_then_stalled_link_between_regions(tmp_path):
+    row = await faults.slow_region_link(tmp_path, quick=True)
+    check(row)
+    n = row.notes
+    # the fault happened: the slowed link made the origin the faster source, the stall cut region b off
+    assert _ms(n["slowed_p50_p99_ms"])[0] > _ms(n["normal_p50_p99_ms"])[0]
+    assert n["stalled_sources"].get("origin", 0) > n["stalled_sources"].get("edge:a-1", 0)
+    assert n["stalled_hedges"] > 0 and n["a1_region_errors"] > 0
+    # and the p99 held: hedges and failover kept every read of the stall under a second
+    assert _ms(n["stalled_p50_p99_ms"])[1] < 1000 and n["stalled_failed"] == 0
+    # an edge asked directly (no hedging client) gave up on the stalled region within its probe bound
+    assert n["plain_read_of_a1"]["stalled"].startswith("http 200")
