@@ -411,6 +411,78 @@ async def slow_region_link(tmp: Path, quick: bool) -> Row:
         await olink.stop()
 
 
+async def warm_disk_restart(tmp: Path, quick: bool) -> Row:
+    """An edge whose disk tier holds every object SIGKILLed, one blob corrupted on its disk while it is down,
+    restarted on the same folder: the warm objects serve from disk at once, the corrupted one is never served
+    (its digest is checked at its first read after the restart) and is the only object fetched upstream again."""
+    import aiohttp
+    from blake3 import blake3
+
+    w = await _world(tmp, regions={"eu": 1})
+    try:
+        docs = [await w.publish(text(40 + i), f"vol{40 + i}") for i in range(2)]
+        addrs = [a for d in docs for a in d["addresses"]]
+        r = F.Readers(w, addrs, per_region=4)
+        warm = await r.read_all("eu")  # the only edge owns everything: each blob goes to its disk too
+        assert warm.failed == 0 and warm.wrong == 0, vars(warm)
+        edge, disk = w.edges["eu-1"], tmp / "disk-eu-1"
+        enc = w.digests[addrs[0]][0]
+        deadline = time.monotonic() + 30
+        while len(list(disk.rglob(f"*.{enc}"))) < len(addrs):  # the disk copies are written off the response path
+            assert time.monotonic() < deadline, "the disk tier never held every object"
+            await asyncio.sleep(0.05)
+        edge.kill()
+        victim = addrs[len(addrs) // 2]
+        path = next(disk.rglob(f"{victim}.{enc}"))
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01  # bit rot while it was down: same size, other bytes
+        path.write_bytes(bytes(data))
+        t0 = time.monotonic()
+        edge.spawn()
+        await edge.wait_healthy()
+        ready = time.monotonic() - t0
+        first_ttfb = first_total = None
+        passes: list[dict[str, int]] = []
+        wrong = failed = reads = 0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            for n in range(2):  # once through every object (disk), then again (memory: promoted)
+                by_source: dict[str, int] = {}
+                for a in addrs:
+                    _, digest, size = w.digests[a]
+                    t = time.monotonic()
+                    async with s.get(f"{edge.url}/v1/objects/{a}", params={"encoding": enc}) as resp:
+                        ttfb = time.monotonic() - t
+                        body = await resp.read()
+                        reads += 1
+                        if resp.status != 200:
+                            failed += 1
+                            continue
+                        wrong += len(body) != size or blake3(body).hexdigest() != digest
+                        src = resp.headers.get("X-KDN-Source", "?").split(":", 1)[0]
+                        by_source[src] = by_source.get(src, 0) + 1
+                    if first_ttfb is None:
+                        first_ttfb, first_total = ttfb, time.monotonic() - t0
+                passes.append(by_source)
+                if n == 0:
+                    await asyncio.sleep(0.3)  # let the promotions to memory land
+        async with r.running() as stats:  # then load, as before the kill
+            await asyncio.sleep(1.0 if quick else 5.0)
+        stats.reads += reads
+        stats.failed += failed
+        stats.wrong += wrong
+        refetched = await edge.metric("kdn_edge_fill_bytes", source="origin")
+        _, _, victim_size = w.digests[victim]
+        return _row("warm_disk_restart", "an edge with every object on its disk tier SIGKILLed, one blob corrupted "
+                    "while it is down, restarted on the same folder (heal = spawn to healthy)", stats, heal_s=ready,
+                    notes={"objects": len(addrs), "first_pass_sources": passes[0], "second_pass_sources": passes[1],
+                           "first_byte_ms": round(first_ttfb * 1e3, 1),
+                           "spawn_to_first_body_s": round(first_total, 2),
+                           "bytes_refetched_from_origin": int(refetched), "corrupted_blob_bytes": victim_size,
+                           "disk_corrupt": await edge.metric("kdn_edge_disk_corrupt")})
+    finally:
+        await w.close()
+
+
 SCENARIOS = {
     "owner_killed": owner_killed,
     "lying_peer": lying_peer,
@@ -420,6 +492,7 @@ SCENARIOS = {
     "disk_full": disk_full,
     "kill_during_write": kill_during_write,
     "slow_region_link": slow_region_link,
+    "warm_disk_restart": warm_disk_restart,
 }
 
 

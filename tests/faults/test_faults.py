@@ -88,3 +88,13 @@ async def test_slow_then_stalled_link_between_regions(tmp_path):
     assert _ms(n["stalled_p50_p99_ms"])[1] < 1000 and n["stalled_failed"] == 0
     # an edge asked directly (no hedging client) gave up on the stalled region within its probe bound
     assert n["plain_read_of_a1"]["stalled"].startswith("http 200")
+
+
+async def test_restart_on_a_warm_disk_tier(tmp_path):
+    row = await faults.warm_disk_restart(tmp_path, quick=True)
+    check(row)
+    n = row.notes
+    # served from disk at once; the corrupted blob is caught and is the only object fetched upstream again
+    assert n["first_pass_sources"] == {"disk": n["objects"] - 1, "origin": 1}
+    assert n["second_pass_sources"] == {"memory": n["objects"]}
+    assert n["disk_corrupt"] == 1 and n["bytes_refetched_from_origin"] == n["corrupted_blob_bytes"]
