@@ -49,7 +49,7 @@ from kdn.edge.memory import MemoryHandle, MemoryTier
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.policies import PolicyEngine
 from kdn.edge.prefetch import ChainIndex, Prefetcher
-from kdn.edge.tiers import EntryMeta, Handle, Key
+from kdn.edge.tiers import EntryMeta, Handle, Key, steady_wall
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class Edge:
 
     def meta_for(self, rec: ObjectRecord, encoding: str) -> EntryMeta:
         enc = rec.encodings[encoding]
-        return EntryMeta(size=enc.size, digest=enc.digest, namespace=rec.namespace, inserted_at=time.time())
+        return EntryMeta(size=enc.size, digest=enc.digest, namespace=rec.namespace, inserted_at=steady_wall())
 
     def holds(self, key: Key) -> bool:
         return any(t.contains(key) for t in self.tiers)
@@ -392,7 +392,8 @@ async def _edge_ctx(app: web.Application):
     edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl)
     edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
                          upstream_headers=upstream, metrics=edge.m, token_scope=token_scope(cfg))
-    watchers = [asyncio.create_task(_watch_manifests(edge), name="kdn-edge-manifests")]
+    watchers = [asyncio.create_task(_watch_manifests(edge), name="kdn-edge-manifests"),
+                asyncio.create_task(_expire_loop(edge), name="kdn-edge-expiry")]
     if not cfg.origin:
         watchers.append(asyncio.create_task(_watch_origins(edge), name="kdn-edge-origins"))
     await edge.membership.start()
@@ -468,6 +469,18 @@ async def _watch_manifests(edge: Edge) -> None:
             edge.chains.remove(ev.key.split("/", 1)[1])
 
     await follow(edge.registry, "manifests/", on_event, what="manifest")
+
+
+EXPIRY_PASS_S = 1.0
+
+
+async def _expire_loop(edge: Edge) -> None:
+    """The expiry pass: every EXPIRY_PASS_S, drop the TTL-expired entries of every tier. Without it an expired
+    entry went only under pressure, so with room to spare it was served for ever past its TTL."""
+    while True:
+        await asyncio.sleep(EXPIRY_PASS_S)
+        for tier in edge.tiers:
+            await tier.expire()
 
 
 async def _watch_origins(edge: Edge) -> None:
