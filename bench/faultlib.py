@@ -143,6 +143,7 @@ class Node:
     def __init__(self, name: str, args: list[str], port: int, log: Path) -> None:
         self.name, self.args, self.port, self.log = name, args, port, log
         self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}  # more environment for the process (e.g. a test hook)
 
     @property
     def url(self) -> str:
@@ -158,7 +159,8 @@ class Node:
         return self.proc.pid
 
     def spawn(self) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               **self.env}
         self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kdn.cli", *self.args],
                                      stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env)
 

@@ -483,6 +483,120 @@ async def warm_disk_restart(tmp: Path, quick: bool) -> Row:
         await w.close()
 
 
+async def clock_jump(tmp: Path, quick: bool) -> Row:
+    """The edge's wall clock stepped forward an hour, then back two hours (an hour behind), under a TTL policy,
+    while readers keep reading: each object must still leave the cache about ``ttl`` after it came in --
+    neither all at once at the forward step nor never after the backward one -- and no wrong byte.
+
+    The step is the edge's test hook (edge/clockhook.py: ``time.time`` offset by a file's value in that
+    process, what an NTP step does to it; ``time.monotonic`` untouched). A read that fills (X-KDN-Source
+    origin) marks the object's insertion; a later hit (memory, disk) is *past its TTL* if it began more than
+    ``ttl + 1 s`` (the expiry pass) + 0.5 s after the end of that fill, and a fill is *early* if it comes
+    less than ``ttl - 0.5 s`` after the previous one."""
+    import aiohttp
+    from blake3 import blake3
+
+    from kdn.registry import Policy, open_registry
+
+    ttl, phase_s = (3.0, 4.0) if quick else (5.0, 20.0)
+    offset = tmp / "wall-offset"
+    offset.write_text("0")
+    w = F.World(tmp, regions={"eu": 1})
+    w.edges["eu-1"].env["KDN_TEST_WALL_OFFSET_FILE"] = str(offset)
+    await w.start()
+    try:
+        m = await w.publish(text(50), "vol50")
+        addrs = m["addresses"]
+        reg = open_registry(w.etcd.registry)
+        try:
+            await reg.put_policy(Policy(name="short", kind="ttl", namespace="public", ttl_s=ttl))
+        finally:
+            await reg.close()
+        edge = w.edges["eu-1"]
+        await asyncio.sleep(1.0)  # the policy reaches the edge through its watch
+        bound = ttl + 1.0 + 0.5
+        last_fill: dict[str, float] = {}
+        phase = "steady"
+        out: dict[str, dict] = {}
+        stats = F.Stats()
+        stop = asyncio.Event()
+
+        def note(key: str, n: int = 1) -> None:
+            d = out.setdefault(phase, {"fills": 0, "hits": 0, "past_ttl": 0, "early_fills": 0, "max_hit_age_s": 0.0})
+            d[key] += n
+
+        async def reader(seed: int) -> None:
+            import random
+
+            rng = random.Random(seed)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+                while not stop.is_set():
+                    a = rng.choice(addrs)
+                    enc, digest, size = w.digests[a]
+                    t0 = time.monotonic()
+                    try:
+                        async with s.get(f"{edge.url}/v1/objects/{a}", params={"encoding": enc}) as resp:
+                            body = await resp.read()
+                            src = resp.headers.get("X-KDN-Source", "?").split(":", 1)[0]
+                    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                        stats.reads += 1
+                        stats.fail(type(e).__name__)
+                        continue
+                    t1 = time.monotonic()
+                    stats.reads += 1
+                    if resp.status != 200:
+                        stats.fail(f"http {resp.status}")
+                        continue
+                    stats.wrong += len(body) != size or blake3(body).hexdigest() != digest
+                    stats.latencies.append(t1 - t0)
+                    if src in ("memory", "disk"):
+                        note("hits")
+                        if a in last_fill:
+                            age = t0 - last_fill[a]
+                            d = out[phase]
+                            d["max_hit_age_s"] = round(max(d["max_hit_age_s"], age), 2)
+                            if age > bound:
+                                note("past_ttl")
+                    else:
+                        note("fills")
+                        # a fill that began before the previous one ended is the same fill (single flight)
+                        if a in last_fill and 0 <= t0 - last_fill[a] < ttl - 0.5:
+                            note("early_fills")
+                        last_fill[a] = t1
+                    await asyncio.sleep(0.005)
+
+        async def one_s_after_a_fill_wave() -> None:
+            """Every object is filled in one wave, each TTL: step the clock 1 s after one, when every entry is
+            1 s old (a forward step that expired them would refill them all early)."""
+            seen = max(last_fill.values(), default=0.0)
+            deadline = time.monotonic() + 3 * ttl
+            while max(last_fill.values(), default=0.0) == seen and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(1.0)
+
+        tasks = [asyncio.create_task(reader(i)) for i in range(3)]
+        try:
+            await asyncio.sleep(phase_s)
+            await one_s_after_a_fill_wave()
+            phase = "forward_1h"
+            offset.write_text("3600")
+            await asyncio.sleep(phase_s)
+            await one_s_after_a_fill_wave()
+            phase = "back_to_minus_1h"
+            offset.write_text("-3600")
+            await asyncio.sleep(phase_s)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        notes = {f"{k}": v for k, v in out.items()}
+        notes["ttl_evictions"] = await edge.metric("kdn_edge_evictions", reason="ttl")
+        notes["ttl_s"] = ttl
+        return _row("clock_jump", f"the edge's wall clock stepped +1 h, then to -1 h, under a {ttl:.0f} s TTL "
+                    "policy: each object still leaves about ttl after it came in", stats, notes=notes)
+    finally:
+        await w.close()
+
+
 SCENARIOS = {
     "owner_killed": owner_killed,
     "lying_peer": lying_peer,
@@ -493,6 +607,7 @@ SCENARIOS = {
     "kill_during_write": kill_during_write,
     "slow_region_link": slow_region_link,
     "warm_disk_restart": warm_disk_restart,
+    "clock_jump": clock_jump,
 }
 
 

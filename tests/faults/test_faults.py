@@ -98,3 +98,14 @@ async def test_restart_on_a_warm_disk_tier(tmp_path):
     assert n["first_pass_sources"] == {"disk": n["objects"] - 1, "origin": 1}
     assert n["second_pass_sources"] == {"memory": n["objects"]}
     assert n["disk_corrupt"] == 1 and n["bytes_refetched_from_origin"] == n["corrupted_blob_bytes"]
+
+
+async def test_wall_clock_steps_under_a_ttl_policy(tmp_path):
+    row = await faults.clock_jump(tmp_path, quick=True)
+    check(row)
+    for phase in ("steady", "forward_1h", "back_to_minus_1h"):
+        n = row.notes[phase]
+        assert n["past_ttl"] == 0, f"{phase}: {n['past_ttl']} hits served more than ttl + 1.5 s after their fill"
+        assert n["early_fills"] == 0, f"{phase}: {n['early_fills']} objects expired early (mass expiry)"
+        assert n["fills"] > 0 and n["hits"] > 0, f"{phase}: nothing expired or nothing was read: {n}"
+    assert row.notes["ttl_evictions"] > 0
