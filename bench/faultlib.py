@@ -143,6 +143,7 @@ class Node:
     def __init__(self, name: str, args: list[str], port: int, log: Path) -> None:
         self.name, self.args, self.port, self.log = name, args, port, log
         self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}  # more environment for the process (e.g. a test hook)
 
     @property
     def url(self) -> str:
@@ -158,7 +159,8 @@ class Node:
         return self.proc.pid
 
     def spawn(self) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               **self.env}
         self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kdn.cli", *self.args],
                                      stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env)
 
@@ -233,6 +235,7 @@ class World:
     lease_ttl: str = "2s"
     disks: dict[str, Path] = field(default_factory=dict)  # edge name -> its disk folder (default: under root)
     edge_args: list[str] = field(default_factory=list)  # more flags for every edge (e.g. --origin via a link)
+    per_edge_args: dict[str, list[str]] = field(default_factory=dict)  # edge name -> flags after those (last wins)
     etcd: Etcd = field(init=False)
     origin: Node = field(init=False)
     edges: dict[str, Node] = field(init=False, default_factory=dict)
@@ -259,7 +262,7 @@ class World:
                     "--node-id", name, "--mem-budget", self.mem_budget, "--disk", str(disk),
                     "--disk-budget", self.disk_budget, "--lease-ttl", self.lease_ttl, "--prefetch", "0",
                     "--token-file", str(self.root / "tokens"), "--upstream-token-file", str(self.root / "edge.token"),
-                    *self.edge_args,
+                    *self.edge_args, *self.per_edge_args.get(name, []),
                 ], port, self.root / f"{name}.log")
 
     async def start(self) -> None:
@@ -430,6 +433,76 @@ class Readers:
                 await self._read_once(s, region, a)
         got, self.stats = self.stats, before
         return got
+
+
+class ClientReaders:
+    """Readers that fetch like an inference server does: ``kdn.client.KDNClient`` (sources ranked by
+    measured time, a slow request hedged to the next source, failover on error), one client each.
+
+    ``make_client()`` builds a reader's client. Every body is hashed again here and compared with the
+    digest recorded at publish time. Latencies and where each read came from are kept per ``phase``
+    (set it between the phases of a fault).
+    """
+
+    def __init__(self, world: World, addresses: list[str], make_client, *, n: int = 4, seed: int = 0) -> None:
+        self.world, self.addresses, self.make_client, self.n = world, list(addresses), make_client, n
+        self.rng = random.Random(seed)
+        self.phase = "before"
+        self.stats = Stats()
+        self.by_phase: dict[str, Stats] = {}
+        self.sources: dict[str, dict[str, int]] = {}  # phase -> where the winning body came from -> reads
+        self.clients: list = []
+        self._stop = asyncio.Event()
+
+    @property
+    def hedges(self) -> int:
+        return sum(c.hedges for c in self.clients)
+
+    @property
+    def failovers(self) -> int:
+        return sum(c.failovers for c in self.clients)
+
+    async def _reader(self) -> None:
+        from kdn.errors import DigestMismatch, SourceError
+
+        client = self.make_client()
+        self.clients.append(client)
+        try:
+            while not self._stop.is_set():
+                address = self.rng.choice(self.addresses)
+                enc, digest, size = self.world.digests[address]
+                phase = self.phase
+                ps = self.by_phase.setdefault(phase, Stats())
+                t0 = time.monotonic()
+                try:
+                    f = await client.fetch(address, encoding=enc, digest=digest, size=size)
+                except (SourceError, DigestMismatch) as e:
+                    for st in (self.stats, ps):
+                        st.reads += 1
+                        st.fail(type(e).__name__)
+                    continue
+                dt = time.monotonic() - t0
+                bad = len(f.blob) != size or blake3(f.blob).hexdigest() != digest
+                for st in (self.stats, ps):
+                    st.reads += 1
+                    st.wrong += bad
+                    st.latencies.append(dt)
+                src = self.sources.setdefault(phase, {})
+                label = f.source.split("/", 1)[0]
+                src[label] = src.get(label, 0) + 1
+                await asyncio.sleep(0)
+        finally:
+            await client.close()
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        self._stop.clear()
+        tasks = [asyncio.create_task(self._reader()) for _ in range(self.n)]
+        try:
+            yield self.stats
+        finally:
+            self._stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # --- tmpfs --------------------------------------------------------------------------------

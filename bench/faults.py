@@ -333,6 +333,270 @@ async def _kill_mid_publish(w, body_text: str, name: str) -> bool:
             await asyncio.sleep(0.005)
 
 
+async def slow_region_link(tmp: Path, quick: bool) -> Row:
+    """Clients in region a read objects whose nearest copy is in region b, over an emulated inter-region
+    link that is slowed, then stalled outright, then restored; the origin is farther but stays up.
+
+    Topology: a-1 (region a) cannot keep the objects (its tiers are smaller than one object: a region
+    whose working set far exceeds its cache), so every read in a crosses to b; b-1 holds them all in
+    memory and advertises its URL through a link (10 ms each way, 400 Mbit/s), so a-1's cached-only
+    probes and the clients' direct asks both pay it; the origin sits behind its own link (30 ms,
+    100 Mbit/s). Clients are ``KDNClient``s with a-1 as their edge, b-1 as a remote edge and the origin:
+    ranked, hedged at 2x the expected time, failing over on error (kdn/client.py)."""
+    from kdn.client import KDNClient
+
+    phase_s = 3.0 if quick else 10.0
+    olink_port, blink_port = F.free_port(), F.free_port()
+    w = F.World(tmp, regions={"a": 1, "b": 1}, edge_args=["--origin", f"http://127.0.0.1:{olink_port}"],
+                per_edge_args={"a-1": ["--mem-budget", "16KiB", "--disk-budget", "16KiB"],
+                               "b-1": ["--url", f"http://127.0.0.1:{blink_port}"]})
+    olink = LinkEmulator(olink_port, "127.0.0.1", w.origin.port, delay_ms=30, mbit=100)
+    blink = LinkEmulator(blink_port, "127.0.0.1", w.edges["b-1"].port, delay_ms=10, mbit=400)
+    await olink.start()
+    await blink.start()
+    try:
+        await w.start()
+        m = await w.publish(text(30), "vol30")
+        m2 = await w.publish(text(31), "vol31")
+        addrs = m["addresses"] + m2["addresses"]
+        warm = await F.Readers(w, addrs).read_all("b")  # b-1 holds every object
+        assert warm.failed == 0 and warm.wrong == 0, vars(warm)
+        a1 = w.edges["a-1"]
+        r = F.ClientReaders(w, addrs, lambda: KDNClient(edges=[("a-1", a1.url)], remote_edges=[blink.url],
+                                                       origin=olink.url, timeout=10.0), n=4)
+        hedges = {}
+        plain: dict[str, str] = {}
+
+        async def plain_read(phase: str) -> None:
+            """One read of a-1 with no hedging (curl, or a client given one edge): what the edge itself does."""
+            import aiohttp
+
+            enc = w.digests[addrs[0]][0]
+            t0 = time.monotonic()
+            try:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=phase_s - 0.5)) as s:
+                    async with s.get(f"{a1.url}/v1/objects/{addrs[0]}", params={"encoding": enc}) as resp:
+                        await resp.read()
+                        plain[phase] = f"http {resp.status} in {(time.monotonic() - t0) * 1e3:.0f} ms"
+            except asyncio.TimeoutError:
+                plain[phase] = f"no answer in {phase_s - 0.5:.1f} s"
+
+        async with r.running() as stats:
+            for phase, fault in (("normal", None), ("slowed", lambda: blink.set_profile(150, 8)),
+                                 ("stalled", blink.stall), ("restored", lambda: (blink.set_profile(10, 400),
+                                                                                  blink.resume()))):
+                if fault is not None:
+                    fault()
+                r.phase = phase
+                h0 = r.hedges
+                await asyncio.gather(asyncio.sleep(phase_s), plain_read(phase))
+                hedges[phase] = r.hedges - h0
+        region_errors = await a1.metric("kdn_edge_source_errors", source="region")
+        region_fills = await a1.metric("kdn_edge_fill_bytes", source="region")
+        notes = {}
+        for phase, st in r.by_phase.items():
+            notes[f"{phase}_p50_p99_ms"] = f"{st.pct(0.5) * 1e3:.0f}/{st.pct(0.99) * 1e3:.0f}"
+            notes[f"{phase}_max_ms"] = round(max(st.latencies, default=float("nan")) * 1e3)
+            notes[f"{phase}_failed"] = st.failed
+            notes[f"{phase}_sources"] = r.sources.get(phase, {})
+            notes[f"{phase}_hedges"] = hedges.get(phase, 0)
+        notes.update(a1_region_errors=region_errors, a1_region_fill_bytes=region_fills,
+                     failovers=r.failovers, plain_read_of_a1=plain)
+        return _row("slow_region_link", "clients in region a read objects held in region b over an emulated link: "
+                    "slowed (150 ms each way, 8 Mbit/s), then stalled, then restored; hedges and failover to "
+                    "the origin (30 ms away) carry the reads", stats, notes=notes)
+    finally:
+        await w.close()
+        await blink.stop()
+        await olink.stop()
+
+
+async def warm_disk_restart(tmp: Path, quick: bool) -> Row:
+    """An edge whose disk tier holds every object SIGKILLed, one blob corrupted on its disk while it is down,
+    restarted on the same folder: the warm objects serve from disk at once, the corrupted one is never served
+    (its digest is checked at its first read after the restart) and is the only object fetched upstream again."""
+    import aiohttp
+    from blake3 import blake3
+
+    w = await _world(tmp, regions={"eu": 1})
+    try:
+        docs = [await w.publish(text(40 + i), f"vol{40 + i}") for i in range(2)]
+        addrs = [a for d in docs for a in d["addresses"]]
+        r = F.Readers(w, addrs, per_region=4)
+        warm = await r.read_all("eu")  # the only edge owns everything: each blob goes to its disk too
+        assert warm.failed == 0 and warm.wrong == 0, vars(warm)
+        edge, disk = w.edges["eu-1"], tmp / "disk-eu-1"
+        enc = w.digests[addrs[0]][0]
+        deadline = time.monotonic() + 30
+        while len(list(disk.rglob(f"*.{enc}"))) < len(addrs):  # the disk copies are written off the response path
+            assert time.monotonic() < deadline, "the disk tier never held every object"
+            await asyncio.sleep(0.05)
+        edge.kill()
+        victim = addrs[len(addrs) // 2]
+        path = next(disk.rglob(f"{victim}.{enc}"))
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01  # bit rot while it was down: same size, other bytes
+        path.write_bytes(bytes(data))
+        t0 = time.monotonic()
+        edge.spawn()
+        await edge.wait_healthy()
+        ready = time.monotonic() - t0
+        first_ttfb = first_total = None
+        passes: list[dict[str, int]] = []
+        wrong = failed = reads = 0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            for n in range(2):  # once through every object (disk), then again (memory: promoted)
+                by_source: dict[str, int] = {}
+                for a in addrs:
+                    _, digest, size = w.digests[a]
+                    t = time.monotonic()
+                    async with s.get(f"{edge.url}/v1/objects/{a}", params={"encoding": enc}) as resp:
+                        ttfb = time.monotonic() - t
+                        body = await resp.read()
+                        reads += 1
+                        if resp.status != 200:
+                            failed += 1
+                            continue
+                        wrong += len(body) != size or blake3(body).hexdigest() != digest
+                        src = resp.headers.get("X-KDN-Source", "?").split(":", 1)[0]
+                        by_source[src] = by_source.get(src, 0) + 1
+                    if first_ttfb is None:
+                        first_ttfb, first_total = ttfb, time.monotonic() - t0
+                passes.append(by_source)
+                if n == 0:
+                    await asyncio.sleep(0.3)  # let the promotions to memory land
+        async with r.running() as stats:  # then load, as before the kill
+            await asyncio.sleep(1.0 if quick else 5.0)
+        stats.reads += reads
+        stats.failed += failed
+        stats.wrong += wrong
+        refetched = await edge.metric("kdn_edge_fill_bytes", source="origin")
+        _, _, victim_size = w.digests[victim]
+        return _row("warm_disk_restart", "an edge with every object on its disk tier SIGKILLed, one blob corrupted "
+                    "while it is down, restarted on the same folder (heal = spawn to healthy)", stats, heal_s=ready,
+                    notes={"objects": len(addrs), "first_pass_sources": passes[0], "second_pass_sources": passes[1],
+                           "first_byte_ms": round(first_ttfb * 1e3, 1),
+                           "spawn_to_first_body_s": round(first_total, 2),
+                           "bytes_refetched_from_origin": int(refetched), "corrupted_blob_bytes": victim_size,
+                           "disk_corrupt": await edge.metric("kdn_edge_disk_corrupt")})
+    finally:
+        await w.close()
+
+
+async def clock_jump(tmp: Path, quick: bool) -> Row:
+    """The edge's wall clock stepped forward an hour, then back two hours (an hour behind), under a TTL policy,
+    while readers keep reading: each object must still leave the cache about ``ttl`` after it came in --
+    neither all at once at the forward step nor never after the backward one -- and no wrong byte.
+
+    The step is the edge's test hook (edge/clockhook.py: ``time.time`` offset by a file's value in that
+    process, what an NTP step does to it; ``time.monotonic`` untouched). A read that fills (X-KDN-Source
+    origin) marks the object's insertion; a later hit (memory, disk) is *past its TTL* if it began more than
+    ``ttl + 1 s`` (the expiry pass) + 0.5 s after the end of that fill, and a fill is *early* if it comes
+    less than ``ttl - 0.5 s`` after the previous one."""
+    import aiohttp
+    from blake3 import blake3
+
+    from kdn.registry import Policy, open_registry
+
+    ttl, phase_s = (3.0, 4.0) if quick else (5.0, 20.0)
+    offset = tmp / "wall-offset"
+    offset.write_text("0")
+    w = F.World(tmp, regions={"eu": 1})
+    w.edges["eu-1"].env["KDN_TEST_WALL_OFFSET_FILE"] = str(offset)
+    await w.start()
+    try:
+        m = await w.publish(text(50), "vol50")
+        addrs = m["addresses"]
+        reg = open_registry(w.etcd.registry)
+        try:
+            await reg.put_policy(Policy(name="short", kind="ttl", namespace="public", ttl_s=ttl))
+        finally:
+            await reg.close()
+        edge = w.edges["eu-1"]
+        await asyncio.sleep(1.0)  # the policy reaches the edge through its watch
+        bound = ttl + 1.0 + 0.5
+        last_fill: dict[str, float] = {}
+        phase = "steady"
+        out: dict[str, dict] = {}
+        stats = F.Stats()
+        stop = asyncio.Event()
+
+        def note(key: str, n: int = 1) -> None:
+            d = out.setdefault(phase, {"fills": 0, "hits": 0, "past_ttl": 0, "early_fills": 0, "max_hit_age_s": 0.0})
+            d[key] += n
+
+        async def reader(seed: int) -> None:
+            import random
+
+            rng = random.Random(seed)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+                while not stop.is_set():
+                    a = rng.choice(addrs)
+                    enc, digest, size = w.digests[a]
+                    t0 = time.monotonic()
+                    try:
+                        async with s.get(f"{edge.url}/v1/objects/{a}", params={"encoding": enc}) as resp:
+                            body = await resp.read()
+                            src = resp.headers.get("X-KDN-Source", "?").split(":", 1)[0]
+                    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                        stats.reads += 1
+                        stats.fail(type(e).__name__)
+                        continue
+                    t1 = time.monotonic()
+                    stats.reads += 1
+                    if resp.status != 200:
+                        stats.fail(f"http {resp.status}")
+                        continue
+                    stats.wrong += len(body) != size or blake3(body).hexdigest() != digest
+                    stats.latencies.append(t1 - t0)
+                    if src in ("memory", "disk"):
+                        note("hits")
+                        if a in last_fill:
+                            age = t0 - last_fill[a]
+                            d = out[phase]
+                            d["max_hit_age_s"] = round(max(d["max_hit_age_s"], age), 2)
+                            if age > bound:
+                                note("past_ttl")
+                    else:
+                        note("fills")
+                        # a fill that began before the previous one ended is the same fill (single flight)
+                        if a in last_fill and 0 <= t0 - last_fill[a] < ttl - 0.5:
+                            note("early_fills")
+                        last_fill[a] = t1
+                    await asyncio.sleep(0.005)
+
+        async def one_s_after_a_fill_wave() -> None:
+            """Every object is filled in one wave, each TTL: step the clock 1 s after one, when every entry is
+            1 s old (a forward step that expired them would refill them all early)."""
+            seen = max(last_fill.values(), default=0.0)
+            deadline = time.monotonic() + 3 * ttl
+            while max(last_fill.values(), default=0.0) == seen and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(1.0)
+
+        tasks = [asyncio.create_task(reader(i)) for i in range(3)]
+        try:
+            await asyncio.sleep(phase_s)
+            await one_s_after_a_fill_wave()
+            phase = "forward_1h"
+            offset.write_text("3600")
+            await asyncio.sleep(phase_s)
+            await one_s_after_a_fill_wave()
+            phase = "back_to_minus_1h"
+            offset.write_text("-3600")
+            await asyncio.sleep(phase_s)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        notes = {f"{k}": v for k, v in out.items()}
+        notes["ttl_evictions"] = await edge.metric("kdn_edge_evictions", reason="ttl")
+        notes["ttl_s"] = ttl
+        return _row("clock_jump", f"the edge's wall clock stepped +1 h, then to -1 h, under a {ttl:.0f} s TTL "
+                    "policy: each object still leaves about ttl after it came in", stats, notes=notes)
+    finally:
+        await w.close()
+
+
 SCENARIOS = {
     "owner_killed": owner_killed,
     "lying_peer": lying_peer,
@@ -341,6 +605,9 @@ SCENARIOS = {
     "origin_down": origin_down,
     "disk_full": disk_full,
     "kill_during_write": kill_during_write,
+    "slow_region_link": slow_region_link,
+    "warm_disk_restart": warm_disk_restart,
+    "clock_jump": clock_jump,
 }
 
 

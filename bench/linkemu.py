@@ -27,6 +27,11 @@ round trip first (the TCP handshake it would have paid), unless
 regions to one server. Bandwidth is per connection (each TCP flow gets
 ``mbit``), unless ``shared=True``, where all connections of one profile and
 direction share one bucket (one bottleneck link).
+
+Faults, at run time: ``set_profile(delay_ms, mbit)`` slows (or speeds) the link, for the
+connections already open too (from their next chunk on); ``stall()`` stops forwarding
+anything in either direction (connections open, new ones accepted, no byte passes: a
+black hole that TCP cannot tell from a slow peer) until ``resume()``.
 """
 
 from __future__ import annotations
@@ -104,6 +109,21 @@ class LinkEmulator:
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task] = set()
         self._shared_pacers: dict[tuple[Profile, str], _Pacer] = {}
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    # --- faults ------------------------------------------------------------------
+
+    def set_profile(self, delay_ms: float, mbit: float) -> None:
+        """The default profile from now on, for open connections too (from their next chunk)."""
+        self.default = Profile(float(delay_ms), float(mbit))
+
+    def stall(self) -> None:
+        """No byte passes, either way, until ``resume()``; connections stay open, new ones are accepted."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
 
     # --- lifecycle ---------------------------------------------------------------
 
@@ -170,8 +190,9 @@ class LinkEmulator:
             first = now + (2 * delay if self.handshake else 0.0)
             up = self._pacer(prof, "up", first)
             down = self._pacer(prof, "down", now)
-            await asyncio.gather(self._pump(creader, twriter, prof, up, "up"),
-                                 self._pump(treader, cwriter, prof, down, "down"))
+            ip = peer[0] if peer else None
+            await asyncio.gather(self._pump(creader, twriter, ip, up, "up"),
+                                 self._pump(treader, cwriter, ip, down, "down"))
         except (OSError, asyncio.IncompleteReadError):
             self.stats.errors += 1
         except asyncio.CancelledError:
@@ -183,8 +204,9 @@ class LinkEmulator:
             self.stats.active -= 1
             self._conns.discard(task)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prof: Profile,
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer_ip: str | None,
                     pacer: _Pacer, direction: str) -> None:
+        prof = self.profile_for(peer_ip)
         delay = prof.delay_ms / 1e3
         rate = prof.rate
         # Small reads at low rates keep the pacing fine-grained (~2 ms of link time per read).
@@ -192,7 +214,7 @@ class LinkEmulator:
         bdp = 0 if rate == float("inf") else int(rate * (delay + 0.01))
         slots = max(8, min(self.max_buffer, max(2 * bdp, 256 << 10)) // read_size)
         queue: asyncio.Queue = asyncio.Queue(maxsize=slots)  # bounded: at most slots * read_size bytes
-        writer_task = asyncio.create_task(self._deliver(queue, writer, delay))
+        writer_task = asyncio.create_task(self._deliver(queue, writer, self._flowing))
         try:
             while True:
                 try:
@@ -200,8 +222,12 @@ class LinkEmulator:
                 except (ConnectionError, OSError):
                     data = b""
                 if not data:
-                    await queue.put((time.perf_counter(), _EOF))
+                    await queue.put((time.perf_counter() + delay, _EOF))
                     break
+                if (now_prof := self.profile_for(peer_ip)) != prof:  # set_profile() while this connection is open
+                    prof, delay = now_prof, now_prof.delay_ms / 1e3
+                    pacer.rate = prof.rate
+                    pacer.burst_s = self.burst / prof.rate if prof.rate != float("inf") else 0.0
                 now = time.perf_counter()
                 leave = pacer.reserve(len(data), now)
                 if leave - now > 0.0005:
@@ -210,7 +236,7 @@ class LinkEmulator:
                     self.stats.bytes_up += len(data)
                 else:
                     self.stats.bytes_down += len(data)
-                await queue.put((leave, data))
+                await queue.put((leave + delay, data))
                 if writer_task.done():
                     break
             await writer_task
@@ -221,11 +247,12 @@ class LinkEmulator:
                     await writer_task
 
     @staticmethod
-    async def _deliver(queue: asyncio.Queue, writer: asyncio.StreamWriter, delay: float) -> None:
+    async def _deliver(queue: asyncio.Queue, writer: asyncio.StreamWriter, flowing: asyncio.Event) -> None:
         try:
             while True:
-                left, data = await queue.get()
-                wait = left + delay - time.perf_counter()
+                at, data = await queue.get()  # at: when the bytes arrive at the far end (left + delay)
+                await flowing.wait()  # stalled: nothing is delivered; the queue fills and the pump stops reading
+                wait = at - time.perf_counter()
                 if wait > 0.0002:
                     await asyncio.sleep(wait)
                 if data is _EOF:

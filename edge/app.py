@@ -51,7 +51,7 @@ from kdn.edge.memory import MemoryHandle, MemoryTier
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.policies import PolicyEngine
 from kdn.edge.prefetch import ChainIndex, Prefetcher
-from kdn.edge.tiers import EntryMeta, Handle, Key
+from kdn.edge.tiers import EntryMeta, Handle, Key, steady_wall
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class Edge:
 
     def meta_for(self, rec: ObjectRecord, encoding: str) -> EntryMeta:
         enc = rec.encodings[encoding]
-        return EntryMeta(size=enc.size, digest=enc.digest, namespace=rec.namespace, inserted_at=time.time())
+        return EntryMeta(size=enc.size, digest=enc.digest, namespace=rec.namespace, inserted_at=steady_wall())
 
     def holds(self, key: Key) -> bool:
         return any(t.contains(key) for t in self.tiers)
@@ -431,9 +431,15 @@ async def _upstream_ctx(app: web.Application):
 
 
 async def _background_ctx(app: web.Application):
-    """Work off the response path (prefetch, durable disk copies, promotions): drained at shutdown."""
-    yield
-    await app[EDGE].drain()
+    """Work off the response path (prefetch, durable disk copies, promotions): drained at shutdown;
+    and the TTL expiry pass."""
+    expiry = asyncio.create_task(_expire_loop(app[EDGE]), name="kdn-edge-expiry")
+    try:
+        yield
+    finally:
+        expiry.cancel()
+        await asyncio.gather(expiry, return_exceptions=True)
+        await app[EDGE].drain()
 
 
 async def _policies_ctx(app: web.Application):
@@ -514,6 +520,18 @@ async def _watch_manifests(edge: Edge) -> None:
             await edge.policies.feed_manifests(ev)
 
     await follow(edge.registry, "manifests/", on_event, what="manifest")
+
+
+EXPIRY_PASS_S = 1.0
+
+
+async def _expire_loop(edge: Edge) -> None:
+    """The expiry pass: every EXPIRY_PASS_S, drop the TTL-expired entries of every tier. Without it an expired
+    entry went only under pressure, so with room to spare it was served for ever past its TTL."""
+    while True:
+        await asyncio.sleep(EXPIRY_PASS_S)
+        for tier in edge.tiers:
+            await tier.expire()
 
 
 async def _watch_origins(edge: Edge) -> None:

@@ -127,6 +127,9 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
             raise InvalidInput("--disk-budget needs --disk DIR")
         kw["disk_budget"] = _positive(parse_size(args.disk_budget), "--disk-budget")
 
+    from kdn.edge import clockhook
+
+    clockhook.install_from_env()  # a test hook (off unless its variable is set): before the tiers are imported
     from kdn.edge.app import EdgeConfig, run  # aiohttp and the tiers: only when serving
 
     run(EdgeConfig(**kw))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,7 +42,7 @@ import msgpack
 from blake3 import blake3
 
 from kdn.edge.eviction import PolicyFactory, S3FIFO
-from kdn.edge.tiers import EntryMeta, EvictCallback, _BaseTier, _Entry, _HandleBase
+from kdn.edge.tiers import EntryMeta, EvictCallback, _BaseTier, _Entry, _HandleBase, steady_wall
 from kdn.errors import InvalidInput
 from kdn.store import BlobDir, StoredBlob
 
@@ -86,7 +85,7 @@ class DiskTier(_BaseTier):
         *,
         fsync: bool = True,
         on_evict: EvictCallback | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = steady_wall,
     ) -> None:
         super().__init__(budget, policy, on_evict=on_evict, clock=clock)
         self.blobs = BlobDir(root, fsync=fsync)

@@ -3,7 +3,8 @@
     local tiers (memory, then disk)          -- served by the caller, not here
     -> the owner edge of this region          (one hop; skipped when I am the owner
                                                or the request is already a hop)
-    -> other regions' edges holding it        (cached-only asks, fastest region first)
+    -> other regions' edges holding it        (cached-only asks, fastest region first, each
+                                               bounded: PROBE_MIN_S or 4x its expected time)
     -> the origin
 
 Every body received is checked against the registry digest before it is
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 HOP = "X-KDN-Hop"  # set on edge-to-edge requests: the receiver fills itself, never forwards in-region
 CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
 MAX_BLOB_BYTES = 1 << 30
+# A cross-region probe is an optimization (the origin always has the object): it may take this long, or 4x
+# its region's expected time for the size if that is more, before the next source is tried. Without a bound
+# a stalled inter-region link held every fill, and every plain client of the edge, for the whole fill
+# timeout (30 s) before the origin was asked (bench/faults.py slow_region_link).
+PROBE_MIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,8 @@ class Filler:
             kind = label.split(":", 1)[0]
             t0 = time.perf_counter()
             try:
-                blob = await self._get(f"{base}/v1/objects/{address}", encoding, extra, enc.size)
+                blob = await self._get(f"{base}/v1/objects/{address}", encoding, extra, enc.size,
+                                       self._timeout_for(kind, base, enc.size))
             except SourceError as e:
                 self.estimates[base].fail()
                 self.m.source_errors.labels(kind).inc()
@@ -137,12 +144,21 @@ class Filler:
             return Filled(blob, label)
         raise SourceError(f"no source delivered {address}.{encoding}: " + ("; ".join(errors) or "none holds it"))
 
-    async def _get(self, url: str, encoding: str, extra: dict[str, str], size: int) -> bytes | None:
+    def _timeout_for(self, kind: str, base: str, size: int) -> aiohttp.ClientTimeout:
+        if kind != "region":
+            return self.timeout
+        bound = max(PROBE_MIN_S, 4 * self.estimates[base].expected(size))
+        if self.timeout.total is None or bound >= self.timeout.total:
+            return self.timeout
+        return aiohttp.ClientTimeout(total=bound, sock_connect=min(bound, self.timeout.sock_connect or bound))
+
+    async def _get(self, url: str, encoding: str, extra: dict[str, str], size: int,
+                   timeout: aiohttp.ClientTimeout | None = None) -> bytes | None:
         try:
             # No redirects: a source that answers 3xx is a failed source, not a pointer to follow (it would
             # otherwise lead this edge, and its upstream token, to any host it names).
             async with self.session.get(url, params={"encoding": encoding}, headers={**self.headers(url), **extra},
-                                        timeout=self.timeout, allow_redirects=False) as r:
+                                        timeout=timeout or self.timeout, allow_redirects=False) as r:
                 if r.status == 404 and CACHED_ONLY in extra:
                     return None
                 if r.status != 200:

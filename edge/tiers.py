@@ -38,6 +38,18 @@ from kdn.store import validate_encoding
 
 from kdn.edge.eviction import EvictionPolicy, PolicyFactory, S3FIFO
 
+_WALL0, _MONO0 = time.time(), time.monotonic()
+
+
+def steady_wall() -> float:
+    """Wall-clock seconds that a step of the system clock does not move: the wall time when this process
+    started plus the monotonic time since. TTLs are measured on it. They are persisted as wall time (the
+    disk tier's ``inserted_at`` must mean something after a restart), but within a process an NTP step or
+    ``date -s`` forward expired every entry at once, and one backward kept every entry alive for as long
+    as the step (bench/faults.py ``clock_jump``)."""
+    return _WALL0 + (time.monotonic() - _MONO0)
+
+
 Key = tuple[Address, str]
 """``(address, encoding)``: one immutable blob."""
 
@@ -61,7 +73,7 @@ class EntryMeta:
     digest: str  # BLAKE3 hex of the blob, as in the registry
     namespace: str
     manifest: str | None = None  # "namespace/name" of the manifest it was published in
-    inserted_at: float = 0.0  # wall-clock seconds; set by the tier on put
+    inserted_at: float = 0.0  # wall-clock seconds (``steady_wall``); set by the tier on put
     pinned: bool = False  # never evicted while pinned
     expires_at: float | None = None  # after it the entry MAY be dropped; dropped first under pressure
 
@@ -182,7 +194,7 @@ class _BaseTier:
         policy: PolicyFactory = S3FIFO,
         *,
         on_evict: EvictCallback | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = steady_wall,
     ) -> None:
         if budget <= 0:
             raise InvalidInput("a tier budget must be positive")

@@ -153,6 +153,48 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]  # aetcd ships no t
     live, and its iterator then waits forever for events that never come.
     """
 
+    # aetcd 1.0.0 puts every request (watch create, watch cancel, and the end-of-stream marker) into a queue of
+    # 10 with a blocking put, under its lock. A stream whose requests are not being sent (etcd SIGSTOPped or
+    # wedged: its HTTP/2 window fills with ~5,400 cancels, then the queue) blocked the next cancel for ever,
+    # and shutdown's marker behind it, so ``close()`` never returned (reproduced with 9,000 watches cancelled
+    # while etcd was SIGSTOPped; tests/registry/test_watch_queue.py). Puts are bounded by the watch timeout,
+    # and ending a stream drops its unsent requests instead of waiting for room.
+
+    async def _enqueue(self, request: Any) -> None:
+        try:
+            await asyncio.wait_for(self._request_queue.put(request), self._timeout or 5.0)
+        except asyncio.TimeoutError:
+            raise aetcd.exceptions.WatchTimeoutError from None
+
+    async def _enqueue_watch_create(self, *args: Any, **kwargs: Any) -> None:
+        await self._enqueue(self._build_watch_create_request(*args, **kwargs))
+
+    async def _enqueue_watch_cancel(self, *args: Any, **kwargs: Any) -> None:
+        await self._enqueue(self._build_watch_cancel_request(*args, **kwargs))
+
+    async def _terminate_stream(self, error: BaseException | None) -> None:
+        """aetcd's, except that the end-of-stream marker never waits for room in the old queue."""
+        async with self._lock:
+            if self._new_callback is not None:
+                self._new_callback.error = error
+                self._new_callback_ready.notify_all()
+            callbacks, self._callbacks = self._callbacks, {}
+            old, self._request_queue = self._request_queue, asyncio.Queue(maxsize=10)
+            while True:
+                try:
+                    old.put_nowait(None)
+                    break
+                except asyncio.QueueFull:
+                    old.get_nowait()  # a request for the stream being ended: it would never be sent
+        for callback in callbacks.values():
+            await self._process_callback(callback, error)
+        async with self._request_handler_lock:
+            if self._request_handler is not None:
+                self._request_handler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._request_handler
+                self._request_handler = None
+
     async def _handle_response(self, response: Any) -> None:
         if not response.canceled or response.compact_revision != 0:
             await super()._handle_response(response)  # events, and compaction (aetcd raises it)

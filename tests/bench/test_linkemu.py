@@ -77,6 +77,38 @@ async def test_new_connection_pays_a_handshake_round_trip():
     assert max(rest) < 0.07, rest
 
 
+async def test_set_profile_slows_open_connections_and_stall_stops_every_byte():
+    server, port = await _echo_server()
+    async with server:
+        async with LinkEmulator(0, "127.0.0.1", port, delay_ms=5, mbit=0) as link:
+            reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+            try:
+                async def rtt() -> float:
+                    t0 = time.perf_counter()
+                    writer.write(b"ping")
+                    await writer.drain()
+                    got = b""
+                    while len(got) < 4:
+                        got += await reader.read(4 - len(got))
+                    return time.perf_counter() - t0
+
+                await rtt()
+                fast = await rtt()
+                link.set_profile(40, 0)  # the same, open connection: slower from its next chunk
+                slow = await rtt()
+                link.stall()
+                stalled = asyncio.create_task(rtt())
+                await asyncio.sleep(0.3)
+                assert not stalled.done(), "a byte crossed a stalled link"
+                link.resume()
+                after = await asyncio.wait_for(stalled, 2)
+            finally:
+                writer.close()
+    assert fast < 0.03, fast
+    assert 0.078 <= slow <= 0.12, slow
+    assert after >= 0.3
+
+
 async def test_per_source_profiles():
     server, port = await _echo_server()
     async with server:

@@ -69,3 +69,43 @@ async def test_kill_during_writes(tmp_path):
     check(row)
     assert row.notes["edge_temp_files_after_restart"] == 0
     assert row.notes["publish_interrupted"], "the origin finished before it was killed: the test proves nothing"
+
+
+def _ms(pair: str) -> tuple[float, float]:
+    p50, p99 = pair.split("/")
+    return float(p50), float(p99)
+
+
+async def test_slow_then_stalled_link_between_regions(tmp_path):
+    row = await faults.slow_region_link(tmp_path, quick=True)
+    check(row)
+    n = row.notes
+    # the fault happened: the slowed link made the origin the faster source, the stall cut region b off
+    assert _ms(n["slowed_p50_p99_ms"])[0] > _ms(n["normal_p50_p99_ms"])[0]
+    assert n["stalled_sources"].get("origin", 0) > n["stalled_sources"].get("edge:a-1", 0)
+    assert n["stalled_hedges"] > 0 and n["a1_region_errors"] > 0
+    # and the p99 held: hedges and failover kept every read of the stall under a second
+    assert _ms(n["stalled_p50_p99_ms"])[1] < 1000 and n["stalled_failed"] == 0
+    # an edge asked directly (no hedging client) gave up on the stalled region within its probe bound
+    assert n["plain_read_of_a1"]["stalled"].startswith("http 200")
+
+
+async def test_restart_on_a_warm_disk_tier(tmp_path):
+    row = await faults.warm_disk_restart(tmp_path, quick=True)
+    check(row)
+    n = row.notes
+    # served from disk at once; the corrupted blob is caught and is the only object fetched upstream again
+    assert n["first_pass_sources"] == {"disk": n["objects"] - 1, "origin": 1}
+    assert n["second_pass_sources"] == {"memory": n["objects"]}
+    assert n["disk_corrupt"] == 1 and n["bytes_refetched_from_origin"] == n["corrupted_blob_bytes"]
+
+
+async def test_wall_clock_steps_under_a_ttl_policy(tmp_path):
+    row = await faults.clock_jump(tmp_path, quick=True)
+    check(row)
+    for phase in ("steady", "forward_1h", "back_to_minus_1h"):
+        n = row.notes[phase]
+        assert n["past_ttl"] == 0, f"{phase}: {n['past_ttl']} hits served more than ttl + 1.5 s after their fill"
+        assert n["early_fills"] == 0, f"{phase}: {n['early_fills']} objects expired early (mass expiry)"
+        assert n["fills"] > 0 and n["hits"] > 0, f"{phase}: nothing expired or nothing was read: {n}"
+    assert row.notes["ttl_evictions"] > 0

@@ -1,0 +1,78 @@
+"""A cross-region probe is bounded: a stalled link to another region costs a fill PROBE_MIN_S (or 4x that
+region's expected time), then the origin is asked; it once held the fill for the whole 30 s fill timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+from blake3 import blake3
+from prometheus_client import CollectorRegistry
+
+from kdn.edge import fill
+from kdn.edge.metrics import EdgeMetrics
+from kdn.registry import NodeRecord, ObjectRecord
+from kdn.registry.records import Encoding
+
+pytestmark = pytest.mark.timeout(30)
+
+BLOB = b"kv bytes " * 1000
+ADDRESS = "a" * 64
+
+
+class _Members:
+    def __init__(self, remote: NodeRecord) -> None:
+        self.remote = remote
+
+    def owner(self, address: str):
+        return None  # alone in its region: no owner hop
+
+    def regions(self):
+        return {"far": [self.remote]}
+
+
+async def _serve(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_get("/v1/objects/{address}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+
+
+async def test_a_stalled_region_is_abandoned_for_the_origin(monkeypatch):
+    monkeypatch.setattr(fill, "PROBE_MIN_S", 0.5)
+    release = asyncio.Event()
+
+    async def stalled(request):
+        await release.wait()  # a link that passes no byte
+        return web.Response(body=BLOB)
+
+    async def origin(request):
+        return web.Response(body=BLOB)
+
+    far, far_url = await _serve(stalled)
+    org, org_url = await _serve(origin)
+    rec = ObjectRecord(address=ADDRESS, model_id="b" * 64, namespace="public", kind="kv", start=0, end=256, parent=None,
+                       standalone=False, origin="o",
+                       encodings={"zstd": Encoding("zstd", len(BLOB), blake3(BLOB).hexdigest())})
+    metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
+    async with aiohttp.ClientSession() as session:
+        f = fill.Filler(session=session, membership=_Members(NodeRecord("edge", "far", "far-1", far_url)),
+                        origin_urls=lambda: [org_url], me=NodeRecord("edge", "near", "near-1", "http://x"),
+                        upstream_headers={}, metrics=metrics, timeout=30.0)
+        t0 = time.monotonic()
+        try:
+            got = await f.fetch((ADDRESS, "zstd"), rec, hop=False)
+        finally:
+            release.set()
+            await far.cleanup()
+            await org.cleanup()
+    took = time.monotonic() - t0
+    assert got.source == "origin" and got.blob == BLOB
+    assert 0.5 <= took < 2.0, took  # the probe's bound, then the origin: not the 30 s fill timeout
+    assert metrics.source_errors.labels("region")._value.get() == 1  # noqa: SLF001
