@@ -160,6 +160,11 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]  # aetcd ships no t
     # while etcd was SIGSTOPped; tests/registry/test_watch_queue.py). Puts are bounded by the watch timeout,
     # and ending a stream drops its unsent requests instead of waiting for room.
 
+    # aetcd's own attributes, declared for the type checker (aetcd is untyped).
+    _callbacks: dict[int, Any]
+    _request_queue: asyncio.Queue[Any]
+    _request_handler: asyncio.Task[Any] | None
+
     async def _enqueue(self, request: Any) -> None:
         try:
             await asyncio.wait_for(self._request_queue.put(request), self._timeout or 5.0)
