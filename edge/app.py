@@ -47,11 +47,11 @@ from kdn.edge.disk import DiskTier
 from kdn.edge.fill import CACHED_ONLY, HOP, Filler
 from kdn.edge.flight import SingleFlight
 from kdn.edge.membership import Membership
-from kdn.edge.memory import MemoryHandle, MemoryTier
+from kdn.edge.memory import MemoryTier
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.policies import PolicyEngine
 from kdn.edge.prefetch import ChainIndex, Prefetcher
-from kdn.edge.tiers import EntryMeta, Handle, Key, steady_wall
+from kdn.edge.tiers import EntryMeta, Handle, Key, Tier, steady_wall
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,8 @@ class Edge:
         await asyncio.gather(*self._background, return_exceptions=True)
 
     @property
-    def tiers(self):
+    def tiers(self) -> list[Tier]:
+        """Fastest first: where ``load`` looks, and what policies govern."""
         return [self.memory] + ([self.disk] if self.disk is not None else [])
 
     def origin_urls(self) -> list[str]:
@@ -302,8 +303,9 @@ class Edge:
                 continue
             if count:
                 self.m.hits.labels(tier.name).inc()
-            if isinstance(handle, MemoryHandle):
-                return Loaded("memory", handle.size, data=handle.data, handle=handle)
+            if handle.data is not None:  # in memory: written as it is
+                return Loaded(tier.name, handle.size, data=handle.data, handle=handle)
+            assert handle.path is not None  # a file: sent with sendfile, and promoted to memory
             if count and not self.memory.contains(key) and handle.size <= self.memory.budget:
                 self.background(_promote(self, key, handle.path, rec))
             return Loaded(tier.name, handle.size, path=handle.path, handle=handle)

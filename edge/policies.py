@@ -19,11 +19,11 @@ Operators know what is hot. They say so with records under ``policies/``
 A policy applies here if its ``region`` is None or this edge's region.
 
 What "apply" means: after every change the engine builds one rule function
-and hands it to each tier (``Tier.apply_policy``), which re-rules *every
+and hands it to each tier (``GovernedTier.apply_policy``), which re-rules *every
 entry already cached* at once (pins and unpins take effect immediately; a TTL
 is measured from each entry's ``inserted_at``, so an entry older than a new
 TTL is expired at once, dropped first under pressure or at the next
-``Tier.expire()``) and rules every later insert with it. Quotas replace the
+``GovernedTier.expire()``) and rules every later insert with it. Quotas replace the
 tiers' quotas as a whole (``set_quotas``): the engine owns them. Rules that
 did not change are not re-applied, so a policy event that changes nothing
 costs no walk over the tiers.
@@ -57,7 +57,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from kdn.address import validate_name
-from kdn.edge.tiers import EntryMeta, Key, PolicyState, Tier
+from kdn.edge.tiers import EntryMeta, GovernedTier, Key, PolicyState
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry.follow import follow
 from kdn.registry.records import Manifest, Policy
@@ -149,7 +149,7 @@ class PolicyEngine:
         self,
         registry,
         region: str,
-        tiers: Sequence[Tier],
+        tiers: Sequence[GovernedTier],
         *,
         warm: Warm | None = None,
         retry_s: float = 0.5,

@@ -30,6 +30,7 @@ import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from kdn.address import Address, validate_address, validate_name, validate_namespace
@@ -115,11 +116,16 @@ class TierStats:
 
 
 class Handle(Protocol):
-    """A pinned read of one entry. Release it (or leave its ``with`` block) when the bytes are sent."""
+    """A pinned read of one entry. Release it (or leave its ``with`` block) when the bytes are sent.
+
+    It says how it is best sent: ``data``, a view of bytes held in memory (written as they are), or
+    ``path``, a file (sendfile); exactly one of them is set."""
 
     key: Key
     meta: EntryMeta
     size: int
+    data: memoryview | None
+    path: Path | None
 
     async def read(self) -> bytes | memoryview: ...
     def release(self) -> None: ...
@@ -127,14 +133,14 @@ class Handle(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-class Tier(Protocol):
-    """One cache tier. Methods that may touch a disk are async; bookkeeping ones are not."""
+class CacheTier(Protocol):
+    """What the read path needs of a tier (``Edge.load``): pinned reads, inserts, membership.
+    Methods that may touch a disk are async; bookkeeping ones are not."""
 
     name: str  # "memory" / "disk"
     budget: int  # bytes
     used: int  # bytes held, including deleted entries still held by readers and writes in flight
     stats: TierStats
-    on_evict: EvictCallback | None  # called after an entry leaves for "capacity", "ttl" or "corrupt"
 
     async def acquire(self, key: Key) -> Handle | None:
         """A pinned handle on the entry, or None on a miss. Counts a hit or a miss."""
@@ -149,6 +155,14 @@ class Tier(Protocol):
         ...
 
     def contains(self, key: Key) -> bool: ...
+
+
+class GovernedTier(Protocol):
+    """What operator policies need of a tier (``PolicyEngine``): its entries, pins, TTLs and quotas."""
+
+    name: str
+    on_evict: EvictCallback | None  # called after an entry leaves for "capacity", "ttl" or "corrupt"
+
     def keys(self) -> list[Key]: ...
     def entries(self) -> list[tuple[Key, EntryMeta]]: ...
     def apply_policy(self, fn: PolicyFn | None) -> None:
@@ -159,6 +173,10 @@ class Tier(Protocol):
     async def expire(self, now: float | None = None) -> int:
         """Drop every expired entry that is not pinned or in use; returns how many."""
         ...
+
+
+class Tier(CacheTier, GovernedTier, Protocol):
+    """A whole tier, as the memory and disk tiers are: both faces."""
 
 
 @dataclass(eq=False)
@@ -488,6 +506,9 @@ class _BaseTier:
 
 class _HandleBase:
     """Release-once plumbing shared by the handles of both tiers."""
+
+    data: memoryview | None = None  # set by a memory handle
+    path: Path | None = None  # set by a disk handle
 
     def __init__(self, tier: _BaseTier, e: _Entry) -> None:
         self.key, self.meta, self.size = e.key, e.meta, e.meta.size
