@@ -12,7 +12,7 @@ from importlib.metadata import distribution, entry_points
 from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parents[2]
-PARTS = ("origin", "edge", "kernels", "adapters")
+PARTS = ("origin", "edge", "kernels", "adapters", "service", "up")
 
 
 def run_python(code: str, cwd: Path) -> dict:
@@ -30,7 +30,7 @@ def test_parts_are_kdn_subpackages_from_their_top_level_folders(tmp_path):
         """
         import importlib, json, sys
         out = {}
-        for part in ("origin", "edge", "kernels", "adapters"):
+        for part in ("origin", "edge", "kernels", "adapters", "service", "up"):
             out["kdn." + part] = importlib.import_module("kdn." + part).__file__
             try:
                 importlib.import_module(part)
@@ -56,6 +56,13 @@ def test_core_import_stays_light(tmp_path):
         tmp_path,
     )
     assert loaded == []
+
+
+def test_the_core_folder_holds_no_server_code():
+    """Server plumbing lives in service/ (kdn.service), beside origin/ and edge/ that use it, not in the core."""
+    offenders = [str(p.relative_to(CHECKOUT)) for p in sorted((CHECKOUT / "kdn").rglob("*.py"))
+                 if re.search(r"^\s*(from aiohttp import web|from aiohttp\.web|import aiohttp\.web)", p.read_text(), re.M)]
+    assert offenders == []
 
 
 def test_cli_parser_does_not_load_model_libraries(tmp_path):

@@ -6,6 +6,10 @@ two simulated regions, publishes a bundled sample document, asks one question
 about it with and without the cache (printing the time saved and where the
 bytes came from), then keeps serving and prints what to try next. Ctrl-C
 stops everything.
+
+It is the composition root of the running system: it uses each part through
+what it offers anyone (configs and ``create_app``, ``publish_documents``, the
+edges' ``/healthz``, the fetch client, the HF adapter), never their insides.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import kdn
+
 if TYPE_CHECKING:  # pragma: no cover - aiohttp loads only when `kdn up` runs
     from aiohttp import web
 
 # One started edge: node id, region, URL, its runner.
 _Edge = tuple[str, str, str, "web.AppRunner"]
 
-SAMPLE = Path(__file__).resolve().parent / "data" / "docs" / "harbor-policy.md"
+SAMPLE = Path(kdn.__file__).resolve().parent / "data" / "docs" / "harbor-policy.md"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

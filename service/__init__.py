@@ -1,7 +1,7 @@
 """Server-side HTTP pieces shared by the origin and the edge (aiohttp).
 
-This is the one core module that knows aiohttp's server side; only
-``kdn.origin`` and ``kdn.edge`` import it, so ``import kdn`` stays light.
+It lives outside the core (``kdn/``, which holds no server): only
+``kdn.origin``, ``kdn.edge`` and ``kdn up`` import it.
 It holds what both services must do the same way: JSON errors with no stack
 traces, bearer-token checks, the registry read endpoints, ``/metrics``, and
 the headers of an object response.
