@@ -83,6 +83,7 @@ from aiohttp import web  # noqa: E402
 
 from linkemu import LinkEmulator  # noqa: E402
 
+from kdn.bodyget import BodyGetter  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402
 
 REGIONS = ("near", "mid", "far")
@@ -273,8 +274,11 @@ class World:
                 await runner.setup()
                 await web.TCPSite(runner, "127.0.0.1", port).start()
                 node = EdgeNode(nid, region, port, link, runner, bound_session(edge_ip(region)))
-                # The edge's upstream session (peers, other regions, origin) leaves from its region's address.
+                # The edge's upstream session and body reader (peers, other regions, origin) leave from its
+                # region's address.
                 node.edge.filler.session = node.session
+                node.edge.filler.getter.close()
+                node.edge.filler.getter = BodyGetter(ssl=None, per_host=64, local_addr=edge_ip(region))
                 self.edges[nid] = node
         want = {r: sorted(f"{r}-{i}" for i in (1, 2)) for r in REGIONS}
 

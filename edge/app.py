@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 from kdn import service
 from kdn.address import validate_address, validate_name
 from kdn.auth import Grant, Grants, TokenScope, covers
+from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import KDNError, SourceError
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
@@ -411,24 +412,28 @@ async def _edge_ctx(app: web.Application):
 
 
 async def _upstream_ctx(app: web.Application):
-    """The HTTP session every fill goes through, the region's membership (a lease and a watch on
+    """The upstream: the body reader every fill goes through (``kdn.bodyget``, as the fetch client's),
+    an HTTP session for the other requests, the region's membership (a lease and a watch on
     ``nodes/edge/``) and the filler that plans sources from it."""
     cfg, edge = app[EDGE_CONFIG], app[EDGE]
     from kdn.tls import client_context
 
-    connector = aiohttp.TCPConnector(limit=256, limit_per_host=64, ssl=client_context(cfg.ca))
+    ssl = client_context(cfg.ca)
+    connector = aiohttp.TCPConnector(limit=256, limit_per_host=64, ssl=ssl)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    getter = BodyGetter(ssl=ssl, per_host=64)
     try:
         edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl)
         edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
                              upstream_headers=_upstream_headers(cfg.upstream_token_file), metrics=edge.m,
-                             token_scope=token_scope(cfg))
+                             token_scope=token_scope(cfg), getter=getter)
         await edge.membership.start()
         try:
             yield
         finally:
             await edge.membership.close()
     finally:
+        getter.close()
         await session.close()
 
 

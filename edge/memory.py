@@ -14,7 +14,7 @@ class MemoryHandle(_HandleBase):
 
     def __init__(self, tier: MemoryTier, e: _Entry) -> None:
         super().__init__(tier, e)
-        self.data = memoryview(e.payload)
+        self.data = memoryview(e.payload).toreadonly()
 
     async def read(self) -> memoryview:
         return self.data
@@ -25,10 +25,11 @@ class MemoryTier(_BaseTier):
 
     name = "memory"
 
-    async def _write(self, e: _Entry, blob: bytes | memoryview) -> bytes:
-        # bytes(b) of an exact bytes object is b itself; a view is copied once,
-        # because its owner may reuse the buffer after put() returns.
-        return blob if type(blob) is bytes else bytes(blob)
+    async def _write(self, e: _Entry, blob: bytes | bytearray | memoryview) -> bytes | bytearray:
+        # bytes(b) of an exact bytes object is b itself, and a bytearray is taken over as it is (a fill's
+        # fresh buffer: its maker hands it on and never changes it); a view is copied once, because its
+        # owner may reuse the buffer after put() returns.
+        return blob if type(blob) in (bytes, bytearray) else bytes(blob)
 
     def _free(self, e: _Entry) -> None:
         e.payload = None

@@ -146,7 +146,7 @@ class CacheTier(Protocol):
         """A pinned handle on the entry, or None on a miss. Counts a hit or a miss."""
         ...
 
-    async def put(self, key: Key, blob: bytes | memoryview, meta: EntryMeta) -> bool:
+    async def put(self, key: Key, blob: bytes | bytearray | memoryview, meta: EntryMeta) -> bool:
         """Insert; False if it cannot fit. A key already present (or being written) is not written twice."""
         ...
 
@@ -257,7 +257,7 @@ class _BaseTier:
         self._policy.on_access(key)
         return self._handle(e)
 
-    async def put(self, key: Key, blob: bytes | memoryview, meta: EntryMeta) -> bool:
+    async def put(self, key: Key, blob: bytes | bytearray | memoryview, meta: EntryMeta) -> bool:
         key = validate_key(key)
         n = memoryview(blob).nbytes
         if n != meta.size:
@@ -491,7 +491,7 @@ class _BaseTier:
 
     # --- hooks -------------------------------------------------------------
 
-    async def _write(self, e: _Entry, blob: bytes | memoryview) -> Any:
+    async def _write(self, e: _Entry, blob: bytes | bytearray | memoryview) -> Any:
         raise NotImplementedError
 
     def _free(self, e: _Entry) -> None:
