@@ -640,8 +640,9 @@ async def bomb(ctx: Ctx, name: str, encoding: str, make: Callable[[str], bytes],
     growth = v["peak_growth_mib"]
     control = v.get("control_growth_mib")
     ok = refused and growth < 32 and served["n"] >= 1 and (control is None or control >= claimed / MiB)
-    got = (f"KDNClient (no trusted_keys: the digest matches) fetched it and refused it: {v['outcome'][:90]}; "
-           f"victim peak RSS +{growth:.1f} MiB")
+    kind = v["outcome"].split(":")[0]
+    got = (f"KDNClient (no trusted_keys: the digest matches) fetched it and refused to decode it ({kind}: "
+           f"{claimed:,} bytes over the {max(16 * MiB, 16 * len(blob)):,}-byte cap); victim peak RSS +{growth:.1f} MiB")
     if control is not None:
         got += f" (the same blob decoded with the cap lifted: +{control:.0f} MiB)"
     return Row(name, f"a fake edge serves a {len(blob):,}-byte {encoding} object whose header claims "
@@ -842,8 +843,9 @@ async def slow_body(ctx: Ctx) -> Row:
     counted = [await n.metric("kdn_http_deadline_exceeded", kind="body") - b for n, b in zip(nodes, before)]
     ok = all(" 408 " in line + " " and 29 <= t <= 33 and closed for line, t, closed in results) and counted == [1, 1]
     return Row("slow_body", "POST /v1/lookup announcing 1000 bytes, sending 15 and nothing more (edge and origin)",
-               "; ".join(f"{n.name}: '{line[:24]}' after {t:.1f} s, closed" if closed else f"{n.name}: {line} open"
-                         for n, (line, t, closed) in zip(nodes, results)) + f"; counted {counted}",
+               "; ".join(f"{n.name}: {' '.join(line.split()[1:3])} after {t:.1f} s, then closed" if closed
+                         else f"{n.name}: '{line}', left open" for n, (line, t, closed) in zip(nodes, results))
+               + f" (Deadlines.body 30 s); kdn_http_deadline_exceeded{{body}} +{counted[0]:.0f} / +{counted[1]:.0f}",
                "refused", None, ok, {"results": results, "counted": counted})
 
 
@@ -984,7 +986,7 @@ async def upstream_redirect(ctx: Ctx) -> Row:
             await c.fetch(m["addresses"][0], encoding="zstd", digest="00" * 32, size=10)
             client_got = "bytes"
         except SourceError as e:
-            client_got = f"SourceError ({str(e)[-30:]})"
+            client_got = f"SourceError ({str(e).rsplit(': ', 1)[-1]})"
         with contextlib.suppress(SourceError):
             await c.record(m["addresses"][0])
     tokens = sum(1 for t in r.trap_requests if t)
