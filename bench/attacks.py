@@ -843,7 +843,7 @@ async def slow_body(ctx: Ctx) -> Row:
     counted = [await n.metric("kdn_http_deadline_exceeded", kind="body") - b for n, b in zip(nodes, before)]
     ok = all(" 408 " in line + " " and 29 <= t <= 33 and closed for line, t, closed in results) and counted == [1, 1]
     return Row("slow_body", "POST /v1/lookup announcing 1000 bytes, sending 15 and nothing more (edge and origin)",
-               "; ".join(f"{n.name}: {' '.join(line.split()[1:3])} after {t:.1f} s, then closed" if closed
+               "; ".join(f"{n.name}: {line.split(maxsplit=1)[-1]} after {t:.1f} s, then closed" if closed
                          else f"{n.name}: '{line}', left open" for n, (line, t, closed) in zip(nodes, results))
                + f" (Deadlines.body 30 s); kdn_http_deadline_exceeded{{body}} +{counted[0]:.0f} / +{counted[1]:.0f}",
                "refused", None, ok, {"results": results, "counted": counted})
