@@ -1,0 +1,1360 @@
+"""Attacks from outside: issue #12's list, played against a KDN of real processes, each with a verdict.
+
+    python -P bench/attacks.py                          # every attack (under 2 minutes; 30 s of it waiting)
+    python -P bench/attacks.py --only forged_record     # one (repeatable)
+    python -P bench/attacks.py --seed 3 --json out.json
+    python -P bench/attacks.py --quick                  # without the bomb's 1 GiB control decode
+
+CI runs a fast subset in-process: tests/e2e/test_attacks_script.py.
+
+The KDN is faultlib's (etcd, an origin started with ``--signing-key``, edges with ``--trusted-keys``,
+a token file, all on 127.0.0.1 under a temp folder, ended by PID). The attacker is this process: raw
+sockets, its own aiohttp servers (a lying edge, a rogue node, a redirector, a hostile server against
+``KDNClient``), the registry written with its credentials, files edited on the origin's disk. Nothing
+in the servers is patched: deadlines are the defaults (no CLI flag shortens them), so the slow-request
+attacks wait the real 30 s, in parallel with the rest.
+
+Each row checks its outcome: an attack that works, or one that proves nothing (the attacker never
+reached what it aimed at), is FAILED and the exit status is 1. The table is the one in
+docs/security.md ("Attacks tried from outside").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import random
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+_here = Path(__file__).resolve().parent
+if str(_here) not in sys.path:  # run as a script it is there already; imported by tests, not
+    sys.path.insert(0, str(_here))
+
+import aiohttp  # noqa: E402
+from aiohttp import web  # noqa: E402
+from blake3 import blake3  # noqa: E402
+
+import faultlib as F  # noqa: E402
+
+TENANT = "tenant-" + os.urandom(12).hex()  # publish,read on "acme" only
+MiB = 1 << 20
+
+
+@dataclass
+class Row:
+    attack: str
+    tried: str  # what the attacker tried, in words
+    got: str = ""  # what it got, measured
+    verdict: str = "held"  # "refused" (the server or client said no) or "held" (the invariant held)
+    wrong: int | None = None  # wrong bytes accepted; None where no byte could be accepted
+    ok: bool = False
+    figures: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class Ctx:
+    """What the attacks share: the world, the published documents, helper nodes, the seed."""
+
+    def __init__(self, tmp: Path, seed: int, quick: bool = False) -> None:
+        self.tmp, self.seed, self.quick = tmp, seed, quick
+        self.rng = random.Random(seed)
+        self.world: F.World | None = None
+        self.extra: dict[str, F.Node] = {}
+        self.docs: dict[str, dict] = {}
+        self.public_key = ""
+        self.redirector: Redirector | None = None
+
+    def text(self, kind: str, chars: int) -> str:
+        words = ("tide", "harbor", "lamp", "wick", "north", "gale", "ledger", "keeper", "fog", "signal",
+                 "oil", "glass", "pier", "morning", "watch", "rope", "anchor", "chart", "bell", "shoal")
+        rng = random.Random(f"{self.seed}/{kind}")
+        out = f"{kind} log, seed {self.seed}."
+        while len(out) < chars:
+            out += " " + rng.choice(words)
+        return out[:chars]
+
+    def all_nodes(self) -> list[F.Node]:
+        w = self.world
+        return [w.origin, *w.edges.values(), *self.extra.values()] if w else []
+
+
+# --- small tools ------------------------------------------------------------------------------------
+
+
+async def http(method: str, url: str, *, headers: dict | None = None, data=None, timeout: float = 15.0):
+    """(status, headers, body) of one request; redirects are never followed."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.request(method, url, headers=headers or {}, data=data, allow_redirects=False) as r:
+            return r.status, r.headers.copy(), await r.read()
+
+
+def bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def tracebacks(node: F.Node) -> int:
+    try:
+        return node.log.read_text(errors="replace").count("Traceback")
+    except OSError:
+        return 0
+
+
+def outside_address() -> str | None:
+    """A local IPv4 address that is not loopback: where a listener counts as "another host"."""
+    candidates = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("10.255.255.255", 9))  # no packet is sent: this only picks the outgoing interface
+        candidates.append(s.getsockname()[0])
+    with contextlib.suppress(OSError):
+        candidates += [ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    for ip in candidates:
+        if ip.startswith("127.") or ip == "0.0.0.0":
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind((ip, 0))
+            return ip
+        except OSError:
+            continue
+    return None
+
+
+async def serve_app(app: web.Application, host: str = "127.0.0.1") -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = F.free_port()
+    await web.TCPSite(runner, host, port).start()
+    return runner, f"http://{host}:{port}"
+
+
+def set_arg(args: list[str], flag: str, value: str) -> list[str]:
+    args = list(args)
+    if flag in args:
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
+    return args
+
+
+async def wait_for(pred: Callable[[], Awaitable[bool]], timeout: float, step: float = 0.1) -> float | None:
+    """Seconds until ``pred()`` held, or None if it did not within ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if await pred():
+            return time.monotonic() - t0
+        await asyncio.sleep(step)
+    return None
+
+
+def split_object(blob: bytes) -> tuple[dict, dict, dict[str, bytes]]:
+    """(safetensors entries, KDN header, payload per tensor) of an object."""
+    (n,) = struct.unpack_from("<Q", blob)
+    top = json.loads(blob[8:8 + n])
+    kdn = json.loads(top.pop("__metadata__")["kdn"])
+    data = blob[8 + n:]
+    return top, kdn, {k: data[e["data_offsets"][0]:e["data_offsets"][1]] for k, e in top.items()}
+
+
+def join_object(top: dict, kdn: dict, parts: dict[str, bytes]) -> bytes:
+    off = 0
+    for k in top:
+        top[k]["data_offsets"] = [off, off + len(parts[k])]
+        top[k]["shape"] = [len(parts[k])]
+        off += len(parts[k])
+    head = json.dumps({"__metadata__": {"kdn": json.dumps(kdn)}, **top}).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head + b"".join(parts[k] for k in top)
+
+
+# --- the world ----------------------------------------------------------------------------------------
+
+
+class Redirector:
+    """An upstream that answers every request with 302 to a trap on loopback (where the edge's token may
+    go): the trap counts what reaches it."""
+
+    def __init__(self) -> None:
+        self.trap_requests: list[str | None] = []  # the Authorization header of each request the trap got
+        self.redirected = 0
+        self.runners: list[web.AppRunner] = []
+        self.url = self.trap_url = ""
+
+    async def start(self) -> None:
+        async def trap(request: web.Request) -> web.Response:
+            self.trap_requests.append(request.headers.get("Authorization"))
+            return web.Response(body=b"stolen")
+
+        async def redirect(request: web.Request) -> web.Response:
+            self.redirected += 1
+            raise web.HTTPFound(self.trap_url + request.path_qs)
+
+        for handler in (trap, redirect):
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", handler)
+            runner, url = await serve_app(app)
+            self.runners.append(runner)
+            if handler is trap:
+                self.trap_url = url
+            else:
+                self.url = url
+
+    async def close(self) -> None:
+        for r in self.runners:
+            await r.cleanup()
+
+
+# Which helper edges each attack needs, beside eu-1 and eu-2.
+EXTRA_EDGES = {"stalled_readers": "st-1", "upstream_redirect": "rd-1", "bad_manifest_record": "pf-1"}
+N_STORE_BLOBS = 3000  # blobs put into the origin's store before it starts (index_scan)
+
+
+async def start_world(ctx: Ctx, names: list[str]) -> None:
+    from kdn.signing import Signer
+
+    from kdn.origin.store import ObjectStore
+
+    tmp = ctx.tmp
+    key = Signer.generate(tmp / "origin.key")
+    ctx.public_key = key.public
+    (tmp / "trusted").write_text(key.public + "\n")
+    if "index_scan" in names:  # a store of many blobs, written before the origin starts (it indexes them)
+        store = ObjectStore(tmp / "world" / "origin-store", fsync=False)
+        rng = random.Random(ctx.seed)
+        for _ in range(N_STORE_BLOBS):
+            store.put(rng.randbytes(32).hex(), "zstd", rng.randbytes(512))
+    w = F.World(tmp / "world", regions={"eu": 2}, edge_args=["--trusted-keys", str(tmp / "trusted")])
+    w.origin.args += ["--signing-key", str(tmp / "origin.key")]
+    (w.root / "tokens").write_text(f"{F.PUBLISH} publish,read *\n{F.EDGE} read *\n{TENANT} publish,read acme\n")
+    ctx.world = w
+    base = w.edges["eu-1"].args
+    for attack, name in EXTRA_EDGES.items():
+        if attack not in names:
+            continue
+        region = name.split("-")[0]
+        args = set_arg(set_arg(set_arg(base, "--region", region), "--node-id", name), "--disk",
+                       str(w.root / f"disk-{name}"))
+        port = F.free_port()
+        args = set_arg(args, "--port", str(port))
+        if name == "st-1":  # room for one raw object and a half: a pinned one blocks the next insert
+            args = set_arg(args, "--mem-budget", "200KiB")
+        if name == "rd-1":
+            ctx.redirector = Redirector()
+            await ctx.redirector.start()
+            args = set_arg(args, "--origin", ctx.redirector.url)
+        if name == "pf-1":
+            args = set_arg(args, "--prefetch", "2")
+        ctx.extra[name] = F.Node(name, args, port, w.root / f"{name}.log")
+    await asyncio.to_thread(w.etcd.start)
+    await w.origin.start(timeout=120)
+    nodes = [*w.edges.values(), *ctx.extra.values()]
+    for n in nodes:
+        n.spawn()
+    for n in nodes:
+        await n.wait_healthy()
+    ctx.docs["main"] = await w.publish(ctx.text("main", 2100), "main", encodings=("zstd", "raw"))
+    for doc in ("rot", "rogue", "redirect", "tenant", "probe"):
+        if doc in DOCS_FOR and any(a in names for a in DOCS_FOR[doc]):
+            if doc == "tenant":
+                ctx.docs[doc] = await publish_as(w, TENANT, ctx.text(doc, 700), doc, namespace="acme")
+            else:
+                ctx.docs[doc] = await w.publish(ctx.text(doc, 1300), doc)
+
+
+DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "redirect": ["upstream_redirect"],
+            "tenant": ["tenant_cache_headers"], "probe": ["anonymous_probes"]}
+
+
+async def publish_as(w: F.World, token: str, text: str, name: str, namespace: str) -> dict:
+    async with aiohttp.ClientSession(w.origin.url, headers=bearer(token)) as s:
+        async with s.post("/v1/publish", json={"name": name, "text": text, "namespace": namespace}) as r:
+            job = await r.json()
+            assert r.status == 202, job
+        for _ in range(600):
+            async with s.get(f"/v1/jobs/{job['job']}") as r:
+                state = await r.json()
+            if state["state"] in ("done", "failed"):
+                break
+            await asyncio.sleep(0.05)
+    assert state["state"] == "done", state
+    return state["manifest"]
+
+
+async def close_world(ctx: Ctx) -> None:
+    for n in ctx.extra.values():
+        await asyncio.to_thread(n.stop)
+    if ctx.world is not None:
+        await ctx.world.close()
+    if ctx.redirector is not None:
+        await ctx.redirector.close()
+
+
+async def registry_digest(ctx: Ctx, address: str, encoding: str = "zstd") -> tuple[str, int]:
+    from kdn.registry import open_registry
+
+    async with open_registry(ctx.world.etcd.registry) as reg:
+        rec = await reg.get_object(address)
+    e = rec.encodings[encoding]
+    return e.digest, e.size
+
+
+# --- 1. a lying edge: forged record + blob that agree -------------------------------------------------
+
+
+def forge_blob(real: bytes, rng: random.Random) -> bytes:
+    """A well-formed object for the same address with other K/V: what a lying edge serves."""
+    import numpy as np
+
+    from kdn.objects import RawTensor, decode_object, encode_object
+
+    obj = decode_object(real)
+    h = obj.header
+    g = np.random.default_rng(rng.randrange(1 << 32))
+    tensors = {}
+    for name, t in obj.tensors.items():
+        x = g.standard_normal(max(1, len(bytes(t.data)) // 2)).astype(np.float32) * 8
+        if t.dtype == "F32":
+            data = x[: len(bytes(t.data)) // 4].tobytes()
+        elif t.dtype == "F16":
+            data = x.astype("<f2")[: len(bytes(t.data)) // 2].tobytes()
+        elif t.dtype == "BF16":
+            data = (x.view(np.uint32) >> 16).astype("<u2")[: len(bytes(t.data)) // 2].tobytes()
+        else:
+            data = g.bytes(len(bytes(t.data)))
+        tensors[name] = RawTensor(name, t.dtype, t.shape, data)
+    return encode_object(kind=h.kind, address=h.address, model_id=h.model_id, namespace=h.namespace, start=h.start,
+                         end=h.end, position=h.position, parent=h.parent, tensors=tensors, encoding="zstd")
+
+
+async def forged_record(ctx: Ctx) -> Row:
+    from kdn.client import KDNClient
+    from kdn.errors import DigestMismatch, SourceError
+    from kdn.registry import ObjectRecord
+    from kdn.signing import Signer
+
+    w, m = ctx.world, ctx.docs["main"]
+    upstream = w.edges["eu-1"].url
+    forged: dict[str, bytes] = {}
+    attacker = Signer.generate(ctx.tmp / "attacker.key")
+    lock = asyncio.Lock()
+
+    async def forgery(s: aiohttp.ClientSession, a: str) -> bytes:
+        async with lock:
+            if a not in forged:
+                async with s.get(f"{upstream}/v1/objects/{a}", params={"encoding": "zstd"}) as r:
+                    forged[a] = await asyncio.to_thread(forge_blob, await r.read(), ctx.rng)
+            return forged[a]
+
+    def liar(resign: bool) -> web.Application:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            a = request.path.rsplit("/", 1)[-1]
+            async with aiohttp.ClientSession() as s:
+                if request.path.startswith("/v1/objects/"):
+                    return web.Response(body=await forgery(s, a), headers={"X-KDN-Encoding": "zstd",
+                                                                           "X-KDN-Source": "memory"})
+                if request.path.startswith("/v1/registry/objects/"):
+                    async with s.get(upstream + str(request.rel_url)) as r:
+                        if r.status != 200:
+                            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+                        rec = await r.json()
+                    fake = await forgery(s, a)
+                    rec["encodings"] = {"zstd": {"name": "zstd", "size": len(fake), "digest": blake3(fake).hexdigest()}}
+                    if resign:  # signed again, with the attacker's own key
+                        rec = attacker.sign(ObjectRecord.from_dict(rec)).to_dict()
+                    return web.json_response(rec)  # else the origin's signature is kept: it no longer covers the fields
+                async with s.request(request.method, upstream + str(request.rel_url), data=await request.read(),
+                                     headers={"Content-Type": request.content_type}) as r:
+                    return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+    async def victim(url: str, keys) -> dict:
+        got = {"forged": 0, "forged_bytes": 0, "true": 0, "refused": 0, "records_refused": 0, "tokens_reused": 0}
+
+        def classify(blob) -> None:
+            d = blake3(bytes(blob)).hexdigest()
+            if any(d == blake3(f).hexdigest() for f in forged.values()):
+                got["forged"] += 1
+                got["forged_bytes"] += len(blob)
+            else:
+                got["true"] += 1
+
+        async with KDNClient(edges=[url], trusted_keys=keys, hedge=False, timeout=10) as c:
+            hit = await c.lookup(m["prefix_tokens"], m["model_id"])
+            got["tokens_reused"] = hit.tokens
+            if hit.addresses:
+                try:
+                    states = await c.fetch_prefix(hit)
+                    for f in states.fetched:
+                        classify(f.blob)
+                except (SourceError, DigestMismatch):
+                    got["refused"] += 1
+            for a in m["addresses"]:
+                try:
+                    classify((await c.fetch(a, encoding="zstd")).blob)
+                except (SourceError, DigestMismatch):
+                    got["refused"] += 1
+            got["records_refused"] = c.rejected_records
+        return got
+
+    runners = []
+    try:
+        urls = []
+        for resign in (False, True):
+            runner, url = await serve_app(liar(resign))
+            runners.append(runner)
+            urls.append(url)
+        fooled = await victim(urls[0], None)  # no keys: the forgery must pass, else this proves nothing
+        kept = await victim(urls[0], [ctx.public_key])
+        resigned = await victim(urls[1], [ctx.public_key])
+        honest = await victim(upstream, [ctx.public_key])  # signed records verify through an honest edge
+    finally:
+        for r in runners:
+            await r.cleanup()
+    n = len(m["addresses"])
+    wrong = kept["forged_bytes"] + resigned["forged_bytes"]
+    ok = (wrong == 0 and kept["true"] == resigned["true"] == 0 and fooled["forged"] == 2 * n
+          and honest["true"] == 2 * n and honest["forged"] == 0)
+    return Row("forged_record", f"a fake edge between client and eu-1 rewrites each record's digest to match a forged "
+               f"blob (origin signature kept; or re-signed with the attacker's key); a client looks up "
+               f"{len(m['prefix_tokens'])} tokens, fetches the prefix, then fetches each of the {n} objects",
+               f"client with trusted_keys: {kept['true'] + kept['forged']} + {resigned['true'] + resigned['forged']} "
+               f"objects served, {kept['records_refused']} + "
+               f"{resigned['records_refused']} records refused, {kept['tokens_reused']} tokens reused; without keys "
+               f"{fooled['forged']} of {2 * n} forged objects accepted ({fooled['tokens_reused']} tokens); honest edge "
+               f"{honest['true']} verified",
+               "refused", wrong, ok, {"kept_sig": kept, "resigned": resigned, "no_keys": fooled, "honest": honest})
+
+
+# --- 2. a rogue node record ---------------------------------------------------------------------------
+
+
+async def rogue_node(ctx: Ctx) -> Row:
+    from kdn.registry import NodeRecord, open_registry
+
+    w, m = ctx.world, ctx.docs["rogue"]
+    host = outside_address()
+    if host is None:
+        return Row("rogue_node", "a node record for another region pointing at the attacker",
+                   "no non-loopback IPv4 address here to listen on (loopback may get the token by design)", ok=False)
+    seen: list[str | None] = []
+    paths: dict[str, int] = {}
+
+    async def rogue(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        what = f"{request.method} {request.path.rsplit('/', 1)[0]}/"
+        paths[what] = paths.get(what, 0) + 1
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", rogue)
+    runner, url = await serve_app(app, host)
+    edges = list(w.edges.values())
+    every_edge = [*edges, *ctx.extra.values()]  # the helper edges fill too (from the attacker, as any region)
+    withheld0 = sum([await e.metric("kdn_edge_token_withheld") for e in every_edge])
+    wrong = reads = failed = 0
+    try:
+        async with open_registry(w.etcd.registry) as reg:  # the attacker holds registry credentials
+            lease = await reg.register_node(NodeRecord("edge", "ap", "rogue-ap", url), ttl=10)
+            try:
+                await asyncio.sleep(1.5)  # the edges' membership watch sees the new region
+                for a in m["addresses"]:
+                    for e in edges:
+                        status, _, body = await http("GET", f"{e.url}/v1/objects/{a}", headers=bearer(F.EDGE))
+                        reads += 1
+                        failed += status != 200
+                        if status == 200 and blake3(body).hexdigest() != w.digests[a][1]:
+                            wrong += len(body)
+            finally:
+                await lease.close()
+    finally:
+        await runner.cleanup()
+    withheld = sum([await e.metric("kdn_edge_token_withheld") for e in every_edge]) - withheld0
+    tokens = sum(1 for s in seen if s)
+    ok = bool(seen) and tokens == 0 and wrong == 0 and withheld >= len(seen) and not failed
+    return Row("rogue_node", f"a node record written into etcd: an edge of region 'ap' at {url} (the attacker's "
+               f"listener, not loopback); {reads} reads through eu-1/eu-2",
+               f"{len(seen)} requests reached the listener, {tokens} carried an Authorization header; edges counted "
+               f"{withheld:.0f} withheld; every read 200",
+               "held", wrong, ok, {"requests": len(seen), "authorization_headers": tokens, "withheld": withheld,
+                                   "paths": paths})
+
+
+# --- 3. bit rot, restart, re-publish ------------------------------------------------------------------
+
+
+async def bit_rot(ctx: Ctx) -> Row:
+    from kdn.client import KDNClient
+    from kdn.errors import DigestMismatch, SourceError
+
+    w, m = ctx.world, ctx.docs["rot"]
+    a = m["addresses"][1]
+    digest0, _ = await registry_digest(ctx, a)
+    await asyncio.to_thread(w.origin.stop)
+    path = w.root / "origin-store" / a[:2] / a[2:4] / f"{a}.zstd"
+    rotten = bytearray(path.read_bytes())
+    rotten[len(rotten) // 2] ^= 0x01  # one bit
+    path.write_bytes(bytes(rotten))
+    rotten_digest = blake3(bytes(rotten)).hexdigest()
+    await w.origin.start(timeout=120)
+    accepted_rotten = served_rotten = 0
+    seen: list[str] = []
+
+    async def read_all(label: str) -> None:
+        nonlocal accepted_rotten, served_rotten
+        status, _, body = await http("GET", f"{w.origin.url}/v1/objects/{a}")  # the raw view: no verification
+        seen.append(f"{label}: origin {status}")
+        served_rotten += status == 200 and blake3(body).hexdigest() == rotten_digest
+        async with KDNClient(edges=[w.edges["eu-1"].url], origin=w.origin.url, trusted_keys=[ctx.public_key],
+                             hedge=False, timeout=10) as c:
+            try:
+                f = await c.fetch(a, encoding="zstd")
+                d = blake3(bytes(f.blob)).hexdigest()
+                seen.append(f"client {'original' if d == digest0 else 'OTHER'}")
+                accepted_rotten += d == rotten_digest
+            except (SourceError, DigestMismatch) as e:
+                seen.append(f"client refused ({type(e).__name__})")
+
+    await read_all("after restart")
+    job = await w.publish(ctx.text("rot", 1300), "rot")  # the same document again
+    digest1, _ = await registry_digest(ctx, a)
+    await read_all("after re-publish")
+    _, _, body = await http("GET", f"{w.origin.url}/v1/objects/{a}")
+    served = blake3(body).hexdigest()
+    dropped = w.origin.log.read_text(errors="replace").count("does not match the digest written with it")
+    ok = (accepted_rotten == served_rotten == 0 and digest1 == digest0 and served == digest0
+          and "client original" in seen[-1])
+    return Row("bit_rot", "origin stopped, one bit flipped in a stored blob, origin restarted, the same document "
+               "published again",
+               f"{'; '.join(seen)}; record digest {'unchanged' if digest1 == digest0 else 'CHANGED'}; origin serves "
+               f"{'the original' if served == digest0 else 'OTHER'} bytes (rot logged and dropped at start: {dropped})",
+               "held", accepted_rotten * len(rotten), ok,
+               {"addresses_republished": len(job["addresses"]), "rotten_served_by_origin": served_rotten,
+                "rotten_accepted_by_client": accepted_rotten, "dropped_at_start_logged": dropped})
+
+
+# --- 4. decompression bombs ---------------------------------------------------------------------------
+
+
+MODEL_ID = blake3(b"attacks: a model id").hexdigest()
+BOMB_TOKENS = list(range(256))
+
+
+def zstd_bomb(address: str, claimed: int = 512 * MiB) -> bytes:
+    """A zstd object whose one tensor claims ``claimed`` bytes of BF16 zeros: a few KB on the wire."""
+    import zstandard
+
+    from kdn.objects import RawTensor, encode_object
+
+    base = encode_object(kind="kv", address=address, model_id=MODEL_ID, namespace="public", start=0, end=256,
+                         position=0, parent=None, tensors={"L0.k": RawTensor("L0.k", "BF16", (1, 1024, 1), bytes(2048))},
+                         encoding="zstd")
+    top, kdn, parts = split_object(base)
+    width, plane = 2, claimed // 2
+    frames = []
+    zero = bytes(MiB)
+    for _ in range(width):  # streamed: the attacker never holds the zeros either
+        c = zstandard.ZstdCompressor(level=19).compressobj(size=plane)
+        frames.append(b"".join(c.compress(zero) for _ in range(plane // MiB)) + c.flush())
+    info = kdn["tensors"]["L0.k"]
+    info["shape"] = [1, claimed // 2, 1]
+    info["params"] = {**info["params"], "shuffle": width, "frames": [len(f) for f in frames]}
+    parts["L0.k"] = b"".join(frames)
+    return join_object(top, kdn, parts)
+
+
+def cachegen_bomb(address: str, claimed: int = 128 * MiB) -> bytes:
+    """A cachegen-4 object of a few hundred bytes whose header claims ``claimed`` bytes of F16."""
+    import numpy as np
+
+    import kdn.kernels  # noqa: F401  (registers the lossy codecs)
+    from kdn.objects import RawTensor, encode_object
+
+    x = np.random.default_rng(0).standard_normal(4 * 8).astype("<f2").tobytes()
+    base = encode_object(kind="kv", address=address, model_id=MODEL_ID, namespace="public", start=0, end=256,
+                         position=0, parent=None, tensors={"L0.k": RawTensor("L0.k", "F16", (1, 4, 8), x)},
+                         encoding="cachegen-4")
+    top, kdn, parts = split_object(base)
+    kdn["tensors"]["L0.k"]["shape"] = [1, claimed // 16, 8]
+    return join_object(top, kdn, parts)
+
+
+async def bomb(ctx: Ctx, name: str, encoding: str, make: Callable[[str], bytes], claimed: int) -> Row:
+    from kdn.address import prefix_addresses
+
+    address = prefix_addresses(MODEL_ID, "public", BOMB_TOKENS, 256)[0]
+    blob = await asyncio.to_thread(make, address)
+    record = {"address": address, "model_id": MODEL_ID, "namespace": "public", "kind": "kv", "start": 0, "end": 256,
+              "parent": None, "standalone": False, "origin": "liar", "tails": {}, "created": time.time(), "sig": {},
+              "encodings": {encoding: {"name": encoding, "size": len(blob), "digest": blake3(blob).hexdigest()}}}
+    served = {"n": 0}
+
+    async def lookup(request: web.Request) -> web.Response:
+        return web.json_response({"length": 1, "sources": ["memory"]})
+
+    async def rec(request: web.Request) -> web.Response:
+        return web.json_response(record)
+
+    async def obj(request: web.Request) -> web.Response:
+        served["n"] += 1
+        return web.Response(body=blob, headers={"X-KDN-Encoding": encoding, "X-KDN-Source": "memory"})
+
+    app = web.Application()
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_get("/v1/registry/objects/{a}", rec)
+    app.router.add_get("/v1/objects/{a}", obj)
+    runner, url = await serve_app(app)
+    try:
+        cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--victim", url, "--victim-encoding", encoding]
+        if encoding == "zstd" and not ctx.quick:  # the same blob with the cap lifted: ~1 GiB for a second
+            cmd.append("--victim-control")
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 90)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise
+    finally:
+        await runner.cleanup()
+    try:
+        v = json.loads(out.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return Row(name, "bomb", f"victim died: rc {proc.returncode}: {err.decode()[-300:]}", ok=False)
+    refused = v["outcome"].startswith("ObjectTooLarge")
+    growth = v["peak_growth_mib"]
+    control = v.get("control_growth_mib")
+    ok = refused and growth < 32 and served["n"] >= 1 and (control is None or control >= claimed / MiB)
+    kind = v["outcome"].split(":")[0]
+    got = (f"KDNClient (no trusted_keys: the digest matches) fetched it and refused to decode it ({kind}: "
+           f"{claimed:,} bytes over the {max(16 * MiB, 16 * len(blob)):,}-byte cap); victim peak RSS +{growth:.1f} MiB")
+    if control is not None:
+        got += f" (the same blob decoded with the cap lifted: +{control:.0f} MiB)"
+    return Row(name, f"a fake edge serves a {len(blob):,}-byte {encoding} object whose header claims "
+               f"{claimed // MiB} MiB, to a client's lookup + fetch_prefix", got, "refused", 0 if refused else None,
+               ok, {"blob_bytes": len(blob), "claimed_mib": claimed // MiB, **v})
+
+
+async def zstd_bomb_attack(ctx: Ctx) -> Row:
+    return await bomb(ctx, "zstd_bomb", "zstd", zstd_bomb, 512 * MiB)
+
+
+async def cachegen_bomb_attack(ctx: Ctx) -> Row:
+    return await bomb(ctx, "cachegen_bomb", "cachegen-4", cachegen_bomb, 128 * MiB)
+
+
+def victim_main(url: str, encoding: str, control: bool) -> None:
+    """The attacked process: a client that fetches and decodes what the fake edge serves."""
+    import gc
+
+    with contextlib.suppress(ImportError):
+        import kdn.kernels  # noqa: F401  (an engine has torch loaded; the lossy codecs need it)
+    from kdn.client import KDNClient
+    from kdn.objects import decode_object
+
+    def peak() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+
+    async def go() -> dict:
+        gc.collect()
+        p0 = peak()
+        async with KDNClient(edges=[url], hedge=False, timeout=20, quality=100) as c:
+            hit = await c.lookup(BOMB_TOKENS, MODEL_ID)
+            try:
+                await c.fetch_prefix(hit, encoding=encoding)
+                outcome = "decoded"
+            except Exception as e:  # noqa: BLE001 - what the client raised is the answer
+                outcome = f"{type(e).__name__}: {str(e)[:200]}"
+            out = {"outcome": outcome, "lookup_tokens": hit.tokens, "peak_growth_mib": round(peak() - p0, 1)}
+            if control:
+                f = await c.fetch(hit.addresses[0], encoding=encoding)
+                p1 = peak()
+                decode_object(bytes(f.blob), max_decoded=1 << 40)
+                out["control_growth_mib"] = round(peak() - p1, 1)
+        return out
+
+    print(json.dumps(asyncio.run(go())))
+
+
+# --- 5. index scan --------------------------------------------------------------------------------------
+
+
+async def index_scan(ctx: Ctx) -> Row:
+    w, m = ctx.world, ctx.docs["main"]
+    a = m["addresses"][0]
+    _, _, health = await http("GET", f"{w.origin.url}/healthz")
+    objects = json.loads(health)["objects"]
+    body = json.dumps({"addresses": [a] * 4096}).encode()
+    absent = json.dumps({"addresses": [os.urandom(32).hex() for _ in range(4096)]}).encode()
+    results = {}
+    for label, node, payload in (("origin", w.origin, body), ("eu-1", w.edges["eu-1"], body),
+                                 ("eu-1 absent", w.edges["eu-1"], absent)):
+        lat: list[float] = []
+        stop = asyncio.Event()
+
+        async def poll(node=node, lat=lat, stop=stop) -> None:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    async with s.get(f"{node.url}/healthz") as r:
+                        await r.read()
+                    lat.append(time.perf_counter() - t0)
+                    await asyncio.sleep(0.01)
+
+        async def scan(node=node, payload=payload) -> tuple[float, int, int]:
+            t0 = time.perf_counter()
+            status, _, out = await http("POST", f"{node.url}/v1/lookup", data=payload,
+                                        headers={"Content-Type": "application/json"}, timeout=60)
+            return time.perf_counter() - t0, status, json.loads(out).get("length", -1)
+
+        poller = asyncio.create_task(poll())
+        await asyncio.sleep(0.05)
+        scans = await asyncio.gather(*(scan() for _ in range(8)))  # eight at once
+        stop.set()
+        await poller
+        results[label] = {"lookup_s_max": round(max(s[0] for s in scans), 3),
+                          "statuses": sorted({s[1] for s in scans}), "length": scans[0][2],
+                          "healthz_ms_max": round(max(lat) * 1e3, 1), "healthz_n": len(lat)}
+    r0, r1, r2 = results["origin"], results["eu-1"], results["eu-1 absent"]
+    ok = (all(r["statuses"] == [200] for r in results.values()) and r0["length"] == r1["length"] == 4096
+          and r2["length"] == 0 and all(r["lookup_s_max"] < 2.0 and r["healthz_ms_max"] < 500 for r in results.values()))
+    return Row("index_scan", f"8 concurrent /v1/lookup of 4096 copies of one public address, against the origin "
+               f"(store of {objects:,} blobs) and an edge; and 4096 absent addresses against the edge",
+               f"origin {r0['lookup_s_max'] * 1e3:.0f} ms, edge {r1['lookup_s_max'] * 1e3:.0f} ms, absent "
+               f"{r2['lookup_s_max'] * 1e3:.0f} ms (slowest of 8); /healthz during them at most "
+               f"{r0['healthz_ms_max']:.0f} / {r1['healthz_ms_max']:.0f} / {r2['healthz_ms_max']:.0f} ms",
+               "held", None, ok, {"store_blobs": objects, **results})
+
+
+# --- 6. stalled readers ---------------------------------------------------------------------------------
+
+
+def stalled_socket(port: int, request: bytes, n: int) -> socket.socket:
+    """A reader that sends ``n`` pipelined requests and never reads: a tiny receive buffer, so the server's
+    writes stall once the kernel's buffers are full."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(request * n)
+    return s
+
+
+def drained(s: socket.socket, timeout: float) -> tuple[int, bool]:
+    """(bytes left to read, closed by the server)."""
+    s.settimeout(timeout)
+    n = 0
+    try:
+        while chunk := s.recv(1 << 20):
+            n += len(chunk)
+        return n, True
+    except ConnectionResetError:
+        return n, True
+    except (socket.timeout, TimeoutError):
+        return n, False
+
+
+async def stalled_readers(ctx: Ctx) -> Row:
+    st, m = ctx.extra["st-1"], ctx.docs["main"]
+    a, b, c = m["addresses"][:3]
+    _, size = await registry_digest(ctx, a, "raw")
+    n_conn, n_pipe = 4, 64
+    status, _, _ = await http("GET", f"{st.url}/v1/objects/{a}?encoding=raw")  # in memory now
+    sent0 = await st.metric("kdn_http_deadline_exceeded", kind="send")
+    ev0 = await st.metric("kdn_edge_evictions")
+    req = f"GET /v1/objects/{a}?encoding=raw HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    socks = [await asyncio.to_thread(stalled_socket, st.port, req, n_pipe) for _ in range(n_conn)]
+    t0 = time.monotonic()
+    try:
+        await asyncio.sleep(1.0)
+        # While the stalled responses pin `a`, an insert of `b` into memory must evict it, and cannot.
+        s_b, _, _ = await http("GET", f"{st.url}/v1/objects/{b}?encoding=raw", headers=bearer(F.EDGE))
+        _, h_b, _ = await http("HEAD", f"{st.url}/v1/objects/{b}?encoding=raw", headers=bearer(F.EDGE))
+        cut = await wait_for(lambda: _metric_at_least(st, "kdn_http_deadline_exceeded", sent0 + n_conn, kind="send"),
+                             45, 0.1)
+        cut_s = None if cut is None else time.monotonic() - t0
+        left = [await asyncio.to_thread(drained, s, 5) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    s_c, _, _ = await http("GET", f"{st.url}/v1/objects/{c}?encoding=raw", headers=bearer(F.EDGE))
+    _, h_c, _ = await http("HEAD", f"{st.url}/v1/objects/{c}?encoding=raw", headers=bearer(F.EDGE))
+    evicted = await st.metric("kdn_edge_evictions") - ev0
+    cuts = await st.metric("kdn_http_deadline_exceeded", kind="send") - sent0
+    deadline = 10 + size / MiB
+    closed = sum(1 for _, cl in left if cl)
+    received = [n for n, _ in left]
+    ok = (status == 200 and cut_s is not None and cut_s <= deadline + 5 and closed == n_conn
+          and all(r < n_pipe * size for r in received) and s_b == 200 and h_b.get("X-KDN-Source") != "memory"
+          and s_c == 200 and h_c.get("X-KDN-Source") == "memory" and evicted >= 1)
+    return Row("stalled_readers", f"{n_conn} connections each pipeline {n_pipe} GETs of a {size:,}-byte object on "
+               f"an edge (memory budget 200 KiB) and never read",
+               f"all {closed} cut after {cut_s or float('nan'):.1f} s (deadline 10 s + size/1 MiB/s = {deadline:.1f} s; "
+               f"kdn_http_deadline_exceeded{{send}} +{cuts:.0f}); read while pinned, another object's HEAD says "
+               f"'{h_b.get('X-KDN-Source')}' (not cached: no room), after: a new one to '{h_c.get('X-KDN-Source')}' "
+               f"(evictions +{evicted:.0f})",
+               "refused", None, ok, {"cut_after_s": cut_s, "received_before_cut": received, "b_status": s_b,
+                                     "c_status": s_c})
+
+
+async def _metric_at_least(node: F.Node, name: str, value: float, **labels) -> bool:
+    return await node.metric(name, **labels) >= value
+
+
+# --- 7. slow body, trickled head ----------------------------------------------------------------------
+
+
+async def slow_body_one(node: F.Node) -> tuple[str, float, bool]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
+    t0 = time.monotonic()
+    try:
+        writer.write(b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"addresses\": [")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 45)
+        t = time.monotonic() - t0
+        rest = await asyncio.wait_for(reader.read(), 5)  # EOF: the server closed
+        return line.decode(errors="replace").strip(), t, rest is not None
+    except asyncio.TimeoutError:
+        return "no answer", time.monotonic() - t0, False
+    finally:
+        writer.close()
+
+
+async def slow_body(ctx: Ctx) -> Row:
+    w = ctx.world
+    nodes = [w.edges["eu-1"], w.origin]
+    before = [await n.metric("kdn_http_deadline_exceeded", kind="body") for n in nodes]
+    results = await asyncio.gather(*(slow_body_one(n) for n in nodes))
+    counted = [await n.metric("kdn_http_deadline_exceeded", kind="body") - b for n, b in zip(nodes, before)]
+    ok = all(" 408 " in line + " " and 29 <= t <= 33 and closed for line, t, closed in results) and counted == [1, 1]
+    return Row("slow_body", "POST /v1/lookup announcing 1000 bytes, sending 15 and nothing more (edge and origin)",
+               "; ".join(f"{n.name}: {line.split(maxsplit=1)[-1]} after {t:.1f} s, then closed" if closed
+                         else f"{n.name}: '{line}', left open" for n, (line, t, closed) in zip(nodes, results))
+               + f" (Deadlines.body 30 s); kdn_http_deadline_exceeded{{body}} +{counted[0]:.0f} / +{counted[1]:.0f}",
+               "refused", None, ok, {"results": results, "counted": counted})
+
+
+async def trickled_head_one(node: F.Node) -> float | None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        for _ in range(45):  # one header byte a second, never a whole head
+            try:
+                writer.write(b"a")
+                await writer.drain()
+                if await asyncio.wait_for(reader.read(1), 1.0) == b"":
+                    return loop.time() - t0
+            except asyncio.TimeoutError:
+                continue
+            except ConnectionError:
+                return loop.time() - t0
+        return None
+    finally:
+        writer.close()
+
+
+async def trickled_head(ctx: Ctx) -> Row:
+    w = ctx.world
+    nodes = [w.edges["eu-1"], w.origin]
+    closed = await asyncio.gather(*(trickled_head_one(n) for n in nodes))
+    status, _, _ = await http("GET", f"{w.edges['eu-1'].url}/healthz")
+    ok = all(t is not None and 29 <= t <= 33 for t in closed) and status == 200
+    return Row("trickled_head", "a request head sent one byte a second (edge and origin)",
+               "; ".join(f"{n.name}: closed after {t:.1f} s" if t is not None else f"{n.name}: still open after 45 s"
+                         for n, t in zip(nodes, closed)) + " (Deadlines.headers 30 s); a whole request still answered",
+               "refused", None, ok, {"closed_after_s": closed})
+
+
+# --- 8. grants: '#' inside a token, a bare token -----------------------------------------------------
+
+
+async def start_with_tokens(ctx: Ctx, name: str, text: str, role: str = "edge") -> tuple[int | None, str, F.Node]:
+    """Start a server with this token file; (exit status or None if it came up, stderr, node)."""
+    folder = ctx.tmp / f"grants-{name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = folder / "tokens"
+    tokens.write_text(text)
+    tokens.chmod(0o600)
+    port = F.free_port()
+    if role == "edge":
+        args = ["edge", "serve", "--registry", f"file:{folder / 'reg.db'}", "--port", str(port), "--node-id", name,
+                "--token-file", str(tokens)]
+    else:
+        args = ["origin", "serve", "--registry", f"file:{folder / 'reg.db'}", "--port", str(port), "--node-id", name,
+                "--token-file", str(tokens), "--store", str(folder / "store")]
+    node = F.Node(name, args, port, folder / "server.log")
+    node.spawn()
+    for _ in range(600):
+        if not node.alive:
+            return node.proc.returncode, node.log.read_text(errors="replace"), node
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            status, _, _ = await http("GET", f"{node.url}/healthz", timeout=1)
+            if status == 200:
+                return None, node.log.read_text(errors="replace"), node
+        await asyncio.sleep(0.1)
+    return None, node.log.read_text(errors="replace"), node
+
+
+async def grants_file(ctx: Ctx, name: str, lines: str, tried: str) -> Row:
+    tok = "abc" + ctx.rng.randbytes(12).hex()
+    good = "ok" + ctx.rng.randbytes(12).hex()
+    text = lines.format(tok=tok, good=good)
+    (rc_e, err_e, ne), (rc_o, err_o, no), (rc_ok, _, nok) = await asyncio.gather(
+        start_with_tokens(ctx, f"{name}-edge", text), start_with_tokens(ctx, f"{name}-origin", text, "origin"),
+        start_with_tokens(ctx, f"{name}-control", f"{good} admin *\n"))
+    leaked = None
+    try:
+        if rc_e is None:  # it started: does the prefix of the token before '#' read the tenant's namespace?
+            status, _, _ = await http("GET", f"{ne.url}/v1/objects/{'ab' * 32}", headers=bearer(tok.split("#")[0]))
+            leaked = status
+    finally:
+        for n in (ne, no, nok):
+            n.stop()
+    errs = [e.strip().splitlines() for e in (err_e, err_o)]
+    last = [e[-1] if e else "" for e in errs]
+    one_line = all(len([ln for ln in e if ln.startswith("kdn: error")]) == 1 and not any("Traceback" in ln for ln in e)
+                   for e in errs)
+    ok = rc_e not in (None, 0) and rc_o not in (None, 0) and one_line and rc_ok is None
+    return Row(name, tried, f"edge exit {rc_e}, origin exit {rc_o}: {last[0][:150]}; the same servers with "
+               f"'TOKEN admin *' start{'ed' if rc_ok is None else ' NOT'}",
+               "refused", None, ok, {"stderr_edge": errs[0][-3:], "stderr_origin": errs[1][-3:], "leaked": leaked})
+
+
+async def hash_in_token(ctx: Ctx) -> Row:
+    return await grants_file(ctx, "hash_in_token", "{good} admin *\n{tok}#def publish acme\n",
+                             "a token file line 'abc…#def publish acme' (once read as the bare token 'abc…': "
+                             "every role, every namespace)")
+
+
+async def bare_token(ctx: Ctx) -> Row:
+    return await grants_file(ctx, "bare_token", "{good} admin *\n{tok}\n", "a token file line holding a token alone")
+
+
+# --- 9. the rest --------------------------------------------------------------------------------------
+
+
+async def tenant_cache_headers(ctx: Ctx) -> Row:
+    w, m = ctx.world, ctx.docs["tenant"]
+    a = m["addresses"][0]
+    seen = {}
+    for node in (w.edges["eu-1"], w.origin):
+        status, h, _ = await http("GET", f"{node.url}/v1/objects/{a}", headers=bearer(TENANT))
+        anon, _, _ = await http("GET", f"{node.url}/v1/objects/{a}")
+        other, _, _ = await http("GET", f"{node.url}/v1/objects/{a}", headers=bearer(F.EDGE[:-1] + "x"))
+        seen[node.name] = (status, h.get("Cache-Control", ""), h.get("Vary", ""), anon, other)
+    _, hp, _ = await http("GET", f"{w.edges['eu-1'].url}/v1/objects/{ctx.docs['main']['addresses'][0]}")
+    ok = all(s == 200 and cc.startswith("private") and v == "Authorization" and anon == 404 and other == 401
+             for s, cc, v, anon, other in seen.values()) and hp.get("Cache-Control", "").startswith("public")
+    return Row("tenant_cache_headers", "read a tenant's object (namespace acme) with its token, anonymously, "
+               "and with a made-up token, at an edge and the origin",
+               "; ".join(f"{n}: {s}, Cache-Control '{cc.split(',')[0]}', Vary '{v}'; anonymous {anon}, bad token {o}"
+                         for n, (s, cc, v, anon, o) in seen.items()) + "; a public object is 'public'",
+               "held", None, ok, {k: list(v) for k, v in seen.items()})
+
+
+async def upstream_redirect(ctx: Ctx) -> Row:
+    from kdn.client import KDNClient
+    from kdn.errors import SourceError
+
+    m, r = ctx.docs["redirect"], ctx.redirector
+    rd = ctx.extra["rd-1"]
+    statuses = []
+    for a in m["addresses"][:2]:
+        status, _, _ = await http("GET", f"{rd.url}/v1/objects/{a}", headers=bearer(F.EDGE))
+        statuses.append(status)
+    redirected_by_edge = r.redirected
+    client_got = "nothing"
+    async with KDNClient(edges=[r.url], token=TENANT, hedge=False, timeout=5) as c:
+        try:
+            await c.fetch(m["addresses"][0], encoding="zstd", digest="00" * 32, size=10)
+            client_got = "bytes"
+        except SourceError as e:
+            client_got = f"SourceError ({str(e).rsplit(': ', 1)[-1]})"
+        with contextlib.suppress(SourceError):
+            await c.record(m["addresses"][0])
+    tokens = sum(1 for t in r.trap_requests if t)
+    ok = redirected_by_edge >= 1 and r.redirected > redirected_by_edge and not r.trap_requests and \
+        all(s == 503 for s in statuses) and client_got != "bytes"
+    return Row("upstream_redirect", "an edge's origin (and a client's edge) answers every request with 302 to "
+               "another listener on loopback, where the token may go",
+               f"edge: {statuses} after {redirected_by_edge} redirects; KDNClient: {client_got}; the redirect target "
+               f"got {len(r.trap_requests)} requests, {tokens} with a token",
+               "refused", 0, ok, {"redirects": r.redirected, "trap_requests": len(r.trap_requests)})
+
+
+async def bad_manifest_record(ctx: Ctx) -> Row:
+    w = ctx.world
+    pf = ctx.extra["pf-1"]
+    bad = {"manifests/public/zz-broken": b"\xc1 not msgpack", "manifests/public/zz-broken2": b"\x92\x01"}
+
+    async def put(key: str, value: bytes) -> int:  # etcd's own HTTP API, with the registry's credentials
+        body = {"key": base64.b64encode((F.PREFIX + key).encode()).decode(), "value": base64.b64encode(value).decode()}
+        status, _, _ = await http("POST", f"{w.etcd.endpoint}/v3/kv/put", data=json.dumps(body))
+        return status
+
+    puts = [await put("manifests/public/zz-broken", bad["manifests/public/zz-broken"])]
+    await asyncio.to_thread(pf.stop)  # restarted: its first snapshot holds the bad record
+    await pf.start()
+    puts.append(await put("manifests/public/zz-broken2", bad["manifests/public/zz-broken2"]))  # and one live
+    m = await w.publish(ctx.text("prefetch", 1300), "prefetch")
+    await asyncio.sleep(0.5)
+    p0 = await pf.metric("kdn_edge_prefetch_started")
+    status, _, _ = await http("GET", f"{pf.url}/v1/objects/{m['addresses'][0]}")
+    waited = await wait_for(lambda: _metric_at_least(pf, "kdn_edge_prefetch_started", p0 + 1), 10)
+    started = await pf.metric("kdn_edge_prefetch_started") - p0
+    counted = await pf.metric("kdn_edge_bad_registry_records", kind="manifest")
+    statuses = [(await http("GET", f"{pf.url}/v1/objects/{a}"))[0] for a in m["addresses"]]
+    ok = puts == [200, 200] and status == 200 and waited is not None and counted >= 2 and set(statuses) == {200}
+    return Row("bad_manifest_record", "two unreadable manifest records written into etcd (one before the edge "
+               "restarts, one live), then a document published and read",
+               f"prefetch started {started:.0f} fills after the first read; every read 200 ({len(statuses) + 1}); "
+               f"kdn_edge_bad_registry_records_total{{kind=manifest}} = {counted:.0f}",
+               "held", None, ok, {"puts": puts, "prefetch_started": started, "bad_records": counted})
+
+
+async def publish_body_unread(ctx: Ctx) -> Row:
+    w = ctx.world
+    out = {}
+    for label, auth in (("no token", ""), ("read-only token", f"Authorization: Bearer {F.EDGE}\r\n"),
+                        ("made-up token", "Authorization: Bearer " + "z" * 32 + "\r\n")):
+        reader, writer = await asyncio.open_connection("127.0.0.1", w.origin.port)
+        t0 = time.monotonic()
+        try:
+            writer.write(f"POST /v1/publish HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
+                         f"Content-Length: 10000000\r\n\r\n".encode())
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), 10)
+            out[label] = (line.decode(errors="replace").split(" ")[1] if line else "EOF", time.monotonic() - t0)
+        except asyncio.TimeoutError:
+            out[label] = ("none", time.monotonic() - t0)
+        finally:
+            writer.close()
+    ok = [s for s, _ in out.values()] == ["401", "403", "401"] and all(t < 2 for _, t in out.values())
+    return Row("publish_body_unread", "POST /v1/publish announcing a 10 MB body and sending none (no token, a "
+               "read-only token, a made-up token)",
+               ", ".join(f"{k}: {s} in {t * 1e3:.0f} ms" for k, (s, t) in out.items()), "refused", None, ok,
+               {k: list(v) for k, v in out.items()})
+
+
+MALFORMED = {
+    "deep": b"[" * 100_000 + b"]" * 100_000,
+    "deep-object": b'{"addresses": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    "encoding-int": b'{"addresses": [], "encoding": 7}',
+    "encoding-list": b'{"addresses": [], "encoding": ["zstd"]}',
+    "addresses-str": b'{"addresses": "' + b"a" * 64 + b'"}',
+    "not-utf8": b"\xff\xfe{}",
+    "nan": b'{"addresses": [], "encoding": NaN}',
+}
+
+
+async def malformed_json(ctx: Ctx) -> Row:
+    w = ctx.world
+    nodes = [w.edges["eu-1"], w.origin]
+    tb0 = [tracebacks(n) for n in nodes]
+    answers = []
+    for node in nodes:
+        for name, body in MALFORMED.items():
+            for path, headers in (("/v1/lookup", {}), ("/v1/publish", bearer(F.PUBLISH))):
+                if path == "/v1/publish" and node is not w.origin:
+                    continue
+                status, _, out = await http("POST", f"{node.url}{path}", data=body,
+                                            headers={"Content-Type": "application/json", **headers}, timeout=30)
+                try:
+                    detail = json.loads(out).get("detail", "")
+                except ValueError:
+                    detail = "\n(not JSON)"
+                answers.append((node.name, name, path, status, len(detail), "\n" in detail))
+    await asyncio.sleep(0.2)
+    tb = [tracebacks(n) - t for n, t in zip(nodes, tb0)]
+    statuses = sorted({a[3] for a in answers})
+    ok = statuses == [400] and not any(a[5] for a in answers) and max(a[4] for a in answers) < 300 and tb == [0, 0]
+    return Row("malformed_json", f"{len(answers)} bodies: JSON nested 100,000 deep, a non-string or NaN 'encoding', "
+               "'addresses' not a list, bytes that are not UTF-8 (lookup on both, publish on the origin)",
+               f"statuses {statuses}, every detail one line (longest {max(a[4] for a in answers)} chars); new "
+               f"tracebacks in the logs: {tb[0]} edge, {tb[1]} origin", "refused", None, ok,
+               {"answers": answers})
+
+
+async def anonymous_probes(ctx: Ctx) -> Row:
+    from kdn.ring import Ring
+
+    w, m = ctx.world, ctx.docs["probe"]
+    e1 = w.edges["eu-1"]
+    ring = Ring(sorted(w.edges))
+    owned_by_eu2 = [a for a in m["addresses"] if ring.owner(a) == "eu-2"]
+    others = [a for a in m["addresses"] if a not in owned_by_eu2]
+    if len(owned_by_eu2) < 2 or len(others) < 2:
+        return Row("anonymous_probes", "cache probes", f"probe document's chunks all owned by one edge: "
+                   f"{len(owned_by_eu2)}/{len(m['addresses'])}", ok=False)
+    warm = others[0]
+    await http("GET", f"{e1.url}/v1/objects/{warm}", headers=bearer(F.EDGE))
+    _, h_anon, _ = await http("HEAD", f"{e1.url}/v1/objects/{warm}")
+    _, h_edge, _ = await http("HEAD", f"{e1.url}/v1/objects/{warm}", headers=bearer(F.EDGE))
+    cold = others[1]
+    s_anon_co, _, _ = await http("GET", f"{e1.url}/v1/objects/{cold}", headers={"X-KDN-Cached-Only": "1"})
+    cold2 = owned_by_eu2[1]
+    s_edge_co, _, _ = await http("GET", f"{e1.url}/v1/objects/{cold2}",
+                                 headers={"X-KDN-Cached-Only": "1", **bearer(F.EDGE)})
+    # Hop: from an edge, "fill it yourself, do not go through the owner"; from anyone else, nothing.
+    _, h_hop_anon, _ = await http("GET", f"{e1.url}/v1/objects/{owned_by_eu2[0]}", headers={"X-KDN-Hop": "1"})
+    _, h_hop_edge, _ = await http("GET", f"{e1.url}/v1/objects/{cold2}", headers={"X-KDN-Hop": "1", **bearer(F.EDGE)})
+    _, h_get_anon, _ = await http("GET", f"{e1.url}/v1/objects/{warm}")
+    ok = (h_anon.get("X-KDN-Source") == "edge" and h_edge.get("X-KDN-Source") == "memory" and s_anon_co == 200
+          and s_edge_co == 404 and h_hop_anon.get("X-KDN-Source", "").startswith("peer:")
+          and h_hop_edge.get("X-KDN-Source") == "origin")
+    return Row("anonymous_probes", "anonymous HEAD of a cached object; anonymous GETs with X-KDN-Cached-Only and "
+               "X-KDN-Hop (each answered differently for an edge's token)",
+               f"HEAD X-KDN-Source '{h_anon.get('X-KDN-Source')}' (edge token: '{h_edge.get('X-KDN-Source')}'); "
+               f"cached-only on a cold object: {s_anon_co} (edge token: {s_edge_co}); hop: via "
+               f"'{h_hop_anon.get('X-KDN-Source')}' (edge token: '{h_hop_edge.get('X-KDN-Source')}')",
+               "refused", None, ok, {"anonymous_get_source": h_get_anon.get("X-KDN-Source")})
+
+
+# --- the client's reader against a hostile server ---------------------------------------------------
+
+
+async def hostile_server(handler) -> tuple[asyncio.base_events.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def client_content_length(ctx: Ctx) -> Row:
+    from kdn.client import KDNClient
+    from kdn.errors import DigestMismatch, SourceError
+
+    body = ctx.rng.randbytes(4000)
+    digest = blake3(body).hexdigest()
+    heads = {
+        "two lengths, the second longer": b"Content-Length: 4000\r\nContent-Length: 4100\r\n",
+        "two lengths, the first shorter": b"Content-Length: 3900\r\nContent-Length: 4000\r\n",
+        "'+4000'": b"Content-Length: +4000\r\n",
+        "'4_000'": b"Content-Length: 4_000\r\n",
+        "'4000, 4000'": b"Content-Length: 4000, 4000\r\n",
+        "one length (control)": b"Content-Length: 4000\r\n",
+        "the same length twice (allowed, RFC 9112 6.3)": b"Content-Length: 4000\r\nContent-Length: 4000\r\n",
+    }
+    results = {}
+    for label, head in heads.items():
+        async def handler(reader, writer, head=head):
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\n" + head + b"X-KDN-Encoding: zstd\r\n\r\n" + body)
+                await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        server, url = await hostile_server(handler)
+        try:
+            async with KDNClient(edges=[url], hedge=False, timeout=5) as c:
+                try:
+                    f = await c.fetch("ab" * 32, encoding="zstd", digest=digest, size=len(body))
+                    results[label] = "accepted" if bytes(f.blob) == body else "WRONG BYTES"
+                except (SourceError, DigestMismatch) as e:
+                    results[label] = f"refused ({str(e).split(': ', 2)[-1][:40]})"
+        finally:
+            server.close()
+    hostile = {k: v for k, v in results.items() if "control" not in k and "allowed" not in k}
+    ok = all(v.startswith("refused") for v in hostile.values()) and results["one length (control)"] == "accepted" \
+        and "WRONG" not in " ".join(results.values())
+    return Row("client_content_length", f"a server answers KDNClient.fetch with {len(hostile)} kinds of duplicate "
+               "or malformed Content-Length", "; ".join(f"{k}: {v.split(' (')[0]}" for k, v in results.items()),
+               "refused", 0, ok, results)
+
+
+async def client_pooled_bytes(ctx: Ctx) -> Row:
+    from kdn.client import KDNClient
+    from kdn.errors import DigestMismatch, SourceError
+
+    one, two = ctx.rng.randbytes(3000), ctx.rng.randbytes(3000)
+    conns = {"n": 0}
+    planted = asyncio.Event()
+
+    async def handler(reader, writer):
+        conns["n"] += 1
+        n = conns["n"]
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                want = two if b"cd" * 32 in head else one
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\nX-KDN-Source: memory\r\n\r\n" + want)
+                await writer.drain()
+                if n == 1:  # then, unasked, the answer to the request the client has not sent yet
+                    await asyncio.sleep(0.05)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\nX-KDN-Source: planted\r\n\r\n" + two)
+                    await writer.drain()
+                    planted.set()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server, url = await hostile_server(handler)
+    try:
+        async with KDNClient(edges=[url], hedge=False, timeout=5) as c:
+            await c.fetch("ab" * 32, encoding="zstd", digest=blake3(one).hexdigest(), size=3000)
+            await asyncio.wait_for(planted.wait(), 5)
+            await asyncio.sleep(0.05)
+            try:
+                f = await c.fetch("cd" * 32, encoding="zstd", digest=blake3(two).hexdigest(), size=3000)
+                got = f.source
+            except (SourceError, DigestMismatch) as e:
+                got = f"refused: {e}"
+    finally:
+        server.close()
+    ok = got.endswith("/memory") and conns["n"] == 2
+    return Row("client_pooled_bytes", "after one answer, the server writes a complete second answer on the idle "
+               "pooled connection before KDNClient asks for it",
+               f"the next fetch came from {'a fresh connection' if conns['n'] == 2 else 'THE SAME connection'} "
+               f"({conns['n']} connections; X-KDN-Source {got.split('/')[-1]!r}, not 'planted')", "refused", 0, ok,
+               {"connections": conns["n"], "source": got})
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+
+ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> (attack, needs the KDN)
+    "bit_rot": (bit_rot, True),  # first: it restarts the origin
+    "trickled_head": (trickled_head, True),  # the slow three run beside the rest
+    "slow_body": (slow_body, True),
+    "stalled_readers": (stalled_readers, True),
+    "forged_record": (forged_record, True),
+    "rogue_node": (rogue_node, True),
+    "zstd_bomb": (zstd_bomb_attack, False),
+    "cachegen_bomb": (cachegen_bomb_attack, False),
+    "index_scan": (index_scan, True),
+    "hash_in_token": (hash_in_token, False),
+    "bare_token": (bare_token, False),
+    "tenant_cache_headers": (tenant_cache_headers, True),
+    "upstream_redirect": (upstream_redirect, True),
+    "bad_manifest_record": (bad_manifest_record, True),
+    "publish_body_unread": (publish_body_unread, True),
+    "malformed_json": (malformed_json, True),
+    "anonymous_probes": (anonymous_probes, True),
+    "client_content_length": (client_content_length, False),
+    "client_pooled_bytes": (client_pooled_bytes, False),
+}
+SLOW = ("trickled_head", "slow_body", "stalled_readers")
+
+
+async def play(ctx: Ctx, name: str) -> Row:
+    t0 = time.monotonic()
+    try:
+        row = await ATTACKS[name][0](ctx)
+    except Exception as e:  # noqa: BLE001 - an attack that crashed proves nothing: FAILED
+        row = Row(name, "(crashed)", f"{type(e).__name__}: {str(e)[:300]}", ok=False)
+    row.seconds = round(time.monotonic() - t0, 1)
+    print(f"{name}: {'ok' if row.ok else 'FAILED'} ({row.seconds} s): {row.got}", flush=True)
+    return row
+
+
+async def run(names: list[str], seed: int, tmp: Path, quick: bool = False) -> list[Row]:
+    ctx = Ctx(tmp, seed, quick)
+    rows: dict[str, Row] = {}
+    world: asyncio.Task | None = None
+    slow: dict[str, asyncio.Task] = {}
+    try:
+        if any(ATTACKS[n][1] for n in names):
+            t0 = time.monotonic()
+            world = asyncio.create_task(start_world(ctx, names))
+            for n in names:  # the attacks that need no KDN, while it starts
+                if not ATTACKS[n][1]:
+                    rows[n] = await play(ctx, n)
+            await world
+            print(f"KDN up in {time.monotonic() - t0:.1f} s: origin, {len(ctx.world.edges) + len(ctx.extra)} edges",
+                  flush=True)
+        if "bit_rot" in names:
+            rows["bit_rot"] = await play(ctx, "bit_rot")
+        slow = {n: asyncio.create_task(play(ctx, n)) for n in SLOW if n in names}
+        for n in names:
+            if n not in rows and n not in slow:
+                rows[n] = await play(ctx, n)
+        for n, task in slow.items():
+            rows[n] = await task
+    finally:
+        for task in [world, *slow.values()]:  # cut short (a timeout, an error): nothing left running
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await close_world(ctx)
+    return [rows[n] for n in ATTACKS if n in rows]
+
+
+def table(rows: list[Row]) -> str:
+    out = ["| attack | what the attacker tried | what it got | verdict | wrong bytes accepted |",
+           "| --- | --- | --- | --- | ---: |"]
+    for r in rows:
+        wrong = "—" if r.wrong is None else f"{r.wrong}"
+        verdict = r.verdict if r.ok else "**FAILED**"
+        out.append(f"| {r.attack} | {r.tried} | {r.got} | {verdict} | {wrong} |")
+    return "\n".join(out)
+
+
+async def main(args) -> int:
+    import logging
+
+    logging.getLogger("kdn").setLevel(logging.ERROR)  # the refusals are counted in the table, not logged
+    names = args.only or list(ATTACKS)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kdn-attacks-") as tmp:
+        try:
+            rows = await asyncio.wait_for(run(names, args.seed, Path(tmp), args.quick), args.timeout)
+        except asyncio.TimeoutError:
+            print(f"FAILED: the attacks did not finish in {args.timeout} s", file=sys.stderr)
+            return 1
+    total = time.monotonic() - t0
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=_here).stdout.strip()
+    print()
+    print(table(rows))
+    wrong = sum(r.wrong or 0 for r in rows)
+    print(f"\n{len(rows)} attacks in {total:.0f} s (commit {commit}, seed {args.seed}); wrong bytes accepted: {wrong}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"commit": commit, "command": " ".join(sys.argv), "seed": args.seed,
+                                               "seconds": round(total, 1), "rows": [asdict(r) for r in rows]},
+                                              indent=1, default=str))
+    bad = [r.attack for r in rows if not r.ok]
+    if bad:
+        print(f"\nFAILED: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", action="append", choices=list(ATTACKS), help="run only these (repeatable)")
+    ap.add_argument("--seed", type=int, default=7, help="texts, forgeries and tokens (default 7)")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--quick", action="store_true", help="leave out the bomb's control (the same blob decoded "
+                    "with the cap lifted: about 1 GiB of memory)")
+    ap.add_argument("--timeout", type=float, default=300, help="give up (and stop everything) after this long")
+    ap.add_argument("--victim", help=argparse.SUPPRESS)  # the attacked client process of the bomb rows
+    ap.add_argument("--victim-encoding", default="zstd", help=argparse.SUPPRESS)
+    ap.add_argument("--victim-control", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    if a.victim:
+        victim_main(a.victim, a.victim_encoding, a.victim_control)
+        sys.exit(0)
+    sys.exit(asyncio.run(main(a)))
