@@ -138,15 +138,20 @@ def missing(run: Run, quick: bool) -> str:
     return "; ".join(why for n in needs for check, why in [NEEDS[n]] if not check())
 
 
+def why_skip(run: Run, quick: bool) -> str:
+    """Why this run does not run here ("" = it runs)."""
+    if run.archived:
+        return f"archived: {run.archived}"
+    if quick and run.quick is None:
+        return "no quick settings"
+    if "add_arg(" not in (ROOT / "bench" / f"{run.script}.py").read_text():
+        return f"bench/{run.script}.py does not write --results yet"
+    return missing(run, quick)
+
+
 def execute(run: Run, out_dir: Path, quick: bool, timeout: float | None) -> tuple[str, float, str]:
     """(status, seconds, detail): status is ok, failed, timeout, skipped."""
-    if run.archived:
-        return "skipped", 0.0, f"archived: {run.archived}"
-    if quick and run.quick is None:
-        return "skipped", 0.0, "no quick settings"
-    if "add_arg(" not in (ROOT / "bench" / f"{run.script}.py").read_text():
-        return "skipped", 0.0, f"bench/{run.script}.py does not write --results yet"
-    why = missing(run, quick)
+    why = why_skip(run, quick)
     if why:
         return "skipped", 0.0, why
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -333,7 +338,7 @@ def main() -> int:
     runs = [BY_NAME[n] for n in names if n not in skip]
     if args.list:
         for r in runs:
-            why = r.archived and f"archived: {r.archived}" or missing(r, False)
+            why = why_skip(r, args.quick)
             print(f"{r.name:20} bench/{r.script}.py {' '.join(r.args)}" + (f"  [skipped here: {why}]" if why else ""))
         return 0
     out = args.out or (QUICK_OUT if args.quick else RESULTS)
