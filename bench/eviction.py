@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ from pathlib import Path
 import numpy as np
 
 from kdn.edge.eviction import ARC, LRU, S3FIFO, PrefixLRU, WTinyLFU
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (python -P leaves it out)
+import results as R  # noqa: E402
 
 MiB = 1 << 20
 CHUNK_TOKENS = 256
@@ -260,9 +264,12 @@ def _best_other(row: dict[str, float], winner: str) -> tuple[str, float]:
     return name, row[name]
 
 
-def print_chain_tables(title: str, runs: list[dict], fracs: list[float]) -> list[tuple[float, str, float, str, float]]:
-    """Markdown tables of one trace (several runs = seeds: median (min-max)); returns per-budget headlines:
+def print_chain_tables(title: str, runs: list[dict], fracs: list[float], res: R.Results | None = None,
+                       key: str = "") -> list[tuple[float, str, float, str, float]]:
+    """Markdown tables of one trace (several runs = seeds: median (min-max)), kept in ``res`` as
+    ``{key}-prefix`` and ``{key}-object``; returns per-budget headlines:
     (frac, winner, its median prefix ratio, strongest other, its median prefix ratio)."""
+    res = res or R.Results(key or "eviction")
     names = list(runs[0]["results"][fracs[0]])
     ws = [r["ws"] for r in runs]
     bound_p = [r["bound"].prefix_ratio for r in runs]
@@ -273,8 +280,9 @@ def print_chain_tables(title: str, runs: list[dict], fracs: list[float]) -> list
     heads = []
     for metric, attr in (("reusable-prefix-token hit ratio", "prefix_ratio"), ("object hit ratio", "object_ratio")):
         print(f"{metric}:\n")
-        print("| cache | " + " | ".join(names) + " | best / strongest other |")
-        print("| ---: | " + " | ".join("---:" for _ in names) + " | :--- |")
+        t = res.start_table(f"{key}-{attr.split('_')[0]}", f"{title}: {metric}")
+        t.line("| cache | " + " | ".join(names) + " | best / strongest other |")
+        t.line("| ---: | " + " | ".join("---:" for _ in names) + " | :--- |")
         for frac in fracs:
             vals = {n: [getattr(r["results"][frac][n], attr) for r in runs] for n in names}
             med = {n: statistics.median(v) for n, v in vals.items()}
@@ -284,10 +292,11 @@ def print_chain_tables(title: str, runs: list[dict], fracs: list[float]) -> list
                         max(getattr(r["results"][frac][n], attr) for n in names if n != winner) for r in runs]
             ratio = f"{statistics.median(per_seed):.3f}" + (
                 f" (worst {min(per_seed):.3f})" if len(runs) > 1 else "")
-            print(f"| {frac:.0%} | " + " | ".join(cell(vals[n]) for n in names)
-                  + f" | {winner} / {other}: {ratio} |", flush=True)
+            t.line(f"| {frac:.0%} | " + " | ".join(cell(vals[n]) for n in names)
+                   + f" | {winner} / {other}: {ratio} |")
             if attr == "prefix_ratio":
                 heads.append((frac, winner, med[winner], other, other_v))
+        res.end_table(t)
         print()
     gaps = {frac: max((x.spread[1] - x.spread[0] for r in runs for x in r["results"][frac].values() if x.spread),
                       default=None) for frac in fracs}
@@ -335,6 +344,7 @@ def plot_chains(path: Path, panels: list[tuple[str, list[dict]]], fracs: list[fl
 
 
 def main_chains(args: argparse.Namespace) -> None:
+    res = R.Results("eviction", args)
     t0 = time.perf_counter()
     theine_runs = args.theine_runs if have_theine() else 0
     if not theine_runs:
@@ -343,7 +353,8 @@ def main_chains(args: argparse.Namespace) -> None:
     fracs = args.cache or [0.01, 0.05, 0.10, 0.30]
     chains = load_mooncake(args.mooncake)
     mooncake = run_chains(chains, fracs, theine_runs)
-    heads = {"mooncake": print_chain_tables(f"Mooncake conversation trace, {len(chains):,} requests", [mooncake], fracs)}
+    heads = {"mooncake": print_chain_tables(f"Mooncake conversation trace, {len(chains):,} requests", [mooncake], fracs,
+                                            res, "mooncake")}
     synth = []
     for seed in args.synthetic_seeds:
         chains = synthetic_chains(args.docs, args.synthetic_requests, args.alpha, args.max_chunks, seed)
@@ -352,7 +363,7 @@ def main_chains(args: argparse.Namespace) -> None:
         title = (f"Synthetic: {args.synthetic_requests:,} requests, Zipf({args.alpha:g}) over {args.docs:,} documents "
                  f"of 2-{args.max_chunks} chunks, prefixes of uniform length; seeds "
                  + " ".join(map(str, args.synthetic_seeds)))
-        heads["synthetic"] = print_chain_tables(title, synth, fracs)
+        heads["synthetic"] = print_chain_tables(title, synth, fracs, res, "synthetic")
     for trace, hs in heads.items():
         ratios = [w_v / o_v for _, _, w_v, _, o_v in hs]
         print(f"{trace}: " + "; ".join(f"{f:.0%} {w} {w_v:.4f} vs {o} {o_v:.4f} ({w_v / o_v:.2f}x)"
@@ -363,7 +374,39 @@ def main_chains(args: argparse.Namespace) -> None:
         if synth:
             panels.append((f"synthetic, Zipf({args.alpha:g}), {len(synth)} seeds: median, min-max", synth))
         plot_chains(args.plot, panels, fracs)
+    mooncake_headline(res, mooncake, fracs)
     print(f"\n({time.perf_counter() - t0:.1f} s)")
+    res.write()
+
+
+def mooncake_headline(res: R.Results, run: dict, fracs: list[float]) -> None:
+    """The README row: per budget the best policy against the strongest other, S3-FIFO against LRU, PrefixLRU
+    against LRU, on the Mooncake trace's reusable-prefix tokens (each figure from two cells of the table)."""
+    figs: list[dict] = []
+    tid = "mooncake-prefix"
+
+    def ratio(a: float, b: float, digits: int = 2) -> str:
+        shown = f"{a / b:.{digits}f}x"
+        figs.append({"shown": shown, "cells": [f"{a:.4f}", f"{b:.4f}"], "table": tid})
+        return shown
+
+    per = []
+    for frac in fracs:
+        row = {n: x.prefix_ratio for n, x in run["results"][frac].items()}
+        winner = max(row, key=row.__getitem__)
+        other, other_v = _best_other(row, winner)
+        per.append(f"{frac:.0%} {winner} ({ratio(row[winner], other_v)} {other})")
+    s3 = [ratio(run["results"][f]["S3-FIFO"].prefix_ratio, run["results"][f]["LRU"].prefix_ratio) for f in fracs]
+    plru = [run["results"][f]["PrefixLRU"].prefix_ratio / run["results"][f]["LRU"].prefix_ratio for f in fracs]
+    i = max(range(len(fracs)), key=plru.__getitem__)
+    top = ratio(run["results"][fracs[i]]["PrefixLRU"].prefix_ratio, run["results"][fracs[i]]["LRU"].prefix_ratio, 3)
+    res.set_headline(
+        "eviction on the Mooncake trace's prefix reuse, reusable-prefix tokens",
+        "best by budget: " + "; ".join(per) + "; S3-FIFO (the default) against LRU "
+        + ", ".join(f"{s} at {f:.0%}" for s, f in zip(s3, fracs)) + f"; prefix-aware (PrefixLRU) <= {top} LRU",
+        "the strongest other policy at each budget (of LRU, S3-FIFO, ARC, W-TinyLFU, theine's W-TinyLFU, PrefixLRU)",
+        figs,
+    )
 
 
 # --- Zipf object traces ------------------------------------------------------
@@ -371,13 +414,16 @@ def main_chains(args: argparse.Namespace) -> None:
 
 def main_zipf(args: argparse.Namespace) -> None:
     args.cache = args.cache or [0.10, 0.01]
+    res = R.Results("eviction", args)
     t0 = time.perf_counter()
     print(f"{args.requests:,} requests over {args.objects:,} objects of 1-6 MiB, seed {args.seed}\n")
-    print(
+    t = res.start_table("zipf", "Zipf object traces: S3-FIFO vs LRU")
+    t.line(
         "| alpha | cache | working set | byte HR S3-FIFO | byte HR LRU | S3-FIFO/LRU "
         "| obj HR S3-FIFO | obj HR LRU | S3-FIFO/LRU |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    t.line("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    byte_ratios: list[float] = []
     for alpha in args.alphas:
         ids, sizes_np = zipf_trace(args.objects, args.requests, alpha, args.seed)
         trace, sizes = ids.tolist(), sizes_np.tolist()
@@ -386,12 +432,23 @@ def main_zipf(args: argparse.Namespace) -> None:
             budget = int(ws * frac)
             s_b, s_o = replay(S3FIFO, trace, sizes, budget)
             l_b, l_o = replay(LRU, trace, sizes, budget)
-            print(
+            byte_ratios.append(s_b / l_b)
+            t.line(
                 f"| {alpha:.1f} | {frac:.0%} | {ws / 2**30:.1f} GiB | {s_b:.4f} | {l_b:.4f} | {s_b / l_b:.3f} "
-                f"| {s_o:.4f} | {l_o:.4f} | {s_o / l_o:.3f} |",
-                flush=True,
+                f"| {s_o:.4f} | {l_o:.4f} | {s_o / l_o:.3f} |"
             )
+    res.end_table(t)
+    lo, hi = min(byte_ratios), max(byte_ratios)
+    res.set_headline(
+        "eviction, S3-FIFO vs LRU on Zipf traces",
+        f"{lo:.2f}-{hi:.2f}x the byte hit ratio (alpha {'/'.join(f'{a:g}' for a in args.alphas)}, caches of "
+        f"{'/'.join(f'{c:.0%}' for c in args.cache)} of the working set)",
+        "LRU, same trace and budget",
+        [{"shown": f"{lo:.2f}-", "cell": f"{lo:.3f}", "table": "zipf"},
+         {"shown": f"-{hi:.2f}x", "cell": f"{hi:.3f}", "table": "zipf"}],
+    )
     print(f"\n({time.perf_counter() - t0:.1f} s)")
+    res.write()
 
 
 def main() -> None:
@@ -416,6 +473,7 @@ def main() -> None:
     g.add_argument("--theine-runs", type=int, default=3,
                    help="replays of theine's W-TinyLFU per cell, the median one reported (its hashing is seeded "
                         "at random)")
+    R.add_arg(ap)
     args = ap.parse_args()
     (main_chains if args.trace == "mooncake" else main_zipf)(args)
 

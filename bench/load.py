@@ -41,6 +41,7 @@ if str(_here) not in sys.path:
     sys.path.insert(0, str(_here))
 
 import faultlib as F  # noqa: E402
+import results as R  # noqa: E402
 
 TRACE = _here / "traces" / "mooncake_conversation_trace.jsonl"
 CHUNK = 256
@@ -317,10 +318,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the result (with per-second samples) here")
     ap.add_argument("--plot", help="write a PNG of RSS and p99 over time here")
+    R.add_arg(ap)
     args = ap.parse_args()
+    out = R.Results("load", args)
     res = asyncio.run(run(args))
     print()
-    print(report(res))
+    main_md, edges_md = report(res).split("\n\n")
+    out.table("main", main_md, "Load: requests, objects, latency, hits, egress")
+    print()
+    out.table("edges", edges_md, "Per edge: memory and file descriptors")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=_here).stdout.strip()
     res["commit"], res["command"] = commit, " ".join(sys.argv)
@@ -328,6 +334,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(res, indent=1))
     if args.plot:
         plot(res, args.plot)
+    out.write()
     return 0 if not res["errors"] and res["wrong"] == 0 else 1
 
 

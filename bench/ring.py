@@ -15,13 +15,19 @@ markdown table.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from uhashring import HashRing
 
 from kdn.ring import Ring
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (python -P leaves it out)
+import results as R  # noqa: E402
 
 
 def lookups_per_s(fn, sample: list[str], repeat: int = 5) -> tuple[float, float, float]:
@@ -39,17 +45,21 @@ def main() -> None:
     ap.add_argument("--addresses", type=int, default=100_000)
     ap.add_argument("--vnodes", type=int, default=320)
     ap.add_argument("--seed", type=int, default=7)
+    R.add_arg(ap)
     args = ap.parse_args()
+    res = R.Results("ring", args)
     t_start = time.perf_counter()
     rng = random.Random(args.seed)
     sample = [rng.randbytes(32).hex() for _ in range(args.addresses)]
     print(f"{args.addresses:,} random addresses, {args.vnodes} vnodes per edge, seed {args.seed}\n")
-    print(
+    t = res.start_table("main", f"{args.vnodes} vnodes per edge")
+    t.line(
         "| edges | share max x N (sampled) | share min x N (sampled) | exact max / min x N "
         "| moved on leave x N: mean | worst | worst vs goal 1.1/N | moved between survivors "
         "| owner() lookups/s (min-max) | same ring, no validation | uhashring md5 |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    t.line("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    worst_all, between_all = [], 0
     for n in (3, 4, 8, 16):
         nodes = [f"edge-{i}" for i in range(n)]
         ring = Ring(nodes, vnodes=args.vnodes)
@@ -74,13 +84,26 @@ def main() -> None:
         md5 = HashRing(nodes, vnodes=args.vnodes)  # uhashring's default hash, the baseline
         md5_rate, _, _ = lookups_per_s(md5.get_node, sample[:50_000])
         worst = max(moved_shares)
-        print(
+        worst_all.append(f"{worst:.4f}")
+        between_all += between
+        t.line(
             f"| {n} | {max(sampled):.3f} | {min(sampled):.3f} | {max(exact):.3f} / {min(exact):.3f} "
             f"| {statistics.mean(moved_shares):.3f} | {worst:.4f} | {'met' if worst <= 1.1 else 'over'} "
             f"| {between} | {rate / 1e3:,.0f}k ({lo / 1e3:,.0f}k-{hi / 1e3:,.0f}k) "
             f"| {raw_rate / 1e3:,.0f}k | {md5_rate / 1e3:,.0f}k |"
         )
+    res.end_table(t)
+    top = max(worst_all, key=float)
+    shown = f"{math.ceil(float(top) * 100) / 100:.2f}/N"
+    res.set_headline(
+        "ring, one of N edges leaves",
+        f"<= {shown} of keys move (worst departure, N = 3-16, {args.vnodes} vnodes), "
+        f"{'none' if between_all == 0 else between_all} between survivors",
+        "the ideal 1/N of a perfectly even ring (goal: 1.1/N)",
+        [{"shown": shown, "cell": top, "table": "main"}],
+    )
     print(f"\n({time.perf_counter() - t_start:.1f} s)")
+    res.write()
 
 
 if __name__ == "__main__":

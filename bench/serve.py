@@ -47,6 +47,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # python -P leaves it out
+import results as R  # noqa: E402
 WORK = HERE / "work" / "serve"
 VENV = HERE / "work" / "lmcache-venv"
 CLIENTS = HERE / "serve_clients.py"
@@ -525,7 +527,7 @@ def fmt_cell(c: Cell | None) -> str:
     return s
 
 
-def tables(cells: list[Cell], sizes: list[str], concs: list[int]) -> str:
+def size_table(cells: list[Cell], size: str, concs: list[int]) -> str:
     by = {(c.server, c.client, c.size, c.conc): c for c in cells}
     rows = []
     seen = set()
@@ -533,18 +535,50 @@ def tables(cells: list[Cell], sizes: list[str], concs: list[int]) -> str:
         if (c.server, c.client) not in seen:
             seen.add((c.server, c.client))
             rows.append((c.server, c.client))
+    out = ["| server | client | " + " | ".join(f"c={k}" for k in concs) + " |",
+           "| --- | --- | " + " | ".join("---:" for _ in concs) + " |"]
+    for server, client in rows:
+        if not any((server, client, size, k) in by for k in concs):
+            continue
+        out.append(f"| {server} | {client} | " + " | ".join(fmt_cell(by.get((server, client, size, k))) for k in concs) + " |")
+    return "\n".join(out)
+
+
+def tables(cells: list[Cell], sizes: list[str], concs: list[int], res: R.Results | None = None) -> str:
     out = []
     for size in sizes:
         out.append(f"#### {SIZE_TITLE[size]}\n")
         out.append("Each cell: **MB/s** · requests/s · p50/p99 latency · server CPU cores.\n")
-        out.append("| server | client | " + " | ".join(f"c={k}" for k in concs) + " |")
-        out.append("| --- | --- | " + " | ".join("---:" for _ in concs) + " |")
-        for server, client in rows:
-            if not any((server, client, size, k) in by for k in concs):
-                continue
-            out.append(f"| {server} | {client} | " + " | ".join(fmt_cell(by.get((server, client, size, k))) for k in concs) + " |")
+        md = size_table(cells, size, concs)
+        if res is not None:
+            res.table(f"size-{size}", md, SIZE_TITLE[size], echo=False)
+        out.append(md)
         out.append("")
     return "\n".join(out)
+
+
+def headline(res: R.Results, ratio_md: str) -> None:
+    """The README row: the edge's memory tier against each other server (best client each), over sizes and
+    concurrencies, from the ratios table."""
+    rows: dict[str, list[str]] = {}
+    for line in ratio_md.splitlines()[2:]:
+        cols = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows.setdefault(cols[0], []).extend(v for v in cols[2:] if v != "—")
+    parts, figs = [], []
+    for key, label in (("edge-mem / lmcache (best client each)", "LMCache's server"),
+                       ("edge-mem / redis (best client each)", "Redis"),
+                       ("edge-mem / dict (best client each)", "the dict-backed aiohttp server")):
+        vals = rows.get(key)
+        if not vals:
+            continue
+        lo, hi = min(vals, key=float), max(vals, key=float)
+        parts.append(f"{lo}-{hi}x {label}")
+        figs += [{"shown": f"{lo}-", "cell": lo, "table": "ratios"}, {"shown": f"-{hi}x", "cell": hi, "table": "ratios"}]
+    if parts:
+        res.set_headline("serving throughput, edge memory tier (MB/s, same client per comparison)",
+                         "edge memory tier " + ", ".join(parts) + " (each size and concurrency of the run)",
+                         "LMCache's server (the fastest here), Redis, a minimal dict-backed aiohttp server; the best "
+                         "client for each server", figs)
 
 
 def ratio(a: Cell | None, b: Cell | None) -> str:
@@ -639,14 +673,21 @@ def main() -> None:
     p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "serve.png"))
     p.add_argument("--from-json", default=None, metavar="FILE",
                    help="no run: tables, ratios and plot from a results.json this script wrote")
+    R.add_arg(p)
     a = p.parse_args()
+    res = R.Results("serve", a)
     if a.from_json:
         cells = [Cell(**d) for d in json.loads(Path(a.from_json).read_text())]
         sizes = [s for s in SIZES if any(c.size == s for c in cells)]
         concs = sorted({c.conc for c in cells})
-        print(tables(cells, sizes, concs) + "\n#### Ratios (MB/s over MB/s, same run)\n\n" + ratios(cells, sizes, concs))
+        rmd = ratios(cells, sizes, concs)
+        print(tables(cells, sizes, concs, res) + "\n#### Ratios (MB/s over MB/s, same run)\n\n" + rmd)
+        res.table("ratios", rmd, "Ratios (MB/s over MB/s, same run)", echo=False)
+        headline(res, rmd)
+        res.extra["from_json"] = a.from_json
         if a.plot:
             plot(cells, "4MiB" if "4MiB" in sizes else sizes[0], concs, Path(a.plot))
+        res.write()
         return
     sizes = a.sizes.split(",") if a.sizes else (["4MiB"] if a.quick else list(SIZES))
     concs = [int(x) for x in a.conc.split(",")] if a.conc else ([1, 4] if a.quick else [1, 4, 16])
@@ -712,11 +753,15 @@ def main() -> None:
     load1 = open("/proc/loadavg").read().split()[:3]
     (WORK / "results.json").write_text(json.dumps([asdict(c) for c in cells], indent=1))
 
+    rmd = ratios(cells, sizes, concs)
     md = [f"Run {time.strftime('%Y-%m-%d %H:%M')}, {time.time() - t_start:.0f} s; load average before "
           f"{' '.join(load0)}, after {' '.join(load1)}; {os.cpu_count()} cores, Python {platform.python_version()}.",
-          "", tables(cells, sizes, concs), "#### Ratios (MB/s over MB/s, same run)", "", ratios(cells, sizes, concs), ""]
+          "", tables(cells, sizes, concs, res), "#### Ratios (MB/s over MB/s, same run)", "", rmd, ""]
+    res.table("ratios", rmd, "Ratios (MB/s over MB/s, same run)", echo=False)
+    headline(res, rmd)
     if skipped:
         md.append("Skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
+        res.extra["skipped"] = skipped
     text = "\n".join(md)
     (WORK / "results.md").write_text(text + "\n")
     if profiles:
@@ -726,6 +771,7 @@ def main() -> None:
     if a.plot and cells:
         plot(cells, plot_size, concs, Path(a.plot))
         log(f"plot: {a.plot}")
+    res.write()
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work"
+sys.path.insert(0, str(ROOT / "bench"))  # python -P leaves it out
+import results as R  # noqa: E402
 DOCS = ROOT / "kdn" / "data" / "docs"
 QWEN = "qwen2-0.5b-shape"
 SMOL = "smollm2-135m"
@@ -424,6 +426,11 @@ def fmt_ms(st: dict) -> str:
 
 
 def tables(rows: list[dict]) -> str:
+    return (ttft_table(rows) + "\n\nBreakdown of the hit paths (medians, ms); KV = bf16 K+V of the context; "
+            "wire = fetched blob bytes:\n\n" + breakdown_table(rows))
+
+
+def ttft_table(rows: list[dict]) -> str:
     out = ["| model | context | path | TTFT ms median (min-max) | vs prefill | vs prefill-lean | source of the chunks |",
            "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
     for row in rows:
@@ -436,8 +443,11 @@ def tables(rows: list[dict]) -> str:
             else:
                 sp = spl = src = ""
             out.append(f"| {row['model']} | {row['length']:,} | {p} | {fmt_ms(d['ttft'])} | {sp} | {spl} | {src} |")
-    out += ["", "Breakdown of the hit paths (medians, ms); KV = bf16 K+V of the context; wire = fetched blob bytes:", "",
-            "| model | context | path | KV MiB | wire MiB | lookup | fetch + verify | codec decode | build cache "
+    return "\n".join(out)
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    out = ["| model | context | path | KV MiB | wire MiB | lookup | fetch + verify | codec decode | build cache "
             "| suffix prefill | other | TTFT |",
             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
@@ -515,10 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "ttft.png"), help="PNG to write ('' for none)")
     ap.add_argument("--json", default=str(WORK / "ttft.json"), help="raw results ('' for none)")
     ap.add_argument("--serve", nargs=2, metavar=("ROLE", "CONFIG"), help=argparse.SUPPRESS)
+    R.add_arg(ap)
     args = ap.parse_args(argv)
     if args.serve:
         _serve(*args.serve)
         return 0
+    res = R.Results("ttft", args)
     if args.quick:
         args.models, args.lengths, args.repeat = SMOL, "512,2048", 2
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -552,14 +564,43 @@ def main(argv: list[str] | None = None) -> int:
         if len({t for v in agree.values() for t in v}) != 1:
             print(f"note: first tokens differ between paths for {r['model']}@{r['length']}: {agree}")
     print()
-    print(tables(rows))
+    res.table("main", ttft_table(rows), "TTFT, medians (min-max)")
+    print("\nBreakdown of the hit paths (medians, ms); KV = bf16 K+V of the context; wire = fetched blob bytes:\n")
+    res.table("breakdown", breakdown_table(rows), "Breakdown of the hit paths (medians, ms)")
+    headline(res, rows)
     if args.plot:
         plot(rows, Path(args.plot))
         print(f"\nplot: {args.plot}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+    res.write()
     return 0
+
+
+def headline(res: R.Results, rows: list[dict]) -> None:
+    """The README row: hit vs the lean one-shot prefill (the fair baseline), per model at 2k (or the nearest
+    length), and the range at the longest length."""
+    lengths = sorted({r["length"] for r in rows})
+    at = min(lengths, key=lambda n: abs(n - 2048))
+    figs, parts = [], []
+    for r in rows:
+        if r["length"] != at:
+            continue
+        m, d = r["paths"]["memory"]["speedup_lean"], r["paths"]["disk"]["speedup_lean"]
+        figs += [{"shown": f"{m:.1f}x", "cell": f"{m:.1f}x", "table": "main"},
+                 {"shown": f"{d:.1f}x", "cell": f"{d:.1f}x", "table": "main"}]
+        parts.append(f"{r['model']} **{m:.1f}x** (memory tier) / {d:.1f}x (disk)")
+    text = f"at {at:,} tokens: " + "; ".join(parts)
+    top = max(lengths)
+    if top != at:
+        sp = [r["paths"][p]["speedup_lean"] for r in rows if r["length"] == top for p in ("memory", "disk")]
+        text += f"; at {top:,} tokens {min(sp):.1f}-{max(sp):.1f}x"
+        figs += [{"shown": f"{min(sp):.1f}-", "cell": f"{min(sp):.1f}x", "table": "main"},
+                 {"shown": f"-{max(sp):.1f}x", "cell": f"{max(sp):.1f}x", "table": "main"}]
+    res.set_headline("time to first token, KDN hit over HTTP vs prefill", text,
+                     "the lean one-shot prefill of the same model (`logits_to_keep=1`, what an engine runs), same "
+                     "run", figs)
 
 
 if __name__ == "__main__":

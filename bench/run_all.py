@@ -1,0 +1,365 @@
+"""Run the benches, keep their results as JSON, and render the docs' tables and the README's headlines from them.
+
+    python -P bench/run_all.py                      # every bench this machine can run, full settings (hours)
+    python -P bench/run_all.py --only ring,eviction-zipf
+    python -P bench/run_all.py --quick --only ring  # a smoke run: tiny settings, into bench/work/quick-results
+    python -P bench/run_all.py --render             # only re-render the docs from bench/results/*.json
+    python -P bench/run_all.py --check              # exit 1 if the docs differ from what the results render
+
+Each run below is one bench command (the one docs/benchmarks.md documents), run as a subprocess with
+``--results bench/results/NAME.json`` and a timeout; a failing run is reported and the others go on, its
+previous JSON kept. A run whose hardware or software is not here (a GPU, vLLM, etcd) is skipped with the
+reason, its previous JSON kept; ``archived`` runs are records of a past run (before a fix, say) and are never
+re-run. After a full run the docs are rendered.
+
+Rendering: in README.md and docs/*.md, the text between ``<!-- bench:NAME:TABLE:begin -->`` and
+``<!-- bench:NAME:TABLE:end -->`` is table ``TABLE`` of ``bench/results/NAME.json``; ``TABLE`` = ``meta`` is
+a line naming the results file, its command, commit, machine and date; the README rows between
+``<!-- headlines:begin -->`` and ``<!-- headlines:end -->`` are the ``headline`` of each run in
+``HEADLINES``. Everything else is hand-written and left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+QUICK_OUT = ROOT / "bench" / "work" / "quick-results"
+LOGS = ROOT / "bench" / "work" / "run_all"
+DOCS = [ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "reliability.md",
+        ROOT / "docs" / "security.md"]
+
+
+@dataclass
+class Run:
+    name: str  # bench/results/NAME.json
+    script: str  # bench/SCRIPT.py
+    args: list[str] = field(default_factory=list)  # the documented command's arguments
+    quick: list[str] | None = None  # tiny settings for --quick (None: no smoke run)
+    needs: tuple[str, ...] = ()  # see NEEDS
+    timeout: float = 3600.0  # seconds, full settings
+    env: dict[str, str] = field(default_factory=dict)
+    archived: str = ""  # why this is a record that is not re-run ("" = re-run)
+
+
+RUNS: list[Run] = [
+    Run("address_codec", "address_codec", ["--tokens", "1024", "--repeat", "7"],
+        ["--tokens", "256", "--repeat", "1"], ("smollm2",), 900),
+    Run("eviction-zipf", "eviction", ["--objects", "20000", "--requests", "1000000", "--seed", "7"],
+        ["--objects", "500", "--requests", "5000", "--alphas", "1.0"], (), 900),
+    Run("eviction-mooncake", "eviction", ["--trace", "mooncake", "--plot", "docs/img/eviction.png"],
+        ["--trace", "mooncake", "--cache", "0.05", "--synthetic-seeds", "1", "--docs", "50",
+         "--synthetic-requests", "200", "--theine-runs", "1"], (), 3600),
+    Run("ring-v160", "ring", ["--addresses", "100000", "--vnodes", "160", "--seed", "7"],
+        ["--addresses", "2000", "--vnodes", "160"], (), 600),
+    Run("ring", "ring", ["--addresses", "100000", "--vnodes", "320", "--seed", "7"],
+        ["--addresses", "2000"], (), 600),
+    Run("quality", "quality", ["--contexts", "512", "1024", "--continuation", "256", "--png", "docs/img/quality.png"],
+        ["--contexts", "256", "--continuation", "32", "--encodings", "raw", "int8"], ("smollm2",), 3600),
+    Run("geo", "geo", ["--requests", "200", "--strategies", "oracle,latency,random,origin-only,latency-hit-only"],
+        ["--requests", "6", "--docs", "2", "--strategies", "latency", "--no-prefetch0", "--plot", "",
+         "--json", ""], ("etcd",), 1800),
+    Run("ttft", "ttft", ["--repeat", "3"],
+        ["--models", "smollm2-135m", "--lengths", "256", "--repeat", "1", "--plot", "", "--json", ""],
+        ("smollm2",), 3 * 3600),
+    Run("vllm_ttft", "vllm_ttft", [], None, ("vllm",), 3 * 3600),
+    Run("blend", "blend", ["--questions", "8", "--png", "docs/img/blend.png"],
+        ["--questions", "1", "--ratios", "15", "--png", ""], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers", "edge-mem,dict,lmcache,redis",
+                           "--clients", "raw,kdn", "--duration", "2", "--warmup", "0.5", "--no-install"],
+        ["--sizes", "4MiB", "--conc", "1", "--servers", "edge-mem,dict", "--clients", "raw", "--duration", "0.5",
+         "--warmup", "0.2", "--no-install", "--plot", ""], ("redis", "lmcache"), 1800),
+    Run("gpu_check", "gpu_check", ["--device", "cuda", "--lengths", "2048,8192,32768", "--repeat", "5"],
+        None, ("gpu",), 3600),
+    Run("load", "load", ["--json", "bench/work/load.json", "--plot", "docs/img/load.png"],
+        ["--duration", "5", "--clients", "8", "--minutes", "0.5"], ("etcd",), 1200),
+    Run("load-soak", "load", ["--duration", "600", "--speedup", "2", "--json", "bench/work/soak.json",
+                              "--plot", "docs/img/soak.png"], None, ("etcd",), 1800),
+    Run("faults", "faults", [], ["--quick", "--only", "origin_down"], ("etcd",), 3600),
+    Run("vllm_ttft-zstd", "vllm_ttft", ["--models", "smollm2-135m", "--encodings", "zstd", "--json",
+                                        "bench/work/vllm_ttft_zstd.json", "--plot", ""], None, ("vllm",), 3600),
+    Run("cross_engine", "cross_engine", [], None, ("vllm",), 3600),
+    # Records of past runs the docs still discuss; their code has changed since, so re-running the same command
+    # would not reproduce what the text around them says.
+    Run("geo-before-fixes", "geo", archived="before three fetch-client fixes"),
+    Run("geo-earlier", "geo", archived="an earlier run, before the client fixes"),
+    Run("blend-first", "blend", archived="the first run, under heavy load"),
+    Run("serve-full", "serve", ["--lean", "--profile", "--duration", "2", "--warmup", "0.5"],
+        archived="before the edge's memory-path fix (its edge-*-lean rows patch in what is now shipped)"),
+]
+BY_NAME = {r.name: r for r in RUNS}
+# README headline rows, in this order (runs without a headline are left out).
+HEADLINES = ["ttft", "vllm_ttft", "gpu_check", "address_codec", "quality", "eviction-zipf", "eviction-mooncake",
+             "faults", "ring", "geo", "blend", "serve"]
+
+
+def _have_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _have_gpu() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+# need -> (check, what is missing when the check fails)
+NEEDS = {
+    "gpu": (_have_gpu, "no NVIDIA GPU (nvidia-smi)"),
+    "vllm": (lambda: _have_module("vllm"), "vLLM is not installed (scripts/install-vllm)"),
+    "etcd": (lambda: bool(shutil.which("etcd") or Path("/usr/bin/etcd").exists()), "no etcd binary"),
+    "smollm2": (lambda: _have_module("torch") and _have_module("transformers"), "torch/transformers not installed"),
+    "redis": (lambda: bool(shutil.which("redis-server")), "redis-server not installed (apt; the bench runs "
+              "with --no-install)"),
+    "lmcache": (lambda: (ROOT / "bench" / "work" / "lmcache-venv").exists(), "no LMCache venv in bench/work"),
+}
+
+
+def missing(run: Run, quick: bool) -> str:
+    needs = run.needs if not quick else tuple(n for n in run.needs if n not in ("redis", "lmcache"))
+    return "; ".join(why for n in needs for check, why in [NEEDS[n]] if not check())
+
+
+def why_skip(run: Run, quick: bool) -> str:
+    """Why this run does not run here ("" = it runs)."""
+    if run.archived:
+        return f"archived: {run.archived}"
+    if quick and run.quick is None:
+        return "no quick settings"
+    if "add_arg(" not in (ROOT / "bench" / f"{run.script}.py").read_text():
+        return f"bench/{run.script}.py does not write --results yet"
+    return missing(run, quick)
+
+
+def execute(run: Run, out_dir: Path, quick: bool, timeout: float | None) -> tuple[str, float, str]:
+    """(status, seconds, detail): status is ok, failed, timeout, skipped."""
+    why = why_skip(run, quick)
+    if why:
+        return "skipped", 0.0, why
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dest = out_dir / f"{run.name}.json"
+    tmp = dest.with_name(dest.name + ".new")
+    tmp.unlink(missing_ok=True)
+    cmd = [sys.executable, "-P", f"bench/{run.script}.py", *(run.quick if quick else run.args), "--results", str(tmp)]
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = LOGS / f"{run.name}{'-quick' if quick else ''}.log"
+    limit = timeout or (min(run.timeout, 900) if quick else run.timeout)
+    print(f"== {run.name}: {' '.join(cmd[1:])}  (timeout {limit:.0f} s, log {log.relative_to(ROOT)})", flush=True)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **run.env}, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=limit, start_new_session=True).returncode
+        except subprocess.TimeoutExpired:
+            return "timeout", time.perf_counter() - t0, f"over {limit:.0f} s; see {log}"
+    dt = time.perf_counter() - t0
+    if rc != 0 or not tmp.exists():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-8:])
+        tmp.unlink(missing_ok=True)
+        return "failed", dt, f"exit {rc}{'' if tmp.exists() else ', no results'}; log {log}:\n{tail}"
+    data = json.loads(tmp.read_text())
+    data["run"] = run.name
+    data["quick"] = quick
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(dest)
+    return "ok", dt, str(dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest)
+
+
+# --- rendering ------------------------------------------------------------------------------------------------
+
+MARK = re.compile(r"^<!-- bench:([A-Za-z0-9_.-]+):([A-Za-z0-9_.-]+):begin -->$")
+HEAD_BEGIN, HEAD_END = "<!-- headlines:begin -->", "<!-- headlines:end -->"
+
+
+class RenderError(Exception):
+    pass
+
+
+def load_results(results: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+
+
+def _short(sha: str | None) -> str:
+    return sha[:7] if sha else "unknown"
+
+
+def machine_text(m: dict) -> str:
+    if "description" in m:
+        return m["description"]
+    parts = [f"{m.get('cores')} cores ({m.get('cpu') or 'unknown CPU'})", f"{m.get('memory_gib')} GiB"]
+    parts.append(", ".join(m["gpu"]) if m.get("gpu") else "no GPU")
+    parts.append(f"Python {m.get('python')}")
+    lb, la = m.get("load_before"), m.get("load_after")
+    if lb and la:
+        parts.append(f"load {lb[0]:.1f} before, {la[0]:.1f} after")
+    return ", ".join(parts)
+
+
+def meta_line(name: str, data: dict, doc: Path) -> str:
+    rel = os.path.relpath(RESULTS / f"{name}.json", doc.parent)
+    src = f"[`bench/results/{name}.json`]({rel})"
+    imp = data.get("imported")
+    kept = f"; kept as a record ({data['archived']}), not re-run" if data.get("archived") else ""
+    if imp:
+        c = data.get("commit") or {}
+        at = f" (its commit: `{_short(c.get('sha'))}`)" if c.get("sha") else ""
+        return (f"_Results: {src}, imported from this page at commit `{_short(imp['at_commit'])}`: the run{at} "
+                f"predates `bench/run_all.py`; command and machine as stated here{kept}._")
+    c = data.get("commit") or {}
+    dirty = " + uncommitted changes" if c.get("dirty") else ""
+    date = (data.get("started") or "")[:16].replace("T", " ")
+    return (f"_Results: {src}: `{data['command']}` at commit `{_short(c.get('sha'))}`{dirty}, "
+            f"{machine_text(data.get('machine') or {})}, {date} UTC, {data.get('seconds', 0):.0f} s._")
+
+
+def _table(name: str, tid: str, results: dict[str, dict], doc: Path) -> str:
+    if name not in results:
+        raise RenderError(f"{doc.name}: no bench/results/{name}.json for its region {name}:{tid}")
+    data = results[name]
+    if data.get("quick"):
+        raise RenderError(f"bench/results/{name}.json is a --quick run: not for the docs")
+    if tid == "meta":
+        return meta_line(name, data, doc)
+    for t in data.get("tables", []):
+        if t["id"] == tid:
+            return t["markdown"]
+    raise RenderError(f"{doc.name}: bench/results/{name}.json has no table {tid!r} "
+                      f"(it has {', '.join(t['id'] for t in data.get('tables', []))})")
+
+
+def headline_rows(results: dict[str, dict]) -> str:
+    lines = ["| what | result | against |", "| --- | --- | --- |"]
+    for name in HEADLINES:
+        h = (results.get(name) or {}).get("headline")
+        if not h:
+            continue
+        run = BY_NAME.get(name)
+        script = f"bench/{run.script if run else results[name].get('bench', name)}.py"
+        lines.append(f"| {h['what']} (`{script}`) | {h['result']} | {h['baseline']} |")
+    return "\n".join(lines)
+
+
+def render_text(text: str, doc: Path, results: dict[str, dict], used: set[tuple[str, str]] | None = None) -> str:
+    out: list[str] = []
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        m = MARK.match(line)
+        if m or line == HEAD_BEGIN:
+            end = f"<!-- bench:{m.group(1)}:{m.group(2)}:end -->" if m else HEAD_END
+            try:
+                j = lines.index(end, i + 1)
+            except ValueError:
+                raise RenderError(f"{doc.name}:{i + 1}: {line} has no {end}") from None
+            inner = lines[i + 1:j]
+            if any(MARK.match(x) or x == HEAD_BEGIN for x in inner):
+                raise RenderError(f"{doc.name}:{i + 1}: nested regions")
+            body = _table(m.group(1), m.group(2), results, doc) if m else headline_rows(results)
+            if m and used is not None:
+                used.add((m.group(1), m.group(2)))
+            out += [line, body, end]
+            i = j + 1
+            continue
+        out.append(line)
+        i += 1
+    return "\n".join(out)
+
+
+def render(results_dir: Path = RESULTS, docs: list[Path] | None = None, write: bool = True) -> list[Path]:
+    """Render every doc; returns the docs whose text changed (written unless ``write`` is false)."""
+    results = load_results(results_dir)
+    changed = []
+    for doc in docs or DOCS:
+        if not doc.exists():
+            continue
+        old = doc.read_text()
+        new = render_text(old, doc, results)
+        if new != old:
+            changed.append(doc)
+            if write:
+                doc.write_text(new)
+    return changed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="runs: " + ", ".join(r.name for r in RUNS))
+    ap.add_argument("--only", default="", help="comma list of runs")
+    ap.add_argument("--skip", default="", help="comma list of runs")
+    ap.add_argument("--quick", action="store_true", help="tiny settings (a smoke run); results go to --out, "
+                    "never into the docs")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"where results go (default {RESULTS.relative_to(ROOT)}; --quick: "
+                         f"{QUICK_OUT.relative_to(ROOT)})")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per bench (default: each run's own)")
+    ap.add_argument("--render", action="store_true", help="only render the docs from bench/results")
+    ap.add_argument("--check", action="store_true", help="only check the docs are what bench/results render")
+    ap.add_argument("--no-render", action="store_true", help="do not render the docs after running")
+    ap.add_argument("--list", action="store_true", help="list the runs and whether they can run here")
+    args = ap.parse_args()
+
+    if args.render or args.check:
+        try:
+            changed = render(write=not args.check)
+        except RenderError as e:
+            print(f"render: {e}", file=sys.stderr)
+            return 2
+        for d in changed:
+            print(f"{'differs from its results' if args.check else 'rendered'}: {d.relative_to(ROOT)}")
+        if args.check and changed:
+            print("re-render with: python -P bench/run_all.py --render", file=sys.stderr)
+        return 1 if args.check and changed else 0
+
+    names = [n for n in args.only.split(",") if n] or [r.name for r in RUNS]
+    skip = {n for n in args.skip.split(",") if n}
+    unknown = [n for n in [*names, *skip] if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown run(s) {', '.join(unknown)}; runs: {', '.join(BY_NAME)}")
+    runs = [BY_NAME[n] for n in names if n not in skip]
+    if args.list:
+        for r in runs:
+            why = why_skip(r, args.quick)
+            print(f"{r.name:20} bench/{r.script}.py {' '.join(r.args)}" + (f"  [skipped here: {why}]" if why else ""))
+        return 0
+    out = args.out or (QUICK_OUT if args.quick else RESULTS)
+    report = []
+    for r in runs:
+        status, dt, detail = execute(r, out, args.quick, args.timeout)
+        print(f"   {r.name}: {status} ({dt:.0f} s) {detail}", flush=True)
+        report.append((r.name, status, dt, detail.split("\n")[0]))
+    print("\n| run | status | seconds | detail |\n| --- | --- | ---: | --- |")
+    for name, status, dt, detail in report:
+        print(f"| {name} | {status} | {dt:.0f} | {detail} |")
+    rc = 1 if any(s in ("failed", "timeout") for _, s, _, _ in report) else 0
+    if not args.quick and not args.no_render and out == RESULTS:
+        try:
+            for d in render():
+                print(f"rendered: {d.relative_to(ROOT)}")
+        except RenderError as e:
+            print(f"render: {e}", file=sys.stderr)
+            return 2
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""bench/run_all.py: a quick run writes honest JSON; the docs are exactly what the committed results render.
+
+The second half is the guard of issue #15: a figure hand-edited in docs/benchmarks.md or the README's
+headline rows, or a headline figure that is not in its run's table, fails here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+_spec = importlib.util.spec_from_file_location("kdn_bench_run_all", ROOT / "bench" / "run_all.py")
+run_all = sys.modules.setdefault("kdn_bench_run_all", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(run_all)
+import results as R  # noqa: E402
+
+RESULTS = sorted((ROOT / "bench" / "results").glob("*.json"))
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_writes_results(tmp_path):
+    out = tmp_path / "res"
+    p = subprocess.run([sys.executable, "-P", str(ROOT / "bench" / "run_all.py"), "--quick", "--only",
+                        "ring,eviction-zipf", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=110)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for name, bench, table in (("ring", "ring", "main"), ("eviction-zipf", "eviction", "zipf")):
+        d = json.loads((out / f"{name}.json").read_text())
+        assert d["bench"] == bench and d["run"] == name and d["quick"] is True
+        assert d["command"].startswith(f"python -P bench/{bench}.py ") and "--results" not in d["command"]
+        assert len(d["commit"]["sha"]) == 40 and isinstance(d["commit"]["dirty"], bool)
+        m = d["machine"]
+        assert m["cores"] >= 1 and m["memory_gib"] and len(m["load_before"]) == 3 and len(m["load_after"]) == 3
+        assert d["started"] and d["seconds"] >= 0
+        t = next(t for t in d["tables"] if t["id"] == table)
+        assert t["markdown"].startswith("| ") and "---:" in t["markdown"]
+        h = d["headline"]
+        assert h["baseline"] and h["figures"]
+        for f in h["figures"]:
+            assert f["shown"] in h["result"] and R.cell_in(t["markdown"], f["cell"])
+    # quick results never reach the docs
+    (tmp_path / "doc.md").write_text("<!-- bench:ring:main:begin -->\nx\n<!-- bench:ring:main:end -->\n")
+    with pytest.raises(run_all.RenderError, match="quick"):
+        run_all.render_text((tmp_path / "doc.md").read_text(), tmp_path / "doc.md", run_all.load_results(out))
+
+
+def test_docs_are_what_the_results_render():
+    """Rendering the committed results changes nothing, and rendering twice is rendering once."""
+    results = run_all.load_results(run_all.RESULTS)
+    for doc in run_all.DOCS:
+        text = doc.read_text()
+        once = run_all.render_text(text, doc, results)
+        assert once == text, f"{doc.relative_to(ROOT)} differs from bench/results: python -P bench/run_all.py --render"
+        assert run_all.render_text(once, doc, results) == once
+
+
+def test_a_hand_edited_figure_is_caught(tmp_path):
+    doc = ROOT / "docs" / "benchmarks.md"
+    text = doc.read_text()
+    edited = text.replace("| 0.8 | 10% | 68.3 GiB | 0.5146 |", "| 0.8 | 10% | 68.3 GiB | 0.6146 |")
+    assert edited != text
+    assert run_all.render_text(edited, doc, run_all.load_results(run_all.RESULTS)) == text
+    readme = (ROOT / "README.md").read_text()
+    assert run_all.HEAD_BEGIN in readme and run_all.HEAD_END in readme
+    edited = readme.replace("**1.45x** smaller", "**1.55x** smaller")
+    assert edited != readme
+    assert run_all.render_text(edited, ROOT / "README.md", run_all.load_results(run_all.RESULTS)) == readme
+
+
+def test_every_region_has_a_result(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- bench:no-such-run:main:begin -->\n| 1 |\n<!-- bench:no-such-run:main:end -->\n")
+    with pytest.raises(run_all.RenderError, match="no bench/results/no-such-run.json"):
+        run_all.render_text(doc.read_text(), doc, run_all.load_results(run_all.RESULTS))
+    doc.write_text("<!-- bench:ring:nope:begin -->\n| 1 |\n<!-- bench:ring:nope:end -->\n")
+    with pytest.raises(run_all.RenderError, match="no table 'nope'"):
+        run_all.render_text(doc.read_text(), doc, run_all.load_results(run_all.RESULTS))
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[p.stem for p in RESULTS])
+def test_results_are_honest(path):
+    """Each result names its command and machine; imported ones say so; each headline names its baseline
+    and every figure it quotes is in a cell of a table of its run (or of the run it names)."""
+    d = json.loads(path.read_text())
+    assert d["command"] and d["machine"] and d["tables"]
+    assert d.get("imported") or (d.get("commit") or {}).get("sha"), "a run has its commit, an import its origin"
+    assert not d.get("quick"), "a --quick run is not a result for the docs"
+    assert path.stem in run_all.BY_NAME, f"{path.stem} is not a run of bench/run_all.py"
+    h = d.get("headline")
+    if not h:
+        return
+    assert path.stem in run_all.HEADLINES
+    assert h["baseline"].strip() and h["what"].strip()
+    for f in h["figures"]:
+        assert f["shown"] in h["result"], f
+        run, _, tid = f["table"].rpartition(":")
+        src = json.loads((path.parent / f"{run}.json").read_text()) if run else d
+        md = next(t["markdown"] for t in src["tables"] if t["id"] == tid)
+        for cell in f.get("cells") or [f["cell"]]:
+            assert R.cell_in(md, cell), (f, cell)
+
+
+def test_headline_block_lists_every_headline():
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index(run_all.HEAD_BEGIN):readme.index(run_all.HEAD_END)]
+    results = run_all.load_results(run_all.RESULTS)
+    for name in run_all.HEADLINES:
+        h = (results.get(name) or {}).get("headline")
+        assert h, f"README headline {name} has no result"
+        assert h["result"] in block and h["baseline"] in block
