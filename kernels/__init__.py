@@ -5,5 +5,5 @@ Importing this package registers the lossy codecs with ``kdn.codecs``
 so ``import kdn`` itself never imports it.
 """
 
-from kdn.kernels import cachegen, codecs  # noqa: F401  (registers the codecs)
+from kdn.kernels import cachegen, codecs, transform  # noqa: F401  (registers the codecs)
 from kdn.kernels.codecs import encode_as, encoding_plan  # noqa: F401
