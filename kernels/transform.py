@@ -34,15 +34,16 @@ stays within a budget in bits per value; the encoder records ``theta`` in the
 tensor's parameters, so the decoder needs no allocation of its own.
 
 Entropy coding: the codes of each kept coefficient are rANS coded
-(``constriction``) under a quantized Laplace model with mean 0 and a scale
-measured on the object itself, stored as one byte per kept coefficient
-(``2**((u - 64) / 8)``, in code units). Attention-sink tokens -- those at
-positions ``< sink_tokens`` (4) -- are stored exactly, in the tensor's dtype.
+(``constriction``) under a quantized Laplace model whose mean and scale are
+measured on the object itself and stored as two bytes per kept coefficient
+(mean: int8 in 1/16 codes; scale: ``2**((u - 64) / 8)`` codes). Attention-sink
+tokens -- those at positions ``< sink_tokens`` (4) -- are stored exactly, in
+the tensor's dtype.
 
 Payload of one tensor ``[H, n, D]``: sink rows ``[ns, C]`` in the tensor's
-dtype (token-major) || u8 scales ``[m]`` || rANS words (u32). Params:
-``basis`` (its BLAKE3 address), ``layer``, ``kv``, ``pos``, ``sinks``,
-``theta``, ``crc32``.
+dtype (token-major) || i8 means ``[m]`` || u8 scales ``[m]`` || rANS words
+(u32, the codes coefficient-major). Params: ``basis`` (its BLAKE3 address),
+``layer``, ``kv``, ``pos``, ``sinks``, ``theta``, ``crc32``.
 
 Basis object (:meth:`Basis.to_bytes`): ``b"KDNBASIS"`` || u32 header length ||
 canonical JSON header (model id, n_layers, kv_heads, head_dim, the RoPE
@@ -228,8 +229,9 @@ def gaussian_code_entropy(r: np.ndarray) -> np.ndarray:
     if small.any():
         rs = np.maximum(r[small], 1e-12)[:, None]  # [S, 1]
         k = np.arange(-40, 41, dtype=np.float64)[None]  # [1, 81]
-        erf = np.vectorize(math.erf)
-        p = 0.5 * (erf((k + 0.5) / (rs * math.sqrt(2))) - erf((k - 0.5) / (rs * math.sqrt(2))))  # [S, 81]
+        hi = torch.erf(torch.from_numpy((k + 0.5) / (rs * math.sqrt(2)))).numpy()
+        lo = torch.erf(torch.from_numpy((k - 0.5) / (rs * math.sqrt(2)))).numpy()
+        p = 0.5 * (hi - lo)  # [S, 81]
         with np.errstate(divide="ignore", invalid="ignore"):
             h = -np.where(p > 0, p * np.log2(p), 0.0).sum(1)
         out[small] = np.maximum(h, 0.0)
@@ -301,14 +303,23 @@ def _laplace(lo: int = -QMAX, hi: int = QMAX):
     return constriction.stream.model.QuantizedLaplace(lo, hi)
 
 
-def scale_bytes(q: np.ndarray) -> np.ndarray:
-    """Per coefficient (columns of ``q`` ``[n, m]``): the Laplace scale of its codes, as one byte."""
-    b = np.maximum(np.abs(q).mean(0), 2.0**-7)  # [m]: ML scale of a Laplace (mean |q|), floored
-    return np.clip(np.round(8 * np.log2(b)) + _SCALE_OFFSET, 0, 255).astype(np.uint8)
+def model_bytes(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per coefficient (columns of ``q`` ``[n, m]``): the Laplace mean and scale of its codes, one byte each.
+
+    Mean: int8 in 1/16 code units (clipped to about +-8 codes); scale: u8, ``2**((u - 64) / 8)`` code units,
+    the ML scale ``mean |q - mean|`` of a Laplace, floored at 2**-7.
+    """
+    mu = np.clip(np.round(q.mean(0) * 16), -127, 127).astype(np.int8)  # [m]
+    b = np.maximum(np.abs(q - mu.astype(np.float64)[None] / 16).mean(0), 2.0**-7)  # [m]
+    return mu, np.clip(np.round(8 * np.log2(b)) + _SCALE_OFFSET, 0, 255).astype(np.uint8)
 
 
 def scales_of(u: np.ndarray) -> np.ndarray:
     return np.exp2((u.astype(np.float64) - _SCALE_OFFSET) / 8)
+
+
+def means_of(mu: np.ndarray) -> np.ndarray:
+    return mu.astype(np.float64) / 16
 
 
 def _check_shape(basis: Basis, layer: int, kind: str, shape: tuple[int, ...], what: str) -> None:
@@ -323,8 +334,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def encode_tensor(basis: Basis, layer: int, kind: str, x: torch.Tensor, position: int, theta: float,
-                  dtype: str = "BF16") -> tuple[bytes, dict]:
-    """One K or V tensor ``[H, n, D]`` (float32 values of ``dtype``) -> (payload, params). See the module docstring."""
+                  dtype: str = "BF16", rho: float = 0.5) -> tuple[bytes, dict]:
+    """One K or V tensor ``[H, n, D]`` (float32 values of ``dtype``) -> (payload, params). See the module docstring.
+
+    ``rho`` is the rounding offset, ``q = sign(y) floor(|y| / step + rho)``: 0.5 rounds to nearest
+    (error <= step / 2); below 0.5 widens the zero bin (a dead zone: fewer bits, error <= (1 - rho) step).
+    The decoder does not need it.
+    """
+    if not 0.0 <= rho <= 0.5:
+        raise InvalidInput(f"kvtc: rounding offset rho must be in [0, 0.5], got {rho!r}")
     _check_shape(basis, layer, kind, tuple(x.shape), "kvtc encode")
     if not (isinstance(theta, float) and math.isfinite(theta) and theta > 0):
         raise InvalidInput(f"kvtc: theta must be a positive float, got {theta!r}")
@@ -342,12 +360,13 @@ def encode_tensor(basis: Basis, layer: int, kind: str, x: torch.Tensor, position
             body = rotate(body, torch.arange(position + ns, position + n), basis.inv_freq, -1)
         w = (body.reshape(-1, c) - torch.from_numpy(lb.mean)) * torch.from_numpy(lb.scale)  # [n', C]
         y = w @ torch.from_numpy(lb.basis[:, :m])  # [n', m]
-        q = torch.round(y / step).clamp_(-QMAX, QMAX).to(torch.int32).numpy()
-        u = scale_bytes(q)
-        parts.append(u.tobytes())
+        a = y.abs() / step
+        q = (torch.sign(y) * torch.floor(a + rho)).clamp_(-QMAX, QMAX).to(torch.int32).numpy()  # rho 0.5: rounding
+        mu, u = model_bytes(q)
+        parts += [mu.tobytes(), u.tobytes()]
         sym = np.ascontiguousarray(q.T).reshape(-1)  # coefficient-major
         coder = constriction.stream.stack.AnsCoder()
-        coder.encode_reverse(sym, _laplace(), np.zeros(sym.size), np.repeat(scales_of(u), q.shape[0]))
+        coder.encode_reverse(sym, _laplace(), np.repeat(means_of(mu), q.shape[0]), np.repeat(scales_of(u), q.shape[0]))
         parts.append(coder.get_compressed().astype("<u4").tobytes())
     params = {"basis": _address_cached(basis), "layer": layer, "kv": kind,
               "pos": position, "sinks": ns, "theta": theta}
@@ -398,14 +417,14 @@ def decode_tensor(payload: Buffer, dtype: str, shape: tuple[int, ...], params: d
     if nb:
         y = torch.zeros(nb, m, dtype=torch.float32)
         if m:
-            u = rd.array("u1", m)
+            mu, u = rd.array("i1", m), rd.array("u1", m)
             rest = len(rd.mv) - rd.pos
             if rest % 4:
                 raise CodecError(f"{what}: {rest} bytes of rANS words is not a whole number of words")
             words = rd.array("<u4", rest // 4).astype(np.uint32)
             try:
                 coder = constriction.stream.stack.AnsCoder(words)
-                sym = coder.decode(_laplace(), np.zeros(nb * m), np.repeat(scales_of(u), nb))
+                sym = coder.decode(_laplace(), np.repeat(means_of(mu), nb), np.repeat(scales_of(u), nb))
                 ok = coder.is_empty()
             except Exception as e:  # constriction raises assorted errors on garbage
                 raise CodecError(f"{what}: rANS stream does not decode: {e}") from None
@@ -432,7 +451,8 @@ def _rotate_row_ref(row: np.ndarray, p: int, inv_freq: np.ndarray, sign: int) ->
     return np.concatenate([z.real, z.imag, row[:, 2 * half :]], axis=1)
 
 
-def transform_codes_ref(basis: Basis, layer: int, kind: str, x: np.ndarray, position: int, theta: float) -> np.ndarray:
+def transform_codes_ref(basis: Basis, layer: int, kind: str, x: np.ndarray, position: int, theta: float,
+                        rho: float = 0.5) -> np.ndarray:
     """Codes ``[n - sinks, m]`` of ``x`` ``[H, n, D]``: float64, one token at a time."""
     lb = basis.get(layer, kind)
     m, step = kept_and_step(lb, theta)
@@ -444,7 +464,7 @@ def transform_codes_ref(basis: Basis, layer: int, kind: str, x: np.ndarray, posi
             row = _rotate_row_ref(row, position + t, basis.inv_freq, -1)
         w = (row.reshape(-1) - lb.mean.astype(np.float64)) * lb.scale.astype(np.float64)
         y = lb.basis.astype(np.float64)[:, :m].T @ w
-        out[t - ns] = np.clip(np.round(y / step), -QMAX, QMAX)
+        out[t - ns] = np.clip(np.sign(y) * np.floor(np.abs(y) / step + rho), -QMAX, QMAX)
     return out
 
 
@@ -504,7 +524,7 @@ class TransformCodec(LossyCodec):
 
 
 def encode_kvtc_object(basis: Basis, theta: float, *, tensors: dict[str, torch.Tensor], position: int,
-                       encoding: str = "kvtc", **fields) -> bytes:
+                       encoding: str = "kvtc", rho: float = 0.5, **fields) -> bytes:
     """One KDN object (``kdn.objects.encode_object`` fields) whose K/V tensors are kvtc coded.
 
     ``tensors`` are torch tensors by name (``L{i}.k`` / ``L{i}.v`` ``[H, n, D]``);
@@ -519,7 +539,7 @@ def encode_kvtc_object(basis: Basis, theta: float, *, tensors: dict[str, torch.T
         m = _KV_NAME.fullmatch(name)
         if m and rt.dtype in FLOAT_DTYPES:
             x = tensors[name].float()
-            pending[id(rt.data)] = (rt.data, encode_tensor(basis, int(m.group(1)), m.group(2), x, position, theta, rt.dtype))
+            pending[id(rt.data)] = (rt.data, encode_tensor(basis, int(m.group(1)), m.group(2), x, position, theta, rt.dtype, rho))
     _PENDING.by_buffer = pending
     try:
         return encode_object(tensors=raw, position=position, encoding=encoding,

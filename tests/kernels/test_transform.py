@@ -113,18 +113,18 @@ def test_rotate_matches_rope_reference():
 
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize("position,n", [(0, 40), (2, 5), (300, 33), (0, 3)])
-@pytest.mark.parametrize("bits", [0.5, 2.0, 6.0])
-def test_round_trip_matches_reference_within_the_bound(kind, position, n, bits):
+@pytest.mark.parametrize("bits,rho", [(0.5, 0.5), (2.0, 0.5), (6.0, 0.5), (2.0, 0.3)])
+def test_round_trip_matches_reference_within_the_bound(kind, position, n, bits, rho):
     b = make_basis()
     layer = 1
     theta = tf.allocate(b, bits).theta
     x = kv_like(b, layer, kind, n, position)
-    payload, params = tf.encode_tensor(b, layer, kind, x, position, theta, "BF16")
+    payload, params = tf.encode_tensor(b, layer, kind, x, position, theta, "BF16", rho)
     y = tf.decode_tensor(payload, "BF16", (H, n, D), params, basis=b)
     ns = params["sinks"]
     assert ns == max(0, min(n, 4 - position))
     assert torch.equal(y[:, :ns], x[:, :ns])  # sinks exact
-    codes = tf.transform_codes_ref(b, layer, kind, x.numpy(), position, theta)
+    codes = tf.transform_codes_ref(b, layer, kind, x.numpy(), position, theta, rho)
     ref = tf.reconstruct_ref(b, layer, kind, codes, x[:, :ns].double().numpy(), position, theta)
     # Fast (float32) and reference (float64) reconstructions agree, up to a code flipped at a rounding tie.
     lb = b.get(layer, kind)
@@ -133,7 +133,8 @@ def test_round_trip_matches_reference_within_the_bound(kind, position, n, bits):
     diff = (y.double() - torch.from_numpy(ref)).abs()
     assert (diff <= 1e-3 * (1 + x.abs().double()) + tie * 1.01).all()
     assert float((diff > 1e-3 * (1 + x.abs().double())).double().mean()) < 0.02
-    # Error bound (weighted space, per token): kept coefficients within step/2, dropped ones lose their value.
+    # Error bound (weighted space, per token): kept coefficients within (1 - rho) step (step / 2 when rounding),
+    # dropped ones lose their value.
     w_err = torch.zeros(n)
     for t in range(ns, n):
         row, rec = x[:, t].double().numpy(), y[:, t].double().numpy()
@@ -142,7 +143,7 @@ def test_round_trip_matches_reference_within_the_bound(kind, position, n, bits):
             rec = tf._rotate_row_ref(rec, position + t, b.inv_freq, -1)
         wx = (row.reshape(-1) - lb.mean) * lb.scale
         yy = lb.basis.astype(np.float64).T @ wx
-        bound = math.sqrt(m * (step / 2) ** 2 + float((yy[m:] ** 2).sum()))
+        bound = math.sqrt(m * ((1 - rho) * step) ** 2 + float((yy[m:] ** 2).sum()))
         w_err[t] = float(np.linalg.norm((rec.reshape(-1) - row.reshape(-1)) * lb.scale))
         assert w_err[t] <= bound * 1.001 + 1e-4
 
