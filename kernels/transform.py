@@ -314,8 +314,16 @@ def model_bytes(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mu, np.clip(np.round(8 * np.log2(b)) + _SCALE_OFFSET, 0, 255).astype(np.uint8)
 
 
+# 2 ** (i / 8) as literals: the decoder's entropy model must equal the encoder's bit for bit, and a
+# vectorized exp2 may differ by an ulp between CPUs; these times a power of two are exact everywhere.
+_EIGHTHS = np.array([1.0, 1.0905077326652577, 1.189207115002721, 1.2968395546510096,
+                     1.4142135623730951, 1.5422108254079407, 1.681792830507429, 1.8340080864093424])
+_SCALE_TABLE = np.ldexp(_EIGHTHS[np.arange(256) % 8], np.arange(256) // 8 - _SCALE_OFFSET // 8)  # [256]
+
+
 def scales_of(u: np.ndarray) -> np.ndarray:
-    return np.exp2((u.astype(np.float64) - _SCALE_OFFSET) / 8)
+    """Scale bytes -> Laplace scales, ``2 ** ((u - 64) / 8)`` code units (exactly, from a table)."""
+    return _SCALE_TABLE[u]
 
 
 def means_of(mu: np.ndarray) -> np.ndarray:

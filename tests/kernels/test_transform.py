@@ -261,3 +261,12 @@ def test_object_round_trip_keeps_states_lossless():
         if name != "L1.conv":
             err = (back[name].float() - tensors[name].float()).pow(2).mean()
             assert back[name].dtype == torch.bfloat16 and err < tensors[name].float().var()
+
+
+def test_entropy_model_parameters_are_exact():
+    """The decoder rebuilds the encoder's Laplace parameters from bytes, bit for bit: a table, not exp2."""
+    u = np.arange(256, dtype=np.uint8)
+    s = tf.scales_of(u)
+    assert np.allclose(s, 2.0 ** ((u.astype(np.float64) - 64) / 8), rtol=1e-15, atol=0)
+    assert (s[::8] == 2.0 ** (np.arange(32) - 8.0)).all()
+    assert (tf.means_of(np.arange(-128, 128).astype(np.int8)) * 16 == np.arange(-128, 128)).all()
