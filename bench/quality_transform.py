@@ -48,6 +48,7 @@ PY = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.versi
 PYENV_PY = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
 OPTICKS = PYENV_PY / "site-packages/tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"
 GPL3 = Path("/root/.rustup/toolchains/stable-x86_64-unknown-linux-gnu/share/doc/rust/licenses/GPL-3.0-or-later.txt")
+ALPHA_WINDOWS, ALPHA_SIGMA2 = 4, 0.05
 DEFAULT_ENCODINGS = ["int4-g64", "cachegen-4", "ans-4"]
 
 
@@ -82,10 +83,11 @@ def fit(lm, path: Path, window: int = 1024) -> Basis:
     ids = torch.tensor(lm.tokenizer(stats_text)["input_ids"], dtype=torch.long)
     windows = [ids[i : i + window] for i in range(0, ids.numel() - window + 1, window)]
     aids = torch.tensor(lm.tokenizer(alpha_text)["input_ids"], dtype=torch.long)
-    alpha_windows = [aids[i : i + 640] for i in range(0, min(aids.numel() - 640, 3 * 640), 640)]
+    alpha_windows = [aids[i : i + 640] for i in range(0, min(aids.numel() - 640, ALPHA_WINDOWS * 640), 640)]
     print(f"fit: {len(windows)} x {window} calibration tokens, {len(alpha_windows)} sensitivity windows", file=sys.stderr)
     t0 = time.perf_counter()
-    basis = fit_basis(lm.model, lm.model_id, windows, alpha_windows)
+    f32 = hf_models.load_model("smollm2-135m", dtype=torch.float32).model  # sensitivities without bf16 noise
+    basis = fit_basis(lm.model, lm.model_id, windows, alpha_windows, alpha_model=f32, sigma2_frac=ALPHA_SIGMA2)
     path.write_bytes(basis.to_bytes())
     print(f"fit: {time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr)
     return basis

@@ -100,8 +100,13 @@ def metrics(model: Any, st: _Stats) -> np.ndarray:
 
 def fit_basis(model: Any, model_id: str, windows: Sequence[torch.Tensor], alpha_windows: Sequence[torch.Tensor], *,
               sink_tokens: int = DEFAULT_SINKS, alpha_context: int = 512, alpha_next: int = 128,
-              sigma2_frac: float = 0.02, seed: int = 0) -> Basis:
-    """Passes 1-3: a complete basis. ``alpha_windows`` hold >= alpha_context + alpha_next tokens each."""
+              sigma2_frac: float = 0.02, seed: int = 0, alpha_model: Any = None) -> Basis:
+    """Passes 1-3: a complete basis. ``alpha_windows`` hold >= alpha_context + alpha_next tokens each.
+
+    ``alpha_model``: the model pass 3 runs (default ``model``). A float32 copy of a bf16 model is better:
+    in bf16, any change to the cache moves the logits by bf16 rounding noise (KL ~0.0015 nats on
+    SmolLM2-135M whatever the change), which swamps the sensitivity of the less sensitive layers.
+    """
     cfg = model.config
     st = collect(model, windows, sink_tokens)
     scales = metrics(model, st)
@@ -120,11 +125,16 @@ def fit_basis(model: Any, model_id: str, windows: Sequence[torch.Tensor], alpha_
         layers.append(tuple(pair))
     inv = rope_of(model).inv_freq.double().numpy()
     basis = Basis(model_id, len(layers), cfg.num_key_value_heads, hd, inv, tuple(layers), sink_tokens)
-    alpha = measure_alpha(model, basis, alpha_windows, context=alpha_context, nxt=alpha_next,
-                          sigma2_frac=sigma2_frac, seed=seed)
-    return Basis(model_id, basis.n_layers, basis.kv_heads, basis.head_dim, inv,
+    alpha = measure_alpha(alpha_model if alpha_model is not None else model, basis, alpha_windows,
+                          context=alpha_context, nxt=alpha_next, sigma2_frac=sigma2_frac, seed=seed)
+    return with_alpha(basis, alpha)
+
+
+def with_alpha(basis: Basis, alpha: np.ndarray) -> Basis:
+    """``basis`` with the sensitivities ``alpha`` ``[n_layers, 2]``."""
+    return Basis(basis.model_id, basis.n_layers, basis.kv_heads, basis.head_dim, basis.inv_freq,
                  tuple(tuple(LayerBasis(lb.mean, lb.scale, lb.var, lb.basis, float(alpha[i, j]))
-                             for j, lb in enumerate(pair)) for i, pair in enumerate(basis.layers)), sink_tokens)
+                             for j, lb in enumerate(pair)) for i, pair in enumerate(basis.layers)), basis.sink_tokens)
 
 
 def _kl(exact: torch.Tensor, logits: torch.Tensor) -> float:
