@@ -1,7 +1,7 @@
 """kdn.kernels: tensor work (quantize/pack, lossy codecs).
 
 Importing this package registers the lossy codecs with ``kdn.codecs``
-(``int8-*``, ``int8z-*``, ``int4-g*-*``, ``cachegen-*``); it imports torch,
+(``int8-*``, ``int8z-*``, ``int4-g*-*``, ``cachegen-*``, ``ans*-*``, ``kvtc``); it imports torch,
 so ``import kdn`` itself never imports it.
 """
 
