@@ -270,3 +270,17 @@ def test_entropy_model_parameters_are_exact():
     assert np.allclose(s, 2.0 ** ((u.astype(np.float64) - 64) / 8), rtol=1e-15, atol=0)
     assert (s[::8] == 2.0 ** (np.arange(32) - 8.0)).all()
     assert (tf.means_of(np.arange(-128, 128).astype(np.int8)) * 16 == np.arange(-128, 128)).all()
+
+
+def test_object_decodes_into_a_reused_buffer_and_by_name():
+    b = make_basis(seed=6)
+    tf.register_basis(b)
+    theta = tf.allocate(b, 2.0).theta
+    tensors = {f"L{i}.{k}": kv_like(b, i, k, 9, 0, seed=i).to(torch.bfloat16) for i in range(LAYERS) for k in "kv"}
+    blob = tf.encode_kvtc_object(b, theta, tensors=tensors, position=0, kind="kv", address="cd" * 32,
+                                 model_id="ab" * 32, namespace="public", start=0, end=9, parent=None)
+    fresh = to_torch(decode_object(blob))
+    again = to_torch(decode_object(blob, out=bytearray(1 << 16)))
+    assert all(torch.equal(fresh[n], again[n]) for n in fresh)
+    one = to_torch(decode_object(blob, names=["L2.k"]))
+    assert list(one) == ["L2.k"] and torch.equal(one["L2.k"], fresh["L2.k"])
