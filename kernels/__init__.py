@@ -1,9 +1,9 @@
 """kdn.kernels: tensor work (quantize/pack, lossy codecs).
 
 Importing this package registers the lossy codecs with ``kdn.codecs``
-(``int8-*``, ``int8z-*``, ``int4-g*-*``, ``cachegen-*``); it imports torch,
+(``int8-*``, ``int8z-*``, ``int4-g*-*``, ``cachegen-*``, ``ans*-*``, ``kvtc``); it imports torch,
 so ``import kdn`` itself never imports it.
 """
 
-from kdn.kernels import cachegen, codecs  # noqa: F401  (registers the codecs)
+from kdn.kernels import cachegen, codecs, transform  # noqa: F401  (registers the codecs)
 from kdn.kernels.codecs import encode_as, encoding_plan  # noqa: F401

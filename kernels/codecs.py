@@ -9,6 +9,7 @@ Codecs registered on import (``kdn.codecs.get_codec(name)``):
 | ``int4-g{32,64}-{channel,token}`` | asymmetric 4-bit, fp16 scale + fp16 min per group of 32/64 values along the reduced axis, two codes per byte | 4 (+32 per group) |
 | ``cachegen-{2..8}`` | anchor + delta per group of tokens, entropy coded (``kernels/cachegen.py``) | ~bits-1.5 |
 | ``ans{2..8}-{channel,token}`` | absmax codes (no deltas), entropy coded (``kernels/cachegen.py``) | ~bits-1.5 |
+| ``kvtc`` | per-layer PCA basis (a separate basis object), water-filling steps, rANS (``kernels/transform.py``); objects are written by ``encode_kvtc_object``, not by :func:`encoding_plan` | ~1.9-2.8 at 5.7-8.3x |
 
 "channel" reduces over axis ``ndim-2`` (the tokens of ``[kv_heads, n, head_dim]``):
 one scale per (head, dim), as keys want (they have outlier channels);
