@@ -42,6 +42,7 @@ from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import KDNError, SourceError
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
+from kdn.registry.follow import stop_tasks
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
 
 from kdn.edge.disk import DiskTier
@@ -470,9 +471,7 @@ async def _views_ctx(app: web.Application):
     try:
         yield
     finally:
-        for t in watchers:
-            t.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
+        await stop_tasks(watchers, what="registry view")
 
 
 def token_scope(cfg: EdgeConfig) -> TokenScope:

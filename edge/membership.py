@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from kdn.errors import InvalidInput, KDNError, RegistryError
 from kdn.registry import Event, NodeLease, NodeRecord, Registry, follow
+from kdn.registry.follow import stop_tasks
 from kdn.ring import Ring
 
 __all__ = ["EDGE_PREFIX", "Membership"]
@@ -125,14 +126,9 @@ class Membership:
         await self._stop_tasks()
 
     async def _stop_tasks(self, timeout: float = 5.0) -> None:
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:
-            # Bounded: cancelling a watch makes the registry client cancel it on
-            # the server, and a wedged client must not hang the edge's shutdown.
-            _, pending = await asyncio.wait(self._tasks, timeout=timeout)
-            if pending:
-                log.warning("edge %s: %d membership task(s) still stopping after %.0fs", self.me.node_id, len(pending), timeout)
+        # Bounded: cancelling a watch makes the registry client cancel it on
+        # the server, and a wedged client must not hang the edge's shutdown.
+        await stop_tasks(self._tasks, what=f"edge {self.me.node_id} membership", timeout=timeout)
         self._tasks = []
 
     # queries ----------------------------------------------------------------

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from kdn.address import validate_name
 from kdn.edge.tiers import EntryMeta, GovernedTier, Key, PolicyState
 from kdn.errors import InvalidInput, KDNError
-from kdn.registry.follow import follow
+from kdn.registry.follow import follow, stop_tasks
 from kdn.registry.records import Manifest, Policy
 
 __all__ = ["PolicyEngine", "PolicyStats", "Warm", "validate_policy"]
@@ -242,11 +242,7 @@ class PolicyEngine:
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
-        tasks = self._tasks + list(self._warm_tasks.values())
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
+        await stop_tasks(self._tasks + list(self._warm_tasks.values()), what="policy")
         self._tasks, self._warm_tasks = [], {}
 
     async def __aenter__(self) -> PolicyEngine:

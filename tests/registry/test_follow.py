@@ -52,3 +52,33 @@ async def test_ready_gets_the_first_failure_so_a_caller_can_refuse_to_start(regi
     with pytest.raises(RegistryError):
         await asyncio.wait_for(ready, 10)
     await asyncio.wait_for(task, 10)  # and the follower ends: nothing to serve without a first view
+
+
+async def test_stop_tasks_is_bounded_when_a_task_ignores_its_cancel(caplog):
+    """A follower whose cancel was lost below it (seen on etcd: one edge teardown in ~15) once hung the
+    edge's whole shutdown behind an unbounded wait; stop_tasks gives up after its timeout and says so."""
+    import asyncio
+    import time
+
+    from kdn.registry.follow import stop_tasks
+
+    release = asyncio.Event()
+
+    async def deaf() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await release.wait()  # what a lost cancel looks like from above: the task keeps going
+
+    async def polite() -> None:
+        await asyncio.sleep(3600)
+
+    tasks = [asyncio.create_task(deaf(), name="deaf-watch"), asyncio.create_task(polite(), name="polite-watch")]
+    await asyncio.sleep(0)
+    t0 = time.monotonic()
+    await stop_tasks(tasks, what="test", timeout=0.3)
+    assert time.monotonic() - t0 < 2
+    assert tasks[1].cancelled() and not tasks[0].done()
+    assert "1 test task(s) still running" in caplog.text and "deaf-watch" in caplog.text
+    release.set()
+    await tasks[0]
