@@ -1,7 +1,9 @@
-"""Time to first token: full prefill against loading the prefix KV from an edge (memory / disk tier).
+"""Time to first token: full prefill against loading the prefix KV from an edge (memory / disk tier, a cold
+edge, a far region, the disk device).
 
     python -P bench/ttft.py [--models smollm2-135m,qwen2-0.5b-shape] [--lengths 512,2048,8192]
                             [--repeat 3] [--suffix 16] [--quick] [--plot docs/img/ttft.png]
+                            [--paths prefill,prefill-lean,memory,disk,disk-cold,remote,cold] [--no-headline]
 
 For each model the bench starts, on 127.0.0.1 only and in their own
 processes, an origin (embedded ``file:`` registry, temp store) and two edges:
@@ -22,7 +24,16 @@ repeat, the first token of the prompt ``published + suffix``:
   an engine does): the fair lower bound of recomputing;
 - ``memory`` / ``disk``: ``agenerate(use_cache=True)`` with a ``KDNClient``
   on that edge: lookup, fetch + verify, decode, build the cache, prefill the
-  suffix only.
+  suffix only;
+- ``disk-cold``: ``disk`` after ``fsync`` + ``posix_fadvise(DONTNEED)`` on every file of that edge's disk
+  folder (page-cache residency checked with ``mincore`` before and after, reported);
+- ``remote``: a memory hit on ``edge-far`` (region ``far``), reached through ``bench/linkemu.py`` in its own
+  process (``FAR_DELAY_MS`` one way, ``FAR_MBIT`` per direction per connection);
+- ``cold``: a fresh edge process per repeat (empty tiers; started, not timed, on a copy of the registry
+  without the other edges, so every chunk fills from the origin), with a new client.
+
+After the repeats of each length, a memory table: VmRSS / VmHWM of the bench process (the engine) and of
+every server process (``edge-cold-N``: right after its fetch).
 
 Models: ``smollm2-135m`` (real weights, bf16; real text: the shipped docs
 concatenated) and ``qwen2-0.5b-shape`` (a Qwen2-0.5B-shaped random-init bf16
