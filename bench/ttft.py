@@ -1,7 +1,9 @@
-"""Time to first token: full prefill against loading the prefix KV from an edge (memory / disk tier).
+"""Time to first token: full prefill against loading the prefix KV from an edge (memory / disk tier, a cold
+edge, a far region, the disk device).
 
     python -P bench/ttft.py [--models smollm2-135m,qwen2-0.5b-shape] [--lengths 512,2048,8192]
                             [--repeat 3] [--suffix 16] [--quick] [--plot docs/img/ttft.png]
+                            [--paths prefill,prefill-lean,memory,disk,disk-cold,remote,cold] [--no-headline]
 
 For each model the bench starts, on 127.0.0.1 only and in their own
 processes, an origin (embedded ``file:`` registry, temp store) and two edges:
@@ -22,7 +24,16 @@ repeat, the first token of the prompt ``published + suffix``:
   an engine does): the fair lower bound of recomputing;
 - ``memory`` / ``disk``: ``agenerate(use_cache=True)`` with a ``KDNClient``
   on that edge: lookup, fetch + verify, decode, build the cache, prefill the
-  suffix only.
+  suffix only;
+- ``disk-cold``: ``disk`` after ``fsync`` + ``posix_fadvise(DONTNEED)`` on every file of that edge's disk
+  folder (page-cache residency checked with ``mincore`` before and after, reported);
+- ``remote``: a memory hit on ``edge-far`` (region ``far``), reached through ``bench/linkemu.py`` in its own
+  process (``FAR_DELAY_MS`` one way, ``FAR_MBIT`` per direction per connection);
+- ``cold``: a fresh edge process per repeat (empty tiers; started, not timed, on a copy of the registry
+  without the other edges, so every chunk fills from the origin), with a new client.
+
+After the repeats of each length, a memory table: VmRSS / VmHWM of the bench process (the engine) and of
+every server process (``edge-cold-N``: right after its fetch).
 
 Models: ``smollm2-135m`` (real weights, bf16; real text: the shipped docs
 concatenated) and ``qwen2-0.5b-shape`` (a Qwen2-0.5B-shaped random-init bf16
@@ -79,6 +90,9 @@ def _serve(role: str, cfg_json: str) -> None:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = json.loads(cfg_json)
+    if role == "link":
+        asyncio.run(_serve_link(cfg))
+        return
     if role == "origin":
         from kdn.origin.app import OriginConfig, create_app
 
@@ -88,6 +102,20 @@ def _serve(role: str, cfg_json: str) -> None:
 
         app = create_app(EdgeConfig(**cfg))
     web.run_app(app, host=cfg["host"], port=cfg["port"], print=None)  # SIGTERM/SIGINT: graceful stop
+
+
+async def _serve_link(cfg: dict) -> None:
+    """bench/linkemu.py in its own process (its pacing does not share the bench's event loop or GIL)."""
+    from linkemu import LinkEmulator
+
+    link = LinkEmulator(cfg["port"], "127.0.0.1", cfg["target_port"], delay_ms=cfg["delay_ms"], mbit=cfg["mbit"])
+    await link.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await link.stop()
 
 
 def free_port() -> int:
@@ -275,7 +303,91 @@ async def run_lean(lm, ids, client) -> Sample:
     return await asyncio.get_running_loop().run_in_executor(None, _lean, lm, ids)
 
 
-PATHS = ("prefill", "prefill-lean", "memory", "disk")
+PATHS = ("prefill", "prefill-lean", "memory", "disk", "disk-cold", "remote", "cold")
+HITS = ("memory", "disk", "disk-cold", "remote", "cold")
+# The far region's link (bench/linkemu.py, each direction, per TCP connection): 20 ms one way (a 40 ms round
+# trip, e.g. two regions of one continent) at 1000 Mbit/s.
+FAR_DELAY_MS, FAR_MBIT = 20.0, 1000.0
+
+
+# --- page cache, memory, registry snapshot -----------------------------------------
+
+
+def _resident(path: Path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages) by ``mincore(2)`` on a shared read-only mapping."""
+    import ctypes
+
+    size = path.stat().st_size
+    if size == 0:
+        return 0, 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    page = os.sysconf("SC_PAGE_SIZE")
+    n = (size + page - 1) // page
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        try:
+            vec = (ctypes.c_ubyte * n)()
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+            return sum(b & 1 for b in vec), n
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def drop_page_cache(folder: Path) -> dict:
+    """fsync, then ``posix_fadvise(DONTNEED)`` every file under ``folder``; page-cache residency (mincore)
+    before and after: what a working set larger than RAM leaves of these files in memory."""
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    before = after = pages = 0
+    for f in files:
+        r, n = _resident(f)
+        before += r
+        pages += n
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        after += _resident(f)[0]
+    return {"files": len(files), "pages": pages, "resident_before": before, "resident_after": after}
+
+
+def proc_mem(pid: int | None = None) -> dict:
+    """VmRSS and VmHWM (peak RSS) in MiB, from /proc/PID/status (this process when ``pid`` is None)."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid or 'self'}/status").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM"):
+                out[k] = int(v.split()[0]) / 1024
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def cold_registry(src: Path, dest: Path) -> None:
+    """A copy of the registry with the records but no edge: an edge started on it has no other region to ask,
+    so each of its misses fills from the origin (the plan is owner peer -> other regions -> origin)."""
+    import sqlite3
+
+    a, b = sqlite3.connect(src), sqlite3.connect(dest)
+    try:
+        a.backup(b)
+        b.execute("DELETE FROM kv WHERE key LIKE '%nodes/edge/%'")
+        b.commit()
+    finally:
+        a.close()
+        b.close()
 
 
 async def publish(session, origin: str, name: str, tokens: list[int], timeout: float = 3600) -> dict:
@@ -296,7 +408,8 @@ async def publish(session, origin: str, name: str, tokens: list[int], timeout: f
     raise RuntimeError(f"publish {name} did not finish in {timeout:.0f} s")
 
 
-async def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log) -> list[dict]:
+async def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log,
+                      paths: tuple[str, ...] = PATHS) -> list[dict]:
     import aiohttp
     import torch
 
@@ -304,7 +417,8 @@ async def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, l
     from kdn.adapters.hf.generate import model_id as engine_model_id
 
     spec = model_spec(name)
-    tmp = Path(tempfile.mkdtemp(prefix="kdn-ttft-"))
+    # On the disk, not in a tmpfs (/dev/shm): the disk tier's files must be able to leave the page cache.
+    tmp = Path(tempfile.mkdtemp(prefix="kdn-ttft-", dir=os.environ.get("KDN_TTFT_TMP") or None))
     procs: list[Proc] = []
     rows = []
     try:
@@ -321,20 +435,62 @@ async def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, l
         log(f"[{name}] loaded in {time.perf_counter() - t0:.1f} s ({lm.dtype}, {lm.architecture}), "
             f"torch threads {torch.get_num_threads()}")
         edges = {}
-        for nid, region, mem in (("edge-mem", "mem", 1 << 30), ("edge-disk", "disk", 4 << 10)):
-            cfg = dict(region=region, registry=registry, origin=origin.url, mem_budget=mem,
-                       disk=str(tmp / f"disk-{nid}") if region == "disk" else None, disk_budget=8 << 30,
-                       host="127.0.0.1", port=free_port(), node_id=nid, prefetch=0, lease_ttl=10.0, fsync=False)
-            edges[region] = start(nid, "edge", cfg, tmp)
+
+        def edge_cfg(nid: str, region: str, mem: int, reg: str) -> dict:
+            return dict(region=region, registry=reg, origin=origin.url, mem_budget=mem,
+                        disk=str(tmp / f"disk-{nid}") if region == "disk" else None, disk_budget=8 << 30,
+                        host="127.0.0.1", port=free_port(), node_id=nid, prefetch=0, lease_ttl=10.0, fsync=False)
+
+        for nid, region, mem in (("edge-mem", "mem", 1 << 30), ("edge-disk", "disk", 4 << 10),
+                                 ("edge-far", "far", 1 << 30)):
+            if region == "far" and "remote" not in paths:
+                continue
+            edges[region] = start(nid, "edge", edge_cfg(nid, region, mem, registry), tmp)
             procs.append(edges[region])
+        link = None
+        if "far" in edges:
+            lport = free_port()
+            link = start("link-far", "link", dict(port=lport, target_port=int(edges["far"].url.rsplit(":", 1)[1]),
+                                                  delay_ms=FAR_DELAY_MS, mbit=FAR_MBIT), tmp)
+            procs.append(link)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
             await wait_healthy(s, origin, 600)
             for region, p in edges.items():
                 await wait_healthy(s, p, 120, ready=lambda b, nid=p.name: nid in (b.get("ring") or []))
-            log(f"[{name}] origin {origin.url}, edges {edges['mem'].url} (memory), {edges['disk'].url} (disk)")
+            log(f"[{name}] origin {origin.url}, edges {edges['mem'].url} (memory), {edges['disk'].url} (disk)"
+                + (f", {edges['far'].url} (far region, reached via link {link.url}: {FAR_DELAY_MS:g} ms one way, "
+                   f"{FAR_MBIT:g} Mbit/s)" if link else ""))
 
             TimedClient = _client_class()
             clients = {"memory": TimedClient(edges=[edges["mem"].url]), "disk": TimedClient(edges=[edges["disk"].url])}
+            if link:
+                clients["remote"] = TimedClient(edges=[link.url])
+            drops: list[dict] = []
+            cold_mem: list[dict] = []
+
+            async def run_disk_cold(lm, ids, c) -> Sample:
+                d = await asyncio.to_thread(drop_page_cache, tmp / "disk-edge-disk")
+                drops.append(d)
+                return await run_hit(lm, ids, c)
+
+            async def run_cold(lm, ids, c) -> Sample:
+                """A fresh edge (empty tiers, no other region in its registry): every chunk fills from the
+                origin. Starting it is not timed; its client is new too (its first connections are timed)."""
+                n = len(cold_mem)
+                reg = tmp / f"cold-{n}.sqlite3"
+                await asyncio.to_thread(shutil.copyfile, tmp / "cold-registry.sqlite3", reg)
+                nid = f"edge-cold-{n}"
+                p = start(nid, "edge", edge_cfg(nid, "cold", 1 << 30, f"file:{reg}"), tmp)
+                cc = TimedClient(edges=[p.url])
+                try:
+                    await wait_healthy(s, p, 120, ready=lambda b: nid in (b.get("ring") or []))
+                    gc.collect()
+                    smp = await run_hit(lm, ids, cc)
+                    cold_mem.append(proc_mem(p.popen.pid))
+                    return smp
+                finally:
+                    await cc.close()
+                    p.stop()
             try:
                 doc, q = token_stream(name, lm, max(lengths), suffix)
                 # Warm torch (first forward pays one-off costs) and compute the model id (hashes the weights).
@@ -348,25 +504,41 @@ async def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, l
                     if man["model_id"] != mid:
                         raise RuntimeError(f"origin model id {man['model_id'][:12]} != bench model id {mid[:12]}")
                     ids = doc[:L] + q
-                    # Warm: the first hit fills each edge from the origin; the second must come from its tier.
+                    if "cold" in paths:  # before any edge of this bench holds the new objects
+                        await asyncio.to_thread(cold_registry, tmp / "registry.sqlite3", tmp / "cold-registry.sqlite3")
+                    # Warm: the first hit fills each edge; the second must come from its tier.
                     for path, c in clients.items():
                         first = await run_hit(lm, ids, c)
                         again = await run_hit(lm, ids, c)
                         log(f"[{name} L={L}] warm {path}: first from {first.sources}, then {again.sources}")
-                    samples: dict[str, list[Sample]] = {p: [] for p in PATHS}
-                    runners = {"prefill": run_prefill, "prefill-lean": run_lean, "memory": run_hit, "disk": run_hit}
+                    samples: dict[str, list[Sample]] = {p: [] for p in paths}
+                    drops.clear()
+                    cold_mem.clear()
+                    runners = {"prefill": run_prefill, "prefill-lean": run_lean, "memory": run_hit, "disk": run_hit,
+                               "disk-cold": run_disk_cold, "remote": run_hit, "cold": run_cold}
+                    client_of = {"disk-cold": "disk"}
                     for r in range(repeat):
-                        order = PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]  # rotate: spread drift over paths
+                        order = paths[r % len(paths):] + paths[:r % len(paths)]  # rotate: spread drift over paths
                         for path in order:
                             gc.collect()
-                            c = clients.get(path, clients["memory"])
+                            c = clients.get(client_of.get(path, path), clients["memory"])
                             smp = await runners[path](lm, ids, c)
                             samples[path].append(smp)
                             log(f"[{name} L={L}] rep {r + 1}/{repeat} {path:12s} ttft {smp.ttft_ms:9.1f} ms"
                                 + (f"  (lookup {smp.lookup_ms:.1f}, fetch {smp.fetch_ms:.1f}, codec {smp.codec_ms:.1f}, "
                                    f"build {smp.build_ms:.1f}, suffix prefill {smp.prefill_ms:.1f}; {smp.sources})"
-                                   if path in ("memory", "disk") else ""))
-                    rows.append(summarize(name, lm, L, suffix, pub_s, samples))
+                                   if path in HITS else "")
+                                + (f"  page cache: {drops[-1]}" if path == "disk-cold" else ""))
+                    row = summarize(name, lm, L, suffix, pub_s, samples)
+                    row["page_cache_drops"] = list(drops)
+                    mem = {"engine (bench process)": proc_mem()}
+                    for p in procs:
+                        mem[p.name] = proc_mem(p.popen.pid)
+                    for i, m in enumerate(cold_mem):
+                        mem[f"edge-cold-{i}"] = m
+                    row["memory"] = mem
+                    log(f"[{name} L={L}] memory (MiB): {mem}")
+                    rows.append(row)
             finally:
                 for c in clients.values():
                     await c.close()
@@ -392,7 +564,7 @@ def summarize(name, lm, L, suffix, pub_s, samples: dict[str, list[Sample]]) -> d
     row["first_tokens"] = first_tokens
     for p, v in samples.items():
         d = {"ttft": _stats([s.ttft_ms for s in v])}
-        if p in ("memory", "disk"):
+        if p in HITS:
             for k in ("lookup_ms", "fetch_ms", "codec_ms", "build_ms", "prefill_ms"):
                 d[k] = statistics.median(getattr(s, k) for s in v)
             d["other_ms"] = statistics.median(
@@ -408,7 +580,9 @@ def summarize(name, lm, L, suffix, pub_s, samples: dict[str, list[Sample]]) -> d
         row["paths"][p] = d
     base = row["paths"]["prefill"]["ttft"]["median"]
     lean = row["paths"]["prefill-lean"]["ttft"]["median"]
-    for p in ("memory", "disk"):
+    for p in HITS:
+        if p not in row["paths"]:
+            continue
         t = row["paths"][p]["ttft"]["median"]
         row["paths"][p]["speedup"] = base / t
         row["paths"][p]["speedup_lean"] = lean / t
@@ -431,18 +605,20 @@ def tables(rows: list[dict]) -> str:
 
 
 def ttft_table(rows: list[dict]) -> str:
-    out = ["| model | context | path | TTFT ms median (min-max) | vs prefill | vs prefill-lean | source of the chunks |",
+    out = ["| model | context | path | TTFT ms median (min-max) | vs prefill-lean | vs prefill | source of the chunks |",
            "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
     for row in rows:
         for p in PATHS:
+            if p not in row["paths"]:
+                continue
             d = row["paths"][p]
-            if p in ("memory", "disk"):
-                sp, spl = f"**{d['speedup']:.1f}x**", f"{d['speedup_lean']:.1f}x"
+            if p in HITS:
+                spl, sp = f"**{d['speedup_lean']:.1f}x**", f"{d['speedup']:.1f}x"
                 src = ", ".join(f"{k.split('/', 1)[-1]} x{n}" for k, n in sorted(d["sources"].items()))
                 src += f"; reused {'/'.join(map(str, d['tokens_reused']))} tok"
             else:
                 sp = spl = src = ""
-            out.append(f"| {row['model']} | {row['length']:,} | {p} | {fmt_ms(d['ttft'])} | {sp} | {spl} | {src} |")
+            out.append(f"| {row['model']} | {row['length']:,} | {p} | {fmt_ms(d['ttft'])} | {spl} | {sp} | {src} |")
     return "\n".join(out)
 
 
@@ -451,7 +627,9 @@ def breakdown_table(rows: list[dict]) -> str:
             "| suffix prefill | other | TTFT |",
             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
-        for p in ("memory", "disk"):
+        for p in HITS:
+            if p not in row["paths"]:
+                continue
             d = row["paths"][p]
             out.append(f"| {row['model']} | {row['length']:,} | {p} | {row['kv_bytes'] / 2**20:.1f} | "
                        f"{d['wire_bytes'] / 2**20:.1f} | {d['lookup_ms']:.1f} | {d['fetch_ms']:.1f} | "
@@ -460,19 +638,42 @@ def breakdown_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def memory_table(rows: list[dict]) -> str:
+    """Resident memory of each process after the repeats of one row (edge-cold-N: right after its one fetch)."""
+    out = ["| model | context | process | RSS MiB | peak RSS MiB |", "| --- | ---: | --- | ---: | ---: |"]
+    for row in rows:
+        for proc, m in (row.get("memory") or {}).items():
+            out.append(f"| {row['model']} | {row['length']:,} | {proc} | {m.get('VmRSS', float('nan')):,.0f} | "
+                       f"{m.get('VmHWM', float('nan')):,.0f} |")
+    return "\n".join(out)
+
+
+def page_cache_line(rows: list[dict]) -> str:
+    parts = []
+    for row in rows:
+        d = row.get("page_cache_drops") or []
+        if d:
+            parts.append(f"{row['model']}@{row['length']}: {len(d)} drops of {d[0]['files']} files "
+                         f"({d[0]['pages']} pages); resident before "
+                         + "/".join(f"{x['resident_before'] / max(x['pages'], 1):.0%}" for x in d)
+                         + ", after " + "/".join(f"{x['resident_after'] / max(x['pages'], 1):.0%}" for x in d))
+    return "; ".join(parts)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"prefill": "tab:red", "prefill-lean": "tab:orange", "memory": "tab:blue", "disk": "tab:green"}
+    colors = {"prefill": "tab:red", "prefill-lean": "tab:orange", "memory": "tab:blue", "disk": "tab:green",
+              "disk-cold": "tab:olive", "remote": "tab:purple", "cold": "tab:gray"}
     styles = {SMOL: ("-", "o"), QWEN: ("--", "s")}
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     for model in dict.fromkeys(r["model"] for r in rows):
         mr = sorted((r for r in rows if r["model"] == model), key=lambda r: r["length"])
         ls, mk = styles.get(model, (":", "^"))
-        for p in PATHS:
+        for p in [p for p in PATHS if p in mr[0]["paths"]]:
             xs = [r["length"] for r in mr]
             med = [r["paths"][p]["ttft"]["median"] for r in mr]
             lo = [m - r["paths"][p]["ttft"]["min"] for m, r in zip(med, mr)]
@@ -524,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"{SMOL} only, 512 and 2048, repeat 2")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "ttft.png"), help="PNG to write ('' for none)")
     ap.add_argument("--json", default=str(WORK / "ttft.json"), help="raw results ('' for none)")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {', '.join(PATHS)}")
+    ap.add_argument("--no-headline", action="store_true", help="no README headline in --results")
     ap.add_argument("--serve", nargs=2, metavar=("ROLE", "CONFIG"), help=argparse.SUPPRESS)
     R.add_arg(ap)
     args = ap.parse_args(argv)
@@ -538,6 +741,13 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         if m not in (SMOL, QWEN):
             ap.error(f"unknown model {m!r}")
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    for p in paths:
+        if p not in PATHS:
+            ap.error(f"unknown path {p!r}")
+    if not {"prefill", "prefill-lean"} <= set(paths):
+        ap.error("--paths needs prefill and prefill-lean (the baselines)")
+    paths = tuple(p for p in PATHS if p in paths)
     for L in lengths:
         if L <= 0 or L % 256:
             ap.error(f"length {L} is not a positive multiple of the 256-token chunk")
@@ -553,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for m in models:
-        rows += asyncio.run(bench_model(m, lengths, args.repeat, args.suffix, log))
+        rows += asyncio.run(bench_model(m, lengths, args.repeat, args.suffix, log, paths))
     print()
     print(f"Machine: {machine()}")
     print(f"Command: python -P bench/ttft.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
@@ -567,7 +777,15 @@ def main(argv: list[str] | None = None) -> int:
     res.table("main", ttft_table(rows), "TTFT, medians (min-max)")
     print("\nBreakdown of the hit paths (medians, ms); KV = bf16 K+V of the context; wire = fetched blob bytes:\n")
     res.table("breakdown", breakdown_table(rows), "Breakdown of the hit paths (medians, ms)")
-    headline(res, rows)
+    if any(r.get("memory") for r in rows):
+        print("\nMemory (MiB, /proc/PID/status VmRSS and VmHWM after the repeats):\n")
+        res.table("memory", memory_table(rows), "Engine and edge memory")
+    drops = page_cache_line(rows)
+    if drops:
+        print(f"\nPage cache of the disk tier's files (mincore) before / after each posix_fadvise(DONTNEED): {drops}")
+        res.extra["page_cache"] = drops
+    if not args.no_headline and {"memory", "disk"} <= set(paths):
+        headline(res, rows)
     if args.plot:
         plot(rows, Path(args.plot))
         print(f"\nplot: {args.plot}")
