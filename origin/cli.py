@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     p.add_argument("--kvtc-basis", default=None, metavar="FILE",
-                   help="the model's kvtc basis (python -m kdn.adapters.hf.transform_fit): enables kvtc-B encodings")
+                   help="the model's kvtc basis file (fit_basis in kdn.adapters.hf.transform_fit; docs/operations.md): "
+                        "enables kvtc-B encodings")
     p.set_defaults(func=cmd_serve)
 
     p = origin.add_parser("keygen", help="make an origin signing key (FILE, mode 600) and FILE.pub for consumers")
