@@ -52,6 +52,7 @@ T = TypeVar("T")
 
 STRATEGIES = ("latency", "random", "origin-only")  # source selection; "latency" is KDN's own
 MAX_OBJECT_BYTES = 1 << 30
+BASIS_ENCODING = "basis"  # how a model's kvtc basis is stored and served (kind "basis" records)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ class KDNClient:
         # whose signature does not verify is a miss -- its digest is never believed.
         self.verifier = _verifier(trusted_keys)
         self.rejected_records = 0
+        # kvtc bases by address: each fetched once (then shared by every object that names it)
+        self._bases: dict[str, asyncio.Task[Any]] = {}
+        self.bases_fetched = 0
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -495,6 +499,49 @@ class KDNClient:
             est.observe(size, dt)
         return Fetched(address, encoding, buf, f"{src.label}/{source}", dt)
 
+    async def basis(self, address: str) -> Any:
+        """The kvtc basis (``kdn.kernels.transform.Basis``) at ``address``: fetched once, verified,
+        registered for decoding. Its address is the BLAKE3 of its bytes, and objects name it from inside
+        their verified bytes, so a basis that is not exactly those bytes is refused whatever its record says."""
+        A.validate_address(address)
+        task = self._bases.get(address)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._bases[address] = asyncio.ensure_future(self._load_basis(address))
+        return await asyncio.shield(task)
+
+    async def _load_basis(self, address: str) -> Any:
+        rec = await self.record(address)
+        if rec is None:
+            raise SourceError(f"kvtc basis {address[:16]}... is not in the registry")
+        enc = rec.get("encodings", {}).get(BASIS_ENCODING)
+        if rec.get("kind") != "basis" or not isinstance(enc, dict) or enc.get("digest") != address:
+            raise DigestMismatch(f"the record of {address[:16]}... is not a kvtc basis stored under its own digest")
+        f = await self.fetch(address, encoding=BASIS_ENCODING, digest=address, size=int(enc["size"]))
+        self.bases_fetched += 1
+
+        def load() -> Any:
+            import kdn.kernels  # noqa: F401  (registers the kvtc codec)
+            from kdn.kernels.transform import Basis, register_basis
+
+            basis = Basis.from_bytes(f.blob)
+            register_basis(basis)
+            return basis
+
+        return await asyncio.to_thread(load)
+
+    async def prepare(self, f: Fetched) -> int | None:
+        """Load the kvtc bases a fetched object names; the ``max_decoded`` its decode may use (None: default)."""
+        from kdn.objects import read_header
+
+        h = read_header(f.blob)
+        addrs = {str(t.params.get("basis")) for t in h.tensors.values() if t.codec == "kvtc"}
+        if not addrs:
+            return None
+        bases = [await self.basis(a) for a in sorted(addrs)]
+        from kdn.kernels.transform import decoded_cap
+
+        return int(max(decoded_cap(b, h.end - h.start) for b in bases))
+
     async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None,
                            quality: str | float | None = None) -> PrefixStates:
         """Fetch, verify and decode every object of a lookup; objects stay in chain order.
@@ -520,25 +567,26 @@ class KDNClient:
             else:
                 f = await self.fetch(address, encoding=encoding, quality=quality, cold=address in hit.cold)
             arrived.append(time.perf_counter())
-            return f, await asyncio.to_thread(_decode_checked, f, hit, budget)
+            cap = await self.prepare(f)  # a kvtc object: its basis first (fetched once)
+            return f, await asyncio.to_thread(_decode_checked, f, hit, budget, cap)
 
         done = await asyncio.gather(*(one(a) for a in hit.addresses))
         t_last = max(arrived, default=t0)
         return PrefixStates(hit, [o for _, o in done], [f for f, _ in done], t_last - t0, time.perf_counter() - t_last)
 
 
-def _decode_checked(f: Fetched, hit: Lookup, budget: float | None) -> DecodedObject:
+def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: int | None = None) -> DecodedObject:
     """Decode a verified object and check it is the one the lookup asked for."""
     from kdn.codecs import get_codec
     from kdn.errors import UnknownCodec
     from kdn.objects import decode_object
 
     try:
-        obj = decode_object(f.blob)
+        obj = decode_object(f.blob, max_decoded=max_decoded)
     except UnknownCodec:
         import kdn.kernels  # noqa: F401  (lossy codecs need torch: registered only when used)
 
-        obj = decode_object(f.blob)
+        obj = decode_object(f.blob, max_decoded=max_decoded)
     h = obj.header
     if h.model_id != hit.model_id or h.namespace != hit.namespace or h.address != f.address:
         raise DigestMismatch(f"object {f.address} claims model {h.model_id[:12]}/{h.namespace}, "

@@ -14,6 +14,7 @@ is treated as unaffordable for any lossy budget (never chosen silently).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kdn.errors import InvalidInput
@@ -43,7 +44,29 @@ TABLE: dict[str, EncodingCost] = {
     "ans-5": EncodingCost(False, 0.31, 3.30, 38.0),
     "ans-4": EncodingCost(False, 1.88, 4.25, 30.0),
     "cachegen-4": EncodingCost(False, 3.90, 4.59, 39.0),
+    # kvtc-B (the transform codec, B estimated bits per value; docs/benchmarks.md, "Transform codec kvtc"):
+    # SmolLM2-135M, 36 contexts, worst NLL increase, median ratio, decode MB/s. Needs the model's basis.
+    "kvtc-2p5": EncodingCost(False, 0.68, 5.66, 13.0),
+    "kvtc-2": EncodingCost(False, 1.43, 6.96, 13.0),
+    "kvtc-1p75": EncodingCost(False, 1.74, 7.89, 15.0),
+    "kvtc-1p65": EncodingCost(False, 2.36, 8.34, 16.0),
+    "kvtc-1p5": EncodingCost(False, 2.11, 9.11, 17.0),
 }
+
+# ``kvtc-B``: B bits per value as an integer or ``<int>p<digits>`` (encoding names have no '.').
+_KVTC = re.compile(r"kvtc-([0-9]{1,2})(?:p([0-9]{1,3}))?")
+KVTC_MAX_BITS = 16.0
+
+
+def kvtc_bits(encoding: object) -> float | None:
+    """The bit budget of a ``kvtc-B`` encoding name (``kvtc-2`` -> 2.0, ``kvtc-1p65`` -> 1.65); None otherwise."""
+    m = _KVTC.fullmatch(encoding) if isinstance(encoding, str) else None
+    if m is None:
+        return None
+    bits = float(f"{m.group(1)}.{m.group(2) or '0'}")
+    if not 0 < bits <= KVTC_MAX_BITS:
+        raise InvalidInput(f"encoding {encoding!r}: kvtc takes 0 < B <= {KVTC_MAX_BITS:g} bits per value")
+    return bits
 
 
 def parse_budget(quality: str | float) -> float | None:

@@ -37,6 +37,7 @@ import torch
 import zstandard
 
 from kdn.codecs import Buffer, nbytes, register_codec
+from kdn.encodings import kvtc_bits
 from kdn.errors import CodecError, InvalidInput
 from kdn.kernels.quant import (
     dequantize_absmax,
@@ -282,7 +283,7 @@ def cachegen_bits(encoding: str) -> tuple[str, tuple[int, ...]] | None:
 
 def encoding_names() -> list[str]:
     """Object-level encodings :func:`encoding_plan` knows (``cachegen``/``ans`` take 1 or 3 bit widths)."""
-    return ["raw", "zstd", *_PAIRS, "cachegen-B[-B-B]", "ans-B[-B-B]"]
+    return ["raw", "zstd", *_PAIRS, "cachegen-B[-B-B]", "ans-B[-B-B]", "kvtc-B (2, 2p5, 1p65...)"]
 
 
 def encoding_plan(encoding: str, *, n_layers: int | None = None) -> Callable:
@@ -297,6 +298,10 @@ def encoding_plan(encoding: str, *, n_layers: int | None = None) -> Callable:
     - ``cachegen-B1-B2-B3`` / ``ans-B1-B2-B3``: the first, middle and last third
       of ``n_layers`` layers get B1, B2, B3 bits (CacheGen: shallow layers are
       the most sensitive). Needs ``n_layers``.
+    - ``kvtc-B``: every K/V with ``kvtc`` (the transform codec,
+      ``kdn.kernels.transform``) at an estimated budget of B bits per value
+      (``2``, ``2p5`` = 2.5, ``1p65``...). Encoding it needs the model's basis:
+      :func:`encode_as` takes it as ``basis=``.
 
     Everything else -- Mamba ``L{i}.conv`` / ``L{i}.ssm`` states, non-float
     tensors -- stays lossless (zstd): a recurrent state's error would be carried
@@ -304,6 +309,8 @@ def encoding_plan(encoding: str, *, n_layers: int | None = None) -> Callable:
     """
     if encoding in ("raw", "zstd"):
         return lambda t: encoding
+    if kvtc_bits(encoding) is not None:
+        return lambda t: "kvtc" if _KV_NAME.fullmatch(t.name) and t.dtype in FLOAT_DTYPES else LOSSLESS_STATE_CODEC
     pair = _PAIRS.get(encoding)
     family_bits = cachegen_bits(encoding) if pair is None and isinstance(encoding, str) else None
     if pair is None and family_bits is None:
@@ -328,9 +335,20 @@ def encoding_plan(encoding: str, *, n_layers: int | None = None) -> Callable:
     return codec_for
 
 
-def encode_as(encoding: str, *, n_layers: int, **fields) -> bytes:
-    """One object (``kdn.objects.encode_object`` fields) in ``encoding``, each tensor coded by its plan."""
+def encode_as(encoding: str, *, n_layers: int, basis=None, **fields) -> bytes:
+    """One object (``kdn.objects.encode_object`` fields) in ``encoding``, each tensor coded by its plan.
+
+    ``kvtc-B`` also needs the model's ``basis`` (a ``kdn.kernels.transform.Basis``); InvalidInput without it.
+    """
     from kdn.objects import encode_object
+
+    bits = kvtc_bits(encoding)
+    if bits is not None:
+        from kdn.kernels.transform import encode_kvtc
+
+        if basis is None:
+            raise InvalidInput(f"encoding {encoding!r} needs the model's kvtc basis (none is configured)")
+        return encode_kvtc(encoding, basis, **fields)
 
     codec_for = None if encoding in ("raw", "zstd") else encoding_plan(encoding, n_layers=n_layers)
     return encode_object(encoding=encoding, codec_for=codec_for, **fields)

@@ -556,4 +556,40 @@ def encode_kvtc_object(basis: Basis, theta: float, *, tensors: dict[str, torch.T
         _PENDING.by_buffer = None
 
 
+_THETA: dict[tuple[str, float], float] = {}
+
+
+def theta_for(basis: Basis, bits: float) -> float:
+    """The allocation's ``theta`` for ``bits`` per value (cached per basis and budget: a bisection each)."""
+    key = (_address_cached(basis), bits)
+    theta = _THETA.get(key)
+    if theta is None:
+        theta = _THETA[key] = allocate(basis, bits).theta
+    return theta
+
+
+def encode_kvtc(encoding: str, basis: Basis, *, tensors, position: int, **fields) -> bytes:
+    """One object in ``kvtc-B`` (``kdn.kernels.encode_as`` fields; ``tensors`` torch or raw tensors by name)."""
+    from kdn.encodings import kvtc_bits
+    from kdn.objects import RawTensor, to_torch
+
+    bits = kvtc_bits(encoding)
+    if bits is None:
+        raise InvalidInput(f"{encoding!r} is not a kvtc-B encoding")
+    model_id = fields.get("model_id")
+    if model_id is not None and model_id != basis.model_id:
+        raise InvalidInput(f"kvtc: the basis is fitted for model {basis.model_id[:16]}..., not {str(model_id)[:16]}...")
+    if any(isinstance(t, RawTensor) for t in tensors.values()):
+        tensors = to_torch(tensors)
+    return encode_kvtc_object(basis, theta_for(basis, bits), tensors=tensors, position=position, encoding=encoding,
+                              **fields)
+
+
+def decoded_cap(basis: Basis, chunk_tokens: int, extra: int = 1 << 20) -> int:
+    """An upper bound on what one ``chunk_tokens``-token kvtc object of this basis's model decodes to
+    (F32 K and V of every layer, plus ``extra`` for the other tensors): ``max_decoded`` for
+    :func:`kdn.objects.decode_object`, whose default (16x the blob) refuses kvtc's larger ratios."""
+    return 2 * basis.n_layers * basis.channels * max(1, chunk_tokens) * 4 + extra
+
+
 register_codec(TransformCodec(), replace=True)

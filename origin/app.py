@@ -8,6 +8,7 @@ Routes (JSON errors ``{"error", "detail"}`` everywhere):
     POST /v1/publish                       publisher token; text or token ids -> 202 + job
     GET  /v1/jobs/{id}                     progress; the manifest when done
     GET|HEAD /v1/objects/{address}         a blob; ETag = BLAKE3 digest; ?encoding=
+                                           (the model's kvtc basis too: ?encoding=basis)
     POST /v1/lookup                        ordered addresses -> longest stored prefix
     GET  /v1/registry/objects/{address}    GET /v1/registry/manifests/{ns}/{name}
     GET  /healthz                          GET /metrics
@@ -30,9 +31,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kdn import service
 from kdn.address import validate_address, validate_name
 from kdn.auth import Grant, Grants, covers
-from kdn.encodings import LOSSLESS_PREFERENCE
+from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import RegistryUnavailable
-from kdn.registry import Manifest, ModelRecord, NodeRecord
+from kdn.registry import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
 from kdn.origin.jobs import Job, JobQueue, QueueFull
@@ -65,6 +66,7 @@ class OriginConfig:
     engine: str = "hf"  # what computes the states: "hf" (transformers) or "vllm"
     signing_key: str | None = None  # Ed25519 key (kdn origin keygen): every record and manifest is signed
     max_context: int = 32768  # with the vllm engine: the longest document it is sized for
+    kvtc_basis: str | None = None  # a kvtc basis file (kdn.adapters.hf.transform_fit): enables kvtc-B encodings
     deadlines: service.Deadlines = field(default_factory=service.Deadlines)  # request bodies, responses
 
     @property
@@ -122,10 +124,12 @@ async def _model_ctx(app: web.Application):
         app[PRODUCER] = await loop.run_in_executor(app[EXECUTOR], _vllm_producer, cfg, loaded, app[STORE])
     else:
         app[PRODUCER] = Producer(loaded, app[STORE], cfg.node_id)
+    extra = {"max_positions": loaded.max_positions, "origin": cfg.advertised_url}
+    if cfg.kvtc_basis:
+        extra[BASIS_KEY] = await _publish_basis(app, cfg.kvtc_basis)
     await app[REGISTRY].put_model(ModelRecord(
         model_id=loaded.model_id, name=loaded.name, architecture=loaded.architecture, dtype=loaded.dtype,
-        chunk_tokens=loaded.chunk_tokens, config=loaded.config_fields,
-        extra={"max_positions": loaded.max_positions, "origin": cfg.advertised_url},
+        chunk_tokens=loaded.chunk_tokens, config=loaded.config_fields, extra=extra,
     ))
     log.info("origin model %s (%s) id %s", loaded.name, loaded.architecture, loaded.model_id)
     try:
@@ -133,6 +137,35 @@ async def _model_ctx(app: web.Application):
     finally:
         app[EXECUTOR].shutdown(wait=True, cancel_futures=True)
         app[TOKENIZER].shutdown(wait=True, cancel_futures=True)
+
+
+BASIS_KEY = "kvtc_basis"  # ModelRecord.extra: the address of the model's kvtc basis
+
+
+async def _publish_basis(app: web.Application, path: str) -> str:
+    """Store the kvtc basis file under its address (encoding ``basis``) and record it, so edges and
+    clients fetch it like any object: blob first, then its (signed) record. Returns its address."""
+    from kdn.kernels.transform import Basis, register_basis
+
+    loaded, store = app[LOADED], app[STORE]
+    data = await asyncio.to_thread(Path(path).read_bytes)
+    basis = await asyncio.to_thread(Basis.from_bytes, data)
+    layout = loaded.model.config
+    if basis.model_id != loaded.model_id:
+        raise ValueError(f"--kvtc-basis {path} was fitted for model {basis.model_id[:16]}..., "
+                         f"this origin serves {loaded.model_id[:16]}...")
+    if basis.n_layers != layout.num_hidden_layers:
+        raise ValueError(f"--kvtc-basis {path} has {basis.n_layers} layers, the model {layout.num_hidden_layers}")
+    address = register_basis(basis)
+    info = await asyncio.to_thread(store.put, address, "basis", data)
+    await app[REGISTRY].put_objects([ObjectRecord(
+        address=address, model_id=loaded.model_id, namespace="public", kind="basis", start=0, end=1, parent=None,
+        standalone=False, encodings={"basis": Encoding("basis", info.size, info.digest)},
+        origin=app[CONFIG].node_id, engine=app[PRODUCER].engine)])
+    app[NAMESPACES][address] = "public"
+    app[PRODUCER].basis = basis
+    log.info("kvtc basis %s (%d bytes) for model %s", address[:16], info.size, loaded.model_id[:16])
+    return address
 
 
 def _vllm_producer(cfg: OriginConfig, loaded, store: ObjectStore) -> Producer:
@@ -188,6 +221,12 @@ async def publish(request: web.Request) -> web.Response:
         max_tokens=max_tokens))
     if spec.standalone and app[CONFIG].engine != "hf":
         return json_error(400, "invalid_input", "standalone chunks are computed by an origin with --engine hf")
+    kvtc = [e for e in spec.encodings if kvtc_bits(e) is not None]
+    if kvtc and app[CONFIG].engine != "hf":
+        return json_error(400, "invalid_input", f"{kvtc[0]} objects are encoded by an origin with --engine hf")
+    if kvtc and app[PRODUCER].basis is None:
+        return json_error(400, "invalid_input", f"encoding {kvtc[0]} needs a kvtc basis for this model, and this "
+                          "origin has none (kdn origin serve --kvtc-basis FILE)")
     try:
         job = app[JOBS].submit(spec.name, spec.namespace, lambda job: _run_publish(app, spec, job))
     except QueueFull as e:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kdn import address as A
 from kdn.address import Address
-from kdn.encodings import LOSSLESS_PREFERENCE
+from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry import Encoding, ObjectRecord
 from kdn.store import validate_encoding
@@ -166,6 +166,7 @@ class Producer:
         self.store = store
         self.origin_id = origin_id
         self.engine = f"transformers {transformers.__version__}"  # named on every record it writes
+        self.basis = None  # the model's kvtc basis (kdn.kernels.transform.Basis), if the origin has one
 
     @property
     def chunk_tokens(self) -> int:
@@ -258,7 +259,8 @@ class Producer:
                 continue
             blob = encode_as(enc, n_layers=self.loaded.model.config.num_hidden_layers, kind=kind, address=addr,
                              model_id=self.loaded.model_id, namespace=spec.namespace, start=s, end=e,
-                             position=position, parent=parent, tensors=raw)
+                             position=position, parent=parent, tensors=tensors if kvtc_bits(enc) else raw,
+                             basis=self.basis)
             self.store.put(addr, enc, blob)
 
     def _record(self, addr, spec, kind, s, e, parent, *, standalone: bool = False) -> ObjectRecord:

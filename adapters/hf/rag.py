@@ -256,7 +256,8 @@ async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: list[str],
             continue
         if isinstance(f, BaseException):
             raise f
-        obj = decode_object(f.blob)
+        cap = await client.prepare(f)  # a kvtc object: its basis, fetched once, and its decode limit
+        obj = decode_object(f.blob, max_decoded=cap)
         h = obj.header
         if h.address != a or h.model_id != mid or h.namespace != namespace or h.position != 0:
             raise DigestMismatch(f"object {a[:16]}... is not the standalone chunk of this model/namespace")

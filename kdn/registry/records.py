@@ -22,7 +22,8 @@ import msgpack
 from kdn.address import validate_address, validate_model_id, validate_name, validate_namespace
 from kdn.errors import InvalidInput
 
-OBJECT_KINDS = frozenset({"kv", "ssm", "hybrid"})
+# "basis": a model-level object (a kvtc basis, kdn/kernels/transform.py) stored and served like a chunk
+OBJECT_KINDS = frozenset({"kv", "ssm", "hybrid", "basis"})
 POLICY_KINDS = frozenset({"pin", "warm", "ttl", "quota"})
 
 R = TypeVar("R", bound="_Record")
