@@ -9,7 +9,6 @@ import sys
 
 import aiohttp
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -30,15 +29,9 @@ TEXT = ("The keeper trimmed the wick at dusk and wrote the wind in the log. " * 
 
 @pytest.fixture(scope="module")
 def basis_file(tmp_path_factory):
-    from kdn.adapters.hf import models as hf_models
-    from kdn.adapters.hf.transform_fit import fit_basis
+    from kvtc_helpers import fit_tiny_basis
 
-    lm = hf_models.load_model("tiny-llama")
-    g = torch.Generator().manual_seed(0)
-    vocab = lm.model.config.vocab_size
-    windows = [torch.randint(3, vocab, (96,), generator=g) for _ in range(4)]
-    alpha_windows = [torch.randint(3, vocab, (48,), generator=g)]
-    basis = fit_basis(lm.model, lm.model_id, windows, alpha_windows, alpha_context=32, alpha_next=16)
+    _, basis, _ = fit_tiny_basis()
     path = tmp_path_factory.mktemp("kvtc") / "tiny-llama.basis"
     path.write_bytes(basis.to_bytes())
     return path, basis.address

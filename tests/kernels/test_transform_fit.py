@@ -8,20 +8,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kdn.adapters.hf import models as hf_models  # noqa: E402
 from kdn.adapters.hf.extract import extract_chunks  # noqa: E402
-from kdn.adapters.hf.transform_fit import fit_basis  # noqa: E402
 from kdn.kernels import transform as tf  # noqa: E402
 from kdn.objects import decode_object, to_torch  # noqa: E402
 
 
 def test_fit_basis_on_a_tiny_llama_and_code_its_kv():
-    lm = hf_models.load_model("tiny-llama")
-    g = torch.Generator().manual_seed(0)
+    from kvtc_helpers import fit_tiny_basis
+
+    lm, basis, g = fit_tiny_basis()
     vocab = lm.model.config.vocab_size
-    windows = [torch.randint(3, vocab, (96,), generator=g) for _ in range(4)]
-    alpha_windows = [torch.randint(3, vocab, (48,), generator=g)]
-    basis = fit_basis(lm.model, lm.model_id, windows, alpha_windows, alpha_context=32, alpha_next=16)
     assert basis.n_layers == 2 and basis.kv_heads == 2 and basis.head_dim == 16
     for pair in basis.layers:
         for lb in pair:
