@@ -74,7 +74,10 @@ class EntryMeta:
     digest: str  # BLAKE3 hex of the blob, as in the registry
     namespace: str
     manifest: str | None = None  # "namespace/name" of the manifest it was published in
-    inserted_at: float = 0.0  # wall-clock seconds (``steady_wall``); set by the tier on put
+    # When the object arrived at this edge, wall-clock seconds (``steady_wall``). A put keeps a value the
+    # caller set (a copy between tiers: the disk persist, a promotion to memory) and stamps 0 with its
+    # clock, so a TTL counts from the object's arrival, not from its latest copy.
+    inserted_at: float = 0.0
     pinned: bool = False  # never evicted while pinned
     expires_at: float | None = None  # after it the entry MAY be dropped; dropped first under pressure
 
@@ -266,7 +269,9 @@ class _BaseTier:
             return True  # content-addressed: same key, same bytes
         if key in self._pending:
             return await asyncio.shield(self._pending[key])
-        meta = self._ruled(key, replace(meta, inserted_at=self._clock()))
+        if meta.inserted_at <= 0:
+            meta = replace(meta, inserted_at=self._clock())
+        meta = self._ruled(key, meta)
         if key in self._doomed:  # deleted while read, bytes still here: take it back
             e = self._doomed.pop(key)
             self._account(e, -1)

@@ -121,6 +121,25 @@ async def test_disk_tier_survives_restart_and_corruption_is_never_served(tmp_pat
         assert c.edge("e1").disk.stats.corrupt == 1
 
 
+async def test_a_disk_hit_promoted_to_memory_keeps_its_arrival_time(tmp_path, etcd_url):
+    """The memory copy of a disk hit expires with the object, not a TTL after the promotion (the clock_jump
+    fault scenario saw hits 7 s after their fill under a 3 s TTL)."""
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        m = await publish(c, TEXT)
+        a = m["addresses"][0]
+        key = (a, "zstd")
+        edge = c.edge("e1")
+        assert (await get(c.edge_url("e1"), a))[2]["X-KDN-Source"] == "origin"
+        await edge.idle()  # the disk copy is written off the response path
+        arrived = dict(edge.memory.entries())[key].inserted_at
+        assert dict(edge.disk.entries())[key].inserted_at == arrived
+        await asyncio.sleep(0.05)
+        assert await edge.memory.delete(key)
+        assert (await get(c.edge_url("e1"), a))[2]["X-KDN-Source"] == "disk"
+        await edge.idle()  # promoted off the response path
+        assert dict(edge.memory.entries())[key].inserted_at == arrived
+
+
 async def test_budgets_hold(tmp_path, etcd_url):
     async with cluster(tmp_path, etcd_url, edges=("e1",), mem_budget=150_000, disk_budget=300_000) as c:
         m = await publish(c, ("Budgets hold under pressure. " * 200)[:3500])

@@ -308,3 +308,17 @@ def test_tiers_import_no_torch():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-P", "-c", code], check=True)
+
+
+async def test_a_copy_keeps_its_arrival_time_so_a_ttl_counts_from_arrival(make_tier):
+    """A put that carries ``inserted_at`` (a disk persist, a promotion to memory) keeps it; one that leaves it
+    0 is stamped with the tier's clock. With a re-stamp each copy restarted the TTL."""
+    tier, clock = make_tier(10_000)
+    tier.apply_policy(lambda k, m: PolicyState(expires_at=m.inserted_at + 10))
+    arrived = clock.now - 8
+    assert await put(tier, 0, 100, inserted_at=arrived)
+    await put(tier, 1, 100)
+    got = dict(tier.entries())
+    assert got[key(0)].inserted_at == arrived and got[key(1)].inserted_at == clock.now
+    assert await tier.expire(clock.now + 3) == 1  # the copy's TTL ran from its arrival, 8 s ago
+    assert not tier.contains(key(0)) and tier.contains(key(1))
