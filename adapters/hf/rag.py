@@ -40,13 +40,13 @@ from kdn import address as A
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
 from kdn.kernels.blend import compose, kv_deviation, select_tokens
 from kdn.kernels.rope import rope_of
+from kdn.template import chat_frame, encode_text
 
 from kdn.adapters.hf.cache import build_cache
 from kdn.adapters.hf.extract import standalone_chunk
 from kdn.adapters.hf.generate import _pick, decode_loop, model_id
 
 BLEND_FAMILIES = frozenset({"llama", "qwen2"})
-_SENTINEL = "\ue000KDN-CONTEXT\ue001"
 
 
 @dataclass
@@ -220,19 +220,10 @@ class RagGeneration:
     blend: Blend = field(repr=False)
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))  # as the origin tokenizes a publish
-    except TypeError:
-        return list(tokenizer.encode(text))
-
-
 def rag_frame(tokenizer: Any, query: str, system: str | None) -> tuple[str, str]:
     """Text before the documents and after them (the query), from the chat template if there is one."""
     if getattr(tokenizer, "chat_template", None):
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
-        rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        head, tail = rendered.split(_SENTINEL, 1)
+        head, tail = chat_frame(tokenizer, system)
         return head, f"\n\n{query}{tail}"
     return (f"{system}\n\n" if system else ""), f"\n\n{query}\n"
 
@@ -285,10 +276,10 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
         raise InvalidInput("generate_rag needs at least one document")
     mid = model_id(model, tokenizer)
     head_text, tail_text = rag_frame(tokenizer, query, system)
-    head, tail = _encode(tokenizer, head_text), _encode(tokenizer, tail_text)
+    head, tail = encode_text(tokenizer, head_text), encode_text(tokenizer, tail_text)
     pieces: list[list[int]] = []
     for d in documents:
-        toks = _encode(tokenizer, d)
+        toks = encode_text(tokenizer, d)
         if not toks:
             raise InvalidInput("an empty document")
         pieces += [toks[s:e] for s, e in A.chunk_spans(len(toks), chunk_tokens)]
