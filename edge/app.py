@@ -197,16 +197,19 @@ class Edge:
         self.flight: SingleFlight[tuple[bytes, str]] = SingleFlight()  # one fill per key at a time
         self._background: set[asyncio.Task] = set()
         self._disk_error_logged = float("-inf")
+        self._promoting: set[Key] = set()  # disk hits being copied to memory: one copy per key at a time
         self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
 
-    def background(self, coro) -> None:
-        """Run ``coro`` off the response path, holding a reference until it ends (bounded: skip when busy)."""
+    def background(self, coro) -> bool:
+        """Run ``coro`` off the response path, holding a reference until it ends. Bounded: when 256 are
+        running, ``coro`` is closed unstarted and this returns False."""
         if len(self._background) >= 256:
             coro.close()
-            return
+            return False
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return True
 
     async def idle(self) -> None:
         """Until the background work started so far (disk copies) is done: for tests and shutdown."""
@@ -297,8 +300,11 @@ class Edge:
             if handle.data is not None:  # in memory: written as it is
                 return Loaded(tier.name, handle.size, data=handle.data, handle=handle)
             assert handle.path is not None  # a file: sent with sendfile, and promoted to memory
-            if count and not self.memory.contains(key) and handle.size <= self.memory.budget:
-                self.background(_promote(self, key, handle.path, rec, handle.meta.inserted_at))
+            if (count and key not in self._promoting and not self.memory.contains(key)
+                    and handle.size <= self.memory.budget):
+                self._promoting.add(key)
+                if not self.background(_promote(self, key, handle.path, rec, handle.meta.inserted_at)):
+                    self._promoting.discard(key)
             return Loaded(tier.name, handle.size, path=handle.path, handle=handle)
         return None
 
@@ -605,6 +611,8 @@ async def _promote(edge: Edge, key: Key, path: Path, rec: ObjectRecord, inserted
             await edge.memory.put(key, blob, replace(edge.meta_for(rec, key[1]), inserted_at=inserted_at))
     except OSError:
         pass  # evicted meanwhile: the next read fills again
+    finally:
+        edge._promoting.discard(key)
 
 
 async def _send_bytes(request, data: memoryview, headers: dict, *, head: bool, metrics, source: str):
