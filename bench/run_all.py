@@ -80,8 +80,9 @@ RUNS: list[Run] = [
     Run("vllm_ttft", "vllm_ttft", [], None, ("vllm",), 3 * 3600),
     Run("blend", "blend", ["--questions", "8", "--png", "docs/img/blend.png"],
         ["--questions", "1", "--ratios", "15", "--png", ""], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers", "edge-mem,dict,lmcache,redis",
-                           "--clients", "raw,kdn", "--duration", "2", "--warmup", "0.5", "--no-install"],
+    Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers",
+                           "edge-mem,edge-disk,dict,dict-copy,nginx-1w,lmcache,redis", "--clients", "raw,kdn",
+                           "--duration", "2", "--warmup", "0.5", "--profile", "--no-install"],
         ["--sizes", "4MiB", "--conc", "1", "--servers", "edge-mem,dict", "--clients", "raw", "--duration", "0.5",
          "--warmup", "0.2", "--no-install", "--plot", ""], ("redis", "lmcache"), 1800),
     Run("gpu_check", "gpu_check", ["--device", "cuda", "--lengths", "2048,8192,32768", "--repeat", "5"],
@@ -134,11 +135,13 @@ NEEDS = {
     "redis": (lambda: bool(shutil.which("redis-server")), "redis-server not installed (apt; the bench runs "
               "with --no-install)"),
     "lmcache": (lambda: (ROOT / "bench" / "work" / "lmcache-venv").exists(), "no LMCache venv in bench/work"),
+    "nginx": (lambda: bool(shutil.which("nginx") or Path("/usr/sbin/nginx").exists()), "nginx not installed (apt; "
+              "the bench runs with --no-install)"),
 }
 
 
 def missing(run: Run, quick: bool) -> str:
-    needs = run.needs if not quick else tuple(n for n in run.needs if n not in ("redis", "lmcache"))
+    needs = run.needs if not quick else tuple(n for n in run.needs if n not in ("redis", "lmcache", "nginx"))
     return "; ".join(why for n in needs for check, why in [NEEDS[n]] if not check())
 
 

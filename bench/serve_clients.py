@@ -14,7 +14,9 @@ keep-alive, body read with ``recv_into`` into a buffer allocated once),
 (``KDNClient.fetch`` with digest and size known: the real fetch path,
 BLAKE3 verification included), ``kdn-recv`` (the same with the BLAKE3 check
 stubbed out in this process: the receive path alone), ``redis`` (redis-py
-sync with hiredis, one connection per thread), ``lmcache`` (LMCache's remote
+sync with hiredis, one connection per thread), ``redis-raw`` (RESP on a
+blocking socket, the value read with ``recv_into`` into a buffer allocated
+once, as ``raw`` reads HTTP), ``lmcache`` (LMCache's remote
 connector for ``lm://``).
 
 Protocol on stdout: a line ``START`` when the measured window opens, ``END``
@@ -350,6 +352,57 @@ def _redis_worker(host: str, port: int, keys: list[str], window: Window, tally: 
         r.close()
 
 
+def _redis_raw_worker(host: str, port: int, keys: list[str], size: int, window: Window, tally: Tally,
+                      offset: int) -> None:
+    """GET over RESP on a blocking socket, the bulk string read with ``recv_into`` into one buffer
+    allocated once: Redis read as the ``raw`` HTTP client reads the HTTP servers (redis-py allocates a
+    fresh ``bytes`` per reply)."""
+    sock = socket.create_connection((host, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    body = bytearray(size + 2)  # the value and its trailing CRLF
+    view = memoryview(body)
+    head = bytearray(64)
+    hview = memoryview(head)
+    reqs = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k.encode()) for k in keys]
+    i = offset
+    try:
+        while True:
+            t = time.perf_counter()
+            if t >= window.t1:
+                return
+            sock.sendall(reqs[i % len(reqs)])
+            i += 1
+            n = 0
+            while True:  # "$<length>\r\n", then the value
+                r = sock.recv_into(hview[n:])
+                if not r:
+                    raise ConnectionError("server closed")
+                n += r
+                end = head.find(b"\r\n", 0, n)
+                if end >= 0:
+                    break
+            if head[0:1] != b"$" or head[1:2] == b"-":
+                raise ConnectionError(bytes(head[:end]).decode(errors="replace"))
+            length = int(head[1:end])
+            if length > size:
+                raise ConnectionError(f"value of {length} bytes, buffer of {size}")
+            got = n - (end + 2)
+            view[:got] = hview[end + 2:n]
+            while got < length + 2:
+                r = sock.recv_into(view[got:length + 2])
+                if not r:
+                    raise ConnectionError("server closed mid-value")
+                got += r
+            done = time.perf_counter()
+            if window.t0 <= done < window.t1:
+                tally.lat.append(done - t)
+                tally.bytes += length
+    except OSError:
+        tally.errors += 1
+    finally:
+        sock.close()
+
+
 # --- LMCache ------------------------------------------------------------------
 
 
@@ -445,9 +498,9 @@ def _lmcache_main(host: str, port: int, objects: list[dict], blobs: str, conc: i
 
 
 def dict_server(port: int, blobs: str, send: str = "response") -> None:
-    """``send``: ``response`` is the baseline (``web.Response(body=blob)``); ``stream`` and
-    ``sliced:N`` are experiments for the edge's ``_send_bytes`` (headers sent on their own, then
-    the body as a memoryview, whole or in N-byte slices with a drain between)."""
+    """``send``: ``stream`` is the baseline (headers sent on their own, then the body as a memoryview: no
+    copy, as the edge sends); ``response`` (``web.Response(body=blob)``, which joins headers and body
+    into one new ``bytes`` first) is kept as a row; ``sliced:N`` writes N-byte slices with a drain between."""
     from aiohttp import web
 
     store = {}
@@ -481,7 +534,8 @@ def dict_server(port: int, blobs: str, send: str = "response") -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["raw", "aiohttp", "kdn", "kdn-recv", "bufproto", "redis", "lmcache", "dict-server"])
+    p.add_argument("mode", choices=["raw", "aiohttp", "kdn", "kdn-recv", "bufproto", "redis", "redis-raw", "lmcache",
+                                    "dict-server"])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--objects", help="JSON file: [{address, digest, size}]")
@@ -522,6 +576,8 @@ def main() -> None:
         t = asyncio.run(_bufproto_main(host, port, paths, size, a.conc, window))
     elif a.mode == "redis":
         t = run_threads(_redis_worker, a.conc, window, host, port, [o["address"] for o in objects])
+    elif a.mode == "redis-raw":
+        t = run_threads(_redis_raw_worker, a.conc, window, host, port, [o["address"] for o in objects], size)
     else:
         t = _lmcache_main(host, port, objects, a.blobs, a.conc, window)
     _report(t, window)
