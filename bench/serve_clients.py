@@ -93,6 +93,30 @@ def _report(t: Tally, window: Window, extra: dict | None = None) -> None:
 # --- raw socket ---------------------------------------------------------------
 
 
+def _read_head(sock: socket.socket, hview: memoryview, sep: bytes) -> tuple[int, int]:
+    """Receive until ``sep`` ends the head: (bytes received, where ``sep`` starts)."""
+    n = 0
+    while True:
+        r = sock.recv_into(hview[n:])
+        if not r:
+            raise ConnectionError("server closed")
+        n += r
+        end = hview.obj.find(sep, 0, n)
+        if end >= 0:
+            return n, end
+
+
+def _read_body(sock: socket.socket, view: memoryview, hview: memoryview, n: int, start: int, length: int) -> None:
+    """The ``length``-byte body into ``view``: what came with the head (from ``start`` to ``n``), then the rest."""
+    got = n - start
+    view[:got] = hview[start:n]
+    while got < length:
+        r = sock.recv_into(view[got:length])
+        if not r:
+            raise ConnectionError("server closed mid-body")
+        got += r
+
+
 def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Window, tally: Tally, offset: int) -> None:
     sock = socket.create_connection((host, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -110,15 +134,7 @@ def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Windo
             sock.sendall(reqs[i % len(reqs)])
             i += 1
             # headers: read until the blank line; whatever follows is the start of the body
-            n = 0
-            while True:
-                r = sock.recv_into(hview[n:])
-                if not r:
-                    raise ConnectionError("server closed")
-                n += r
-                end = head.find(b"\r\n\r\n", 0, n)
-                if end >= 0:
-                    break
+            n, end = _read_head(sock, hview, b"\r\n\r\n")
             hdr = bytes(head[:end]).lower()
             if not hdr.startswith(b"http/1.1 200"):
                 raise ConnectionError(hdr[:60].decode(errors="replace"))
@@ -127,13 +143,7 @@ def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Windo
             length = int(hdr[cl:eol if eol >= 0 else len(hdr)])
             if length > size:
                 raise ConnectionError(f"body of {length} bytes, buffer of {size}")
-            got = n - (end + 4)
-            view[:got] = hview[end + 4:n]
-            while got < length:
-                r = sock.recv_into(view[got:length])
-                if not r:
-                    raise ConnectionError("server closed mid-body")
-                got += r
+            _read_body(sock, view, hview, n, end + 4, length)
             done = time.perf_counter()
             if window.t0 <= done < window.t1:
                 tally.lat.append(done - t)
@@ -372,27 +382,13 @@ def _redis_raw_worker(host: str, port: int, keys: list[str], size: int, window: 
                 return
             sock.sendall(reqs[i % len(reqs)])
             i += 1
-            n = 0
-            while True:  # "$<length>\r\n", then the value
-                r = sock.recv_into(hview[n:])
-                if not r:
-                    raise ConnectionError("server closed")
-                n += r
-                end = head.find(b"\r\n", 0, n)
-                if end >= 0:
-                    break
+            n, end = _read_head(sock, hview, b"\r\n")  # "$<length>\r\n", then the value and a CRLF
             if head[0:1] != b"$" or head[1:2] == b"-":
                 raise ConnectionError(bytes(head[:end]).decode(errors="replace"))
             length = int(head[1:end])
             if length > size:
                 raise ConnectionError(f"value of {length} bytes, buffer of {size}")
-            got = n - (end + 2)
-            view[:got] = hview[end + 2:n]
-            while got < length + 2:
-                r = sock.recv_into(view[got:length + 2])
-                if not r:
-                    raise ConnectionError("server closed mid-value")
-                got += r
+            _read_body(sock, view, hview, n, end + 2, length + 2)
             done = time.perf_counter()
             if window.t0 <= done < window.t1:
                 tally.lat.append(done - t)
