@@ -1035,7 +1035,8 @@ def headline(res: R.Results, results: list[RunResult]) -> None:
                      "cells": [spread([r.origin_bytes / 1e6 for r in oo], 2),
                                spread([r.origin_bytes / 1e6 for r in by[("latency", 2)]], 2)]})
     res.set_headline(
-        f"geo simulation, 3 regions, KDN's latency-aware client vs a static nearest edge, {n} seeds", text,
+        f"geo simulation, 3 regions, KDN's latency-aware client vs static-nearest (the nearest edge, configured by "
+        f"hand), {n} seed{'s' if n > 1 else ''}", text,
         "static-nearest: the client's nearest edge configured by hand, no hedging, the origin only on errors (the "
         "strongest fixed configuration); the oracle (per object the one source with the least modeled time, known "
         "in advance, no hedging) and the same oracle hedged; origin-only", figs)
