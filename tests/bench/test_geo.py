@@ -114,8 +114,9 @@ def test_tables_and_headline_tie_together():
     geo.headline(r, res)
     h = r.headline
     assert "static-nearest" in h["what"] and "static-nearest" in h["baseline"]
-    assert "p50 **0.50x**" in h["result"] and "p99 **0.50x**" in h["result"] and "faster" in h["result"]
-    assert "8x below origin-only" in h["result"]
+    assert "p50 **0.50x**" in h["result"] and "p99 **0.50x**" in h["result"]
+    assert "p50 0.50-0.50x (slower in 0 of 3)" in h["result"]
+    assert "8x below origin-only's (static-nearest's: 16x below)" in h["result"]
     tables = {t["id"]: t["markdown"] for t in r.tables}
     for f in h["figures"]:
         assert f["shown"] in h["result"]
