@@ -1042,8 +1042,8 @@ def headline(res: R.Results, results: list[RunResult]) -> None:
     res.set_headline(
         f"geo simulation, 3 regions, KDN's latency-aware client vs static-nearest (the nearest edge, configured by "
         f"hand), {n} seed{'s' if n > 1 else ''}", text,
-        "static-nearest: the client's nearest edge configured by hand, no hedging, the origin only on errors (the "
-        "strongest fixed configuration); the oracle (per object the one source with the least modeled time, known "
+        "static-nearest: the client's nearest edge configured by hand (what a user would do), no hedging, the origin "
+        "only on errors; the oracle (per object the one source with the least modeled time, known "
         "in advance, no hedging) and the same oracle hedged; origin-only", figs)
 
 
