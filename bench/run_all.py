@@ -96,6 +96,8 @@ RUNS: list[Run] = [
     Run("cross_engine", "cross_engine", [], None, ("vllm",), 3600),
     # Records of past runs the docs still discuss; their code has changed since, so re-running the same command
     # would not reproduce what the text around them says.
+    Run("geo-seed7", "geo",
+        archived="one seed (7), after the three client fixes, before the static-nearest baseline and --seeds"),
     Run("geo-before-fixes", "geo", archived="before three fetch-client fixes"),
     Run("geo-earlier", "geo", archived="an earlier run, before the client fixes"),
     Run("blend-first", "blend", archived="the first run, under heavy load"),
