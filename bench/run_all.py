@@ -67,9 +67,9 @@ RUNS: list[Run] = [
         ["--addresses", "2000"], (), 600),
     Run("quality", "quality", ["--contexts", "512", "1024", "--continuation", "256", "--png", "docs/img/quality.png"],
         ["--contexts", "256", "--continuation", "32", "--encodings", "raw", "int8"], ("smollm2",), 3600),
-    Run("geo", "geo", ["--requests", "200", "--strategies", "oracle,latency,random,origin-only,latency-hit-only"],
-        ["--requests", "6", "--docs", "2", "--strategies", "latency", "--no-prefetch0", "--plot", "",
-         "--json", ""], ("etcd",), 1800),
+    Run("geo", "geo", ["--requests", "200", "--seeds", "1,2,3"],
+        ["--requests", "6", "--docs", "2", "--strategies", "latency,static-nearest", "--no-prefetch0", "--plot", "",
+         "--json", ""], ("etcd",), 2700),
     Run("ttft", "ttft", ["--repeat", "3"],
         ["--models", "smollm2-135m", "--lengths", "256", "--repeat", "1", "--plot", "", "--json", ""],
         ("smollm2",), 3 * 3600),
@@ -97,6 +97,8 @@ RUNS: list[Run] = [
     Run("cross_engine", "cross_engine", [], None, ("vllm",), 3600),
     # Records of past runs the docs still discuss; their code has changed since, so re-running the same command
     # would not reproduce what the text around them says.
+    Run("geo-seed7", "geo",
+        archived="one seed (7), after the three client fixes, before the static-nearest baseline and --seeds"),
     Run("geo-before-fixes", "geo", archived="before three fetch-client fixes"),
     Run("geo-earlier", "geo", archived="an earlier run, before the client fixes"),
     Run("blend-first", "blend", archived="the first run, under heavy load"),
