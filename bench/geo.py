@@ -85,20 +85,20 @@ import random
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # etcd_proc: the one throwaway-etcd helper
 
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
+from etcd_proc import EtcdProcess  # noqa: E402
 from linkemu import LinkEmulator  # noqa: E402
 import results as R  # noqa: E402
 
@@ -136,48 +136,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# --- etcd -----------------------------------------------------------------------------------------
-
-
-class Etcd:
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="kdn-geo-etcd-")
-        self.port, self.peer = free_port(), free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        c, p = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer}"
-        self.log = open(os.path.join(self.dir, "etcd.log"), "wb")
-        self.proc = subprocess.Popen(
-            ["/usr/bin/etcd", "--name", "geo", "--data-dir", os.path.join(self.dir, "data"),
-             "--listen-client-urls", c, "--advertise-client-urls", c, "--listen-peer-urls", p,
-             "--initial-advertise-peer-urls", p, "--initial-cluster", f"geo={p}", "--initial-cluster-state", "new",
-             "--log-level", "error"], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{c}/health", timeout=1) as r:
-                    if json.load(r).get("health") in ("true", True):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("etcd did not become healthy")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # --- the topology -----------------------------------------------------------------------------------
@@ -240,7 +198,7 @@ class World:
 
     def __init__(self, tmp: Path, args) -> None:
         self.tmp, self.args = tmp, args
-        self.etcd = Etcd()
+        self.etcd = EtcdProcess()  # tests/etcd_proc.py: the one throwaway-etcd helper
         self.registry = ""
         self.links = Links(1.0)
         self.origin_runner: web.AppRunner | None = None
@@ -258,7 +216,7 @@ class World:
         from kdn.origin.app import OriginConfig, create_app
 
         await asyncio.to_thread(self.etcd.start)
-        self.registry = f"etcd://127.0.0.1:{self.etcd.port}/kdn-geo/"
+        self.registry = self.etcd.registry_url("/kdn-geo/")
         self.origin_port = free_port()
         self.origin_link = await LinkEmulator(0, "127.0.0.1", self.origin_port, delay_ms=0, mbit=0).start()
         cfg = OriginConfig(model="tiny-llama", registry=self.registry, store=str(self.tmp / "origin-store"),
