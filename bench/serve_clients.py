@@ -117,14 +117,16 @@ def _read_body(sock: socket.socket, view: memoryview, hview: memoryview, n: int,
         got += r
 
 
-def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Window, tally: Tally, offset: int) -> None:
+def _blocking_worker(host: str, port: int, reqs: list[bytes], size: int, sep: bytes, parse, trailer: int,
+                     window: Window, tally: Tally, offset: int) -> None:
+    """One connection, one thread, blocking socket: send a request, read the head up to ``sep``, parse
+    it (``parse(head) -> body length``), receive the body (and ``trailer`` more bytes) with ``recv_into``
+    into one buffer allocated once."""
     sock = socket.create_connection((host, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    body = bytearray(size)  # every body lands here: allocated once
-    view = memoryview(body)
+    view = memoryview(bytearray(size + trailer))  # every body lands here: allocated once
     head = bytearray(8192)
     hview = memoryview(head)
-    reqs = [f"GET {p} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode() for p in paths]
     i = offset
     try:
         while True:
@@ -133,17 +135,11 @@ def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Windo
                 return
             sock.sendall(reqs[i % len(reqs)])
             i += 1
-            # headers: read until the blank line; whatever follows is the start of the body
-            n, end = _read_head(sock, hview, b"\r\n\r\n")
-            hdr = bytes(head[:end]).lower()
-            if not hdr.startswith(b"http/1.1 200"):
-                raise ConnectionError(hdr[:60].decode(errors="replace"))
-            cl = hdr.find(b"content-length:") + 15
-            eol = hdr.find(b"\r\n", cl)
-            length = int(hdr[cl:eol if eol >= 0 else len(hdr)])
+            n, end = _read_head(sock, hview, sep)  # whatever follows the head is the start of the body
+            length = parse(bytes(head[:end]))
             if length > size:
                 raise ConnectionError(f"body of {length} bytes, buffer of {size}")
-            _read_body(sock, view, hview, n, end + 4, length)
+            _read_body(sock, view, hview, n, end + len(sep), length + trailer)
             done = time.perf_counter()
             if window.t0 <= done < window.t1:
                 tally.lat.append(done - t)
@@ -152,6 +148,21 @@ def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Windo
         tally.errors += 1
     finally:
         sock.close()
+
+
+def _http_length(head: bytes) -> int:
+    hdr = head.lower()
+    if not hdr.startswith(b"http/1.1 200"):
+        raise ConnectionError(hdr[:60].decode(errors="replace"))
+    cl = hdr.find(b"content-length:") + 15
+    eol = hdr.find(b"\r\n", cl)
+    return int(hdr[cl:eol if eol >= 0 else len(hdr)])
+
+
+def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Window, tally: Tally, offset: int) -> None:
+    """HTTP/1.1 keep-alive GETs, headers parsed by hand, the body received into a buffer allocated once."""
+    reqs = [f"GET {p} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode() for p in paths]
+    _blocking_worker(host, port, reqs, size, b"\r\n\r\n", _http_length, 0, window, tally, offset)
 
 
 def run_threads(target, n: int, window: Window, *args) -> Tally:
@@ -365,41 +376,19 @@ def _redis_worker(host: str, port: int, keys: list[str], window: Window, tally: 
         r.close()
 
 
+def _resp_length(head: bytes) -> int:
+    if head[0:1] != b"$" or head[1:2] == b"-":  # a bulk string; "$-1" is a missing key
+        raise ConnectionError(head.decode(errors="replace"))
+    return int(head[1:])
+
+
 def _redis_raw_worker(host: str, port: int, keys: list[str], size: int, window: Window, tally: Tally,
                       offset: int) -> None:
-    """GET over RESP on a blocking socket, the bulk string read with ``recv_into`` into one buffer
-    allocated once: Redis read as the ``raw`` HTTP client reads the HTTP servers (redis-py allocates a
-    fresh ``bytes`` per reply)."""
-    sock = socket.create_connection((host, port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    body = bytearray(size + 2)  # the value and its trailing CRLF
-    view = memoryview(body)
-    head = bytearray(64)
-    hview = memoryview(head)
+    """GET over RESP on a blocking socket, the value (and its CRLF) received into one buffer allocated
+    once: Redis read as the ``raw`` HTTP client reads the HTTP servers (redis-py allocates a fresh
+    ``bytes`` per reply)."""
     reqs = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k.encode()) for k in keys]
-    i = offset
-    try:
-        while True:
-            t = time.perf_counter()
-            if t >= window.t1:
-                return
-            sock.sendall(reqs[i % len(reqs)])
-            i += 1
-            n, end = _read_head(sock, hview, b"\r\n")  # "$<length>\r\n", then the value and a CRLF
-            if head[0:1] != b"$" or head[1:2] == b"-":
-                raise ConnectionError(bytes(head[:end]).decode(errors="replace"))
-            length = int(head[1:end])
-            if length > size:
-                raise ConnectionError(f"value of {length} bytes, buffer of {size}")
-            _read_body(sock, view, hview, n, end + 2, length + 2)
-            done = time.perf_counter()
-            if window.t0 <= done < window.t1:
-                tally.lat.append(done - t)
-                tally.bytes += length
-    except OSError:
-        tally.errors += 1
-    finally:
-        sock.close()
+    _blocking_worker(host, port, reqs, size, b"\r\n", _resp_length, 2, window, tally, offset)
 
 
 # --- LMCache ------------------------------------------------------------------
