@@ -82,7 +82,7 @@ RUNS: list[Run] = [
         ["--questions", "1", "--ratios", "15", "--png", ""], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers",
                            "edge-mem,edge-disk,dict,dict-copy,nginx-1w,lmcache,redis", "--clients", "raw,kdn",
-                           "--duration", "2", "--warmup", "0.5", "--profile", "--no-install"],
+                           "--duration", "2", "--warmup", "0.5", "--rounds", "2", "--profile", "--no-install"],
         ["--sizes", "4MiB", "--conc", "1", "--servers", "edge-mem,dict", "--clients", "raw", "--duration", "0.5",
          "--warmup", "0.2", "--no-install", "--plot", ""], ("redis", "lmcache"), 1800),
     Run("gpu_check", "gpu_check", ["--device", "cuda", "--lengths", "2048,8192,32768", "--repeat", "5"],

@@ -543,6 +543,16 @@ def headline(res: R.Results, ratio_md: str) -> None:
                          "for each server", figs)
 
 
+def best_of_rounds(cells: list[Cell]) -> list[Cell]:
+    """One cell per (server, client, size, concurrency): the round with the most MB/s."""
+    best: dict[tuple, Cell] = {}
+    for c in cells:
+        k = (c.server, c.client, c.size, c.conc)
+        if k not in best or (c.mbps or 0) > (best[k].mbps or 0):
+            best[k] = c
+    return list(best.values())
+
+
 def ratio(a: Cell | None, b: Cell | None) -> str:
     if a is None or b is None or not a.mbps or not b.mbps:
         return "—"
@@ -624,6 +634,8 @@ def main() -> None:
     p.add_argument("--servers", default=None, help=f"comma list of {','.join(ALL_SERVERS)}")
     p.add_argument("--clients", default=None, help="comma list of wrk,raw,aiohttp,kdn,kdn-recv (HTTP servers)")
     p.add_argument("--duration", type=float, default=3.0, help="measured seconds per cell")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the matrix this many times, server order reversed each round; each cell keeps its best")
     p.add_argument("--warmup", type=float, default=0.7, help="unmeasured seconds before each cell (Python clients)")
     p.add_argument("--profile", action="store_true", help="py-spy the edge (memory, disk) and the dict server")
     p.add_argument("--no-install", action="store_true")
@@ -673,48 +685,54 @@ def main() -> None:
     profiles: list[str] = []
     load0 = open("/proc/loadavg").read().split()[:3]
     t_start = time.time()
-    for server in servers:
-        if needs.get(server) in missing or (server == "redis" and "redis-py" in missing):
-            skipped[server] = missing.get(needs.get(server), missing.get("redis-py", ""))
-            continue
-        if "wrk" in missing and "wrk" in clients:
-            clients = [c for c in clients if c != "wrk"]
-        log(f"starting {server}")
-        try:
-            srv = start_server(server, allobjs)
-        except Exception as e:
-            skipped[server] = f"did not start: {e}"
-            log(f"{server} did not start: {e}")
-            continue
-        try:
-            if server == "redis":
-                my_clients = ["redis", "redis-raw"]
-            elif server == "lmcache":
-                my_clients = [server]
-            elif server == "edge-mem":
-                my_clients = clients
-            else:
-                my_clients = [c for c in clients if c not in KDN_CLIENTS]
-            for size in sizes:
-                for client in my_clients:
-                    for k in concs:
-                        cell = run_client(srv, client, objs[size], k, a)
-                        cells.append(cell)
-                        log(f"{server:9} {client:8} {size:5} c={k:<2} {fmt_cell(cell)}")
-            if a.profile and server in ("edge-mem", "edge-disk", "dict"):
-                size = "4MiB" if "4MiB" in sizes else sizes[0]
-                profiles.append(profile(srv, objs[size], a))
-                log(profiles[-1])
-                if server == "edge-mem" and "kdn" in my_clients:
-                    profiles.append(profile_client(srv, "kdn", objs[size]))
+    # Rounds alternate the server order, and each cell keeps its best round: a machine whose load drifts
+    # during the run (a shared 2-core VM) then favours no server for where it stands in the order.
+    for r in range(a.rounds):
+        if a.rounds > 1:
+            log(f"round {r + 1}/{a.rounds}")
+        for server in (servers if r % 2 == 0 else servers[::-1]):
+            if needs.get(server) in missing or (server == "redis" and "redis-py" in missing):
+                skipped[server] = missing.get(needs.get(server), missing.get("redis-py", ""))
+                continue
+            if "wrk" in missing and "wrk" in clients:
+                clients = [c for c in clients if c != "wrk"]
+            log(f"starting {server}")
+            try:
+                srv = start_server(server, allobjs)
+            except Exception as e:
+                skipped[server] = f"did not start: {e}"
+                log(f"{server} did not start: {e}")
+                continue
+            try:
+                if server == "redis":
+                    my_clients = ["redis", "redis-raw"]
+                elif server == "lmcache":
+                    my_clients = [server]
+                elif server == "edge-mem":
+                    my_clients = clients
+                else:
+                    my_clients = [c for c in clients if c not in KDN_CLIENTS]
+                for size in sizes:
+                    for client in my_clients:
+                        for k in concs:
+                            cell = run_client(srv, client, objs[size], k, a)
+                            cells.append(cell)
+                            log(f"{server:9} {client:8} {size:5} c={k:<2} {fmt_cell(cell)}")
+                if a.profile and r == 0 and server in ("edge-mem", "edge-disk", "dict"):
+                    size = "4MiB" if "4MiB" in sizes else sizes[0]
+                    profiles.append(profile(srv, objs[size], a))
                     log(profiles[-1])
-        finally:
-            srv.stop()
+                    if server == "edge-mem" and "kdn" in my_clients:
+                        profiles.append(profile_client(srv, "kdn", objs[size]))
+                        log(profiles[-1])
+            finally:
+                srv.stop()
     load1 = open("/proc/loadavg").read().split()[:3]
+    cells = best_of_rounds(cells)
     (WORK / "results.json").write_text(json.dumps([asdict(c) for c in cells], indent=1))
 
     rmd = ratios(cells, sizes, concs)
-    md = [f"Run {time.strftime('%Y-%m-%d %H:%M')}, {time.time() - t_start:.0f} s; load average before "
+    md = [f"Run {time.strftime('%Y-%m-%d %H:%M')}, {time.time() - t_start:.0f} s, {a.rounds} round(s) (best per cell); load average before "
           f"{' '.join(load0)}, after {' '.join(load1)}; {os.cpu_count()} cores, Python {platform.python_version()}.",
           "", tables(cells, sizes, concs, res), "#### Ratios (MB/s over MB/s, same run)", "", rmd, ""]
     res.table("ratios", rmd, "Ratios (MB/s over MB/s, same run)", echo=False)
@@ -726,6 +744,7 @@ def main() -> None:
     (WORK / "results.md").write_text(text + "\n")
     if profiles:
         (WORK / "profiles.txt").write_text("\n\n".join(profiles) + "\n")
+        res.extra["profiles"] = profiles
     print(text)
     plot_size = "4MiB" if "4MiB" in sizes else sizes[0]
     if a.plot and cells:
