@@ -67,6 +67,11 @@ RUNS: list[Run] = [
         ["--addresses", "2000"], (), 600),
     Run("quality", "quality", ["--contexts", "512", "1024", "--continuation", "256", "--png", "docs/img/quality.png"],
         ["--contexts", "256", "--continuation", "32", "--encodings", "raw", "int8"], ("smollm2",), 3600),
+    Run("quality_transform", "quality_transform",
+        ["--basis", "bench/work/kvtc-smollm2.basis", "--budgets", "1.5", "1.65", "1.75", "2.0", "2.5",
+         "--encodings", "int8", "int4-g64", "cachegen-4", "ans-4", "--png", "docs/img/quality_transform.png"],
+        ["--basis", "bench/work/kvtc-smollm2.basis", "--contexts", "512", "--continuation", "32", "--budgets", "2.0",
+         "--encodings", "int8", "--docs", "harbor-policy"], ("smollm2",), 3 * 3600),
     Run("geo", "geo", ["--requests", "200", "--seeds", "1,2,3"],
         ["--requests", "6", "--docs", "2", "--strategies", "latency,static-nearest", "--no-prefetch0", "--plot", "",
          "--json", ""], ("etcd",), 2700),
@@ -107,7 +112,7 @@ RUNS: list[Run] = [
 ]
 BY_NAME = {r.name: r for r in RUNS}
 # README headline rows, in this order (runs without a headline are left out).
-HEADLINES = ["ttft", "vllm_ttft", "gpu_check", "address_codec", "quality", "eviction-zipf", "eviction-mooncake",
+HEADLINES = ["ttft", "vllm_ttft", "gpu_check", "address_codec", "quality_transform", "eviction-zipf", "eviction-mooncake",
              "faults", "ring", "geo", "blend", "serve"]
 
 
