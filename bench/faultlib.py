@@ -59,7 +59,7 @@ class Etcd(EtcdProcess):
     (``tests/etcd_proc.py``, the one throwaway-etcd helper), under ``root/etcd``."""
 
     def __init__(self, root: Path) -> None:
-        super().__init__(ETCD_BIN, root=root / "etcd")
+        super().__init__(ETCD_BIN, root=root / "etcd", retry_ports=False)  # the nodes' arguments name its port
 
     @property
     def endpoint(self) -> str:

@@ -38,7 +38,7 @@ class EtcdProcess:
 
     def __init__(self, binary: str = ETCD_BIN, *, root: str | Path | None = None,
                  tls: tuple[str, str, str] | None = None, client_cert_auth: bool = False,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, retry_ports: bool = True) -> None:
         if not os.path.exists(binary):
             raise RuntimeError(
                 f"{binary} not found: the registry tests need a real etcd "
@@ -55,6 +55,9 @@ class EtcdProcess:
         self.metrics_port = _free_port()
         self.tls, self.client_cert_auth, self.extra = tls, client_cert_auth, list(extra or [])
         self.proc: subprocess.Popen[bytes] | None = None
+        # Until it has started, nobody has its ports (unless the caller handed them out: retry_ports=False).
+        self._started = not retry_ports
+        self._port_retries = 0
 
     @property
     def url(self) -> str:
@@ -86,10 +89,20 @@ class EtcdProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self._tail()}")
+                tail = self._tail()
+                # A port picked free can be taken (an outgoing connection's local port) before etcd binds
+                # it. On a first start nothing has been told the ports yet: take new ones and try again.
+                if "address already in use" in tail and not self._started and self._port_retries < 3:
+                    self._port_retries += 1
+                    self.client_port, self.peer_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+                    shutil.rmtree(self.data, ignore_errors=True)
+                    self.proc = None
+                    return self.start(timeout, new=new)
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {tail}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
                     if json.load(r).get("health") in ("true", True):
+                        self._started = True
                         return
             except OSError:
                 pass
