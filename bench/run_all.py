@@ -72,6 +72,8 @@ RUNS: list[Run] = [
          "--encodings", "int8", "int4-g64", "cachegen-4", "ans-4", "--png", "docs/img/quality_transform.png"],
         ["--basis", "bench/work/kvtc-smollm2.basis", "--contexts", "512", "--continuation", "32", "--budgets", "2.0",
          "--encodings", "int8", "--docs", "harbor-policy"], ("smollm2",), 3 * 3600),
+    Run("ttft_ab", "ttft_ab", ["--rounds", "4", "--repeat", "5"], ["--rounds", "1", "--repeat", "1"], ("smollm2",), 3600,
+        {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("geo", "geo", ["--requests", "200", "--seeds", "1,2,3"],
         ["--requests", "6", "--docs", "2", "--strategies", "latency,static-nearest", "--no-prefetch0", "--plot", "",
          "--json", ""], ("etcd",), 2700),

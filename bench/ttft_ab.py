@@ -74,7 +74,7 @@ def main() -> None:
     old_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.old], capture_output=True,
                              text=True, check=True).stdout.strip()
     otree, opy = old_tree(old_rev)
-    sides = {"old": (otree, opy, []), "new": (ROOT, Path(sys.executable), ["--paths", "prefill-lean,memory",
+    sides = {"old": (otree, opy, []), "new": (ROOT, Path(sys.executable), ["--paths", "prefill,prefill-lean,memory",
                                                                           "--no-headline"])}
     got: dict[str, list[dict]] = {"old": [], "new": []}
     for r in range(args.rounds):
