@@ -265,7 +265,8 @@ async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
         manifest = Manifest(namespace=spec.namespace, name=spec.name, model_id=producer.loaded.model_id,
                             addresses=plan.addresses, tokens=len(spec.tokens), chunk_tokens=producer.chunk_tokens,
                             prefix_tokens=spec.tokens, template=spec.template, standalone=plan.standalone,
-                            head_tokens=spec.head_tokens)
+                            head_tokens=spec.head_tokens,
+                            emphasis=None if spec.emphasis is None else spec.emphasis.to_dict())
         await _retrying(lambda: reg.put_manifest(manifest), job)  # every object it names is recorded by now
         if plan.tail is not None:
             parent, length = plan.tail
