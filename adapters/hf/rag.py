@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kdn import address as A
+from kdn.emphasis import EmphasisMap, merge_spans
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
 from kdn.kernels.blend import compose, kv_deviation, select_tokens
 from kdn.kernels.rope import rope_of
@@ -44,6 +45,7 @@ from kdn.kernels.rope import rope_of
 from kdn.adapters.hf.cache import build_cache
 from kdn.adapters.hf.extract import standalone_chunk
 from kdn.adapters.hf.generate import _pick, decode_loop, model_id
+from kdn.adapters.hf.steer import Steer, plan, steering
 
 BLEND_FAMILIES = frozenset({"llama", "qwen2"})
 _SENTINEL = "\ue000KDN-CONTEXT\ue001"
@@ -82,7 +84,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           K: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           K: torch.Tensor, V: torch.Tensor, steer: Steer | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer for the tokens ``idx`` (positions = indices) over the context's K/V.
 
     h: [1, s, hidden] of tokens idx [s]; K, V: [1, Hkv, S, D] of the whole context,
@@ -101,7 +103,11 @@ def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, si
     V = V.index_copy(2, idx, v)
     S = K.shape[2]
     mask = torch.arange(S, device=idx.device)[None, :] <= idx[:, None]  # [s, S]: causal by position
-    o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask[None, None], scale=attn.scaling,
+    m: torch.Tensor = mask[None, None]
+    bias = steer.bias(attn.layer_idx, idx, S, q.shape[1], q.dtype, q.device) if steer is not None else None
+    if bias is not None:  # steered heads: an additive mask (kdn.adapters.hf.steer)
+        m = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill(~m, torch.finfo(q.dtype).min) + bias
+    o = F.scaled_dot_product_attention(q, K, V, attn_mask=m, scale=attn.scaling,
                                        enable_gqa=True)  # [1, Hq, s, D]
     h = h + attn.o_proj(o.transpose(1, 2).reshape(1, s, -1))
     h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -109,10 +115,11 @@ def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, si
 
 
 def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: float = 0.15, check_layer: int = 1,
-                  n_logits: int = 1) -> Blend:
+                  n_logits: int = 1, steer: Steer | None = None) -> Blend:
     """Prefill a context of reused and fresh segments, CacheBlend style (see the module doc).
 
-    The last ``n_logits`` tokens must be fresh (their logits are returned).
+    The last ``n_logits`` tokens must be fresh (their logits are returned). ``steer``: a steering plan
+    (``kdn.adapters.hf.steer``) in the composed context's positions; it biases the queries it covers.
     """
     _check_model(model)
     if not 0.0 <= recompute_ratio <= 1.0:
@@ -152,7 +159,7 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
             cos, sin = cos_sin(idx, h)
             for i in range(check_layer + 1):
                 comp_k, comp_v = Ks[i], Vs[i]
-                h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, comp_k, comp_v)
+                h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, comp_k, comp_v, steer)
             # Deviation of the reused tokens at the check layer: true (just computed) vs composed.
             d = kv_deviation(Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx],
                              comp_k[:, :, reused_idx], comp_v[:, :, reused_idx])  # [R]
@@ -163,7 +170,7 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
         recomputed = idx[~fresh[idx]]
         cos, sin = cos_sin(idx, h)
         for i in range(start, len(layers)):
-            h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i])
+            h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i], steer)
         assert bool((idx[-n_logits:] == torch.arange(S - n_logits, S, device=dev)).all())
         logits = model.lm_head(inner.norm(h[:, -n_logits:]))[0]  # [n_logits, vocab]
     return Blend(logits=logits, keys=Ks, values=Vs, n_tokens=S, n_reused=int(reused_idx.numel()),
@@ -270,7 +277,9 @@ async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: list[str],
 async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequence[str], client: Any, *,
                        namespace: str = "public", recompute_ratio: float = 0.15, system: str | None = None,
                        max_new_tokens: int = 32, chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS,
-                       check_layer: int = 1) -> RagGeneration:
+                       check_layer: int = 1, emphasis: Sequence[EmphasisMap | dict | None] | None = None,
+                       steer: bool | None = None, steer_alpha: float | None = None,
+                       steer_heads: list[tuple[int, int]] | None = None) -> RagGeneration:
     """Answer ``query`` over ``documents`` (in this order) reusing their standalone chunks from the KDN.
 
     ``client`` is a ``kdn.client.KDNClient`` (or ``None``: compute every chunk
@@ -278,6 +287,10 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
     ``chunk_tokens``, and each chunk fetched by its standalone address; a
     chunk the KDN does not have is computed locally, alone, and reported.
     From a script: ``SyncKDNClient.run(generate_rag(..., sync_client.aclient))``.
+
+    ``emphasis``: one map (or None) per document, from each document's manifest (published without a
+    template, so its region starts at the document's first token); with ``steer=True``, or a map that
+    says ``default_on``, the query and the answer attend to them (``kdn.adapters.hf.steer``).
     """
     t_start = time.perf_counter()
     _check_model(model)
@@ -293,24 +306,61 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
             raise InvalidInput("an empty document")
         pieces += [toks[s:e] for s, e in A.chunk_spans(len(toks), chunk_tokens)]
     addrs = [A.standalone_address(mid, namespace, p) for p in pieces]
+    st = _rag_plan(model, tokenizer, head, documents, emphasis, steer, steer_alpha, steer_heads)
     report = RagReport()
     device = next(model.parameters()).device
     states = await _fetch_chunks(client, mid, namespace, addrs, device, report)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(None, _run, model, tokenizer, head, pieces, states, tail, report,
-                                      recompute_ratio, check_layer, max_new_tokens, t_start)
+                                      recompute_ratio, check_layer, max_new_tokens, t_start, st)
 
 
-def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_layer, max_new_tokens, t_start):
+def compose_emphasis(maps: Sequence[EmphasisMap | None], starts: Sequence[int], lengths: Sequence[int]) -> EmphasisMap | None:
+    """One map for documents placed at ``starts`` (their lengths given): each map's region moved to its
+    document's start, the spans united; the region runs from the first document to the last. Alpha, heads
+    and default_on come from the first map that has any (None when no document has a map)."""
+    first = next((m for m in maps if m is not None), None)
+    if first is None:
+        return None
+    spans: list[tuple[int, int]] = []
+    for m, s0 in zip(maps, starts):
+        if m is not None:
+            spans += m.shifted(s0 - m.region[0]).spans
+    region = (starts[0], starts[-1] + lengths[-1])
+    return EmphasisMap(spans=merge_spans(spans, *region), region=region, alpha=first.alpha, heads=first.heads,
+                       default_on=any(m is not None and m.default_on for m in maps), source=first.source)
+
+
+def _rag_plan(model, tokenizer, head, documents, emphasis, steer, alpha, heads) -> Steer | None:
+    if emphasis is None:
+        if steer:
+            raise InvalidInput("steer=True needs the documents' emphasis maps")
+        return None
+    if len(emphasis) != len(documents):
+        raise InvalidInput(f"{len(emphasis)} emphasis maps for {len(documents)} documents")
+    maps = [m if m is None or isinstance(m, EmphasisMap) else EmphasisMap.from_dict(m) for m in emphasis]
+    lengths = [len(_encode(tokenizer, d)) for d in documents]
+    starts = [len(head) + sum(lengths[:i]) for i in range(len(documents))]
+    for m, n in zip(maps, lengths):
+        if m is not None and m.region[1] - m.region[0] != n:
+            raise InvalidInput(f"an emphasis map covers {m.region[1] - m.region[0]} tokens, its document {n}")
+    emap = compose_emphasis(maps, starts, lengths)
+    if emap is None or not (steer if steer is not None else emap.default_on):
+        return None
+    return plan(model, emap, alpha=alpha, heads=heads)
+
+
+def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_layer, max_new_tokens, t_start,
+         st=None):
     t0 = time.perf_counter()
-    for j, st in enumerate(states):
-        if st is None:
+    for j, state in enumerate(states):
+        if state is None:
             states[j] = standalone_chunk(model, pieces[j]).tensors
             report.chunks_computed += 1
     report.compute_ms = (time.perf_counter() - t0) * 1e3
-    segments = ([Segment(head)] if head else []) + [Segment(p, st) for p, st in zip(pieces, states)] + [Segment(tail)]
+    segments = ([Segment(head)] if head else []) + [Segment(p, kv) for p, kv in zip(pieces, states)] + [Segment(tail)]
     t0 = time.perf_counter()
-    b = blend_prefill(model, segments, recompute_ratio=ratio, check_layer=check_layer)
+    b = blend_prefill(model, segments, recompute_ratio=ratio, check_layer=check_layer, steer=st)
     report.blend_ms = (time.perf_counter() - t0) * 1e3
     report.tokens_total, report.tokens_reused = b.n_tokens, b.n_reused
     report.tokens_recomputed = int(b.recomputed.numel())
@@ -318,7 +368,7 @@ def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_laye
     nxt = _pick(first_logits, False, 1.0)
     report.ttft_ms = (time.perf_counter() - t_start) * 1e3
     eos = getattr(tokenizer, "eos_token_id", None)
-    with torch.inference_mode():
+    with torch.inference_mode(), steering(model, st):
         cache = blend_cache(model, b) if max_new_tokens > 1 else None
         out = decode_loop(model, cache, nxt, b.n_tokens, max_new_tokens, eos)
     report.new_tokens = len(out)
