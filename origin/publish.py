@@ -49,11 +49,14 @@ class PublishSpec:
     standalone: bool = False
     encodings: tuple[str, ...] = ("zstd",)
     emphasis: EmphasisMap | None = None  # stored (and signed) with the manifest
+    probes: tuple[tuple[int, ...], ...] = ()  # probe questions' tokens: the model adds the spans they attend to
 
 
 MAX_EMPHASIS_TEXTS = 64
 MAX_EMPHASIS_TEXT_CHARS = 4096
-_EMPHASIS_KEYS = frozenset({"texts", "spans", "alpha", "heads", "default_on"})
+MAX_PROBES = 4
+MAX_PROBE_CHARS = 512
+_EMPHASIS_KEYS = frozenset({"texts", "spans", "probes", "alpha", "heads", "default_on"})
 
 
 def token_char_ends(tokenizer, text: str, ids: list[int]) -> list[int] | None:
@@ -102,28 +105,36 @@ def emphasis_spans_of_texts(tokenizer, doc: str, doc_ids: list[int], texts: list
     return spans
 
 
-def parse_emphasis(value: object, *, tokenizer, doc: str | None, doc_ids: list[int], head: int) -> EmphasisMap:
-    """The publish body's ``emphasis`` field -> a map in published-token positions.
+def parse_emphasis(value: object, *, tokenizer, doc: str | None, doc_ids: list[int], head: int,
+                   template: str | None = None) -> tuple[EmphasisMap, list[list[int]]]:
+    """The publish body's ``emphasis`` field -> a map in published-token positions, and probe tokens.
 
     ``{"texts": [...]}`` marks each occurrence of each text (needs ``text`` in the body); ``{"spans":
     [[s, e], ...]}`` marks token ranges counted from the document's first token (the template head is
-    not counted); ``alpha``, ``heads``, ``default_on`` as in ``kdn.emphasis``.
+    not counted); ``{"probes": [question, ...]}`` asks the origin's model which tokens those questions
+    attend to (``Producer.derive_emphasis``, at publish); ``alpha``, ``heads``, ``default_on`` as in
+    ``kdn.emphasis``. Probes come back as the tokens that follow the published ones, as
+    ``kdn.adapters.hf.prompt_tokens`` would append them.
     """
     if not isinstance(value, dict) or not value:
-        raise InvalidInput("'emphasis' must be a map with 'texts' and/or 'spans'")
+        raise InvalidInput("'emphasis' must be a map with 'texts', 'spans' and/or 'probes'")
     unknown = [k for k in value if k not in _EMPHASIS_KEYS]
     if unknown:
         raise InvalidInput(f"'emphasis' has unknown field(s) {[str(k)[:20] for k in unknown[:3]]}; "
                            f"it takes {sorted(_EMPHASIS_KEYS)}")
-    texts, spans = value.get("texts", []), value.get("spans", [])
+    texts, spans, probes = value.get("texts", []), value.get("spans", []), value.get("probes", [])
     if not isinstance(texts, list) or len(texts) > MAX_EMPHASIS_TEXTS or not all(
             isinstance(t, str) and 0 < len(t) <= MAX_EMPHASIS_TEXT_CHARS and t.strip() for t in texts):
         raise InvalidInput(f"'emphasis.texts' must be a list of at most {MAX_EMPHASIS_TEXTS} non-empty strings "
                            f"of at most {MAX_EMPHASIS_TEXT_CHARS} characters")
+    if not isinstance(probes, list) or len(probes) > MAX_PROBES or not all(
+            isinstance(t, str) and 0 < len(t) <= MAX_PROBE_CHARS and t.strip() for t in probes):
+        raise InvalidInput(f"'emphasis.probes' must be a list of at most {MAX_PROBES} non-empty strings "
+                           f"of at most {MAX_PROBE_CHARS} characters")
     if not isinstance(spans, list) or len(spans) > MAX_SPANS:
         raise InvalidInput(f"'emphasis.spans' must be a list of at most {MAX_SPANS} [start, end) pairs")
-    if not texts and not spans:
-        raise InvalidInput("'emphasis' marks nothing: give 'texts' or 'spans'")
+    if not texts and not spans and not probes:
+        raise InvalidInput("'emphasis' marks nothing: give 'texts', 'spans' or 'probes'")
     n = len(doc_ids)
     marked: list[tuple[int, int]] = []
     for p in spans:
@@ -138,8 +149,15 @@ def parse_emphasis(value: object, *, tokenizer, doc: str | None, doc_ids: list[i
         marked += emphasis_spans_of_texts(tokenizer, doc, doc_ids, texts)
     wire = {"spans": [list(s) for s in merge_spans([(s + head, e + head) for s, e in marked], head, head + n)],
             "region": [head, head + n], "alpha": value.get("alpha", DEFAULT_ALPHA),
-            "heads": value.get("heads", []), "default_on": value.get("default_on", False), "source": "operator"}
-    return EmphasisMap.from_dict(wire, n_tokens=head + n)
+            "heads": value.get("heads", []), "default_on": value.get("default_on", False),
+            "source": "operator" if not probes else ("mixed" if marked else "probe")}
+    emap = EmphasisMap.from_dict(wire, n_tokens=head + n)
+    probe_ids = []
+    if probes:
+        from kdn.adapters.hf.generate import prompt_tokens
+
+        probe_ids = [prompt_tokens(tokenizer, {"prefix_tokens": [], "template": template}, q) for q in probes]
+    return emap, probe_ids
 
 
 @dataclass
@@ -238,8 +256,9 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int) ->
     if len(tokens) > max_tokens:
         raise InvalidInput(f"document is {len(tokens)} tokens; this model's context is {max_tokens}")
     emphasis = body.get("emphasis")
-    emap = None if emphasis is None else parse_emphasis(emphasis, tokenizer=tokenizer, doc=text, doc_ids=doc_ids,
-                                                        head=len(head_ids))
+    emap, probes = (None, []) if emphasis is None else parse_emphasis(
+        emphasis, tokenizer=tokenizer, doc=text, doc_ids=doc_ids, head=len(head_ids),
+        template=template if template not in (None, "none") else None)
     return PublishSpec(
         name=name,
         namespace=namespace,
@@ -250,6 +269,7 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int) ->
         standalone=standalone,
         encodings=tuple(dict.fromkeys(encodings)),
         emphasis=emap,
+        probes=tuple(tuple(p) for p in probes),
     )
 
 
@@ -337,6 +357,23 @@ class Producer:
         assert cached == plan.spans[n - 1][1], (cached, plan.spans[n - 1])
         return cache, cached
 
+    def derive_emphasis(self, spec: PublishSpec) -> EmphasisMap | None:
+        """``spec.emphasis`` with the spans the model attends to under ``spec.probes`` added (model thread).
+
+        One forward over the published tokens and each probe; the probe's last token's attention, summed
+        over the map's heads (default: ``kdn.adapters.hf.steer.default_heads``), picks the region's top
+        positions (``kdn.adapters.hf.steer.derive_emphasis``).
+        """
+        emap = spec.emphasis
+        if emap is None or not spec.probes:
+            return emap
+        from kdn.adapters.hf.steer import derive_emphasis
+
+        derived = derive_emphasis(self.loaded.model, spec.tokens, emap.region, spec.probes,
+                                  heads=list(emap.heads) or None, alpha=emap.alpha)
+        return EmphasisMap(spans=merge_spans([*emap.spans, *derived.spans], *emap.region), region=emap.region,
+                           alpha=emap.alpha, heads=emap.heads, default_on=emap.default_on, source=emap.source)
+
     def _kind(self) -> str:
         from kdn.adapters.hf.extract import kind_of, layer_layout
 
@@ -384,6 +421,11 @@ class VllmProducer(Producer):
         super().__init__(loaded, store, origin_id)
         self.vllm = engine
         self.engine = engine.engine_name()
+
+    def derive_emphasis(self, spec: PublishSpec) -> EmphasisMap | None:
+        if spec.probes:
+            raise InvalidInput("emphasis probes are run by an origin with --engine hf")
+        return spec.emphasis
 
     def produce(self, spec: PublishSpec, plan: Plan) -> Iterator[Step]:
         if spec.standalone:

@@ -67,6 +67,9 @@ def test_a_smollm2_style_tokenizer_maps_texts_through_its_offsets():
 @pytest.mark.parametrize("emphasis, match", [
     ([], "must be a map"),
     ({}, "must be a map"),
+    ({"probes": ["x" * 600]}, "at most 512"),
+    ({"probes": ["a", "b", "c", "d", "e"]}, "at most 4"),
+    ({"probes": [""]}, "non-empty"),
     ("4417-K", "must be a map"),
     ({"texts": []}, "marks nothing"),
     ({"texts": ["not in the document"]}, "does not occur"),
@@ -97,6 +100,13 @@ def test_hostile_emphasis_fields_are_refused(emphasis, match):
         parse(emphasis)
 
 
+def test_probes_are_tokenized_as_prompt_suffixes():
+    spec = parse({"probes": ["Which code?"]})
+    assert spec.emphasis.spans == () and spec.emphasis.source == "probe"
+    assert spec.probes == (tuple(TOK.encode("\n\nWhich code?\n")),)
+    assert parse({"probes": ["Which code?"], "texts": ["vault"]}).emphasis.source == "mixed"
+
+
 def test_texts_need_the_text_body():
     with pytest.raises(InvalidInput, match="needs the document as 'text'"):
         parse({"texts": ["code"]}, text=None, tokens=[5, 6, 7, 8])
@@ -125,3 +135,15 @@ async def test_publish_with_emphasis_stores_a_signed_map(tmp_path, etcd_url):
     assert v.ok(stored) and v.ok(Manifest.from_dict(served))
     forged = {**served, "emphasis": {**served["emphasis"], "default_on": True}}
     assert not v.ok(Manifest.from_dict(forged))
+
+
+async def test_publish_with_probes_adds_the_spans_the_model_attends_to(tmp_path, etcd_url):
+    async with running_origin(tmp_path, etcd_url) as (server, session):
+        job = await publish(session, {"name": "probed", "text": DOC, "emphasis": {
+            "probes": ["What is the vault code?"], "texts": ["vault"], "heads": [[1, 0], [1, 1]]}})
+    assert job["state"] == "done", job
+    m = EmphasisMap.from_dict(job["manifest"]["emphasis"])
+    at = DOC.index("vault")
+    assert m.source == "mixed" and m.heads == ((1, 0), (1, 1)) and m.region == (0, len(DOC))
+    assert any(s <= at and at + 5 <= e for s, e in m.spans)  # the operator's span is kept ...
+    assert m.n_emphasized > 5  # ... and the probe added the 8 positions it attends to most (widened)
