@@ -80,6 +80,7 @@ RUNS: list[Run] = [
     Run("vllm_ttft", "vllm_ttft", [], None, ("vllm",), 3 * 3600),
     Run("blend", "blend", ["--questions", "8", "--png", "docs/img/blend.png"],
         ["--questions", "1", "--ratios", "15", "--png", ""], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    Run("steer", "steer", [], ["--quick"], ("smollm2",), 3 * 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers", "edge-mem,dict,lmcache,redis",
                            "--clients", "raw,kdn", "--duration", "2", "--warmup", "0.5", "--no-install"],
         ["--sizes", "4MiB", "--conc", "1", "--servers", "edge-mem,dict", "--clients", "raw", "--duration", "0.5",
@@ -105,7 +106,7 @@ RUNS: list[Run] = [
 BY_NAME = {r.name: r for r in RUNS}
 # README headline rows, in this order (runs without a headline are left out).
 HEADLINES = ["ttft", "vllm_ttft", "gpu_check", "address_codec", "quality", "eviction-zipf", "eviction-mooncake",
-             "faults", "ring", "geo", "blend", "serve"]
+             "faults", "ring", "geo", "blend", "steer", "serve"]
 
 
 def _have_module(name: str) -> bool:
