@@ -136,17 +136,44 @@ def _wrapper(inner: str) -> Callable[..., Any]:
                   attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
         st, rec = _ACTIVE.get(), _RECORD.get()
         layer = getattr(module, "layer_idx", None)
+        fn = _inner_attention(inner, module)
         if st is not None and layer is not None and layer in st.heads:
             q_len, k_len = query.shape[2], key.shape[2]
-            q_pos = torch.arange(k_len - q_len, k_len)  # batch 1, keys at positions 0..k_len-1 (a KDN cache)
-            b = st.bias(layer, q_pos, k_len, query.shape[1], query.dtype, query.device)
-            if b is not None:
-                attention_mask = _float_mask(attention_mask, q_len, k_len, query.dtype, query.device) + b
-        if rec is not None and layer is not None:  # what this layer attends to, steering included
+            first = k_len - q_len  # batch 1, keys at positions 0..k_len-1 (a KDN cache): query i is at first + i
+            r0 = min(max(st.query_from - first, 0), q_len)  # the first steered query row
+            if r0 == q_len:
+                pass  # no steered row in this forward (the document's own prefill)
+            elif r0 > 0 and rec is None:
+                # A prefill that runs past query_from: the rows before it attend as usual (the plain, fast
+                # path, causal over the keys up to each row), the rest with the bias; outputs [B, q, H, D].
+                k0 = first + r0
+                m0 = None if attention_mask is None else attention_mask[..., :r0, :k0]
+                a, _ = fn(module, query[:, :, :r0], key[:, :, :k0], value[:, :, :k0], m0, **kwargs)
+                m1 = None if attention_mask is None else attention_mask[..., r0:, :]
+                b_out, _ = _steered(fn, st, layer, module, query[:, :, r0:], key, value, m1, **kwargs)
+                return torch.cat((a, b_out), dim=1), None
+            else:
+                return _steered(fn, st, layer, module, query, key, value, attention_mask, rec=rec, **kwargs)
+        if rec is not None and layer is not None:  # what this layer attends to
             rec[1](layer, _probs(module, query, key, attention_mask, rec[0]))
-        return _inner_attention(inner, module)(module, query, key, value, attention_mask, **kwargs)
+        return fn(module, query, key, value, attention_mask, **kwargs)
 
     return attention
+
+
+def _steered(fn: Callable[..., Any], st: Steer, layer: int, module: Any, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, attention_mask: torch.Tensor | None,
+             rec: tuple[int, Callable[[int, torch.Tensor], None]] | None = None, **kwargs: Any) -> Any:
+    """Attention of the last ``query`` rows over all keys with the plan's bias added to the mask."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    q_pos = torch.arange(k_len - q_len, k_len)
+    mask = _float_mask(attention_mask, q_len, k_len, query.dtype, query.device)
+    b = st.bias(layer, q_pos, k_len, query.shape[1], query.dtype, query.device)
+    if b is not None:
+        mask = mask + b
+    if rec is not None:  # what this layer attends to, steering included
+        rec[1](layer, _probs(module, query, key, mask, rec[0]))
+    return fn(module, query, key, value, mask, **kwargs)
 
 
 def _float_mask(mask: torch.Tensor | None, q_len: int, k_len: int, dtype: torch.dtype,

@@ -174,3 +174,18 @@ async def test_generate_rag_steers_when_asked():
     assert not torch.allclose(on.first_logits, plain.first_logits, atol=1e-4)
     with pytest.raises(InvalidInput, match="2 documents"):
         await generate_rag(model, tok, "q", docs, None, emphasis=maps[:1], steer=True, **kw)
+
+
+def test_a_one_shot_prefill_steers_only_the_rows_after_the_knowledge():
+    """One forward over document + question (the split path: plain rows, then biased rows) gives the
+    document rows of the unsteered model and the question rows of a steered continuation."""
+    model = tiny()
+    x = ids()
+    st = plan(model, emap())
+    one = logits(model, x, st)
+    torch.testing.assert_close(one[:DOC], logits(model, x)[:DOC], rtol=1e-5, atol=1e-5)
+    with torch.inference_mode(), steering(model, st):
+        cache = new_cache(model)
+        _forward(model, cache, torch.tensor(x[:DOC]), 0, logits=False)
+        cont = _forward(model, cache, torch.tensor(x[DOC:]), DOC, logits=True).logits[0]
+    torch.testing.assert_close(one[DOC:], cont, rtol=1e-4, atol=1e-4)
