@@ -147,3 +147,27 @@ async def test_publish_with_probes_adds_the_spans_the_model_attends_to(tmp_path,
     assert m.source == "mixed" and m.heads == ((1, 0), (1, 1)) and m.region == (0, len(DOC))
     assert any(s <= at and at + 5 <= e for s, e in m.spans)  # the operator's span is kept ...
     assert m.n_emphasized > 5  # ... and the probe added the 8 positions it attends to most (widened)
+
+
+async def test_kdn_publish_emphasize(tmp_path, etcd_url, capsys):
+    """`kdn publish FILE --emphasize TEXT` end to end: the printed manifest carries the map."""
+    import asyncio
+    import json
+
+    from kdn.cli import main
+    from origin_helpers import PUBLISH_TOKEN
+
+    doc = tmp_path / "vault.md"
+    doc.write_text(DOC)
+    (tmp_path / "pub-token").write_text(PUBLISH_TOKEN + "\n")
+    async with running_origin(tmp_path, etcd_url) as (server, session):
+        url = str(server.make_url("")).rstrip("/")
+        rc = await asyncio.to_thread(main, ["publish", str(doc), "--origin", url, "--token-file",
+                                            str(tmp_path / "pub-token"), "--emphasize", "4417-K",
+                                            "--emphasis-alpha", "0.2", "--emphasis-default-on", "--json"])
+        assert rc == 0
+        m = json.loads(capsys.readouterr().out)
+        assert m["name"] == "vault" and m["emphasis"]["alpha"] == 0.2 and m["emphasis"]["default_on"]
+        assert len(m["emphasis"]["spans"]) == 2
+        rc = await asyncio.to_thread(main, ["publish", str(doc), "--origin", url, "--emphasis-alpha", "0.2"])
+        assert rc == 2 and "go with --emphasize" in capsys.readouterr().err
