@@ -100,6 +100,7 @@ RUNS: list[Run] = [
     Run("geo-before-fixes", "geo", archived="before three fetch-client fixes"),
     Run("geo-earlier", "geo", archived="an earlier run, before the client fixes"),
     Run("blend-first", "blend", archived="the first run, under heavy load"),
+    Run("steer-first", "steer", archived="the first run: heads and alpha tuned for accuracy alone (no NLL budget)"),
     Run("serve-full", "serve", ["--lean", "--profile", "--duration", "2", "--warmup", "0.5"],
         archived="before the edge's memory-path fix (its edge-*-lean rows patch in what is now shipped)"),
 ]

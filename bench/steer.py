@@ -22,7 +22,9 @@ each without and with steering (``kdn.adapters.hf.steer``: the question and gene
 in the selected heads scaled by ``alpha`` on document tokens outside the emphasized spans). The heads and
 ``alpha`` are chosen on a tuning split drawn from a different seed (never on the test cases): heads by
 the attention mass the question's last token puts on the fact, then (K heads, alpha) by tuning-split
-accuracy with full prefill. The cost side: NLL of an unrelated continuation (a paragraph of other prose
+accuracy (prefix reuse) among the settings whose unrelated-continuation NLL increase on the tuning split
+stays within ``--nll-budget`` (1%). ``--map probe`` replaces the operator's map by the model-derived one
+(``derive_emphasis`` under a probe question that does not name the fact). The cost side: NLL of an unrelated continuation (a paragraph of other prose
 after the documents, teacher-forced) with and without steering.
 """
 
@@ -43,7 +45,7 @@ import torch
 from kdn.adapters.hf import build_cache, extract_chunks, load_model, prompt_tokens, standalone_chunk
 from kdn.adapters.hf.extract import _forward, new_cache
 from kdn.adapters.hf.rag import Segment, blend_cache, blend_prefill
-from kdn.adapters.hf.steer import Steer, attention_to, head_scores, plan, steering
+from kdn.adapters.hf.steer import Steer, attention_to, derive_emphasis, head_scores, plan, steering
 from kdn.address import chunk_spans
 from kdn.emphasis import EmphasisMap
 from kdn.origin.publish import parse_request, token_char_ends
@@ -158,6 +160,21 @@ def nll_continuation(model, chunks: list[dict], cont: list[int], st: Steer | Non
         return float(torch.nn.functional.cross_entropy(logits, torch.tensor(cont[1:])).item())
 
 
+PROBE = "Which code, time or name do the documents give?"
+
+
+def probe_map(model, p: Prepared, probe: list[int], heads) -> EmphasisMap:
+    """The model-derived map an origin publishes for ``emphasis: {"probes": [PROBE]}``; counts whether it
+    covers the fact (``PROBE_HITS``)."""
+    fact = p.emap
+    m = derive_emphasis(model, p.published, fact.region, [probe], heads=heads)
+    PROBE_HITS.append(any(s < fe and fs < e for s, e in m.spans for fs, fe in fact.spans))
+    return m
+
+
+PROBE_HITS: list[bool] = []
+
+
 def select_heads(model, tune: list[Prepared], tune_chunks: list[list[dict]]) -> list[tuple[int, int]]:
     """All heads ranked by the attention mass the prompt's last token puts on the fact (tuning split; the
     published prefix loaded from its chunks, the question run on top with its attention recorded)."""
@@ -185,9 +202,16 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=48)
     ap.add_argument("--tune-cases", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1, help="test split seed (the tuning split uses seed + 1000)")
-    ap.add_argument("--k", default="8,32", help="numbers of heads to try on the tuning split")
-    ap.add_argument("--alphas", default="0.01,0.1", help="alphas to try on the tuning split")
+    ap.add_argument("--k", default="16,32", help="numbers of heads to try on the tuning split")
+    ap.add_argument("--alphas", default="0.01,0.03,0.1", help="alphas to try on the tuning split")
+    ap.add_argument("--nll-budget", type=float, default=0.01,
+                    help="the largest unrelated-continuation NLL increase a tuned setting may cost (tuning split)")
     ap.add_argument("--nll-cases", type=int, default=16, help="cases whose context gets the continuation NLL check")
+    ap.add_argument("--map", default="operator", choices=["operator", "probe"],
+                    help="operator: the fact's sentence marked at publish; probe: the origin's model-derived map "
+                         "(derive_emphasis under --probe, which does not name the fact)")
+    ap.add_argument("--probe", default=PROBE, help="the probe question of --map probe")
+    ap.add_argument("--no-headline", action="store_true", help="no README headline (a side run)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 test cases, 2 tuning cases, one (K, alpha)")
     R.add_arg(ap)
     args = ap.parse_args()
@@ -208,29 +232,49 @@ def main() -> None:
     tune_chunks = [[c.tensors for c in extract_chunks(model, p.published, chunk_tokens=256)] for p in tune]
     ranked = select_heads(model, tune, tune_chunks)
     ks, alphas = [int(k) for k in args.k.split(",")], [float(a) for a in args.alphas.split(",")]
+    if args.map == "probe":  # replace the operator's maps by what the model marks under a generic probe
+        probe = prompt_tokens(tok, {"prefix_tokens": [], "template": "chat"}, args.probe)
+        for p in tune + test:
+            p.emap = probe_map(model, p, probe, ranked[:max(ks)])
 
     def tune_acc(k: int, a: float) -> float:
         return sum(answered(tok, gen_reuse(model, tok, p, ch, plan(model, p.emap, alpha=a, heads=ranked[:k])
                                            if k else None), p.case.answer)
                    for p, ch in zip(tune, tune_chunks)) / len(tune)
 
+    trng = random.Random(args.seed + 2000)
+    tune_conts = [list(tok.encode("\n\n" + N.continuation(trng), add_special_tokens=False))[:128] for _ in tune]
+    tune_nll0 = statistics.fmean(nll_continuation(model, ch, c, None) for ch, c in zip(tune_chunks, tune_conts))
+
+    def tune_nll(k: int, a: float) -> float:
+        """The tuning split's unrelated-continuation NLL increase with this steering (relative)."""
+        on = statistics.fmean(nll_continuation(model, ch, c, plan(model, p.emap, alpha=a, heads=ranked[:k]))
+                              for p, ch, c in zip(tune, tune_chunks, tune_conts))
+        return (on - tune_nll0) / tune_nll0
+
     base_tune = tune_acc(0, 1.0)
-    grid = {}
+    grid, cost = {}, {}
     for k in ks:
         for a in alphas:
-            grid[(k, a)] = tune_acc(k, a)
-            print(f"tune K={k} alpha={a}: {grid[(k, a)]:.3f} (unsteered {base_tune:.3f})", flush=True)
-    best_k, best_a = max(grid, key=lambda x: (grid[x], -x[0], x[1]))  # ties: fewer heads, gentler alpha
+            grid[(k, a)], cost[(k, a)] = tune_acc(k, a), tune_nll(k, a)
+            print(f"tune K={k} alpha={a}: {grid[(k, a)]:.3f} (unsteered {base_tune:.3f}), "
+                  f"NLL {cost[(k, a)] * 100:+.2f}%", flush=True)
+    # The best accuracy among settings within the NLL budget on the tuning split (ties: fewer heads, gentler
+    # alpha); if none fits, the one that costs least.
+    fits = [x for x in grid if cost[x] <= args.nll_budget]
+    best_k, best_a = (max(fits, key=lambda x: (grid[x], -x[0], x[1])) if fits else min(cost, key=cost.__getitem__))
     heads = ranked[:best_k]
     t_tune = time.perf_counter() - t0
-    tl = ["| K heads | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |",
+    tl = ["| K heads | " + " | ".join(f"alpha {a:g}: accuracy, NLL" for a in alphas) + " |",
           "| ---: | " + " | ".join("---:" for _ in alphas) + " |"]
     for k in ks:
-        tl.append(f"| {k} | " + " | ".join(f"{grid[(k, a)]:.3f}" for a in alphas) + " |")
+        tl.append(f"| {k} | " + " | ".join(f"{grid[(k, a)]:.3f}, {cost[(k, a)] * 100:+.2f}%" for a in alphas) + " |")
     tl += ["", f"Tuning split: {len(tune)} cases (seed {args.seed + 1000}), prefix reuse, unsteered accuracy "
-           f"{base_tune:.3f}; chosen K={best_k}, alpha={best_a:g}; heads (layer, head): "
-           + ", ".join(f"({la},{h})" for la, h in heads) + f". {t_tune:.0f} s."]
-    res.table("tune", "\n".join(tl), "Tuning split: accuracy by number of steered heads and alpha (prefix reuse)")
+           f"{base_tune:.3f}; NLL: unrelated-continuation NLL increase on the same contexts; chosen: the best "
+           f"accuracy within a {args.nll_budget * 100:g}% NLL budget, K={best_k}, alpha={best_a:g}; heads "
+           "(layer, head): " + ", ".join(f"({la},{h})" for la, h in heads) + f". {t_tune:.0f} s."]
+    res.table("tune", "\n".join(tl), "Tuning split: accuracy and continuation NLL by number of steered heads and alpha "
+              "(prefix reuse)")
 
     # --- test split --------------------------------------------------------------------------------------
     modes = ["full", "reuse", "blend"]
@@ -279,8 +323,11 @@ def main() -> None:
     nll_inc = (mn - mo) / mo
     lines += ["", f"{args.model} (float32), {n} test cases (seed {args.seed}), prompts {min(lengths)}-{max(lengths)} "
               f"tokens (median {med(lengths):.0f}); greedy, answered = the answer in the first {MAX_NEW} tokens; "
-              f"steering: K={best_k} heads, alpha={best_a:g} (chosen on the tuning split), the operator's map "
-              f"(the fact's sentence). Unrelated continuation ({len(nll_off)} contexts, 128 tokens of other prose "
+              f"steering: K={best_k} heads, alpha={best_a:g} (chosen on the tuning split), "
+              + ("the operator's map (the fact's sentence). " if args.map == "operator" else
+                 f"the model-derived map (probe {args.probe!r}: its 8 most-attended positions +-4 tokens; it "
+                 f"covers the fact in {sum(PROBE_HITS[len(tune):])} of {n} test cases). ")
+              + f"Unrelated continuation ({len(nll_off)} contexts, 128 tokens of other prose "
               f"after the documents): NLL {mo:.4f} without, {mn:.4f} with steering ({nll_inc * 100:+.2f}%). "
               f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}. "
               f"Wall time {time.perf_counter() - t_start:.0f} s."]
@@ -290,6 +337,9 @@ def main() -> None:
             {"shown": f"{acc[('full', True)]:.3f}", "cell": f"{acc[('full', True)]:.3f}", "table": "main"},
             {"shown": f"{acc[('blend', True)]:.3f}", "cell": f"{acc[('blend', True)]:.3f}", "table": "main"}]
     met = lift >= 0.10 and nll_inc <= 0.01 and acc[("blend", True)] >= acc[("full", False)]
+    if args.no_headline:
+        res.write()
+        return
     res.set_headline(
         "attention steering from the manifest's emphasis map, needle in the middle (`bench/steer.py`)",
         f"accuracy {acc[('full', False)]:.3f} -> {acc[('full', True)]:.3f} (full prefill), blend + steering "
