@@ -162,14 +162,16 @@ def main() -> None:
     for name, ratio, e, d, (elo, ehi), (dlo, dhi) in rows:
         lines.append(f"| {name} | {ratio:.3f} | {e:.2f} ({elo:.2f}-{ehi:.2f}) | {d:.2f} ({dlo:.2f}-{dhi:.2f}) |")
     res.table("codecs", "\n".join(lines), title)
-    kdn_ratio, reused = rows[1][1], rows[1][3]
+    kdn_ratio, fresh, reused = rows[1][1], rows[0][3], rows[1][3]
     plain = max(rows[2:], key=lambda r: r[1])  # the better plain zstd level
+    # The client (KDNClient.load / generate) decodes into fresh buffers: that is the figure quoted first.
     res.set_headline(
         "lossless codec on real SmolLM2 KV",
-        f"**{kdn_ratio:.2f}x** smaller than bf16, decoded at {reused:.2f} GB/s (into a reused buffer); "
-        f"{plain[0]} {plain[1]:.2f}x",
+        f"**{kdn_ratio:.2f}x** smaller than bf16, decoded at {fresh:.2f} GB/s on the client's path (fresh "
+        f"buffers; {reused:.2f} GB/s into a reused one); {plain[0]} {plain[1]:.2f}x",
         "plain zstd over the same bytes (levels 1 and 3, the better one quoted)",
         [{"shown": f"{kdn_ratio:.2f}x", "cell": f"{kdn_ratio:.3f}", "table": "codecs"},
+         {"shown": f"{fresh:.2f} GB/s", "cell": f"{fresh:.2f}", "table": "codecs"},
          {"shown": f"{reused:.2f} GB/s", "cell": f"{reused:.2f}", "table": "codecs"},
          {"shown": f"{plain[1]:.2f}x", "cell": f"{plain[1]:.3f}", "table": "codecs"}],
     )

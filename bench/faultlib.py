@@ -25,24 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import random
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 from blake3 import blake3
 
-ETCD_BIN = os.environ.get("KDN_ETCD_BIN", "/usr/bin/etcd")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from etcd_proc import ETCD_BIN, EtcdProcess  # noqa: E402
+
 PREFIX = "/kdn-faults/"
 
 
@@ -55,83 +54,20 @@ def free_port() -> int:
 # --- etcd --------------------------------------------------------------------------------
 
 
-class Etcd:
-    """One etcd member whose data survives ``stop()``: stop and start it again on the same ports."""
+class Etcd(EtcdProcess):
+    """One etcd member whose data survives ``stop()``: stop and start it again on the same ports
+    (``tests/etcd_proc.py``, the one throwaway-etcd helper), under ``root/etcd``."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.data = root / "etcd-data"
-        self.client_port, self.peer_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.proc: subprocess.Popen | None = None
-        self.log = root / "etcd.log"
+        super().__init__(ETCD_BIN, root=root / "etcd", retry_ports=False)  # the nodes' arguments name its port
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return self.url
 
     @property
     def registry(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}{PREFIX}"
-
-    def start(self, *, new: bool | None = None, timeout: float = 20.0) -> None:
-        if not os.path.exists(ETCD_BIN):
-            raise RuntimeError(f"{ETCD_BIN} not found: apt-get install etcd-server (scripts/setup does)")
-        c, p = self.endpoint, f"http://127.0.0.1:{self.peer_port}"
-        state = "new" if (new if new is not None else not self.data.exists()) else "existing"
-        args = [ETCD_BIN, "--name", "f", "--data-dir", str(self.data),
-                "--listen-client-urls", c, "--advertise-client-urls", c,
-                "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
-                "--initial-cluster", f"f={p}", "--initial-cluster-state", state,
-                "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}", "--log-level", "error"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log.read_text()[-1500:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
-                    if json.load(r).get("health") in ("true", True):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"etcd did not become healthy in {timeout} s")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
-
-    def etcdctl(self, *args: str) -> str:
-        r = subprocess.run(["etcdctl", f"--endpoints={self.endpoint}", *args], capture_output=True, text=True,
-                           timeout=30, env={**os.environ, "ETCDCTL_API": "3"})
-        if r.returncode != 0:
-            raise RuntimeError(f"etcdctl {' '.join(args)}: {r.stderr.strip()[-500:]}")
-        return r.stdout
-
-    def snapshot(self, path: Path) -> None:
-        self.etcdctl("snapshot", "save", str(path))
-
-    def restore(self, path: Path) -> None:
-        """Replace the data with a snapshot (etcd stopped): what an operator does after losing the member."""
-        assert self.proc is None, "stop etcd first"
-        shutil.rmtree(self.data, ignore_errors=True)
-        r = subprocess.run(["etcdctl", "snapshot", "restore", str(path), "--data-dir", str(self.data),
-                            "--name", "f", "--initial-cluster", f"f=http://127.0.0.1:{self.peer_port}",
-                            "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}"],
-                           capture_output=True, text=True, timeout=60, env={**os.environ, "ETCDCTL_API": "3"})
-        if r.returncode != 0:
-            raise RuntimeError(f"snapshot restore: {r.stderr[-500:]}")
-
-    def compact_now(self) -> None:
-        status = json.loads(self.etcdctl("endpoint", "status", "-w", "json"))
-        rev = status[0]["Status"]["header"]["revision"]
-        self.etcdctl("compaction", str(rev))
+        return self.registry_url(PREFIX)
 
 
 # --- KDN processes -------------------------------------------------------------------------

@@ -185,39 +185,12 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = run(args)
     res.table("main", table(rows), "Lossy codecs: size vs quality (medians over the cases, min-max)")
-    headline(res, rows)
+    # No README headline: bench/quality_transform.py (36 contexts, worst cases) carries the lossy one.
     print(f"\n{sum(map(len, rows.values()))} runs in {time.perf_counter() - t0:.0f} s on {platform.machine()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.png:
         plot(rows, args.png)
     res.write()
-
-
-def headline(res: R.Results, rows: dict[str, list[dict]]) -> None:
-    """The README row: the smallest encoding whose worst case stays within 1% NLL, the CacheGen-style
-    cachegen-4 beside it, and whether anything reaches 5x at <= 1%."""
-    ok = {e: ms for e, ms in rows.items() if ms and e not in ("raw", "zstd") and max(m["dnll"] for m in ms) <= 1.0}
-    if not ok:
-        return
-    best = max(ok, key=lambda e: statistics.median(m["ratio"] for m in ok[e]))
-    r = statistics.median(m["ratio"] for m in ok[best])
-    worst = max(m["dnll"] for m in ok[best])
-    figs = [{"shown": f"{best} {r:.2f}x", "cell": f"{r:.2f} (", "table": "main"},
-            {"shown": f"<= {worst:.1f}% NLL", "cell": f"-{worst:.2f})", "table": "main"}]
-    text = f"{best} {r:.2f}x smaller at <= {worst:.1f}% NLL (worst case)"
-    cg = rows.get("cachegen-4")
-    if cg and best != "cachegen-4":
-        cr, cm, cw = (statistics.median(m["ratio"] for m in cg), statistics.median(m["dnll"] for m in cg),
-                      max(m["dnll"] for m in cg))
-        text += f"; cachegen-4 {cr:.2f}x at {cm:+.2f}% median but **{cw:+.1f}% worst case**"
-        figs += [{"shown": f"cachegen-4 {cr:.2f}x", "cell": f"{cr:.2f} (", "table": "main"},
-                 {"shown": f"{cm:+.2f}% median", "cell": f"{cm:.2f} (", "table": "main"},
-                 {"shown": f"{cw:+.1f}% worst", "cell": f"-{cw:.2f})", "table": "main"}]
-    five = any(statistics.median(m["ratio"] for m in ms) >= 5 for ms in ok.values())
-    text += f". The 5x-at-1% target is {'met' if five else '**not met**'}"
-    res.set_headline("lossy codecs, size vs continuation quality (SmolLM2-135M)", text,
-                     "bf16 `raw` objects for size; the exact cache for NLL; cachegen-4 is the CacheGen-style codec",
-                     figs)
 
 
 if __name__ == "__main__":

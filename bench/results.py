@@ -155,6 +155,7 @@ class Results:
         self.started = _dt.datetime.now(_dt.timezone.utc)
         self.t0 = time.perf_counter()
         self.load_before = _load()
+        self.commit = commit()  # at the start: what ran (a bench may write tracked files, e.g. its PNG, before the end)
         self.tables: list[dict[str, str]] = []
         self.headline: dict[str, Any] | None = None
         self.extra: dict[str, Any] = {}
@@ -191,7 +192,7 @@ class Results:
             "command": command(self.argv, self.env),
             "argv": self.argv,
             "env": self.env,
-            "commit": commit(),
+            "commit": self.commit,
             "machine": {**machine(), "load_before": self.load_before, "load_after": _load()},
             "started": self.started.isoformat(timespec="seconds"),
             "seconds": round(time.perf_counter() - self.t0, 1),

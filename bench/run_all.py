@@ -67,9 +67,14 @@ RUNS: list[Run] = [
         ["--addresses", "2000"], (), 600),
     Run("quality", "quality", ["--contexts", "512", "1024", "--continuation", "256", "--png", "docs/img/quality.png"],
         ["--contexts", "256", "--continuation", "32", "--encodings", "raw", "int8"], ("smollm2",), 3600),
-    Run("geo", "geo", ["--requests", "200", "--strategies", "oracle,latency,random,origin-only,latency-hit-only"],
-        ["--requests", "6", "--docs", "2", "--strategies", "latency", "--no-prefetch0", "--plot", "",
-         "--json", ""], ("etcd",), 1800),
+    Run("quality_transform", "quality_transform",
+        ["--basis", "bench/work/kvtc-smollm2.basis", "--budgets", "1.5", "1.65", "1.75", "2.0", "2.5",
+         "--encodings", "int8", "int4-g64", "cachegen-4", "ans-4", "--png", "docs/img/quality_transform.png"],
+        ["--basis", "bench/work/kvtc-smollm2.basis", "--contexts", "512", "--continuation", "32", "--budgets", "2.0",
+         "--encodings", "int8", "--docs", "harbor-policy"], ("smollm2",), 3 * 3600),
+    Run("geo", "geo", ["--requests", "200", "--seeds", "1,2,3"],
+        ["--requests", "6", "--docs", "2", "--strategies", "latency,static-nearest", "--no-prefetch0", "--plot", "",
+         "--json", ""], ("etcd",), 2700),
     Run("ttft", "ttft", ["--repeat", "3"],
         ["--models", "smollm2-135m", "--lengths", "256", "--repeat", "1", "--plot", "", "--json", ""],
         ("smollm2",), 3 * 3600),
@@ -78,11 +83,12 @@ RUNS: list[Run] = [
         ["--models", "smollm2-135m", "--lengths", "256", "--repeat", "1", "--plot", "", "--json", "",
          "--no-headline"], ("smollm2",), 1800),
     Run("vllm_ttft", "vllm_ttft", [], None, ("vllm",), 3 * 3600),
-    Run("blend", "blend", ["--questions", "8", "--png", "docs/img/blend.png"],
-        ["--questions", "1", "--ratios", "15", "--png", ""], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    Run("blend", "blend", ["--png", "docs/img/blend.png"],
+        ["--quick", "--png", ""], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("steer", "steer", [], ["--quick"], ("smollm2",), 3 * 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers", "edge-mem,dict,lmcache,redis",
-                           "--clients", "raw,kdn", "--duration", "2", "--warmup", "0.5", "--no-install"],
+    Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers",
+                           "edge-mem,edge-disk,dict,dict-copy,nginx-1w,lmcache,redis", "--clients", "raw,kdn",
+                           "--duration", "2", "--warmup", "0.5", "--rounds", "2", "--profile", "--no-install"],
         ["--sizes", "4MiB", "--conc", "1", "--servers", "edge-mem,dict", "--clients", "raw", "--duration", "0.5",
          "--warmup", "0.2", "--no-install", "--plot", ""], ("redis", "lmcache"), 1800),
     Run("gpu_check", "gpu_check", ["--device", "cuda", "--lengths", "2048,8192,32768", "--repeat", "5"],
@@ -97,6 +103,8 @@ RUNS: list[Run] = [
     Run("cross_engine", "cross_engine", [], None, ("vllm",), 3600),
     # Records of past runs the docs still discuss; their code has changed since, so re-running the same command
     # would not reproduce what the text around them says.
+    Run("geo-seed7", "geo",
+        archived="one seed (7), after the three client fixes, before the static-nearest baseline and --seeds"),
     Run("geo-before-fixes", "geo", archived="before three fetch-client fixes"),
     Run("geo-earlier", "geo", archived="an earlier run, before the client fixes"),
     Run("blend-first", "blend", archived="the first run, under heavy load"),
@@ -106,7 +114,7 @@ RUNS: list[Run] = [
 ]
 BY_NAME = {r.name: r for r in RUNS}
 # README headline rows, in this order (runs without a headline are left out).
-HEADLINES = ["ttft", "vllm_ttft", "gpu_check", "address_codec", "quality", "eviction-zipf", "eviction-mooncake",
+HEADLINES = ["ttft", "vllm_ttft", "gpu_check", "address_codec", "quality_transform", "eviction-zipf", "eviction-mooncake",
              "faults", "ring", "geo", "blend", "steer", "serve"]
 
 
@@ -136,11 +144,13 @@ NEEDS = {
     "redis": (lambda: bool(shutil.which("redis-server")), "redis-server not installed (apt; the bench runs "
               "with --no-install)"),
     "lmcache": (lambda: (ROOT / "bench" / "work" / "lmcache-venv").exists(), "no LMCache venv in bench/work"),
+    "nginx": (lambda: bool(shutil.which("nginx") or Path("/usr/sbin/nginx").exists()), "nginx not installed (apt; "
+              "the bench runs with --no-install)"),
 }
 
 
 def missing(run: Run, quick: bool) -> str:
-    needs = run.needs if not quick else tuple(n for n in run.needs if n not in ("redis", "lmcache"))
+    needs = run.needs if not quick else tuple(n for n in run.needs if n not in ("redis", "lmcache", "nginx"))
     return "; ".join(why for n in needs for check, why in [NEEDS[n]] if not check())
 
 

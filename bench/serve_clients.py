@@ -14,7 +14,9 @@ keep-alive, body read with ``recv_into`` into a buffer allocated once),
 (``KDNClient.fetch`` with digest and size known: the real fetch path,
 BLAKE3 verification included), ``kdn-recv`` (the same with the BLAKE3 check
 stubbed out in this process: the receive path alone), ``redis`` (redis-py
-sync with hiredis, one connection per thread), ``lmcache`` (LMCache's remote
+sync with hiredis, one connection per thread), ``redis-raw`` (RESP on a
+blocking socket, the value read with ``recv_into`` into a buffer allocated
+once, as ``raw`` reads HTTP), ``lmcache`` (LMCache's remote
 connector for ``lm://``).
 
 Protocol on stdout: a line ``START`` when the measured window opens, ``END``
@@ -91,14 +93,40 @@ def _report(t: Tally, window: Window, extra: dict | None = None) -> None:
 # --- raw socket ---------------------------------------------------------------
 
 
-def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Window, tally: Tally, offset: int) -> None:
+def _read_head(sock: socket.socket, hview: memoryview, sep: bytes) -> tuple[int, int]:
+    """Receive until ``sep`` ends the head: (bytes received, where ``sep`` starts)."""
+    n = 0
+    while True:
+        r = sock.recv_into(hview[n:])
+        if not r:
+            raise ConnectionError("server closed")
+        n += r
+        end = hview.obj.find(sep, 0, n)
+        if end >= 0:
+            return n, end
+
+
+def _read_body(sock: socket.socket, view: memoryview, hview: memoryview, n: int, start: int, length: int) -> None:
+    """The ``length``-byte body into ``view``: what came with the head (from ``start`` to ``n``), then the rest."""
+    got = n - start
+    view[:got] = hview[start:n]
+    while got < length:
+        r = sock.recv_into(view[got:length])
+        if not r:
+            raise ConnectionError("server closed mid-body")
+        got += r
+
+
+def _blocking_worker(host: str, port: int, reqs: list[bytes], size: int, sep: bytes, parse, trailer: int,
+                     window: Window, tally: Tally, offset: int) -> None:
+    """One connection, one thread, blocking socket: send a request, read the head up to ``sep``, parse
+    it (``parse(head) -> body length``), receive the body (and ``trailer`` more bytes) with ``recv_into``
+    into one buffer allocated once."""
     sock = socket.create_connection((host, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    body = bytearray(size)  # every body lands here: allocated once
-    view = memoryview(body)
+    view = memoryview(bytearray(size + trailer))  # every body lands here: allocated once
     head = bytearray(8192)
     hview = memoryview(head)
-    reqs = [f"GET {p} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode() for p in paths]
     i = offset
     try:
         while True:
@@ -107,31 +135,11 @@ def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Windo
                 return
             sock.sendall(reqs[i % len(reqs)])
             i += 1
-            # headers: read until the blank line; whatever follows is the start of the body
-            n = 0
-            while True:
-                r = sock.recv_into(hview[n:])
-                if not r:
-                    raise ConnectionError("server closed")
-                n += r
-                end = head.find(b"\r\n\r\n", 0, n)
-                if end >= 0:
-                    break
-            hdr = bytes(head[:end]).lower()
-            if not hdr.startswith(b"http/1.1 200"):
-                raise ConnectionError(hdr[:60].decode(errors="replace"))
-            cl = hdr.find(b"content-length:") + 15
-            eol = hdr.find(b"\r\n", cl)
-            length = int(hdr[cl:eol if eol >= 0 else len(hdr)])
+            n, end = _read_head(sock, hview, sep)  # whatever follows the head is the start of the body
+            length = parse(bytes(head[:end]))
             if length > size:
                 raise ConnectionError(f"body of {length} bytes, buffer of {size}")
-            got = n - (end + 4)
-            view[:got] = hview[end + 4:n]
-            while got < length:
-                r = sock.recv_into(view[got:length])
-                if not r:
-                    raise ConnectionError("server closed mid-body")
-                got += r
+            _read_body(sock, view, hview, n, end + len(sep), length + trailer)
             done = time.perf_counter()
             if window.t0 <= done < window.t1:
                 tally.lat.append(done - t)
@@ -140,6 +148,21 @@ def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Windo
         tally.errors += 1
     finally:
         sock.close()
+
+
+def _http_length(head: bytes) -> int:
+    hdr = head.lower()
+    if not hdr.startswith(b"http/1.1 200"):
+        raise ConnectionError(hdr[:60].decode(errors="replace"))
+    cl = hdr.find(b"content-length:") + 15
+    eol = hdr.find(b"\r\n", cl)
+    return int(hdr[cl:eol if eol >= 0 else len(hdr)])
+
+
+def _raw_worker(host: str, port: int, paths: list[str], size: int, window: Window, tally: Tally, offset: int) -> None:
+    """HTTP/1.1 keep-alive GETs, headers parsed by hand, the body received into a buffer allocated once."""
+    reqs = [f"GET {p} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode() for p in paths]
+    _blocking_worker(host, port, reqs, size, b"\r\n\r\n", _http_length, 0, window, tally, offset)
 
 
 def run_threads(target, n: int, window: Window, *args) -> Tally:
@@ -201,6 +224,9 @@ class _NoHash:
     """Stands in for blake3 in ``kdn-recv``: the receive path without the verification."""
 
     def __init__(self, *a, **k) -> None:
+        pass
+
+    def update(self, data) -> None:  # the client feeds each body segment as it lands
         pass
 
     def hexdigest(self) -> _AnyDigest:
@@ -350,6 +376,21 @@ def _redis_worker(host: str, port: int, keys: list[str], window: Window, tally: 
         r.close()
 
 
+def _resp_length(head: bytes) -> int:
+    if head[0:1] != b"$" or head[1:2] == b"-":  # a bulk string; "$-1" is a missing key
+        raise ConnectionError(head.decode(errors="replace"))
+    return int(head[1:])
+
+
+def _redis_raw_worker(host: str, port: int, keys: list[str], size: int, window: Window, tally: Tally,
+                      offset: int) -> None:
+    """GET over RESP on a blocking socket, the value (and its CRLF) received into one buffer allocated
+    once: Redis read as the ``raw`` HTTP client reads the HTTP servers (redis-py allocates a fresh
+    ``bytes`` per reply)."""
+    reqs = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k.encode()) for k in keys]
+    _blocking_worker(host, port, reqs, size, b"\r\n", _resp_length, 2, window, tally, offset)
+
+
 # --- LMCache ------------------------------------------------------------------
 
 
@@ -445,9 +486,9 @@ def _lmcache_main(host: str, port: int, objects: list[dict], blobs: str, conc: i
 
 
 def dict_server(port: int, blobs: str, send: str = "response") -> None:
-    """``send``: ``response`` is the baseline (``web.Response(body=blob)``); ``stream`` and
-    ``sliced:N`` are experiments for the edge's ``_send_bytes`` (headers sent on their own, then
-    the body as a memoryview, whole or in N-byte slices with a drain between)."""
+    """``send``: ``stream`` is the baseline (headers sent on their own, then the body as a memoryview: no
+    copy, as the edge sends); ``response`` (``web.Response(body=blob)``, which joins headers and body
+    into one new ``bytes`` first) is kept as a row; ``sliced:N`` writes N-byte slices with a drain between."""
     from aiohttp import web
 
     store = {}
@@ -481,7 +522,8 @@ def dict_server(port: int, blobs: str, send: str = "response") -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["raw", "aiohttp", "kdn", "kdn-recv", "bufproto", "redis", "lmcache", "dict-server"])
+    p.add_argument("mode", choices=["raw", "aiohttp", "kdn", "kdn-recv", "bufproto", "redis", "redis-raw", "lmcache",
+                                    "dict-server"])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--objects", help="JSON file: [{address, digest, size}]")
@@ -522,6 +564,8 @@ def main() -> None:
         t = asyncio.run(_bufproto_main(host, port, paths, size, a.conc, window))
     elif a.mode == "redis":
         t = run_threads(_redis_worker, a.conc, window, host, port, [o["address"] for o in objects])
+    elif a.mode == "redis-raw":
+        t = run_threads(_redis_raw_worker, a.conc, window, host, port, [o["address"] for o in objects], size)
     else:
         t = _lmcache_main(host, port, objects, a.blobs, a.conc, window)
     _report(t, window)

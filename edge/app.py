@@ -60,34 +60,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class EdgeConfig:
+class EdgeConfig(service.NodeConfig):
+    """An edge (``kdn edge serve``): the shared node settings plus its tiers, upstreams and trust."""
+
+    port: int = 8100
+    node_id: str = field(default_factory=lambda: validate_name(f"edge-{socket.gethostname().split('.')[0][:40]}"))
     region: str = "local"
-    registry: str | None = None
     origin: str | None = None  # default: the origins registered in the registry
     mem_budget: int = 1 << 30
     disk: str | None = None
     disk_budget: int = 10 << 30
-    host: str = "127.0.0.1"
-    port: int = 8100
-    node_id: str = field(default_factory=lambda: validate_name(f"edge-{socket.gethostname().split('.')[0][:40]}"))
-    url: str | None = None
-    token_file: str | None = None  # who may read what from this edge
     upstream_token_file: str | None = None  # the token this edge shows peers and the origin
     # hosts that token may reach over plain http (https: any); None = loopback (kdn.auth.TokenScope)
     token_hosts: str | None = None
     prefetch: int = 2
-    lease_ttl: float = 10.0
-    fsync: bool = True
     records_cache: int = 100_000
-    tls_cert: str | None = None
-    tls_key: str | None = None
     ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
     trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
-    deadlines: service.Deadlines = field(default_factory=service.Deadlines)  # request bodies, responses
-
-    @property
-    def advertised_url(self) -> str:
-        return self.url or f"{'https' if self.tls_cert else 'http'}://{self.host}:{self.port}"
 
 
 class RecordCache:
@@ -208,16 +197,19 @@ class Edge:
         self.flight: SingleFlight[tuple[bytes, str]] = SingleFlight()  # one fill per key at a time
         self._background: set[asyncio.Task] = set()
         self._disk_error_logged = float("-inf")
+        self._promoting: set[Key] = set()  # disk hits being copied to memory: one copy per key at a time
         self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
 
-    def background(self, coro) -> None:
-        """Run ``coro`` off the response path, holding a reference until it ends (bounded: skip when busy)."""
+    def background(self, coro) -> bool:
+        """Run ``coro`` off the response path, holding a reference until it ends. Bounded: when 256 are
+        running, ``coro`` is closed unstarted and this returns False."""
         if len(self._background) >= 256:
             coro.close()
-            return
+            return False
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return True
 
     async def idle(self) -> None:
         """Until the background work started so far (disk copies) is done: for tests and shutdown."""
@@ -308,8 +300,11 @@ class Edge:
             if handle.data is not None:  # in memory: written as it is
                 return Loaded(tier.name, handle.size, data=handle.data, handle=handle)
             assert handle.path is not None  # a file: sent with sendfile, and promoted to memory
-            if count and not self.memory.contains(key) and handle.size <= self.memory.budget:
-                self.background(_promote(self, key, handle.path, rec, handle.meta.inserted_at))
+            if (count and key not in self._promoting and not self.memory.contains(key)
+                    and handle.size <= self.memory.budget):
+                self._promoting.add(key)
+                if not self.background(_promote(self, key, handle.path, rec, handle.meta.inserted_at)):
+                    self._promoting.discard(key)
             return Loaded(tier.name, handle.size, path=handle.path, handle=handle)
         return None
 
@@ -616,32 +611,17 @@ async def _promote(edge: Edge, key: Key, path: Path, rec: ObjectRecord, inserted
             await edge.memory.put(key, blob, replace(edge.meta_for(rec, key[1]), inserted_at=inserted_at))
     except OSError:
         pass  # evicted meanwhile: the next read fills again
+    finally:
+        edge._promoting.discard(key)
 
 
 async def _send_bytes(request, data: memoryview, headers: dict, *, head: bool, metrics, source: str):
     """Write ``data`` inside the handler, while the caller still holds the tier handle: the bytes
-    cannot be evicted under this write.
-
-    A ``StreamResponse`` writes its headers on their own and then the memoryview as is. A
-    ``web.Response(body=...)`` would join headers and body into one new ``bytes`` first (aiohttp on
-    Python < 3.12.9): a full copy of every object, which halved 4 MiB throughput (bench/serve.py).
-    """
-    resp = web.StreamResponse(headers=headers)
-    resp.content_length = len(data)
-
-    async def send() -> None:
-        await resp.prepare(request)
-        if not head:
-            await resp.write(data)
-        await resp.write_eof()
-
-    try:
-        if not await service.send_within(request, len(data), send()):
-            return resp  # a stalled reader: cut off, so the handle it pins is released
-    except ConnectionError:  # the client hung up (e.g. its hedged twin won): nothing left to do
+    cannot be evicted under this write (a stalled reader is cut off, so the handle it pins is released)."""
+    resp, how = await service.send_body(request, data, headers, head=head)
+    if how == "gone":
         metrics.aborted.inc()
-        return resp
-    if not head:
+    elif how == "sent" and not head:
         metrics.bytes_served.labels(source).inc(len(data))
     return resp
 

@@ -45,33 +45,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class OriginConfig:
-    model: str = "tiny-llama"
-    registry: str | None = None
-    store: str = "kdn-origin-store"
-    host: str = "127.0.0.1"
+class OriginConfig(service.NodeConfig):
+    """An origin (``kdn origin serve``): the shared node settings plus the model and its store."""
+
     port: int = 8000
-    token_file: str | None = None
-    region: str = "origin"
     node_id: str = field(default_factory=lambda: validate_name(socket.gethostname().split(".")[0][:60] or "origin"))
-    url: str | None = None  # advertised URL; default http://host:port
+    model: str = "tiny-llama"
+    store: str = "kdn-origin-store"
+    region: str = "origin"
     dtype: str | None = None
     max_body_bytes: int = 16 << 20
     max_pending_jobs: int = 16
-    lease_ttl: float = 10.0
-    fsync: bool = True
     cache_dir: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
     engine: str = "hf"  # what computes the states: "hf" (transformers) or "vllm"
     signing_key: str | None = None  # Ed25519 key (kdn origin keygen): every record and manifest is signed
     max_context: int = 32768  # with the vllm engine: the longest document it is sized for
     kvtc_basis: str | None = None  # a kvtc basis file (kdn.adapters.hf.transform_fit): enables kvtc-B encodings
-    deadlines: service.Deadlines = field(default_factory=service.Deadlines)  # request bodies, responses
-
-    @property
-    def advertised_url(self) -> str:
-        return self.url or f"{'https' if self.tls_cert else 'http'}://{self.host}:{self.port}"
 
 
 CONFIG = web.AppKey("config", OriginConfig)
@@ -357,23 +346,11 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     if got is None:
         raise web.HTTPNotFound(text=f"no object {address}")
     blob, _ = got
-    resp = web.StreamResponse(headers=headers)
-    resp.content_length = len(blob)
-
-    async def send() -> None:
-        await resp.prepare(request)
-        await resp.write(blob)
-        await resp.write_eof()
-
     # Counted as it starts (a reader may act on the body before this handler resumes); readers cut
     # off are counted by kdn_http_deadline_exceeded_total.
     app[M]["objects_served"].labels(encoding).inc()
     app[M]["bytes_served"].labels(encoding).inc(len(blob))
-    try:
-        await service.send_within(request, len(blob), send())  # a stalled reader is cut off
-    except ConnectionError:  # the reader hung up: nothing left to do
-        pass
-    return resp
+    return (await service.send_body(request, blob, headers))[0]
 
 
 async def lookup(request: web.Request) -> web.Response:

@@ -29,11 +29,11 @@ from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry import Encoding, ObjectRecord
 from kdn.store import validate_encoding
+from kdn.template import chat_frame, encode_text
 
 from kdn.origin.store import ObjectStore
 
 TEMPLATES = ("none", "chat")
-_SENTINEL = "\ue000KDN-DOCUMENT\ue001"  # private-use characters: never in a real chat template
 
 
 @dataclass(frozen=True)
@@ -194,21 +194,7 @@ def head_text(tokenizer, template: str | None, prefix_text: str | None, system: 
         return prefix_text or ""
     if template != "chat":
         raise InvalidInput(f"unknown template {str(template)[:30]!r}: use one of {list(TEMPLATES)}")
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidInput("this model's tokenizer has no chat template; use prefix_text instead")
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    if rendered.count(_SENTINEL) != 1:
-        raise InvalidInput("the chat template does not place the user message verbatim")
-    return rendered.split(_SENTINEL, 1)[0] + (prefix_text or "")
-
-
-def encode_text(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens (the template, if any, brings its own)."""
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    except TypeError:  # the byte tokenizer of tiny models takes no keyword
-        return list(tokenizer.encode(text))
+    return chat_frame(tokenizer, system, generation_prompt=False)[0] + (prefix_text or "")
 
 
 def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int) -> PublishSpec:

@@ -1,17 +1,23 @@
-"""A throwaway etcd server for tests: free loopback ports, a temp data dir, stopped by PID."""
+"""A throwaway etcd server: free loopback ports, its own data directory, stopped by PID.
+
+The one copy, used by the tests' fixtures, the fault harness (``bench/faultlib.py``: stopped and
+restarted on the same data, snapshotted, restored, compacted) and the benches that need a real etcd.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
-ETCD_BIN = "/usr/bin/etcd"
+ETCD_BIN = os.environ.get("KDN_ETCD_BIN", "/usr/bin/etcd")
 ETCDCTL_BIN = "/usr/bin/etcdctl"  # Debian's etcd-client
 
 
@@ -22,36 +28,54 @@ def _free_port() -> int:
 
 
 class EtcdProcess:
-    """``tls``: (certificate, key, CA) to serve clients over TLS; ``client_cert_auth``: clients must show a
-    certificate from that CA; ``extra``: more flags (``--auth-token-ttl``, ...)."""
+    """One etcd member on 127.0.0.1.
 
-    def __init__(self, binary: str = ETCD_BIN, *, tls: tuple[str, str, str] | None = None,
-                 client_cert_auth: bool = False, extra: list[str] | None = None) -> None:
+    ``root``: the folder for its data (``root/data``) and log (``root/etcd.log``); kept across
+    ``stop()``/``start()`` so the member restarts on the same data. Without it, a temp folder that
+    ``stop()`` removes. ``tls``: (certificate, key, CA) to serve clients over TLS;
+    ``client_cert_auth``: clients must show a certificate from that CA; ``extra``: more flags
+    (``--auth-token-ttl``, ...)."""
+
+    def __init__(self, binary: str = ETCD_BIN, *, root: str | Path | None = None,
+                 tls: tuple[str, str, str] | None = None, client_cert_auth: bool = False,
+                 extra: list[str] | None = None, retry_ports: bool = True) -> None:
         if not os.path.exists(binary):
             raise RuntimeError(
                 f"{binary} not found: the registry tests need a real etcd "
                 "(apt-get install -y etcd-server; scripts/setup does)"
             )
         self.binary = binary
-        self.data_dir = tempfile.mkdtemp(prefix="kdn-etcd-")
+        self._temp = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="kdn-etcd-") if root is None else root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.data = self.root / "data"
+        self.log = self.root / "etcd.log"
         self.client_port = _free_port()
         self.peer_port = _free_port()
         self.metrics_port = _free_port()
         self.tls, self.client_cert_auth, self.extra = tls, client_cert_auth, list(extra or [])
         self.proc: subprocess.Popen[bytes] | None = None
+        # Until it has started, nobody has its ports (unless the caller handed them out: retry_ports=False).
+        self._started = not retry_ports
+        self._port_retries = 0
 
     @property
     def url(self) -> str:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
-    def start(self, timeout: float = 15.0) -> None:
+    def registry_url(self, prefix: str = "/kdn/") -> str:
+        """The KDN registry URL of this server under ``prefix`` (plain http only)."""
+        return f"etcd://127.0.0.1:{self.client_port}{prefix}"
+
+    def start(self, timeout: float = 15.0, *, new: bool | None = None) -> None:
+        """Start the member; ``new`` (default: no data yet) says whether it bootstraps a new cluster."""
         c, p = self.url, f"http://127.0.0.1:{self.peer_port}"
-        self._log = open(os.path.join(self.data_dir, "etcd.log"), "wb")
+        state = "new" if (new if new is not None else not self.data.exists()) else "existing"
         args = [
-            self.binary, "--name", "t", "--data-dir", os.path.join(self.data_dir, "data"),
+            self.binary, "--name", "t", "--data-dir", str(self.data),
             "--listen-client-urls", c, "--advertise-client-urls", c,
             "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
-            "--initial-cluster", f"t={p}", "--initial-cluster-state", "new",
+            "--initial-cluster", f"t={p}", "--initial-cluster-state", state,
             "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",
             "--log-level", "error", *self.extra,
         ]
@@ -60,14 +84,25 @@ class EtcdProcess:
             args += ["--cert-file", cert, "--key-file", key]
             if self.client_cert_auth:  # (etcd 3.4 with a trusted CA but no client-cert-auth refuses certless clients)
                 args += ["--trusted-ca-file", ca, "--client-cert-auth"]
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self._tail()}")
+                tail = self._tail()
+                # A port picked free can be taken (an outgoing connection's local port) before etcd binds
+                # it. On a first start nothing has been told the ports yet: take new ones and try again.
+                if "address already in use" in tail and not self._started and self._port_retries < 3:
+                    self._port_retries += 1
+                    self.client_port, self.peer_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+                    shutil.rmtree(self.data, ignore_errors=True)
+                    self.proc = None
+                    return self.start(timeout, new=new)
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {tail}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
                     if json.load(r).get("health") in ("true", True):
+                        self._started = True
                         return
             except OSError:
                 pass
@@ -79,27 +114,45 @@ class EtcdProcess:
         """Run ``etcdctl`` against this server (``auth``: ``--user``/``--cert`` flags); its stdout."""
         tls = ["--cacert", self.tls[2]] if self.tls else []
         r = subprocess.run([ETCDCTL_BIN, f"--endpoints={self.url}", *tls, *(auth or []), *args],
-                           capture_output=True, text=True, timeout=20, env={**os.environ, "ETCDCTL_API": "3"})
+                           capture_output=True, text=True, timeout=30, env={**os.environ, "ETCDCTL_API": "3"})
         if r.returncode != 0:
             raise RuntimeError(f"etcdctl {' '.join(args)}: {r.stderr.strip()[-500:]}")
         return r.stdout
 
+    def compact_now(self) -> None:
+        """Compact to the current revision: a watch resuming from an older one must re-list."""
+        status = json.loads(self.etcdctl("endpoint", "status", "-w", "json"))
+        self.etcdctl("compaction", str(status[0]["Status"]["header"]["revision"]))
+
+    def snapshot(self, path: Path) -> None:
+        self.etcdctl("snapshot", "save", str(path))
+
+    def restore(self, path: Path) -> None:
+        """Replace the data with a snapshot (member stopped): what an operator does after losing it."""
+        assert self.proc is None, "stop etcd first"
+        shutil.rmtree(self.data, ignore_errors=True)
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        r = subprocess.run([ETCDCTL_BIN, "snapshot", "restore", str(path), "--data-dir", str(self.data),
+                            "--name", "t", "--initial-cluster", f"t={peer}", "--initial-advertise-peer-urls", peer],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "ETCDCTL_API": "3"})
+        if r.returncode != 0:
+            raise RuntimeError(f"snapshot restore: {r.stderr[-500:]}")
+
     def _tail(self) -> str:
         try:
-            with open(os.path.join(self.data_dir, "etcd.log"), "rb") as f:
-                return f.read()[-2000:].decode(errors="replace")
+            return self.log.read_bytes()[-2000:].decode(errors="replace")
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the member (``sig``, then SIGKILL after 15 s); a temp folder goes with it."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(sig)
             try:
-                self.proc.wait(10)
+                self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
         self.proc = None
-        if getattr(self, "_log", None):
-            self._log.close()
-        shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self._temp:
+            shutil.rmtree(self.root, ignore_errors=True)

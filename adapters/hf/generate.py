@@ -28,13 +28,13 @@ import torch
 
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
+from kdn.template import chat_frame, encode_text
 
 from kdn.adapters.hf.cache import build_cache, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
 from kdn.adapters.hf.steer import plan, steering
 
-_SENTINEL = "\ue000KDN-QUESTION\ue001"
 _IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -85,17 +85,11 @@ def prompt_tokens(tokenizer: Any, manifest: dict, question: str) -> list[int]:
     """
     published = list(manifest["prefix_tokens"])
     if manifest.get("template") == "chat":
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
-                                                 add_generation_prompt=True)
-        tail = rendered.split(_SENTINEL, 1)[1]
+        tail = chat_frame(tokenizer)[1]
         suffix = f"\n\n{question}{tail}"
     else:
         suffix = f"\n\n{question}\n"
-    try:
-        extra = tokenizer.encode(suffix, add_special_tokens=False)
-    except TypeError:
-        extra = tokenizer.encode(suffix)
-    return published + list(extra)
+    return published + encode_text(tokenizer, suffix)
 
 
 async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client, *, namespace: str = "public",
@@ -112,10 +106,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
     """
     t_start = time.perf_counter()
     if isinstance(prompt, str):
-        try:
-            ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-        except TypeError:
-            ids = list(tokenizer.encode(prompt))
+        ids = encode_text(tokenizer, prompt)
     else:
         ids = [int(t) for t in prompt]
     if not ids:

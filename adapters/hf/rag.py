@@ -18,8 +18,34 @@ was computed on its own at positions ``0..n-1`` (the origin publishes them with
    queries attend to the composed K/V of all tokens, with their own rows
    replaced by the recomputed ones, layer by layer.
 
+``selection`` picks the tokens of step 3 and says what the check costs:
+
+- ``"deviation-kv"`` (default): CacheBlend's selection with a cheaper check:
+  layers ``0..check_layer-1`` run for every token, then only the check layer's
+  K/V projections (what the deviation compares); the selected tokens run from
+  the check layer on. It selects the same tokens and leaves the same cache as
+  ``"deviation"`` (the check layer's output for unselected tokens was never
+  used) and skips that layer's attention and MLP for them: on SmolLM2-135M,
+  3.77x instead of 3.43x the lean prefill at the same NLL (docs/whitebox.md);
+- ``"deviation"``: CacheBlend as listed above, the check layer run in full.
+  ``check_layer=0`` selects nothing useful: layer 0's K/V of a token depend on
+  the token alone, so composed and true ones differ by rounding only;
+- ``"chunk-start"``: the first ``round(recompute_ratio * n)`` tokens of each
+  reused chunk of ``n`` tokens (each standalone chunk was computed at positions
+  0.., so its first tokens are the ones it used as an attention sink; EPIC-style
+  position-independent caching). No check layer: the selected tokens and the
+  fresh ones run in every layer, nothing else does.
+
+``Blend.layer_tokens`` counts the (reused token, layer) pairs actually
+recomputed, check layers included: ``R * (check_layer + 1) + r * (L - check_layer - 1)``
+for ``"deviation"`` (R reused tokens, r selected, L layers);
+``R * check_layer + R * f + r * (L - check_layer)`` for ``"deviation-kv"``, with
+``f = kv_share(layer)`` the K/V projections' share of a layer's matmul weights
+(6.2% for SmolLM2-135M); ``r * L`` for ``"chunk-start"``.
+``Blend.recompute_share`` divides it by ``R * L``.
+
 ``recompute_ratio=0`` is pure composition (no check layer: fresh tokens on top
-of the shifted chunks). ``recompute_ratio=1`` runs every token in every layer,
+of the shifted chunks). ``recompute_ratio=1`` runs every token in every layer (no check layer),
 the same operations as ``full_prefill``, and gives bit-identical results.
 Decoder layers are driven here (embed_tokens, layers, norm, rotary_emb), with
 explicit positions, for ``llama`` and ``qwen2`` (full attention) models.
@@ -39,8 +65,9 @@ import torch.nn.functional as F
 from kdn import address as A
 from kdn.emphasis import EmphasisMap, merge_spans
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
-from kdn.kernels.blend import compose, kv_deviation, select_tokens
+from kdn.kernels.blend import compose, kv_deviation, n_select, select_tokens
 from kdn.kernels.rope import rope_of
+from kdn.template import chat_frame, encode_text
 
 from kdn.adapters.hf.cache import build_cache
 from kdn.adapters.hf.extract import standalone_chunk
@@ -48,7 +75,7 @@ from kdn.adapters.hf.generate import _pick, decode_loop, model_id
 from kdn.adapters.hf.steer import Steer, plan, steering
 
 BLEND_FAMILIES = frozenset({"llama", "qwen2"})
-_SENTINEL = "\ue000KDN-CONTEXT\ue001"
+SELECTIONS = ("deviation", "deviation-kv", "chunk-start")
 
 
 @dataclass
@@ -67,6 +94,13 @@ class Blend:
     n_tokens: int
     n_reused: int  # tokens whose KV came from standalone chunks
     recomputed: torch.Tensor  # indices of reused tokens recomputed in the deep layers (ascending)
+    layer_tokens: float = 0.0  # (reused token, layer) pairs recomputed, check layers included
+    n_layers: int = 1
+
+    @property
+    def recompute_share(self) -> float:
+        """The share of the reused tokens' layer work that was recomputed: ``layer_tokens / (n_reused * n_layers)``."""
+        return self.layer_tokens / (self.n_reused * self.n_layers) if self.n_reused else 0.0
 
 
 def _check_model(model: Any) -> None:
@@ -83,9 +117,52 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    c, sn = cos[:, None], sin[:, None]  # [1, 1, s, D]
+    return x * c + _rotate_half(x) * sn
+
+
+def _kv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K (rotated) and V for the tokens of ``h`` [1, s, hidden]: each [1, Hkv, s, D]."""
+    attn = layer.self_attn
+    s, D = h.shape[1], attn.head_dim
+    x = layer.input_layernorm(h)
+    k = attn.k_proj(x).view(1, s, -1, D).transpose(1, 2)
+    v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
+    return _rope(k, cos, sin), v
+
+
+# Queries of a partial recompute are cut into this many groups; each attends to the keys up to its last
+# position only (one masked call over every key does twice the causal work: masked keys cost as much).
+_QUERY_GROUPS = 8
+
+
+def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, idx: torch.Tensor, scale: float,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of queries at positions ``idx`` [s] (ascending) over K/V [1, Hkv, S, D]: [1, Hq, s, D].
+
+    ``bias``: an additive ``[1, Hq, s, S]`` term on the scores (steering, ``kdn.adapters.hf.steer``)."""
+    s, S = q.shape[2], K.shape[2]
+    if s == S and bias is None:  # every position: plain causal attention
+        return F.scaled_dot_product_attention(q, K, V, is_causal=True, scale=scale, enable_gqa=True)
+    outs = []
+    step = -(-s // _QUERY_GROUPS)
+    for a in range(0, s, step):
+        b = min(a + step, s)
+        m = int(idx[b - 1]) + 1  # keys past the group's last position are masked for all of it
+        mask = torch.arange(m, device=idx.device)[None, :] <= idx[a:b, None]  # [b-a, m]
+        am: torch.Tensor = mask[None, None]
+        if bias is not None:  # steered heads: an additive mask
+            am = torch.zeros(am.shape, dtype=q.dtype, device=q.device).masked_fill(~am, torch.finfo(q.dtype).min)
+            am = am + bias[:, :, a:b, :m]
+        outs.append(F.scaled_dot_product_attention(q[:, :, a:b], K[:, :, :m], V[:, :, :m], attn_mask=am,
+                                                   scale=scale, enable_gqa=True))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            K: torch.Tensor, V: torch.Tensor, steer: Steer | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoder layer for the tokens ``idx`` (positions = indices) over the context's K/V.
+    """One decoder layer for the tokens ``idx`` (positions = indices, ascending) over the context's K/V.
 
     h: [1, s, hidden] of tokens idx [s]; K, V: [1, Hkv, S, D] of the whole context,
     rows ``idx`` replaced by the ones computed here. Returns (h', K', V').
@@ -93,29 +170,38 @@ def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, si
     attn = layer.self_attn
     s, D = h.shape[1], attn.head_dim
     x = layer.input_layernorm(h)  # [1, s, hidden]
-    q = attn.q_proj(x).view(1, s, -1, D).transpose(1, 2)  # [1, Hq, s, D]
-    k = attn.k_proj(x).view(1, s, -1, D).transpose(1, 2)  # [1, Hkv, s, D]
+    q = _rope(attn.q_proj(x).view(1, s, -1, D).transpose(1, 2), cos, sin)  # [1, Hq, s, D]
+    k = _rope(attn.k_proj(x).view(1, s, -1, D).transpose(1, 2), cos, sin)  # [1, Hkv, s, D]
     v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
-    c, sn = cos[:, None], sin[:, None]  # [1, 1, s, D]
-    q = q * c + _rotate_half(q) * sn
-    k = k * c + _rotate_half(k) * sn
     K = K.index_copy(2, idx, k)  # [1, Hkv, S, D]
     V = V.index_copy(2, idx, v)
-    S = K.shape[2]
-    mask = torch.arange(S, device=idx.device)[None, :] <= idx[:, None]  # [s, S]: causal by position
-    m: torch.Tensor = mask[None, None]
-    bias = steer.bias(attn.layer_idx, idx, S, q.shape[1], q.dtype, q.device) if steer is not None else None
-    if bias is not None:  # steered heads: an additive mask (kdn.adapters.hf.steer)
-        m = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill(~m, torch.finfo(q.dtype).min) + bias
-    o = F.scaled_dot_product_attention(q, K, V, attn_mask=m, scale=attn.scaling,
-                                       enable_gqa=True)  # [1, Hq, s, D]
+    bias = steer.bias(attn.layer_idx, idx, K.shape[2], q.shape[1], q.dtype, q.device) if steer is not None else None
+    o = _attend(q, K, V, idx, attn.scaling, bias)  # [1, Hq, s, D]
     h = h + attn.o_proj(o.transpose(1, 2).reshape(1, s, -1))
     h = h + layer.mlp(layer.post_attention_layernorm(h))
     return h, K, V
 
 
+def kv_share(layer: Any) -> float:
+    """A K/V projection's share of one layer's per-token matmul work: (k_proj + v_proj) / all linear weights."""
+    kv = layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel()
+    total = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    return kv / total
+
+
+def chunk_start_tokens(segments: Sequence[Segment], ratio: float) -> list[int]:
+    """Context indices of the first ``n_select(n, ratio)`` tokens of each reused segment (ascending)."""
+    out, off = [], 0
+    for s in segments:
+        n = len(s.ids)
+        if s.kv is not None:
+            out += range(off, off + n_select(n, ratio))
+        off += n
+    return out
+
+
 def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: float = 0.15, check_layer: int = 1,
-                  n_logits: int = 1, steer: Steer | None = None) -> Blend:
+                  n_logits: int = 1, selection: str = "deviation-kv", steer: Steer | None = None) -> Blend:
     """Prefill a context of reused and fresh segments, CacheBlend style (see the module doc).
 
     The last ``n_logits`` tokens must be fresh (their logits are returned). ``steer``: a steering plan
@@ -124,10 +210,14 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
     _check_model(model)
     if not 0.0 <= recompute_ratio <= 1.0:
         raise InvalidInput(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+    if selection not in SELECTIONS:
+        raise InvalidInput(f"selection must be one of {list(SELECTIONS)}, got {selection!r}")
     inner = model.model
     layers = list(inner.layers)
     if not 0 <= check_layer < len(layers):
         raise InvalidInput(f"check_layer {check_layer} is not a layer of this {len(layers)}-layer model")
+    if selection == "deviation-kv" and check_layer == 0:
+        raise InvalidInput("deviation-kv needs check_layer >= 1 (layer 0's K/V do not depend on the context)")
     p = next(model.parameters())
     dev, dtype = p.device, p.dtype
     lengths = [len(s.ids) for s in segments]
@@ -149,24 +239,37 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
     def cos_sin(idx: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return inner.rotary_emb(like, position_ids=idx[None])  # each [1, s, D]
 
+    L = len(layers)
     with torch.inference_mode():
-        if recompute_ratio == 0.0:
-            start, idx = 0, fresh_idx
+        if recompute_ratio in (0.0, 1.0) or selection == "chunk-start":  # no check layer: nothing to select by
+            chosen = torch.tensor(chunk_start_tokens(segments, recompute_ratio) if recompute_ratio else [],
+                                  dtype=torch.long, device=dev)
+            start, idx = 0, torch.sort(torch.cat((chosen, fresh_idx))).values
             h = embed(ids[idx])[None]  # [1, s, hidden]
+            layer_tokens = int(chosen.numel()) * L
         else:
+            # "deviation": layers 0..check_layer in full; "deviation-kv": layers 0..check_layer-1 in full and
+            # only the K/V projections of the check layer (what the deviation needs).
+            full_layers = check_layer + 1 if selection == "deviation" else check_layer
             idx = torch.arange(S, device=dev)
             h = embed(ids)[None]  # [1, S, hidden]
             cos, sin = cos_sin(idx, h)
-            for i in range(check_layer + 1):
-                comp_k, comp_v = Ks[i], Vs[i]
-                h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, comp_k, comp_v, steer)
+            comp_k, comp_v = Ks[check_layer], Vs[check_layer]
+            for i in range(full_layers):
+                h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i], steer)
+            if selection == "deviation-kv":
+                Ks[check_layer], Vs[check_layer] = _kv(layers[check_layer], h, cos, sin)
             # Deviation of the reused tokens at the check layer: true (just computed) vs composed.
             d = kv_deviation(Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx],
                              comp_k[:, :, reused_idx], comp_v[:, :, reused_idx])  # [R]
             chosen = reused_idx[select_tokens(d, recompute_ratio)]
             idx = torch.sort(torch.cat((chosen, fresh_idx))).values  # [s]
             h = h.index_select(1, idx)
-            start = check_layer + 1
+            start = full_layers
+            R = int(reused_idx.numel())
+            layer_tokens = R * start + int(chosen.numel()) * (L - start)
+            if selection == "deviation-kv":
+                layer_tokens += R * kv_share(layers[check_layer])
         recomputed = idx[~fresh[idx]]
         cos, sin = cos_sin(idx, h)
         for i in range(start, len(layers)):
@@ -174,7 +277,7 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
         assert bool((idx[-n_logits:] == torch.arange(S - n_logits, S, device=dev)).all())
         logits = model.lm_head(inner.norm(h[:, -n_logits:]))[0]  # [n_logits, vocab]
     return Blend(logits=logits, keys=Ks, values=Vs, n_tokens=S, n_reused=int(reused_idx.numel()),
-                 recomputed=recomputed)
+                 recomputed=recomputed, layer_tokens=layer_tokens, n_layers=L)
 
 
 def full_prefill(model: Any, ids: Sequence[int], *, n_logits: int = 1) -> Blend:
@@ -200,6 +303,7 @@ class RagReport:
     tokens_total: int = 0
     tokens_reused: int = 0  # document tokens whose KV was loaded (fetched or computed alone here)
     tokens_recomputed: int = 0  # of those, recomputed in the deep layers
+    recompute_share: float = 0.0  # of the reused tokens' layer work, recomputed (check layers included)
     chunks_fetched: int = 0
     chunks_computed: int = 0  # not in the KDN: computed locally, alone
     missing: list[str] = field(default_factory=list)  # addresses the KDN could not serve
@@ -213,7 +317,8 @@ class RagReport:
     def line(self) -> str:
         src = ", ".join(f"{k} x{v}" for k, v in sorted(self.sources.items())) or "none"
         return (f"reused {self.tokens_reused}/{self.tokens_total} tokens ({self.chunks_fetched} chunks fetched "
-                f"from {src}, {self.chunks_computed} computed here), recomputed {self.tokens_recomputed}; "
+                f"from {src}, {self.chunks_computed} computed here), recomputed {self.tokens_recomputed} "
+                f"({self.recompute_share * 100:.1f}% of their layer work); "
                 f"fetch {self.fetch_ms:.1f} ms, local {self.compute_ms:.1f} ms, blend {self.blend_ms:.1f} ms; "
                 f"first token after {self.ttft_ms:.1f} ms")
 
@@ -227,19 +332,10 @@ class RagGeneration:
     blend: Blend = field(repr=False)
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))  # as the origin tokenizes a publish
-    except TypeError:
-        return list(tokenizer.encode(text))
-
-
 def rag_frame(tokenizer: Any, query: str, system: str | None) -> tuple[str, str]:
     """Text before the documents and after them (the query), from the chat template if there is one."""
     if getattr(tokenizer, "chat_template", None):
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
-        rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        head, tail = rendered.split(_SENTINEL, 1)
+        head, tail = chat_frame(tokenizer, system)
         return head, f"\n\n{query}{tail}"
     return (f"{system}\n\n" if system else ""), f"\n\n{query}\n"
 
@@ -277,7 +373,8 @@ async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: list[str],
 async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequence[str], client: Any, *,
                        namespace: str = "public", recompute_ratio: float = 0.15, system: str | None = None,
                        max_new_tokens: int = 32, chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS,
-                       check_layer: int = 1, emphasis: Sequence[EmphasisMap | dict | None] | None = None,
+                       check_layer: int = 1, selection: str = "deviation-kv",
+                       emphasis: Sequence[EmphasisMap | dict | None] | None = None,
                        steer: bool | None = None, steer_alpha: float | None = None,
                        steer_heads: list[tuple[int, int]] | None = None) -> RagGeneration:
     """Answer ``query`` over ``documents`` (in this order) reusing their standalone chunks from the KDN.
@@ -286,6 +383,7 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
     here). Each document is tokenized as the origin does, cut into chunks of
     ``chunk_tokens``, and each chunk fetched by its standalone address; a
     chunk the KDN does not have is computed locally, alone, and reported.
+    ``recompute_ratio``, ``check_layer`` and ``selection`` are ``blend_prefill``'s.
     From a script: ``SyncKDNClient.run(generate_rag(..., sync_client.aclient))``.
 
     ``emphasis``: one map (or None) per document, from each document's manifest (published without a
@@ -294,14 +392,16 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
     """
     t_start = time.perf_counter()
     _check_model(model)
+    if selection not in SELECTIONS:
+        raise InvalidInput(f"selection must be one of {list(SELECTIONS)}, got {selection!r}")
     if not documents:
         raise InvalidInput("generate_rag needs at least one document")
     mid = model_id(model, tokenizer)
     head_text, tail_text = rag_frame(tokenizer, query, system)
-    head, tail = _encode(tokenizer, head_text), _encode(tokenizer, tail_text)
+    head, tail = encode_text(tokenizer, head_text), encode_text(tokenizer, tail_text)
     pieces: list[list[int]] = []
     for d in documents:
-        toks = _encode(tokenizer, d)
+        toks = encode_text(tokenizer, d)
         if not toks:
             raise InvalidInput("an empty document")
         pieces += [toks[s:e] for s, e in A.chunk_spans(len(toks), chunk_tokens)]
@@ -312,7 +412,7 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
     states = await _fetch_chunks(client, mid, namespace, addrs, device, report)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(None, _run, model, tokenizer, head, pieces, states, tail, report,
-                                      recompute_ratio, check_layer, max_new_tokens, t_start, st)
+                                      recompute_ratio, check_layer, selection, max_new_tokens, t_start, st)
 
 
 def compose_emphasis(maps: Sequence[EmphasisMap | None], starts: Sequence[int], lengths: Sequence[int]) -> EmphasisMap | None:
@@ -339,7 +439,7 @@ def _rag_plan(model, tokenizer, head, documents, emphasis, steer, alpha, heads) 
     if len(emphasis) != len(documents):
         raise InvalidInput(f"{len(emphasis)} emphasis maps for {len(documents)} documents")
     maps = [m if m is None or isinstance(m, EmphasisMap) else EmphasisMap.from_dict(m) for m in emphasis]
-    lengths = [len(_encode(tokenizer, d)) for d in documents]
+    lengths = [len(encode_text(tokenizer, d)) for d in documents]
     starts = [len(head) + sum(lengths[:i]) for i in range(len(documents))]
     for m, n in zip(maps, lengths):
         if m is not None and m.region[1] - m.region[0] != n:
@@ -350,8 +450,8 @@ def _rag_plan(model, tokenizer, head, documents, emphasis, steer, alpha, heads) 
     return plan(model, emap, alpha=alpha, heads=heads)
 
 
-def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_layer, max_new_tokens, t_start,
-         st=None):
+def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_layer, selection, max_new_tokens,
+         t_start, st=None):
     t0 = time.perf_counter()
     for j, state in enumerate(states):
         if state is None:
@@ -360,10 +460,11 @@ def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_laye
     report.compute_ms = (time.perf_counter() - t0) * 1e3
     segments = ([Segment(head)] if head else []) + [Segment(p, kv) for p, kv in zip(pieces, states)] + [Segment(tail)]
     t0 = time.perf_counter()
-    b = blend_prefill(model, segments, recompute_ratio=ratio, check_layer=check_layer, steer=st)
+    b = blend_prefill(model, segments, recompute_ratio=ratio, check_layer=check_layer, selection=selection, steer=st)
     report.blend_ms = (time.perf_counter() - t0) * 1e3
     report.tokens_total, report.tokens_reused = b.n_tokens, b.n_reused
     report.tokens_recomputed = int(b.recomputed.numel())
+    report.recompute_share = b.recompute_share
     first_logits = b.logits[-1].float()
     nxt = _pick(first_logits, False, 1.0)
     report.ttft_ms = (time.perf_counter() - t_start) * 1e3

@@ -13,16 +13,21 @@ found, named after them.
 from __future__ import annotations
 
 import functools
+import sys
 import json
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import kdn.kernels  # noqa: F401  (registers the lossy codecs: int8, int4, cachegen, ans)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import fuzz  # noqa: E402
+
+import kdn.kernels  # noqa: F401,E402  (registers the lossy codecs: int8, int4, cachegen, ans)
 from kdn.codecs import DTYPES, codec_names, get_codec, nbytes
 from kdn.errors import CodecError, CorruptObject, InvalidInput, ObjectFormatError, ObjectTooLarge
 from kdn.kernels import encode_as
@@ -94,25 +99,8 @@ def seed_blobs() -> tuple[bytes, ...]:
     return tuple(blobs)
 
 
-def split(blob: bytes) -> tuple[dict, dict, dict[str, bytes]]:
-    """(safetensors entries, KDN header, payload per tensor) of a valid blob."""
-    (n,) = struct.unpack_from("<Q", blob)
-    top = json.loads(blob[8 : 8 + n])
-    kdn = json.loads(top.pop("__metadata__")["kdn"])
-    data = blob[8 + n :]
-    return top, kdn, {k: data[e["data_offsets"][0] : e["data_offsets"][1]] for k, e in top.items()}
-
-
-def join(top: dict, kdn: dict, parts: dict[str, bytes], relayout: bool = True) -> bytes:
-    """A blob again; ``relayout`` recomputes data_offsets from the payloads (else they stay as set)."""
-    off = 0
-    for k in top:
-        if relayout:
-            top[k]["data_offsets"] = [off, off + len(parts[k])]
-        off += len(parts[k])
-    head = json.dumps({"__metadata__": {"kdn": json.dumps(kdn)}, **top}).encode()
-    head += b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + b"".join(parts[k] for k in top)
+# One blob splitter for both fuzzers (bench/fuzz.py is the long-running one).
+split, join = fuzz.split_blob, fuzz.join_blob
 
 
 # --- the property every input must satisfy ------------------------------------------------------

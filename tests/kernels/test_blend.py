@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kdn.adapters.hf import build_cache, continue_from_cache, load_model, standalone_chunk
-from kdn.adapters.hf.rag import Segment, blend_cache, blend_prefill, full_prefill
+from kdn.adapters.hf.rag import Segment, blend_cache, blend_prefill, chunk_start_tokens, full_prefill, kv_share
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.kernels.blend import kv_deviation, n_select, select_tokens, select_tokens_ref
 from kdn.kernels.rope import rope_shift
@@ -110,7 +110,7 @@ def test_partial_recompute_touches_only_the_selected_tokens():
     m = model("tiny-llama")
     segs = segments(m, [DOC_A, DOC_C])
     zero = blend_prefill(m, segs, recompute_ratio=0.0)
-    b = blend_prefill(m, segs, recompute_ratio=0.2, check_layer=0)
+    b = blend_prefill(m, segs, recompute_ratio=0.2, check_layer=0, selection="deviation")
     reused = b.n_reused
     assert b.recomputed.numel() == round(0.2 * reused)
     sel = set(b.recomputed.tolist())
@@ -155,3 +155,64 @@ def test_smollm2_full_recompute_is_exact():
         own = m(input_ids=torch.tensor([ids])).logits[0, -8:]
     print(f"smollm2 fp32: routine vs model forward, max |dlogit| = {(ref.logits - own).abs().max().item():.2e}")
     torch.testing.assert_close(ref.logits, own, atol=2e-3, rtol=2e-3)
+
+
+# --- other selections: chunk-start (EPIC-style) and the cheaper deviation-kv check ------------------
+
+
+def test_chunk_start_picks_the_first_tokens_of_every_reused_chunk():
+    m = model("tiny-llama")
+    docs = [DOC_A, DOC_B, DOC_C]  # 70, 45, 90 tokens after a 12-token head
+    segs = segments(m, docs)
+    assert chunk_start_tokens(segs, 0.1) == [*range(12, 19), *range(82, 87), *range(127, 136)]
+    b = blend_prefill(m, segs, recompute_ratio=0.1, selection="chunk-start")
+    assert b.recomputed.tolist() == chunk_start_tokens(segs, 0.1)
+    L = len(b.keys)
+    assert b.layer_tokens == 21 * L and b.recompute_share == pytest.approx(21 / 205)
+    # nothing else is touched in any layer: the other reused rows stay composed, from layer 0 on
+    zero = blend_prefill(m, segs, recompute_ratio=0.0)
+    rest = [t for t in range(12, 12 + 205) if t not in set(b.recomputed.tolist())]
+    for i in (0, L - 1):
+        assert torch.equal(b.keys[i][:, :, rest], zero.keys[i][:, :, rest])
+        assert not torch.equal(b.keys[i][:, :, b.recomputed], zero.keys[i][:, :, b.recomputed])
+
+
+@pytest.mark.parametrize("selection", ["chunk-start", "deviation-kv", "deviation"])
+def test_every_selection_at_ratio_one_is_the_full_prefill(selection):
+    m = model("tiny-qwen2")
+    segs = segments(m, [DOC_C, DOC_A, DOC_B])
+    ids = [t for s in segs for t in s.ids]
+    b = blend_prefill(m, segs, recompute_ratio=1.0, selection=selection, n_logits=len(QUERY))
+    ref = full_prefill(m, ids, n_logits=len(QUERY))
+    assert b.recomputed.numel() == b.n_reused
+    assert torch.equal(b.logits, ref.logits)  # ratio 1 needs no check layer: every token in every layer
+    for i in range(len(b.keys)):
+        assert torch.equal(b.keys[i], ref.keys[i]) and torch.equal(b.values[i], ref.values[i])
+    assert b.layer_tokens == b.n_reused * len(b.keys) and b.recompute_share == 1.0
+    with torch.inference_mode():  # and that is the model's own prefill, within float rounding
+        own = m(input_ids=torch.tensor([ids])).logits[0, -len(QUERY):]
+    torch.testing.assert_close(b.logits, own, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ratio", [0.15, 0.5])
+def test_deviation_kv_is_cacheblend_with_a_cheaper_check(ratio):
+    m = model("tiny-llama")
+    segs = segments(m, [DOC_A, DOC_C])
+    full = blend_prefill(m, segs, recompute_ratio=ratio, check_layer=1, selection="deviation")
+    kv = blend_prefill(m, segs, recompute_ratio=ratio, check_layer=1, selection="deviation-kv")
+    assert torch.equal(kv.recomputed, full.recomputed)  # the same check-layer K/V, so the same choice
+    R, L = kv.n_reused, len(kv.keys)
+    r = kv.recomputed.numel()
+    assert r == round(ratio * R)
+    assert full.layer_tokens == R * 2 + r * (L - 2)
+    assert kv.layer_tokens == pytest.approx(R * 1 + R * kv_share(m.model.layers[1]) + r * (L - 1))
+    assert kv.recompute_share < full.recompute_share
+    # the same cache and logits: the check layer's output of unselected tokens is never used
+    torch.testing.assert_close(kv.logits, full.logits, atol=1e-4, rtol=1e-4)
+    for i in range(L):
+        torch.testing.assert_close(kv.keys[i], full.keys[i], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv.values[i], full.values[i], atol=1e-5, rtol=1e-5)
+    with pytest.raises(InvalidInput, match="check_layer"):
+        blend_prefill(m, segs, check_layer=0, selection="deviation-kv")
+    with pytest.raises(InvalidInput, match="selection"):
+        blend_prefill(m, segs, selection="random")
