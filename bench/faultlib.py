@@ -29,7 +29,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,14 +40,9 @@ from blake3 import blake3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from etcd_proc import ETCD_BIN, EtcdProcess  # noqa: E402
+from ports import free_port  # noqa: E402
 
 PREFIX = "/kdn-faults/"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- etcd --------------------------------------------------------------------------------

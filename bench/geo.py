@@ -83,7 +83,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -99,6 +98,7 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from etcd_proc import EtcdProcess  # noqa: E402
+from ports import free_port  # noqa: E402
 from linkemu import LinkEmulator  # noqa: E402
 import results as R  # noqa: E402
 
@@ -130,12 +130,6 @@ def edge_ip(region: str) -> str:
 
 def client_ip(region: str) -> str:
     return f"127.0.{REGION_NET[region]}.2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- the topology -----------------------------------------------------------------------------------
@@ -355,10 +349,22 @@ class BenchClient(KDNClient):
         self.oracle = oracle
         self.probe_all = probe_all
         self.last: dict = {}  # task -> its last PrefixStates (requests in flight share a client)
+        self.trace: list | None = None  # --trace: every ranking and transfer, with the estimates behind it
 
     async def _get(self, src, address, encoding, digest, size):
         """latency-hit-only (an experiment, not KDN's client): a transfer the edge had to fill does not
         update that source's estimate, so one cold miss cannot brand a near edge as a slow link."""
+        if self.trace is not None:
+            t0 = time.monotonic()
+            try:
+                f = await super()._get(src, address, encoding, digest, size)
+            except BaseException as e:
+                self.trace.append({"t": round(t0, 4), "ev": "get", "src": src.label, "ms": round((time.monotonic() - t0) * 1e3, 1),
+                                   "error": type(e).__name__})
+                raise
+            self.trace.append({"t": round(t0, 4), "ev": "get", "src": src.label, "ms": round((time.monotonic() - t0) * 1e3, 1),
+                               "served": f.source.split("/", 1)[1]})
+            return f
         if not getattr(self, "hit_only", False):
             return await super()._get(src, address, encoding, digest, size)
         est = self.estimates[src.url]
@@ -388,10 +394,24 @@ class BenchClient(KDNClient):
             for t in tasks:
                 t.cancel()
 
-    def _ranked(self, size, address=None):
-        if self.oracle is not None:
-            return self.oracle(self, size, address)
-        return super()._ranked(size, address)
+    def _ranked(self, size, address=None, *, control=False):
+        order = (self.oracle(self, size, address) if self.oracle is not None
+                 else super()._ranked(size, address, control=control))
+        if self.trace is not None:
+            est = self.control if control else self.estimates
+            self.trace.append({"t": round(time.monotonic(), 4), "ev": "rank", "size": size,
+                               "order": [(s.label, round(est[s.url].expected(size) * 1e3, 2))
+                                         for s in order[:4]]})
+        return order
+
+    async def _json(self, method, path, body=None):
+        t0 = time.monotonic()
+        try:
+            return await super()._json(method, path, body)
+        finally:
+            if self.trace is not None:
+                self.trace.append({"t": round(t0, 4), "ev": "json", "path": path.split("/")[2],
+                                   "ms": round((time.monotonic() - t0) * 1e3, 1)})
 
     async def fetch_prefix(self, hit, *, encoding=None):
         st = self.last[asyncio.current_task()] = await super().fetch_prefix(hit, encoding=encoding)
@@ -553,6 +573,9 @@ async def one_run(world: World, name: str, strategy: str, prefetch: int, request
     res = RunResult(name, strategy, prefetch, seed)
     await world.start_edges(prefetch)
     clients = {r: make_client(world, r, strategy, seed, records) for r in REGIONS}
+    if world.args.trace:
+        for c in clients.values():
+            c.trace = []
     before = await origin_bytes(world)
     t_run = time.perf_counter()
     try:
@@ -592,6 +615,10 @@ async def one_run(world: World, name: str, strategy: str, prefetch: int, request
                 ("prefetch_wasted", msum(m, "kdn_edge_prefetch_wasted_total")),
             ):
                 agg[key] = agg.get(key, 0.0) + val
+        if world.args.trace:  # one JSON line per run: every client's rankings and transfers
+            with open(world.args.trace, "a") as fh:
+                fh.write(json.dumps({"run": name, "strategy": strategy, "prefetch": prefetch, "seed": seed,
+                                     "trace": {r: c.trace for r, c in clients.items()}}) + "\n")
         res.hedges = sum(c.hedges for c in clients.values())
         res.failovers = sum(c.failovers for c in clients.values())
         res.unemulated = world.unemulated()
@@ -1023,6 +1050,8 @@ def parse(argv=None):
     ap.add_argument("--budget-s", type=float, default=540, help="stop issuing requests after this long")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "geo_cdf.png"))
     ap.add_argument("--json", default=str(ROOT / "bench" / "work" / "geo.json"))
+    ap.add_argument("--trace", default="", help="append every client's rankings (with the estimates behind "
+                    "them) and transfers here, one JSON line per run")
     R.add_arg(ap)
     args = ap.parse_args(argv)
     args.strategies = [s for s in args.strategies.split(",") if s]

@@ -87,6 +87,7 @@ RUNS: list[Run] = [
     Run("vllm_ttft", "vllm_ttft", [], None, ("vllm",), 3 * 3600),
     Run("blend", "blend", ["--png", "docs/img/blend.png"],
         ["--quick", "--png", ""], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    Run("steer", "steer", [], ["--quick"], ("smollm2",), 3 * 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers",
                            "edge-mem,edge-disk,dict,dict-copy,nginx-1w,lmcache,redis", "--clients", "raw,kdn",
                            "--duration", "2", "--warmup", "0.5", "--rounds", "2", "--profile", "--no-install"],
@@ -109,13 +110,14 @@ RUNS: list[Run] = [
     Run("geo-before-fixes", "geo", archived="before three fetch-client fixes"),
     Run("geo-earlier", "geo", archived="an earlier run, before the client fixes"),
     Run("blend-first", "blend", archived="the first run, under heavy load"),
+    Run("steer-first", "steer", archived="the first run: heads and alpha tuned for accuracy alone (no NLL budget)"),
     Run("serve-full", "serve", ["--lean", "--profile", "--duration", "2", "--warmup", "0.5"],
         archived="before the edge's memory-path fix (its edge-*-lean rows patch in what is now shipped)"),
 ]
 BY_NAME = {r.name: r for r in RUNS}
 # README headline rows, in this order (runs without a headline are left out).
 HEADLINES = ["ttft", "vllm_ttft", "gpu_check", "address_codec", "quality_transform", "eviction-zipf", "eviction-mooncake",
-             "faults", "ring", "geo", "blend", "serve"]
+             "faults", "ring", "geo", "blend", "steer", "serve"]
 
 
 def _have_module(name: str) -> bool:

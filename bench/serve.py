@@ -53,6 +53,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # python -P leaves it out
 import results as R  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent / "tests"))
+from ports import free_port  # noqa: E402  (tests/ports.py: ports the kernel will not hand out)
 WORK = HERE / "work" / "serve"
 VENV = HERE / "work" / "lmcache-venv"
 CLIENTS = HERE / "serve_clients.py"
@@ -170,12 +173,6 @@ async def _register(objs: list[Obj]) -> None:
 
 
 # --- servers -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:

@@ -53,7 +53,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,6 +70,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work"
 sys.path.insert(0, str(ROOT / "bench"))  # python -P leaves it out
 import results as R  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))
+from ports import free_port  # noqa: E402  (tests/ports.py: ports the kernel will not hand out)
 DOCS = ROOT / "kdn" / "data" / "docs"
 QWEN = "qwen2-0.5b-shape"
 SMOL = "smollm2-135m"
@@ -116,12 +118,6 @@ async def _serve_link(cfg: dict) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await link.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

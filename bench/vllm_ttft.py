@@ -50,6 +50,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work"
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+from ports import free_port  # noqa: E402  (tests/ports.py: ports the kernel will not hand out)
+
 PUBLISH_TOKEN = "bench-publisher-" + "p" * 24
 PATHS = ("prefill", "local-hit", "kdn-hit")
 
@@ -64,14 +67,6 @@ def vllm_env() -> None:
         # Intel's OpenMP must be preloaded; restart once with it (LD_PRELOAD is read at exec).
         os.environ["LD_PRELOAD"] = f"{iomp}:{os.environ['LD_PRELOAD']}" if os.environ.get("LD_PRELOAD") else str(iomp)
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

@@ -74,7 +74,7 @@ class Lookup:
     tokens: int
     chunk_tokens: int
     records: list[dict[str, Any]] = field(default_factory=list)  # registry records of ``addresses``, in order
-    cold: set[A.Address] = field(default_factory=set)  # addresses the entry edge reported as not cached yet
+    cold: set[A.Address] = field(default_factory=set)  # addresses the entry edge reported it would have to fill
     sources: list[str] = field(default_factory=list)  # per whole chunk: where the entry edge would serve it from
 
     @property
@@ -132,6 +132,7 @@ class KDNClient:
         origin: str | None = None,
         token: str | None = None,
         hedge: bool = True,
+        max_hedges: int = 1,
         concurrency: int = 8,
         timeout: float = 30.0,
         ca: str | None = None,
@@ -168,9 +169,18 @@ class KDNClient:
             self._ring = Ring(ids)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.hedge = hedge
+        if max_hedges < 0:
+            raise InvalidInput(f"max_hedges must be >= 0, not {max_hedges}")
+        self.max_hedges = max_hedges
+        # Two views of each source: object transfers (what ranks fetches) and control requests (lookup,
+        # registry reads: what ranks those). A lookup's time is mostly the edge's own work (registry
+        # reads, queueing behind fills); fed into the transfer estimate it made a near edge look 50 ms
+        # away and sent the geo bench's clients to another region (docs/benchmarks.md, Geo).
         self.estimates = Estimates()
+        self.control = Estimates()
         for s in self.sources:
             self.estimates[s.url].set_prior(s.prior_rtt)
+            self.control[s.url].set_prior(s.prior_rtt)
         self._sem = asyncio.Semaphore(concurrency)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 5.0))
         self._ssl = ssl
@@ -235,23 +245,27 @@ class KDNClient:
         """The JSON object the first source to answer sends (None: 404). Any other answer, a JSON
         array or string included, fails that source and the next is asked."""
         errors = []
-        for s in self._ranked(0):
+        for s in self._ranked(0, control=True):
             t0 = time.perf_counter()
             try:
                 async with self.session.request(method, f"{s.url}{path}", json=body, allow_redirects=False) as r:
                     if r.status == 404:
                         return None
                     if r.status != 200:
-                        self.estimates[s.url].fail()
+                        self.control[s.url].fail()
                         errors.append(f"{s.label}: HTTP {r.status}")
                         continue
                     data = await r.json(content_type=None)
                     if not isinstance(data, dict):
                         raise ValueError("not a JSON object")
-                    self.estimates[s.url].observe(0, time.perf_counter() - t0)  # small: an RTT sample
+                    self.control[s.url].observe(0, time.perf_counter() - t0)  # small: an RTT sample
                     return data
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-                self.estimates[s.url].fail()
+            except ValueError:
+                self.control[s.url].fail()
+                errors.append(f"{s.label}: not a JSON object")
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                self.control[s.url].fail()
+                self.estimates[s.url].fail()  # unreachable: its transfers would fail too
                 errors.append(f"{s.label}: {type(e).__name__}")
         raise SourceError("no source answered " + path.split("?")[0] + ": " + "; ".join(errors))
 
@@ -310,7 +324,8 @@ class KDNClient:
                 n = 0
             sources = body.get("sources") if body else None
             where = sources if isinstance(sources, list) else []
-            cold = {a for a, w in zip(full, where) if w == "origin"}
+            # Not in the answering edge's tiers: a read fills it (through the owner, or from the origin).
+            cold = {a for a, w in zip(full, where) if w not in ("memory", "disk")}
         addrs = full[:n]
         records: list[dict[str, Any]] = []
         if n and self.verifier is not None:
@@ -361,22 +376,24 @@ class KDNClient:
         remote = [n.url for n in edges if n.region != region]
         return cls(edges=mine, remote_edges=remote, origin=origins[0].url if origins else None, **kwargs)
 
-    def _ranked(self, size: int, address: str | None = None) -> list[Source]:
+    def _ranked(self, size: int, address: str | None = None, *, control: bool = False) -> list[Source]:
         """Least expected time first. A non-owner edge of the region fills through the owner, so it
-        costs its own transfer plus the owner's: the owner ranks first while it answers."""
+        costs its own transfer plus the owner's: the owner ranks first while it answers. ``control``:
+        for a lookup or registry read, ranked by those requests' own times."""
         if self.strategy == "origin-only":
             return [s for s in self.sources if s.kind == "origin"]
         if self.strategy == "random":
             order = list(self.sources)
             self.rng.shuffle(order)
             return order
+        est = self.control if control else self.estimates
         owner = self._ring.owner(address) if (self._ring is not None and address) else None
         owner_url = next((s.url for s in self.sources if s.node_id == owner), None) if owner else None
 
         def cost(s: Source) -> float:
-            own = self.estimates[s.url].expected(size)
+            own = est[s.url].expected(size)
             if owner_url is not None and s.node_id is not None and s.url != owner_url:
-                own += self.estimates[owner_url].expected(size)
+                own += est[owner_url].expected(size)
             return own
 
         return sorted(self.sources, key=cost)
@@ -420,17 +437,19 @@ class KDNClient:
             return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold)
 
     async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int, *, hedge: bool = True) -> Fetched:
-        """Ask the best source; past twice its expected time, ask the next one too; first verified body wins.
+        """Ask the best source; past twice its expected time, ask the next one too (at most
+        ``max_hedges`` extra requests; others only when a source fails); first verified body wins.
 
-        Not for an object the edges reported cold (``hedge=False``): every edge would have to fill
-        it from the same upstream, so a second request only doubles the upstream's load (the geo
-        bench saw hedges to a far region win races against a near edge's fill).
+        Not for an object the edge reported it would have to fill (``hedge=False``): its answer is
+        slow by design, and a hedge to another edge starts a second fill from the same upstream (the
+        geo bench saw one cold object fan out to all seven sources, 100 ms apart, each filling it).
         """
         order = self._ranked(size, address)
         errors: list[str] = []
         lies = 0
         pending: dict[asyncio.Task[Fetched], Source] = {}
         i = 0
+        hedged = 0
 
         def launch() -> None:
             nonlocal i
@@ -444,10 +463,12 @@ class KDNClient:
                 # Hedge: wait the leading request's expected time x2 (at least 20 ms), then add the next source.
                 first = next(iter(pending.values()))
                 budget = max(2 * self.estimates[first.url].expected(size), 0.02)
-                done, _ = await asyncio.wait(pending, timeout=budget if (hedge and i < len(order)) else None,
+                can_hedge = hedge and hedged < self.max_hedges and i < len(order)
+                done, _ = await asyncio.wait(pending, timeout=budget if can_hedge else None,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     self.hedges += 1
+                    hedged += 1
                     launch()
                     continue
                 for task in done:

@@ -19,7 +19,8 @@ trusted set; every record it signed is a miss from then on.
 Signed fields (``payload``): objects -- address, model id, namespace, kind,
 token span, parent, standalone, every encoding's size and digest, tails,
 origin, engine; manifests -- namespace, name, model id, addresses, token
-counts, the published token ids, template, standalone addresses. Not signed:
+counts, the published token ids, template, standalone addresses, the emphasis map (when there is
+one; its absence is signed too, since the payload then differs from one with a map). Not signed:
 ``created`` (no consumer decides anything by it) and the signature itself.
 """
 
@@ -69,6 +70,10 @@ def payload(rec: ObjectRecord | Manifest) -> bytes:
             "prefix_tokens": rec.prefix_tokens, "template": rec.template, "standalone": rec.standalone,
             "head_tokens": rec.head_tokens,
         }
+        if rec.emphasis is not None:  # only when present: manifests signed before maps existed still verify
+            from kdn.emphasis import EmphasisMap
+
+            body["emphasis"] = EmphasisMap.from_dict(rec.emphasis).to_dict()
     else:
         raise InvalidInput(f"cannot sign a {type(rec).__name__}")
     return canonical_json(body).encode("utf-8")

@@ -208,6 +208,8 @@ async def publish(request: web.Request) -> web.Response:
     spec = await asyncio.get_running_loop().run_in_executor(app[TOKENIZER], functools.partial(
         parse_request, body, tokenizer=loaded.tokenizer, vocab_size=loaded.model.config.vocab_size,
         max_tokens=max_tokens))
+    if spec.probes and app[CONFIG].engine != "hf":
+        return json_error(400, "invalid_input", "emphasis probes are run by an origin with --engine hf")
     if spec.standalone and app[CONFIG].engine != "hf":
         return json_error(400, "invalid_input", "standalone chunks are computed by an origin with --engine hf")
     kvtc = [e for e in spec.encodings if kvtc_bits(e) is not None]
@@ -251,10 +253,12 @@ async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
             job.chunks_done += 1
             job.chunks_computed += step.computed
             m["chunks_computed" if step.computed else "chunks_reused"].inc()
+        emphasis = await loop.run_in_executor(app[EXECUTOR], producer.derive_emphasis, spec)  # probes: a forward each
         manifest = Manifest(namespace=spec.namespace, name=spec.name, model_id=producer.loaded.model_id,
                             addresses=plan.addresses, tokens=len(spec.tokens), chunk_tokens=producer.chunk_tokens,
                             prefix_tokens=spec.tokens, template=spec.template, standalone=plan.standalone,
-                            head_tokens=spec.head_tokens)
+                            head_tokens=spec.head_tokens,
+                            emphasis=None if emphasis is None else emphasis.to_dict())
         await _retrying(lambda: reg.put_manifest(manifest), job)  # every object it names is recorded by now
         if plan.tail is not None:
             parent, length = plan.tail

@@ -55,6 +55,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-text", default=None, help="literal text published before the document")
     p.add_argument("--standalone", action="store_true", help="also publish position-independent chunks")
     p.add_argument("--no-prefix", action="store_true", help="publish standalone chunks only")
+    p.add_argument("--emphasize", action="append", default=None, metavar="TEXT",
+                   help="mark every occurrence of TEXT as emphasized (repeatable): stored, signed, with the manifest "
+                        "for engines that steer attention to it (docs/whitebox.md)")
+    p.add_argument("--emphasis-alpha", type=float, default=None, metavar="A",
+                   help="with --emphasize: the attention scale on the other tokens the map suggests (0 < A <= 1)")
+    p.add_argument("--emphasis-default-on", action="store_true",
+                   help="with --emphasize: engines steer without being asked (a request can still turn it off)")
     p.add_argument("--json", action="store_true", help="print the manifests as JSON")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--wait", type=float, default=120.0, metavar="SECONDS",
@@ -114,6 +121,13 @@ def cmd_publish(args: argparse.Namespace) -> int:
     for key in ("template", "system", "prefix_text"):
         if getattr(args, key) is not None:
             body_common[key] = getattr(args, key)
+    if args.emphasize:
+        emphasis: dict = {"texts": args.emphasize, "default_on": args.emphasis_default_on}
+        if args.emphasis_alpha is not None:
+            emphasis["alpha"] = args.emphasis_alpha
+        body_common["emphasis"] = emphasis
+    elif args.emphasis_alpha is not None or args.emphasis_default_on:
+        raise InvalidInput("--emphasis-alpha and --emphasis-default-on go with --emphasize")
     import asyncio
 
     manifests = asyncio.run(publish_documents(args.origin.rstrip("/"), token, docs, body_common, args.timeout,
@@ -123,8 +137,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
         print(json.dumps(manifests if len(manifests) > 1 else manifests[0], indent=2))
     else:
         for m in manifests:
+            emph = m.get("emphasis")
             print(f"published {m['namespace']}/{m['name']}: {m['tokens']} tokens, {len(m['addresses'])} chunks"
-                  f" (+{len(m['standalone'])} standalone), model {m['model_id'][:16]}...")
+                  f" (+{len(m['standalone'])} standalone), model {m['model_id'][:16]}..."
+                  + (f", {len(emph['spans'])} emphasized spans" if emph else ""))
             for i, a in enumerate(m["addresses"]):
                 print(f"  {i:>4} {a}")
     return 0

@@ -10,21 +10,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from ports import free_port  # tests/ports.py
+
 ETCD_BIN = os.environ.get("KDN_ETCD_BIN", "/usr/bin/etcd")
 ETCDCTL_BIN = "/usr/bin/etcdctl"  # Debian's etcd-client
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdProcess:
@@ -50,9 +45,9 @@ class EtcdProcess:
         self.root.mkdir(parents=True, exist_ok=True)
         self.data = self.root / "data"
         self.log = self.root / "etcd.log"
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
-        self.metrics_port = _free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.metrics_port = free_port()
         self.tls, self.client_cert_auth, self.extra = tls, client_cert_auth, list(extra or [])
         self.proc: subprocess.Popen[bytes] | None = None
         # Until it has started, nobody has its ports (unless the caller handed them out: retry_ports=False).
@@ -94,7 +89,7 @@ class EtcdProcess:
                 # it. On a first start nothing has been told the ports yet: take new ones and try again.
                 if "address already in use" in tail and not self._started and self._port_retries < 3:
                     self._port_retries += 1
-                    self.client_port, self.peer_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+                    self.client_port, self.peer_port, self.metrics_port = free_port(), free_port(), free_port()
                     shutil.rmtree(self.data, ignore_errors=True)
                     self.proc = None
                     return self.start(timeout, new=new)

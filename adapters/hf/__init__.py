@@ -4,6 +4,7 @@
 - ``extract_chunks`` / ``standalone_chunk`` (origin): per-chunk KV and SSM states of a prefill.
 - ``build_cache`` / ``continue_from_cache`` (engine): chunk states back into a ``DynamicCache``.
 - ``agenerate`` / ``generate`` / ``prompt_tokens`` (engine): reuse the longest cached prefix, then generate.
+- ``steer``: attention steering from a manifest's emphasis map (``agenerate(..., emphasis=, steer=)``).
 """
 
 from kdn.adapters.hf.cache import build_cache, continue_from_cache

@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 
+from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.template import chat_frame, encode_text
 
 from kdn.adapters.hf.cache import build_cache, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
+from kdn.adapters.hf.steer import plan, steering
 
 _IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -93,8 +95,15 @@ def prompt_tokens(tokenizer: Any, manifest: dict, question: str) -> list[int]:
 async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client, *, namespace: str = "public",
                     model_id_: str | None = None, chunk_tokens: int = 256, max_new_tokens: int = 32,
                     do_sample: bool = False, temperature: float = 1.0, eos_token_id: int | None = None,
-                    use_cache: bool = True) -> Generation:
-    """Generate from ``prompt`` reusing the longest prefix the KDN holds (``use_cache=False``: plain prefill)."""
+                    use_cache: bool = True, emphasis: EmphasisMap | dict | None = None, steer: bool | None = None,
+                    steer_alpha: float | None = None,
+                    steer_heads: list[tuple[int, int]] | None = None) -> Generation:
+    """Generate from ``prompt`` reusing the longest prefix the KDN holds (``use_cache=False``: plain prefill).
+
+    ``emphasis``: the manifest's emphasis map (``manifest["emphasis"]``); with ``steer=True``, or with
+    ``steer=None`` and a map that says ``default_on``, the question and the generated tokens attend to
+    it (``kdn.adapters.hf.steer``; ``steer_alpha`` / ``steer_heads`` override the map's). Off by default.
+    """
     t_start = time.perf_counter()
     if isinstance(prompt, str):
         ids = encode_text(tokenizer, prompt)
@@ -106,6 +115,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
     if model_id_ is not None and model_id_ != real_id:
         raise ModelMismatch(f"states of model {model_id_[:16]}... cannot be loaded into this model ({real_id[:16]}...)")
     report = Report(tokens_total=len(ids))
+    st = _steer_plan(model, emphasis, steer, steer_alpha, steer_heads, len(ids))
 
     objects = []
     if use_cache:
@@ -123,11 +133,33 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
 
     loop = asyncio.get_running_loop()
     gen = await loop.run_in_executor(None, _run, model, tokenizer, ids, objects, report, max_new_tokens, do_sample,
-                                     temperature, eos_token_id, t_start)
+                                     temperature, eos_token_id, t_start, st)
     return gen
 
 
-def _run(model, tokenizer, ids, objects, report, max_new_tokens, do_sample, temperature, eos_token_id, t_start):
+def _steer_plan(model, emphasis, steer, alpha, heads, n_ids):
+    """The steering plan of a request, or None (off by default; on per request or per manifest)."""
+    if emphasis is None:
+        if steer:
+            raise InvalidInput("steer=True needs the manifest's emphasis map (emphasis=manifest['emphasis'])")
+        return None
+    emap = emphasis if isinstance(emphasis, EmphasisMap) else EmphasisMap.from_dict(emphasis)
+    if not (steer if steer is not None else emap.default_on):
+        return None
+    if emap.region[1] > n_ids:
+        raise InvalidInput(f"the emphasis map covers {emap.region[1]} tokens, the prompt has {n_ids}")
+    return plan(model, emap, alpha=alpha, heads=heads)
+
+
+def _run(model, tokenizer, ids, objects, report, max_new_tokens, do_sample, temperature, eos_token_id, t_start,
+         st=None):
+    with steering(model, st):
+        return _run_steered(model, tokenizer, ids, objects, report, max_new_tokens, do_sample, temperature,
+                            eos_token_id, t_start)
+
+
+def _run_steered(model, tokenizer, ids, objects, report, max_new_tokens, do_sample, temperature, eos_token_id,
+                 t_start):
     from kdn.objects import to_torch
 
     with torch.inference_mode():

@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from kdn import address as A
+from kdn.emphasis import EmphasisMap, merge_spans
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
 from kdn.kernels.blend import compose, kv_deviation, n_select, select_tokens
 from kdn.kernels.rope import rope_of
@@ -71,6 +72,7 @@ from kdn.template import chat_frame, encode_text
 from kdn.adapters.hf.cache import build_cache
 from kdn.adapters.hf.extract import standalone_chunk
 from kdn.adapters.hf.generate import _pick, decode_loop, model_id
+from kdn.adapters.hf.steer import Steer, plan, steering
 
 BLEND_FAMILIES = frozenset({"llama", "qwen2"})
 SELECTIONS = ("deviation", "deviation-kv", "chunk-start")
@@ -135,10 +137,13 @@ def _kv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tu
 _QUERY_GROUPS = 8
 
 
-def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of queries at positions ``idx`` [s] (ascending) over K/V [1, Hkv, S, D]: [1, Hq, s, D]."""
+def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, idx: torch.Tensor, scale: float,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of queries at positions ``idx`` [s] (ascending) over K/V [1, Hkv, S, D]: [1, Hq, s, D].
+
+    ``bias``: an additive ``[1, Hq, s, S]`` term on the scores (steering, ``kdn.adapters.hf.steer``)."""
     s, S = q.shape[2], K.shape[2]
-    if s == S:  # every position: plain causal attention
+    if s == S and bias is None:  # every position: plain causal attention
         return F.scaled_dot_product_attention(q, K, V, is_causal=True, scale=scale, enable_gqa=True)
     outs = []
     step = -(-s // _QUERY_GROUPS)
@@ -146,13 +151,17 @@ def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, idx: torch.Tensor
         b = min(a + step, s)
         m = int(idx[b - 1]) + 1  # keys past the group's last position are masked for all of it
         mask = torch.arange(m, device=idx.device)[None, :] <= idx[a:b, None]  # [b-a, m]
-        outs.append(F.scaled_dot_product_attention(q[:, :, a:b], K[:, :, :m], V[:, :, :m], attn_mask=mask[None, None],
+        am: torch.Tensor = mask[None, None]
+        if bias is not None:  # steered heads: an additive mask
+            am = torch.zeros(am.shape, dtype=q.dtype, device=q.device).masked_fill(~am, torch.finfo(q.dtype).min)
+            am = am + bias[:, :, a:b, :m]
+        outs.append(F.scaled_dot_product_attention(q[:, :, a:b], K[:, :, :m], V[:, :, :m], attn_mask=am,
                                                    scale=scale, enable_gqa=True))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           K: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           K: torch.Tensor, V: torch.Tensor, steer: Steer | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer for the tokens ``idx`` (positions = indices, ascending) over the context's K/V.
 
     h: [1, s, hidden] of tokens idx [s]; K, V: [1, Hkv, S, D] of the whole context,
@@ -166,7 +175,8 @@ def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, si
     v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
     K = K.index_copy(2, idx, k)  # [1, Hkv, S, D]
     V = V.index_copy(2, idx, v)
-    o = _attend(q, K, V, idx, attn.scaling)  # [1, Hq, s, D]
+    bias = steer.bias(attn.layer_idx, idx, K.shape[2], q.shape[1], q.dtype, q.device) if steer is not None else None
+    o = _attend(q, K, V, idx, attn.scaling, bias)  # [1, Hq, s, D]
     h = h + attn.o_proj(o.transpose(1, 2).reshape(1, s, -1))
     h = h + layer.mlp(layer.post_attention_layernorm(h))
     return h, K, V
@@ -191,10 +201,11 @@ def chunk_start_tokens(segments: Sequence[Segment], ratio: float) -> list[int]:
 
 
 def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: float = 0.15, check_layer: int = 1,
-                  n_logits: int = 1, selection: str = "deviation-kv") -> Blend:
+                  n_logits: int = 1, selection: str = "deviation-kv", steer: Steer | None = None) -> Blend:
     """Prefill a context of reused and fresh segments, CacheBlend style (see the module doc).
 
-    The last ``n_logits`` tokens must be fresh (their logits are returned).
+    The last ``n_logits`` tokens must be fresh (their logits are returned). ``steer``: a steering plan
+    (``kdn.adapters.hf.steer``) in the composed context's positions; it biases the queries it covers.
     """
     _check_model(model)
     if not 0.0 <= recompute_ratio <= 1.0:
@@ -245,7 +256,7 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
             cos, sin = cos_sin(idx, h)
             comp_k, comp_v = Ks[check_layer], Vs[check_layer]
             for i in range(full_layers):
-                h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i])
+                h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i], steer)
             if selection == "deviation-kv":
                 Ks[check_layer], Vs[check_layer] = _kv(layers[check_layer], h, cos, sin)
             # Deviation of the reused tokens at the check layer: true (just computed) vs composed.
@@ -262,7 +273,7 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
         recomputed = idx[~fresh[idx]]
         cos, sin = cos_sin(idx, h)
         for i in range(start, len(layers)):
-            h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i])
+            h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i], steer)
         assert bool((idx[-n_logits:] == torch.arange(S - n_logits, S, device=dev)).all())
         logits = model.lm_head(inner.norm(h[:, -n_logits:]))[0]  # [n_logits, vocab]
     return Blend(logits=logits, keys=Ks, values=Vs, n_tokens=S, n_reused=int(reused_idx.numel()),
@@ -362,7 +373,10 @@ async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: list[str],
 async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequence[str], client: Any, *,
                        namespace: str = "public", recompute_ratio: float = 0.15, system: str | None = None,
                        max_new_tokens: int = 32, chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS,
-                       check_layer: int = 1, selection: str = "deviation-kv") -> RagGeneration:
+                       check_layer: int = 1, selection: str = "deviation-kv",
+                       emphasis: Sequence[EmphasisMap | dict | None] | None = None,
+                       steer: bool | None = None, steer_alpha: float | None = None,
+                       steer_heads: list[tuple[int, int]] | None = None) -> RagGeneration:
     """Answer ``query`` over ``documents`` (in this order) reusing their standalone chunks from the KDN.
 
     ``client`` is a ``kdn.client.KDNClient`` (or ``None``: compute every chunk
@@ -371,6 +385,10 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
     chunk the KDN does not have is computed locally, alone, and reported.
     ``recompute_ratio``, ``check_layer`` and ``selection`` are ``blend_prefill``'s.
     From a script: ``SyncKDNClient.run(generate_rag(..., sync_client.aclient))``.
+
+    ``emphasis``: one map (or None) per document, from each document's manifest (published without a
+    template, so its region starts at the document's first token); with ``steer=True``, or a map that
+    says ``default_on``, the query and the answer attend to them (``kdn.adapters.hf.steer``).
     """
     t_start = time.perf_counter()
     _check_model(model)
@@ -388,25 +406,61 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
             raise InvalidInput("an empty document")
         pieces += [toks[s:e] for s, e in A.chunk_spans(len(toks), chunk_tokens)]
     addrs = [A.standalone_address(mid, namespace, p) for p in pieces]
+    st = _rag_plan(model, tokenizer, head, documents, emphasis, steer, steer_alpha, steer_heads)
     report = RagReport()
     device = next(model.parameters()).device
     states = await _fetch_chunks(client, mid, namespace, addrs, device, report)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(None, _run, model, tokenizer, head, pieces, states, tail, report,
-                                      recompute_ratio, check_layer, selection, max_new_tokens, t_start)
+                                      recompute_ratio, check_layer, selection, max_new_tokens, t_start, st)
+
+
+def compose_emphasis(maps: Sequence[EmphasisMap | None], starts: Sequence[int], lengths: Sequence[int]) -> EmphasisMap | None:
+    """One map for documents placed at ``starts`` (their lengths given): each map's region moved to its
+    document's start, the spans united; the region runs from the first document to the last. Alpha, heads
+    and default_on come from the first map that has any (None when no document has a map)."""
+    first = next((m for m in maps if m is not None), None)
+    if first is None:
+        return None
+    spans: list[tuple[int, int]] = []
+    for m, s0 in zip(maps, starts):
+        if m is not None:
+            spans += m.shifted(s0 - m.region[0]).spans
+    region = (starts[0], starts[-1] + lengths[-1])
+    return EmphasisMap(spans=merge_spans(spans, *region), region=region, alpha=first.alpha, heads=first.heads,
+                       default_on=any(m is not None and m.default_on for m in maps), source=first.source)
+
+
+def _rag_plan(model, tokenizer, head, documents, emphasis, steer, alpha, heads) -> Steer | None:
+    if emphasis is None:
+        if steer:
+            raise InvalidInput("steer=True needs the documents' emphasis maps")
+        return None
+    if len(emphasis) != len(documents):
+        raise InvalidInput(f"{len(emphasis)} emphasis maps for {len(documents)} documents")
+    maps = [m if m is None or isinstance(m, EmphasisMap) else EmphasisMap.from_dict(m) for m in emphasis]
+    lengths = [len(encode_text(tokenizer, d)) for d in documents]
+    starts = [len(head) + sum(lengths[:i]) for i in range(len(documents))]
+    for m, n in zip(maps, lengths):
+        if m is not None and m.region[1] - m.region[0] != n:
+            raise InvalidInput(f"an emphasis map covers {m.region[1] - m.region[0]} tokens, its document {n}")
+    emap = compose_emphasis(maps, starts, lengths)
+    if emap is None or not (steer if steer is not None else emap.default_on):
+        return None
+    return plan(model, emap, alpha=alpha, heads=heads)
 
 
 def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_layer, selection, max_new_tokens,
-         t_start):
+         t_start, st=None):
     t0 = time.perf_counter()
-    for j, st in enumerate(states):
-        if st is None:
+    for j, state in enumerate(states):
+        if state is None:
             states[j] = standalone_chunk(model, pieces[j]).tensors
             report.chunks_computed += 1
     report.compute_ms = (time.perf_counter() - t0) * 1e3
-    segments = ([Segment(head)] if head else []) + [Segment(p, st) for p, st in zip(pieces, states)] + [Segment(tail)]
+    segments = ([Segment(head)] if head else []) + [Segment(p, kv) for p, kv in zip(pieces, states)] + [Segment(tail)]
     t0 = time.perf_counter()
-    b = blend_prefill(model, segments, recompute_ratio=ratio, check_layer=check_layer, selection=selection)
+    b = blend_prefill(model, segments, recompute_ratio=ratio, check_layer=check_layer, selection=selection, steer=st)
     report.blend_ms = (time.perf_counter() - t0) * 1e3
     report.tokens_total, report.tokens_reused = b.n_tokens, b.n_reused
     report.tokens_recomputed = int(b.recomputed.numel())
@@ -415,7 +469,7 @@ def _run(model, tokenizer, head, pieces, states, tail, report, ratio, check_laye
     nxt = _pick(first_logits, False, 1.0)
     report.ttft_ms = (time.perf_counter() - t_start) * 1e3
     eos = getattr(tokenizer, "eos_token_id", None)
-    with torch.inference_mode():
+    with torch.inference_mode(), steering(model, st):
         cache = blend_cache(model, b) if max_new_tokens > 1 else None
         out = decode_loop(model, cache, nxt, b.n_tokens, max_new_tokens, eos)
     report.new_tokens = len(out)

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import msgpack
 
 from kdn.address import validate_address, validate_model_id, validate_name, validate_namespace
+from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
 
 # "basis": a model-level object (a kvtc basis, kdn/kernels/transform.py) stored and served like a chunk
@@ -276,10 +277,15 @@ class Manifest(_Record):
     head_tokens: int = 0  # leading tokens of prefix_tokens that come from the template / prefix text
     extra: dict[str, Any] = field(default_factory=dict)
     sig: dict[str, str] = field(default_factory=dict)  # the origin's signature (kdn/signing.py)
+    # Which published tokens matter (kdn/emphasis.py, wire form); signed with the rest. None: no map.
+    emphasis: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
         validate_name(self.name)
+        if self.emphasis is not None:
+            EmphasisMap.from_dict(self.emphasis, n_tokens=len(self.prefix_tokens)
+                                  if isinstance(self.prefix_tokens, list) else 0)
         _require(_is_int(self.head_tokens) and 0 <= self.head_tokens <= len(self.prefix_tokens),
                  "Manifest.head_tokens must be an int within prefix_tokens")
         _require(isinstance(self.extra, dict), "Manifest.extra must be a map")
@@ -304,6 +310,11 @@ class Manifest(_Record):
     def ref(self) -> str:
         """``"namespace/name"``, as policies name it."""
         return f"{self.namespace}/{self.name}"
+
+    @property
+    def emphasis_map(self) -> EmphasisMap | None:
+        """The parsed emphasis map (validated when the record was built), or None."""
+        return None if self.emphasis is None else EmphasisMap.from_dict(self.emphasis)
 
 
 @dataclass(frozen=True)

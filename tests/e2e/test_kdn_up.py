@@ -8,28 +8,9 @@ import sys
 
 import pytest
 
+from ports import free_port_block  # tests/ports.py
+
 pytestmark = pytest.mark.timeout(300)
-
-
-def free_port_block(n: int) -> int:
-    """A port p with p..p+n free (best effort: bind them all, then release)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        socks = []
-        try:
-            for i in range(n + 1):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free port block")
 
 
 def test_kdn_up_runs_the_demo_and_reuses_the_document(tmp_path):

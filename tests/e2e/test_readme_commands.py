@@ -9,9 +9,10 @@ a free one.
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 from pathlib import Path
+
+from ports import free_port  # tests/ports.py
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,9 +32,7 @@ def try_it_by_hand() -> str:
 
 def test_try_it_by_hand_runs_as_written(tmp_path):
     block = try_it_by_hand()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = block.replace("/tmp/kdn", str(tmp_path / "state")).replace("8000", str(port))
     (tmp_path / "kdn").mkdir()
     (tmp_path / "kdn" / "data").symlink_to(ROOT / "kdn" / "data")

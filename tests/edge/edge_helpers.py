@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from aiohttp.test_utils import TestServer
 from kdn.edge.app import EDGE, EdgeConfig, create_app as create_edge
 from kdn.origin.app import OriginConfig, create_app as create_origin
 from kdn.service import server_options
+from ports import free_port  # tests/ports.py
 
 PUBLISH = "pub-" + "a" * 28
 EDGE_TOKEN = "edge-" + "c" * 27  # read * : what edges show each other and the origin
@@ -24,12 +24,6 @@ TENANT_B = "tenant-b-" + "e" * 23
 def write_tokens(path: Path) -> Path:
     path.write_text(f"{PUBLISH} admin *\n{EDGE_TOKEN} read *\n{TENANT_A} publish,read acme\n{TENANT_B} publish,read beta\n")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import socket
 from pathlib import Path
 
 import aiohttp
@@ -14,6 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from kdn.origin.app import OriginConfig, create_app
 from kdn.service import server_options
+from ports import free_port  # tests/ports.py
 
 PUBLISH_TOKEN = "pub-" + "a" * 28
 TENANT_TOKEN = "acme-" + "b" * 27  # publish + read in namespace acme only
@@ -34,9 +34,7 @@ def auth(token: str) -> dict:
 @contextlib.asynccontextmanager
 async def running_origin(tmp_path: Path, registry_url: str, model: str = "tiny-llama", **kw):
     # A port picked before start: the origin registers its URL at start, and port 0 is no URL.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = OriginConfig(model=model, registry=registry_url, store=str(tmp_path / "store"), port=port,
                        token_file=str(write_tokens(tmp_path / "tokens")), node_id="origin-test", fsync=False, **kw)
     app = create_app(cfg)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ import torch
 
 from kdn.address import blob_digest
 from kdn.registry import open_registry
+from ports import free_port  # tests/ports.py
 
 from origin_helpers import PUBLISH_TOKEN, auth, write_tokens
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_slow_model(path: Path) -> Path:

@@ -15,7 +15,6 @@ import os
 import secrets
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,17 +23,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ports import free_port  # tests/ports.py: ports the kernel will not hand out (tests/ is on sys.path)
+
 HERE = Path(__file__).resolve().parent
 PUBLISH = "pub-" + "a" * 28
 EDGE_TOKEN = "edge-" + "c" * 27
 TENANT_A = "tenant-a-" + "d" * 23
 TENANT_B = "tenant-b-" + "e" * 23
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_env() -> dict:
