@@ -334,6 +334,11 @@ async def _kill_mid_publish(w, body_text: str, name: str) -> bool:
             await asyncio.sleep(0.005)
 
 
+async def _after(seconds: float, coro) -> None:
+    await asyncio.sleep(seconds)
+    await coro
+
+
 async def slow_region_link(tmp: Path, quick: bool) -> Row:
     """Clients in region a read objects whose nearest copy is in region b, over an emulated inter-region
     link that is slowed, then stalled outright, then restored; the origin is farther but stays up.
@@ -392,10 +397,13 @@ async def slow_region_link(tmp: Path, quick: bool) -> Row:
                     fault()
                 r.phase = phase
                 h0 = r.hedges
-                await asyncio.gather(asyncio.sleep(phase_s), plain_read(phase))
+                await asyncio.gather(asyncio.sleep(phase_s), plain_read(phase),
+                                     # mid-phase: after a few failed probes a stalled region rests (the breaker)
+                                     _after(phase_s / 2, plain_read(f"{phase} (mid)")))
                 hedges[phase] = r.hedges - h0
         region_errors = await a1.metric("kdn_edge_source_errors", source="region")
         region_fills = await a1.metric("kdn_edge_fill_bytes", source="region")
+        region_skipped = await a1.metric("kdn_edge_region_probes_skipped")
         notes = {}
         for phase, st in r.by_phase.items():
             notes[f"{phase}_p50_p99_ms"] = f"{st.pct(0.5) * 1e3:.0f}/{st.pct(0.99) * 1e3:.0f}"
@@ -404,6 +412,7 @@ async def slow_region_link(tmp: Path, quick: bool) -> Row:
             notes[f"{phase}_sources"] = r.sources.get(phase, {})
             notes[f"{phase}_hedges"] = hedges.get(phase, 0)
         notes.update(a1_region_errors=region_errors, a1_region_fill_bytes=region_fills,
+                     a1_region_probes_skipped=region_skipped,
                      failovers=r.failovers, plain_read_of_a1=plain)
         return _row("slow_region_link", "clients in region a read objects held in region b over an emulated link: "
                     "slowed (150 ms each way, 8 Mbit/s), then stalled, then restored; hedges and failover to "

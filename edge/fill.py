@@ -48,6 +48,13 @@ MAX_BLOB_BYTES = 1 << 30
 # a stalled inter-region link held every fill, and every plain client of the edge, for the whole fill
 # timeout (30 s) before the origin was asked (bench/faults.py slow_region_link).
 PROBE_MIN_S = 2.0
+# A region whose probes keep failing is left out of plans for a while (a circuit breaker): after
+# PROBE_TRIP failures in a row, for PROBE_REST_S, doubled at each further failure up to PROBE_REST_MAX_S;
+# then one fill probes it again (a healthy answer, a miss included, closes the breaker). Without it every
+# fill paid the probe bound during a stall: one plain read took 1.85 s (docs/reliability.md).
+PROBE_TRIP = 2
+PROBE_REST_S = 5.0
+PROBE_REST_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,8 @@ class Filler:
         self.timeout = timeout  # seconds, per source
         self.estimates = Estimates()
         self._rings: dict[str, tuple[tuple[str, ...], Ring]] = {}
+        self._probe_failures: dict[str, int] = {}  # region owner URL -> probe failures in a row
+        self._resting: dict[str, float] = {}  # region owner URL -> monotonic time its probes resume
 
     def headers(self, url: str) -> dict[str, str]:
         """The upstream token for ``url`` if it may go there (https, or a host the operator named)."""
@@ -87,8 +96,10 @@ class Filler:
                         host, ",".join(self.scope.patterns))
         return {}
 
-    def plan(self, key: Key, rec: ObjectRecord, *, hop: bool) -> list[tuple[str, str, dict[str, str]]]:
-        """Sources in the order to try: (label, base URL, extra headers)."""
+    def plan(self, key: Key, rec: ObjectRecord, *, hop: bool,
+             filling: bool = False) -> list[tuple[str, str, dict[str, str]]]:
+        """Sources in the order to try: (label, base URL, extra headers). ``filling``: for a fill (regions
+        left out while they rest are counted), not a lookup's forecast."""
         address, encoding = key
         size = rec.encodings[encoding].size
         out: list[tuple[str, str, dict[str, str]]] = []
@@ -101,13 +112,43 @@ class Filler:
             if region == self.me.region or not nodes:
                 continue
             ring_owner = self._owner_in(region, nodes, address)
-            if ring_owner is not None:
-                remote.append((f"region:{region}", ring_owner.url))
+            if ring_owner is None:
+                continue
+            if self._is_resting(ring_owner.url):
+                if filling:
+                    self.m.region_skipped.inc()
+                continue
+            remote.append((f"region:{region}", ring_owner.url))
         for label, url in sorted(remote, key=lambda r: self.estimates[r[1]].expected(size)):
             out.append((label, url, {HOP: "1", CACHED_ONLY: "1"}))
         for url in self.origin_urls():
             out.append(("origin", url, {}))
         return out
+
+    def _is_resting(self, url: str) -> bool:
+        until = self._resting.get(url)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        return False  # rested: the next fill probes it once more (a failure doubles the rest)
+
+    def _probe_result(self, url: str, ok: bool) -> None:
+        """Track a cross-region probe's outcome for the breaker."""
+        if ok:
+            self._probe_failures.pop(url, None)
+            self._resting.pop(url, None)
+            return
+        n = self._probe_failures[url] = self._probe_failures.get(url, 0) + 1
+        if n >= PROBE_TRIP:
+            rest = min(PROBE_REST_S * 2 ** (n - PROBE_TRIP), PROBE_REST_MAX_S)
+            self._resting[url] = time.monotonic() + rest
+            if n == PROBE_TRIP:
+                log.warning("region edge %s failed %d probes in a row: skipped for %.0f s", url, n, rest)
+        if len(self._probe_failures) > 4096:  # bounded: forget the oldest entries
+            for old in list(self._probe_failures)[:1024]:
+                self._probe_failures.pop(old, None)
+                self._resting.pop(old, None)
 
     def _owner_in(self, region: str, nodes: list[NodeRecord], address: str) -> NodeRecord | None:
         """The owner of ``address`` in another region's ring (rings cached per membership)."""
@@ -123,7 +164,7 @@ class Filler:
         address, encoding = key
         enc = rec.encodings[encoding]
         errors = []
-        for label, base, extra in self.plan(key, rec, hop=hop):
+        for label, base, extra in self.plan(key, rec, hop=hop, filling=True):
             kind = label.split(":", 1)[0]
             t0 = time.perf_counter()
             try:
@@ -132,8 +173,12 @@ class Filler:
             except SourceError as e:
                 self.estimates[base].fail()
                 self.m.source_errors.labels(kind).inc()
+                if kind == "region":
+                    self._probe_result(base, False)
                 errors.append(f"{label}: {e}")
                 continue
+            if kind == "region":
+                self._probe_result(base, True)  # an answer, a miss or a body (a lying one is counted below)
             if got is None:  # a cached-only probe that missed
                 continue
             blob, digest = got

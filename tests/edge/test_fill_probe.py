@@ -76,3 +76,64 @@ async def test_a_stalled_region_is_abandoned_for_the_origin(monkeypatch):
     assert got.source == "origin" and got.blob == BLOB
     assert 0.5 <= took < 2.0, took  # the probe's bound, then the origin: not the 30 s fill timeout
     assert metrics.source_errors.labels("region")._value.get() == 1  # noqa: SLF001
+
+
+async def test_a_region_that_keeps_failing_rests_then_is_probed_again(monkeypatch):
+    monkeypatch.setattr(fill, "PROBE_MIN_S", 0.3)
+    monkeypatch.setattr(fill, "PROBE_REST_S", 1.0)
+    stalled = asyncio.Event()
+    stalled.set()
+    release = asyncio.Event()
+    far_hits = {"n": 0}
+
+    async def far_handler(request):
+        far_hits["n"] += 1
+        if stalled.is_set():
+            await release.wait()  # a link that passes no byte
+        return web.Response(body=BLOB)
+
+    async def origin(request):
+        return web.Response(body=BLOB)
+
+    far, far_url = await _serve(far_handler)
+    org, org_url = await _serve(origin)
+    rec = ObjectRecord(address=ADDRESS, model_id="b" * 64, namespace="public", kind="kv", start=0, end=256, parent=None,
+                       standalone=False, origin="o",
+                       encodings={"zstd": Encoding("zstd", len(BLOB), blake3(BLOB).hexdigest())})
+    metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
+
+    async def timed(f) -> tuple[float, str]:
+        t0 = time.monotonic()
+        got = await f.fetch((ADDRESS, "zstd"), rec, hop=False)
+        assert got.blob == BLOB
+        return time.monotonic() - t0, got.source
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            f = fill.Filler(session=session, membership=_Members(NodeRecord("edge", "far", "far-1", far_url)),
+                            origin_urls=lambda: [org_url], me=NodeRecord("edge", "near", "near-1", "http://x"),
+                            upstream_headers={}, metrics=metrics, timeout=30.0)
+            for _ in range(fill.PROBE_TRIP):  # each failed probe costs its bound
+                took, src = await timed(f)
+                assert src == "origin" and took >= 0.3, (took, src)
+            took, src = await timed(f)  # resting: not probed, straight to the origin
+            assert src == "origin" and took < 0.25, took
+            assert far_hits["n"] == fill.PROBE_TRIP
+            assert metrics.region_skipped._value.get() == 1  # noqa: SLF001
+            assert f.plan((ADDRESS, "zstd"), rec, hop=False)[0][0] == "origin"  # a lookup's forecast agrees
+            await asyncio.sleep(1.05)  # rested: probed once more; it fails again, so it rests twice as long
+            took, src = await timed(f)
+            assert far_hits["n"] == fill.PROBE_TRIP + 1 and took >= 0.3
+            await asyncio.sleep(1.05)
+            took, src = await timed(f)
+            assert far_hits["n"] == fill.PROBE_TRIP + 1 and took < 0.25, "the second rest is 2 s, not 1"
+            await asyncio.sleep(1.0)
+            stalled.clear()  # the link is back
+            took, src = await timed(f)
+            assert src == "region:far" and far_hits["n"] == fill.PROBE_TRIP + 2
+            took, src = await timed(f)  # healthy again: probed on every fill
+            assert src == "region:far" and far_hits["n"] == fill.PROBE_TRIP + 3
+    finally:
+        release.set()
+        await far.cleanup()
+        await org.cleanup()
