@@ -448,6 +448,7 @@ class KDNClient:
         errors: list[str] = []
         lies = 0
         pending: dict[asyncio.Task[Fetched], Source] = {}
+        started: dict[asyncio.Task[Fetched], float] = {}
         i = 0
         hedged = 0
 
@@ -455,7 +456,19 @@ class KDNClient:
             nonlocal i
             src = order[i]
             i += 1
-            pending[asyncio.create_task(self._get(src, address, encoding, digest, size))] = src
+            task = asyncio.create_task(self._get(src, address, encoding, digest, size))
+            pending[task], started[task] = src, time.perf_counter()
+
+        def losers_took_at_least() -> None:
+            """A request cancelled because another won took at least as long as it ran: past its expected
+            time, that is a measurement (a lower bound). Without it a source that always loses is never
+            measured: a hedge kept going to a region edge behind a slowed link while the origin, 30 ms
+            away, was never tried (bench/faults.py slow_region_link)."""
+            now = time.perf_counter()
+            for task, src in pending.items():
+                est = self.estimates[src.url]
+                if now - started[task] > est.expected(size):
+                    est.observe(size, now - started[task])
 
         launch()
         try:
@@ -474,11 +487,14 @@ class KDNClient:
                 for task in done:
                     src = pending.pop(task)
                     try:
-                        return task.result()
+                        got = task.result()
                     except (SourceError, DigestMismatch) as e:
                         errors.append(f"{src.label}: {e}")
                         lies += isinstance(e, DigestMismatch)
                         self.failovers += 1
+                        continue
+                    losers_took_at_least()
+                    return got
                 if not pending and i < len(order):
                     launch()
             if lies == len(errors):  # every source that answered sent bytes that are not the object

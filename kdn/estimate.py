@@ -61,10 +61,15 @@ class SourceEstimate:
         self._penalty = min(max(self._penalty * 2, 0.05), 5.0)
 
     def expected(self, size: int) -> float:
+        now = time.monotonic()
         rtt, bandwidth = self.rtt, self.bandwidth
-        if self.samples and self.prior_rtt is not None and time.monotonic() - self.last_sample > self.stale_after:
+        if self.samples and self.prior_rtt is not None and now - self.last_sample > self.stale_after:
             rtt, bandwidth = self.prior_rtt, self.prior_bandwidth or bandwidth  # stale: explore again
-        return rtt + size / max(bandwidth, 1.0) + self._penalty
+        # Failures go stale too: a source that failed during an outage and was not asked since would
+        # otherwise carry the penalty until someone happened to ask it (the restored phase of
+        # bench/faults.py slow_region_link kept reading from the origin, 3x slower, for that reason).
+        penalty = self._penalty if now - self.last_failure <= self.stale_after else 0.0
+        return rtt + size / max(bandwidth, 1.0) + penalty
 
 
 class Estimates:
