@@ -107,9 +107,13 @@ RUNS: list[Run] = [
     # would not reproduce what the text around them says.
     Run("geo-seed7", "geo",
         archived="one seed (7), after the three client fixes, before the static-nearest baseline and --seeds"),
+    Run("geo-lockin", "geo", archived="three seeds, before the client stopped ranking transfers by lookup times "
+        "and fanning hedges out"),
     Run("geo-before-fixes", "geo", archived="before three fetch-client fixes"),
     Run("geo-earlier", "geo", archived="an earlier run, before the client fixes"),
     Run("blend-first", "blend", archived="the first run, under heavy load"),
+    Run("steer-budget1", "steer", archived="tuned within a 1% NLL budget on the tuning split (K 16/32, alpha "
+        "0.01/0.03/0.1): +1.13% on the test split"),
     Run("steer-first", "steer", archived="the first run: heads and alpha tuned for accuracy alone (no NLL budget)"),
     Run("serve-full", "serve", ["--lean", "--profile", "--duration", "2", "--warmup", "0.5"],
         archived="before the edge's memory-path fix (its edge-*-lean rows patch in what is now shipped)"),
