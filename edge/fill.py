@@ -49,9 +49,10 @@ MAX_BLOB_BYTES = 1 << 30
 # timeout (30 s) before the origin was asked (bench/faults.py slow_region_link).
 PROBE_MIN_S = 2.0
 # A region whose probes keep failing is left out of plans for a while (a circuit breaker): after
-# PROBE_TRIP failures in a row, for PROBE_REST_S, doubled at each further failure up to PROBE_REST_MAX_S;
-# then one fill probes it again (a healthy answer, a miss included, closes the breaker). Without it every
-# fill paid the probe bound during a stall: one plain read took 1.85 s (docs/reliability.md).
+# PROBE_TRIP failures in a row, for PROBE_REST_S; then one fill probes it again, and if that fails it rests
+# twice as long (up to PROBE_REST_MAX_S); a healthy answer, a miss included, closes the breaker. Probes
+# already in flight when a rest begins do not lengthen it. Without it every fill paid the probe bound
+# during a stall: one plain read took 1.85 s (docs/reliability.md).
 PROBE_TRIP = 2
 PROBE_REST_S = 5.0
 PROBE_REST_MAX_S = 60.0
@@ -82,6 +83,7 @@ class Filler:
         self.estimates = Estimates()
         self._rings: dict[str, tuple[tuple[str, ...], Ring]] = {}
         self._probe_failures: dict[str, int] = {}  # region owner URL -> probe failures in a row
+        self._rests: dict[str, int] = {}  # region owner URL -> rests in a row without a success between
         self._resting: dict[str, float] = {}  # region owner URL -> monotonic time its probes resume
 
     def headers(self, url: str) -> dict[str, str]:
@@ -137,17 +139,23 @@ class Filler:
         """Track a cross-region probe's outcome for the breaker."""
         if ok:
             self._probe_failures.pop(url, None)
+            self._rests.pop(url, None)
             self._resting.pop(url, None)
             return
+        now = time.monotonic()
+        if self._resting.get(url, 0.0) > now:
+            return  # a probe that started before the rest began
         n = self._probe_failures[url] = self._probe_failures.get(url, 0) + 1
-        if n >= PROBE_TRIP:
-            rest = min(PROBE_REST_S * 2 ** (n - PROBE_TRIP), PROBE_REST_MAX_S)
-            self._resting[url] = time.monotonic() + rest
-            if n == PROBE_TRIP:
+        k = self._rests.get(url, 0)
+        if n >= PROBE_TRIP or k:  # after a rest, one failed probe sends it back to rest, twice as long
+            rest = min(PROBE_REST_S * 2 ** k, PROBE_REST_MAX_S)
+            self._resting[url], self._rests[url], self._probe_failures[url] = now + rest, k + 1, 0
+            if not k:
                 log.warning("region edge %s failed %d probes in a row: skipped for %.0f s", url, n, rest)
         if len(self._probe_failures) > 4096:  # bounded: forget the oldest entries
             for old in list(self._probe_failures)[:1024]:
                 self._probe_failures.pop(old, None)
+                self._rests.pop(old, None)
                 self._resting.pop(old, None)
 
     def _owner_in(self, region: str, nodes: list[NodeRecord], address: str) -> NodeRecord | None:

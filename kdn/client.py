@@ -460,17 +460,24 @@ class KDNClient:
             pending[task], started[task] = src, time.perf_counter()
 
         def losers_took_at_least() -> None:
-            """A request cancelled because another won took at least as long as it ran: past its expected
-            time, that is a measurement (a lower bound). Without it a source that always loses is never
-            measured: a hedge kept going to a region edge behind a slowed link while the origin, 30 ms
-            away, was never tried (bench/faults.py slow_region_link)."""
+            """A hedge cancelled because another request won took at least as long as it ran: past its
+            expected time, that is a measurement (a lower bound). Without it a hedge target that always
+            loses is never measured: a hedge kept going to a region edge behind a slowed link while the
+            origin, 30 ms away, was never tried (bench/faults.py slow_region_link). Not the leading
+            request (it is hedged only when slow, so a sample taken when it loses is biased upward), and
+            not an edge of the client's own region: its slow answer is mostly a fill shared through the
+            owner, which says nothing about its link (measured so, it sent the geo bench's clients away
+            from their near edges: p50 33 -> 130 ms in a seed)."""
             now = time.perf_counter()
             for task, src in pending.items():
+                if task is leading or src.kind == "edge":
+                    continue
                 est = self.estimates[src.url]
                 if now - started[task] > est.expected(size):
                     est.observe(size, now - started[task])
 
         launch()
+        leading = next(iter(pending))
         try:
             while pending:
                 # Hedge: wait the leading request's expected time x2 (at least 20 ms), then add the next source.
