@@ -102,14 +102,6 @@ def main() -> None:
                f"| data path, this tree / {old_rev} | **{med:.2f}** | {max(ratios):.2f} | {min(ratios):.2f} |"]
     res.table("summary", "\n".join(summary), "Data path (lookup + fetch + verify + decode + cache build), new / old")
     res.extra.update({"old": old_rev, "ratios": [round(x, 3) for x in ratios]})
-    res.set_headline(
-        "TTFT hit path, data part (SmolLM2-135M, 2k tokens, memory tier), against the commit before the "
-        "read-path redesign",
-        f"lookup + fetch + verify + decode + cache build take **{med:.2f}x** the old commit's time "
-        f"(worst round {max(ratios):.2f}x)",
-        f"the same bench at {old_rev}, run alternately on the same machine",
-        [{"shown": f"{med:.2f}x", "cell": f"{med:.2f}", "table": "summary"},
-         {"shown": f"{max(ratios):.2f}x", "cell": f"{max(ratios):.2f}", "table": "summary"}])
     res.write()
 
 
