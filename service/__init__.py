@@ -103,7 +103,57 @@ def server_options(app: web.Application) -> dict[str, Any]:
     response, and closes the connection if no whole request head has arrived by then, however slowly
     bytes trickle in. No access log: at thousands of object reads a second it cost 3-4% of the edge's
     CPU (bench/serve.py profile); per-route counts and latencies are in /metrics."""
+    quiet_malformed_requests()
     return {"keepalive_timeout": app[DEADLINES].headers, "access_log": None}
+
+
+class _MalformedRequests(logging.Filter):
+    """aiohttp answers a request it cannot parse (a bad header line, a line too long, a bad chunk) with
+    its own 400 and logs ``Error handling request`` at ERROR with a traceback: anyone on the network
+    could fill an operator's logs with tracebacks. Those records become one WARNING line each, at most
+    ``per_minute`` a minute (the rest counted into the next line); every other record passes as is."""
+
+    def __init__(self, per_minute: int = 20) -> None:
+        super().__init__()
+        self.per_minute = per_minute
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a fresh minute (tests)."""
+        self._window, self._in_window, self._suppressed = 0.0, 0, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        now = time.monotonic()
+        if now - self._window >= 60.0:
+            self._window, self._in_window = now, 0
+        self._in_window += 1
+        if self._in_window > self.per_minute:
+            self._suppressed += 1
+            return False
+        peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        more = f" ({self._suppressed} more since the last such line)" if self._suppressed else ""
+        self._suppressed = 0
+        record.msg, record.args = "refused a malformed request from %s (HTTP 400): %s%s", (
+            peer, " ".join(str(getattr(exc, "message", exc)).split())[:200], more)
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        if record.levelno > logging.WARNING:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_MALFORMED = _MalformedRequests()
+
+
+def quiet_malformed_requests() -> None:
+    """Install the filter above on aiohttp's server logger (once per process)."""
+    logger = logging.getLogger("aiohttp.server")
+    if _MALFORMED not in logger.filters:
+        logger.addFilter(_MALFORMED)
 
 
 def install_deadlines(app: web.Application, deadlines: Deadlines, metrics: CollectorRegistry, service: str) -> None:

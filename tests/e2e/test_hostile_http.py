@@ -375,3 +375,39 @@ async def test_malformed_bodies_get_one_line_400s(tmp_path, etcd_url):
                         assert r.status == 400, (name, url, answer)
                         assert answer["error"] == "bad_request" and "\n" not in answer["detail"], (name, answer)
                         assert len(answer["detail"]) < 300, name
+
+
+async def test_an_unparsable_request_is_one_warning_line_not_a_traceback(tmp_path, etcd_url, caplog):
+    """aiohttp answers a request head it cannot parse with its own 400 and logged it at ERROR with a
+    traceback: anyone could fill an operator's log with tracebacks. Now one WARNING line each, at most
+    20 a minute (the rest counted into the next line)."""
+    import logging
+
+    from kdn import service
+
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        caplog.set_level(logging.DEBUG, logger="aiohttp.server")
+        service._MALFORMED.reset()  # noqa: SLF001  (other tests in this process may have used this minute)
+        for server in (c.edges["e1"], c.origin):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            try:
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nthis is no header\r\n\r\n")
+                await writer.drain()
+                head = await asyncio.wait_for(reader.read(200), 5)
+            finally:
+                writer.close()
+            assert head.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), head
+        records = [r for r in caplog.records if r.name == "aiohttp.server"]
+        assert len(records) == 2, [r.getMessage() for r in records]
+        for r in records:
+            assert r.levelno == logging.WARNING and r.exc_info is None and r.exc_text is None
+            assert "malformed request" in r.getMessage() and "\n" not in r.getMessage()
+        # a flood: 30 more, of which 20 - 2 are logged in this minute; the rest are only counted
+        for _ in range(30):
+            reader, writer = await asyncio.open_connection("127.0.0.1", c.edges["e1"].port)
+            writer.write(b"GET / HTTP/1.1\r\n\x00bad\r\n\r\n")
+            await writer.drain()
+            await asyncio.wait_for(reader.read(200), 5)
+            writer.close()
+        records = [r for r in caplog.records if r.name == "aiohttp.server"]
+        assert len(records) <= 20, len(records)
