@@ -127,3 +127,24 @@ async def test_what_fuzzing_found_gets_one_line_4xx(tmp_path, etcd_url):
                                      b"Bearer " + EDGE_TOKEN.encode() + b"\r\nContent-Length: "
                                      + str(len(doc)).encode() + b"\r\nConnection: close\r\n\r\n" + doc)
         assert status == 200 and json.loads(body)["length"] == 1, body
+
+
+def test_the_spec_and_the_server_agree_on_what_is_white_space():
+    """Text fields must hold a character that is not white space: the server checks ``str.strip()``, the
+    spec a character class. A character the two disagree on is valid input the server refuses (the fuzzer
+    found '\\x0b' in an emphasis probe when the spec said only minLength 1)."""
+    import re
+
+    import yaml
+
+    spec = yaml.safe_load(open(fuzz.SPEC))
+    emphasis = spec["components"]["schemas"]["PublishRequest"]["properties"]["emphasis"]["properties"]
+    patterns = {spec["components"]["schemas"]["Text"]["pattern"], emphasis["texts"]["items"]["pattern"],
+                emphasis["probes"]["items"]["pattern"]}
+    assert len(patterns) == 1
+    pat = re.compile(patterns.pop())
+    for cp in range(0x110000):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        c = chr(cp)
+        assert bool(pat.search(c)) == bool(c.strip()), hex(cp)
