@@ -44,6 +44,22 @@ async def _serve(handler) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
 
 
+async def _origin(request: web.Request) -> web.Response:
+    return web.Response(body=BLOB)
+
+
+RECORD = ObjectRecord(address=ADDRESS, model_id="b" * 64, namespace="public", kind="kv", start=0, end=256,
+                      parent=None, standalone=False, origin="o",
+                      encodings={"zstd": Encoding("zstd", len(BLOB), blake3(BLOB).hexdigest())})
+
+
+def _filler(session: aiohttp.ClientSession, far_url: str, origin_url: str, metrics: EdgeMetrics) -> fill.Filler:
+    """An edge of region near, alone there, with one other region (far, at ``far_url``) and an origin."""
+    return fill.Filler(session=session, membership=_Members(NodeRecord("edge", "far", "far-1", far_url)),
+                       origin_urls=lambda: [origin_url], me=NodeRecord("edge", "near", "near-1", "http://x"),
+                       upstream_headers={}, metrics=metrics, timeout=30.0)
+
+
 async def test_a_stalled_region_is_abandoned_for_the_origin(monkeypatch):
     monkeypatch.setattr(fill, "PROBE_MIN_S", 0.5)
     release = asyncio.Event()
@@ -52,19 +68,11 @@ async def test_a_stalled_region_is_abandoned_for_the_origin(monkeypatch):
         await release.wait()  # a link that passes no byte
         return web.Response(body=BLOB)
 
-    async def origin(request):
-        return web.Response(body=BLOB)
-
     far, far_url = await _serve(stalled)
-    org, org_url = await _serve(origin)
-    rec = ObjectRecord(address=ADDRESS, model_id="b" * 64, namespace="public", kind="kv", start=0, end=256, parent=None,
-                       standalone=False, origin="o",
-                       encodings={"zstd": Encoding("zstd", len(BLOB), blake3(BLOB).hexdigest())})
-    metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
+    org, org_url = await _serve(_origin)
+    rec, metrics = RECORD, EdgeMetrics(CollectorRegistry(), lambda: None)
     async with aiohttp.ClientSession() as session:
-        f = fill.Filler(session=session, membership=_Members(NodeRecord("edge", "far", "far-1", far_url)),
-                        origin_urls=lambda: [org_url], me=NodeRecord("edge", "near", "near-1", "http://x"),
-                        upstream_headers={}, metrics=metrics, timeout=30.0)
+        f = _filler(session, far_url, org_url, metrics)
         t0 = time.monotonic()
         try:
             got = await f.fetch((ADDRESS, "zstd"), rec, hop=False)
@@ -92,15 +100,9 @@ async def test_a_region_that_keeps_failing_rests_then_is_probed_again(monkeypatc
             await release.wait()  # a link that passes no byte
         return web.Response(body=BLOB)
 
-    async def origin(request):
-        return web.Response(body=BLOB)
-
     far, far_url = await _serve(far_handler)
-    org, org_url = await _serve(origin)
-    rec = ObjectRecord(address=ADDRESS, model_id="b" * 64, namespace="public", kind="kv", start=0, end=256, parent=None,
-                       standalone=False, origin="o",
-                       encodings={"zstd": Encoding("zstd", len(BLOB), blake3(BLOB).hexdigest())})
-    metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
+    org, org_url = await _serve(_origin)
+    rec, metrics = RECORD, EdgeMetrics(CollectorRegistry(), lambda: None)
 
     async def timed(f) -> tuple[float, str]:
         t0 = time.monotonic()
@@ -110,9 +112,7 @@ async def test_a_region_that_keeps_failing_rests_then_is_probed_again(monkeypatc
 
     try:
         async with aiohttp.ClientSession() as session:
-            f = fill.Filler(session=session, membership=_Members(NodeRecord("edge", "far", "far-1", far_url)),
-                            origin_urls=lambda: [org_url], me=NodeRecord("edge", "near", "near-1", "http://x"),
-                            upstream_headers={}, metrics=metrics, timeout=30.0)
+            f = _filler(session, far_url, org_url, metrics)
             for _ in range(fill.PROBE_TRIP):  # each failed probe costs its bound
                 took, src = await timed(f)
                 assert src == "origin" and took >= 0.3, (took, src)
