@@ -262,8 +262,18 @@ class Edge:
     def holds(self, key: Key) -> bool:
         return any(t.contains(key) for t in self.tiers)
 
+    def _ring(self) -> Membership:
+        if self.membership is None:
+            raise RuntimeError("the edge is not started: no membership yet (its app's cleanup contexts start it)")
+        return self.membership
+
+    def _fills(self) -> Filler:
+        if self.filler is None:
+            raise RuntimeError("the edge is not started: no upstream session yet")
+        return self.filler
+
     def owns(self, address: str) -> bool:
-        owner = self.membership.owner(address)
+        owner = self._ring().owner(address)
         return owner is None or owner.node_id == self.me.node_id
 
     async def load(self, key: Key, rec: ObjectRecord, *, hop: bool = False, fill: bool = True) -> Loaded | None:
@@ -318,11 +328,16 @@ class Edge:
         again = await self._from_tiers(key, rec, count=False)
         if again is not None:
             try:
-                blob = again.data.obj if again.data is not None else await asyncio.to_thread(again.path.read_bytes)
+                if again.data is not None:
+                    blob = again.data.obj
+                elif again.path is not None:
+                    blob = await asyncio.to_thread(again.path.read_bytes)
+                else:
+                    raise RuntimeError(f"a {again.source} handle with neither bytes nor a file")
                 return bytes(blob), again.source
             finally:
                 again.release()
-        filled = await self.filler.fetch(key, rec, hop=hop)  # verified against the record's digest
+        filled = await self._fills().fetch(key, rec, hop=hop)  # verified against the record's digest
         meta = self.meta_for(rec, key[1])
         await self.memory.put(key, filled.blob, meta)
         # The owner keeps a durable copy (fsynced: not on the response path); other edges a hot one.
@@ -333,6 +348,8 @@ class Edge:
     async def _persist(self, key: Key, blob: bytes, meta: EntryMeta) -> None:
         """The owner's disk copy. A disk that fails (full, read-only, gone) costs that copy only: the
         memory tier and the response are not affected; counted, and logged at most once a minute."""
+        if self.disk is None:
+            return
         try:
             await self.disk.put(key, blob, meta)
         except OSError as e:
@@ -348,23 +365,26 @@ class Edge:
             return "memory"
         if self.disk is not None and self.disk.contains(key):
             return "disk"
-        plan = self.filler.plan(key, rec, hop=False)
+        plan = self._fills().plan(key, rec, hop=False)
         return next((label for label, _, extra in plan if CACHED_ONLY not in extra), "origin")
 
     async def _prefetch_one(self, address: str) -> None:
         rec = await self.records.get(address)
         enc = self.choose_encoding(rec, None) if rec is not None else None
-        if enc is None or self.holds((address, enc)):
+        if rec is None or enc is None or self.holds((address, enc)):
             return
-        if not self.owns(address):
+        owner = self._ring().owner(address)
+        if owner is not None and owner.node_id != self.me.node_id:
             # The owner fills it; this edge only passes the hint on.
-            owner = self.membership.owner(address)
-            async with self.filler.session.post(f"{owner.url}/v1/prefetch", json={"addresses": [address]},
-                                                headers=self.filler.headers(owner.url)) as r:
+            fills = self._fills()
+            async with fills.session.post(f"{owner.url}/v1/prefetch", json={"addresses": [address]},
+                                          headers=fills.headers(owner.url)) as r:
                 await r.read()
             return
         self.m.prefetch_started.inc()
-        (await self.load((address, enc), rec, hop=True)).release()
+        loaded = await self.load((address, enc), rec, hop=True)
+        if loaded is not None:
+            loaded.release()
         self.prefetched.add((address, enc))
 
     async def warm(self, addresses: list[str], namespace: str) -> None:
@@ -374,10 +394,12 @@ class Edge:
                 continue
             rec = await self.records.get(address)
             enc = self.choose_encoding(rec, None) if rec is not None else None
-            if enc is None or self.holds((address, enc)):
+            if rec is None or enc is None or self.holds((address, enc)):
                 continue
             try:
-                (await self.load((address, enc), rec, hop=True)).release()
+                loaded = await self.load((address, enc), rec, hop=True)
+                if loaded is not None:
+                    loaded.release()
                 self.m.warmed.inc()
             except SourceError as e:
                 log.warning("warm of %s failed: %s", address, e)
@@ -595,6 +617,8 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         headers = object_headers(digest, source, encoding, rec.namespace)
         if loaded.path is not None:
             return await _send_file(request, loaded.path, loaded.size, headers, head=head, metrics=edge.m)
+        if loaded.data is None:
+            raise RuntimeError(f"a {loaded.source} handle with neither bytes nor a file")
         return await _send_bytes(request, loaded.data, headers, head=head, metrics=edge.m,
                                  source=loaded.source.split(":", 1)[0])
     finally:

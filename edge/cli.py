@@ -8,8 +8,12 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from kdn.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from kdn.registry.records import Policy
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -215,14 +219,15 @@ def cmd_policy_ls(args: argparse.Namespace) -> int:
     async def go(reg) -> int:
         rows = await _read_policies(reg)
         if args.json:
-            print(json.dumps([p.to_dict() if err is None else {"name": name, "invalid": err} for name, p, err in rows], indent=2))
+            print(json.dumps([p.to_dict() if p is not None else {"name": name, "invalid": err} for name, p, err in rows],
+                             indent=2))
             return 0
         if not rows:
             print("(no policies)", file=sys.stderr)
             return 0
         table = [("NAME", "KIND", "REGION", "SCOPE", "SETTING")]
         for name, p, err in rows:
-            table.append((name, "invalid", "-", "-", err[:80]) if err is not None else _row(p))
+            table.append(_row(p) if p is not None else (name, "invalid", "-", "-", (err or "")[:80]))
         widths = [max(len(r[i]) for r in table) for i in range(4)]
         for r in table:
             print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
@@ -246,13 +251,13 @@ def cmd_policy_rm(args: argparse.Namespace) -> int:
     return _run(args, go)
 
 
-async def _read_policies(reg) -> list[tuple[str, object, str | None]]:
+async def _read_policies(reg) -> list[tuple[str, Policy | None, str | None]]:
     """``(name, policy, None)`` or ``(name, None, why)`` for a record no edge would apply."""
     from kdn.edge.policies import validate_policy
     from kdn.errors import KDNError
     from kdn.registry.records import Policy
 
-    rows = []
+    rows: list[tuple[str, Policy | None, str | None]] = []
     for key, value in await reg.list_keys("policies/"):
         name = key.removeprefix("policies/")
         try:

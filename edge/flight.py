@@ -10,8 +10,8 @@ by the next request, never cached.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Coroutine, Hashable
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -29,7 +29,7 @@ class SingleFlight(Generic[T]):
     def in_flight(self, key: Hashable) -> bool:
         return key in self._calls
 
-    async def do(self, key: Hashable, fn: Callable[[], Awaitable[T]]) -> T:
+    async def do(self, key: Hashable, fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
         task = self._calls.get(key)
         if task is None:
             self.started += 1
@@ -37,7 +37,11 @@ class SingleFlight(Generic[T]):
             self._calls[key] = task
             # Removed by the task's own completion, not by the first caller, which
             # may have been cancelled long before the fill ends.
-            task.add_done_callback(lambda t, k=key: self._calls.pop(k, None) if self._calls.get(k) is t else None)
+            def forget(t: asyncio.Task[T], k: Hashable = key) -> None:
+                if self._calls.get(k) is t:
+                    del self._calls[k]
+
+            task.add_done_callback(forget)
         else:
             self.joined += 1
         return await asyncio.shield(task)

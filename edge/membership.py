@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kdn.errors import InvalidInput, KDNError, RegistryError
 from kdn.registry import Event, NodeLease, NodeRecord, Registry, follow
@@ -237,5 +237,5 @@ class Membership:
         changed.set()
 
 
-def _sorted(records: object) -> list[NodeRecord]:
-    return sorted(records, key=lambda r: (r.region, r.node_id))  # type: ignore[arg-type]
+def _sorted(records: Iterable[NodeRecord]) -> list[NodeRecord]:
+    return sorted(records, key=lambda r: (r.region, r.node_id))

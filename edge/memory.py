@@ -29,7 +29,9 @@ class MemoryTier(_BaseTier):
         # bytes(b) of an exact bytes object is b itself, and a bytearray is taken over as it is (a fill's
         # fresh buffer: its maker hands it on and never changes it); a view is copied once, because its
         # owner may reuse the buffer after put() returns.
-        return blob if type(blob) in (bytes, bytearray) else bytes(blob)
+        if type(blob) is bytes or type(blob) is bytearray:
+            return blob
+        return bytes(blob)
 
     def _free(self, e: _Entry) -> None:
         e.payload = None

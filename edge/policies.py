@@ -397,10 +397,10 @@ class PolicyEngine:
             m = resolved.get(p.manifest) if p.manifest is not None else None
             if p.kind == "pin" and m is not None:
                 pinned.update(_addresses(m))
-            elif p.kind == "ttl":
+            elif p.kind == "ttl" and p.ttl_s is not None:  # (a parsed ttl policy always has one)
                 addrs = frozenset(_addresses(m)) if m is not None else frozenset()
                 ttls.append(_Ttl(float(p.ttl_s), p.namespace, p.manifest, addrs))
-            elif p.kind == "quota":
+            elif p.kind == "quota" and p.namespace is not None and p.quota_bytes is not None:
                 quotas[p.namespace] = min(quotas.get(p.namespace, p.quota_bytes), p.quota_bytes)
         rules = _Rules(frozenset(pinned), tuple(sorted(ttls, key=lambda t: (t.seconds, t.namespace or "", t.manifest or ""))))
         changed = False
@@ -435,7 +435,7 @@ class PolicyEngine:
         if self._warm is None:
             return
         for name, p in sorted(warms.items()):
-            m = resolved.get(p.manifest)
+            m = resolved.get(p.manifest) if p.manifest is not None else None
             if m is None:
                 continue  # not published yet: warms when it is
             addrs = _addresses(m)
@@ -453,6 +453,8 @@ class PolicyEngine:
 
     async def _run_warm(self, name: str, addresses: list[str], namespace: str) -> None:
         t0 = time.monotonic()
+        if self._warm is None:
+            return
         try:
             await self._warm(addresses, namespace)
         except asyncio.CancelledError:

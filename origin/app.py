@@ -24,6 +24,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -65,7 +66,8 @@ class OriginConfig(service.NodeConfig):
 
 CONFIG = web.AppKey("config", OriginConfig)
 STORE = web.AppKey("store", ObjectStore)
-LOADED = web.AppKey("loaded", object)
+# The loaded model (kdn.adapters.hf.models.LoadedModel: its module imports torch, so not imported here).
+LOADED: web.AppKey[Any] = web.AppKey("loaded")
 PRODUCER = web.AppKey("producer", Producer)
 JOBS = web.AppKey("jobs", JobQueue)
 EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
@@ -333,9 +335,10 @@ async def get_object(request: web.Request) -> web.StreamResponse:
             raise web.HTTPNotFound(text=f"object {address} has no encoding {want[:32]!r}; it has {sorted(have)}")
         encoding = want
     else:
-        encoding = next((e for e in LOSSLESS_PREFERENCE if e in have), None)
-        if encoding is None:
+        lossless = next((e for e in LOSSLESS_PREFERENCE if e in have), None)
+        if lossless is None:
             raise web.HTTPNotFound(text=f"object {address} has no lossless encoding")
+        encoding = lossless
     info = have[encoding]
     headers = object_headers(info.digest, f"origin:{app[CONFIG].node_id}", encoding, ns)
     if service.not_modified(request, info.digest):
