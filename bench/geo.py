@@ -413,8 +413,8 @@ class BenchClient(KDNClient):
                 self.trace.append({"t": round(t0, 4), "ev": "json", "path": path.split("/")[2],
                                    "ms": round((time.monotonic() - t0) * 1e3, 1)})
 
-    async def fetch_prefix(self, hit, *, encoding=None):
-        st = self.last[asyncio.current_task()] = await super().fetch_prefix(hit, encoding=encoding)
+    async def fetch_prefix(self, hit, **kw):
+        st = self.last[asyncio.current_task()] = await super().fetch_prefix(hit, **kw)
         return st
 
 

@@ -25,8 +25,8 @@ import os
 import random
 import ssl as _ssl
 import time
-from collections.abc import Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
@@ -39,7 +39,7 @@ from kdn.encodings import affordable, decode_seconds, parse_budget
 from kdn.estimate import Estimates
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
-    from kdn.objects import DecodedObject
+    from kdn.objects import DecodedObject, ObjectView
     from kdn.registry import Membership
     from kdn.ring import Ring
     from kdn.signing import Verifier
@@ -80,6 +80,20 @@ class Lookup:
     @property
     def chunks(self) -> int:
         return len(self.addresses)
+
+    def token_counts(self) -> list[int]:
+        """Tokens per object, in chain order: whole chunks, then the partial tail if there is one."""
+        whole = min(len(self.addresses), self.tokens // self.chunk_tokens)
+        counts = [self.chunk_tokens] * whole
+        if len(self.addresses) > whole:
+            counts.append(self.tokens - whole * self.chunk_tokens)
+        return counts
+
+    def head(self, k: int) -> Lookup:
+        """The first ``k`` objects of this prefix (a hybrid engine that must recompute the last token drops one)."""
+        keep = self.addresses[:k]
+        return replace(self, addresses=keep, tokens=sum(self.token_counts()[:k]), records=self.records[:k],
+                       cold={a for a in self.cold if a in set(keep)}, sources=self.sources[:k])
 
 
 @dataclass(frozen=True)
@@ -587,13 +601,20 @@ class KDNClient:
         return int(max(decoded_cap(b, h.end - h.start) for b in bases))
 
     async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None,
-                           quality: str | float | None = None) -> PrefixStates:
+                           quality: str | float | None = None,
+                           into: Callable[[int, ObjectView], None] | None = None) -> PrefixStates:
         """Fetch, verify and decode every object of a lookup; objects stay in chain order.
 
         A pipeline per object: each is decoded (off the event loop) as soon as it
         has arrived and been verified, while the others are still on the wire.
         ``fetch_s`` is the time to the last byte, ``decode_s`` what decoding added
         after it.
+
+        With ``into``, each verified, parsed and checked object is handed to
+        ``into(index, view)`` in a worker thread instead of being decoded here: an
+        engine's loader that decodes each tensor straight into its cache
+        (``kdn.adapters.hf.CacheBuilder``). The returned ``objects`` then carry
+        headers and no tensors.
         """
         budget = parse_budget(self.quality if quality is None else quality)
         t0 = time.perf_counter()
@@ -601,7 +622,7 @@ class KDNClient:
 
         known = dict(zip(hit.addresses, hit.records))  # verified by the lookup: no second record read
 
-        async def one(address: A.Address) -> tuple[Fetched, DecodedObject]:
+        async def one(index: int, address: A.Address) -> tuple[Fetched, DecodedObject]:
             rec = known.get(address)
             enc = encoding or (self.choose_encoding(rec["encodings"], quality) if rec else None)
             if rec is not None and enc in rec["encodings"]:
@@ -612,33 +633,33 @@ class KDNClient:
                 f = await self.fetch(address, encoding=encoding, quality=quality, cold=address in hit.cold)
             arrived.append(time.perf_counter())
             cap = await self.prepare(f)  # a kvtc object: its basis first (fetched once)
-            return f, await asyncio.to_thread(_decode_checked, f, hit, budget, cap)
+            return f, await asyncio.to_thread(_decode_checked, f, hit, budget, cap, index, into)
 
-        done = await asyncio.gather(*(one(a) for a in hit.addresses))
+        done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
         t_last = max(arrived, default=t0)
         return PrefixStates(hit, [o for _, o in done], [f for f, _ in done], t_last - t0, time.perf_counter() - t_last)
 
 
-def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: int | None = None) -> DecodedObject:
-    """Decode a verified object and check it is the one the lookup asked for."""
-    from kdn.codecs import get_codec
-    from kdn.errors import UnknownCodec
-    from kdn.objects import decode_object
+def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: int | None = None,
+                    index: int = 0, into: Callable[[int, ObjectView], None] | None = None) -> DecodedObject:
+    """Check a verified object is the one the lookup asked for, then decode it (or hand it to ``into``)."""
+    from kdn.codecs import codec_names, get_codec
+    from kdn.objects import DecodedObject, ObjectView
 
-    try:
-        obj = decode_object(f.blob, max_decoded=max_decoded)
-    except UnknownCodec:
-        import kdn.kernels  # noqa: F401  (lossy codecs need torch: registered only when used)
-
-        obj = decode_object(f.blob, max_decoded=max_decoded)
-    h = obj.header
+    view = ObjectView(f.blob, max_decoded=max_decoded)
+    h = view.header
     if h.model_id != hit.model_id or h.namespace != hit.namespace or h.address != f.address:
         raise DigestMismatch(f"object {f.address} claims model {h.model_id[:12]}/{h.namespace}, "
                              f"expected {hit.model_id[:12]}/{hit.namespace}")
+    if not {t.codec for t in h.tensors.values()} <= set(codec_names()):
+        import kdn.kernels  # noqa: F401  (lossy codecs need torch: registered only when used)
     if budget is None and not all(get_codec(t.codec).lossless for t in h.tensors.values()):
         # Belt and braces: the digest already pins the bytes to a lossless encoding.
         raise DigestMismatch(f"object {f.address} holds lossy tensors but lossless was asked for")
-    return obj
+    if into is not None:
+        into(index, view)
+        return DecodedObject(h, {})
+    return DecodedObject(h, view.decode())
 
 
 class SyncKDNClient:

@@ -83,6 +83,30 @@ class Codec(Protocol):
         """Decoded bytes; with ``out`` (writable, exactly ``nbytes(dtype, shape)`` long) they are written there."""
         ...
 
+    # Optional: ``decode_into(data, dtype, shape, params, dst)`` writes the values into ``dst``, a writable
+    # ``<u{itemsize}`` array of ``shape`` with any strides (a slice of an engine's cache tensor). A codec
+    # without it is decoded into a fresh buffer and copied: see :func:`decode_into`.
+
+
+def decode_into(codec: Codec, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any],
+                dst: np.ndarray) -> None:
+    """Decode one tensor straight into ``dst``: a writable array of ``shape`` whose items are
+    ``itemsize(dtype)`` bytes, with any strides (say a slice ``[heads, t, head_dim]`` of a
+    ``[heads, T, head_dim]`` cache tensor). Saves the intermediate buffer, its page faults and the copy
+    a concatenation would make; codecs that cannot write into place are decoded and copied once."""
+    width = itemsize(dtype)
+    if tuple(dst.shape) != tuple(shape) or dst.itemsize != width or not dst.flags.writeable:
+        raise InvalidInput(f"decode target must be writable, of shape {list(shape)} and {width}-byte items; got "
+                           f"{list(dst.shape)} of {dst.itemsize}-byte items (writable={dst.flags.writeable})")
+    lanes = dst.view(np.dtype(f"<u{width}"))
+    into = getattr(codec, "decode_into", None)
+    if into is not None:
+        into(data, dtype, shape, params, lanes)
+        return
+    buf = _as_bytes_view(codec.decode(data, dtype, shape, params))
+    _check_length(buf, dtype, shape, f"{codec.name} decode")
+    np.copyto(lanes, np.frombuffer(buf, lanes.dtype).reshape(shape))
+
 
 def _as_bytes_view(data: Buffer) -> memoryview:
     mv = data if isinstance(data, memoryview) else memoryview(data)
@@ -122,6 +146,11 @@ class RawCodec:
             return out
         return mv
 
+    def decode_into(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], dst: np.ndarray) -> None:
+        mv = _as_bytes_view(data)
+        _check_length(mv, dtype, shape, "raw decode")
+        np.copyto(dst, np.frombuffer(mv, dst.dtype).reshape(shape))
+
 
 # zstd contexts are not safe to share between threads; each thread keeps its own.
 _local = threading.local()
@@ -141,6 +170,14 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if d is None:
         d = _local.dctx = zstandard.ZstdDecompressor()
     return d
+
+
+def _scratch(n: int) -> memoryview:
+    """A per-thread buffer of at least ``n`` bytes, reused (grown, never shrunk) across decodes."""
+    buf: bytearray | None = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < n:
+        buf = _local.scratch = bytearray(max(n, 1 << 20))
+    return memoryview(buf)[:n]
 
 
 def shuffle_ref(data: Buffer, width: int) -> bytes:
@@ -187,15 +224,23 @@ def unshuffle(planes: Buffer | list[Buffer], width: int, out: memoryview | None 
     n = p[0].size
     lanes = np.dtype(f"<u{width}")
     res = np.empty(n, lanes) if out is None else np.frombuffer(out, lanes)  # res: [n]
+    _interleave(p, res)
+    return res.view(np.uint8)
+
+
+def _interleave(planes: list[np.ndarray], res: np.ndarray) -> None:
+    """Write values built from byte ``planes`` (plane i = byte i of each value) into ``res``: an array
+    of ``<u{len(planes)}`` lanes with any shape and strides; each plane holds ``res.size`` bytes."""
+    width = len(planes)
+    p = [x.reshape(res.shape) for x in planes]
     if width == 1:
         np.copyto(res, p[0])
-        return res
-    np.left_shift(p[width - 1], 8, out=res, dtype=lanes)
+        return
+    np.left_shift(p[width - 1], 8, out=res, dtype=res.dtype)
     np.bitwise_or(res, p[width - 2], out=res)
     for i in range(width - 3, -1, -1):
         np.left_shift(res, 8, out=res)
         np.bitwise_or(res, p[i], out=res)
-    return res.view(np.uint8)
 
 
 class ZstdCodec:
@@ -228,14 +273,12 @@ class ZstdCodec:
         frames = [cctx.compress(plane.data) for plane in planes]  # .data: each row's bytes, as a memoryview
         return b"".join(frames), {"level": self.level, "shuffle": width, "frames": [len(f) for f in frames]}
 
-    def decode(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], out: memoryview | None = None) -> Buffer:
-        want = nbytes(dtype, shape)
-        if out is not None:
-            out = _check_out(out, want)
+    @staticmethod
+    def _split(mv: memoryview, dtype: str, shape: tuple[int, ...], params: dict[str, Any], want: int) -> tuple[int, list[int]]:
+        """The shuffle width and the frame lengths the params claim, checked against the payload."""
         width = params.get("shuffle", itemsize(dtype)) if isinstance(params, dict) else None
         if not isinstance(width, int) or isinstance(width, bool) or width not in (1, 2, 4, 8) or want % width:
             raise CodecError(f"zstd: bad shuffle width {str(width)[:20]!r} for {dtype}{list(shape)}")
-        mv = _as_bytes_view(data)
         frames = params.get("frames", [len(mv)])
         if (
             not isinstance(frames, list)
@@ -244,6 +287,64 @@ class ZstdCodec:
             or len(frames) not in (1, width)
         ):
             raise CodecError(f"zstd: frame lengths {str(frames)[:60]} do not split {len(mv)} bytes into 1 or {width} frames")
+        return width, frames
+
+    def decode_into(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], dst: np.ndarray) -> None:
+        """Each frame into a per-thread scratch buffer, then the planes interleaved straight into ``dst``.
+
+        Against :meth:`decode` this skips a fresh buffer per frame and per tensor (on real KV their page
+        faults cost about as much as the zstd work) and, when ``dst`` is a slice of a cache tensor, the
+        copy a concatenation would make."""
+        want = nbytes(dtype, shape)
+        mv = _as_bytes_view(data)
+        width, frames = self._split(mv, dtype, shape, params, want)
+        if width != itemsize(dtype):
+            # A width other than the item size (an object from another encoder) is rare: the plain path.
+            np.copyto(dst, np.frombuffer(self.decode(mv, dtype, shape, params), dst.dtype).reshape(shape))
+            return
+        scratch = _scratch(want)
+        per_frame = want // len(frames)
+        offset = 0
+        for i, flen in enumerate(frames):
+            self._frame_into(mv[offset : offset + flen], scratch[i * per_frame : (i + 1) * per_frame], dtype, shape)
+            offset += flen
+        planes = list(np.frombuffer(scratch, np.uint8, count=want).reshape(width, want // width)) if want else []
+        if want:
+            _interleave(planes, dst)
+
+    @staticmethod
+    def _frame_into(frame: memoryview, out: memoryview, dtype: str, shape: tuple[int, ...]) -> None:
+        """Decompress one frame into ``out``, which it must fill exactly (content size, checksum and the
+        end of the frame all checked: nothing after it, nothing short)."""
+        want = len(out)
+        try:
+            size = zstandard.frame_content_size(frame)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"zstd: bad frame header: {e}") from None
+        if size != want:
+            raise CodecError(f"zstd: frame content size {size} for {dtype}{list(shape)}, expected {want}")
+        try:
+            reader = _decompressor().stream_reader(frame, read_size=max(1, len(frame)), read_across_frames=True,
+                                                  closefd=False)
+            got = 0
+            while got < want:
+                n = reader.readinto(out[got:])
+                if not n:
+                    break
+                got += n
+            # Reading past the end drives the frame to its epilogue (the checksum is checked there) and
+            # fails on anything after the frame.
+            if got != want or reader.read(1):
+                raise CodecError(f"zstd: frame decoded to {got}+ bytes, expected {want}")
+        except zstandard.ZstdError as e:
+            raise CodecError(f"zstd: corrupt payload: {e}") from None
+
+    def decode(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], out: memoryview | None = None) -> Buffer:
+        want = nbytes(dtype, shape)
+        if out is not None:
+            out = _check_out(out, want)
+        mv = _as_bytes_view(data)
+        width, frames = self._split(mv, dtype, shape, params, want)
         per_frame = want // len(frames)
         outs: list[Buffer] = []
         offset = 0

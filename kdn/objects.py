@@ -42,6 +42,7 @@ from kdn.errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
     import torch
 
 FORMAT_VERSION = 1
@@ -522,6 +523,21 @@ class ObjectView:
                 raise TensorMismatch(f"tensor {name[:64]!r}: codec {info.codec!r} decoded {len(dv)} bytes, expected {want}")
             tensors[name] = RawTensor(name, info.dtype, info.shape, dv)
         return tensors
+
+
+    def decode_into(self, name: str, dst: np.ndarray) -> None:
+        """Decode tensor ``name`` straight into ``dst``: a writable numpy array of the tensor's shape and
+        item size, any strides (an engine's cache slice). Codecs that cannot write into place decode
+        and copy once (:func:`kdn.codecs.decode_into`)."""
+        from kdn.codecs import decode_into
+
+        layout, mv = self._layout, self._mv
+        info = layout.header.tensors.get(name)
+        if info is None:
+            raise TensorMismatch(f"object has no tensor {str(name)[:64]!r}")
+        b, e = layout.offsets[name]
+        decode_into(get_codec(info.codec), mv[layout.data_start + b : layout.data_start + e], info.dtype, info.shape,
+                    info.params, dst)
 
 
 # --- torch bridge (torch imported only here) ---------------------------------

@@ -2,12 +2,13 @@
 
 - ``load_model`` / ``model_id_of``: a model by name or path, and its KDN model id.
 - ``extract_chunks`` / ``standalone_chunk`` (origin): per-chunk KV and SSM states of a prefill.
-- ``build_cache`` / ``continue_from_cache`` (engine): chunk states back into a ``DynamicCache``.
+- ``build_cache`` / ``CacheBuilder`` / ``continue_from_cache`` (engine): chunk states back into a ``DynamicCache``
+  (``CacheBuilder``: decoded straight into place as objects arrive).
 - ``agenerate`` / ``generate`` / ``prompt_tokens`` (engine): reuse the longest cached prefix, then generate.
 - ``steer``: attention steering from a manifest's emphasis map (``agenerate(..., emphasis=, steer=)``).
 """
 
-from kdn.adapters.hf.cache import build_cache, continue_from_cache
+from kdn.adapters.hf.cache import CacheBuilder, build_cache, continue_from_cache
 from kdn.adapters.hf.generate import Generation, Report, agenerate, generate, model_id, prompt_tokens
 from kdn.adapters.hf.rag import generate_rag
 from kdn.adapters.hf.extract import (
@@ -48,6 +49,7 @@ __all__ = [
     "LayerSpec",
     "LoadedModel",
     "StateSpec",
+    "CacheBuilder",
     "build_cache",
     "continue_from_cache",
     "extract_chunks",

@@ -9,13 +9,17 @@ states, generation continues bit-identically (see tests/adapters).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kdn.errors import ModelMismatch
 from kdn.adapters.hf.extract import LayerSpec, _forward, layer_layout, new_cache
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.objects import ObjectView
 
 
 def _expect(cond: bool, msg: str) -> None:
@@ -71,26 +75,40 @@ def build_cache(
     and to the dtype the model's own cache uses for them (``dtype`` overrides it
     for K/V and conv states; recurrent states keep the model's own, float32).
     Raises ``ModelMismatch`` when a name, shape or layer layout does not fit.
+    (Loading from a KDN, :class:`CacheBuilder` does the same without the
+    concatenation: each chunk is decoded straight into its place.)
     """
-    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
-
     layout = layer_layout(model)
-    cache = new_cache(model)
-    _expect(len(cache.layers) == len(layout), f"cache has {len(cache.layers)} layers, probe saw {len(layout)}")
     if not chunks:
-        return cache, 0
+        return _assemble(model, layout, {}, {}, device, dtype), 0
     _check_names(chunks, layout)
     n_tokens = sum(_chunk_len(c, chunk, layout) for c, chunk in enumerate(chunks))
+    kv = {
+        spec.index: (torch.cat([c[f"L{spec.index}.k"] for c in chunks], dim=1)[None],  # [1, kv_heads, S, head_dim]
+                     torch.cat([c[f"L{spec.index}.v"] for c in chunks], dim=1)[None])
+        for spec in layout if spec.kv
+    }
+    return _assemble(model, layout, kv, chunks[-1], device, dtype), n_tokens
+
+
+def _assemble(model: Any, layout: list[LayerSpec], kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+              last: Mapping[str, torch.Tensor], device: torch.device | str | None, dtype: torch.dtype | None) -> Any:
+    """A fresh cache holding ``kv`` (per attention layer, ``[1, kv_heads, S, head_dim]``) and the
+    conv/recurrent states in ``last``, on ``device`` (default: the model's) in the model's dtypes."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    cache = new_cache(model)
+    _expect(len(cache.layers) == len(layout), f"cache has {len(cache.layers)} layers, probe saw {len(layout)}")
+    if not kv and not last:
+        return cache
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    last = chunks[-1]
     for spec, layer in zip(layout, cache.layers):
         if spec.kv:
             assert isinstance(layer, DynamicLayer)
             kd = dtype or spec.kv_dtype
-            k = torch.cat([c[f"L{spec.index}.k"] for c in chunks], dim=1)  # [kv_heads, S, head_dim]
-            v = torch.cat([c[f"L{spec.index}.v"] for c in chunks], dim=1)
-            k = k.to(device=device, dtype=kd)[None]  # [1, kv_heads, S, head_dim]
-            v = v.to(device=device, dtype=kd)[None]
+            k, v = kv[spec.index]
+            k = k.to(device=device, dtype=kd)  # a no-op when the builder already made them so
+            v = v.to(device=device, dtype=kd)
             # Set the documented fields rather than `update`, whose cat onto an
             # empty tensor would copy the whole prefix KV a second time.
             layer.lazy_initialization(k, v)
@@ -108,7 +126,98 @@ def build_cache(
                     layer.update_recurrent_state(t.to(device=device, dtype=st.dtype)[None], state_idx=st.slot)
                 # Without this flag the next forward treats the layer as empty and ignores the state.
                 layer.has_previous_state[st.slot] = True
-    return cache, n_tokens
+    return cache
+
+
+class CacheBuilder:
+    """A cache built while a prefix's objects arrive: each chunk's K/V decoded straight into its slice.
+
+    ``build_cache`` takes decoded chunks and concatenates them: every byte is
+    written twice (decode, then cat) into fresh memory. Here the per-layer
+    ``[1, kv_heads, S, head_dim]`` tensors are allocated once, up front, in the
+    model's K/V dtype, and :meth:`add` (the ``into`` of
+    ``KDNClient.fetch_prefix``, called in a worker thread per object as it
+    arrives) decodes each tensor into its place: zstd's byte planes are
+    interleaved straight into the cache (``kdn.codecs.decode_into``). Chunks may
+    arrive in any order and in parallel (their slices are disjoint). Every name,
+    shape and token count is checked before a byte is written. An object whose
+    dtype differs from the model's is decoded and converted into place.
+    :meth:`finish` returns what ``build_cache`` would.
+    """
+
+    def __init__(self, model: Any, token_counts: Sequence[int]) -> None:
+        self.model = model
+        self.layout = layer_layout(model)
+        self.counts = [int(n) for n in token_counts]
+        _expect(all(n > 0 for n in self.counts), f"chunk token counts must be positive, got {self.counts[:8]}")
+        self.offsets = [sum(self.counts[:i]) for i in range(len(self.counts))]
+        self.tokens = sum(self.counts)
+        self._kv_names = {f"L{s.index}.{x}" for s in self.layout if s.kv for x in ("k", "v")}
+        self._state_names = {st.name for s in self.layout for st in s.states}
+        # [1, kv_heads, S, head_dim] per attention layer, on the CPU; `finish` moves them to the model.
+        self.kv = {s.index: (torch.empty((1, s.kv[0], self.tokens, s.kv[1]), dtype=s.kv_dtype),
+                             torch.empty((1, s.kv[0], self.tokens, s.kv[1]), dtype=s.kv_dtype))
+                   for s in self.layout if s.kv and s.kv_dtype is not None}
+        # The same memory as numpy arrays of unsigned lanes ([kv_heads, S, head_dim]): slicing these per
+        # tensor costs far less than slicing the torch tensors.
+        self._lanes = {i: (_lanes(k[0]), _lanes(v[0])) for i, (k, v) in self.kv.items()}
+        self.last: dict[str, torch.Tensor] = {}
+        self._added: set[int] = set()
+
+    def add(self, index: int, view: ObjectView) -> None:
+        """Decode chunk ``index``'s object into its place (checked first: names, shapes, token count)."""
+        from kdn.objects import to_torch
+
+        _expect(0 <= index < len(self.counts), f"chunk {index} is outside this prefix of {len(self.counts)} chunks")
+        _expect(index not in self._added, f"chunk {index} was added twice")
+        h = view.header
+        n = self.counts[index]
+        _expect(h.end - h.start == n, f"chunk {index} covers {h.end - h.start} tokens, the prefix expects {n}")
+        names = set(h.tensors)
+        last = index == len(self.counts) - 1
+        need = self._kv_names | (self._state_names if last else set())
+        missing, extra = need - names, names - self._kv_names - self._state_names
+        _expect(not missing and not extra, f"chunk {index} does not fit this model ({len(self.layout)} layers): "
+                                           f"lacks {sorted(missing)[:4]}, has no place for {sorted(extra)[:4]}")
+        off = self.offsets[index]
+        for s in self.layout:
+            if not s.kv:
+                continue
+            for x in ("k", "v"):
+                info = h.tensors[f"L{s.index}.{x}"]
+                _expect(info.shape == (s.kv[0], n, s.kv[1]),
+                        f"chunk {index} L{s.index}.{x} has shape {list(info.shape)}; this model wants [{s.kv[0]}, {n}, {s.kv[1]}]")
+        for s in self.layout:
+            if not s.kv:
+                continue
+            for x, full, lanes in zip(("k", "v"), self.kv[s.index], self._lanes[s.index]):
+                name = f"L{s.index}.{x}"
+                if _torch_dtype(h.tensors[name].dtype) == full.dtype:
+                    view.decode_into(name, lanes[:, off:off + n, :])  # [kv_heads, n, head_dim], strided
+                else:  # decode, then convert into place
+                    full[0, :, off:off + n, :].copy_(to_torch(view.decode([name]))[name])
+        if last and self._state_names:
+            self.last = to_torch(view.decode(sorted(self._state_names)))
+        self._added.add(index)
+
+    def finish(self, *, device: torch.device | str | None = None) -> tuple[Any, int]:
+        """The cache and its token count, once every chunk has been added."""
+        missing = sorted(set(range(len(self.counts))) - self._added)
+        _expect(not missing, f"chunks {missing[:8]} of the prefix were never added")
+        return _assemble(self.model, self.layout, self.kv, self.last, device, None), self.tokens
+
+
+@functools.cache
+def _torch_dtype(st_dtype: str) -> torch.dtype:
+    from kdn.objects import _TORCH_DTYPES
+
+    return getattr(torch, _TORCH_DTYPES[st_dtype])
+
+
+def _lanes(t: torch.Tensor) -> Any:
+    """A numpy view of ``t``'s memory as unsigned integers of its item size (any strides; numpy has no bf16)."""
+    lane = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[t.element_size()]
+    return t.view(lane).numpy()
 
 
 def continue_from_cache(model: Any, cache: Any, n_cached: int, suffix_ids: list[int] | torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.template import chat_frame, encode_text
 
-from kdn.adapters.hf.cache import build_cache, continue_from_cache
+from kdn.adapters.hf.cache import CacheBuilder, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
 from kdn.adapters.hf.steer import plan, steering
@@ -117,22 +117,29 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
     report = Report(tokens_total=len(ids))
     st = _steer_plan(model, emphasis, steer, steer_alpha, steer_heads, len(ids))
 
-    objects = []
+    builder = None
+    loop = asyncio.get_running_loop()
     if use_cache:
         t0 = time.perf_counter()
         hit = await client.lookup(ids, real_id, namespace, chunk_tokens=chunk_tokens)
         report.lookup_ms = (time.perf_counter() - t0) * 1e3
+        if hit.tokens >= len(ids) and hit.chunks:
+            # Everything is cached, but the next token needs the last position's logits: attention KV
+            # is cut back one token after loading; a Mamba state cannot be, so its last chunk is not fetched.
+            layout = await loop.run_in_executor(None, layer_layout, model)
+            if kind_of(layout) != "kv":
+                hit = hit.head(hit.chunks - 1)
         if hit.tokens:
-            states = await client.fetch_prefix(hit)
+            # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder).
+            builder = await loop.run_in_executor(None, CacheBuilder, model, hit.token_counts())
+            states = await client.fetch_prefix(hit, into=builder.add)
             report.fetch_ms, report.sources = states.fetch_s * 1e3, states.sources
-            objects = states.objects
-            for obj in objects:
+            for obj in states.objects:
                 if obj.header.model_id != real_id:
                     raise ModelMismatch(f"object {obj.header.address[:16]}... was produced by model "
                                         f"{obj.header.model_id[:16]}..., not this one ({real_id[:16]}...)")
 
-    loop = asyncio.get_running_loop()
-    gen = await loop.run_in_executor(None, _run, model, tokenizer, ids, objects, report, max_new_tokens, do_sample,
+    gen = await loop.run_in_executor(None, _run, model, tokenizer, ids, builder, report, max_new_tokens, do_sample,
                                      temperature, eos_token_id, t_start, st)
     return gen
 
@@ -151,37 +158,25 @@ def _steer_plan(model, emphasis, steer, alpha, heads, n_ids):
     return plan(model, emap, alpha=alpha, heads=heads)
 
 
-def _run(model, tokenizer, ids, objects, report, max_new_tokens, do_sample, temperature, eos_token_id, t_start,
+def _run(model, tokenizer, ids, builder, report, max_new_tokens, do_sample, temperature, eos_token_id, t_start,
          st=None):
     with steering(model, st):
-        return _run_steered(model, tokenizer, ids, objects, report, max_new_tokens, do_sample, temperature,
+        return _run_steered(model, tokenizer, ids, builder, report, max_new_tokens, do_sample, temperature,
                             eos_token_id, t_start)
 
 
-def _run_steered(model, tokenizer, ids, objects, report, max_new_tokens, do_sample, temperature, eos_token_id,
-                 t_start):
-    from kdn.objects import to_torch
-
+def _run_steered(model, tokenizer, ids, builder: CacheBuilder | None, report, max_new_tokens, do_sample, temperature,
+                 eos_token_id, t_start):
     with torch.inference_mode():
         t0 = time.perf_counter()
         n = 0
         cache = None
-        if objects:
-            chunks = [to_torch(o, device=model.device) for o in objects]
-            n = sum(o.header.n_tokens for o in objects)
-            if n >= len(ids):
-                # Everything is cached, but the next token needs the last position's logits:
-                # attention KV can be cut back one token; a Mamba state cannot, so drop a chunk.
-                if kind_of(layer_layout(model)) == "kv":
-                    cache, n = build_cache(model, chunks)
-                    cache.crop(len(ids) - 1)
-                    n = len(ids) - 1
-                else:
-                    chunks = chunks[:-1]
-                    n = sum(o.header.n_tokens for o in objects[:-1])
-            if cache is None and chunks:
-                cache, n = build_cache(model, chunks)
-            report.chunks_reused = len(chunks)
+        if builder is not None:
+            cache, n = builder.finish()
+            if n >= len(ids):  # attention KV only (agenerate dropped a hybrid's last chunk before fetching)
+                cache.crop(len(ids) - 1)
+                n = len(ids) - 1
+            report.chunks_reused = len(builder.counts)
         report.tokens_reused = n
         report.decode_ms = (time.perf_counter() - t0) * 1e3
         if cache is None:

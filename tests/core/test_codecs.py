@@ -207,3 +207,73 @@ def test_decode_into_wrong_sized_buffer_raises():
         get_codec("zstd").decode(enc, "F16", (32,), params, out=memoryview(bytearray(63)))
     with pytest.raises(CodecError, match="output buffer"):
         get_codec("zstd").decode(enc, "F16", (32,), params, out=memoryview(bytes(64)))  # read-only
+
+
+# --- decode_into: straight into a strided slice of a larger tensor (an engine's cache) ----------------
+
+
+def _slot(width: int, shape: tuple[int, ...], pad: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    """A zeroed ``[shape[0], shape[1] + 2 * pad, ...]`` array and its middle slice along dim 1 (strided)."""
+    big = np.zeros((shape[0], shape[1] + 2 * pad, *shape[2:]), dtype=f"<u{width}")
+    return big, big[:, pad:pad + shape[1]]
+
+
+@pytest.mark.parametrize("name", LOSSLESS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_into_a_strided_slice_equals_decode_and_leaves_the_rest_alone(name, dtype):
+    codec, width, shape = get_codec(name), itemsize(dtype), (3, 16, 8)
+    raw = np.random.default_rng(5).integers(0, 256, size=math.prod(shape) * width, dtype=np.uint8).tobytes()
+    enc, params = codec.encode(raw, dtype, shape)
+    big, dst = _slot(width, shape)
+    assert not dst.flags.c_contiguous
+    codecs.decode_into(codec, enc, dtype, shape, params, dst)
+    assert np.array_equal(dst, np.frombuffer(raw, f"<u{width}").reshape(shape))
+    assert not big[:, :5].any() and not big[:, -5:].any()
+
+
+def test_decode_into_falls_back_to_decode_and_copy_for_a_codec_without_it():
+    class Doubling:  # a codec with decode only: each byte stored twice
+        name, lossless = "doubling-test", True
+
+        def encode(self, data, dtype, shape):
+            return bytes(b for b in bytes(data) for _ in range(2)), {}
+
+        def decode(self, data, dtype, shape, params, out=None):
+            return bytes(data)[::2]
+
+    raw = bytes(range(96))
+    codec = Doubling()
+    enc, params = codec.encode(raw, "BF16", (3, 16))
+    big, dst = _slot(2, (3, 16))
+    codecs.decode_into(codec, enc, "BF16", (3, 16), params, dst)
+    assert dst.tobytes() == raw
+
+
+def test_decode_into_refuses_a_target_of_the_wrong_shape_item_size_or_read_only():
+    z = get_codec("zstd")
+    enc, params = z.encode(bytes(64), "BF16", (4, 8))
+    for bad in (np.zeros((4, 9), np.uint16), np.zeros((4, 8), np.uint32), np.zeros((4, 8), np.uint16)[:, ::-1][:, :8]):
+        if bad.shape == (4, 8) and bad.dtype == np.uint16:
+            bad.flags.writeable = False
+        with pytest.raises(InvalidInput, match="decode target"):
+            codecs.decode_into(z, enc, "BF16", (4, 8), params, bad)
+
+
+def test_zstd_decode_into_refuses_a_bad_checksum_and_bytes_after_a_frame():
+    z = get_codec("zstd")
+    raw = np.random.default_rng(2).integers(0, 256, size=4096, dtype=np.uint8).tobytes()
+    enc, params = z.encode(raw, "BF16", (2048,))
+    f0 = params["frames"][0]
+    flipped = bytearray(enc)
+    flipped[f0 - 1] ^= 1  # the last byte of the first frame: its checksum
+    with pytest.raises(CodecError, match="checksum"):
+        codecs.decode_into(z, bytes(flipped), "BF16", (2048,), params, np.empty(2048, np.uint16))
+    trailing = enc[:f0] + b"\x00\x01\x02" + enc[f0:]
+    bad = dict(params, frames=[f0 + 3, params["frames"][1]])
+    with pytest.raises(CodecError):
+        z.decode(trailing, "BF16", (2048,), bad)  # the plain path refuses it too
+    with pytest.raises(CodecError):
+        codecs.decode_into(z, trailing, "BF16", (2048,), bad, np.empty(2048, np.uint16))
+    short = dict(params, frames=[f0 - 1, params["frames"][1] + 1])
+    with pytest.raises(CodecError):
+        codecs.decode_into(z, enc, "BF16", (2048,), short, np.empty(2048, np.uint16))

@@ -55,6 +55,29 @@ async def test_loaded_prefix_gives_bit_identical_logits(tmp_path, etcd_url, mode
         torch.testing.assert_close(plain.first_logits, gen.first_logits, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-bamba"])
+async def test_a_prompt_that_is_all_cached_reuses_all_but_what_the_next_token_needs(tmp_path, etcd_url, model_name):
+    """The prompt is the published document itself: attention KV is loaded whole and cut back one
+    token (the next token needs the last position's logits); a hybrid's last chunk cannot be cut
+    back, so it is not even fetched, and those tokens are prefilled."""
+    lm = load_model(model_name)
+    async with cluster(tmp_path, etcd_url, edges=("e1",), model=model_name) as c:
+        m = await publish(c, DOC[:1100])
+        ids = m["prefix_tokens"]
+        async with KDNClient(edges=[("e1", c.edge_url("e1"))]) as client:
+            gen = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=2)
+    r = gen.report
+    if model_name == "tiny-llama":
+        assert (r.tokens_reused, r.chunks_reused) == (1099, 5)
+        cache = prefill(lm.model, ids, chunk_tokens=256)
+        cache.crop(len(ids) - 1)
+        ref = continue_from_cache(lm.model, cache, len(ids) - 1, ids[-1:])[-1].float()
+    else:
+        assert (r.tokens_reused, r.chunks_reused) == (1024, 4) and sum(r.sources.values()) == 4
+        ref = reference_logits(lm.model, ids, 1024)
+    assert torch.equal(gen.first_logits, ref)
+
+
 async def test_smollm2_document_plus_question_reuses_the_whole_document(tmp_path, etcd_url):
     from pathlib import Path
 

@@ -1,0 +1,118 @@
+"""CacheBuilder: objects decoded straight into their slices of the cache equal build_cache's concatenation.
+
+The builder is what ``agenerate`` loads with (``fetch_prefix(into=builder.add)``); ``build_cache`` is
+the reference it must match bit for bit, for every family, both lossless encodings, a partial tail,
+chunks added out of order and from several threads, and an object dtype that differs from the model's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+
+import pytest
+import torch
+
+from kdn.adapters.hf import CacheBuilder, build_cache, continue_from_cache, extract_chunks, load_model
+from kdn.errors import ModelMismatch
+from kdn.objects import ObjectView, decode_object, encode_object, from_torch, to_torch
+
+C = 32
+N = C * 3 + C // 2  # three whole chunks and a partial tail
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-bamba", "tiny-falconh1", "tiny-zamba2"]
+
+
+@functools.cache
+def tiny(spec: str, dtype: torch.dtype = torch.float32):
+    return load_model(spec, dtype=dtype)
+
+
+def blobs_of(model, n: int = N, encoding: str = "zstd") -> list[bytes]:
+    ids = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(3))
+    out = []
+    for ch in extract_chunks(model, ids, chunk_tokens=C):
+        out.append(encode_object(kind=ch.kind, address="a" * 64, model_id="b" * 64, namespace="public",
+                                 start=ch.start, end=ch.end, position=ch.start, parent=None,
+                                 tensors=from_torch(ch.tensors), encoding=encoding))
+    return out
+
+
+def counts(blobs: list[bytes]) -> list[int]:
+    return [h.end - h.start for h in (ObjectView(b).header for b in blobs)]
+
+
+def assert_same_cache(a, b) -> None:
+    for la, lb in zip(a.layers, b.layers):
+        for name in ("keys", "values", "conv_states", "recurrent_states"):
+            x, y = getattr(la, name, None), getattr(lb, name, None)
+            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x, y), name
+            elif isinstance(x, dict | list):
+                items = x.items() if isinstance(x, dict) else enumerate(x)
+                for k, t in items:
+                    assert torch.equal(t, y[k]), f"{name}[{k}]"
+
+
+@pytest.mark.parametrize("encoding", ["zstd", "raw"])
+@pytest.mark.parametrize("spec", FAMILIES)
+def test_builder_equals_build_cache_out_of_order_and_threaded(spec, encoding):
+    lm = tiny(spec)
+    blobs = blobs_of(lm.model, encoding=encoding)
+    ref, n_ref = build_cache(lm.model, [to_torch(decode_object(b)) for b in blobs])
+    builder = CacheBuilder(lm.model, counts(blobs))
+    order = list(reversed(range(len(blobs))))
+    with cf.ThreadPoolExecutor(3) as ex:
+        list(ex.map(lambda i: builder.add(i, ObjectView(blobs[i])), order))
+    cache, n = builder.finish()
+    assert n == n_ref == N
+    assert_same_cache(cache, ref)
+    ids = torch.randint(0, 512, (4,), generator=torch.Generator().manual_seed(9)).tolist()
+    with torch.inference_mode():
+        assert torch.equal(continue_from_cache(lm.model, cache, n, ids), continue_from_cache(lm.model, ref, n, ids))
+
+
+def test_objects_of_another_dtype_are_converted_into_place():
+    bf16 = tiny("tiny-llama", torch.bfloat16)
+    fp32 = tiny("tiny-llama", torch.float32)
+    blobs = blobs_of(bf16.model)
+    ref, _ = build_cache(fp32.model, [to_torch(decode_object(b)) for b in blobs])
+    builder = CacheBuilder(fp32.model, counts(blobs))
+    for i, b in enumerate(blobs):
+        builder.add(i, ObjectView(b))
+    cache, _ = builder.finish()
+    assert cache.layers[0].keys.dtype == torch.float32
+    assert_same_cache(cache, ref)
+
+
+def test_an_object_that_does_not_fit_is_refused():
+    lm = tiny("tiny-llama")
+    blobs = blobs_of(lm.model)
+    other = blobs_of(tiny("tiny-qwen2").model)  # other head count and layer count
+    b = CacheBuilder(lm.model, counts(blobs))
+    with pytest.raises(ModelMismatch, match="does not fit|shape"):
+        b.add(0, ObjectView(other[0]))
+    with pytest.raises(ModelMismatch, match="covers 16 tokens, the prefix expects 32"):
+        b.add(0, ObjectView(blobs[3]))  # the tail where a whole chunk belongs
+    with pytest.raises(ModelMismatch, match="outside"):
+        b.add(4, ObjectView(blobs[0]))
+    b.add(0, ObjectView(blobs[0]))
+    with pytest.raises(ModelMismatch, match="twice"):
+        b.add(0, ObjectView(blobs[0]))
+    with pytest.raises(ModelMismatch, match=r"chunks \[1, 2, 3\] of the prefix were never added"):
+        b.finish()
+
+
+def test_a_hybrid_needs_the_states_in_its_last_chunk():
+    lm = tiny("tiny-bamba")
+    blobs = blobs_of(lm.model)
+    kv_only = []
+    for blob in blobs:  # the same objects without their conv/recurrent states
+        obj = decode_object(blob)
+        h = obj.header
+        kv_only.append(encode_object(kind=h.kind, address=h.address, model_id=h.model_id, namespace=h.namespace,
+                                     start=h.start, end=h.end, position=h.position, parent=h.parent,
+                                     tensors={k: v for k, v in obj.tensors.items() if k.endswith((".k", ".v"))}))
+    b = CacheBuilder(lm.model, counts(blobs))
+    b.add(0, ObjectView(kv_only[0]))  # an earlier chunk may leave its superseded states out
+    with pytest.raises(ModelMismatch, match="lacks"):
+        b.add(3, ObjectView(kv_only[3]))
