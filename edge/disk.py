@@ -22,7 +22,10 @@ blob against its registry digest end to end.
 
 Pinned/TTL state is not persisted: it is policy, and the server re-applies
 its rules (``apply_policy``) after a restart; ``inserted_at`` is persisted so
-a TTL rule measured from insertion still holds.
+a TTL rule measured from insertion still holds. A clock stepped while the edge
+was down ages entries by the new wall time: forward, they expire early (a
+refill); back, an entry stamped in the future counts as arrived long ago
+(``scan_future``), so a TTL drops it rather than serving it for the step.
 
 Blocking work (writing a blob, hashing one, the start-up scan) runs in a
 thread; unlinks are metadata-only and run on the event loop, which keeps
@@ -33,9 +36,11 @@ concurrent put of the same key can slip between.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -46,8 +51,14 @@ from kdn.edge.tiers import EntryMeta, EvictCallback, _BaseTier, _Entry, _HandleB
 from kdn.errors import InvalidInput
 from kdn.store import BlobDir, StoredBlob
 
+log = logging.getLogger("kdn.edge.disk")
+
 _META_VERSION = 1
 _SUFFIX = ".meta"
+# An entry stamped more than this after the start of the edge that finds it is treated as arrived long ago
+# (``LONG_AGO``, not 0: a put stamps 0 with the current time).
+FUTURE_SLACK_S = 1.0
+LONG_AGO = 1.0
 
 
 def _sidecar(blob: Path) -> Path:
@@ -91,6 +102,7 @@ class DiskTier(_BaseTier):
         self.blobs = BlobDir(root, fsync=fsync)
         self._fsync = fsync
         self.scan_dropped = 0  # blobs deleted at start for want of valid metadata
+        self.scan_future = 0  # entries stamped after this start (the clock went back): aged as expired
         self._load(self._scan())
 
     @classmethod
@@ -101,6 +113,7 @@ class DiskTier(_BaseTier):
 
     def _scan(self) -> list[_Entry]:
         found = []
+        now, latest = self._clock(), 0.0
         for b in self.blobs.scan():  # also deletes temp files a crash left behind
             meta = self._read_sidecar(b)
             if meta is None:
@@ -108,7 +121,18 @@ class DiskTier(_BaseTier):
                 _sidecar(b.path).unlink(missing_ok=True)
                 self.scan_dropped += 1
                 continue
+            latest = max(latest, meta.inserted_at)
+            if meta.inserted_at > now + FUTURE_SLACK_S:
+                # Stamped "later" than now: the wall clock went back while the edge was down (or was ahead
+                # before). Its real age is unknown; aging it from a future stamp would keep it past a TTL
+                # for as long as the step. Count it as arrived long ago: a TTL drops it, nothing else cares.
+                meta = replace(meta, inserted_at=LONG_AGO)
+                self.scan_future += 1
             found.append((b.mtime, _Entry((b.address, b.encoding), meta, b.path, verified=False)))
+        if self.scan_future:
+            log.warning("disk tier %s: %d entries were stamped up to %.0f s in the future (the clock went back "
+                        "while the edge was down): treated as arrived long ago, so a TTL policy drops them",
+                        self.blobs.root, self.scan_future, latest - now)
         for side in self.blobs.root.glob(f"??/??/*{_SUFFIX}"):
             if not side.with_name(side.name[: -len(_SUFFIX)]).exists():
                 side.unlink(missing_ok=True)  # a crash between sidecar and blob

@@ -242,6 +242,12 @@ class _BaseTier:
     async def acquire(self, key: Key) -> Handle | None:
         key = validate_key(key)
         e = self._index.get(key)
+        if e is not None and e.meta.expired(self._clock()) and not e.meta.pinned:
+            # Past its TTL but not yet swept (the expiry pass runs each second; a restarted edge applies
+            # its policies to a warm disk at once): a miss, never one more hit. (A pin beats a TTL.)
+            if not e.protected:
+                self._drop(e, "ttl")
+            e = None
         if e is None:
             self.stats.misses += 1
             return None
@@ -314,7 +320,8 @@ class _BaseTier:
         return True
 
     def contains(self, key: Key) -> bool:
-        return validate_key(key) in self._index
+        e = self._index.get(validate_key(key))
+        return e is not None and (e.meta.pinned or not e.meta.expired(self._clock()))  # what acquire would serve
 
     def keys(self) -> list[Key]:
         return list(self._index)

@@ -175,3 +175,38 @@ async def test_reader_cancelled_while_verifying_leaves_no_pin(tmp_path, monkeypa
     path = h.path
     assert await t.delete(key(0))
     assert not path.exists() and t.used == 0  # no pin left behind: deleted at once
+
+
+async def test_a_clock_stepped_back_while_the_edge_was_down_does_not_stretch_a_ttl(tmp_path):
+    """Entries stamped by an edge whose clock was an hour ahead (or one that went back an hour while it was
+    down) are found "from the future" by the next start: aged from that stamp they would outlive a TTL by
+    the hour; they count as arrived long ago instead, and the TTL drops them at once."""
+    ahead = 3600.0
+    t1 = DiskTier(tmp_path, 10_000, clock=lambda: disk_mod.steady_wall() + ahead)
+    await fill(t1, 3)
+    t2 = DiskTier(tmp_path, 10_000)  # the real clock: an hour "earlier"
+    assert t2.scan_future == 3
+    t2.apply_policy(lambda k, m: PolicyState(expires_at=m.inserted_at + 5))
+    assert await t2.expire(disk_mod.steady_wall()) == 3 and not t2.keys()
+
+
+async def test_a_clock_stepped_forward_while_the_edge_was_down_only_expires_entries_early(tmp_path):
+    await fill(DiskTier(tmp_path, 10_000), 2)
+    later = DiskTier(tmp_path, 10_000, clock=lambda: disk_mod.steady_wall() + 3600.0)
+    assert later.scan_future == 0 and len(later.keys()) == 2  # kept; a TTL policy would drop them (refill)
+    fresh = DiskTier(tmp_path, 10_000)
+    assert fresh.scan_future == 0 and all(m.inserted_at > disk_mod.LONG_AGO for _, m in fresh.entries())
+
+
+async def test_an_entry_past_its_ttl_is_a_miss_before_the_expiry_pass_sweeps_it(tmp_path):
+    now = [1_000_000.0]
+    t = DiskTier(tmp_path, 10_000, clock=lambda: now[0])
+    await fill(t, 2)
+    t.apply_policy(lambda k, m: PolicyState(expires_at=m.inserted_at + 5))
+    now[0] += 4
+    assert t.contains(key(0))
+    with await t.acquire(key(0)) as h:
+        assert await h.read() == blob(0)
+    now[0] += 2  # past the TTL; no expire() call in between
+    assert not t.contains(key(1))
+    assert await t.acquire(key(1)) is None and key(1) not in t.keys() and t.stats.evictions["ttl"] == 1
