@@ -609,6 +609,97 @@ async def clock_jump(tmp: Path, quick: bool) -> Row:
         await w.close()
 
 
+async def clock_step_while_down(tmp: Path, quick: bool) -> Row:
+    """The wall clock stepped while an edge was down, under a TTL policy, its disk tier warm.
+
+    *Back*: the edge fills every object with its clock an hour ahead, is killed, and restarts with the right
+    clock: its disk entries are stamped an hour in the future. Once more than ``ttl`` has passed since the
+    fills, every object is read: an answer from the disk or memory tier is *past its TTL* (aged from the
+    future stamp, it would live for the hour). *Forward*: filled with the right clock, restarted an hour
+    ahead, read at once: the entries expire early (counted as refills; conservative, never stale)."""
+    import aiohttp
+    from blake3 import blake3
+
+    from kdn.registry import Policy, open_registry
+
+    ttl = 3.0 if quick else 5.0
+    offset = tmp / "wall-offset"
+    offset.write_text("3600")
+    w = F.World(tmp, regions={"eu": 1})
+    edge = w.edges["eu-1"]
+    edge.env["KDN_TEST_WALL_OFFSET_FILE"] = str(offset)
+    await w.start()
+    stats = F.Stats()
+    notes: dict[str, object] = {"ttl_s": ttl}
+    try:
+        m = await w.publish(text(60), "vol60")
+        addrs = m["addresses"]
+        reg = open_registry(w.etcd.registry)
+        try:
+            await reg.put_policy(Policy(name="short", kind="ttl", namespace="public", ttl_s=ttl))
+        finally:
+            await reg.close()
+        await asyncio.sleep(1.0)  # the policy reaches the edge through its watch
+        disk = tmp / "disk-eu-1"
+
+        async def read_all(s) -> dict[str, int]:
+            by_source: dict[str, int] = {}
+            for a in addrs:
+                enc, digest, size = w.digests[a]
+                t0 = time.monotonic()
+                stats.reads += 1
+                try:
+                    async with s.get(f"{edge.url}/v1/objects/{a}", params={"encoding": enc}) as resp:
+                        body = await resp.read()
+                        if resp.status != 200:
+                            stats.fail(f"http {resp.status}")
+                            continue
+                        stats.wrong += len(body) != size or blake3(body).hexdigest() != digest
+                        src = resp.headers.get("X-KDN-Source", "?").split(":", 1)[0]
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    stats.fail(type(e).__name__)
+                    continue
+                stats.latencies.append(time.monotonic() - t0)
+                by_source[src] = by_source.get(src, 0) + 1
+            return by_source
+
+        async def on_disk() -> None:
+            enc = w.digests[addrs[0]][0]
+            deadline = time.monotonic() + 30
+            while len(list(disk.rglob(f"*.{enc}"))) < len(addrs):  # written off the response path
+                assert time.monotonic() < deadline, "the disk tier never held every object"
+                await asyncio.sleep(0.05)
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            for step, before, after in (("back", "3600", "0"), ("forward", "0", "3600")):
+                offset.write_text(before)
+                if step == "forward":
+                    edge.kill()
+                    edge.spawn()  # start clean-ish: the previous phase's entries are still on disk
+                    await edge.wait_healthy()
+                    await asyncio.sleep(ttl + 2.0)  # everything from the last phase has expired by now
+                filled = await read_all(s)
+                t_fill = time.monotonic()
+                await on_disk()
+                edge.kill()
+                offset.write_text(after)
+                edge.spawn()
+                await edge.wait_healthy()
+                if step == "back":
+                    await asyncio.sleep(max(0.0, t_fill + ttl + 2.0 - time.monotonic()))  # truly past the TTL
+                got = await read_all(s)
+                cached = got.get("disk", 0) + got.get("memory", 0)
+                notes[step] = {"fill": filled, "after_restart": got,
+                               ("served_past_ttl" if step == "back" else "expired_early"):
+                               cached if step == "back" else got.get("origin", 0)}
+        notes["ttl_evictions"] = await edge.metric("kdn_edge_evictions", reason="ttl")
+        return _row("clock_step_while_down",
+                    f"the wall clock stepped -1 h, then +1 h, while the edge was down, its disk warm, under a "
+                    f"{ttl:.0f} s TTL: no entry outlives its TTL", stats, notes=notes)
+    finally:
+        await w.close()
+
+
 SCENARIOS = {
     "owner_killed": owner_killed,
     "lying_peer": lying_peer,
@@ -620,6 +711,7 @@ SCENARIOS = {
     "slow_region_link": slow_region_link,
     "warm_disk_restart": warm_disk_restart,
     "clock_jump": clock_jump,
+    "clock_step_while_down": clock_step_while_down,
 }
 
 
