@@ -98,7 +98,8 @@ class _Client(aetcd.Client):  # type: ignore[misc]  # aetcd ships no types: its 
         if self._connected.is_set():
             return
         if self._is_connecting:  # another task is connecting: wait for it
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            async with asyncio.timeout(self._connect_wait_timeout):  # not wait_for: see _Watcher
+                await self._connected.wait()
             return
         try:
             self._is_connecting = True
@@ -160,16 +161,54 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]  # aetcd ships no t
     # while etcd was SIGSTOPped; tests/registry/test_watch_queue.py). Puts are bounded by the watch timeout,
     # and ending a stream drops its unsent requests instead of waiting for room.
 
+    # Every wait here is bounded with ``asyncio.timeout``, never ``asyncio.wait_for``: on Python 3.11, a wait_for
+    # whose inner wait has just finished when its task is cancelled returns the result and drops the cancel. aetcd
+    # creates each watch under two such waits (the request put, then the "created" answer), so a follower cancelled
+    # in that window (~1% of cancels landing while a watch was created, against a real etcd) kept watching, and the
+    # shutdown that waited for it hung: the policy engine's teardown in CI (300 s), and about one edge teardown in
+    # 15 (tests/registry/test_watch_cancel.py).
+
     # aetcd's own attributes, declared for the type checker (aetcd is untyped).
     _callbacks: dict[int, Any]
     _request_queue: asyncio.Queue[Any]
     _request_handler: asyncio.Task[Any] | None
+    _lock: asyncio.Lock
+    _new_callback: Any
+    _new_callback_ready: asyncio.Condition
+    _timeout: float | None
 
     async def _enqueue(self, request: Any) -> None:
         try:
-            await asyncio.wait_for(self._request_queue.put(request), self._timeout or 5.0)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self._timeout or 5.0):
+                await self._request_queue.put(request)
+        except TimeoutError:
             raise aetcd.exceptions.WatchTimeoutError from None
+
+    async def add_callback(self, key: bytes, callback: Callable[[Any], Awaitable[None]], **kwargs: Any) -> Any:
+        """aetcd 1.0.0's, but its wait for etcd's "created" answer is an ``asyncio.timeout`` (see above), and the
+        create request is put inside the ``try`` that frees the one pending-create slot: aetcd puts it before, so a
+        put that timed out (a full queue) left the slot taken and every later watch on this client waited for ever."""
+        async with self._lock:
+            await self.setup()
+            while self._new_callback:  # one create in flight at a time
+                await self._new_callback_ready.wait()
+            new = self._new_callback = aetcd.watcher.WatcherCallback(callback)
+            new.prev_kv = kwargs.get("prev_kv", False)
+            try:
+                await self._enqueue_watch_create(key, **kwargs)
+                try:
+                    async with asyncio.timeout(self._timeout):
+                        await self._new_callback_ready.wait()
+                except TimeoutError:
+                    raise aetcd.exceptions.WatchTimeoutError from None
+                if new.watch_id is None and new.error is None:
+                    raise aetcd.exceptions.WatchTimeoutError
+                if new.error is not None:
+                    raise new.error
+            finally:
+                self._new_callback = None
+                self._new_callback_ready.notify_all()
+            return new
 
     async def _enqueue_watch_create(self, *args: Any, **kwargs: Any) -> None:
         await self._enqueue(self._build_watch_create_request(*args, **kwargs))
