@@ -172,14 +172,6 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _scratch(n: int) -> memoryview:
-    """A per-thread buffer of at least ``n`` bytes, reused (grown, never shrunk) across decodes."""
-    buf: bytearray | None = getattr(_local, "scratch", None)
-    if buf is None or len(buf) < n:
-        buf = _local.scratch = bytearray(max(n, 1 << 20))
-    return memoryview(buf)[:n]
-
-
 def shuffle_ref(data: Buffer, width: int) -> bytes:
     """Reference byte-plane shuffle (pure Python slicing): plane ``i`` holds byte ``i`` of every value."""
     b = bytes(data)
@@ -290,54 +282,29 @@ class ZstdCodec:
         return width, frames
 
     def decode_into(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], dst: np.ndarray) -> None:
-        """Each frame into a per-thread scratch buffer, then the planes interleaved straight into ``dst``.
+        """Each frame decompressed, then the planes interleaved straight into ``dst``: against :meth:`decode`,
+        no output buffer of its own and, when ``dst`` is a slice of a cache tensor, no concatenation after.
 
-        Against :meth:`decode` this skips a fresh buffer per frame and per tensor (on real KV their page
-        faults cost about as much as the zstd work) and, when ``dst`` is a slice of a cache tensor, the
-        copy a concatenation would make."""
+        One-shot ``decompress`` per frame, not a stream reader into a reused buffer: the reader's
+        ``readinto`` holds the GIL (two threads decoding took longer than one), while ``decompress`` and
+        numpy's ufuncs release it, so objects decode on other cores while the event loop receives."""
         want = nbytes(dtype, shape)
         mv = _as_bytes_view(data)
         width, frames = self._split(mv, dtype, shape, params, want)
-        if width != itemsize(dtype):
+        if width != itemsize(dtype) or not want:
             # A width other than the item size (an object from another encoder) is rare: the plain path.
             np.copyto(dst, np.frombuffer(self.decode(mv, dtype, shape, params), dst.dtype).reshape(shape))
             return
-        scratch = _scratch(want)
         per_frame = want // len(frames)
-        offset = 0
-        for i, flen in enumerate(frames):
-            self._frame_into(mv[offset : offset + flen], scratch[i * per_frame : (i + 1) * per_frame], dtype, shape)
+        outs, offset = [], 0
+        for flen in frames:
+            outs.append(self._frame(mv[offset : offset + flen], per_frame, dtype, shape))
             offset += flen
-        planes = list(np.frombuffer(scratch, np.uint8, count=want).reshape(width, want // width)) if want else []
-        if want:
-            _interleave(planes, dst)
-
-    @staticmethod
-    def _frame_into(frame: memoryview, out: memoryview, dtype: str, shape: tuple[int, ...]) -> None:
-        """Decompress one frame into ``out``, which it must fill exactly (content size, checksum and the
-        end of the frame all checked: nothing after it, nothing short)."""
-        want = len(out)
-        try:
-            size = zstandard.frame_content_size(frame)
-        except zstandard.ZstdError as e:
-            raise CodecError(f"zstd: bad frame header: {e}") from None
-        if size != want:
-            raise CodecError(f"zstd: frame content size {size} for {dtype}{list(shape)}, expected {want}")
-        try:
-            reader = _decompressor().stream_reader(frame, read_size=max(1, len(frame)), read_across_frames=True,
-                                                  closefd=False)
-            got = 0
-            while got < want:
-                n = reader.readinto(out[got:])
-                if not n:
-                    break
-                got += n
-            # Reading past the end drives the frame to its epilogue (the checksum is checked there) and
-            # fails on anything after the frame.
-            if got != want or reader.read(1):
-                raise CodecError(f"zstd: frame decoded to {got}+ bytes, expected {want}")
-        except zstandard.ZstdError as e:
-            raise CodecError(f"zstd: corrupt payload: {e}") from None
+        if len(outs) == 1:  # one frame holding every plane
+            planes = list(np.frombuffer(outs[0], np.uint8).reshape(width, want // width))
+        else:
+            planes = [np.frombuffer(o, np.uint8) for o in outs]
+        _interleave(planes, dst)
 
     def decode(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], out: memoryview | None = None) -> Buffer:
         want = nbytes(dtype, shape)
