@@ -495,6 +495,30 @@ async def warm_disk_restart(tmp: Path, quick: bool) -> Row:
         await w.close()
 
 
+async def _ttl_world(tmp: Path, ttl: float, offset: str, vol: int) -> tuple[F.World, Path, list[str]]:
+    """One edge whose wall clock is offset by a file's value (edge/clockhook.py; ``offset`` at start), one
+    published document, and a TTL policy of ``ttl`` seconds on ``public`` that the edge has taken in."""
+    from kdn.registry import Policy, open_registry
+
+    path = tmp / "wall-offset"
+    path.write_text(offset)
+    w = F.World(tmp, regions={"eu": 1})
+    w.edges["eu-1"].env["KDN_TEST_WALL_OFFSET_FILE"] = str(path)
+    await w.start()
+    try:
+        m = await w.publish(text(vol), f"vol{vol}")
+        reg = open_registry(w.etcd.registry)
+        try:
+            await reg.put_policy(Policy(name="short", kind="ttl", namespace="public", ttl_s=ttl))
+        finally:
+            await reg.close()
+        await asyncio.sleep(1.0)  # the policy reaches the edge through its watch
+    except BaseException:
+        await w.close()
+        raise
+    return w, path, m["addresses"]
+
+
 async def clock_jump(tmp: Path, quick: bool) -> Row:
     """The edge's wall clock stepped forward an hour, then back two hours (an hour behind), under a TTL policy,
     while readers keep reading: each object must still leave the cache about ``ttl`` after it came in --
@@ -508,24 +532,10 @@ async def clock_jump(tmp: Path, quick: bool) -> Row:
     import aiohttp
     from blake3 import blake3
 
-    from kdn.registry import Policy, open_registry
-
     ttl, phase_s = (3.0, 4.0) if quick else (5.0, 20.0)
-    offset = tmp / "wall-offset"
-    offset.write_text("0")
-    w = F.World(tmp, regions={"eu": 1})
-    w.edges["eu-1"].env["KDN_TEST_WALL_OFFSET_FILE"] = str(offset)
-    await w.start()
+    w, offset, addrs = await _ttl_world(tmp, ttl, "0", 50)
     try:
-        m = await w.publish(text(50), "vol50")
-        addrs = m["addresses"]
-        reg = open_registry(w.etcd.registry)
-        try:
-            await reg.put_policy(Policy(name="short", kind="ttl", namespace="public", ttl_s=ttl))
-        finally:
-            await reg.close()
         edge = w.edges["eu-1"]
-        await asyncio.sleep(1.0)  # the policy reaches the edge through its watch
         bound = ttl + 1.0 + 0.5
         last_fill: dict[str, float] = {}
         phase = "steady"
@@ -620,26 +630,12 @@ async def clock_step_while_down(tmp: Path, quick: bool) -> Row:
     import aiohttp
     from blake3 import blake3
 
-    from kdn.registry import Policy, open_registry
-
     ttl = 3.0 if quick else 5.0
-    offset = tmp / "wall-offset"
-    offset.write_text("3600")
-    w = F.World(tmp, regions={"eu": 1})
+    w, offset, addrs = await _ttl_world(tmp, ttl, "3600", 60)
     edge = w.edges["eu-1"]
-    edge.env["KDN_TEST_WALL_OFFSET_FILE"] = str(offset)
-    await w.start()
     stats = F.Stats()
     notes: dict[str, object] = {"ttl_s": ttl}
     try:
-        m = await w.publish(text(60), "vol60")
-        addrs = m["addresses"]
-        reg = open_registry(w.etcd.registry)
-        try:
-            await reg.put_policy(Policy(name="short", kind="ttl", namespace="public", ttl_s=ttl))
-        finally:
-            await reg.close()
-        await asyncio.sleep(1.0)  # the policy reaches the edge through its watch
         disk = tmp / "disk-eu-1"
 
         async def read_all(s) -> dict[str, int]:
