@@ -3,8 +3,10 @@
 A tier (memory, disk) holds immutable blobs by ``(address, encoding)`` under a
 byte budget. Reads go through a *handle* that holds the entry while the bytes
 are in use (vLLM's kv_offload pins blocks during I/O the same way): a held
-entry is never evicted or expired, and a ``delete`` of it is deferred until the
-last handle is released. Operator policy (``pinned``: never evicted; TTL) is
+entry's bytes are never freed under its reader (an eviction, expiry or ``delete``
+takes it out of the index and frees it at the last handle's release; eviction
+and the expiry pass skip held entries; a read finding it past its TTL drops it).
+Operator policy (``pinned``: never evicted; TTL) is
 applied from outside with ``apply_policy``; per-namespace quotas with
 ``set_quotas``.
 
@@ -79,7 +81,9 @@ class EntryMeta:
     # clock, so a TTL counts from the object's arrival, not from its latest copy.
     inserted_at: float = 0.0
     pinned: bool = False  # never evicted while pinned
-    expires_at: float | None = None  # after it the entry MAY be dropped; dropped first under pressure
+    # After it the entry is not served (a miss; a pin overrides it) and is dropped by the next expiry pass
+    # or read; before it, an entry with a TTL is dropped first under pressure.
+    expires_at: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 0:
@@ -244,9 +248,11 @@ class _BaseTier:
         e = self._index.get(key)
         if e is not None and e.meta.expired(self._clock()) and not e.meta.pinned:
             # Past its TTL but not yet swept (the expiry pass runs each second; a restarted edge applies
-            # its policies to a warm disk at once): a miss, never one more hit. (A pin beats a TTL.)
-            if not e.protected:
-                self._drop(e, "ttl")
+            # its policies to a warm disk at once): a miss, never one more hit. (A pin beats a TTL.) Dropped
+            # even while another reader holds it (its bytes go at that reader's release), so the refill
+            # that follows is cached with a fresh arrival time instead of finding the key taken.
+            self._drop(e, "ttl")
+            self._notify()
             e = None
         if e is None:
             self.stats.misses += 1

@@ -210,3 +210,22 @@ async def test_an_entry_past_its_ttl_is_a_miss_before_the_expiry_pass_sweeps_it(
     now[0] += 2  # past the TTL; no expire() call in between
     assert not t.contains(key(1))
     assert await t.acquire(key(1)) is None and key(1) not in t.keys() and t.stats.evictions["ttl"] == 1
+
+
+async def test_a_held_entry_past_its_ttl_is_dropped_so_its_refill_is_cached_fresh(tmp_path):
+    """Another reader still holds it: the bytes stay for that reader, but the key is free, so the refill's
+    put caches the object again with a new arrival time (it was once a miss for as long as anyone held it)."""
+    now = [1_000_000.0]
+    t = DiskTier(tmp_path, 10_000, clock=lambda: now[0])
+    await fill(t, 1)
+    t.apply_policy(lambda k, m: PolicyState(expires_at=m.inserted_at + 5))
+    held = await t.acquire(key(0))
+    now[0] += 6
+    assert await t.acquire(key(0)) is None  # past its TTL: a miss although held
+    data = blob(0)
+    assert await t.put(key(0), data, EntryMeta(size=len(data), digest=blake3(data).hexdigest(), namespace="public"))
+    assert dict(t.entries())[key(0)].inserted_at == now[0]  # a fresh arrival, a fresh TTL
+    with await t.acquire(key(0)) as h:
+        assert await h.read() == data
+    assert await held.read() == data  # the first reader's bytes were never taken from it
+    held.release()
