@@ -487,18 +487,18 @@ async def _views_ctx(app: web.Application):
     watchers = [asyncio.create_task(_watch_manifests(edge), name="kdn-edge-manifests")]
     if not cfg.origin:
         watchers.append(asyncio.create_task(_watch_origins(edge), name="kdn-edge-origins"))
-    # Serve once the policies are applied, so a restarted edge's warm disk tier is not read before its TTLs
-    # and pins are known (an entry a TTL expired while the edge was down would be served once more). A
-    # registry that does not answer in time does not keep the edge down: it serves, and applies them later.
-    policies = edge.policies
-    if policies is not None:
-        try:
-            await policies.wait_applied(lambda p: p.ready, timeout=POLICY_WAIT_S)
-        except TimeoutError:
-            log.warning("serving before the policies are known: the registry did not answer in %.0f s; they "
-                        "apply when it does", POLICY_WAIT_S)
-    log.info("edge %s in region %s serving at %s", cfg.node_id, cfg.region, cfg.advertised_url)
     try:
+        # Serve once the policies are applied, so a restarted edge's warm disk tier is not read before its
+        # TTLs and pins are known (an entry a TTL expired while the edge was down would be served once more).
+        # A registry that does not answer in time does not keep the edge down: it serves, applies them later.
+        policies = edge.policies
+        if policies is not None:
+            try:
+                await policies.wait_applied(lambda p: p.ready, timeout=POLICY_WAIT_S)
+            except TimeoutError:
+                log.warning("serving before the policies are known: the registry did not answer in %.0f s; "
+                            "they apply when it does", POLICY_WAIT_S)
+        log.info("edge %s in region %s serving at %s", cfg.node_id, cfg.region, cfg.advertised_url)
         yield
     finally:
         await stop_tasks(watchers, what="registry view")

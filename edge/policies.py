@@ -261,9 +261,10 @@ class PolicyEngine:
             remaining = deadline - loop.time()
             try:
                 if remaining <= 0:
-                    raise asyncio.TimeoutError
-                await asyncio.wait_for(changed.wait(), remaining)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before 3.11
+                    raise TimeoutError
+                async with asyncio.timeout(remaining):  # not wait_for: on 3.11 it can drop a cancel
+                    await changed.wait()
+            except TimeoutError:
                 raise TimeoutError(
                     f"policy state did not satisfy the predicate within {timeout}s "
                     f"(active={sorted(self._active)}, invalid={sorted(self._invalid)}, stats={self.stats})"
