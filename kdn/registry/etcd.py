@@ -192,7 +192,8 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]  # aetcd ships no t
             await self.setup()
             while self._new_callback:  # one create in flight at a time
                 await self._new_callback_ready.wait()
-            new = self._new_callback = aetcd.watcher.WatcherCallback(callback)
+            new: Any = aetcd.watcher.WatcherCallback(callback)
+            self._new_callback = new
             new.prev_kv = kwargs.get("prev_kv", False)
             try:
                 await self._enqueue_watch_create(key, **kwargs)
@@ -205,6 +206,16 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]  # aetcd ships no t
                     raise aetcd.exceptions.WatchTimeoutError
                 if new.error is not None:
                     raise new.error
+            except BaseException:
+                wid = new.watch_id
+                if wid is not None and self._callbacks.get(wid) is new:
+                    # Cancelled (or failed) after etcd created it: no caller will ever cancel a watch it never
+                    # got, and its events would pile up unread. Forget it and ask etcd to end it (best effort:
+                    # a full queue means the stream is wedged and will be torn down with it).
+                    del self._callbacks[wid]
+                    with contextlib.suppress(asyncio.QueueFull):
+                        self._request_queue.put_nowait(self._build_watch_cancel_request(wid))
+                raise
             finally:
                 self._new_callback = None
                 self._new_callback_ready.notify_all()
