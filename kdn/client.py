@@ -93,7 +93,7 @@ class Lookup:
         """The first ``k`` objects of this prefix (a hybrid engine that must recompute the last token drops one)."""
         keep = self.addresses[:k]
         return replace(self, addresses=keep, tokens=sum(self.token_counts()[:k]), records=self.records[:k],
-                       cold={a for a in self.cold if a in set(keep)}, sources=self.sources[:k])
+                       cold=self.cold & set(keep), sources=self.sources[:k])
 
 
 @dataclass(frozen=True)

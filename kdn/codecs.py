@@ -283,7 +283,8 @@ class ZstdCodec:
 
     def decode_into(self, data: Buffer, dtype: str, shape: tuple[int, ...], params: dict[str, Any], dst: np.ndarray) -> None:
         """Each frame decompressed, then the planes interleaved straight into ``dst``: against :meth:`decode`,
-        no output buffer of its own and, when ``dst`` is a slice of a cache tensor, no concatenation after.
+        no unshuffled output buffer (the planes go straight into place) and, when ``dst`` is a slice of a cache
+        tensor, no concatenation after.
 
         One-shot ``decompress`` per frame, not a stream reader into a reused buffer: the reader's
         ``readinto`` holds the GIL (two threads decoding took longer than one), while ``decompress`` and

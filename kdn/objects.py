@@ -524,7 +524,6 @@ class ObjectView:
             tensors[name] = RawTensor(name, info.dtype, info.shape, dv)
         return tensors
 
-
     def decode_into(self, name: str, dst: np.ndarray) -> None:
         """Decode tensor ``name`` straight into ``dst``: a writable numpy array of the tensor's shape and
         item size, any strides (an engine's cache slice). Codecs that cannot write into place decode

@@ -140,7 +140,9 @@ class CacheBuilder:
     arrives) decodes each tensor into its place: zstd's byte planes are
     interleaved straight into the cache (``kdn.codecs.decode_into``). Chunks may
     arrive in any order and in parallel (their slices are disjoint). Every name,
-    shape and token count is checked before a byte is written. An object whose
+    K/V shape, token count and start is checked before a byte is written into
+    the cache; the last chunk's conv/recurrent states (decoded within the
+    object's decode bound) are checked before they are kept. An object whose
     dtype differs from the model's is decoded and converted into place.
     :meth:`finish` returns what ``build_cache`` would.
     """
@@ -173,6 +175,8 @@ class CacheBuilder:
         h = view.header
         n = self.counts[index]
         _expect(h.end - h.start == n, f"chunk {index} covers {h.end - h.start} tokens, the prefix expects {n}")
+        _expect(h.start == self.offsets[index], f"chunk {index} starts at token {h.start}, the prefix expects "
+                                                f"{self.offsets[index]}")
         names = set(h.tensors)
         last = index == len(self.counts) - 1
         need = self._kv_names | (self._state_names if last else set())
@@ -198,6 +202,9 @@ class CacheBuilder:
                     full[0, :, off:off + n, :].copy_(to_torch(view.decode([name]))[name])
         if last and self._state_names:
             self.last = to_torch(view.decode(sorted(self._state_names)))
+            for st in (st for spec in self.layout for st in spec.states):
+                t = self.last[st.name]
+                _expect(tuple(t.shape) == st.shape, f"{st.name} has shape {tuple(t.shape)}; this model wants {list(st.shape)}")
         self._added.add(index)
 
     def finish(self, *, device: torch.device | str | None = None) -> tuple[Any, int]:
