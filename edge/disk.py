@@ -25,7 +25,9 @@ its rules (``apply_policy``) after a restart; ``inserted_at`` is persisted so
 a TTL rule measured from insertion still holds. A clock stepped while the edge
 was down ages entries by the new wall time: forward, they expire early (a
 refill); back, an entry stamped in the future counts as arrived long ago
-(``scan_future``), so a TTL drops it rather than serving it for the step.
+(``scan_future``), so a TTL drops it rather than serving it for the step. (A
+step back while the previous process ran has the same effect: its stamps
+follow its start-time clock. Conservative: a refill, never a stale read.)
 
 Blocking work (writing a blob, hashing one, the start-up scan) runs in a
 thread; unlinks are metadata-only and run on the event loop, which keeps
