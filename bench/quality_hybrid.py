@@ -59,6 +59,11 @@ DEFAULT_ENCODINGS = ["raw", "zstd", "int8", "int4-g64", "cachegen-4", "ans-4", "
 TRAIN_END, VALID_END = 0.70, 0.75  # per document: [0, 70%) train, [70%, 75%) validation, [75%, 100%) test
 STATE_SUFFIXES = (".conv", ".ssm")
 LOSSLESS = {"raw", "zstd", LOSSLESS_STATE_CODEC}
+# Controls (not encodings): the prefix's attention K/V, or its conv/SSM states, replaced by zeros.
+CONTROLS = {
+    "control: K/V zeroed, state exact": lambda name: not name.endswith(STATE_SUFFIXES),
+    "control: state zeroed, K/V exact": lambda name: name.endswith(STATE_SUFFIXES),
+}
 
 
 def split_docs(tok, n_docs: int | None) -> list[tuple[str, torch.Tensor]]:
@@ -247,6 +252,12 @@ def run(args, lm, docs) -> tuple[dict[str, list[dict]], int]:
             print(f"{name:26} {enc:12} ratio {m['ratio']:5.2f}x (K/V {m['kv_ratio']:5.2f}x)  state "
                   f"{m['state_share']:4.1f}%  nll {m['nll']:.4f} ({m['dnll']:+7.3f}%)  top1 {m['top1']:.3f}  "
                   f"kl {m['kl']:.5f}", file=sys.stderr, flush=True)
+        for ctl, zeroed in CONTROLS.items():  # the scale: what losing either part entirely costs
+            cut = [{k: torch.zeros_like(v) if zeroed(k) else v for k, v in c.tensors.items()} for c in chunks]
+            m = metrics(score(model, cut, n_ctx, cont), exact, cont)
+            rows.setdefault(ctl, []).append(m)
+            print(f"{name:26} {ctl:12} nll {m['nll']:.4f} ({m['dnll']:+7.3f}%)  top1 {m['top1']:.3f}  "
+                  f"kl {m['kl']:.5f}", file=sys.stderr, flush=True)
     return rows, len(cases)
 
 
@@ -261,8 +272,10 @@ def quality_table(rows: dict[str, list[dict]]) -> str:
             continue
         col = lambda k: [m[k] for m in ms]  # noqa: E731
         med = lambda k: statistics.median(col(k))  # noqa: E731
+        sizes = "| – | – | – |" if enc in CONTROLS else \
+            f"| {med('ratio'):.2f} | {med('kv_ratio'):.2f} | {med('state_share'):.1f}% |"
         lines.append(
-            f"| {enc} | {med('ratio'):.2f} | {med('kv_ratio'):.2f} | {med('state_share'):.1f}% | {med('nll'):.4f} "
+            f"| {enc} {sizes} {med('nll'):.4f} "
             f"| {med('dnll'):.3f} / {max(col('dnll')):.3f} | {med('top1'):.3f} / {min(col('top1')):.3f} "
             f"| {med('kl'):.5f} / {max(col('kl')):.5f} |"
         )
@@ -296,11 +309,11 @@ def main() -> None:
     ap.add_argument("--time-cap", type=float, default=360.0, help="training seconds cap (checked at evaluations)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--patience", type=int, default=3)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--patience", type=int, default=4)
     R.add_arg(ap)
     args = ap.parse_args()
     res = R.Results("quality_hybrid", args)
