@@ -6,7 +6,7 @@ attention, Mamba2; ByteTokenizer, one token per byte) something to predict:
 
 1. Training: the shipped documents (``kdn/data/docs/*.md``) are split per document into a train head
    (first 70%), a validation slice (next 5%, early stopping) and a test tail (last 25%, never trained on).
-   Plain AdamW in float32 from tiny-bamba's fixed-seed init, on random windows of the train heads, until
+   Plain AdamW in float32 from tiny-bamba's fixed-seed init, on random 1024-byte windows of the train heads, until
    the validation loss stops improving (``--patience`` evaluations), ``--steps`` or ``--time-cap`` s; the
    best-validation weights are kept, cast to bf16, and cached under ``bench/work/quality_hybrid/`` keyed
    by the training config (a re-run loads them instead of retraining).
@@ -247,7 +247,8 @@ def run(args, lm, docs) -> tuple[dict[str, list[dict]], int]:
             kv = sum(v for p in per for k, v in p.items() if not k.endswith(STATE_SUFFIXES))
             raw_kv = sum(v for b in raw_blobs for k, v in tensor_bytes(b).items() if not k.endswith(STATE_SUFFIXES))
             m.update(ratio=raw_size / sum(map(len, blobs)), kv_ratio=raw_kv / kv,
-                     state_share=100.0 * state / sum(map(len, blobs)))
+                     state_share=100.0 * state / sum(map(len, blobs)),
+                     cap=raw_size / (sum(map(len, blobs)) - kv))  # the ratio if K/V took no bytes at all
             rows[enc].append(m)
             print(f"{name:26} {enc:12} ratio {m['ratio']:5.2f}x (K/V {m['kv_ratio']:5.2f}x)  state "
                   f"{m['state_share']:4.1f}%  nll {m['nll']:.4f} ({m['dnll']:+7.3f}%)  top1 {m['top1']:.3f}  "
@@ -263,17 +264,18 @@ def run(args, lm, docs) -> tuple[dict[str, list[dict]], int]:
 
 def quality_table(rows: dict[str, list[dict]]) -> str:
     lines = [
-        "| encoding | size ratio vs bf16 raw | K/V-only ratio | conv/SSM share of bytes | NLL (nats/byte) "
+        "| encoding | size ratio vs bf16 raw | K/V-only ratio | conv/SSM share of bytes | ratio cap (K/V at 0 B) "
+        "| NLL (nats/byte) "
         "| NLL increase %, median / worst | top-1 agreement, median / worst | KL(exact‖lossy) nats, median / worst |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for enc, ms in rows.items():
         if not ms:
             continue
         col = lambda k: [m[k] for m in ms]  # noqa: E731
         med = lambda k: statistics.median(col(k))  # noqa: E731
-        sizes = "| – | – | – |" if enc in CONTROLS else \
-            f"| {med('ratio'):.2f} | {med('kv_ratio'):.2f} | {med('state_share'):.1f}% |"
+        sizes = "| – | – | – | – |" if enc in CONTROLS else \
+            f"| {med('ratio'):.2f} | {med('kv_ratio'):.2f} | {med('state_share'):.1f}% | {med('cap'):.2f} |"
         lines.append(
             f"| {enc} {sizes} {med('nll'):.4f} "
             f"| {med('dnll'):.3f} / {max(col('dnll')):.3f} | {med('top1'):.3f} / {min(col('top1')):.3f} "
@@ -307,8 +309,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=1500, help="training step cap")
     ap.add_argument("--time-cap", type=float, default=360.0, help="training seconds cap (checked at evaluations)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024, help="training window (>= the contexts: positions stay in range)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=50)
