@@ -10,6 +10,8 @@ import pytest
 
 import faults  # bench/faults.py, on sys.path through conftest.py
 
+from kdn.edge import fill
+
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -82,15 +84,20 @@ async def test_slow_then_stalled_link_between_regions(tmp_path):
     n = row.notes
     # the fault happened: the slowed link slowed reads, the stall cut region b off (a-1's probes failed)
     assert _ms(n["slowed_p50_p99_ms"])[0] > _ms(n["normal_p50_p99_ms"])[0]
-    assert n["stalled_sources"].get("region:0", 0) <= 2 and n["a1_region_errors"] > 0  # (a read in flight)
+    # a-1 either probed the stalled region and failed, or had already stopped asking it (slowed, it was no
+    # faster than the origin: not worth a probe)
+    assert n["stalled_sources"].get("region:0", 0) <= 2  # (a read in flight)
+    assert n["a1_region_errors"] > 0 or n["a1_region_probes_not_worth"] > 0
     # and the p99 held: hedges, failover and a-1's own fills from the origin kept the stall's reads short
-    assert _ms(n["stalled_p50_p99_ms"])[1] < 1000 and n["stalled_failed"] == 0
+    # (a read whose fill probed the region before the breaker tripped pays one probe bound, PROBE_MIN_S: at
+    # f3e3891 one run in three had such a read in the stall's p99; without the bound it was the 30 s fill timeout)
+    assert _ms(n["stalled_p50_p99_ms"])[1] < fill.PROBE_MIN_S * 1000 + 1000 and n["stalled_failed"] == 0
     # an edge asked directly (no hedging client) gave up on the stalled region within its probe bound,
     # and once its probes had failed it stopped asking (the region breaker): mid-stall, no probe bound paid
     assert n["plain_read_of_a1"]["stalled"].startswith("http 200")
     mid = n["plain_read_of_a1"]["stalled (mid)"]
     assert mid.startswith("http 200") and int(mid.split()[3]) < 1000, mid
-    assert n["a1_region_probes_skipped"] > 0
+    assert n["a1_region_probes_skipped"] > 0 or n["a1_region_probes_not_worth"] > 0
 
 
 async def test_restart_on_a_warm_disk_tier(tmp_path):
