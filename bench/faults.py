@@ -404,6 +404,7 @@ async def slow_region_link(tmp: Path, quick: bool) -> Row:
         region_errors = await a1.metric("kdn_edge_source_errors", source="region")
         region_fills = await a1.metric("kdn_edge_fill_bytes", source="region")
         region_skipped = await a1.metric("kdn_edge_region_probes_skipped")
+        not_worth = await a1.metric("kdn_edge_region_probes_not_worth")
         notes = {}
         for phase, st in r.by_phase.items():
             notes[f"{phase}_p50_p99_ms"] = f"{st.pct(0.5) * 1e3:.0f}/{st.pct(0.99) * 1e3:.0f}"
@@ -412,7 +413,7 @@ async def slow_region_link(tmp: Path, quick: bool) -> Row:
             notes[f"{phase}_sources"] = r.sources.get(phase, {})
             notes[f"{phase}_hedges"] = hedges.get(phase, 0)
         notes.update(a1_region_errors=region_errors, a1_region_fill_bytes=region_fills,
-                     a1_region_probes_skipped=region_skipped,
+                     a1_region_probes_skipped=region_skipped, a1_region_probes_not_worth=not_worth,
                      failovers=r.failovers, plain_read_of_a1=plain)
         return _row("slow_region_link", "clients in region a read objects held in region b over an emulated link: "
                     "slowed (150 ms each way, 8 Mbit/s), then stalled, then restored; hedges and failover to "

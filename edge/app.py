@@ -40,7 +40,7 @@ from kdn.address import validate_address, validate_name
 from kdn.auth import Grant, Grants, TokenScope, covers
 from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
-from kdn.errors import KDNError, SourceError
+from kdn.errors import InvalidInput, KDNError, SourceError
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
 from kdn.registry.follow import stop_tasks
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
@@ -77,6 +77,11 @@ class EdgeConfig(service.NodeConfig):
     records_cache: int = 100_000
     ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
     trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
+    region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"
+
+    def __post_init__(self) -> None:
+        if self.region_probes not in ("worth", "always"):
+            raise InvalidInput(f"region_probes must be 'worth' or 'always', not {self.region_probes!r}")
 
 
 class RecordCache:
@@ -444,7 +449,8 @@ async def _upstream_ctx(app: web.Application):
         edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl)
         edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
                              upstream_headers=_upstream_headers(cfg.upstream_token_file), metrics=edge.m,
-                             token_scope=token_scope(cfg), getter=getter)
+                             token_scope=token_scope(cfg), getter=getter,
+                             always_probe_regions=cfg.region_probes == "always")
         await edge.membership.start()
         try:
             yield

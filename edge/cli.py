@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ca", default=None, metavar="FILE", help="CA bundle to verify peers and the origin (default: system CAs, or $KDN_CA)")
     p.add_argument("--trusted-keys", default=None, metavar="FILE",
                    help="publisher keys (ed25519:HEX per line): records they did not sign are misses")
+    p.add_argument("--region-probes", choices=("worth", "always"), default="worth",
+                   help="ask other regions before the origin only when their recent hit rate pays for a miss's "
+                        "round trip (worth, the default: lower latency), or always (less origin egress)")
     p.set_defaults(func=cmd_edge_serve)
 
     policy = sub.add_parser("policy", help="operator policies: pin, warm, ttl, quota").add_subparsers(
@@ -105,6 +108,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "tls_key": _readable(args.tls_key, "--tls-key"),
         "ca": _readable(args.ca, "--ca"),
         "trusted_keys": _readable(args.trusted_keys, "--trusted-keys"),
+        "region_probes": args.region_probes,
     }
     if kw["trusted_keys"]:
         from kdn.signing import Verifier

@@ -4,7 +4,9 @@
     -> the owner edge of this region          (one hop; skipped when I am the owner
                                                or the request is already a hop)
     -> other regions' edges holding it        (cached-only asks, fastest region first, each
-                                               bounded: PROBE_MIN_S or 4x its expected time)
+                                               bounded: PROBE_MIN_S or 4x its expected time; a
+                                               region only when its recent hit rate pays for a
+                                               miss's round trip, see PROBE_HIT_PRIOR)
     -> the origin
 
 Every body received is checked against the registry digest before it is
@@ -56,6 +58,14 @@ PROBE_MIN_S = 2.0
 PROBE_TRIP = 2
 PROBE_REST_S = 5.0
 PROBE_REST_MAX_S = 60.0
+# Whether a region is worth asking before the origin: with p the share of its recent probes that found the
+# object, asking it first saves p x (origin's expected time - its expected time) and costs (1 - p) x its
+# round trip on a miss. A region no faster than the origin is never worth its miss; a near one usually is.
+# p is a moving average per region (PROBE_HIT_ALPHA), from PROBE_HIT_PRIOR, back to the prior when the
+# region has not been asked for PROBE_HIT_STALE_S (so a region that filled up since is tried again).
+PROBE_HIT_PRIOR = 0.5
+PROBE_HIT_ALPHA = 0.1
+PROBE_HIT_STALE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,8 @@ class Filler:
 
     def __init__(self, *, session: aiohttp.ClientSession, membership, origin_urls, me: NodeRecord,
                  upstream_headers: dict[str, str], metrics, timeout: float = 30.0,
-                 token_scope: TokenScope | None = None, getter: BodyGetter | None = None) -> None:
+                 token_scope: TokenScope | None = None, getter: BodyGetter | None = None,
+                 always_probe_regions: bool = False) -> None:
         self.session = session  # prefetch requests to owners
         self.getter = getter or BodyGetter(ssl=None)  # object bodies (TLS: pass one made with the CA)
         self.membership = membership
@@ -85,6 +96,8 @@ class Filler:
         self._probe_failures: dict[str, int] = {}  # region owner URL -> probe failures in a row
         self._rests: dict[str, int] = {}  # region owner URL -> rests in a row without a success between
         self._resting: dict[str, float] = {}  # region owner URL -> monotonic time its probes resume
+        self._hit_rate: dict[str, tuple[float, float]] = {}  # region owner URL -> (share of probes that hit, when)
+        self.always_probe_regions = always_probe_regions  # the operator prefers origin egress to latency
 
     def headers(self, url: str) -> dict[str, str]:
         """The upstream token for ``url`` if it may go there (https, or a host the operator named)."""
@@ -121,11 +134,38 @@ class Filler:
                     self.m.region_skipped.inc()
                 continue
             remote.append((f"region:{region}", ring_owner.url))
+        origins = self.origin_urls()
+        # Unmeasured sources cannot be compared: then every region is asked (and so measured).
+        measured = bool(origins) and all(self.estimates[u].samples for u in origins)
+        t_origin = min((self.estimates[u].expected(size) for u in origins), default=float("inf"))
         for label, url in sorted(remote, key=lambda r: self.estimates[r[1]].expected(size)):
+            if (measured and not self.always_probe_regions and self.estimates[url].samples
+                    and not self._worth_probing(url, size, t_origin)):
+                if filling:
+                    self.m.region_not_worth.inc()
+                continue
             out.append((label, url, {HOP: "1", CACHED_ONLY: "1"}))
-        for url in self.origin_urls():
+        for url in origins:
             out.append(("origin", url, {}))
         return out
+
+    def _worth_probing(self, url: str, size: int, t_origin: float) -> bool:
+        """Is asking this region before the origin expected to save time? (See PROBE_HIT_PRIOR.)"""
+        p = self.hit_rate(url)
+        est = self.estimates[url]
+        return p * (t_origin - est.expected(size)) > (1.0 - p) * est.expected(0)
+
+    def hit_rate(self, url: str) -> float:
+        """The share of recent cached-only probes of this region edge that found the object."""
+        rate, when = self._hit_rate.get(url, (PROBE_HIT_PRIOR, 0.0))
+        return rate if time.monotonic() - when <= PROBE_HIT_STALE_S else PROBE_HIT_PRIOR
+
+    def _probe_outcome(self, url: str, hit: bool) -> None:
+        rate = self.hit_rate(url)
+        self._hit_rate[url] = (rate + PROBE_HIT_ALPHA * (float(hit) - rate), time.monotonic())
+        if len(self._hit_rate) > 4096:  # bounded: forget the oldest entries
+            for old in list(self._hit_rate)[:1024]:
+                self._hit_rate.pop(old, None)
 
     def _is_resting(self, url: str) -> bool:
         until = self._resting.get(url)
@@ -187,7 +227,9 @@ class Filler:
                 continue
             if kind == "region":
                 self._probe_result(base, True)  # an answer, a miss or a body (a lying one is counted below)
-            if got is None:  # a cached-only probe that missed
+                self._probe_outcome(base, got is not None)
+            if got is None:  # a cached-only probe that missed: a round trip, measured as one
+                self.estimates[base].observe(0, time.perf_counter() - t0)
                 continue
             blob, digest = got
             dt = time.perf_counter() - t0

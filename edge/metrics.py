@@ -37,6 +37,9 @@ class EdgeMetrics:
         self.source_errors = Counter("kdn_edge_source_errors", "Failed fetches from a source", ["source"], registry=reg)
         self.region_skipped = Counter("kdn_edge_region_probes_skipped", "Cross-region probes left out of a fill "
                                       "plan while that region's edge rests after failed probes", registry=reg)
+        self.region_not_worth = Counter("kdn_edge_region_probes_not_worth", "Cross-region probes left out of a "
+                                        "fill plan: the region's recent hit rate does not pay for a miss's round "
+                                        "trip against going to the origin", registry=reg)
         self.aborted = Counter("kdn_edge_aborted_responses", "Responses cut short by the client hanging up",
                                registry=reg)
         self.in_flight = Gauge("kdn_edge_fills_in_flight", "Fills in progress", registry=reg)

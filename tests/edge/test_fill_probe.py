@@ -100,8 +100,12 @@ async def test_a_region_that_keeps_failing_rests_then_is_probed_again(monkeypatc
             await release.wait()  # a link that passes no byte
         return web.Response(body=BLOB)
 
+    async def slower_origin(request):  # 30 ms away: a healthy region on loopback is worth asking first
+        await asyncio.sleep(0.03)
+        return web.Response(body=BLOB)
+
     far, far_url = await _serve(far_handler)
-    org, org_url = await _serve(_origin)
+    org, org_url = await _serve(slower_origin)
     rec, metrics = RECORD, EdgeMetrics(CollectorRegistry(), lambda: None)
 
     async def timed(f) -> tuple[float, str]:
@@ -137,3 +141,67 @@ async def test_a_region_that_keeps_failing_rests_then_is_probed_again(monkeypatc
         release.set()
         await far.cleanup()
         await org.cleanup()
+
+
+async def test_a_region_that_keeps_missing_and_is_no_faster_than_the_origin_is_not_asked_first(monkeypatch):
+    """A cached-only miss costs a round trip; a region is asked before the origin only while its recent hit
+    rate pays for that (p x time saved > (1 - p) x its round trip). Then, stale, it is tried again."""
+    monkeypatch.setattr(fill, "PROBE_HIT_STALE_S", 1.0)
+    asked = {"far": 0}
+
+    async def far_misses(request):  # 20 ms away, never holds the object
+        asked["far"] += 1
+        await asyncio.sleep(0.02)
+        return web.Response(status=404)
+
+    async def origin(request):  # as far as the far region
+        await asyncio.sleep(0.02)
+        return web.Response(body=BLOB)
+
+    far, far_url = await _serve(far_misses)
+    org, org_url = await _serve(origin)
+    metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
+    try:
+        async with aiohttp.ClientSession() as session:
+            f = _filler(session, far_url, org_url, metrics)
+            assert (await f.fetch((ADDRESS, "zstd"), RECORD, hop=False)).source == "origin"
+            assert asked["far"] == 1  # unmeasured: asked (and so measured: its miss is a round-trip sample)
+            assert f.hit_rate(far_url) < fill.PROBE_HIT_PRIOR
+            for _ in range(5):
+                assert (await f.fetch((ADDRESS, "zstd"), RECORD, hop=False)).source == "origin"
+            assert asked["far"] == 1  # no faster than the origin and missing: a miss's round trip buys nothing
+            assert metrics.region_not_worth._value.get() == 5  # noqa: SLF001
+            assert [label for label, _, _ in f.plan((ADDRESS, "zstd"), RECORD, hop=False)] == ["origin"]
+            await asyncio.sleep(1.05)  # the hit rate goes stale: back to the prior, asked again
+            assert f.hit_rate(far_url) == fill.PROBE_HIT_PRIOR
+    finally:
+        await far.cleanup()
+        await org.cleanup()
+
+
+def test_a_region_that_holds_what_is_asked_stays_worth_asking():
+    f = fill.Filler(session=None, membership=None, origin_urls=lambda: [], me=NodeRecord("edge", "near", "n-1", "http://x"),
+                    upstream_headers={}, metrics=EdgeMetrics(CollectorRegistry(), lambda: None))
+    url = "http://far"
+    for _ in range(20):
+        f._probe_outcome(url, True)  # noqa: SLF001
+    f.estimates[url].observe(0, 0.05)  # 50 ms round trip
+    f.estimates[url].observe(len(BLOB) * 100, 0.10)
+    assert f.hit_rate(url) > 0.9
+    assert f._worth_probing(url, len(BLOB), t_origin=0.5)  # noqa: SLF001  (much faster than the origin)
+    assert not f._worth_probing(url, len(BLOB), t_origin=0.05)  # noqa: SLF001  (no faster: never worth a miss)
+
+
+def test_an_operator_who_prefers_less_origin_egress_has_every_region_asked():
+    f = fill.Filler(session=None, membership=_Members(NodeRecord("edge", "far", "far-1", "http://far")),
+                    origin_urls=lambda: ["http://origin"], me=NodeRecord("edge", "near", "near-1", "http://x"),
+                    upstream_headers={}, metrics=EdgeMetrics(CollectorRegistry(), lambda: None))
+    for url in ("http://far", "http://origin"):
+        f.estimates[url].observe(0, 0.05)
+    for _ in range(20):
+        f._probe_outcome("http://far", False)  # noqa: SLF001  (it never has anything)
+    labels = [label for label, _, _ in f.plan((ADDRESS, "zstd"), RECORD, hop=False)]
+    assert labels == ["origin"]
+    f.always_probe_regions = True
+    labels = [label for label, _, _ in f.plan((ADDRESS, "zstd"), RECORD, hop=False)]
+    assert labels == ["region:far", "origin"]
