@@ -110,6 +110,8 @@ RUNS: list[Run] = [
     # would not reproduce what the text around them says.
     Run("geo-seed7", "geo",
         archived="one seed (7), after the three client fixes, before the static-nearest baseline and --seeds"),
+    Run("geo-regions-first", "geo", archived="three seeds, before the edges stopped asking other regions that were "
+        "not worth a miss's round trip"),
     Run("geo-lockin", "geo", archived="three seeds, before the client stopped ranking transfers by lookup times "
         "and fanning hedges out"),
     Run("geo-before-fixes", "geo", archived="before three fetch-client fixes"),
