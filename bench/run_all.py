@@ -116,6 +116,8 @@ RUNS: list[Run] = [
         "and fanning hedges out"),
     Run("geo-before-fixes", "geo", archived="before three fetch-client fixes"),
     Run("geo-earlier", "geo", archived="an earlier run, before the client fixes"),
+    Run("blend-loaded", "blend", archived="the run at 9a4531a under load 7.7-3.7, where the lean prefill slowed "
+        "more than the blend (3.71x); the quiet re-run gives 2.99x"),
     Run("blend-first", "blend", archived="the first run, under heavy load"),
     Run("steer-budget1", "steer", archived="tuned within a 1% NLL budget on the tuning split (K 16/32, alpha "
         "0.01/0.03/0.1): +1.13% on the test split"),
