@@ -246,7 +246,7 @@ class _BaseTier:
     async def acquire(self, key: Key) -> Handle | None:
         key = validate_key(key)
         e = self._index.get(key)
-        if e is not None and e.meta.expired(self._clock()) and not e.meta.pinned:
+        if e is not None and e.meta.expires_at is not None and not e.meta.pinned and e.meta.expired(self._clock()):
             # Past its TTL but not yet swept (the expiry pass runs each second; a restarted edge applies
             # its policies to a warm disk at once): a miss, never one more hit. (A pin beats a TTL.) Dropped
             # even while another reader holds it (its bytes go at that reader's release), so the refill
@@ -327,7 +327,8 @@ class _BaseTier:
 
     def contains(self, key: Key) -> bool:
         e = self._index.get(validate_key(key))
-        return e is not None and (e.meta.pinned or not e.meta.expired(self._clock()))  # what acquire would serve
+        # what acquire would serve (the clock is read only for an entry with a TTL)
+        return e is not None and (e.meta.expires_at is None or e.meta.pinned or not e.meta.expired(self._clock()))
 
     def keys(self) -> list[Key]:
         return list(self._index)

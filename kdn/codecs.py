@@ -296,11 +296,7 @@ class ZstdCodec:
             # A width other than the item size (an object from another encoder) is rare: the plain path.
             np.copyto(dst, np.frombuffer(self.decode(mv, dtype, shape, params), dst.dtype).reshape(shape))
             return
-        per_frame = want // len(frames)
-        outs, offset = [], 0
-        for flen in frames:
-            outs.append(self._frame(mv[offset : offset + flen], per_frame, dtype, shape))
-            offset += flen
+        outs = self._frames(mv, frames, want, dtype, shape)
         if len(outs) == 1:  # one frame holding every plane
             planes = list(np.frombuffer(outs[0], np.uint8).reshape(width, want // width))
         else:
@@ -313,12 +309,7 @@ class ZstdCodec:
             out = _check_out(out, want)
         mv = _as_bytes_view(data)
         width, frames = self._split(mv, dtype, shape, params, want)
-        per_frame = want // len(frames)
-        outs: list[Buffer] = []
-        offset = 0
-        for flen in frames:
-            outs.append(self._frame(mv[offset : offset + flen], per_frame, dtype, shape))
-            offset += flen
+        outs: list[Buffer] = list(self._frames(mv, frames, want, dtype, shape))
         if width == 1 or want == 0:
             joined = outs[0] if len(outs) == 1 else b"".join(outs)
             if out is None:
@@ -326,6 +317,14 @@ class ZstdCodec:
             out[:] = joined
             return out
         return unshuffle(outs if len(outs) > 1 else outs[0], width, out=out).data
+
+    def _frames(self, mv: memoryview, frames: list[int], want: int, dtype: str, shape: tuple[int, ...]) -> list[bytes]:
+        """Each frame of the payload decompressed (``want`` bytes in all, split evenly between the frames)."""
+        per_frame, outs, offset = want // len(frames), [], 0
+        for flen in frames:
+            outs.append(self._frame(mv[offset : offset + flen], per_frame, dtype, shape))
+            offset += flen
+        return outs
 
     @staticmethod
     def _frame(frame: memoryview, want: int, dtype: str, shape: tuple[int, ...]) -> bytes:
