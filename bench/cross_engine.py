@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work"
 sys.path.insert(0, str(ROOT / "bench"))
 
+import results as R  # noqa: E402
 from vllm_ttft import PUBLISH_TOKEN, Proc, free_port, publish, vllm_env  # noqa: E402
 
 DTYPES = {"tiny-llama64": "float32", "tiny-qwen3next64": "bfloat16", "smollm2-135m": "bfloat16"}
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--json", default=str(WORK / "cross_engine.json"))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    R.add_arg(ap)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -238,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_env()
         Path(args.one).write_text(json.dumps(one_model(args.models, args.docs, args.new, log)))
         return 0
+    res = R.Results("cross_engine", args)
     results = []
     for m in [m.strip() for m in args.models.split(",") if m.strip()]:
         if m not in DTYPES:
@@ -249,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"Command: python -P bench/cross_engine.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     print()
-    print(table(results))
+    res.table("main", table(results))
+    res.extra["models"] = results
+    res.write()
     if args.json:
         WORK.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))

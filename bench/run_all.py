@@ -5,6 +5,8 @@
     python -P bench/run_all.py --quick --only ring  # a smoke run: tiny settings, into bench/work/quick-results
     python -P bench/run_all.py --render             # only re-render the docs from bench/results/*.json
     python -P bench/run_all.py --check              # exit 1 if the docs differ from what the results render
+    python -P bench/run_all.py --list               # the runs; which results no longer match the code
+    python -P bench/run_all.py --stale              # re-run only those
 
 Each run below is one bench command (the one docs/benchmarks.md documents), run as a subprocess with
 ``--results bench/results/NAME.json`` and a timeout; a failing run is reported and the others go on, its
@@ -87,7 +89,8 @@ RUNS: list[Run] = [
                               "--json", "", "--no-headline"],
         ["--models", "smollm2-135m", "--lengths", "256", "--repeat", "1", "--plot", "", "--json", "",
          "--no-headline"], ("smollm2",), 1800),
-    Run("vllm_ttft", "vllm_ttft", [], None, ("vllm",), 3 * 3600),
+    Run("vllm_ttft", "vllm_ttft", [], ["--models", "smollm2-135m", "--lengths", "256", "--repeat", "1", "--plot", "",
+                                       "--json", ""], ("vllm",), 3 * 3600),
     Run("blend", "blend", ["--png", "docs/img/blend.png"],
         ["--quick", "--png", ""], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("steer", "steer", [], ["--quick"], ("smollm2",), 3 * 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
@@ -104,8 +107,10 @@ RUNS: list[Run] = [
                               "--plot", "docs/img/soak.png"], None, ("etcd",), 1800),
     Run("faults", "faults", [], ["--quick", "--only", "origin_down"], ("etcd",), 3600),
     Run("vllm_ttft-zstd", "vllm_ttft", ["--models", "smollm2-135m", "--encodings", "zstd", "--json",
-                                        "bench/work/vllm_ttft_zstd.json", "--plot", ""], None, ("vllm",), 3600),
-    Run("cross_engine", "cross_engine", [], None, ("vllm",), 3600),
+                                        "bench/work/vllm_ttft_zstd.json", "--plot", "", "--no-headline"],
+        None, ("vllm",), 3600),
+    Run("cross_engine", "cross_engine", [], ["--models", "tiny-llama64", "--docs", "1", "--new", "4", "--json", ""],
+        ("vllm",), 3600),
     # Records of past runs the docs still discuss; their code has changed since, so re-running the same command
     # would not reproduce what the text around them says.
     Run("geo-seed7", "geo",
@@ -176,6 +181,49 @@ def why_skip(run: Run, quick: bool) -> str:
     if "add_arg(" not in (ROOT / "bench" / f"{run.script}.py").read_text():
         return f"bench/{run.script}.py does not write --results yet"
     return missing(run, quick)
+
+
+# The code every result measures, besides its bench script and the bench/ and tests/ modules that script
+# imports: a result whose commit differs from HEAD under one of these paths may no longer describe the code.
+CODE = ("kdn", "edge", "origin", "service", "up", "pyproject.toml")
+
+
+def _bench_sources(script: str) -> list[str]:
+    """bench/SCRIPT.py and the bench/ and tests/ modules it imports, transitively (by name, one file each)."""
+    seen: list[str] = []
+    todo = [ROOT / "bench" / f"{script}.py"]
+    while todo:
+        path = todo.pop()
+        rel = str(path.relative_to(ROOT))
+        if rel in seen or not path.exists():
+            continue
+        seen.append(rel)
+        for m in re.finditer(r"^\s*(?:from|import)\s+(\w+)", path.read_text(), re.M):
+            todo += [d / f"{m.group(1)}.py" for d in (ROOT / "bench", ROOT / "tests") if (d / f"{m.group(1)}.py").exists()]
+    return seen
+
+
+def stale(run: Run, results_dir: Path = RESULTS) -> str:
+    """Why this run's result may not describe the code at HEAD ("" = current: no change since its commit)."""
+    path = results_dir / f"{run.name}.json"
+    if not path.exists():
+        return "no result"
+    data = json.loads(path.read_text())
+    sha = (data.get("commit") or {}).get("sha")
+    if data.get("imported") or not sha or len(sha) != 40:
+        return "imported from the docs, no commit of its own"
+    if data["commit"].get("dirty"):
+        return f"run on a modified tree at {sha[:7]}"
+    paths = [*CODE, *_bench_sources(run.script)]
+    out = subprocess.run(["git", "-C", str(ROOT), "diff", "--name-only", sha, "HEAD", "--", *paths],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return f"its commit {sha[:7]} is not in this repository"
+    changed = out.stdout.split()
+    if not changed:
+        return ""
+    more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
+    return f"changed since {sha[:7]}: {', '.join(changed[:3])}{more}"
 
 
 def execute(run: Run, out_dir: Path, quick: bool, timeout: float | None) -> tuple[str, float, str]:
@@ -344,7 +392,9 @@ def main() -> int:
     ap.add_argument("--render", action="store_true", help="only render the docs from bench/results")
     ap.add_argument("--check", action="store_true", help="only check the docs are what bench/results render")
     ap.add_argument("--no-render", action="store_true", help="do not render the docs after running")
-    ap.add_argument("--list", action="store_true", help="list the runs and whether they can run here")
+    ap.add_argument("--list", action="store_true", help="list the runs, whether they can run here and whether "
+                    "their result is current (no change to the code it measures since its commit)")
+    ap.add_argument("--stale", action="store_true", help="run only the runs whose result is not current")
     args = ap.parse_args()
 
     if args.render or args.check:
@@ -368,8 +418,12 @@ def main() -> int:
     if args.list:
         for r in runs:
             why = why_skip(r, args.quick)
-            print(f"{r.name:20} bench/{r.script}.py {' '.join(r.args)}" + (f"  [skipped here: {why}]" if why else ""))
+            old = "" if r.archived else stale(r)
+            print(f"{r.name:20} bench/{r.script}.py {' '.join(r.args)}" + (f"  [skipped here: {why}]" if why else "")
+                  + (f"  [not current: {old}]" if old else ("" if r.archived else "  [current]")))
         return 0
+    if args.stale:
+        runs = [r for r in runs if not r.archived and stale(r)]
     out = args.out or (QUICK_OUT if args.quick else RESULTS)
     report = []
     for r in runs:

@@ -115,3 +115,45 @@ def test_headline_block_lists_every_headline():
         h = (results.get(name) or {}).get("headline")
         assert h, f"README headline {name} has no result"
         assert h["result"] in block and h["baseline"] in block
+
+
+@pytest.mark.timeout(240)
+def test_quick_vllm_run_writes_results_and_headline(tmp_path):
+    """bench/vllm_ttft.py writes its table and a headline from its own rows (a real vLLM engine on CPU)."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "res"
+    p = subprocess.run([sys.executable, "-P", str(ROOT / "bench" / "run_all.py"), "--quick", "--only", "vllm_ttft",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert p.returncode == 0, p.stdout + p.stderr
+    d = json.loads((out / "vllm_ttft.json").read_text())
+    md = d["tables"][0]["markdown"]
+    assert d["bench"] == "vllm_ttft" and md.count("\n") == 2 and "| smollm2-135m | 256 |" in md
+    row = d["rows"][0]
+    assert row["paths"]["kdn-hit"]["reused"] == [256] and row["paths"]["prefill"]["reused"] == [0]
+    h = d["headline"]
+    for f in h["figures"]:
+        assert f["shown"] in h["result"] and R.cell_in(md, f["cell"])
+    assert f"{row['kdn_vs_local']:.2f}x" in h["result"]
+
+
+def _result(tmp_path: Path, name: str, **fields) -> Path:
+    (tmp_path / f"{name}.json").write_text(json.dumps(fields))
+    return tmp_path
+
+
+def test_a_result_is_current_only_while_the_code_it_measures_is_unchanged(tmp_path):
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    root = subprocess.run([*git, "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.split()[0]
+    ring = run_all.BY_NAME["ring"]
+    assert "bench/ring.py" in run_all._bench_sources("ring") and "bench/results.py" in run_all._bench_sources("ring")
+    # cross_engine imports vllm_ttft, which imports tests/ports.py: a change to either stales it
+    assert {"bench/vllm_ttft.py", "tests/ports.py"} <= set(run_all._bench_sources("cross_engine"))
+    assert run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": head, "dirty": False})) == ""
+    assert "modified tree" in run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": head, "dirty": True}))
+    assert run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": root, "dirty": False})).startswith(
+        f"changed since {root[:7]}: ")
+    assert "imported" in run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": "dfca218"}, imported=True))
+    assert "not in this repository" in run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": "f" * 40}))
+    assert run_all.stale(ring, tmp_path / "empty") == "no result"
