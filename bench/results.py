@@ -53,10 +53,15 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+# What benches write while they run (plots, results, rendered pages): a change there is not a change to what
+# was measured, so a bench run after another one rewrote its plot still counts as a run on a clean tree.
+OUTPUTS = ("docs", "bench/results", "README.md")
+
+
 def commit() -> dict[str, Any]:
-    """HEAD and whether tracked files differ from it (untracked files, e.g. bench/work, do not count)."""
+    """HEAD and whether tracked files other than OUTPUTS differ from it (untracked files never count)."""
     sha = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *(f":(exclude){p}" for p in OUTPUTS))
     return {"sha": sha, "dirty": None if status is None else bool(status)}
 
 
