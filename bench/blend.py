@@ -12,7 +12,9 @@ passages of the other documents, drawn with a fixed seed.
 
 Every passage used is published as standalone chunks (``"standalone": true,
 "prefix": false``) through a real origin (its own process, an embedded
-registry) and read once through an edge (its own process, a 1 GiB memory tier,
+registry) in ``--encodings`` (default ``zstd,raw``, both lossless: the client
+picks per chunk by its measured link, raw on loopback, as an engine next to its
+edge would) and read once through an edge (its own process, a 1 GiB memory tier,
 alone in its region), all on 127.0.0.1, so the timed reads are memory-tier
 hits. Per question and configuration the timed path is ``generate_rag`` as an
 application calls it: tokenize, address, look up each chunk's record, fetch
@@ -67,7 +69,7 @@ import ttft as T  # noqa: E402  (origin/edge processes, health checks)
 DOCS = Path(__file__).resolve().parents[1] / "kdn" / "data" / "docs"
 SYSTEM = "Answer the question in a few words, using only the documents."
 # name:ratio%[:check layer]; compose = pure composition (ratio 0)
-CONFIGS = ("compose:0,deviation:15:1,deviation-kv:10:1,deviation-kv:15:1,deviation-kv:20:1,chunk-start:15,"
+CONFIGS = ("compose:0,deviation:15:1,deviation-kv:10:1,deviation-kv:12:1,deviation-kv:15:1,deviation-kv:20:1,chunk-start:15,"
            "chunk-start:25")
 QUICK_CONFIGS = "compose:0,deviation:15:1,deviation-kv:15:1,chunk-start:15"
 
@@ -158,9 +160,9 @@ def answer_nll(model, cache, pos: int, first_logits: torch.Tensor, ans: list[int
     return -lp[torch.arange(len(ans)), torch.tensor(ans)].sum().item(), lg.argmax(-1)
 
 
-async def publish_standalone(session, origin: str, name: str, tokens: list[int]) -> dict:
+async def publish_standalone(session, origin: str, name: str, tokens: list[int], encodings: list[str]) -> dict:
     headers = {"Authorization": f"Bearer {T.PUBLISH_TOKEN}"}
-    body = {"name": name, "tokens": tokens, "standalone": True, "prefix": False}
+    body = {"name": name, "tokens": tokens, "standalone": True, "prefix": False, "encodings": encodings}
     async with session.post(f"{origin}/v1/publish", json=body, headers=headers) as r:
         job = await r.json()
         if r.status != 202:
@@ -209,7 +211,8 @@ async def run(args, res: R.Results, log) -> None:
             mid = engine_model_id(model, tok)
             n_chunks = 0
             for i, p in enumerate(used):
-                man = await publish_standalone(s, origin.url, f"blend-{i}", encode(tok, p))
+                man = await publish_standalone(s, origin.url, f"blend-{i}", encode(tok, p),
+                                               args.encodings.split(","))
                 if man["model_id"] != mid:
                     raise RuntimeError(f"origin model id {man['model_id'][:12]} != bench model id {mid[:12]}")
                 n_chunks += len(man["standalone"])
@@ -240,7 +243,7 @@ async def measure(args, res, log, model, tok, client, contexts, configs, by_doc,
     loop = asyncio.get_running_loop()
     paths = ["lean"] + [c[0] for c in configs]
     per = {c[0]: {"speedup": [], "ttft": [], "fetch": [], "blend": [], "dnll": [], "nll": [], "agree": [],
-                  "share": [], "tokens": [], "sources": {}} for c in configs}
+                  "share": [], "tokens": [], "sources": {}, "encodings": {}} for c in configs}
     lean_ttft, lengths, nll_ref, n_ans = [], [], [], 0
     for qi, (q, ctx) in enumerate(contexts):
         head, tail = rag_frame(tok, q["question"], SYSTEM)
@@ -279,18 +282,25 @@ async def measure(args, res, log, model, tok, client, contexts, configs, by_doc,
             row["share"].append((r.recompute_share, r.tokens_reused, r.tokens_total))
             for k, v in r.sources.items():
                 row["sources"][k] = row["sources"].get(k, 0) + v
+            for k, v in r.encodings.items():
+                row["encodings"][k] = row["encodings"].get(k, 0) + v
         log(f"q{qi + 1}/{len(contexts)} {len(ids)} tokens: lean {tf * 1e3:.0f} ms; "
             + "; ".join(f"{lab} {got[lab][0] * 1e3:.0f} ms ({tf / got[lab][0]:.2f}x)" for lab, *_ in configs))
 
     med = statistics.median
     total_ref = sum(nll_ref) / n_ans
     srcs = sorted({k for row in per.values() for k in row["sources"]})
+    encs = {}
+    for row in per.values():
+        for k, v in row["encodings"].items():
+            encs[k] = encs.get(k, 0) + v
     lines = [f"{args.model} ({args.dtype}), {len(contexts)} questions over {len(by_doc)} documents "
              f"({len(set(q['doc'] for q, _ in contexts))} of them hold answers), {args.passages} passages each "
              f"(answer passage never first), context {min(lengths)}-{max(lengths)} tokens (median "
              f"{med(lengths):.0f}); {n_used} passages published as {n_chunks} standalone chunks through an origin "
-             f"({t_pub:.0f} s, not timed), read from one edge's memory tier over HTTP on 127.0.0.1 (sources: "
-             f"{', '.join(srcs)}); lean one-shot prefill TTFT median {med(lean_ttft) * 1e3:.0f} ms "
+             f"({t_pub:.0f} s, not timed; encodings {args.encodings}), read from one edge's memory tier over HTTP on "
+             f"127.0.0.1 (sources: {', '.join(srcs)}; chunks fetched per encoding: "
+             f"{', '.join(f'{k} x{v}' for k, v in sorted(encs.items()))}); lean one-shot prefill TTFT median {med(lean_ttft) * 1e3:.0f} ms "
              f"({min(lean_ttft) * 1e3:.0f}-{max(lean_ttft) * 1e3:.0f})",
              "",
              "| selection | recomputed share, check layers included | TTFT ms, fetch included (median, min-max) "
@@ -402,6 +412,8 @@ def main() -> None:
     ap.add_argument("--passage-tokens", type=int, default=480)
     ap.add_argument("--configs", default=None, help=f"name:ratio%%[:check layer], comma list (default {CONFIGS})")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--encodings", default="zstd,raw",
+                    help="encodings the origin publishes; the client picks per chunk by measured link (raw on loopback)")
     ap.add_argument("--quick", action="store_true", help=f"4 questions, configs {QUICK_CONFIGS}")
     ap.add_argument("--png", default="docs/img/blend.png")
     R.add_arg(ap)

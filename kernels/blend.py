@@ -66,22 +66,37 @@ def compose(chunks: Sequence[Mapping[str, torch.Tensor] | None], lengths: Sequen
     positions ``0..lengths[j]-1``, or is ``None`` for a segment computed fresh
     (zeros here: the driver overwrites them). Chunk ``j`` lands at offset
     ``sum(lengths[:j])``; its keys are rotated there.
+
+    Every layer's K (and V) is a view of one ``[layers, 1, H, S, D]`` tensor, and a
+    chunk's keys are shifted for all layers in one in-place ``rope_shift``, in the
+    wider of the chunk's and ``dtype``'s precision: bit for bit
+    ``rope_shift(k.to(wider), offset).to(dtype)`` per layer, in a thirtieth of the calls.
     """
     r = rope_of(rope)
     H, D = kv_shape
     S = sum(lengths)
-    ks, vs = [], []
-    for i in layers:
-        K = torch.zeros(1, H, S, D, dtype=dtype, device=device)  # [1, H, S, D]
-        V = torch.zeros(1, H, S, D, dtype=dtype, device=device)
-        off = 0
-        for chunk, n in zip(chunks, lengths):
-            if chunk is not None:
-                k, v = chunk[f"L{i}.k"], chunk[f"L{i}.v"]  # [H, n, D]
+    layers = list(layers)
+    K = torch.empty(len(layers), 1, H, S, D, dtype=dtype, device=device)  # [layers, 1, H, S, D]
+    V = torch.empty_like(K)
+    off = 0
+    for chunk, n in zip(chunks, lengths):
+        if chunk is None:
+            K[:, :, :, off:off + n] = 0
+            V[:, :, :, off:off + n] = 0
+        else:
+            ks = [chunk[f"L{i}.k"] for i in layers]
+            vs = [chunk[f"L{i}.v"] for i in layers]
+            for j, (k, v) in enumerate(zip(ks, vs)):
                 assert tuple(k.shape) == (H, n, D) and tuple(v.shape) == (H, n, D), (k.shape, (H, n, D))
-                K[0, :, off:off + n] = rope_shift(k.to(device), off, r).to(dtype)
-                V[0, :, off:off + n] = v.to(device=device, dtype=dtype)
-            off += n
-        ks.append(K)
-        vs.append(V)
-    return ks, vs
+                V[j, 0, :, off:off + n] = v
+            dst = K[:, 0, :, off:off + n]  # [layers, H, n, D]
+            if off and torch.promote_types(ks[0].dtype, dtype) != dtype:
+                # Rotating after a narrowing cast would round twice: rotate the chunk's own values, then cast.
+                dst[:] = rope_shift(torch.stack(ks).to(device), off, r)
+            else:
+                for j, k in enumerate(ks):
+                    dst[j] = k
+                if off:
+                    rope_shift(dst, off, r, out=dst)  # every layer in one call, in place
+        off += n
+    return list(K.unbind(0)), list(V.unbind(0))

@@ -105,26 +105,36 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def rope_shift(keys: torch.Tensor, delta: int, rope: Any) -> torch.Tensor:
-    """``keys`` ``[..., n, head_dim]`` rotated ``delta`` positions further (a new tensor, same dtype).
+def rope_shift(keys: torch.Tensor, delta: int, rope: Any, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``keys`` ``[..., n, head_dim]`` rotated ``delta`` positions further (same dtype).
 
     ``rope``: a ``Rope``, a model or a config (see ``rope_of``). The rotation
     runs in float32 (float64 for float64 keys) from angles computed in float64,
-    then casts back.
+    then casts back: bit for bit ``k * cos + rotate_half(k) * sin``, the model's
+    own formula. ``out``: where to write (``keys`` itself is allowed); by
+    default a new tensor.
     """
     r = rope_of(rope)
     assert keys.shape[-1] >= r.rot_dim, (keys.shape, r.rot_dim)
+    if out is None:
+        out = torch.empty_like(keys)
+    assert out.shape == keys.shape, (out.shape, keys.shape)
     if delta == 0:
-        return keys.clone()
-    ang = float(delta) * r.inv_freq.double()  # [rot/2]
-    ang = torch.cat((ang, ang))  # [rot]
+        return out if out is keys else out.copy_(keys)
+    h = r.rot_dim // 2
+    ang = float(delta) * r.inv_freq.double()  # [rot/2]: both halves of a pair turn by the same angle
     work = torch.promote_types(keys.dtype, torch.float32)
-    cos = ang.cos().to(device=keys.device, dtype=work)  # [rot]
+    cos = ang.cos().to(device=keys.device, dtype=work)  # [rot/2]
     sin = ang.sin().to(device=keys.device, dtype=work)
-    k = keys.to(work)  # [..., n, D]
-    rot = k[..., : r.rot_dim]  # [..., n, rot]
-    out = torch.cat((rot * cos + _rotate_half(rot) * sin, k[..., r.rot_dim:]), dim=-1)
-    return out.to(keys.dtype)
+    x1, x2 = keys[..., :h].to(work), keys[..., h:r.rot_dim].to(work)  # [..., n, rot/2] each
+    # rotate_half(k) = (-x2, x1), and a + (-b) is a - b exactly: the same bits as the model's formula.
+    lo = x1 * cos - x2 * sin
+    hi = x2 * cos + x1 * sin
+    if out is not keys and r.rot_dim < keys.shape[-1]:
+        out[..., r.rot_dim:] = keys[..., r.rot_dim:]
+    out[..., :h] = lo
+    out[..., h:r.rot_dim] = hi
+    return out
 
 
 def rope_shift_ref(keys: torch.Tensor, delta: int, rope: Any, *, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -132,9 +132,22 @@ def _kv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tu
     return _rope(k, cos, sin), v
 
 
-# Queries of a partial recompute are cut into this many groups; each attends to the keys up to its last
-# position only (one masked call over every key does twice the causal work: masked keys cost as much).
+# Queries of a partial recompute are cut by position into at most this many bands of the context; each
+# band's queries attend to the keys up to its last position only (one masked call over every key does
+# twice the causal work: masked keys cost as much). Bands with no query cost nothing, so queries bunched
+# together (the question at the end, a compose-only blend) are one call, not eight.
 _QUERY_GROUPS = 8
+
+
+def _groups(idx: torch.Tensor, S: int) -> list[tuple[int, int]]:
+    """``[a, b)`` runs of the ascending positions ``idx`` [s] that fall in the same band of ``S / 8`` positions."""
+    band = -(-S // _QUERY_GROUPS)
+    _, counts = torch.unique_consecutive(torch.div(idx, band, rounding_mode="floor"), return_counts=True)
+    out, a = [], 0
+    for c in counts.tolist():
+        out.append((a, a + c))
+        a += c
+    return out
 
 
 def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, idx: torch.Tensor, scale: float,
@@ -146,9 +159,7 @@ def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, idx: torch.Tensor
     if s == S and bias is None:  # every position: plain causal attention
         return F.scaled_dot_product_attention(q, K, V, is_causal=True, scale=scale, enable_gqa=True)
     outs = []
-    step = -(-s // _QUERY_GROUPS)
-    for a in range(0, s, step):
-        b = min(a + step, s)
+    for a, b in _groups(idx, S):
         m = int(idx[b - 1]) + 1  # keys past the group's last position are masked for all of it
         mask = torch.arange(m, device=idx.device)[None, :] <= idx[a:b, None]  # [b-a, m]
         am: torch.Tensor = mask[None, None]
@@ -165,7 +176,7 @@ def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, si
     """One decoder layer for the tokens ``idx`` (positions = indices, ascending) over the context's K/V.
 
     h: [1, s, hidden] of tokens idx [s]; K, V: [1, Hkv, S, D] of the whole context,
-    rows ``idx`` replaced by the ones computed here. Returns (h', K', V').
+    rows ``idx`` replaced, in place, by the ones computed here. Returns (h', K, V).
     """
     attn = layer.self_attn
     s, D = h.shape[1], attn.head_dim
@@ -173,8 +184,8 @@ def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, si
     q = _rope(attn.q_proj(x).view(1, s, -1, D).transpose(1, 2), cos, sin)  # [1, Hq, s, D]
     k = _rope(attn.k_proj(x).view(1, s, -1, D).transpose(1, 2), cos, sin)  # [1, Hkv, s, D]
     v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
-    K = K.index_copy(2, idx, k)  # [1, Hkv, S, D]
-    V = V.index_copy(2, idx, v)
+    K.index_copy_(2, idx, k)  # [1, Hkv, S, D]
+    V.index_copy_(2, idx, v)
     bias = steer.bias(attn.layer_idx, idx, K.shape[2], q.shape[1], q.dtype, q.device) if steer is not None else None
     o = _attend(q, K, V, idx, attn.scaling, bias)  # [1, Hq, s, D]
     h = h + attn.o_proj(o.transpose(1, 2).reshape(1, s, -1))
@@ -254,14 +265,15 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
             idx = torch.arange(S, device=dev)
             h = embed(ids)[None]  # [1, S, hidden]
             cos, sin = cos_sin(idx, h)
-            comp_k, comp_v = Ks[check_layer], Vs[check_layer]
+            # The composed K/V of the reused tokens at the check layer, kept before the layers below rewrite it.
+            comp_k, comp_v = Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx]
             for i in range(full_layers):
                 h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i], steer)
             if selection == "deviation-kv":
                 Ks[check_layer], Vs[check_layer] = _kv(layers[check_layer], h, cos, sin)
             # Deviation of the reused tokens at the check layer: true (just computed) vs composed.
             d = kv_deviation(Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx],
-                             comp_k[:, :, reused_idx], comp_v[:, :, reused_idx])  # [R]
+                             comp_k, comp_v)  # [R]
             chosen = reused_idx[select_tokens(d, recompute_ratio)]
             idx = torch.sort(torch.cat((chosen, fresh_idx))).values  # [s]
             h = h.index_select(1, idx)
@@ -308,7 +320,8 @@ class RagReport:
     chunks_computed: int = 0  # not in the KDN: computed locally, alone
     missing: list[str] = field(default_factory=list)  # addresses the KDN could not serve
     sources: dict[str, int] = field(default_factory=dict)
-    fetch_ms: float = 0.0
+    encodings: dict[str, int] = field(default_factory=dict)  # chunks fetched per encoding (the client's pick)
+    fetch_ms: float = 0.0  # lookup-free fetch, verify and decode of every chunk, to the last one decoded
     compute_ms: float = 0.0  # local fallback
     blend_ms: float = 0.0
     ttft_ms: float = 0.0
@@ -342,31 +355,46 @@ def rag_frame(tokenizer: Any, query: str, system: str | None) -> tuple[str, str]
 
 async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: list[str], device: Any,
                         report: RagReport) -> list[dict | None]:
-    """Each address's tensors, or ``None`` where the KDN cannot serve it (a miss is a recompute)."""
+    """Each address's tensors, or ``None`` where the KDN cannot serve it (a miss is a recompute).
+
+    A pipeline per chunk: each is decoded off the event loop as soon as it has arrived and been
+    verified, while the others are still on the wire. ``report.fetch_ms`` runs to the last decode.
+    """
     from kdn.objects import decode_object, to_torch
 
     if client is None:
         report.missing.extend(addrs)
         return [None] * len(addrs)
-    t0 = time.perf_counter()
-    got = await asyncio.gather(*(client.fetch(a) for a in addrs), return_exceptions=True)
-    report.fetch_ms = (time.perf_counter() - t0) * 1e3
-    out: list[dict | None] = []
-    for a, f in zip(addrs, got):
-        if isinstance(f, SourceError):
-            report.missing.append(a)
-            out.append(None)
-            continue
-        if isinstance(f, BaseException):
-            raise f
-        cap = await client.prepare(f)  # a kvtc object: its basis, fetched once, and its decode limit
-        obj = decode_object(f.blob, max_decoded=cap)
+
+    def decode(a: str, blob: bytes, cap: int | None) -> dict:
+        obj = decode_object(blob, max_decoded=cap)
         h = obj.header
         if h.address != a or h.model_id != mid or h.namespace != namespace or h.position != 0:
             raise DigestMismatch(f"object {a[:16]}... is not the standalone chunk of this model/namespace")
-        out.append(to_torch(obj, device=device))
+        return to_torch(obj, device=device)
+
+    async def one(a: str) -> tuple[Any, dict] | None:
+        try:
+            f = await client.fetch(a)
+        except SourceError:
+            return None
+        cap = await client.prepare(f)  # a kvtc object: its basis, fetched once, and its decode limit
+        return f, await asyncio.to_thread(decode, a, f.blob, cap)
+
+    t0 = time.perf_counter()
+    got = await asyncio.gather(*(one(a) for a in addrs))
+    report.fetch_ms = (time.perf_counter() - t0) * 1e3
+    out: list[dict | None] = []
+    for a, g in zip(addrs, got):
+        if g is None:
+            report.missing.append(a)
+            out.append(None)
+            continue
+        f, tensors = g
+        out.append(tensors)
         report.chunks_fetched += 1
         report.sources[f.source] = report.sources.get(f.source, 0) + 1
+        report.encodings[f.encoding] = report.encodings.get(f.encoding, 0) + 1
     return out
 
 

@@ -43,6 +43,7 @@ async def test_generate_rag_fetches_every_chunk_and_ratio_one_is_exact(tmp_path,
                                       max_new_tokens=2)
         r = out.report
         assert r.chunks_fetched == n_chunks and r.chunks_computed == 0 and not r.missing, r.line()
+        assert sum(r.encodings.values()) == n_chunks and set(r.encodings) <= {"zstd", "raw"}, r.encodings
         assert set(r.sources) == {"edge:e1/origin"}, r.sources
         assert r.tokens_reused == sum(len(lm.tokenizer.encode(d)) for d in DOCS)
         assert r.tokens_recomputed == r.tokens_reused and r.ttft_ms > 0 and r.new_tokens == 4

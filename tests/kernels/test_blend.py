@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from kdn.adapters.hf import build_cache, continue_from_cache, load_model, standalone_chunk
 from kdn.adapters.hf.rag import Segment, blend_cache, blend_prefill, chunk_start_tokens, full_prefill, kv_share
 from kdn.errors import InvalidInput, ModelMismatch
-from kdn.kernels.blend import kv_deviation, n_select, select_tokens, select_tokens_ref
+from kdn.kernels.blend import compose, kv_deviation, n_select, select_tokens, select_tokens_ref
 from kdn.kernels.rope import rope_shift
 
 _MODELS: dict[str, object] = {}
@@ -82,6 +82,40 @@ def test_full_recompute_is_bit_identical_to_the_routines_full_prefill(name):
         err = (ref.logits - own).abs().max().item()
         print(f"{name}: routine vs model forward, max |dlogit| = {err:.2e}")
         torch.testing.assert_close(ref.logits, own, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                     (torch.float32, torch.float64)])
+def test_compose_is_each_chunk_shifted_alone_then_cast(src, dst):
+    """One in-place shift over every layer equals one rope_shift per layer in the wider of the two precisions,
+    then the cast: a narrowing cast comes after the shift, a widening one before it."""
+    m = model("tiny-llama")
+    chunks = [standalone_chunk(m, d).tensors for d in (DOC_A, DOC_B, DOC_C)]
+    chunks = [{n: t.to(src) for n, t in c.items()} for c in chunks]
+    lengths = [len(HEAD), len(DOC_A), len(DOC_B), len(DOC_C)]
+    H, D = chunks[0]["L0.k"].shape[0], chunks[0]["L0.k"].shape[2]
+    layers = range(m.config.num_hidden_layers)
+    ks, vs = compose([None, *chunks], lengths, m, layers, kv_shape=(H, D), dtype=dst)
+    for i in layers:
+        assert ks[i].shape == (1, H, sum(lengths), D) and ks[i].dtype == dst
+        assert not ks[i][0, :, :len(HEAD)].any() and not vs[i][0, :, :len(HEAD)].any()  # the fresh head: zeros
+        off = len(HEAD)
+        for c, n in zip(chunks, lengths[1:]):
+            wide = torch.promote_types(src, dst)
+            assert torch.equal(ks[i][0, :, off:off + n], rope_shift(c[f"L{i}.k"].to(wide), off, m).to(dst))
+            assert torch.equal(vs[i][0, :, off:off + n], c[f"L{i}.v"].to(dst))
+            off += n
+
+
+def test_partial_recompute_groups_queries_by_position_band():
+    from kdn.adapters.hf.rag import _groups
+
+    # queries spread over the context: one group per band of S/8 positions that holds any
+    assert _groups(torch.tensor([0, 1, 130, 131, 520, 1023]), 1024) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    # a question at the end (a compose-only blend): one call, not eight
+    assert _groups(torch.arange(1000, 1041), 1041) == [(0, 41)]
+    assert _groups(torch.arange(16), 16) == [(i, i + 2) for i in range(0, 16, 2)]
 
 
 def test_ratio_zero_is_pure_composition():

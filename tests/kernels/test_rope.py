@@ -78,6 +78,30 @@ def test_shift_matches_ref(dtype):
         torch.testing.assert_close(fast.double(), ref.double(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("rot", [16, 8])
+def test_shift_is_the_models_formula_bit_for_bit_and_works_in_place(dtype, rot):
+    """k * cos + rotate_half(k) * sin, as the model writes it (transformers' apply_rotary_pos_emb), in the
+    working precision: the halves computed apart (a - b for a + (-b)) give the same bits; out=keys too."""
+    r = Rope(1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot)))
+    k = torch.randn(3, 2, 41, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for delta in (1, 17, 4000, -300):
+        ang = float(delta) * r.inv_freq.double()
+        ang = torch.cat((ang, ang))
+        work = torch.promote_types(dtype, torch.float32)
+        x = k[..., :rot].to(work)
+        half = torch.cat((-x[..., rot // 2:], x[..., :rot // 2]), dim=-1)
+        want = torch.cat(((x * ang.cos().to(work) + half * ang.sin().to(work)).to(dtype), k[..., rot:]), dim=-1)
+        assert torch.equal(rope_shift(k, delta, r), want)
+        inplace = k.clone()
+        assert rope_shift(inplace, delta, r, out=inplace) is inplace
+        assert torch.equal(inplace, want)
+        strided = torch.zeros(3, 2, 50, 16, dtype=dtype)  # a slice of a longer context, as compose writes it
+        strided[:, :, 5:46] = k
+        rope_shift(strided[:, :, 5:46], delta, r, out=strided[:, :, 5:46])
+        assert torch.equal(strided[:, :, 5:46], want) and not strided[:, :, :5].any() and not strided[:, :, 46:].any()
+
+
 def test_shifts_compose_and_keep_norms():
     r = Rope(1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)))
     k = torch.randn(3, 20, 64, dtype=torch.float64)
