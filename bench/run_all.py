@@ -183,13 +183,74 @@ def why_skip(run: Run, quick: bool) -> str:
     return missing(run, quick)
 
 
-# The code every result measures, besides its bench script and the bench/ and tests/ modules that script
-# imports: a result whose commit differs from HEAD under one of these paths may no longer describe the code.
-CODE = ("kdn", "adapters", "kernels", "edge", "origin", "service", "up", "pyproject.toml")
+# What every result depends on besides the code its bench imports: the dependency pins and the shipped docs.
+ALWAYS = ("pyproject.toml", "kdn/data")
+# The installed package's folders (pyproject.toml's package-dir): kdn.X lives in kdn/X unless mapped here.
+PACKAGE_DIRS = {"kdn.origin": "origin", "kdn.edge": "edge", "kdn.kernels": "kernels", "kdn.adapters": "adapters",
+                "kdn.service": "service", "kdn.up": "up"}
+# kdn modules a file runs: ``import kdn...`` (lazy ones inside functions too) and module names in quotes
+# (``-m kdn.cli``, vLLM's ``kv_connector_module_path``, the CLI's list of parts). A name in prose
+# (a docstring's ``kdn.adapters.hf``) is not an import.
+_KDN_NAME = re.compile(r"^\s*import\s+(kdn[\w.]*)|[\"'](kdn(?:\.\w+)+)[\"':]", re.M)
+_FROM_IMPORT = re.compile(r"^\s*from\s+(\.*[\w.]*)\s+import\s+(\([^)]*\)|[^\n#]*)", re.M)
+
+
+def _module_path(module: str) -> Path:
+    """Where ``module``'s file or package folder is (no suffix): ``kdn.adapters.hf.rag`` -> adapters/hf/rag."""
+    for pkg, folder in PACKAGE_DIRS.items():
+        if module == pkg or module.startswith(pkg + "."):
+            return ROOT / folder / Path(*module[len(pkg) + 1:].split(".")) if module != pkg else ROOT / folder
+    return ROOT / Path(*module.split("."))
+
+
+def _module_files(module: str) -> list[Path]:
+    """The files importing ``module`` runs: its own and each enclosing package's ``__init__.py`` (those that exist)."""
+    parts = module.split(".")
+    out = []
+    for i in range(1, len(parts) + 1):
+        base = _module_path(".".join(parts[:i]))
+        out += [f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()]
+    return out
+
+
+def _module_of(path: Path) -> str | None:
+    """The dotted name of a repository file under the package (None: not part of it)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    folder = {v: k for k, v in PACKAGE_DIRS.items()}.get(rel.parts[0], "kdn" if rel.parts[0] == "kdn" else None)
+    if folder is None:
+        return None
+    name = ".".join([folder, *rel.parts[1:]])
+    return name.removesuffix(".__init__")
+
+
+def _imports(path: Path, text: str) -> list[Path]:
+    """The repository files ``path`` may import: bench/ and tests/ modules by name, kdn modules by dotted name."""
+    out: list[Path] = []
+    for m in re.finditer(r"^\s*(?:from|import)\s+(\w+)", text, re.M):
+        out += [d / f"{m.group(1)}.py" for d in (ROOT / "bench", ROOT / "tests") if (d / f"{m.group(1)}.py").exists()]
+    for m in _KDN_NAME.finditer(text):
+        out += _module_files(m.group(1) or m.group(2))
+    here = _module_of(path)
+    for m in _FROM_IMPORT.finditer(text):
+        mod, names = m.group(1), [n.split()[0] for n in m.group(2).strip("()").replace("\n", " ").split(",") if n.strip()]
+        if mod.startswith("."):  # relative, inside the package
+            if here is None:
+                continue
+            pkg = here.split(".") if path.name == "__init__.py" else here.split(".")[:-1]
+            up = len(mod) - len(mod.lstrip("."))
+            base = pkg[:len(pkg) - (up - 1)] if up > 1 else pkg
+            mod = ".".join([*base, *([mod.lstrip(".")] if mod.lstrip(".") else [])])
+        if mod != "kdn" and not mod.startswith("kdn."):
+            continue
+        out += _module_files(mod)
+        for n in names:  # ``from kdn import address``: a submodule, if it is one
+            out += _module_files(f"{mod}.{n}") if n != "*" else []
+    return out
 
 
 def _bench_sources(script: str) -> list[str]:
-    """bench/SCRIPT.py and the bench/ and tests/ modules it imports, transitively (by name, one file each)."""
+    """Every repository file the result of bench/SCRIPT.py measures: the script, the bench/ and tests/
+    modules it imports, and the package modules any of them import, transitively."""
     seen: list[str] = []
     todo = [ROOT / "bench" / f"{script}.py"]
     while todo:
@@ -198,8 +259,7 @@ def _bench_sources(script: str) -> list[str]:
         if rel in seen or not path.exists():
             continue
         seen.append(rel)
-        for m in re.finditer(r"^\s*(?:from|import)\s+(\w+)", path.read_text(), re.M):
-            todo += [d / f"{m.group(1)}.py" for d in (ROOT / "bench", ROOT / "tests") if (d / f"{m.group(1)}.py").exists()]
+        todo += _imports(path, path.read_text())
     return seen
 
 
@@ -214,7 +274,7 @@ def stale(run: Run, results_dir: Path = RESULTS) -> str:
         return "imported from the docs, no commit of its own"
     if data["commit"].get("dirty"):
         return f"run on a modified tree at {sha[:7]}"
-    paths = [*CODE, *_bench_sources(run.script)]
+    paths = [*ALWAYS, *_bench_sources(run.script)]
     out = subprocess.run(["git", "-C", str(ROOT), "diff", "--name-only", sha, "HEAD", "--", *paths],
                          capture_output=True, text=True, timeout=60)
     if out.returncode != 0:

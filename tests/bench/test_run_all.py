@@ -150,6 +150,13 @@ def test_a_result_is_current_only_while_the_code_it_measures_is_unchanged(tmp_pa
     assert "bench/ring.py" in run_all._bench_sources("ring") and "bench/results.py" in run_all._bench_sources("ring")
     # cross_engine imports vllm_ttft, which imports tests/ports.py: a change to either stales it
     assert {"bench/vllm_ttft.py", "tests/ports.py"} <= set(run_all._bench_sources("cross_engine"))
+    # the package modules a bench imports count, through every import form, and only those: the ring bench
+    # (kdn.ring) does not measure the blend, the blend bench does; the vLLM connector is named in a string
+    assert {"kdn/ring.py", "kdn/__init__.py"} <= set(run_all._bench_sources("ring"))
+    assert "adapters/hf/rag.py" not in run_all._bench_sources("ring")
+    assert "kernels/blend.py" in run_all._bench_sources("blend")
+    assert "adapters/vllm/connector.py" in run_all._bench_sources("vllm_ttft")
+    assert "edge/cli.py" in run_all._bench_sources("serve")  # ``-m kdn.cli`` -> the CLI's parts, in quotes
     assert run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": head, "dirty": False})) == ""
     assert "modified tree" in run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": head, "dirty": True}))
     assert run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": root, "dirty": False})).startswith(
