@@ -162,8 +162,9 @@ class Filler:
 
     def _probe_outcome(self, url: str, hit: bool) -> None:
         rate = self.hit_rate(url)
+        self._hit_rate.pop(url, None)  # re-inserted last: the dict's order is the order of last update
         self._hit_rate[url] = (rate + PROBE_HIT_ALPHA * (float(hit) - rate), time.monotonic())
-        if len(self._hit_rate) > 4096:  # bounded: forget the oldest entries
+        if len(self._hit_rate) > 4096:  # bounded: forget the least recently updated
             for old in list(self._hit_rate)[:1024]:
                 self._hit_rate.pop(old, None)
 

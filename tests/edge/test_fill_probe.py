@@ -192,6 +192,20 @@ def test_a_region_that_holds_what_is_asked_stays_worth_asking():
     assert not f._worth_probing(url, len(BLOB), t_origin=0.05)  # noqa: SLF001  (no faster: never worth a miss)
 
 
+def test_hit_rates_are_bounded_and_forget_the_least_recently_updated_region():
+    f = fill.Filler(session=None, membership=None, origin_urls=lambda: [], me=NodeRecord("edge", "near", "n-1", "http://x"),
+                    upstream_headers={}, metrics=EdgeMetrics(CollectorRegistry(), lambda: None))
+    for _ in range(20):
+        f._probe_outcome("http://first", False)  # noqa: SLF001
+    for i in range(4096):
+        f._probe_outcome(f"http://r{i}", True)  # noqa: SLF001
+        if i == 2000:
+            f._probe_outcome("http://first", False)  # noqa: SLF001  (updated again: now recent)
+    assert len(f._hit_rate) <= 4096  # noqa: SLF001
+    assert f.hit_rate("http://first") < 0.1  # kept: updated after most others
+    assert f.hit_rate("http://r0") == fill.PROBE_HIT_PRIOR  # forgotten: the least recently updated
+
+
 def test_an_operator_who_prefers_less_origin_egress_has_every_region_asked():
     f = fill.Filler(session=None, membership=_Members(NodeRecord("edge", "far", "far-1", "http://far")),
                     origin_urls=lambda: ["http://origin"], me=NodeRecord("edge", "near", "near-1", "http://x"),
