@@ -354,24 +354,42 @@ def _fmt_load(load) -> str:
 
 
 def headline(res: R.Results, summary: list[dict], lengths: list[int]) -> None:
-    """The README row: the fastest configuration within +2% NLL (aggregate), and CacheBlend's own at 15%."""
+    """The README row: the default configuration (``generate_rag``'s selection and ratio), the fastest within +2%
+    NLL (aggregate) on this set, and CacheBlend's own at 15%. A ratio picked as the fastest on this set is not
+    a held-out result: the target is called met only for the default."""
+    import inspect
+
+    from kdn.adapters.hf.rag import generate_rag
+
+    params = inspect.signature(generate_rag).parameters
+    sel, ratio = params["selection"].default, params["recompute_ratio"].default
+    default = next((x for x in summary if x["selection"] == sel and x["ratio"] == ratio), None)
     ok = [x for x in summary if x["nll_increase"] <= 0.02 and 0 < x["ratio"] < 1]
-    if not ok:
+    if default is None or not ok:
         return
     best = max(ok, key=lambda x: x["speedup"])
-    sp, worst, inc, share = (f"{best['speedup']:.2f}x", f"{best['worst_speedup']:.2f}x",
-                             f"{best['nll_increase'] * 100:+.1f}%", f"{best['share'] * 100:.1f}%")
-    figs = [{"shown": sp, "cell": sp, "table": "main"}, {"shown": worst, "cell": worst, "table": "main"},
-            {"shown": inc, "cell": inc, "table": "main"}, {"shown": share, "cell": share, "table": "main"}]
-    text = (f"{best['label']}: **{sp}** faster (worst question {worst}) at {inc} NLL, recomputing {share} of the "
-            f"reused tokens' layer work")
+    figs: list[dict] = []
+
+    def cfg(x: dict, *, bold: bool) -> str:
+        sp, worst, inc, share = (f"{x['speedup']:.2f}x", f"{x['worst_speedup']:.2f}x",
+                                 f"{x['nll_increase'] * 100:+.1f}%", f"{x['share'] * 100:.1f}%")
+        figs.extend({"shown": v, "cell": v, "table": "main"} for v in (sp, worst, inc, share))
+        b = "**" if bold else ""
+        return (f"{x['label']}: {b}{sp}{b} faster (worst question {worst}) at {inc} NLL, recomputing {share} of the "
+                f"reused tokens' layer work")
+
+    text = "the default, " + cfg(default, bold=True)
+    if best is not default:
+        text += "; the fastest within +2% NLL on this set, " + cfg(best, bold=False)
     cb = next((x for x in summary if x["selection"] == "deviation" and x["ratio"] == 0.15), None)
-    if cb and cb is not best:
+    if cb and cb is not default and cb is not best:
         sp2, inc2 = f"{cb['speedup']:.2f}x", f"{cb['nll_increase'] * 100:+.1f}%"
         text += f" (CacheBlend's full check, 15%: {sp2} at {inc2})"
         figs += [{"shown": sp2, "cell": sp2, "table": "main"}, {"shown": inc2, "cell": inc2, "table": "main"}]
-    met = best["speedup"] >= 3.3
-    text += f"; the 3.3x-within-2% target is {'met at the median' if met else '**not met**'}"
+    met = default["speedup"] >= 3.3 and default["nll_increase"] <= 0.02
+    text += f"; the 3.3x-within-2% target is {'met at the median' if met else '**not met**'} by the default"
+    if not met and best["speedup"] >= 3.3:
+        text += " (the faster ratio meets it on this set only: see the held-out run in docs/benchmarks.md)"
     res.set_headline(f"non-prefix reuse (blend) from an edge, fetch + verify + decode included, "
                      f"{min(lengths) / 1e3:.1f}k-{max(lengths) / 1e3:.1f}k-token RAG prompts", text,
                      "the lean one-shot prefill of the same prompt (`logits_to_keep=1`), same run", figs)
