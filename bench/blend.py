@@ -362,8 +362,8 @@ def headline(res: R.Results, summary: list[dict], lengths: list[int]) -> None:
     from kdn.adapters.hf.rag import generate_rag
 
     params = inspect.signature(generate_rag).parameters
-    sel, ratio = params["selection"].default, params["recompute_ratio"].default
-    default = next((x for x in summary if x["selection"] == sel and x["ratio"] == ratio), None)
+    sel, ratio, check = (params[k].default for k in ("selection", "recompute_ratio", "check_layer"))
+    default = next((x for x in summary if (x["selection"], x["ratio"], x["check_layer"]) == (sel, ratio, check)), None)
     ok = [x for x in summary if x["nll_increase"] <= 0.02 and 0 < x["ratio"] < 1]
     if default is None or not ok:
         return

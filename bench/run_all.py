@@ -196,6 +196,8 @@ PACKAGE_DIRS = {"kdn.origin": "origin", "kdn.edge": "edge", "kdn.kernels": "kern
 # (``-m kdn.cli``, vLLM's ``kv_connector_module_path``, the CLI's list of parts). A name in prose
 # (a docstring's ``kdn.adapters.hf``) is not an import.
 _KDN_NAME = re.compile(r"^\s*import\s+(kdn[\w.]*)|[\"'](kdn(?:\.\w+)+)[\"':]", re.M)
+_KDN_COMMAND = re.compile(r"[\"']kdn[\"']\s*,")
+_SCRIPT = re.compile(r"[\"'/](\w+)\.py[\"']")
 _FROM_IMPORT = re.compile(r"^\s*from\s+(\.*[\w.]*)\s+import\s+(\([^)]*\)|[^\n#]*)", re.M)
 
 
@@ -234,6 +236,10 @@ def _imports(path: Path, text: str) -> list[Path]:
         out += [d / f"{m.group(1)}.py" for d in (ROOT / "bench", ROOT / "tests") if (d / f"{m.group(1)}.py").exists()]
     for m in _KDN_NAME.finditer(text):
         out += _module_files(m.group(1) or m.group(2))
+    if _KDN_COMMAND.search(text):  # ["kdn", "origin", "serve", ...]: the console command is kdn.cli
+        out += _module_files("kdn.cli")
+    for m in _SCRIPT.finditer(text):  # a bench script run as its own process (serve_clients.py)
+        out += [ROOT / "bench" / f"{m.group(1)}.py"] if (ROOT / "bench" / f"{m.group(1)}.py").exists() else []
     here = _module_of(path)
     for m in _FROM_IMPORT.finditer(text):
         mod, names = m.group(1), [n.split()[0] for n in m.group(2).strip("()").replace("\n", " ").split(",") if n.strip()]

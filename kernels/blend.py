@@ -76,6 +76,8 @@ def compose(chunks: Sequence[Mapping[str, torch.Tensor] | None], lengths: Sequen
     H, D = kv_shape
     S = sum(lengths)
     layers = list(layers)
+    if not layers:
+        return [], []
     K = torch.empty(len(layers), 1, H, S, D, dtype=dtype, device=device)  # [layers, 1, H, S, D]
     V = torch.empty_like(K)
     off = 0

@@ -382,10 +382,14 @@ async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: list[str],
         return f, await asyncio.to_thread(decode, a, f.blob, cap)
 
     t0 = time.perf_counter()
-    got = await asyncio.gather(*(one(a) for a in addrs))
+    got = await asyncio.gather(*(one(a) for a in addrs), return_exceptions=True)  # every chunk settles first
     report.fetch_ms = (time.perf_counter() - t0) * 1e3
+    failed = next((g for g in got if isinstance(g, BaseException)), None)
+    if failed is not None:
+        raise failed
     out: list[dict | None] = []
     for a, g in zip(addrs, got):
+        assert not isinstance(g, BaseException)
         if g is None:
             report.missing.append(a)
             out.append(None)

@@ -157,6 +157,8 @@ def test_a_result_is_current_only_while_the_code_it_measures_is_unchanged(tmp_pa
     assert "kernels/blend.py" in run_all._bench_sources("blend")
     assert "adapters/vllm/connector.py" in run_all._bench_sources("vllm_ttft")
     assert "edge/cli.py" in run_all._bench_sources("serve")  # ``-m kdn.cli`` -> the CLI's parts, in quotes
+    assert "bench/serve_clients.py" in run_all._bench_sources("serve")  # a script it runs as a process
+    assert "origin/cli.py" in run_all._bench_sources("vllm_ttft")  # ["kdn", "origin", "serve", ...]
     assert run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": head, "dirty": False})) == ""
     assert "modified tree" in run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": head, "dirty": True}))
     assert run_all.stale(ring, _result(tmp_path, "ring", commit={"sha": root, "dirty": False})).startswith(
