@@ -246,10 +246,8 @@ def _imports(path: Path, text: str) -> list[Path]:
         if mod.startswith("."):  # relative, inside the package
             if here is None:
                 continue
-            pkg = here.split(".") if path.name == "__init__.py" else here.split(".")[:-1]
-            up = len(mod) - len(mod.lstrip("."))
-            base = pkg[:len(pkg) - (up - 1)] if up > 1 else pkg
-            mod = ".".join([*base, *([mod.lstrip(".")] if mod.lstrip(".") else [])])
+            pkg = here if path.name == "__init__.py" else here.rpartition(".")[0]
+            mod = importlib.util.resolve_name(mod, pkg)
         if mod != "kdn" and not mod.startswith("kdn."):
             continue
         out += _module_files(mod)
