@@ -253,16 +253,36 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
         tok.save_pretrained(tmp)
         (tmp / "kdn-source.json").write_text(json.dumps(_gguf_stamp(gguf)))
         tmp.chmod(0o755)  # mkdtemp makes it 0700; the converted model is not a secret
-        if dest.exists():
-            shutil.rmtree(dest)  # stale conversion of an older source
-        try:
-            tmp.rename(dest)
-        except OSError:
-            if not (dest / "kdn-source.json").exists():  # lost a race only if the winner finished
-                raise
+        _install(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _install(tmp: Path, dest: Path) -> None:
+    """Put the finished folder ``tmp`` at ``dest``, unless a process converting the same source got there first.
+
+    Two processes that load a model for the first time at once both convert it. The later one must not
+    delete the earlier one's folder, which the earlier one is already loading from: a ``dest`` whose stamp
+    matches ours is kept (``tmp`` is dropped by the caller). A stale ``dest`` (an older source) is renamed
+    aside first, so ``dest`` is never a half-deleted folder.
+    """
+    stamp = (tmp / "kdn-source.json").read_text()
+    cur = dest / "kdn-source.json"
+    if cur.exists() and cur.read_text() == stamp:
+        return
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
+        try:
+            dest.rename(old / "x")
+        except OSError:
+            pass  # another process moved it first
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        tmp.rename(dest)
+    except OSError:
+        if not (cur.exists() and cur.read_text() == stamp):  # lost a race only if the winner finished
+            raise
 
 
 def _load_folder(path: Path, dtype: torch.dtype | None) -> tuple[Any, Any]:
