@@ -100,11 +100,6 @@ def _inv_freq_from_config(config: Any, kind: str, params: dict) -> torch.Tensor:
     return inv
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
 def rope_shift(keys: torch.Tensor, delta: int, rope: Any, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``keys`` ``[..., n, head_dim]`` rotated ``delta`` positions further (same dtype).
 
