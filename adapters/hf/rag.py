@@ -20,13 +20,21 @@ was computed on its own at positions ``0..n-1`` (the origin publishes them with
 
 ``selection`` picks the tokens of step 3 and says what the check costs:
 
-- ``"deviation-kv"`` (default): CacheBlend's selection with a cheaper check:
+- ``"deviation-kv"``: CacheBlend's selection with a cheaper check:
   layers ``0..check_layer-1`` run for every token, then only the check layer's
   K/V projections (what the deviation compares); the selected tokens run from
   the check layer on. It selects the same tokens and leaves the same cache as
   ``"deviation"`` (the check layer's output for unselected tokens was never
   used) and skips that layer's attention and MLP for them: on SmolLM2-135M,
   3.77x instead of 3.43x the lean prefill at the same NLL (docs/whitebox.md);
+- ``"deviation-query"`` (default): the same check, and the tokens ranked by deviation
+  times the square root of the attention the query (the fresh tokens after
+  the last reused one) pays them at the check layer
+  (``kdn.kernels.blend.query_weighted``): a wrong state the question reads is
+  worth more than one it does not. Costs the query's own q projection and one
+  attention row per query token at the check layer, no reused-token work;
+  lower answer NLL than ``"deviation-kv"`` at the same ratio on SmolLM2-135M,
+  on each of three draws of the bench's contexts (docs/whitebox.md);
 - ``"deviation"``: CacheBlend as listed above, the check layer run in full.
   ``check_layer=0`` selects nothing useful: layer 0's K/V of a token depend on
   the token alone, so composed and true ones differ by rounding only;
@@ -39,7 +47,7 @@ was computed on its own at positions ``0..n-1`` (the origin publishes them with
 ``Blend.layer_tokens`` counts the (reused token, layer) pairs actually
 recomputed, check layers included: ``R * (check_layer + 1) + r * (L - check_layer - 1)``
 for ``"deviation"`` (R reused tokens, r selected, L layers);
-``R * check_layer + R * f + r * (L - check_layer)`` for ``"deviation-kv"``, with
+``R * check_layer + R * f + r * (L - check_layer)`` for ``"deviation-kv"`` and ``"deviation-query"``, with
 ``f = kv_share(layer)`` the K/V projections' share of a layer's matmul weights
 (6.2% for SmolLM2-135M); ``r * L`` for ``"chunk-start"``.
 ``Blend.recompute_share`` divides it by ``R * L``.
@@ -65,7 +73,7 @@ import torch.nn.functional as F
 from kdn import address as A
 from kdn.emphasis import EmphasisMap, merge_spans
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
-from kdn.kernels.blend import compose, kv_deviation, n_select, select_tokens
+from kdn.kernels.blend import compose, kv_deviation, n_select, query_attention, query_weighted, select_tokens
 from kdn.kernels.rope import rope_of
 from kdn.template import chat_frame, encode_text
 
@@ -75,7 +83,7 @@ from kdn.adapters.hf.generate import _pick, decode_loop, model_id
 from kdn.adapters.hf.steer import Steer, plan, steering
 
 BLEND_FAMILIES = frozenset({"llama", "qwen2"})
-SELECTIONS = ("deviation", "deviation-kv", "chunk-start")
+SELECTIONS = ("deviation", "deviation-kv", "deviation-query", "chunk-start")
 
 
 @dataclass
@@ -130,6 +138,13 @@ def _kv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tu
     k = attn.k_proj(x).view(1, s, -1, D).transpose(1, 2)
     v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
     return _rope(k, cos, sin), v
+
+
+def _q(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A layer's queries (rotated) for the tokens of ``h`` [1, s, hidden]: [1, Hq, s, D]."""
+    attn = layer.self_attn
+    s, D = h.shape[1], attn.head_dim
+    return _rope(attn.q_proj(layer.input_layernorm(h)).view(1, s, -1, D).transpose(1, 2), cos, sin)
 
 
 # Queries of a partial recompute are cut by position into at most this many bands of the context; each
@@ -212,7 +227,7 @@ def chunk_start_tokens(segments: Sequence[Segment], ratio: float) -> list[int]:
 
 
 def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: float = 0.15, check_layer: int = 1,
-                  n_logits: int = 1, selection: str = "deviation-kv", steer: Steer | None = None) -> Blend:
+                  n_logits: int = 1, selection: str = "deviation-query", steer: Steer | None = None) -> Blend:
     """Prefill a context of reused and fresh segments, CacheBlend style (see the module doc).
 
     The last ``n_logits`` tokens must be fresh (their logits are returned). ``steer``: a steering plan
@@ -227,8 +242,8 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
     layers = list(inner.layers)
     if not 0 <= check_layer < len(layers):
         raise InvalidInput(f"check_layer {check_layer} is not a layer of this {len(layers)}-layer model")
-    if selection == "deviation-kv" and check_layer == 0:
-        raise InvalidInput("deviation-kv needs check_layer >= 1 (layer 0's K/V do not depend on the context)")
+    if selection in ("deviation-kv", "deviation-query") and check_layer == 0:
+        raise InvalidInput(f"{selection} needs check_layer >= 1 (layer 0's K/V do not depend on the context)")
     p = next(model.parameters())
     dev, dtype = p.device, p.dtype
     lengths = [len(s.ids) for s in segments]
@@ -269,18 +284,24 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
             comp_k, comp_v = Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx]
             for i in range(full_layers):
                 h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i], steer)
-            if selection == "deviation-kv":
+            if selection != "deviation":
                 Ks[check_layer], Vs[check_layer] = _kv(layers[check_layer], h, cos, sin)
             # Deviation of the reused tokens at the check layer: true (just computed) vs composed.
             d = kv_deviation(Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx],
                              comp_k, comp_v)  # [R]
+            if selection == "deviation-query" and reused_idx.numel():
+                # The query: the fresh tokens after the last reused one; how much it reads each token.
+                qpos = torch.arange(int(reused_idx[-1]) + 1, S, device=dev)
+                q = _q(layers[check_layer], h[:, qpos], cos[:, qpos], sin[:, qpos])
+                a = query_attention(q, Ks[check_layer], qpos, layers[check_layer].self_attn.scaling)
+                d = query_weighted(d, a[reused_idx])
             chosen = reused_idx[select_tokens(d, recompute_ratio)]
             idx = torch.sort(torch.cat((chosen, fresh_idx))).values  # [s]
             h = h.index_select(1, idx)
             start = full_layers
             R = int(reused_idx.numel())
             layer_tokens = R * start + int(chosen.numel()) * (L - start)
-            if selection == "deviation-kv":
+            if selection != "deviation":
                 layer_tokens += R * kv_share(layers[check_layer])
         recomputed = idx[~fresh[idx]]
         cos, sin = cos_sin(idx, h)
@@ -405,7 +426,7 @@ async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: list[str],
 async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequence[str], client: Any, *,
                        namespace: str = "public", recompute_ratio: float = 0.15, system: str | None = None,
                        max_new_tokens: int = 32, chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS,
-                       check_layer: int = 1, selection: str = "deviation-kv",
+                       check_layer: int = 1, selection: str = "deviation-query",
                        emphasis: Sequence[EmphasisMap | dict | None] | None = None,
                        steer: bool | None = None, steer_alpha: float | None = None,
                        steer_heads: list[tuple[int, int]] | None = None) -> RagGeneration:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -9,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from kdn.adapters.hf import build_cache, continue_from_cache, load_model, standalone_chunk
 from kdn.adapters.hf.rag import Segment, blend_cache, blend_prefill, chunk_start_tokens, full_prefill, kv_share
 from kdn.errors import InvalidInput, ModelMismatch
-from kdn.kernels.blend import compose, kv_deviation, n_select, select_tokens, select_tokens_ref
+from kdn.kernels.blend import (compose, kv_deviation, n_select, query_attention, query_attention_ref, query_weighted,
+                               select_tokens, select_tokens_ref)
 from kdn.kernels.rope import rope_shift
 
 _MODELS: dict[str, object] = {}
@@ -211,7 +214,7 @@ def test_chunk_start_picks_the_first_tokens_of_every_reused_chunk():
         assert not torch.equal(b.keys[i][:, :, b.recomputed], zero.keys[i][:, :, b.recomputed])
 
 
-@pytest.mark.parametrize("selection", ["chunk-start", "deviation-kv", "deviation"])
+@pytest.mark.parametrize("selection", ["chunk-start", "deviation-kv", "deviation", "deviation-query"])
 def test_every_selection_at_ratio_one_is_the_full_prefill(selection):
     m = model("tiny-qwen2")
     segs = segments(m, [DOC_C, DOC_A, DOC_B])
@@ -250,3 +253,74 @@ def test_deviation_kv_is_cacheblend_with_a_cheaper_check(ratio):
         blend_prefill(m, segs, check_layer=0, selection="deviation-kv")
     with pytest.raises(InvalidInput, match="selection"):
         blend_prefill(m, segs, selection="random")
+
+
+# --- deviation-query: the deviation weighted by how much the query reads each token -------------------
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+def test_query_attention_matches_ref(hq, hkv):
+    g = torch.Generator().manual_seed(hq * 10 + hkv)
+    S, t, D = 23, 5, 8
+    q = torch.randn(1, hq, t, D, generator=g)
+    K = torch.randn(1, hkv, S, D, generator=g)
+    pos = torch.tensor([10, 14, 20, 21, 22])  # queries need not be contiguous; each sees keys up to itself
+    a = query_attention(q, K, pos, 0.35)
+    ref = query_attention_ref(q, K, pos.tolist(), 0.35)
+    torch.testing.assert_close(a, torch.tensor(ref, dtype=torch.float32), atol=1e-6, rtol=1e-5)
+    assert float(a.sum()) == pytest.approx(1.0, abs=1e-5)
+    assert torch.all(a[23 - 1:] > 0) and float(a[pos[-1] + 1:].sum()) == 0.0
+
+
+def test_query_weighted_keeps_the_deviation_the_main_term():
+    d = torch.tensor([4.0, 1.0, 0.0, 9.0])
+    a = torch.tensor([0.25, 1.0, 1.0, 0.0])
+    assert query_weighted(d, a).tolist() == [2.0, 1.0, 0.0, 0.0]
+    # a token the query never reads is never worth recomputing for it, however wrong its state
+    assert select_tokens(query_weighted(d, a), 0.5).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.3])
+def test_deviation_query_picks_by_deviation_times_root_attention(ratio):
+    # A random-init model's attention is near uniform, which would make the query's weight a constant:
+    # sharpen the check layer's queries (a copy of the model) so that it is not.
+    m = copy.deepcopy(model("tiny-llama"))
+    c = 1
+    with torch.no_grad():
+        m.model.layers[c].self_attn.q_proj.weight.mul_(40)
+    segs = segments(m, [DOC_A, DOC_B, DOC_C])
+    b = blend_prefill(m, segs, recompute_ratio=ratio, check_layer=c, selection="deviation-query")
+    kv = blend_prefill(m, segs, recompute_ratio=ratio, check_layer=c, selection="deviation-kv")
+    assert b.layer_tokens == pytest.approx(kv.layer_tokens)  # the same check work, the query's q aside
+    # The reference, from the model's own forward: the check layer's true K/V and the query's queries.
+    ids = [t for s in segs for t in s.ids]
+    S, nq = len(ids), len(QUERY)
+    lay = m.model.layers[c]
+    attn = lay.self_attn
+    with torch.inference_mode():
+        hs = m(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[c]  # layer c's input
+        pos = torch.arange(S)[None]
+        cos, sin = m.model.rotary_emb(hs, position_ids=pos)
+        x = lay.input_layernorm(hs)
+        D = attn.head_dim
+
+        def rot(y):  # [1, H, S, D] with the model's formula
+            h = D // 2
+            return y * cos[:, None] + torch.cat((-y[..., h:], y[..., :h]), dim=-1) * sin[:, None]
+
+        k = rot(attn.k_proj(x).view(1, S, -1, D).transpose(1, 2))
+        v = attn.v_proj(x).view(1, S, -1, D).transpose(1, 2)
+        q = rot(attn.q_proj(x).view(1, S, -1, D).transpose(1, 2))[:, :, S - nq:]
+    reused = torch.tensor([i for i in range(len(HEAD), S - nq)])
+    Kc, Vc = compose([s.kv for s in segs], [len(s.ids) for s in segs], m, [c],
+                     kv_shape=(attn.config.num_key_value_heads, D), dtype=torch.float32)
+    d = kv_deviation(k[:, :, reused], v[:, :, reused], Kc[0][:, :, reused], Vc[0][:, :, reused])
+    a = query_attention(q, k, torch.arange(S - nq, S), attn.scaling)[reused]
+    want = reused[select_tokens(query_weighted(d, a), ratio)]
+    got = b.recomputed
+    assert got.numel() == want.numel() == n_select(reused.numel(), ratio)
+    # The model's forward and the blend's routine round differently; allow one near-tie to swap.
+    assert len(set(got.tolist()) ^ set(want.tolist())) <= 2
+    assert not torch.equal(got, kv.recomputed)  # and the query changed the choice
+    with pytest.raises(InvalidInput, match="check_layer"):
+        blend_prefill(m, segs, check_layer=0, selection="deviation-query")
