@@ -35,7 +35,13 @@ pairs / (reused tokens x layers): ``R(c+1) + r(L-c-1)`` for ``deviation``
 (CacheBlend: layers 0..c in full for every reused token, then r selected
 tokens), ``Rc + Rf + r(L-c)`` for ``deviation-kv`` (layers 0..c-1 in full,
 the check layer's K/V projections only, f = their share of a layer's matmul
-weights), ``rL`` for ``chunk-start`` (the first tokens of each chunk, EPIC-style).
+weights) and ``deviation-query`` (the same check; tokens ranked by deviation times
+the root of the question's attention to them), ``rL`` for ``chunk-start`` (the
+first tokens of each chunk, EPIC-style).
+
+``--seeds 11,13`` runs every seed's questions (their own generated documents and
+passage draws) in one run and gives the NLL increase per seed too: the held-out
+check of ratios chosen on the default seed.
 """
 
 from __future__ import annotations
@@ -69,9 +75,9 @@ import ttft as T  # noqa: E402  (origin/edge processes, health checks)
 DOCS = Path(__file__).resolve().parents[1] / "kdn" / "data" / "docs"
 SYSTEM = "Answer the question in a few words, using only the documents."
 # name:ratio%[:check layer]; compose = pure composition (ratio 0)
-CONFIGS = ("compose:0,deviation:15:1,deviation-kv:10:1,deviation-kv:12:1,deviation-kv:15:1,deviation-kv:20:1,chunk-start:15,"
-           "chunk-start:25")
-QUICK_CONFIGS = "compose:0,deviation:15:1,deviation-kv:15:1,chunk-start:15"
+CONFIGS = ("compose:0,deviation:15:1,deviation-kv:12:1,deviation-kv:15:1,deviation-query:10:1,deviation-query:12:1,"
+           "deviation-query:15:1,chunk-start:15")
+QUICK_CONFIGS = "compose:0,deviation:15:1,deviation-query:15:1,chunk-start:15"
 
 
 def encode(tok, text: str) -> list[int]:
@@ -201,8 +207,12 @@ async def run(args, res: R.Results, log) -> None:
         lm = load_model(args.model, dtype=getattr(torch, args.dtype))
         model, tok = lm.model, lm.tokenizer
         model.eval()
-        docs, qs = question_set(args.questions, args.seed)
-        contexts, by_doc = build_contexts(tok, docs, qs, args.passages, args.passage_tokens, args.seed)
+        contexts, by_doc = [], {}
+        for seed in args.seeds:
+            docs, qs = question_set(args.questions, seed)
+            ctxs, bd = build_contexts(tok, docs, qs, args.passages, args.passage_tokens, seed)
+            contexts += [({**q, "seed": seed}, ctx) for q, ctx in ctxs]
+            by_doc.update({(name, tuple(ps)): ps for name, ps in bd.items()})  # one entry per distinct text
         used = list(dict.fromkeys(p for _, ctx in contexts for p in ctx))
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
             await T.wait_healthy(s, origin, 600)
@@ -294,8 +304,10 @@ async def measure(args, res, log, model, tok, client, contexts, configs, by_doc,
     for row in per.values():
         for k, v in row["encodings"].items():
             encs[k] = encs.get(k, 0) + v
+    seeds = list(args.seeds)
     lines = [f"{args.model} ({args.dtype}), {len(contexts)} questions over {len(by_doc)} documents "
-             f"({len(set(q['doc'] for q, _ in contexts))} of them hold answers), {args.passages} passages each "
+             f"({len(set((q['doc'], q['seed']) for q, _ in contexts))} of them hold answers; "
+             f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}), {args.passages} passages each "
              f"(answer passage never first), context {min(lengths)}-{max(lengths)} tokens (median "
              f"{med(lengths):.0f}); {n_used} passages published as {n_chunks} standalone chunks through an origin "
              f"({t_pub:.0f} s, not timed; encodings {args.encodings}), read from one edge's memory tier over HTTP on "
@@ -313,19 +325,28 @@ async def measure(args, res, log, model, tok, client, contexts, configs, by_doc,
         row = per[label]
         tot = sum(row["nll"]) / n_ans
         inc = (tot - total_ref) / total_ref
+        by_seed = {}
+        for sd in seeds:
+            mine = [i for i, (q, _) in enumerate(contexts) if q["seed"] == sd]
+            ref = sum(nll_ref[i] for i in mine)
+            by_seed[sd] = (sum(row["nll"][i] for i in mine) - ref) / ref
+        inc_cell = f"{inc * 100:+.1f}%"
+        if len(seeds) > 1:
+            inc_cell += " (" + ", ".join(f"seed {sd}: {v * 100:+.1f}%" for sd, v in by_seed.items()) + ")"
         share = sum(sh * n for sh, n, _ in row["share"]) / sum(n for _, n, _ in row["share"])
         summary.append({"label": label, "selection": sel, "ratio": ratio, "check_layer": check,
                         "share": share, "speedup": med(row["speedup"]), "worst_speedup": min(row["speedup"]),
-                        "nll_increase": inc, "worst_dnll": max(row["dnll"])})
+                        "nll_increase": inc, "worst_dnll": max(row["dnll"]),
+                        "nll_increase_by_seed": {str(k): v for k, v in by_seed.items()}})
         lines.append(
             f"| {label} | {share * 100:.1f}% | {med(row['ttft']) * 1e3:.0f} ({min(row['ttft']) * 1e3:.0f}-"
             f"{max(row['ttft']) * 1e3:.0f}) | {med(row['fetch']):.0f} | {med(row['speedup']):.2f}x "
-            f"({min(row['speedup']):.2f}x) | {tot:.3f} vs {total_ref:.3f} | {inc * 100:+.1f}% "
+            f"({min(row['speedup']):.2f}x) | {tot:.3f} vs {total_ref:.3f} | {inc_cell} "
             f"| {med(row['dnll']):+.3f} ({max(row['dnll']):+.3f}) "
             f"| {med(row['agree']) * 100:.0f}% ({min(row['agree']) * 100:.0f}%) |")
     load0, load1 = res.load_before, R._load()
     lines += ["", f"Recomputed share: recomputed (reused token, layer) pairs / (reused tokens x layers), over all "
-              f"questions; deviation: R(c+1) + r(L-c-1); deviation-kv: Rc + Rf + r(L-c), f = "
+              f"questions; deviation: R(c+1) + r(L-c-1); deviation-kv and deviation-query: Rc + Rf + r(L-c), f = "
               f"{_kv_f(model) * 100:.1f}% (the K/V projections' share of a layer's matmul weights); chunk-start: "
               f"rL (R reused tokens, r selected, L = {model.config.num_hidden_layers} layers, c the check layer). "
               f"NLL increase: over all {n_ans} answer tokens, (blend - full) / full. "
@@ -402,7 +423,7 @@ def plot(summary: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for sel, marker in (("deviation", "o"), ("deviation-kv", "s"), ("chunk-start", "^")):
+    for sel, marker in (("deviation", "o"), ("deviation-kv", "s"), ("deviation-query", "D"), ("chunk-start", "^")):
         pts = sorted((x["speedup"], x["nll_increase"] * 100, x["ratio"]) for x in summary if x["selection"] == sel)
         if not pts:
             continue
@@ -429,7 +450,9 @@ def main() -> None:
     ap.add_argument("--passages", type=int, default=4)
     ap.add_argument("--passage-tokens", type=int, default=480)
     ap.add_argument("--configs", default=None, help=f"name:ratio%%[:check layer], comma list (default {CONFIGS})")
-    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=7, help="draws the generated documents and each question's passages")
+    ap.add_argument("--seeds", default=None,
+                    help="several seeds, comma list: every seed's questions in one run, the NLL increase also per seed")
     ap.add_argument("--encodings", default="zstd,raw",
                     help="encodings the origin publishes; the client picks per chunk by measured link (raw on loopback)")
     ap.add_argument("--quick", action="store_true", help=f"4 questions, configs {QUICK_CONFIGS}")
@@ -439,6 +462,7 @@ def main() -> None:
     if args.quick:
         args.questions = min(args.questions, 4)
     args.configs = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
+    args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     res = R.Results("blend", args)
     t0 = time.perf_counter()
 
