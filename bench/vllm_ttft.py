@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_headline:
         headline(res, rows)
     res.extra["rows"] = rows
-    res.write()  # before the plot: rewriting docs/img/vllm_ttft.png (tracked) would mark the commit dirty
+    res.write()
     if args.json:
         WORK.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
