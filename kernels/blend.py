@@ -57,24 +57,29 @@ def kv_deviation(k_true: torch.Tensor, v_true: torch.Tensor, k_reused: torch.Ten
     return dk.sum(dim=dims) + dv.sum(dim=dims)  # [n]
 
 
-def query_attention(q: torch.Tensor, K: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+def query_attention(q: torch.Tensor, K: torch.Tensor, positions: torch.Tensor, scale: float,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """The attention each key gets from the query tokens, averaged over query heads and tokens: ``[S]``.
 
     ``q`` ``[1, Hq, t, D]`` (rotated) of the query tokens at ``positions`` ``[t]``; ``K`` ``[1, Hkv, S, D]``
     (rotated; ``Hq`` a multiple of ``Hkv``, grouped-query heads share a key head). Causal: a query sees the
-    keys up to its own position. Each query's weights sum to 1, so the result sums to 1 (float32).
+    keys up to its own position. ``bias``: an additive ``[1, Hq, t, S]`` term on the scores (steering: the
+    attention the steered model pays). Each query's weights sum to 1, so the result sums to 1 (float32).
     """
     Hq, Hkv = q.shape[1], K.shape[1]
     assert Hq % Hkv == 0 and q.shape[-1] == K.shape[-1], (q.shape, K.shape)
     S = K.shape[2]
     Kq = K.float().repeat_interleave(Hq // Hkv, dim=1)  # [1, Hq, S, D]
     scores = (q.float() @ Kq.transpose(-1, -2)) * scale  # [1, Hq, t, S]
+    if bias is not None:
+        scores = scores + bias.float()
     seen = torch.arange(S, device=K.device)[None, :] <= positions.to(K.device)[:, None]  # [t, S]
     scores = scores.masked_fill(~seen[None, None], float("-inf"))
     return scores.softmax(dim=-1).mean(dim=(0, 1, 2))  # [S]
 
 
-def query_attention_ref(q: torch.Tensor, K: torch.Tensor, positions: Sequence[int], scale: float) -> list[float]:
+def query_attention_ref(q: torch.Tensor, K: torch.Tensor, positions: Sequence[int], scale: float,
+                        bias: torch.Tensor | None = None) -> list[float]:
     """Plain reference of ``query_attention``: one query head and token at a time, float64."""
     Hq, Hkv, t = q.shape[1], K.shape[1], q.shape[2]
     S = K.shape[2]
@@ -83,7 +88,10 @@ def query_attention_ref(q: torch.Tensor, K: torch.Tensor, positions: Sequence[in
         kh = K[0, h // (Hq // Hkv)].double()
         for i in range(t):
             m = int(positions[i]) + 1
-            w = torch.softmax((kh[:m] @ q[0, h, i].double()) * scale, dim=0)
+            s = (kh[:m] @ q[0, h, i].double()) * scale
+            if bias is not None:
+                s = s + bias[0, h, i, :m].double()
+            w = torch.softmax(s, dim=0)
             for j in range(m):
                 acc[j] += float(w[j]) / (Hq * t)
     return acc

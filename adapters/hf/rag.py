@@ -293,7 +293,10 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
                 # The query: the fresh tokens after the last reused one; how much it reads each token.
                 qpos = torch.arange(int(reused_idx[-1]) + 1, S, device=dev)
                 q = _q(layers[check_layer], h[:, qpos], cos[:, qpos], sin[:, qpos])
-                a = query_attention(q, Ks[check_layer], qpos, layers[check_layer].self_attn.scaling)
+                attn = layers[check_layer].self_attn
+                # Steered, the question reads the emphasised tokens more: weigh them as the steered model will.
+                bias = steer.bias(attn.layer_idx, qpos, S, q.shape[1], q.dtype, dev) if steer is not None else None
+                a = query_attention(q, Ks[check_layer], qpos, attn.scaling, bias)
                 d = query_weighted(d, a[reused_idx])
             chosen = reused_idx[select_tokens(d, recompute_ratio)]
             idx = torch.sort(torch.cat((chosen, fresh_idx))).values  # [s]

@@ -119,6 +119,31 @@ def test_blend_takes_the_same_plan():
     assert not torch.allclose(b.logits, plain.logits, atol=1e-3)
 
 
+def test_a_partial_blend_recomputes_what_the_steered_question_reads():
+    """deviation-query weighs tokens by the question's attention at the check layer as the steered model
+    pays it: with the check layer's heads steered to a span, more of the span is recomputed."""
+    from kdn.adapters.hf import standalone_chunk
+
+    model = tiny()
+    x = ids()
+    segs = [Segment(x[:48], standalone_chunk(model, x[:48]).tensors),
+            Segment(x[48:DOC], standalone_chunk(model, x[48:DOC]).tensors), Segment(x[DOC:])]
+    # A span in the second chunk: the first sits at its own positions with nothing before it, so its
+    # composed states are exact (no deviation, nothing to recompute there, steered or not).
+    st = plan(model, emap(spans=((60, 68),)))  # heads (1, 0) and (1, 2): layer 1 is the check layer
+
+    def in_span(b) -> int:
+        return sum(60 <= t < 68 for t in b.recomputed.tolist())
+
+    plain = blend_prefill(model, segs, recompute_ratio=0.1, n_logits=12)
+    steered = blend_prefill(model, segs, recompute_ratio=0.1, n_logits=12, steer=st)
+    assert plain.recomputed.numel() == steered.recomputed.numel()
+    assert in_span(steered) > in_span(plain)
+    kv = blend_prefill(model, segs, recompute_ratio=0.1, n_logits=12, steer=st, selection="deviation-kv")
+    assert torch.equal(kv.recomputed, blend_prefill(model, segs, recompute_ratio=0.1, n_logits=12,
+                                                     selection="deviation-kv").recomputed)  # no question weight
+
+
 def test_shifted_plan_steers_the_same_tokens_later():
     model = tiny()
     st = plan(model, emap())

@@ -270,6 +270,13 @@ def test_query_attention_matches_ref(hq, hkv):
     torch.testing.assert_close(a, torch.tensor(ref, dtype=torch.float32), atol=1e-6, rtol=1e-5)
     assert float(a.sum()) == pytest.approx(1.0, abs=1e-5)
     assert torch.all(a[23 - 1:] > 0) and float(a[pos[-1] + 1:].sum()) == 0.0
+    # a steering bias (here: keys 3..5 favoured by every head) moves the weight as the steered model would
+    bias = torch.zeros(1, hq, 5, S)
+    bias[..., 3:6] = 4.0
+    ab = query_attention(q, K, pos, 0.35, bias)
+    torch.testing.assert_close(ab, torch.tensor(query_attention_ref(q, K, pos.tolist(), 0.35, bias),
+                                                 dtype=torch.float32), atol=1e-6, rtol=1e-5)
+    assert float(ab[3:6].sum()) > float(a[3:6].sum()) + 0.2
 
 
 def test_query_weighted_keeps_the_deviation_the_main_term():
