@@ -321,15 +321,14 @@ async def measure(args, res, log, model, tok, client, contexts, configs, by_doc,
              "(median, worst) | top-1 agreement (median, min) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     summary = []
+    of_seed = {sd: [i for i, (q, _) in enumerate(contexts) if q["seed"] == sd] for sd in seeds}
+    ref_of_seed = {sd: sum(nll_ref[i] for i in mine) for sd, mine in of_seed.items()}
     for label, sel, ratio, check in configs:
         row = per[label]
         tot = sum(row["nll"]) / n_ans
         inc = (tot - total_ref) / total_ref
-        by_seed = {}
-        for sd in seeds:
-            mine = [i for i, (q, _) in enumerate(contexts) if q["seed"] == sd]
-            ref = sum(nll_ref[i] for i in mine)
-            by_seed[sd] = (sum(row["nll"][i] for i in mine) - ref) / ref
+        by_seed = {sd: (sum(row["nll"][i] for i in mine) - ref_of_seed[sd]) / ref_of_seed[sd]
+                   for sd, mine in of_seed.items()}
         inc_cell = f"{inc * 100:+.1f}%"
         if len(seeds) > 1:
             inc_cell += " (" + ", ".join(f"seed {sd}: {v * 100:+.1f}%" for sd, v in by_seed.items()) + ")"

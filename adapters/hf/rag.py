@@ -130,21 +130,20 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * c + _rotate_half(x) * sn
 
 
-def _kv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's K (rotated) and V for the tokens of ``h`` [1, s, hidden]: each [1, Hkv, s, D]."""
+def _kv(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K (rotated) and V of ``x`` [1, s, hidden], its input after ``input_layernorm``: each [1, Hkv, s, D]."""
     attn = layer.self_attn
-    s, D = h.shape[1], attn.head_dim
-    x = layer.input_layernorm(h)
+    s, D = x.shape[1], attn.head_dim
     k = attn.k_proj(x).view(1, s, -1, D).transpose(1, 2)
     v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
     return _rope(k, cos, sin), v
 
 
-def _q(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """A layer's queries (rotated) for the tokens of ``h`` [1, s, hidden]: [1, Hq, s, D]."""
+def _q(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A layer's queries (rotated) of ``x`` [1, s, hidden], its input after ``input_layernorm``: [1, Hq, s, D]."""
     attn = layer.self_attn
-    s, D = h.shape[1], attn.head_dim
-    return _rope(attn.q_proj(layer.input_layernorm(h)).view(1, s, -1, D).transpose(1, 2), cos, sin)
+    s, D = x.shape[1], attn.head_dim
+    return _rope(attn.q_proj(x).view(1, s, -1, D).transpose(1, 2), cos, sin)
 
 
 # Queries of a partial recompute are cut by position into at most this many bands of the context; each
@@ -194,11 +193,10 @@ def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, si
     rows ``idx`` replaced, in place, by the ones computed here. Returns (h', K, V).
     """
     attn = layer.self_attn
-    s, D = h.shape[1], attn.head_dim
+    s = h.shape[1]
     x = layer.input_layernorm(h)  # [1, s, hidden]
-    q = _rope(attn.q_proj(x).view(1, s, -1, D).transpose(1, 2), cos, sin)  # [1, Hq, s, D]
-    k = _rope(attn.k_proj(x).view(1, s, -1, D).transpose(1, 2), cos, sin)  # [1, Hkv, s, D]
-    v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
+    q = _q(layer, x, cos, sin)  # [1, Hq, s, D]
+    k, v = _kv(layer, x, cos, sin)  # [1, Hkv, s, D] each
     K.index_copy_(2, idx, k)  # [1, Hkv, S, D]
     V.index_copy_(2, idx, v)
     bias = steer.bias(attn.layer_idx, idx, K.shape[2], q.shape[1], q.dtype, q.device) if steer is not None else None
@@ -285,14 +283,15 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
             for i in range(full_layers):
                 h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i], steer)
             if selection != "deviation":
-                Ks[check_layer], Vs[check_layer] = _kv(layers[check_layer], h, cos, sin)
+                x = layers[check_layer].input_layernorm(h)
+                Ks[check_layer], Vs[check_layer] = _kv(layers[check_layer], x, cos, sin)
             # Deviation of the reused tokens at the check layer: true (just computed) vs composed.
             d = kv_deviation(Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx],
                              comp_k, comp_v)  # [R]
             if selection == "deviation-query" and reused_idx.numel():
                 # The query: the fresh tokens after the last reused one; how much it reads each token.
                 qpos = torch.arange(int(reused_idx[-1]) + 1, S, device=dev)
-                q = _q(layers[check_layer], h[:, qpos], cos[:, qpos], sin[:, qpos])
+                q = _q(layers[check_layer], x[:, qpos], cos[:, qpos], sin[:, qpos])
                 attn = layers[check_layer].self_attn
                 # Steered, the question reads the emphasised tokens more: weigh them as the steered model will.
                 bias = steer.bias(attn.layer_idx, qpos, S, q.shape[1], q.dtype, dev) if steer is not None else None
