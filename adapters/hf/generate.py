@@ -33,7 +33,7 @@ from kdn.template import chat_frame, encode_text
 from kdn.adapters.hf.cache import CacheBuilder, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
-from kdn.adapters.hf.steer import plan, steering
+from kdn.adapters.hf.steer import resolve, steering
 
 _IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -147,16 +147,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
 
 def _steer_plan(model, emphasis, steer, alpha, heads, n_ids):
     """The steering plan of a request, or None (off by default; on per request or per manifest)."""
-    if emphasis is None:
-        if steer:
-            raise InvalidInput("steer=True needs the manifest's emphasis map (emphasis=manifest['emphasis'])")
-        return None
-    emap = emphasis if isinstance(emphasis, EmphasisMap) else EmphasisMap.from_dict(emphasis)
-    if not (steer if steer is not None else emap.default_on):
-        return None
-    if emap.region[1] > n_ids:
-        raise InvalidInput(f"the emphasis map covers {emap.region[1]} tokens, the prompt has {n_ids}")
-    return plan(model, emap, alpha=alpha, heads=heads)
+    return resolve(model, emphasis, steer=steer, alpha=alpha, heads=heads, n_ids=n_ids)
 
 
 def _run(model, tokenizer, ids, builder, report, max_new_tokens, do_sample, temperature, eos_token_id, t_start,

@@ -28,7 +28,6 @@ a map from probe questions (``derive_emphasis``).
 from __future__ import annotations
 
 import contextvars
-import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -39,6 +38,8 @@ import torch
 
 from kdn.emphasis import EmphasisMap, merge_spans
 from kdn.errors import InvalidInput, ModelMismatch
+
+from kdn.adapters import steering as steering_plan
 
 PREFIX = "kdn_steer_"
 _ACTIVE: contextvars.ContextVar[Steer | None] = contextvars.ContextVar("kdn_steer", default=None)
@@ -80,9 +81,19 @@ class Steer:
 
 def default_heads(model: Any) -> list[tuple[int, int]]:
     """Every query head of the middle third of the layers: what a map without ``heads`` steers."""
+    return steering_plan.default_heads(*_dims(model))
+
+
+def _dims(model: Any) -> tuple[int, int]:
     cfg = model.config
-    n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
-    return [(la, h) for la in range(n_layers // 3, (2 * n_layers) // 3) for h in range(n_heads)]
+    return int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
+
+
+def of_spec(s: steering_plan.SteerSpec | None) -> Steer | None:
+    """The wrapper's form of an engine-neutral plan (``kdn.adapters.steering``)."""
+    if s is None:
+        return None
+    return Steer(dict(s.heads), s.key_bias(), s.query_from, s.alpha)
 
 
 def plan(model: Any, emphasis: EmphasisMap | dict | None, *, alpha: float | None = None,
@@ -92,29 +103,17 @@ def plan(model: Any, emphasis: EmphasisMap | dict | None, *, alpha: float | None
     None when there is nothing to steer: no map, no spans, no heads, or ``alpha == 1`` (exactly the
     unsteered model). Heads must exist in this model (``ModelMismatch`` otherwise).
     """
-    if emphasis is None:
-        return None
-    emap = emphasis if isinstance(emphasis, EmphasisMap) else EmphasisMap.from_dict(emphasis)
-    a = emap.alpha if alpha is None else float(alpha)
-    if not (math.isfinite(a) and 0.0 < a <= 1.0):
-        raise InvalidInput(f"steering alpha must be in (0, 1], got {a}")
-    chosen = list(heads) if heads is not None else (list(emap.heads) or default_heads(model))
-    if a == 1.0 or not emap.spans or not chosen:
-        return None
-    cfg = model.config
-    n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
-    per: dict[int, list[int]] = {}
-    for la, h in chosen:
-        if not (0 <= la < n_layers and 0 <= h < n_heads):
-            raise ModelMismatch(f"head ({la}, {h}) is not in this model ({n_layers} layers x {n_heads} heads)")
-        per.setdefault(int(la), []).append(int(h))
-    rs, re_ = emap.region
-    kb = torch.zeros(re_, dtype=torch.float32)
-    kb[rs:re_] = math.log(a)
-    for s, e in emap.spans:
-        kb[s:e] = 0.0
-    return Steer({la: tuple(sorted(set(hs))) for la, hs in per.items()}, kb,
-                 re_ if query_from is None else int(query_from), a)
+    n_layers, n_heads = _dims(model)
+    return of_spec(steering_plan.spec(emphasis, n_layers=n_layers, n_heads=n_heads, alpha=alpha, heads=heads,
+                                      query_from=query_from))
+
+
+def resolve(model: Any, emphasis: EmphasisMap | dict | None, *, steer: bool | None, alpha: float | None = None,
+            heads: Sequence[tuple[int, int]] | None = None, n_ids: int | None = None) -> Steer | None:
+    """A request's plan (off by default; on per request or per map: ``kdn.adapters.steering.resolve``)."""
+    n_layers, n_heads = _dims(model)
+    return of_spec(steering_plan.resolve(emphasis, n_layers=n_layers, n_heads=n_heads, steer=steer, alpha=alpha,
+                                         heads=heads, n_ids=n_ids))
 
 
 # --- the attention wrapper -------------------------------------------------------------------
