@@ -9,8 +9,9 @@ vLLM with it) is imported only then, so ``kdn.adapters.vllm.plan`` and
 ``.config`` stay importable without vLLM. Settings: ``config.py``. Layout:
 ``connector.py`` (vLLM's interface) -> ``scheduler.py`` (lookup, what to load
 and save), ``worker.py`` (fetch, verify, write), ``save.py`` (producer),
-``paged.py`` (K/V in and out of the paged cache), ``compat.py`` (everything
-vLLM-version-specific), ``produce.py`` (an origin publishing through vLLM).
+``paged.py`` (K/V in and out of the paged cache), ``steer.py`` (attention
+steering from emphasis maps), ``compat.py`` (everything vLLM-version-specific),
+``produce.py`` (an origin publishing through vLLM).
 """
 
 from __future__ import annotations

@@ -106,6 +106,11 @@ def kdn_params(request: Any) -> dict:
     return kdn if isinstance(kdn, dict) else {}
 
 
+def cache_salt(request: Any) -> str | None:
+    """The salt vLLM's prefix cache keeps a request's blocks apart under (``None``: shared by tokens alone)."""
+    return getattr(request, "cache_salt", None)
+
+
 def prompt_tokens(request: Any) -> list[int]:
     return list(request.prompt_token_ids or [])
 

@@ -20,6 +20,8 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``engines``        producer engines whose states are accepted, e.g. ``["vllm"]``; default: any
     ``ca``             CA bundle for HTTPS edges (default: system CAs, or ``$KDN_CA``)
     ``trusted_keys``   file of publisher keys (``ed25519:<hex>`` per line): records they did not sign are misses
+    ``steer``          accept requests that ask for attention steering from an emphasis map (``steer.py``;
+                       default false; on GPU it asks vLLM for piecewise CUDA graphs)
 
 producer (``kv_role`` ``kv_producer`` or ``kv_both``)
     ``store``          the origin's object-store folder that chunk blobs are written into
@@ -45,7 +47,7 @@ SAVE_MODES = ("request", "all")
 _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
-    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts",
+    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer",
 })
 
 
@@ -71,6 +73,7 @@ class ConnectorConfig:
     encodings: tuple[str, ...] = ("zstd",)
     node_id: str = field(default_factory=lambda: "vllm-" + (socket.gethostname().split(".")[0][:50] or "node"))
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    steer: bool = False
 
     @property
     def can_look_up(self) -> bool:
@@ -125,6 +128,10 @@ class ConnectorConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise InvalidInput(f"KDN connector setting 'chunk_tokens' must be a positive int, got {v!r}")
             kw["chunk_tokens"] = v
+        if "steer" in extra:
+            if not isinstance(extra["steer"], bool):
+                raise InvalidInput(f"KDN connector setting 'steer' must be true or false, got {str(extra['steer'])[:20]!r}")
+            kw["steer"] = extra["steer"]
         cfg = cls(**kw)
         if consumer and not cfg.can_look_up:
             raise InvalidInput("the KDN connector needs 'edges', 'origin', or 'registry' with 'region' to load from")

@@ -51,7 +51,10 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                         "'recompute' to have vLLM compute what could not be loaded", tc.kv_load_failure_policy)
         path, dtype = compat.model_source(vllm_config)
         self.model_id = model_id_for(path, dtype)
-        n_layers = int(vllm_config.model_config.hf_config.num_hidden_layers)
+        hf = vllm_config.model_config.hf_config
+        n_layers = int(hf.num_hidden_layers)
+        if self.cfg.steer and int(vllm_config.parallel_config.tensor_parallel_size) > 1:
+            raise InvalidInput("attention steering ('steer': true) runs with tensor_parallel_size 1 only")
         self.bridge = LoopThread(f"kdn-{role.name.lower()}") if self.consume or (self.produce and self.cfg.registry) else None
         self.client = self.bridge.run(_make_client(self.cfg), timeout=30) if self.consume else None
         self.registry = None
@@ -65,7 +68,9 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                                        hybrid=self.hybrid, consume=self.consume, produce=self.produce,
                                        background=self.hybrid or self.cfg.load == "async", bridge=self.bridge,
                                        client=self.client, mamba_groups=mamba,
-                                       mamba_mode=compat.mamba_mode(vllm_config))
+                                       mamba_mode=compat.mamba_mode(vllm_config), attn_group=attn.id,
+                                       steer=self.cfg.steer, n_layers=n_layers,
+                                       n_heads=int(hf.num_attention_heads))
             self.worker = self.saver = None
         else:
             from kdn.adapters.vllm.worker import WorkerSide
@@ -74,6 +79,13 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self.worker = WorkerSide(cfg=self.cfg, model_id=self.model_id, groups=self.groups, bridge=self.bridge,
                                      client=self.client, device=torch.device(vllm_config.device_config.device))
             self.worker.register(compat.forward_layers(vllm_config))
+            self.steerer = None
+            if self.cfg.steer:
+                from kdn.adapters.vllm.steer import Steerer
+
+                # vLLM binds each step's metadata before the forward, so the wrapped layers read it then.
+                self.steerer = Steerer(self.worker.attn, lambda: getattr(self._connector_metadata, "steers", None),
+                                       attn.block_size)
             self.saver = None
             if self.produce:
                 from kdn.adapters.vllm.save import Saver
@@ -169,8 +181,10 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Loads inside the forward wait in each attention layer (wait_for_layer_load): a captured
-        # CUDA graph would skip those waits on replay. Background loads never wait there.
-        return (extra_config or {}).get("load", "auto") != "async"
+        # CUDA graph would skip those waits on replay. Background loads never wait there. Steering
+        # recomputes rows in Python after each attention kernel: a captured full graph would skip that too.
+        extra = extra_config or {}
+        return extra.get("load", "auto") != "async" or bool(extra.get("steer"))
 
     @property
     def requires_kv_delivery(self) -> bool:

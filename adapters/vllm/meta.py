@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kdn.adapters.vllm.compat import KVConnectorMetadata
 from kdn.adapters.vllm.plan import LoadPlan
+from kdn.adapters.vllm.steer import SteerJob
 
 
 @dataclass(frozen=True)
@@ -42,3 +43,4 @@ class SaveJob:
 class KDNMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    steers: list[SteerJob] = field(default_factory=list)  # steered requests' rows this step (steer.py)

@@ -27,6 +27,7 @@ from kdn.adapters.vllm import compat
 from kdn.adapters.vllm.config import ConnectorConfig
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob, SaveChunk, SaveJob
 from kdn.adapters.vllm.plan import LoadPlan, Piece, plan_load
+from kdn.adapters.vllm.steer import SteerJob, SteerSpec, plan_of
 
 log = logging.getLogger("kdn.adapters.vllm")
 
@@ -63,12 +64,18 @@ class SchedulerSide:
     kv_cache_manager: Any = None
     mamba_groups: tuple[int, ...] = ()  # hybrid models: the groups whose blocks hold states
     mamba_mode: str = "none"  # vLLM's mamba_cache_mode: "align" (prefix caching) or "none"
+    attn_group: int = 0  # the KV cache group of the attention layers
+    steer: bool = False  # accept steered requests (connector setting ``steer``)
+    n_layers: int = 0  # the model's, for steering plans
+    n_heads: int = 0
     _lookups: dict[str, _Lookup] = field(default_factory=dict)
     _plans: dict[str, LoadPlan] = field(default_factory=dict)
     _ready: list[LoadJob] = field(default_factory=list)
     _saves: dict[str, _Save] = field(default_factory=dict)
     _given_up: set[str] = field(default_factory=set)  # requests whose load failed: vLLM recomputes them whole
+    _steers: dict[str, SteerSpec] = field(default_factory=dict)
     lookups_failed: int = 0
+    steer_refused: int = 0  # steered requests run unsteered (a bad plan, no salt, steering off)
 
     # --- consumer --------------------------------------------------------------------------
 
@@ -171,8 +178,46 @@ class SchedulerSide:
                           plan.tokens if plan else 0)
             else:
                 self._ready.append(LoadJob(rid, plan, compat.block_ids_of(blocks), self.background))
+        if rid not in self._steers:
+            self._track_steer(request)
         if self.produce and rid not in self._saves:
             self._track_save(request)
+
+    # --- steering ----------------------------------------------------------------------------
+
+    def _track_steer(self, request: Any) -> None:
+        params = compat.kdn_params(request)
+        if "emphasis" not in params and not params.get("steer"):
+            return
+        rid = request.request_id
+        try:
+            if not self.steer:
+                if params.get("steer") is False:
+                    return
+                raise KDNError("steering is off on this engine (the connector's 'steer' setting)")
+            spec = plan_of(params, n_layers=self.n_layers, n_heads=self.n_heads,
+                           n_ids=len(compat.prompt_tokens(request)), cache_salt=compat.cache_salt(request))
+        except KDNError as e:
+            self.steer_refused += 1
+            log.error("request %s runs unsteered: %s", rid, e)
+            return
+        if spec is not None:
+            self._steers[rid] = spec
+
+    def _steer_jobs(self, out: Any) -> list[SteerJob]:
+        if not self._steers:
+            return []
+        progress = compat.step_tokens(out)
+        jobs = []
+        for rid, spec in self._steers.items():
+            if rid not in progress:
+                continue
+            first, n = progress[rid]
+            if first + n <= spec.query_from:
+                continue  # the knowledge's own prefill: nothing to steer yet
+            blocks = compat.request_blocks(self.kv_cache_manager, rid)[self.attn_group]
+            jobs.append(SteerJob(rid, spec, first, n, tuple(blocks)))
+        return jobs
 
     # --- producer --------------------------------------------------------------------------
 
@@ -193,6 +238,9 @@ class SchedulerSide:
         addrs = A.prefix_addresses(self.model_id, ns, tokens, self.cfg.chunk_tokens)
         spans = A.chunk_spans(len(tokens), self.cfg.chunk_tokens)
         chunks = [SaveChunk(a, addrs[i - 1] if i else None, s, e) for i, (a, (s, e)) in enumerate(zip(addrs, spans))]
+        st = self._steers.get(request.request_id)
+        if st is not None:  # steered layers change every later layer's K/V from query_from on
+            chunks = [c for c in chunks if c.end <= st.query_from]
         self._saves[request.request_id] = _Save(ns, encs, chunks)
 
     def _save_jobs(self, out: Any) -> list[SaveJob]:
@@ -248,7 +296,8 @@ class SchedulerSide:
     # --- both ------------------------------------------------------------------------------
 
     def build_meta(self, out: Any) -> KDNMetadata:
-        meta = KDNMetadata(loads=self._ready, saves=self._save_jobs(out) if self.produce else [])
+        meta = KDNMetadata(loads=self._ready, saves=self._save_jobs(out) if self.produce else [],
+                           steers=self._steer_jobs(out))
         self._ready = []
         return meta
 
@@ -265,6 +314,7 @@ class SchedulerSide:
             lk.future.cancel()
         self._plans.pop(rid, None)
         self._saves.pop(rid, None)
+        self._steers.pop(rid, None)
 
 
 _HIT_SOURCE = {

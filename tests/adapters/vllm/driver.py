@@ -5,7 +5,8 @@
 Answers start with ``@@ `` (vLLM logs to stdout too). Operations:
 
 - ``generate``: ``prompts`` (token id lists), ``max_tokens``, ``load`` (ask the KDN?), ``salt``
-  (vLLM's cache salt: keeps its own prefix cache apart per salt, the KDN lookup is unchanged)
+  (vLLM's cache salt: keeps its own prefix cache apart per salt, the KDN lookup is unchanged), or
+  ``salts`` (one per prompt), ``kdn`` (per prompt: more of its ``kdn`` params, e.g. steering)
   -> per prompt ``tokens``, ``logprobs`` (of the chosen tokens), ``cached`` (vLLM's num_cached_tokens)
 - ``abort_while_loading``: add ``prompt``, step until its KDN load is in flight, abort it, step until the
   engine is idle -> ``steps``
@@ -59,9 +60,10 @@ def main() -> None:
 
         return sched.connector if role == "scheduler" else get_kv_transfer_group()
 
-    def params(op: dict) -> SamplingParams:
+    def params(op: dict, extra: dict | None = None) -> SamplingParams:
+        kdn = {"load": op.get("load", True), **(extra or {})}
         return SamplingParams(max_tokens=op.get("max_tokens", 16), temperature=0.0, logprobs=0, detokenize=False,
-                              ignore_eos=True, extra_args={"kv_transfer_params": {"kdn": {"load": op.get("load", True)}}})
+                              ignore_eos=True, extra_args={"kv_transfer_params": {"kdn": kdn}})
 
     def prompt(tokens: list[int], salt: str | None):
         return TokensPrompt(prompt_token_ids=tokens, **({"cache_salt": salt} if salt else {}))
@@ -72,7 +74,11 @@ def main() -> None:
         try:
             if op["op"] == "generate":
                 t0 = time.perf_counter()
-                outs = llm.generate([prompt(p, op.get("salt")) for p in op["prompts"]], params(op), use_tqdm=False)
+                n = len(op["prompts"])
+                salts = op.get("salts") or [op.get("salt")] * n
+                extra = op.get("kdn") or [None] * n  # per prompt: more of its "kdn" params (steering)
+                outs = llm.generate([prompt(p, s) for p, s in zip(op["prompts"], salts)],
+                                    [params(op, e) for e in extra], use_tqdm=False)
                 res = []
                 for o in outs:
                     c = o.outputs[0]
@@ -102,7 +108,9 @@ def main() -> None:
                 answer({"free": pool.get_num_free_blocks(), "total": pool.num_gpu_blocks})
             elif op["op"] == "stats":
                 w, s = connector("worker").worker, sched.connector.sched
-                answer({"totals": w.totals.data, "lookups": len(s._lookups), "plans": len(s._plans),
+                steerer = getattr(connector("worker"), "steerer", None)
+                answer({"totals": w.totals.data, "steered_rows": steerer.rows if steerer else 0,
+                        "steer_refused": s.steer_refused, "lookups": len(s._lookups), "plans": len(s._plans),
                         "refused_records": s.client.rejected_records if s.client is not None else 0,
                         "ready": len(s._ready), "saves": len(s._saves), "running": len(w._running),
                         "preempted": preempted[0], "requests": len(sched.requests)})

@@ -3,12 +3,14 @@
 Two small CDNs on loopback: "v" publishes through vLLM (``kdn origin serve
 --engine vllm``), "h" through transformers (plus a bf16 origin: another model
 id). Engine "ev" reads from v's edge through a proxy that can lie, stall or
-die; engine "eh" reads from h's edge as tenant acme. Each request carries a
+die; engine "eh" reads from h's edge as tenant acme, and steers requests that
+ask (emphasis maps, ``kdn.adapters.vllm.steer``). Each request carries a
 fresh vLLM cache salt, so vLLM's own prefix cache never answers for the KDN.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -45,7 +47,7 @@ def world(module_tmp):
                     kv=kv_config(edges=[proxy.url], load_timeout=LOAD_TIMEOUT, lookup_timeout=2))
         eh = Engine("eh", module_tmp, model=folder, dtype="float32",
                     kv=kv_config(edges=[h.edge_url], namespace="acme", token_file=str(module_tmp / "tenant-a"),
-                                 trusted_keys=str(module_tmp / "trusted")))
+                                 trusted_keys=str(module_tmp / "trusted"), steer=True))
         engines += [ev, eh]
         for p, url in origins:
             wait_http(p, url + "/healthz")
@@ -189,3 +191,94 @@ def test_preemption_leaks_no_blocks_and_no_state(world):
     assert st["preempted"] > before, "the scenario must actually preempt"
     assert ev.call(op="blocks") == free, "every block is back in the pool"
     assert (st["lookups"], st["plans"], st["ready"], st["running"], st["requests"]) == (0, 0, 0, 0, 0)
+
+
+# --- attention steering: vLLM against the transformers adapter on the same weights --------------------
+
+STEER_HEADS = [[0, 1], [1, 0], [1, 1]]  # tiny-llama64: 2 layers x 2 query heads over 1 K/V head
+
+
+def emphasis(doc: dict) -> dict:
+    n = len(doc["prefix_tokens"])
+    return {"spans": [[300, 340], [700, 716]], "region": [0, n], "alpha": 0.01, "heads": STEER_HEADS}
+
+
+@functools.cache
+def hf_model():
+    import torch
+
+    from kdn.adapters.hf import load_model
+
+    return load_model("tiny-llama64", dtype=torch.float32).model
+
+
+def hf_generate(prompt: list[int], emap: dict | None, n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from the transformers adapter, steered by ``emap`` (None: not)."""
+    import torch
+
+    from kdn.adapters.hf.extract import _forward, new_cache
+    from kdn.adapters.hf.steer import plan, steering
+
+    model = hf_model()
+    st = plan(model, emap) if emap else None
+    toks, lps = [], []
+    with torch.inference_mode(), steering(model, st):
+        cache = new_cache(model)
+        out = _forward(model, cache, torch.tensor(prompt), 0, logits=True)
+        for i in range(n):
+            lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+            t = int(lp.argmax())
+            toks.append(t)
+            lps.append(float(lp[t]))
+            out = _forward(model, cache, torch.tensor([t]), len(prompt) + i, logits=True)
+    return toks, lps
+
+
+def close(got: dict, want: tuple[list[int], list[float]], tol: float = 2e-3) -> bool:
+    return got["tokens"] == want[0] and max(abs(a - b) for a, b in zip(got["logprobs"], want[1])) < tol
+
+
+def test_steering_matches_transformers_on_loaded_and_computed_kv(world):
+    from kdn.adapters.vllm.steer import request_params
+
+    eh, doc = world["eh"], world["docs"]["acme"]
+    prompt = doc["prefix_tokens"] + question(21)
+    emap = emphasis(doc)
+    steered, plain = hf_generate(prompt, emap, 16), hf_generate(prompt, None, 16)
+    assert max(abs(a - b) for a, b in zip(steered[1], plain[1])) > 0.05, "the plan must move this model's output"
+    before, rows = loaded_tokens(eh), eh.stats()["steered_rows"]
+    kdn, s = request_params(emap, salt_prefix=salt())
+    got = eh.generate([prompt], kdn=[kdn], salts=[s], max_tokens=16)[0]
+    assert got["cached"] == LOADED and loaded_tokens(eh) - before == LOADED  # steering reads the loaded K/V
+    assert close(got, steered), (got, steered)
+    assert eh.stats()["steered_rows"] > rows
+    # Computed, not loaded: vLLM's prefill runs 256-token steps, one of them across query_from.
+    kdn, s = request_params(emap, salt_prefix=salt())
+    got = eh.generate([prompt], kdn=[kdn], salts=[s], load=False, max_tokens=16)[0]
+    assert got["cached"] == 0 and close(got, steered), (got, steered)
+
+
+def test_steered_and_plain_requests_share_a_batch(world):
+    from kdn.adapters.vllm.steer import request_params
+
+    eh, doc = world["eh"], world["docs"]["acme"]
+    a, b = doc["prefix_tokens"] + question(22), doc["prefix_tokens"] + question(23)
+    emap = emphasis(doc)
+    kdn, s = request_params(emap, salt_prefix=salt())
+    got = eh.generate([a, b], kdn=[kdn, None], salts=[s, salt()], max_tokens=12)
+    assert close(got[0], hf_generate(a, emap, 12)), "the steered row"
+    assert close(got[1], hf_generate(b, None, 12)), "the plain row beside it is not steered"
+
+
+def test_steering_without_its_salt_or_with_a_bad_plan_runs_unsteered(world):
+    from kdn.adapters.vllm.steer import request_params
+
+    eh, doc = world["eh"], world["docs"]["acme"]
+    prompt = doc["prefix_tokens"] + question(24)
+    plain = hf_generate(prompt, None, 8)
+    kdn, _ = request_params(emphasis(doc))
+    bad = {**kdn, "steer_heads": [[5, 0]]}  # no layer 5 in this model
+    refused = eh.stats()["steer_refused"]
+    got = eh.generate([prompt, prompt], kdn=[kdn, bad], salts=[salt(), "kdn-steer-0000"], max_tokens=8)
+    assert all(close(g, plain) for g in got)
+    assert eh.stats()["steer_refused"] == refused + 2

@@ -1,0 +1,225 @@
+"""Attention steering inside vLLM: a manifest's emphasis map, applied to a request's question and answer.
+
+A request asks for it in its ``kv_transfer_params`` and carries a cache salt that names the plan
+(``request_params`` builds both)::
+
+    kdn, salt = request_params(manifest["emphasis"], steer=True)        # alpha=, heads= override the map's
+    llm.generate(TokensPrompt(prompt_token_ids=ids, cache_salt=salt),
+                 SamplingParams(..., extra_args={"kv_transfer_params": {"kdn": kdn}}))
+    # OpenAI server: {"prompt": ..., "cache_salt": salt, "kv_transfer_params": {"kdn": kdn}}
+
+The math is the HF adapter's (``kdn.adapters.hf.steer``): in the plan's ``(layer, head)`` pairs, query rows
+at positions ``>= query_from`` (the end of the map's region unless the request says otherwise) add
+``log(alpha)`` to their scores for the region's keys that are not emphasized. vLLM's attention kernels take
+no per-key bias (CPU_ATTN takes ALiBi slopes and sinks; FlashAttention nothing), and no edit of the cached
+K/V can stand in for one (a key moved by ``d`` moves its score by ``q.d``, which depends on the query), so
+``install`` wraps ``impl.forward`` of each attention layer: vLLM's kernel runs for the whole batch as
+always, then the steered rows of the steered heads are recomputed from the paged cache (the step's own
+K/V are in it by then) with the bias, and written over the kernel's output. Every other row, head, layer
+and request is the kernel's output untouched.
+
+How a batch row is matched to its request: the scheduler side sends, per steered request and step, the
+request's block table and token counts (``SteerJob``); the row whose last token is written to the slot of
+that request's last position is that request's. Two rows can share that slot only when two requests with
+identical prompts hit the same cached blocks, which the salt limits to requests with the same plan.
+
+Why the salt: vLLM's prefix cache names blocks by their tokens, and a steered layer changes the K/V of
+every later layer at the steered positions; without a salt an unsteered request could reuse a steered
+request's question blocks (or the other way round). A steered request whose ``cache_salt`` does not contain
+its plan's salt is run unsteered, with an error in the log. For the same reason a producer never saves a
+steered request's chunks past ``query_from``.
+
+Refused up front (the layer is not wrapped, and a plan naming it logs an error): sliding window, ALiBi,
+sinks, soft-capped logits, quantized (fp8) K/V, and cache layouts ``paged.find_reader`` cannot read (CPU AMX).
+On GPU, a connector with ``steer`` on asks vLLM for piecewise CUDA graphs: the wrapper is Python that a
+captured full graph would skip.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kdn.emphasis import EmphasisMap
+from kdn.errors import InvalidInput
+
+from kdn.adapters import steering
+from kdn.adapters.steering import SteerSpec
+
+log = logging.getLogger("kdn.adapters.vllm")
+
+
+@dataclass(frozen=True)
+class SteerJob:
+    """One steered request's rows in this step: positions ``[first, first + n)`` are computed."""
+
+    req_id: str
+    spec: SteerSpec
+    first: int
+    n: int
+    block_ids: tuple[int, ...]  # the request's block table in the attention group
+
+    @property
+    def end(self) -> int:
+        return self.first + self.n
+
+
+def request_params(emphasis: EmphasisMap | dict, *, steer: bool | None = True, alpha: float | None = None,
+                   heads: Sequence[Sequence[int]] | None = None, query_from: int | None = None,
+                   salt_prefix: str = "") -> tuple[dict[str, Any], str]:
+    """``(the "kdn" part of kv_transfer_params, the cache_salt)`` of a steered request.
+
+    ``salt_prefix``: a salt the request would carry anyway (a tenant's), kept in front of the plan's."""
+    emap = emphasis if isinstance(emphasis, EmphasisMap) else EmphasisMap.from_dict(emphasis)
+    kdn: dict[str, Any] = {"emphasis": emap.to_dict(), "steer": steer}
+    if alpha is not None:
+        kdn["steer_alpha"] = alpha
+    if heads is not None:
+        kdn["steer_heads"] = [list(p) for p in heads]
+    if query_from is not None:
+        kdn["steer_query_from"] = query_from
+    return kdn, salt_prefix + steering.salt(emap, alpha=alpha, heads=heads, query_from=query_from)
+
+
+def plan_of(params: dict, *, n_layers: int, n_heads: int, n_ids: int, cache_salt: str | None) -> SteerSpec | None:
+    """The plan a request's ``kdn`` params ask for, or None; ``InvalidInput`` / ``ModelMismatch`` for a bad one
+    (a malformed map, heads the model lacks, a region past the prompt, a missing salt)."""
+    emphasis = params.get("emphasis")
+    on = params.get("steer")
+    if emphasis is None and not on:
+        return None
+    if on is not None and not isinstance(on, bool):
+        raise InvalidInput(f"'steer' must be true, false or null, got {str(on)[:20]}")
+    heads = params.get("steer_heads")
+    if heads is not None and (not isinstance(heads, list) or not all(isinstance(p, (list, tuple)) for p in heads)):
+        raise InvalidInput("'steer_heads' must be a list of [layer, head] pairs")
+    spec = steering.resolve(emphasis, n_layers=n_layers, n_heads=n_heads, steer=on, alpha=params.get("steer_alpha"),
+                            heads=heads, query_from=params.get("steer_query_from"), n_ids=n_ids)
+    if spec is None:
+        return None
+    want = steering.salt(emphasis, alpha=params.get("steer_alpha"), heads=heads,
+                         query_from=params.get("steer_query_from"))
+    if want not in (cache_salt or ""):
+        raise InvalidInput(f"a steered request needs a cache_salt containing {want!r} (request_params gives it): "
+                           "vLLM's prefix cache would otherwise mix steered and unsteered K/V")
+    return spec
+
+
+# --- the worker: after vLLM's kernel, the steered rows again, with the bias --------------------------
+
+
+def steerable(impl: Any) -> str | None:
+    """Why a layer's attention cannot be steered, or None."""
+    if getattr(impl, "sliding_window", -1) not in (-1, None):
+        return "sliding window"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    if getattr(impl, "logits_soft_cap", 0):
+        return "soft-capped logits"
+    if "fp8" in str(getattr(impl, "kv_cache_dtype", "auto")):
+        return "fp8 K/V"
+    return None
+
+
+class Steerer:
+    """Wraps the attention layers' ``impl.forward`` once; applies the bound step's ``SteerJob`` list."""
+
+    def __init__(self, layers: dict[str, Any], current: Callable[[], list[SteerJob]], block_size: int) -> None:
+        """``layers``: name -> ``worker.AttnLayer``; ``current``: this step's jobs (the bound metadata's)."""
+        from kdn.adapters.vllm import paged
+
+        self._paged = paged
+        self.current = current
+        self.block_size = block_size
+        self.refused: dict[int, str] = {}  # layer index -> why it is not steered
+        self.rows = 0  # steered query rows x layers, since start
+        self._readers: dict[str, Any] = {}
+        self._warned: set[tuple[str, int]] = set()
+        for a in layers.values():
+            why = steerable(a.module.impl)
+            if why is not None:
+                self.refused[a.index] = why
+                continue
+            self._wrap(a)
+
+    def _wrap(self, a: Any) -> None:
+        impl = a.module.impl
+        inner = impl.forward  # bound to impl; called with vLLM's own arguments
+
+        def forward(layer: Any, query: torch.Tensor, key: Any, value: Any, kv_cache: torch.Tensor, md: Any,
+                    *args: Any, **kw: Any) -> Any:
+            out = inner(layer, query, key, value, kv_cache, md, *args, **kw)
+            jobs = self.current() if md is not None else None
+            if jobs:
+                output = kw.get("output", args[0] if args else None)
+                self._apply(a, query, kv_cache, md, output if output is not None else out, jobs)
+            return out
+
+        impl.forward = forward
+
+    def warn_refused(self, job: SteerJob) -> None:
+        for la, _ in job.spec.heads:
+            if la in self.refused and (job.req_id, la) not in self._warned:
+                self._warned.add((job.req_id, la))
+                log.error("request %s: layer %d is not steered (%s)", job.req_id, la, self.refused[la])
+
+    def _reader(self, a: Any, kv_cache: torch.Tensor) -> Any:
+        r = self._readers.get(a.name)
+        if r is None:
+            try:
+                r = self._paged.find_reader(a.module, kv_cache, a.kv_heads, a.head_dim)[1]
+            except self._paged.LayoutUnknown as e:
+                r = e
+            self._readers[a.name] = r
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    def _apply(self, a: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor,
+               jobs: list[SteerJob]) -> None:
+        qsl = md.query_start_loc.cpu()
+        last_slot = md.slot_mapping[qsl[1:] - 1].cpu()  # [rows]: the slot each batch row's last token writes
+        for job in jobs:
+            heads = job.spec.layer_heads(a.index)
+            r0 = max(job.spec.query_from - job.first, 0)  # the first steered row of this step
+            if not heads or r0 >= job.n:
+                continue
+            L = job.end
+            slots = self._paged.slots(job.block_ids, 0, L, self.block_size, kv_cache.device)  # [L]
+            rows = (last_slot == int(slots[-1])).nonzero().flatten().tolist()
+            rows = [i for i in rows if int(qsl[i + 1] - qsl[i]) == job.n]
+            if not rows:
+                if (job.req_id, -1) not in self._warned:
+                    self._warned.add((job.req_id, -1))
+                    log.error("request %s: no batch row matches its steering job: not steered", job.req_id)
+                continue
+            try:
+                read = self._reader(a, kv_cache)
+            except self._paged.LayoutUnknown as e:
+                if (job.req_id, a.index) not in self._warned:
+                    self._warned.add((job.req_id, a.index))
+                    log.error("request %s: layer %d is not steered: %s", job.req_id, a.index, e)
+                continue
+            k, v = read(kv_cache, slots)  # [L, Hkv, D]
+            hs = torch.as_tensor(heads, dtype=torch.long, device=query.device)
+            group = query.shape[1] // a.kv_heads
+            kk = k[:, hs // group].transpose(0, 1).float()  # [Hs, L, D]
+            vv = v[:, hs // group].transpose(0, 1).float()
+            qpos = torch.arange(job.first + r0, L, device=query.device)  # [r]
+            mask = torch.zeros(len(qpos), L, device=query.device)
+            mask.masked_fill_(torch.arange(L, device=query.device)[None, :] > qpos[:, None], float("-inf"))
+            mask += job.spec.key_bias(L).to(query.device)[None, :]
+            scale = float(a.module.impl.scale)
+            for i in rows:
+                q0 = int(qsl[i]) + r0
+                q1 = int(qsl[i + 1])
+                q = query[q0:q1, hs].transpose(0, 1).float()  # [Hs, r, D]
+                o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale)
+                output[q0:q1, hs] = o.transpose(0, 1).to(output.dtype)
+                self.rows += q1 - q0
