@@ -16,6 +16,8 @@ import functools
 import hashlib
 import json
 import math
+import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,25 +75,35 @@ def spec(emphasis: EmphasisMap | dict | None, *, n_layers: int, n_heads: int, al
         return None
     emap = emphasis if isinstance(emphasis, EmphasisMap) else EmphasisMap.from_dict(emphasis)
     a = emap.alpha if alpha is None else alpha
-    if isinstance(a, bool) or not isinstance(a, (int, float)) or not (math.isfinite(a) and 0.0 < a <= 1.0):
+    if isinstance(a, bool) or not isinstance(a, numbers.Real) or not (math.isfinite(a) and 0.0 < a <= 1.0):
         raise InvalidInput(f"steering alpha must be in (0, 1], got {str(a)[:20]}")
     a = float(a)
-    chosen = [tuple(p) for p in heads] if heads is not None else (list(emap.heads) or default_heads(n_layers, n_heads))
+    chosen = list(heads) if heads is not None else (list(emap.heads) or default_heads(n_layers, n_heads))
     if a == 1.0 or not emap.spans or not chosen:
         return None
     per: dict[int, set[int]] = {}
     for pair in chosen:
-        if len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise InvalidInput(f"a steered head is a [layer, head] pair of ints, got {str(pair)[:30]}")
-        la, h = pair
+        la, h = _index(pair[0], "a head's layer"), _index(pair[1], "a head's index")
         if not (0 <= la < n_layers and 0 <= h < n_heads):
             raise ModelMismatch(f"head ({la}, {h}) is not in this model ({n_layers} layers x {n_heads} heads)")
-        per.setdefault(int(la), set()).add(int(h))
-    qf = emap.region[1] if query_from is None else query_from
-    if isinstance(qf, bool) or not isinstance(qf, int) or qf < 0:
-        raise InvalidInput(f"steering query_from must be a position, got {str(qf)[:20]}")
-    return SteerSpec(tuple((la, tuple(sorted(hs))) for la, hs in sorted(per.items())), emap.region, emap.spans, a,
-                     int(qf))
+        per.setdefault(la, set()).add(h)
+    qf = emap.region[1] if query_from is None else _index(query_from, "steering query_from")
+    if qf < 0:
+        raise InvalidInput(f"steering query_from must be a position, got {qf}")
+    return SteerSpec(tuple((la, tuple(sorted(hs))) for la, hs in sorted(per.items())),
+                     (int(emap.region[0]), int(emap.region[1])), tuple((int(s), int(e)) for s, e in emap.spans), a, qf)
+
+
+def _index(v: object, what: str) -> int:
+    """An integer (numpy's too), not a bool or a float."""
+    if isinstance(v, bool):
+        raise InvalidInput(f"{what} must be an int, got {v}")
+    try:
+        return operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidInput(f"{what} must be an int, got {str(v)[:20]}") from None
 
 
 def resolve(emphasis: EmphasisMap | dict | None, *, n_layers: int, n_heads: int, steer: bool | None = None,

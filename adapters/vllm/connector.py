@@ -55,6 +55,9 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         n_layers = int(hf.num_hidden_layers)
         if self.cfg.steer and int(vllm_config.parallel_config.tensor_parallel_size) > 1:
             raise InvalidInput("attention steering ('steer': true) runs with tensor_parallel_size 1 only")
+        if self.cfg.steer and getattr(vllm_config, "speculative_config", None) is not None:
+            # Drafts make the scheduler's token counts optimistic, and a drafter's layers would read the plan too.
+            raise InvalidInput("attention steering ('steer': true) does not run with speculative decoding")
         self.bridge = LoopThread(f"kdn-{role.name.lower()}") if self.consume or (self.produce and self.cfg.registry) else None
         self.client = self.bridge.run(_make_client(self.cfg), timeout=30) if self.consume else None
         self.registry = None
@@ -68,7 +71,7 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                                        hybrid=self.hybrid, consume=self.consume, produce=self.produce,
                                        background=self.hybrid or self.cfg.load == "async", bridge=self.bridge,
                                        client=self.client, mamba_groups=mamba,
-                                       mamba_mode=compat.mamba_mode(vllm_config), attn_group=attn.id,
+                                       mamba_mode=compat.mamba_mode(vllm_config),
                                        steer=self.cfg.steer, n_layers=n_layers,
                                        n_heads=int(hf.num_attention_heads))
             self.worker = self.saver = None
@@ -84,8 +87,8 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 from kdn.adapters.vllm.steer import Steerer
 
                 # vLLM binds each step's metadata before the forward, so the wrapped layers read it then.
-                self.steerer = Steerer(self.worker.attn, lambda: getattr(self._connector_metadata, "steers", None),
-                                       attn.block_size)
+                where = {n: (g.id, g.block_size) for g in self.groups for n in g.layers}
+                self.steerer = Steerer(self.worker.attn, where, lambda: getattr(self._connector_metadata, "steers", None))
             self.saver = None
             if self.produce:
                 from kdn.adapters.vllm.save import Saver

@@ -64,7 +64,6 @@ class SchedulerSide:
     kv_cache_manager: Any = None
     mamba_groups: tuple[int, ...] = ()  # hybrid models: the groups whose blocks hold states
     mamba_mode: str = "none"  # vLLM's mamba_cache_mode: "align" (prefix caching) or "none"
-    attn_group: int = 0  # the KV cache group of the attention layers
     steer: bool = False  # accept steered requests (connector setting ``steer``)
     n_layers: int = 0  # the model's, for steering plans
     n_heads: int = 0
@@ -73,7 +72,7 @@ class SchedulerSide:
     _ready: list[LoadJob] = field(default_factory=list)
     _saves: dict[str, _Save] = field(default_factory=dict)
     _given_up: set[str] = field(default_factory=set)  # requests whose load failed: vLLM recomputes them whole
-    _steers: dict[str, SteerSpec] = field(default_factory=dict)
+    _steers: dict[str, SteerSpec | None] = field(default_factory=dict)  # per request seen: its plan, or None
     lookups_failed: int = 0
     steer_refused: int = 0  # steered requests run unsteered (a bad plan, no salt, steering off)
 
@@ -107,7 +106,11 @@ class SchedulerSide:
                 self.lookups_failed += 1
             else:
                 lk.pieces = lk.future.result()
-        plan = plan_load(lk.pieces, computed=computed, num_tokens=request.num_tokens, block_size=self.block_size,
+        num_tokens = request.num_tokens
+        st = self._steer_for(request)
+        if st is not None:  # the KDN's K/V past the question's start are unsteered: load up to it at most
+            num_tokens = min(num_tokens, st.query_from + 1)
+        plan = plan_load(lk.pieces, computed=computed, num_tokens=num_tokens, block_size=self.block_size,
                          needs_state=self.hybrid)
         if plan is None:
             self._plans.pop(rid, None)
@@ -178,31 +181,34 @@ class SchedulerSide:
                           plan.tokens if plan else 0)
             else:
                 self._ready.append(LoadJob(rid, plan, compat.block_ids_of(blocks), self.background))
-        if rid not in self._steers:
-            self._track_steer(request)
+        self._steer_for(request)
         if self.produce and rid not in self._saves:
             self._track_save(request)
 
     # --- steering ----------------------------------------------------------------------------
 
-    def _track_steer(self, request: Any) -> None:
-        params = compat.kdn_params(request)
-        if "emphasis" not in params and not params.get("steer"):
-            return
+    def _steer_for(self, request: Any) -> SteerSpec | None:
+        """The request's steering plan, decided once per request (a refusal is logged and counted once)."""
         rid = request.request_id
-        try:
-            if not self.steer:
-                if params.get("steer") is False:
-                    return
-                raise KDNError("steering is off on this engine (the connector's 'steer' setting)")
-            spec = plan_of(params, n_layers=self.n_layers, n_heads=self.n_heads,
-                           n_ids=len(compat.prompt_tokens(request)), cache_salt=compat.cache_salt(request))
-        except KDNError as e:
-            self.steer_refused += 1
-            log.error("request %s runs unsteered: %s", rid, e)
-            return
-        if spec is not None:
-            self._steers[rid] = spec
+        if rid in self._steers:
+            return self._steers[rid]
+        params = compat.kdn_params(request)
+        spec = None
+        if "emphasis" in params or params.get("steer"):
+            try:
+                if not self.steer:
+                    em = params.get("emphasis")
+                    on = params.get("steer")
+                    if not (on if on is not None else isinstance(em, dict) and em.get("default_on") is True):
+                        return self._steers.setdefault(rid, None)  # asked for none: nothing to refuse
+                    raise KDNError("steering is off on this engine (the connector's 'steer' setting)")
+                spec = plan_of(params, n_layers=self.n_layers, n_heads=self.n_heads,
+                               n_ids=len(compat.prompt_tokens(request)), cache_salt=compat.cache_salt(request))
+            except KDNError as e:
+                self.steer_refused += 1
+                log.error("request %s runs unsteered: %s", rid, e)
+        self._steers[rid] = spec
+        return spec
 
     def _steer_jobs(self, out: Any) -> list[SteerJob]:
         if not self._steers:
@@ -210,13 +216,13 @@ class SchedulerSide:
         progress = compat.step_tokens(out)
         jobs = []
         for rid, spec in self._steers.items():
-            if rid not in progress:
+            if spec is None or rid not in progress:
                 continue
             first, n = progress[rid]
             if first + n <= spec.query_from:
                 continue  # the knowledge's own prefill: nothing to steer yet
-            blocks = compat.request_blocks(self.kv_cache_manager, rid)[self.attn_group]
-            jobs.append(SteerJob(rid, spec, first, n, tuple(blocks)))
+            blocks = compat.request_blocks(self.kv_cache_manager, rid)
+            jobs.append(SteerJob(rid, spec, first, n, tuple(tuple(b) for b in blocks)))
         return jobs
 
     # --- producer --------------------------------------------------------------------------
@@ -238,7 +244,7 @@ class SchedulerSide:
         addrs = A.prefix_addresses(self.model_id, ns, tokens, self.cfg.chunk_tokens)
         spans = A.chunk_spans(len(tokens), self.cfg.chunk_tokens)
         chunks = [SaveChunk(a, addrs[i - 1] if i else None, s, e) for i, (a, (s, e)) in enumerate(zip(addrs, spans))]
-        st = self._steers.get(request.request_id)
+        st = self._steer_for(request)
         if st is not None:  # steered layers change every later layer's K/V from query_from on
             chunks = [c for c in chunks if c.end <= st.query_from]
         self._saves[request.request_id] = _Save(ns, encs, chunks)

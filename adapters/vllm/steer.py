@@ -19,20 +19,26 @@ K/V are in it by then) with the bias, and written over the kernel's output. Ever
 and request is the kernel's output untouched.
 
 How a batch row is matched to its request: the scheduler side sends, per steered request and step, the
-request's block table and token counts (``SteerJob``); the row whose last token is written to the slot of
+request's block tables and token counts (``SteerJob``); the row whose last token is written to the slot of
 that request's last position is that request's. Two rows can share that slot only when two requests with
-identical prompts hit the same cached blocks, which the salt limits to requests with the same plan.
+identical prompts hit the same cached blocks, which the salt limits to requests with the same plan. A
+step that cannot be steered (no matching row, a layout that cannot be read, any error) leaves that
+request's rows as the kernel wrote them and logs it once; it never fails the engine's step.
 
 Why the salt: vLLM's prefix cache names blocks by their tokens, and a steered layer changes the K/V of
 every later layer at the steered positions; without a salt an unsteered request could reuse a steered
 request's question blocks (or the other way round). A steered request whose ``cache_salt`` does not contain
-its plan's salt is run unsteered, with an error in the log. For the same reason a producer never saves a
-steered request's chunks past ``query_from``.
+its plan's salt is run unsteered, with an error in the log (``request_params`` gives a request that is
+not steered no plan salt: its K/V are plain). For the same reason a producer never saves a steered
+request's chunks past ``query_from``, and a steered request loads from the KDN only up to it (published
+K/V past it were computed unsteered).
 
-Refused up front (the layer is not wrapped, and a plan naming it logs an error): sliding window, ALiBi,
-sinks, soft-capped logits, quantized (fp8) K/V, and cache layouts ``paged.find_reader`` cannot read (CPU AMX).
+Not steered (the layer is not wrapped, and a plan naming it logs an error): sliding window, ALiBi, sinks,
+soft-capped logits, quantized (fp8) K/V; found at the first steered step: cache layouts
+``paged.find_reader`` cannot read (CPU AMX) and backends whose metadata has no ``query_start_loc`` /
+``slot_mapping`` (FlashInfer). An engine with tensor parallelism or speculative decoding refuses ``steer``.
 On GPU, a connector with ``steer`` on asks vLLM for piecewise CUDA graphs: the wrapper is Python that a
-captured full graph would skip.
+captured full graph would skip (not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ class SteerJob:
     spec: SteerSpec
     first: int
     n: int
-    block_ids: tuple[int, ...]  # the request's block table in the attention group
+    block_ids: tuple[tuple[int, ...], ...]  # the request's block table, per KV cache group
 
     @property
     def end(self) -> int:
@@ -76,6 +82,8 @@ def request_params(emphasis: EmphasisMap | dict, *, steer: bool | None = True, a
     ``salt_prefix``: a salt the request would carry anyway (a tenant's), kept in front of the plan's."""
     emap = emphasis if isinstance(emphasis, EmphasisMap) else EmphasisMap.from_dict(emphasis)
     kdn: dict[str, Any] = {"emphasis": emap.to_dict(), "steer": steer}
+    if not (steer if steer is not None else emap.default_on):
+        return kdn, salt_prefix  # not steered: its K/V are plain K/V, shared with every plain request
     if alpha is not None:
         kdn["steer_alpha"] = alpha
     if heads is not None:
@@ -114,7 +122,7 @@ def plan_of(params: dict, *, n_layers: int, n_heads: int, n_ids: int, cache_salt
 
 def steerable(impl: Any) -> str | None:
     """Why a layer's attention cannot be steered, or None."""
-    if getattr(impl, "sliding_window", -1) not in (-1, None):
+    if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):  # CPU: -1; FlashAttention: (-1, -1)
         return "sliding window"
     if getattr(impl, "alibi_slopes", None) is not None:
         return "ALiBi"
@@ -130,17 +138,23 @@ def steerable(impl: Any) -> str | None:
 class Steerer:
     """Wraps the attention layers' ``impl.forward`` once; applies the bound step's ``SteerJob`` list."""
 
-    def __init__(self, layers: dict[str, Any], current: Callable[[], list[SteerJob]], block_size: int) -> None:
-        """``layers``: name -> ``worker.AttnLayer``; ``current``: this step's jobs (the bound metadata's)."""
+    ROWS_PER_CALL = 256  # steered query rows per attention call: bounds the [heads, rows, keys] scores
+    MAX_WARNED = 4096
+
+    def __init__(self, layers: dict[str, Any], groups: dict[str, tuple[int, int]],
+                 current: Callable[[], list[SteerJob] | None]) -> None:
+        """``layers``: name -> ``worker.AttnLayer``; ``groups``: name -> (KV cache group, block size);
+        ``current``: this step's jobs (the bound metadata's)."""
         from kdn.adapters.vllm import paged
 
         self._paged = paged
         self.current = current
-        self.block_size = block_size
+        self.groups = groups
         self.refused: dict[int, str] = {}  # layer index -> why it is not steered
         self.rows = 0  # steered query rows x layers, since start
         self._readers: dict[str, Any] = {}
         self._warned: set[tuple[str, int]] = set()
+        self._seen: int | None = None  # id() of the last job list checked against refused layers
         for a in layers.values():
             why = steerable(a.module.impl)
             if why is not None:
@@ -163,11 +177,75 @@ class Steerer:
 
         impl.forward = forward
 
-    def warn_refused(self, job: SteerJob) -> None:
-        for la, _ in job.spec.heads:
-            if la in self.refused and (job.req_id, la) not in self._warned:
-                self._warned.add((job.req_id, la))
-                log.error("request %s: layer %d is not steered (%s)", job.req_id, la, self.refused[la])
+    def _warn(self, job: SteerJob, layer: int, msg: str, *args: Any) -> None:
+        if (job.req_id, layer) in self._warned:
+            return
+        if len(self._warned) >= self.MAX_WARNED:
+            self._warned.clear()
+        self._warned.add((job.req_id, layer))
+        log.error("request %s: " + msg, job.req_id, *args)
+
+    def _apply(self, a: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor,
+               jobs: list[SteerJob]) -> None:
+        if id(jobs) != self._seen:  # once per step: plans naming layers that are not wrapped
+            self._seen = id(jobs)
+            for job in jobs:
+                for la, _ in job.spec.heads:
+                    if la in self.refused:
+                        self._warn(job, la, "layer %d is not steered (%s)", la, self.refused[la])
+        mine = [j for j in jobs if j.spec.layer_heads(a.index) and j.spec.query_from < j.end]
+        if not mine:
+            return
+        qsl, slot_mapping = getattr(md, "query_start_loc", None), getattr(md, "slot_mapping", None)
+        if qsl is None or slot_mapping is None:
+            for job in mine:
+                self._warn(job, -2, "the %s backend's metadata has no query_start_loc / slot_mapping: not steered",
+                           type(md).__name__)
+            return
+        qsl = qsl.cpu()
+        last_slot = slot_mapping[qsl[1:] - 1].cpu()  # [rows]: the slot each batch row's last token writes
+        for job in mine:
+            try:
+                self._steer(a, job, query, kv_cache, output, qsl, last_slot)
+            except Exception as e:  # noqa: BLE001 -- never fail the engine's step: this request runs unsteered
+                self._warn(job, a.index, "layer %d is not steered: %s: %s", a.index, type(e).__name__, e)
+
+    def _steer(self, a: Any, job: SteerJob, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+               qsl: torch.Tensor, last_slot: torch.Tensor) -> None:
+        heads = job.spec.layer_heads(a.index)
+        r0 = max(job.spec.query_from - job.first, 0)  # the first steered row of this step
+        L = job.end
+        group, block_size = self.groups[a.name]
+        slots = self._paged.slots(job.block_ids[group], 0, L, block_size, kv_cache.device)  # [L]
+        rows = (last_slot == int(slots[-1])).nonzero().flatten().tolist()
+        rows = [i for i in rows if int(qsl[i + 1] - qsl[i]) == job.n]
+        if not rows:
+            self._warn(job, -1, "no batch row matches its steering job: not steered")
+            return
+        try:
+            read = self._reader(a, kv_cache)
+        except self._paged.LayoutUnknown as e:
+            self._warn(job, a.index, "layer %d is not steered: %s", a.index, e)
+            return
+        k, v = read(kv_cache, slots)  # [L, Hkv, D]
+        dev = query.device
+        hs = torch.as_tensor(heads, dtype=torch.long, device=dev)
+        group_size = query.shape[1] // a.kv_heads
+        kk = k[:, hs // group_size].transpose(0, 1).float()  # [Hs, L, D]
+        vv = v[:, hs // group_size].transpose(0, 1).float()
+        bias = job.spec.key_bias(L).to(dev)  # [L]
+        keys = torch.arange(L, device=dev)
+        scale = float(a.module.impl.scale)
+        for c0 in range(r0, job.n, self.ROWS_PER_CALL):
+            c1 = min(c0 + self.ROWS_PER_CALL, job.n)
+            qpos = torch.arange(job.first + c0, job.first + c1, device=dev)  # [r]
+            mask = bias[None, :].expand(len(qpos), L).masked_fill(keys[None, :] > qpos[:, None], float("-inf"))
+            for i in rows:
+                q0 = int(qsl[i])
+                q = query[q0 + c0:q0 + c1, hs].transpose(0, 1).float()  # [Hs, r, D]
+                o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale)
+                output[q0 + c0:q0 + c1, hs] = o.transpose(0, 1).to(output.dtype)
+                self.rows += c1 - c0
 
     def _reader(self, a: Any, kv_cache: torch.Tensor) -> Any:
         r = self._readers.get(a.name)
@@ -180,46 +258,3 @@ class Steerer:
         if isinstance(r, Exception):
             raise r
         return r
-
-    def _apply(self, a: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor,
-               jobs: list[SteerJob]) -> None:
-        qsl = md.query_start_loc.cpu()
-        last_slot = md.slot_mapping[qsl[1:] - 1].cpu()  # [rows]: the slot each batch row's last token writes
-        for job in jobs:
-            heads = job.spec.layer_heads(a.index)
-            r0 = max(job.spec.query_from - job.first, 0)  # the first steered row of this step
-            if not heads or r0 >= job.n:
-                continue
-            L = job.end
-            slots = self._paged.slots(job.block_ids, 0, L, self.block_size, kv_cache.device)  # [L]
-            rows = (last_slot == int(slots[-1])).nonzero().flatten().tolist()
-            rows = [i for i in rows if int(qsl[i + 1] - qsl[i]) == job.n]
-            if not rows:
-                if (job.req_id, -1) not in self._warned:
-                    self._warned.add((job.req_id, -1))
-                    log.error("request %s: no batch row matches its steering job: not steered", job.req_id)
-                continue
-            try:
-                read = self._reader(a, kv_cache)
-            except self._paged.LayoutUnknown as e:
-                if (job.req_id, a.index) not in self._warned:
-                    self._warned.add((job.req_id, a.index))
-                    log.error("request %s: layer %d is not steered: %s", job.req_id, a.index, e)
-                continue
-            k, v = read(kv_cache, slots)  # [L, Hkv, D]
-            hs = torch.as_tensor(heads, dtype=torch.long, device=query.device)
-            group = query.shape[1] // a.kv_heads
-            kk = k[:, hs // group].transpose(0, 1).float()  # [Hs, L, D]
-            vv = v[:, hs // group].transpose(0, 1).float()
-            qpos = torch.arange(job.first + r0, L, device=query.device)  # [r]
-            mask = torch.zeros(len(qpos), L, device=query.device)
-            mask.masked_fill_(torch.arange(L, device=query.device)[None, :] > qpos[:, None], float("-inf"))
-            mask += job.spec.key_bias(L).to(query.device)[None, :]
-            scale = float(a.module.impl.scale)
-            for i in rows:
-                q0 = int(qsl[i]) + r0
-                q1 = int(qsl[i + 1])
-                q = query[q0:q1, hs].transpose(0, 1).float()  # [Hs, r, D]
-                o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale)
-                output[q0:q1, hs] = o.transpose(0, 1).to(output.dtype)
-                self.rows += q1 - q0

@@ -42,6 +42,9 @@ def test_a_plan_needs_its_salt_and_the_salt_names_the_plan():
 def test_steering_is_off_unless_asked_and_bad_plans_are_refused():
     off = request_params(MAP, steer=None)
     assert plan(*off) is None  # the map does not say default_on
+    # A request that is not steered gets no plan salt: its K/V are plain, shared with plain requests.
+    assert off[1] == "" and request_params(MAP, steer=False, salt_prefix="t1")[1] == "t1"
+    assert request_params({**MAP, "default_on": True}, steer=None)[1].startswith("kdn-steer-")
     assert plan(*request_params({**MAP, "default_on": True}, steer=None)) is not None
     assert plan(*request_params({**MAP, "default_on": True}, steer=False)) is None
     assert plan({}, None) is None and plan({"load": True}, None) is None
@@ -67,9 +70,9 @@ def request(rid: str, kdn: dict, salt: str | None) -> SimpleNamespace:
 def side(**kw) -> SchedulerSide:
     cfg = ConnectorConfig(store="/nonexistent", save="all", chunk_tokens=32)
     blocks = SimpleNamespace(get_block_ids=lambda rid: ([7, 8, 9, 10, 11, 12, 13, 14],))
-    return SchedulerSide(cfg=cfg, model_id="ab" * 32, block_size=16, hybrid=False, consume=False, produce=True,
-                         background=False, kv_cache_manager=blocks, **{"steer": True, "n_layers": 2, "n_heads": 2,
-                                                                       **kw})
+    return SchedulerSide(cfg=cfg, model_id="ab" * 32, block_size=16, hybrid=False, background=False,
+                         kv_cache_manager=blocks, **{"steer": True, "n_layers": 2, "n_heads": 2, "consume": False,
+                                                     "produce": True, **kw})
 
 
 def step(rid: str, computed: int, n: int) -> SimpleNamespace:
@@ -87,7 +90,7 @@ def test_steered_requests_get_jobs_past_query_from_and_never_save_past_it():
     meta = s.build_meta(step("r", 64, 56))
     (job,) = meta.steers
     assert (job.req_id, job.first, job.n, job.spec.query_from) == ("r", 64, 56, 96)
-    assert job.block_ids == (7, 8, 9, 10, 11, 12, 13, 14)
+    assert job.block_ids == ((7, 8, 9, 10, 11, 12, 13, 14),)
     assert [c.end for j in meta.saves for c in j.chunks] == [96]
     s.finished(SimpleNamespace(request_id="r"))
     assert s.build_meta(step("r", 120, 1)).steers == []
@@ -101,8 +104,28 @@ def test_an_engine_without_steering_refuses_and_counts():
     s = side(steer=False)
     kdn, salt = request_params(MAP)
     s.allocated(request("r", kdn, salt), SimpleNamespace(), 0)
+    s.allocated(request("r", kdn, salt), SimpleNamespace(), 0)  # allocated again (preempted, resumed): counted once
     s.allocated(request("q", {**kdn, "steer": False}, salt), SimpleNamespace(), 0)  # asked for none: no refusal
+    s.allocated(request("m", {**kdn, "steer": None}, salt), SimpleNamespace(), 0)  # a map that is not default_on
     assert s.steer_refused == 1 and s.build_meta(step("r", 96, 24)).steers == []
+
+
+def test_a_steered_request_loads_from_the_kdn_only_up_to_the_question():
+    """Published K/V past ``query_from`` were computed unsteered: a steered request recomputes them."""
+    import concurrent.futures
+
+    from kdn.adapters.vllm.plan import Piece
+    from kdn.adapters.vllm.scheduler import _Lookup
+
+    pieces = [Piece(f"{i:064x}", s, e, "zstd", "0" * 64, 100) for i, (s, e) in
+              enumerate(((0, 32), (32, 64), (64, 96), (96, 120)))]
+    s = side(consume=True)
+    kdn, salt = request_params(MAP)
+    for rid, params, want in (("plain", {}, 112), ("steered", kdn, 96)):
+        fut = concurrent.futures.Future()
+        fut.set_result(pieces)
+        s._lookups[rid] = _Lookup(fut, 0.0, pieces)
+        assert s.matched(request(rid, params, salt), 0) == (want, False)
 
 
 def test_the_steer_setting_is_a_bool():
