@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from kdn import service
 from kdn.address import validate_address, validate_name
-from kdn.auth import Grant, Grants, TokenScope, covers
+from kdn.auth import Grant, Grants, TokenScope, covers, may_read
 from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, KDNError, SourceError
@@ -593,7 +593,7 @@ async def _readable_record(request: web.Request, address: str) -> ObjectRecord:
     edge = request.app[EDGE]
     rec = await edge.records.get(address)
     allowed = request.app[GRANTS].namespaces(bearer(request), "read")
-    if rec is None or not covers(allowed, rec.namespace):
+    if rec is None or not may_read(allowed, rec.namespace, rec.kind):
         raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
     return rec
 

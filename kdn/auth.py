@@ -51,6 +51,17 @@ def covers(namespaces: frozenset[str], namespace: str) -> bool:
     return ANY in namespaces or namespace in namespaces
 
 
+# Objects of a model rather than of a text: a kvtc basis, fitted once per model on the origin's own
+# calibration text and named by the objects coded with it. A tenant's kvtc objects cannot be decoded without
+# it, so any token that reads some namespace reads these too (they hold nothing of any tenant's text).
+MODEL_LEVEL_KINDS = frozenset({"basis"})
+
+
+def may_read(namespaces: frozenset[str], namespace: str, kind: str | None = None) -> bool:
+    """``covers``, and a model-level object (``MODEL_LEVEL_KINDS``) for any token with a read grant."""
+    return covers(namespaces, namespace) or (kind in MODEL_LEVEL_KINDS and bool(namespaces))
+
+
 @dataclass(frozen=True)
 class Grant:
     roles: frozenset[str]

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kdn import service
 from kdn.address import validate_address, validate_name
-from kdn.auth import Grant, Grants, covers
+from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import RegistryUnavailable
 from kdn.registry import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord
@@ -309,6 +309,12 @@ async def _namespace_of(app: web.Application, address: str) -> str | None:
     return ns
 
 
+async def _model_level(app: web.Application, address: str, allowed: frozenset[str]) -> bool:
+    """A model-level object (a kvtc basis), readable with any read grant (``kdn.auth.may_read``)."""
+    rec = await app[REGISTRY].get_object(address)
+    return rec is not None and may_read(allowed, rec.namespace, rec.kind)
+
+
 async def _adopt(app: web.Application, address: str) -> dict:
     """Blobs an engine saved into this store on its own (``kv_role`` producer with ``registry``), found by
     their registry record and indexed once their bytes match its digests."""
@@ -327,7 +333,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     have = store.encodings(address) or await _adopt(app, address)
     ns = await _namespace_of(app, address) if have else None
     allowed = app[GRANTS].namespaces(bearer(request), "read")
-    if ns is None or not covers(allowed, ns):
+    if ns is None or not (covers(allowed, ns) or await _model_level(app, address, allowed)):
         raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
     want = request.query.get("encoding")
     if want is not None:

@@ -24,7 +24,7 @@ import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from kdn.address import Address, validate_address, validate_name, validate_namespace
-from kdn.auth import AuthError, Grants, covers
+from kdn.auth import AuthError, Grants, may_read
 from kdn.errors import (
     InvalidInput,
     KDNError,
@@ -389,7 +389,7 @@ async def get_registry_object(request: web.Request) -> web.Response:
     rec = await request.app[REGISTRY].get_object(address)
     if rec is None:
         raise web.HTTPNotFound(text=f"no object {address}")
-    if not _may_read(request, rec.namespace):
+    if not _may_read(request, rec.namespace, rec.kind):
         raise web.HTTPNotFound(text=f"no object {address}")  # do not reveal other tenants' objects
     return web.json_response(rec.to_dict())
 
@@ -405,9 +405,9 @@ async def get_registry_manifest(request: web.Request) -> web.Response:
     return web.json_response(man.to_dict())
 
 
-def _may_read(request: web.Request, namespace: str) -> bool:
+def _may_read(request: web.Request, namespace: str, kind: str | None = None) -> bool:
     grants = request.app[GRANTS]
-    return covers(grants.namespaces(bearer(request), "read"), namespace)
+    return may_read(grants.namespaces(bearer(request), "read"), namespace, kind)
 
 
 async def get_metrics(request: web.Request) -> web.Response:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 
-def fit_tiny_basis(seed: int = 0):
-    """``(lm, basis, generator)``: tiny-llama, a basis fitted on random windows of its vocabulary, and the
-    generator those windows came from (a test draws its own ids from it next)."""
+def fit_tiny_basis(seed: int = 0, spec: str = "tiny-llama", dtype: torch.dtype | None = None):
+    """``(lm, basis, generator)``: a tiny model (``spec``, ``dtype``), a basis fitted on random windows of its
+    vocabulary, and the generator those windows came from (a test draws its own ids from it next)."""
     from kdn.adapters.hf import models as hf_models
     from kdn.adapters.hf.transform_fit import fit_basis
 
-    lm = hf_models.load_model("tiny-llama")
+    lm = hf_models.load_model(spec) if dtype is None else hf_models.load_model(spec, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     vocab = lm.model.config.vocab_size
     windows = [torch.randint(3, vocab, (96,), generator=g) for _ in range(4)]

@@ -13,6 +13,8 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``namespace``      the namespace to look up (default ``public``); the token must grant it
     ``token_file``     file whose first token is sent to edges (or ``$KDN_TOKEN``)
     ``quality``        ``"lossless"`` (default) or the largest NLL increase in % a lossy encoding may cost
+    ``encoding``       fetch this encoding whenever a record has it (e.g. ``kvtc-2`` where bytes are dear);
+                       it must fit ``quality``; default: the client's choice by measured link
     ``load_timeout``   seconds a request's load may take before it is abandoned and recomputed (default 10)
     ``lookup_timeout`` seconds a lookup may take before the request is scheduled without it (default 2)
     ``load``           ``"auto"`` (default: layer by layer inside the forward for attention-only models,
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdn.address import DEFAULT_CHUNK_TOKENS, PUBLIC_NAMESPACE, validate_name, validate_namespace
-from kdn.encodings import parse_budget
+from kdn.encodings import affordable, parse_budget
 from kdn.errors import InvalidInput
 
 LOAD_MODES = ("auto", "sync", "async")
@@ -47,7 +49,7 @@ SAVE_MODES = ("request", "all")
 _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
-    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer",
+    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding",
 })
 
 
@@ -61,6 +63,7 @@ class ConnectorConfig:
     namespace: str = PUBLIC_NAMESPACE
     token_file: str | None = None
     quality: str | float = "lossless"
+    encoding: str | None = None
     load_timeout: float = 10.0
     lookup_timeout: float = 2.0
     load: str = "auto"
@@ -104,6 +107,12 @@ class ConnectorConfig:
         if "quality" in extra:
             parse_budget(extra["quality"])  # raises on a bad budget
             kw["quality"] = extra["quality"]
+        if extra.get("encoding") is not None:
+            enc = _string("encoding", extra["encoding"])
+            if not affordable(enc, parse_budget(kw.get("quality", "lossless"))):
+                raise InvalidInput(f"KDN connector setting 'encoding': {enc[:32]!r} is unknown or costs more than "
+                                   f"'quality' ({kw.get('quality', 'lossless')!r}) allows")
+            kw["encoding"] = enc
         for key in ("load_timeout", "lookup_timeout"):
             if key in extra:
                 v = extra[key]

@@ -133,7 +133,8 @@ class SchedulerSide:
             if why:
                 log.info("KDN chain for this prompt stops at token %d: %s", pos, why)
                 break
-            enc = c.choose_encoding(rec["encodings"])
+            pin = self.cfg.encoding
+            enc = pin if pin is not None and pin in rec["encodings"] else c.choose_encoding(rec["encodings"])
             if enc is None:
                 break
             e = rec["encodings"][enc]

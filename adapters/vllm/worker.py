@@ -144,7 +144,13 @@ class WorkerSide:
                 self._running.append(_Running(job, [self._fetch(p) for p in job.plan.pieces]))
 
     def _fetch(self, p: Piece) -> concurrent.futures.Future:
-        return self.bridge.submit(self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size))
+        return self.bridge.submit(self._fetch_one(p))
+
+    async def _fetch_one(self, p: Piece) -> tuple[Any, int | None]:
+        """The verified object, and what its decode may allocate when a codec says more than the default
+        (a kvtc object: its model's basis is fetched, verified and registered first, once per basis)."""
+        f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size)
+        return f, await self.client.prepare(f)
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.attn.get(layer_name)
@@ -170,7 +176,7 @@ class WorkerSide:
         run.fetched = []
         for p, fut in zip(run.job.plan.pieces, run.fetches):
             try:
-                f = fut.result(max(deadline - time.perf_counter(), 0))
+                f, cap = fut.result(max(deadline - time.perf_counter(), 0))
             except concurrent.futures.TimeoutError:
                 self._fail(run, LoadFailed("timeout", p, f"{p.address[:16]} not fetched within {self.cfg.load_timeout:g} s"))
                 break
@@ -182,7 +188,7 @@ class WorkerSide:
                 break
             try:
                 # Bounded before a byte is decoded: at most what this model's chunk of that length holds.
-                view = ObjectView(f.blob, max_decoded=self._max_decoded(p.end - p.start))
+                view = ObjectView(f.blob, max_decoded=max(self._max_decoded(p.end - p.start), cap or 0))
             except KDNError as e:
                 self._fail(run, LoadFailed("decode", p, str(e)))
                 break

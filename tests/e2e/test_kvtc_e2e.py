@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 
-from edge_helpers import PUBLISH, cluster  # noqa: E402
+from edge_helpers import PUBLISH, TENANT_A, cluster  # noqa: E402
 from edge_helpers import publish as publish_doc  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
@@ -86,6 +86,24 @@ async def test_publish_kvtc_fetch_via_edge_and_origin_within_bound(tmp_path, etc
                     for name, ref in te.items():
                         rel = float((tx[name].float() - ref.float()).pow(2).mean() / ref.float().var())
                         assert rel < 0.02, (name, rel)  # the codec's 8-bit bound (tests/kernels/test_transform_fit.py)
+
+
+async def test_a_tenant_decodes_its_kvtc_objects_with_the_models_basis(tmp_path, etcd_url, basis_file):
+    """The basis is the model's (namespace public, kind basis): a tenant token that reads only its own
+    namespace still reads it -- or its kvtc objects could never be decoded -- and nothing else public."""
+    path, addr = basis_file
+    async with cluster(tmp_path, etcd_url, edges=("e1",), origin_kw={"kvtc_basis": str(path)}) as c:
+        mine = await publish_doc(c, TEXT, "d", namespace="acme", token=TENANT_A, encodings=["zstd", "kvtc-8"])
+        public = await publish_doc(c, TEXT[::-1], "p")
+        for where in ({"edges": [c.edge_url("e1")]}, {"origin": c.origin_url()}):
+            async with KDNClient(**where, token=TENANT_A, quality=100.0) as client:
+                hit = await client.lookup(mine["prefix_tokens"], mine["model_id"], "acme")
+                states = await client.fetch_prefix(hit, encoding="kvtc-8")
+                assert client.bases_fetched == 1 and len(states.objects) == hit.chunks >= 2
+                assert (await client.record(addr))["kind"] == "basis"
+                assert await client.record(public["addresses"][0]) is None  # other public objects stay hidden
+                miss = await client.lookup(public["prefix_tokens"], public["model_id"])
+                assert miss.tokens == 0
 
 
 async def test_kvtc_publish_refused_without_a_basis(tmp_path, etcd_url):

@@ -8,6 +8,14 @@ from kdn.adapters.vllm.config import ConnectorConfig
 from kdn.errors import InvalidInput
 
 
+def test_a_pinned_encoding_within_the_budget():
+    c = ConnectorConfig.from_extra({"edges": ["http://x"], "encoding": "kvtc-2", "quality": 2.0}, consumer=True,
+                                   producer=False)
+    assert c.encoding == "kvtc-2"
+    assert ConnectorConfig.from_extra({"edges": ["http://x"], "encoding": "raw"}, consumer=True,
+                                      producer=False).encoding == "raw"
+
+
 def test_defaults_and_edges_forms():
     c = ConnectorConfig.from_extra({"edges": ["http://127.0.0.1:8701/"]}, consumer=True, producer=False)
     assert c.edges == ("http://127.0.0.1:8701",) and c.namespace == "public" and c.quality == "lossless"
@@ -26,6 +34,9 @@ def test_defaults_and_edges_forms():
     ({"edges": ["http://x"], "namspace": "a"}, True, False, "unknown KDN connector setting"),
     ({"edges": ["http://x"], "namespace": "Bad/NS"}, True, False, "namespace"),
     ({"edges": ["http://x"], "quality": "best"}, True, False, "quality"),
+    ({"edges": ["http://x"], "encoding": "kvtc-2"}, True, False, "costs more than 'quality'"),  # lossless
+    ({"edges": ["http://x"], "encoding": "kvtc-2", "quality": 1.0}, True, False, "costs more"),  # worst +1.43%
+    ({"edges": ["http://x"], "encoding": "gzip9", "quality": 5.0}, True, False, "unknown"),
     ({"edges": ["http://x"], "load_timeout": 0}, True, False, "load_timeout"),
     ({"edges": ["http://x"], "load_timeout": True}, True, False, "load_timeout"),
     ({"edges": ["http://x"], "load": "eager"}, True, False, "'load'"),

@@ -106,13 +106,14 @@ class Cluster:
         self.edge_url = f"http://127.0.0.1:{self.edge_port}"
 
     def origin(self, name: str, model: str, *, dtype: str, engine: str = "hf", store: str | None = None,
-               signing_key: str | None = None) -> tuple[Proc, str]:
+               signing_key: str | None = None, kvtc_basis: str | None = None) -> tuple[Proc, str]:
         port = free_port()
         p = Proc(f"origin-{name}", ["kdn", "origin", "serve", "--model", model, "--dtype", dtype, "--engine", engine,
                                     "--registry", self.registry, "--store", str(self.tmp / f"store-{store or name}"),
                                     "--port", str(port), "--token-file", str(self.tmp / "tokens"),
                                     "--node-id", f"origin-{name}"]
-                 + (["--signing-key", signing_key] if signing_key else []), self.tmp / f"origin-{name}.log")
+                 + (["--signing-key", signing_key] if signing_key else [])
+                 + (["--kvtc-basis", kvtc_basis] if kvtc_basis else []), self.tmp / f"origin-{name}.log")
         self.procs.append(p)
         self.origins[name] = f"http://127.0.0.1:{port}"
         return p, self.origins[name]
@@ -125,9 +126,11 @@ class Cluster:
         wait_http(p, self.edge_url + "/healthz")
         return p
 
-    def publish(self, origin: str, text: str, name: str, namespace: str = "public", token: str = PUBLISH) -> dict:
+    def publish(self, origin: str, text: str, name: str, namespace: str = "public", token: str = PUBLISH,
+                encodings: list[str] | None = None) -> dict:
         job = http_json("POST", f"{self.origins[origin]}/v1/publish",
-                        {"name": name, "namespace": namespace, "text": text}, token)
+                        {"name": name, "namespace": namespace, "text": text,
+                         **({"encodings": encodings} if encodings else {})}, token)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             job = http_json("GET", f"{self.origins[origin]}/v1/jobs/{job['job'] if 'job' in job else job['id']}",
