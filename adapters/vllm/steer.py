@@ -140,6 +140,7 @@ class Steerer:
 
     ROWS_PER_CALL = 256  # steered query rows per attention call: bounds the [heads, rows, keys] scores
     MAX_WARNED = 4096
+    MAX_CACHED_BYTES = 512 << 20  # the running steered requests' context K/V kept between steps, at most
 
     def __init__(self, layers: dict[str, Any], groups: dict[str, tuple[int, int]],
                  current: Callable[[], list[SteerJob] | None]) -> None:
@@ -155,6 +156,11 @@ class Steerer:
         self._readers: dict[str, Any] = {}
         self._warned: set[tuple[str, int]] = set()
         self._seen: int | None = None  # id() of the last job list checked against refused layers
+        # (request, layer) -> (the context's block ids, its K and V [Hs, ctx, D] float32 for the steered heads):
+        # positions before query_from never change while a request runs (they are never steered), so decode
+        # steps read only the positions after them from the paged cache.
+        self._ctx: dict[tuple[str, str], tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+        self._ctx_bytes = 0
         for a in layers.values():
             why = steerable(a.module.impl)
             if why is not None:
@@ -187,8 +193,11 @@ class Steerer:
 
     def _apply(self, a: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor,
                jobs: list[SteerJob]) -> None:
-        if id(jobs) != self._seen:  # once per step: plans naming layers that are not wrapped
+        if id(jobs) != self._seen:  # once per step: plans naming layers that are not wrapped; stale contexts
             self._seen = id(jobs)
+            live = {j.req_id for j in jobs}
+            for key in [k for k in self._ctx if k[0] not in live]:
+                self._ctx_bytes -= sum(t.numel() * 4 for t in self._ctx.pop(key)[1:])
             for job in jobs:
                 for la, _ in job.spec.heads:
                     if la in self.refused:
@@ -227,12 +236,29 @@ class Steerer:
         except self._paged.LayoutUnknown as e:
             self._warn(job, a.index, "layer %d is not steered: %s", a.index, e)
             return
-        k, v = read(kv_cache, slots)  # [L, Hkv, D]
         dev = query.device
         hs = torch.as_tensor(heads, dtype=torch.long, device=dev)
-        group_size = query.shape[1] // a.kv_heads
-        kk = k[:, hs // group_size].transpose(0, 1).float()  # [Hs, L, D]
-        vv = v[:, hs // group_size].transpose(0, 1).float()
+        kvh = hs // (query.shape[1] // a.kv_heads)  # each steered query head's K/V head
+
+        def gather(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = read(kv_cache, slots[lo:hi])  # [n, Hkv, D]
+            return k[:, kvh].transpose(0, 1).float(), v[:, kvh].transpose(0, 1).float()  # [Hs, n, D]
+
+        ctx = min(job.spec.query_from, L)
+        blocks = tuple(job.block_ids[group][:-(-ctx // block_size)])
+        hit = self._ctx.get((job.req_id, a.name))
+        if hit is None or hit[0] != blocks:
+            k0, v0 = gather(0, ctx)
+            if hit is not None:
+                self._ctx_bytes -= sum(t.numel() * 4 for t in hit[1:])
+                del self._ctx[(job.req_id, a.name)]
+            if self._ctx_bytes + 8 * k0.numel() <= self.MAX_CACHED_BYTES:
+                self._ctx[(job.req_id, a.name)] = (blocks, k0, v0)
+                self._ctx_bytes += 8 * k0.numel()
+        else:
+            k0, v0 = hit[1], hit[2]
+        k1, v1 = gather(ctx, L)
+        kk, vv = torch.cat((k0, k1), dim=1), torch.cat((v0, v1), dim=1)  # [Hs, L, D]
         bias = job.spec.key_bias(L).to(dev)  # [L]
         keys = torch.arange(L, device=dev)
         scale = float(a.module.impl.scale)

@@ -1,6 +1,6 @@
 """vLLM loads a hybrid model's published prefixes (tiny Qwen3-Next: 3 gated-delta-net layers + 1 attention
 layer, head_dim 64, bf16) from a KDN: attention K/V and the recurrent state at the load point, through
-``SupportsHMA``, in the background between steps.
+``SupportsHMA``, in the background between steps; and steers its attention layer on request.
 
 vLLM's CPU hybrid blocks are 384 tokens here and KDN chunks 256, so a load ends at a multiple of 768
 (both a block end and a chunk end: the only places a state exists on both sides).
@@ -30,7 +30,7 @@ def world(module_tmp):
         origins = [v.origin("vllm", "tiny-qwen3next64", dtype="bfloat16", engine="vllm", store="shared"),
                    v.origin("hf", "tiny-qwen3next64", dtype="bfloat16", store="shared")]
         eq = Engine("eq", module_tmp, model=folder, dtype="bfloat16",
-                    kv=kv_config(edges=[proxy.url], load_timeout=5))
+                    kv=kv_config(edges=[proxy.url], load_timeout=5, steer=True))
         engines.append(eq)
         for p, url in origins:
             wait_http(p, url + "/healthz")
@@ -111,3 +111,24 @@ def test_transformers_made_hybrid_states_load_across_engines(world):
     # bf16 states from transformers' kernels: close to vLLM's own, not equal (docs/benchmarks.md measures it).
     assert got["tokens"][:8] == ref["tokens"][:8]
     assert max(abs(a - b) for a, b in zip(got["logprobs"][:8], ref["logprobs"][:8])) < 0.1
+
+
+def test_steering_the_attention_layer_of_a_hybrid(world):
+    """Steering on a model with several KV cache groups: the attention layer (3) steered, on a loaded state
+    and K/V exactly as on computed ones; the gated-delta-net layers are not attention and are left alone."""
+    from kdn.adapters.vllm.steer import request_params
+
+    eq, doc = world["eq"], world["docs"]["v3"]
+    n = len(doc["prefix_tokens"])
+    emap = {"spans": [[400, 440], [1200, 1230]], "region": [0, n], "alpha": 0.01, "heads": [[3, 0], [3, 1]]}
+    prompt = doc["prefix_tokens"] + question(31)
+    plain = eq.generate([prompt], load=False, salt=salt(), max_tokens=12)[0]
+    kdn, s = request_params(emap, salt_prefix=salt())
+    computed = eq.generate([prompt], kdn=[kdn], salts=[s], load=False, max_tokens=12)[0]
+    kdn, s = request_params(emap, salt_prefix=salt())
+    before, rows = sum(totals(eq)["tokens"].values()), eq.stats()["steered_rows"]
+    loaded = eq.generate([prompt], kdn=[kdn], salts=[s], max_tokens=12)[0]
+    assert loaded["cached"] == LOADED and sum(totals(eq)["tokens"].values()) - before == LOADED
+    assert eq.stats()["steered_rows"] > rows
+    assert loaded["tokens"] == computed["tokens"] and loaded["logprobs"] == computed["logprobs"]
+    assert max(abs(a - b) for a, b in zip(computed["logprobs"], plain["logprobs"])) > 0.01, "steering did nothing"
