@@ -134,6 +134,8 @@ RUNS: list[Run] = [
     Run("steer-budget1", "steer", archived="tuned within a 1% NLL budget on the tuning split (K 16/32, alpha "
         "0.01/0.03/0.1): +1.13% on the test split"),
     Run("steer-first", "steer", archived="the first run: heads and alpha tuned for accuracy alone (no NLL budget)"),
+    Run("vllm_steer-gather", "vllm_steer", archived="before the steered requests' context K/V were kept between "
+        "steps: every step gathered every key from the paged cache"),
     Run("serve-full", "serve", ["--lean", "--profile", "--duration", "2", "--warmup", "0.5"],
         archived="before the edge's memory-path fix (its edge-*-lean rows patch in what is now shipped)"),
 ]
