@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kdn.address import validate_namespace
+from kdn.address import PUBLIC_NAMESPACE, validate_namespace
 from kdn.errors import InvalidInput, KDNError
 
 ROLES = frozenset({"read", "publish", "admin"})
@@ -58,8 +58,10 @@ MODEL_LEVEL_KINDS = frozenset({"basis"})
 
 
 def may_read(namespaces: frozenset[str], namespace: str, kind: str | None = None) -> bool:
-    """``covers``, and a model-level object (``MODEL_LEVEL_KINDS``) for any token with a read grant."""
-    return covers(namespaces, namespace) or (kind in MODEL_LEVEL_KINDS and bool(namespaces))
+    """``covers``, and a model-level object (``MODEL_LEVEL_KINDS``, in the public namespace, where an origin
+    records its bases) for any token with a read grant."""
+    return covers(namespaces, namespace) or (bool(namespaces) and kind in MODEL_LEVEL_KINDS
+                                             and namespace == PUBLIC_NAMESPACE)
 
 
 @dataclass(frozen=True)

@@ -587,8 +587,9 @@ class KDNClient:
 
         return await asyncio.to_thread(load)
 
-    async def prepare(self, f: Fetched) -> int | None:
-        """Load the kvtc bases a fetched object names; the ``max_decoded`` its decode may use (None: default)."""
+    async def prepare(self, f: Fetched, tokens: int | None = None) -> int | None:
+        """Load the kvtc bases a fetched object names; the ``max_decoded`` its decode may use (None: default),
+        for ``tokens`` tokens (default: the span its header claims; a caller that knows the span passes it)."""
         from kdn.objects import read_header
 
         h = read_header(f.blob)
@@ -598,7 +599,8 @@ class KDNClient:
         bases = [await self.basis(a) for a in sorted(addrs)]
         from kdn.kernels.transform import decoded_cap
 
-        return int(max(decoded_cap(b, h.end - h.start) for b in bases))
+        n = h.end - h.start if tokens is None else tokens
+        return int(max(decoded_cap(b, n) for b in bases))
 
     async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None,
                            quality: str | float | None = None,

@@ -73,6 +73,7 @@ JOBS = web.AppKey("jobs", JobQueue)
 EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
 TOKENIZER = web.AppKey("tokenizer", ThreadPoolExecutor)
 NAMESPACES = web.AppKey("namespaces", dict)  # address -> namespace (immutable, so cacheable)
+BASES = web.AppKey("bases", set)  # addresses of the kvtc bases this origin publishes (model-level objects)
 M = web.AppKey("origin_metrics", dict)
 
 
@@ -154,6 +155,7 @@ async def _publish_basis(app: web.Application, path: str) -> str:
         standalone=False, encodings={"basis": Encoding("basis", info.size, info.digest)},
         origin=app[CONFIG].node_id, engine=app[PRODUCER].engine)])
     app[NAMESPACES][address] = "public"
+    app[BASES].add(address)
     app[PRODUCER].basis = basis
     log.info("kvtc basis %s (%d bytes) for model %s", address[:16], info.size, loaded.model_id[:16])
     return address
@@ -309,12 +311,6 @@ async def _namespace_of(app: web.Application, address: str) -> str | None:
     return ns
 
 
-async def _model_level(app: web.Application, address: str, allowed: frozenset[str]) -> bool:
-    """A model-level object (a kvtc basis), readable with any read grant (``kdn.auth.may_read``)."""
-    rec = await app[REGISTRY].get_object(address)
-    return rec is not None and may_read(allowed, rec.namespace, rec.kind)
-
-
 async def _adopt(app: web.Application, address: str) -> dict:
     """Blobs an engine saved into this store on its own (``kv_role`` producer with ``registry``), found by
     their registry record and indexed once their bytes match its digests."""
@@ -333,7 +329,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     have = store.encodings(address) or await _adopt(app, address)
     ns = await _namespace_of(app, address) if have else None
     allowed = app[GRANTS].namespaces(bearer(request), "read")
-    if ns is None or not (covers(allowed, ns) or await _model_level(app, address, allowed)):
+    if ns is None or not (covers(allowed, ns) or (address in app[BASES] and may_read(allowed, ns, "basis"))):
         raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
     want = request.query.get("encoding")
     if want is not None:
@@ -395,6 +391,7 @@ def create_app(config: OriginConfig) -> web.Application:
     app[M] = _metrics(metrics)
     service.install_deadlines(app, config.deadlines, metrics, "origin")
     app[NAMESPACES] = {}
+    app[BASES] = set()
     # Anonymous callers may read the public namespace; everything else needs a token.
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
     Path(config.store).mkdir(parents=True, exist_ok=True)

@@ -167,7 +167,7 @@ class Steerer:
         self.rows = 0  # steered query rows x layers, since start
         self._readers: dict[str, Any] = {}
         self._warned: set[tuple[str, int]] = set()
-        self._seen: int | None = None  # id() of the last job list checked against refused layers
+        self._seen: list[SteerJob] | None = None  # the step's job list last checked (held: its id may be reused)
         # (request, layer) -> its steered heads' K and V so far: a key's K/V never change once computed while
         # the request runs, so each step reads only the new positions from the paged cache.
         self._kv: dict[tuple[str, str], _Keys] = {}
@@ -190,6 +190,9 @@ class Steerer:
             if jobs:
                 output = kw.get("output", args[0] if args else None)
                 self._apply(a, query, kv_cache, md, output if output is not None else out, jobs)
+            elif self._kv and md is not None:
+                self._kv.clear()  # no steered request in this step: nothing kept is needed any more
+                self._kv_bytes = 0
             return out
 
         impl.forward = forward
@@ -204,8 +207,8 @@ class Steerer:
 
     def _apply(self, a: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor,
                jobs: list[SteerJob]) -> None:
-        if id(jobs) != self._seen:  # once per step: plans naming layers that are not wrapped; stale contexts
-            self._seen = id(jobs)
+        if jobs is not self._seen:  # once per step: plans naming layers that are not wrapped; stale keys
+            self._seen = jobs
             live = {j.req_id for j in jobs}
             for key in [k for k in self._kv if k[0] not in live]:
                 self._kv_bytes -= self._kv.pop(key).nbytes
@@ -283,16 +286,20 @@ class Steerer:
             self._kv_bytes -= self._kv.pop(key).nbytes
             got = None
         if got is None or got.k.shape[1] < L:
-            k1, v1 = gather(got.filled if got else 0, L)
-            if got is not None:
-                k1, v1 = torch.cat((got.k[:, :got.filled], k1), dim=1), torch.cat((got.v[:, :got.filled], v1), dim=1)
-                self._kv_bytes -= self._kv.pop(key).nbytes
+            lo = got.filled if got is not None else 0
+            k1, v1 = gather(lo, L)
             cap = L + max(64, L // 4)  # room for the next steps' keys
+            if got is not None:
+                self._kv_bytes -= self._kv.pop(key).nbytes
             if self._kv_bytes + 8 * k1.shape[0] * cap * k1.shape[2] > self.MAX_CACHED_BYTES:
-                return k1, v1  # over the cap: read every key every step
+                if got is None:
+                    return k1, v1  # over the cap: read every key every step
+                return torch.cat((got.k[:, :lo], k1), dim=1), torch.cat((got.v[:, :lo], v1), dim=1)
             k = k1.new_empty(k1.shape[0], cap, k1.shape[2])
             v = torch.empty_like(k)
-            k[:, :L], v[:, :L] = k1, v1
+            if got is not None:
+                k[:, :lo], v[:, :lo] = got.k[:, :lo], got.v[:, :lo]
+            k[:, lo:L], v[:, lo:L] = k1, v1
             got = self._kv[key] = _Keys(blocks, L, k, v)
             self._kv_bytes += got.nbytes
         elif got.filled < L:

@@ -150,7 +150,7 @@ class WorkerSide:
         """The verified object, and what its decode may allocate when a codec says more than the default
         (a kvtc object: its model's basis is fetched, verified and registered first, once per basis)."""
         f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size)
-        return f, await self.client.prepare(f)
+        return f, await self.client.prepare(f, p.end - p.start)
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.attn.get(layer_name)
@@ -185,6 +185,10 @@ class WorkerSide:
                 break
             except (SourceError, OSError, KDNError) as e:
                 self._fail(run, LoadFailed("missing", p, str(e)))
+                break
+            except Exception as e:  # noqa: BLE001 -- a bad header or basis record (bytes from the network):
+                # this request recomputes, the engine's step goes on
+                self._fail(run, LoadFailed("decode", p, f"{type(e).__name__}: {e}"))
                 break
             try:
                 # Bounded before a byte is decoded: at most what this model's chunk of that length holds.

@@ -276,3 +276,14 @@ def test_a_world_readable_token_file_is_warned_about(tmp_path, caplog):
     path.chmod(0o644)
     Grants.from_file(path)
     assert "readable by every user" in caplog.text and "chmod o-r" in caplog.text
+
+
+def test_model_level_objects_are_readable_with_any_read_grant_and_only_they():
+    from kdn.auth import may_read
+
+    acme = frozenset({"acme"})
+    assert may_read(acme, "public", "basis")  # a kvtc basis, recorded by an origin in public
+    assert not may_read(acme, "public", "kv") and not may_read(acme, "beta", "kv")
+    assert not may_read(acme, "beta", "basis")  # only public ones: a basis elsewhere stays its namespace's
+    assert not may_read(frozenset(), "public", "basis")  # no read grant at all: nothing
+    assert may_read(frozenset({"*"}), "beta", "kv") and may_read(acme, "acme", "kv")
