@@ -136,6 +136,8 @@ RUNS: list[Run] = [
     Run("steer-first", "steer", archived="the first run: heads and alpha tuned for accuracy alone (no NLL budget)"),
     Run("vllm_steer-gather", "vllm_steer", archived="before the steered requests' context K/V were kept between "
         "steps: every step gathered every key from the paged cache"),
+    Run("vllm_steer-f2d3a96", "vllm_steer", archived="the same algorithm as the current run, one run earlier (before "
+        "the key cache's pruning and bounds fixes): the run-to-run spread of the time column"),
     Run("vllm_steer-ctx", "vllm_steer", archived="with the context's keys kept between steps, before the steered "
         "rows' attention was written out instead of scaled_dot_product_attention with a float mask"),
     Run("serve-full", "serve", ["--lean", "--profile", "--duration", "2", "--warmup", "0.5"],
