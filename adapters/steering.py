@@ -38,7 +38,11 @@ class SteerSpec:
     query_from: int  # queries at absolute positions >= this are steered
 
     def layer_heads(self, layer: int) -> tuple[int, ...]:
-        return dict(self.heads).get(layer, ())
+        return self._by_layer.get(layer, ())
+
+    @functools.cached_property
+    def _by_layer(self) -> dict[int, tuple[int, ...]]:  # asked per job, layer and step by vLLM's wrapper
+        return dict(self.heads)
 
     def key_bias(self, n: int | None = None) -> torch.Tensor:
         """``[n]`` float32 (default ``region[1]``): ``log(alpha)`` on region keys not emphasized, 0 elsewhere."""

@@ -19,7 +19,6 @@ steered rows after vLLM's kernel.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import secrets
 import sys
@@ -28,17 +27,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-
-
-def vllm_env() -> None:
-    """vLLM's CPU build in this process: set before vllm is imported (Intel's OpenMP is read at exec)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if iomp.exists() and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
-        os.environ["LD_PRELOAD"] = f"{iomp}:{os.environ['LD_PRELOAD']}" if os.environ.get("LD_PRELOAD") else str(iomp)
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def main() -> None:
@@ -54,6 +42,8 @@ def main() -> None:
 
     R.add_arg(ap)
     args = ap.parse_args()
+    from vllm_ttft import vllm_env  # vLLM's CPU build in this process (may restart it with Intel's OpenMP)
+
     vllm_env()
     if args.quick:
         args.cases, args.tune_cases = 3, 2

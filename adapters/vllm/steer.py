@@ -239,8 +239,9 @@ class Steerer:
         r0 = max(job.spec.query_from - job.first, 0)  # the first steered row of this step
         L = job.end
         group, block_size = self.groups[a.name]
-        slots = self._paged.slots(job.block_ids[group], 0, L, block_size, kv_cache.device)  # [L]
-        rows = (last_slot == int(slots[-1])).nonzero().flatten().tolist()
+        table = job.block_ids[group]
+        last = int(self._paged.slots(table, L - 1, L, block_size)[0])  # where this request's last token goes
+        rows = (last_slot == last).nonzero().flatten().tolist()
         rows = [i for i in rows if int(qsl[i + 1] - qsl[i]) == job.n]
         if not rows:
             self._warn(job, -1, "no batch row matches its steering job: not steered")
@@ -255,10 +256,10 @@ class Steerer:
         kvh = hs // (query.shape[1] // a.kv_heads)  # each steered query head's K/V head
 
         def gather(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-            k, v = read(kv_cache, slots[lo:hi])  # [n, Hkv, D]
+            k, v = read(kv_cache, self._paged.slots(table, lo, hi, block_size, kv_cache.device))  # [n, Hkv, D]
             return k[:, kvh].transpose(0, 1).float(), v[:, kvh].transpose(0, 1).float()  # [Hs, n, D]
 
-        kk, vv = self._keys(job, a.name, gather, tuple(job.block_ids[group][:-(-L // block_size)]), L)
+        kk, vv = self._keys(job, a.name, gather, tuple(table[:-(-L // block_size)]), L)
         bias = job.spec.key_bias(L).to(dev)  # [L]
         keys = torch.arange(L, device=dev)
         scale = float(a.module.impl.scale)
