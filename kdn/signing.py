@@ -166,6 +166,24 @@ class Signer:
         sig = {"key": self.key_id, "ed25519": self.key.sign(payload(rec)).hex()}
         return dataclasses.replace(rec, sig=sig)
 
+    def signed_it(self, rec: ObjectRecord | Manifest) -> bool:
+        """Whether this key made ``rec``'s signature: what an origin may build on when it re-signs.
+
+        A stored record is the registry's word, and a registry writer is not the origin: an origin that
+        merged an unverified stored record into a new one and signed the result would attest a digest
+        someone else planted.
+        """
+        from cryptography.exceptions import InvalidSignature
+
+        sig = rec.sig or {}
+        if sig.get("key") != self.key_id:
+            return False
+        try:
+            self.key.public_key().verify(bytes.fromhex(sig.get("ed25519", "")), payload(rec))
+        except (InvalidSignature, ValueError):
+            return False
+        return True
+
 
 class Verifier:
     """The publisher keys a consumer trusts; ``check(rec)`` raises ``SignatureError`` unless one signed it."""

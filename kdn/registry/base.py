@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover - kdn.signing loads cryptography, which on
     from kdn.signing import Signable, Signer
 
 DEFAULT_PREFIX = "/kdn/"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -352,11 +353,24 @@ class KVRegistry(abc.ABC):
         """
         return self.signer.sign(rec) if self.signer is not None else rec
 
+    def _own(self, old: ObjectRecord | None) -> ObjectRecord | None:
+        """The stored record a signing writer may build on: one its own key signed, else None (absent).
+
+        Whatever a signing writer merges into a record it then signs, it attests. A stored record
+        signed by anyone else (or by no one) is only what the registry says, and whoever can write
+        the registry could have planted its digests: it is treated as absent, and replaced.
+        """
+        if old is None or self.signer is None or self.signer.signed_it(old):
+            return old
+        log.warning("object record %s in the registry is not signed by this writer's key %s: nothing of it is "
+                    "kept or signed", old.address[:16], self.signer.key_id)
+        return None
+
     async def _update_object(self, address: str, change: Callable[[ObjectRecord], ObjectRecord]) -> ObjectRecord | None:
         key = self._object_key(address)
 
         def build(values: list[bytes | None]) -> Writes:
-            old = _object(values[0])
+            old = self._own(_object(values[0]))
             if old is None:
                 return Writes(result=None)
             new = change(old)
@@ -479,7 +493,13 @@ def _merge_build(reg: KVRegistry, batch: list[ObjectRecord], extra: list[tuple[s
     def build(values: list[bytes | None]) -> Writes:
         puts = []
         for rec, old_bytes in zip(batch, values):
-            old = _object(old_bytes)
+            old = reg._own(_object(old_bytes))
+            for name in set(rec.encodings) & set(old.encodings if old is not None else ()):
+                assert old is not None
+                if old.encodings[name] != rec.encodings[name]:
+                    log.error("object %s: the registry records %s as %s (%d B), the writer holds %s (%d B): "
+                              "the writer's is recorded", rec.address[:16], name, old.encodings[name].digest[:16],
+                              old.encodings[name].size, rec.encodings[name].digest[:16], rec.encodings[name].size)
             new = rec if old is None else old.merged(rec)
             if old is not None and dataclasses.replace(new, sig=old.sig) == old and (old.sig or reg.signer is None):
                 continue  # re-publishing the same object is not a change watchers hear about

@@ -242,17 +242,19 @@ class ObjectRecord(_Record):
         return dataclasses.replace(self, tails={**self.tails, length: address})
 
     def merged(self, newer: ObjectRecord) -> ObjectRecord:
-        """``newer`` with this record's encodings and tails kept.
+        """``newer`` with this record's other encodings and its tails kept.
 
         Re-publishing an object must not drop an encoding or a tail that another
         writer added since; the record is content-addressed, so everything else
-        is the same anyway. An encoding already recorded keeps its digest: a
-        re-publish can add encodings, never change what an existing one's bytes
-        are (a re-hash of a rotten file once became the recorded "truth" that way).
+        is the same anyway. Where both name an encoding, ``newer``'s wins: it is
+        what the writer holds now (an origin builds it from the blob in its own
+        store), while a stored record may carry a digest planted by someone who
+        can write the registry. (Rot in the origin's store is found by the digest
+        written beside each blob, so a re-publish never re-hashes a rotten file.)
         """
         return dataclasses.replace(
             newer,
-            encodings={**newer.encodings, **self.encodings},
+            encodings={**self.encodings, **newer.encodings},
             tails={**self.tails, **newer.tails},
             created=min(self.created, newer.created),
             # Stored blobs are never rewritten, so the bytes stay the first producer's.

@@ -102,3 +102,64 @@ async def test_the_registry_signs_what_it_stores_merged(registry, keys):
     await registry.put_manifest(Manifest(namespace="public", name="doc", model_id=M, addresses=[A1], tokens=256,
                                          chunk_tokens=256, prefix_tokens=list(range(256))))
     assert v.ok(await registry.get_manifest("public", "doc"))
+
+
+# --- a registry writer cannot get its digest signed (issue #28, item 1) ------------------------------------
+
+
+async def _plant(registry, rec: ObjectRecord) -> None:
+    """Write a record as a registry writer would: raw, under the origin's key prefix, no signer involved."""
+    signer, registry.signer = registry.signer, None
+    try:
+        await registry._put(registry._object_key(rec.address), rec.pack())
+    finally:
+        registry.signer = signer
+
+
+@pytest.mark.parametrize("sig", ["dropped", "kept"])
+async def test_a_planted_digest_is_not_signed_by_a_republish(registry, keys, sig):
+    """The attack: rewrite a signed record's digest (unsigned, or its signature kept), then wait for the
+    origin's next ordinary re-publish. The origin once merged the stored record into its own and signed the
+    forged digest."""
+    k1, _ = keys
+    registry.signer = k1
+    v = Verifier([k1.public])
+    await registry.put_objects([record()])
+    stored = await registry.get_object(A1)
+    await _plant(registry, dataclasses.replace(stored, encodings={"zstd": Encoding("zstd", 66, D2)},
+                                               sig=stored.sig if sig == "kept" else {}))
+    assert not v.ok(await registry.get_object(A1))  # consumers already refuse it as planted
+    await registry.put_objects([record()])  # the re-publish (idempotent; also the key-rotation step)
+    rec = await registry.get_object(A1)
+    assert v.ok(rec) and rec.encodings == {"zstd": Encoding("zstd", 1000, D1)}
+
+
+async def test_a_record_planted_before_the_first_publish_adds_nothing_signed(registry, keys):
+    """A text known in advance: its address is computable, so a writer plants a record with an extra forged
+    encoding (and a tail of its choosing) before the origin first publishes it."""
+    k1, _ = keys
+    registry.signer = k1
+    v = Verifier([k1.public])
+    await _plant(registry, record(encodings={"zstd": Encoding("zstd", 1000, D1), "raw": Encoding("raw", 5, D2)},
+                                  tails={17: A2}))
+    await registry.put_objects([record()])
+    rec = await registry.get_object(A1)
+    assert v.ok(rec) and set(rec.encodings) == {"zstd"} and rec.tails == {}
+
+
+async def test_a_tail_on_a_planted_record_is_refused(registry, keys):
+    """add_tail signs the parent record it changes: on a record this origin did not sign it signs nothing."""
+    k1, k2 = keys
+    registry.signer = k1
+    await _plant(registry, k2.sign(record(encodings={"zstd": Encoding("zstd", 66, D2)})))
+    assert await registry.add_tail(A1, 17, A2) is None
+    rec = await registry.get_object(A1)
+    assert rec.tails == {} and rec.sig["key"] == k2.key_id  # left as planted, not re-signed by k1
+
+
+async def test_the_writer_s_own_digest_wins_over_a_stored_one(registry):
+    """Without a signer too: where both name an encoding, the record written now is what the writer holds."""
+    await registry.put_objects([record(encodings={"zstd": Encoding("zstd", 66, D2), "raw": Encoding("raw", 5, D2)})])
+    await registry.put_objects([record()])
+    rec = await registry.get_object(A1)
+    assert rec.encodings == {"zstd": Encoding("zstd", 1000, D1), "raw": Encoding("raw", 5, D2)}

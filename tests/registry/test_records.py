@@ -56,11 +56,14 @@ def test_with_helpers_return_new_records():
     assert set(new.encodings) == {"raw", "zstd"} and new.tails == {3: addr("t3")}
 
 
-def test_merged_keeps_both_sides():
+def test_merged_keeps_both_sides_and_the_newer_digest():
     old = obj("a").with_tail(3, addr("t3"))
     new = obj("a", encs=("zstd",))
     m = old.merged(new)
     assert set(m.encodings) == {"raw", "zstd"} and m.tails == {3: addr("t3")}
+    changed = obj("a", encs=("raw",))
+    changed = changed.with_encoding(Encoding("raw", 9, addr("other")))
+    assert old.merged(changed).encodings["raw"] == changed.encodings["raw"]  # what the writer holds now wins
 
 
 @pytest.mark.parametrize(
