@@ -112,32 +112,47 @@ def tracebacks(node: F.Node) -> int:
         return 0
 
 
-def outside_address() -> str | None:
-    """A local IPv4 address that is not loopback: where a listener counts as "another host"."""
-    candidates = []
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("10.255.255.255", 9))  # no packet is sent: this only picks the outgoing interface
-        candidates.append(s.getsockname()[0])
-    with contextlib.suppress(OSError):
-        candidates += [ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
-    for ip in candidates:
-        if ip.startswith("127.") or ip == "0.0.0.0":
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind((ip, 0))
-            return ip
-        except OSError:
-            continue
-    return None
+ROGUE_HOST = "127.0.0.2"  # "another host": loopback, outside the edges' --token-hosts (127.0.0.1 only)
 
 
-async def serve_app(app: web.Application, host: str = "127.0.0.1") -> tuple[web.AppRunner, str]:
+def tls_pair(d: Path, ip: str) -> tuple[Path, Path, Path]:
+    """(CA certificate, server certificate, key) for ``ip``: a throwaway CA the edges trust (``--ca``)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    import ipaddress
+
+    d.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kdn-attacks-ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ip)]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = d / "ca.pem", d / "rogue.pem", d / "rogue.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return paths
+
+
+async def serve_app(app: web.Application, host: str = "127.0.0.1", ssl_context=None) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = F.free_port()
-    await web.TCPSite(runner, host, port).start()
-    return runner, f"http://{host}:{port}"
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    return runner, f"{'https' if ssl_context else 'http'}://{host}:{port}"
 
 
 def set_arg(args: list[str], flag: str, value: str) -> list[str]:
@@ -235,7 +250,11 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
         rng = random.Random(ctx.seed)
         for _ in range(N_STORE_BLOBS):
             store.put(rng.randbytes(32).hex(), "zstd", rng.randbytes(512))
-    w = F.World(tmp / "world", regions={"eu": 2}, edge_args=["--trusted-keys", str(tmp / "trusted")])
+    ca, _, _ = tls_pair(tmp / "tls", ROGUE_HOST)
+    # The edges send their token to 127.0.0.1 only (the origin and each other), so a listener on 127.0.0.2
+    # plays "another host"; they trust the attack's CA, so a rogue https node's certificate verifies.
+    w = F.World(tmp / "world", regions={"eu": 2}, edge_args=["--trusted-keys", str(tmp / "trusted"),
+                                                             "--token-hosts", "127.0.0.1", "--ca", str(ca)])
     w.origin.args += ["--signing-key", str(tmp / "origin.key")]
     (w.root / "tokens").write_text(f"{F.PUBLISH} publish,read *\n{F.EDGE} read *\n{TENANT} publish,read acme\n")
     ctx.world = w
@@ -265,7 +284,7 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
     for n in nodes:
         await n.wait_healthy()
     ctx.docs["main"] = await w.publish(ctx.text("main", 2100), "main", encodings=("zstd", "raw"))
-    for doc in ("rot", "rogue", "redirect", "tenant", "probe"):
+    for doc in ("rot", "rogue", "rogue_tls", "redirect", "tenant", "probe", "planted"):
         if doc in DOCS_FOR and any(a in names for a in DOCS_FOR[doc]):
             if doc == "tenant":
                 ctx.docs[doc] = await publish_as(w, TENANT, ctx.text(doc, 700), doc, namespace="acme")
@@ -273,7 +292,9 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
                 ctx.docs[doc] = await w.publish(ctx.text(doc, 1300), doc)
 
 
-DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "redirect": ["upstream_redirect"],
+DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "rogue_tls": ["rogue_https_node"],
+            "redirect": ["upstream_redirect"],
+            "planted": ["planted_digest"],
             "tenant": ["tenant_cache_headers"], "probe": ["anonymous_probes"]}
 
 
@@ -444,13 +465,20 @@ async def forged_record(ctx: Ctx) -> Row:
 
 
 async def rogue_node(ctx: Ctx) -> Row:
+    return await _rogue(ctx, "rogue_node", ctx.docs["rogue"], tls=False)
+
+
+async def rogue_https_node(ctx: Ctx) -> Row:
+    """The same over https, with a certificate from a CA the edges trust: https once meant "any host"."""
+    return await _rogue(ctx, "rogue_https_node", ctx.docs["rogue_tls"], tls=True)
+
+
+async def _rogue(ctx: Ctx, name: str, m: dict, *, tls: bool) -> Row:
+    import ssl
+
     from kdn.registry import NodeRecord, open_registry
 
-    w, m = ctx.world, ctx.docs["rogue"]
-    host = outside_address()
-    if host is None:
-        return Row("rogue_node", "a node record for another region pointing at the attacker",
-                   "no non-loopback IPv4 address here to listen on (loopback may get the token by design)", ok=False)
+    w = ctx.world
     seen: list[str | None] = []
     paths: dict[str, int] = {}
 
@@ -462,14 +490,19 @@ async def rogue_node(ctx: Ctx) -> Row:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", rogue)
-    runner, url = await serve_app(app, host)
+    context = None
+    if tls:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(ctx.tmp / "tls" / "rogue.pem", ctx.tmp / "tls" / "rogue.key")
+    runner, url = await serve_app(app, ROGUE_HOST, context)
     edges = list(w.edges.values())
     every_edge = [*edges, *ctx.extra.values()]  # the helper edges fill too (from the attacker, as any region)
     withheld0 = sum([await e.metric("kdn_edge_token_withheld") for e in every_edge])
     wrong = reads = failed = 0
     try:
         async with open_registry(w.etcd.registry) as reg:  # the attacker holds registry credentials
-            lease = await reg.register_node(NodeRecord("edge", "ap", "rogue-ap", url), ttl=10)
+            lease = await reg.register_node(NodeRecord("edge", "ap", f"rogue-ap-{'tls' if tls else 'http'}", url),
+                                            ttl=10)
             try:
                 await asyncio.sleep(1.5)  # the edges' membership watch sees the new region
                 for a in m["addresses"]:
@@ -485,13 +518,88 @@ async def rogue_node(ctx: Ctx) -> Row:
         await runner.cleanup()
     withheld = sum([await e.metric("kdn_edge_token_withheld") for e in every_edge]) - withheld0
     tokens = sum(1 for s in seen if s)
+    # Requests that reached the listener prove the edges asked it (over https: with its certificate verified).
     ok = bool(seen) and tokens == 0 and wrong == 0 and withheld >= len(seen) and not failed
-    return Row("rogue_node", f"a node record written into etcd: an edge of region 'ap' at {url} (the attacker's "
-               f"listener, not loopback); {reads} reads through eu-1/eu-2",
+    how = "https, its certificate issued by a CA the edges trust (--ca)" if tls else "plain http"
+    return Row(name, f"a node record written into etcd: an edge of region 'ap' at {url} ({how}; the attacker's "
+               f"listener, outside the edges' --token-hosts 127.0.0.1); {reads} reads through eu-1/eu-2",
                f"{len(seen)} requests reached the listener, {tokens} carried an Authorization header; edges counted "
                f"{withheld:.0f} withheld; every read 200",
                "held", wrong, ok, {"requests": len(seen), "authorization_headers": tokens, "withheld": withheld,
                                    "paths": paths})
+
+
+# --- 2b. a registry writer plants a digest and waits for a re-publish ------------------------------------
+
+
+async def planted_digest(ctx: Ctx) -> Row:
+    """Issue #28's first item: rewrite a record's digest to a forged blob's (unsigned), wait
+    for an ordinary re-publish of the same text, then serve the forged blob beside the registry's records."""
+    from kdn.client import KDNClient
+    from kdn.errors import DigestMismatch, SourceError
+    from kdn.registry import Encoding, ObjectRecord, open_registry
+    from kdn.signing import Verifier
+
+    w, m = ctx.world, ctx.docs["planted"]
+    verifier = Verifier([ctx.public_key])
+    forged: dict[str, bytes] = {}
+    true = {a: w.digests[a] for a in m["addresses"]}  # as published (w.publish re-reads the registry)
+    async with open_registry(w.etcd.registry) as reg:  # the attacker holds registry credentials
+        for a in m["addresses"]:
+            _, _, real = await http("GET", f"{w.origin.url}/v1/objects/{a}", headers=bearer(F.PUBLISH))
+            forged[a] = await asyncio.to_thread(forge_blob, real, ctx.rng)
+            rec = await reg.get_object(a)
+            fake = Encoding("zstd", len(forged[a]), blake3(forged[a]).hexdigest())
+            # A raw write, unsigned (as issue #28 found it: an unsigned stored record was merged and signed)
+            planted = ObjectRecord.from_dict({**rec.to_dict(), "encodings": {"zstd": fake.to_dict()}, "sig": {}})
+            await reg._put(reg._object_key(a), planted.pack())
+        planted_refused = sum([not verifier.ok(await reg.get_object(a)) for a in m["addresses"]])
+        await w.publish(ctx.text("planted", 1300), "planted")  # the ordinary re-publish (or key rotation)
+        after = [await reg.get_object(a) for a in m["addresses"]]
+    signed_forgeries = sum(verifier.ok(r) and r.encodings["zstd"].digest == blake3(forged[r.address]).hexdigest()
+                           for r in after)
+    true_digests = sum(r.encodings["zstd"].digest == true[r.address][1] for r in after)
+    w.digests.update(true)
+
+    async def liar(request: web.Request) -> web.StreamResponse:
+        """An edge (the attacker's, on 127.0.0.2) that serves the registry's records and the forged blobs."""
+        a = request.path.rsplit("/", 1)[-1]
+        if request.path.startswith("/v1/objects/") and a in forged:
+            return web.Response(body=forged[a], headers={"X-KDN-Encoding": "zstd", "X-KDN-Source": "memory"})
+        if request.path.startswith("/v1/registry/objects/"):
+            async with open_registry(w.etcd.registry) as reg:
+                rec = await reg.get_object(a)
+            return web.json_response(rec.to_dict()) if rec else web.json_response({"error": "not_found"}, status=404)
+        return web.json_response({"error": "not_found"}, status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", liar)
+    runner, url = await serve_app(app, ROGUE_HOST)
+    got = {"forged": 0, "forged_bytes": 0, "true": 0, "refused": 0}
+    try:
+        async with KDNClient(edges=[url], trusted_keys=[ctx.public_key], hedge=False, timeout=10) as c:
+            for a in m["addresses"]:
+                try:
+                    blob = bytes((await c.fetch(a, encoding="zstd")).blob)
+                except (SourceError, DigestMismatch):
+                    got["refused"] += 1
+                    continue
+                is_forged = blob == forged[a]
+                got["forged" if is_forged else "true"] += 1
+                got["forged_bytes"] += len(blob) if is_forged else 0
+    finally:
+        await runner.cleanup()
+    n = len(m["addresses"])
+    wrong = got["forged_bytes"]
+    ok = planted_refused == n and signed_forgeries == 0 and true_digests == n and wrong == 0 and got["refused"] == n
+    return Row("planted_digest", f"each of {n} object records rewritten in etcd to a forged blob's digest and size "
+               "(unsigned), then the same text published again; a client with trusted_keys "
+               f"reads through the attacker's edge at {url}, which serves the registry's records and the forged blobs",
+               f"before the re-publish {planted_refused} of {n} planted records refused by the signature; after it "
+               f"{signed_forgeries} forged digests carry the origin's signature, {true_digests} of {n} records hold the "
+               f"true digest; the client refused {got['refused']} of {n} forged blobs",
+               "refused", wrong, ok, {"planted_refused": planted_refused, "signed_forgeries": signed_forgeries,
+                                      "true_digests": true_digests, **got})
 
 
 # --- 3. bit rot, restart, re-publish ------------------------------------------------------------------
@@ -1238,6 +1346,8 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "stalled_readers": (stalled_readers, True),
     "forged_record": (forged_record, True),
     "rogue_node": (rogue_node, True),
+    "rogue_https_node": (rogue_https_node, True),
+    "planted_digest": (planted_digest, True),
     "zstd_bomb": (zstd_bomb_attack, False),
     "cachegen_bomb": (cachegen_bomb_attack, False),
     "index_scan": (index_scan, True),

@@ -71,7 +71,7 @@ class EdgeConfig(service.NodeConfig):
     disk: str | None = None
     disk_budget: int = 10 << 30
     upstream_token_file: str | None = None  # the token this edge shows peers and the origin
-    # hosts that token may reach over plain http (https: any); None = loopback (kdn.auth.TokenScope)
+    # hosts that token may reach, http or https; None = loopback (kdn.auth.TokenScope)
     token_hosts: str | None = None
     prefetch: int = 2
     records_cache: int = 100_000
@@ -511,7 +511,7 @@ async def _views_ctx(app: web.Application):
 
 
 def token_scope(cfg: EdgeConfig) -> TokenScope:
-    """Where the upstream token may go over plain http: ``--token-hosts`` (loopback by default),
+    """Where the upstream token may go: ``--token-hosts`` (loopback by default),
     plus the host of a configured ``--origin`` (the operator named it)."""
     patterns = list(TokenScope(cfg.token_hosts).patterns)
     if cfg.origin:

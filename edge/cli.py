@@ -34,9 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", default=None, metavar="F", help="grants file: who may read what from this edge")
     p.add_argument("--upstream-token-file", default=None, metavar="F", help="token this edge shows peers and the origin")
     p.add_argument("--token-hosts", default=None, metavar="PATTERNS",
-                   help="hosts that token may reach over plain http, comma-separated names, globs or CIDRs "
-                        "(e.g. 'origin,edge-*' or '*.kdn.svc.cluster.local'; https: any host; default: loopback "
-                        "and --origin's host)")
+                   help="hosts that token may reach (http and https), comma-separated names, globs matched "
+                        "label by label, or CIDRs (e.g. 'origin,edge-*' or '**.kdn.svc.cluster.local'; "
+                        "default: loopback and --origin's host)")
     p.add_argument("--prefetch", type=int, default=2, metavar="N", help="chunks fetched ahead of a read (0: off)")
     p.add_argument("--lease-ttl", default="10s", metavar="DURATION", help="membership lease, e.g. 10s")
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")

@@ -100,14 +100,14 @@ class Filler:
         self.always_probe_regions = always_probe_regions  # the operator prefers origin egress to latency
 
     def headers(self, url: str) -> dict[str, str]:
-        """The upstream token for ``url`` if it may go there (https, or a host the operator named)."""
+        """The upstream token for ``url`` if it may go there (a host the operator named, any scheme)."""
         if not self._headers or self.scope.allows(url):
             return self._headers
         self.m.token_withheld.inc()
         host = url.split("/")[2] if url.count("/") >= 2 else url
         if host not in self._withheld and len(self._withheld) < 1024:
             self._withheld.add(host)
-            log.warning("not sending the upstream token to %s over plain http (not in --token-hosts %s)",
+            log.warning("not sending the upstream token to %s (not in --token-hosts %s)",
                         host, ",".join(self.scope.patterns))
         return {}
 

@@ -24,7 +24,7 @@ class EdgeMetrics:
         self.prefetch_wasted = Counter("kdn_edge_prefetch_wasted", "Prefetched entries evicted unread", registry=reg)
         self.warmed = Counter("kdn_edge_warmed", "Entries filled by a warm policy", registry=reg)
         self.token_withheld = Counter("kdn_edge_token_withheld", "Upstream requests sent without this edge's "
-                                      "token: plain http to a host not in --token-hosts", registry=reg)
+                                      "token: a host not in --token-hosts", registry=reg)
         self.digest_failures = Counter("kdn_edge_digest_failures", "Bodies that failed digest verification, by source",
                                        ["source"], registry=reg)
         self.refused_records = Counter("kdn_edge_refused_records",

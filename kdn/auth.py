@@ -192,14 +192,17 @@ DEFAULT_TOKEN_HOSTS = ("localhost", "127.0.0.0/8", "::1")
 
 
 class TokenScope:
-    """Where a node may send its own token: any ``https://`` URL, and plain ``http://``
-    only to hosts an operator named.
+    """Where a node may send its own token: to hosts an operator named, over http or https alike.
 
     The URLs an edge fills from come from the registry (peers, other regions,
-    origins); a registry writer could name any host. Over plain HTTP the token
-    would cross the network readable, so it goes only to hosts matching one of
-    ``patterns``: an exact name, a glob (``*.kdn.svc.cluster.local``,
-    ``edge-*``) or an address block (``10.0.0.0/8``). Loopback by default.
+    origins); a registry writer could name any host. So the token goes only to
+    hosts matching one of ``patterns``: an exact name, a glob or an address
+    block (``10.0.0.0/8``). Loopback by default. A glob matches label by label
+    (``edge-*`` is ``edge-eu-1``, never ``edge-1.attacker.example``); a leading
+    ``**.`` stands for one or more labels (``**.kdn.svc.cluster.local``).
+    https does not widen the list: a certificate proves a host's name, not that
+    the operator meant the token for it (any CA in the trust store signs names
+    for anyone who owns them; a private CA, ``--ca``, narrows that).
     """
 
     def __init__(self, patterns: list[str] | tuple[str, ...] | str | None = None) -> None:
@@ -215,26 +218,37 @@ class TokenScope:
             try:
                 self.nets.append(ipaddress.ip_network(p.strip("[]"), strict=False))
             except ValueError:
-                self.names.append(p.lower())
+                labels = p.lower().rstrip(".").split(".")
+                if "" in labels or "**" in labels[1:] or labels == ["**"]:
+                    raise InvalidInput(f"bad token host pattern {p[:80]!r}: labels are non-empty, and '**' "
+                                       "only leads a domain ('**.svc.cluster.local')") from None
+                self.names.append(".".join(labels))
         self.patterns = tuple(patterns)
 
     def allows(self, url: str) -> bool:
         try:
             parts = urlsplit(url)
-            host = (parts.hostname or "").lower()
+            host = (parts.hostname or "").lower().rstrip(".")
         except ValueError:
             return False
-        if not host or parts.username is not None:
-            return False
-        if parts.scheme == "https":
-            return True
-        if parts.scheme != "http":
+        if not host or parts.username is not None or parts.scheme not in ("http", "https"):
             return False
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
-            return any(fnmatch.fnmatchcase(host, n) for n in self.names)
+            return any(_host_matches(host, n) for n in self.names)
         return any(ip in net for net in self.nets) or host in self.names
 
     def __repr__(self) -> str:
         return f"TokenScope({','.join(self.patterns)})"
+
+
+def _host_matches(host: str, pattern: str) -> bool:
+    """``pattern`` (lower case, validated) against ``host``, one DNS label at a time."""
+    hl, pl = host.split("."), pattern.split(".")
+    if pl[0] == "**":
+        pl = pl[1:]
+        if len(hl) <= len(pl):
+            return False
+        hl = hl[len(hl) - len(pl):]
+    return len(hl) == len(pl) and all(fnmatch.fnmatchcase(h, p) for h, p in zip(hl, pl))

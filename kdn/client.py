@@ -372,7 +372,7 @@ class KDNClient:
         """Sources from the registry's live nodes: this region's edges, other regions' edges, the origins.
 
         With a ``token``, nodes it may not reach are left out: a registry writer names these URLs,
-        and the token goes over plain http only to ``token_hosts`` (loopback by default; https: any).
+        and the token goes only to ``token_hosts`` (loopback by default; https too: kdn.auth.TokenScope).
         """
         edges = await registry.list_nodes(role="edge")
         origins = await registry.list_nodes(role="origin")
@@ -382,7 +382,7 @@ class KDNClient:
             scope = TokenScope(token_hosts)
             dropped = [n.url for n in edges + origins if not scope.allows(n.url)]
             if dropped:
-                log.warning("leaving out %d node(s) the token may not reach over plain http (token_hosts %s): %s",
+                log.warning("leaving out %d node(s) the token may not reach (token_hosts %s): %s",
                             len(dropped), ",".join(scope.patterns), ", ".join(dropped[:5]))
             edges = [n for n in edges if scope.allows(n.url)]
             origins = [n for n in origins if scope.allows(n.url)]

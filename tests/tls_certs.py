@@ -19,12 +19,13 @@ def make_ca(d: Path, name: str = "ca") -> tuple[Path, Path]:
     return cert, key
 
 
-def issue(ca: tuple[Path, Path], d: Path, name: str, *, cn: str, server: bool) -> tuple[Path, Path]:
-    """(certificate, key) signed by ``ca``: a server one for 127.0.0.1/localhost, or a client one for ``cn``."""
+def issue(ca: tuple[Path, Path], d: Path, name: str, *, cn: str, server: bool,
+          ip: str = "127.0.0.1") -> tuple[Path, Path]:
+    """(certificate, key) signed by ``ca``: a server one for ``ip``/localhost, or a client one for ``cn``."""
     cert, key, csr, ext = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr", d / f"{name}.cnf"
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", str(key), "-out", str(csr))
     usage = "serverAuth,clientAuth" if server else "clientAuth"
-    san = "subjectAltName=IP:127.0.0.1,DNS:localhost\n" if server else ""
+    san = f"subjectAltName=IP:{ip},DNS:localhost\n" if server else ""
     ext.write_text(f"{san}basicConstraints=CA:FALSE\nextendedKeyUsage={usage}\n")
     _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial",
              "-days", "1", "-extfile", str(ext), "-out", str(cert))

@@ -7,8 +7,8 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``edges``          list of edge URLs of this region, or ``{"id": url}`` pairs (ids route to owners)
     ``registry``       instead of ``edges``: a registry URL (``etcd://...``, ``file:...``) to find them in
     ``region``         with ``registry``: this engine's region (its edges rank first)
-    ``token_hosts``    with ``registry``: hosts the token may reach over plain http, comma-separated names,
-                       globs or CIDRs (default: loopback; https: any); other listed nodes are left out
+    ``token_hosts``    with ``registry``: hosts the token may reach (http or https), comma-separated names,
+                       globs label by label, or CIDRs (default: loopback); other listed nodes are left out
     ``origin``         an origin URL, the source of last resort
     ``namespace``      the namespace to look up (default ``public``); the token must grant it
     ``token_file``     file whose first token is sent to edges (or ``$KDN_TOKEN``)

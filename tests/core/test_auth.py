@@ -287,3 +287,55 @@ def test_model_level_objects_are_readable_with_any_read_grant_and_only_they():
     assert not may_read(acme, "beta", "basis")  # only public ones: a basis elsewhere stays its namespace's
     assert not may_read(frozenset(), "public", "basis")  # no read grant at all: nothing
     assert may_read(frozenset({"*"}), "beta", "kv") and may_read(acme, "acme", "kv")
+
+
+# --- where a node's token may go (issue #28, item 2) ---------------------------------------------------------
+
+
+def test_an_https_node_record_outside_the_token_hosts_gets_no_token():
+    """A rogue node record at https://, with a certificate from any CA the edge trusts, once got the edge's
+    ``read *`` token whatever --token-hosts said: https proves a name, not the operator's intent."""
+    from kdn.auth import TokenScope
+
+    scope = TokenScope("127.0.0.1,origin")
+    assert not scope.allows("https://127.0.0.2:8443")
+    assert not scope.allows("https://rogue.example")
+    assert scope.allows("https://127.0.0.1:8443") and scope.allows("http://origin:8000")
+
+
+@pytest.mark.parametrize("host, allowed", [
+    ("edge-eu-1", True), ("EDGE-eu-1", True), ("edge-eu-1.", True),
+    ("edge-1.attacker.example", False),  # fnmatch over the whole host once matched this, over plain http
+    ("x.edge-1", False), ("origin", True), ("origin.attacker.example", False),
+])
+def test_a_token_host_glob_matches_one_label_at_a_time(host, allowed):
+    from kdn.auth import TokenScope
+
+    assert TokenScope("origin,edge-*").allows(f"http://{host}:8100") is allowed
+
+
+@pytest.mark.parametrize("host, allowed", [
+    ("edge-0.kdn-edge-eu-peers.default.svc.cluster.local", True), ("kdn-origin.default.svc.cluster.local", True),
+    ("default.svc.cluster.local", False), ("evil.default.svc.cluster.local.attacker.example", False),
+    ("edge-0.other.svc.cluster.local", False),
+])
+def test_a_leading_double_star_stands_for_any_labels(host, allowed):
+    from kdn.auth import TokenScope
+
+    assert TokenScope("**.default.svc.cluster.local").allows(f"https://{host}") is allowed
+
+
+@pytest.mark.parametrize("bad", ["**", "a.**.b", "a..b", ".a", "a b"])
+def test_bad_token_host_patterns_fail_in_one_line(bad):
+    from kdn.auth import TokenScope
+
+    with pytest.raises(InvalidInput, match="token host pattern"):
+        TokenScope([bad])
+
+
+def test_the_default_token_hosts_are_loopback_only():
+    from kdn.auth import TokenScope
+
+    scope = TokenScope()
+    assert scope.allows("http://127.0.0.2:1") and scope.allows("https://localhost:1") and scope.allows("http://[::1]:1")
+    assert not scope.allows("https://example.com") and not scope.allows("ftp://127.0.0.1")

@@ -249,7 +249,7 @@ def test_helm_renders(sets, help_flags):
             assert c["livenessProbe"]["httpGet"]["path"] == c["readinessProbe"]["httpGet"]["path"] == "/healthz"
             budget = int(re.search(r"--mem-budget=(\d+)MiB", " ".join(c["args"])).group(1))
             assert int(c["resources"]["requests"]["memory"].removesuffix("Mi")) > budget
-            assert "--token-hosts=*.default.svc.cluster.local" in c["args"]
+            assert "--token-hosts=**.default.svc.cluster.local" in c["args"]
         if d["kind"] in ("StatefulSet", "Deployment") and "etcd.client.user=kdn" in sets:
             c = d["spec"]["template"]["spec"]["containers"][0]
             if c["name"] != "etcd":

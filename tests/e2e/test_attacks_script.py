@@ -20,13 +20,13 @@ import attacks  # noqa: E402  (bench/attacks.py)
 # No skip when etcd is missing: CI installs it (.ci/run), and a skip would hide a lost install step.
 pytestmark = pytest.mark.timeout(180)
 
-FAST = ["bit_rot", "forged_record", "rogue_node", "zstd_bomb", "cachegen_bomb", "hash_in_token", "bare_token",
+FAST = ["bit_rot", "forged_record", "rogue_node", "rogue_https_node", "planted_digest", "zstd_bomb", "cachegen_bomb", "hash_in_token", "bare_token",
         "tenant_cache_headers", "publish_body_unread", "malformed_json", "anonymous_probes", "client_content_length",
         "client_pooled_bytes"]
 
 
 async def test_the_fast_attacks_all_fail(tmp_path):
-    names = [n for n in FAST if n != "rogue_node" or attacks.outside_address() is not None]
+    names = FAST
     rows = await attacks.run(names, seed=11, tmp=tmp_path, quick=True)
     print(attacks.table(rows))
     assert [r.attack for r in rows] == names
@@ -40,5 +40,7 @@ async def test_the_fast_attacks_all_fail(tmp_path):
     assert by["bit_rot"].figures["rotten_accepted_by_client"] == 0
     for bomb in ("zstd_bomb", "cachegen_bomb"):
         assert by[bomb].figures["outcome"].startswith("ObjectTooLarge") and by[bomb].figures["peak_growth_mib"] < 32
-    if "rogue_node" in by:
-        assert by["rogue_node"].figures["requests"] > 0 and by["rogue_node"].figures["authorization_headers"] == 0
+    for rogue in ("rogue_node", "rogue_https_node"):
+        assert by[rogue].figures["requests"] > 0 and by[rogue].figures["authorization_headers"] == 0
+    planted = by["planted_digest"].figures
+    assert planted["planted_refused"] > 0 and planted["signed_forgeries"] == 0 and planted["forged"] == 0

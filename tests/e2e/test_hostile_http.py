@@ -198,6 +198,55 @@ async def test_a_rogue_node_record_does_not_get_the_edge_token(tmp_path, etcd_ur
         await server.close()
 
 
+async def test_a_rogue_https_node_record_does_not_get_the_edge_token(tmp_path, etcd_url):
+    """https once meant "any host": a node record at https://127.0.0.2 with a certificate from a CA the edge
+    trusts (--ca) got the edge's ``read *`` token whatever --token-hosts said. Now https obeys the list too.
+    The rogue's requests arriving at all prove its certificate verified (else no request is sent)."""
+    import ssl
+
+    from edge_helpers import EDGE_TOKEN, metric
+    from tls_certs import issue, make_ca
+
+    from kdn.registry import NodeRecord, open_registry
+
+    ca = make_ca(tmp_path / "tls")
+    cert, key = issue(ca, tmp_path / "tls", "rogue", cn="127.0.0.2", server=True, ip="127.0.0.2")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    seen: list[str | None] = []
+
+    async def rogue(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", rogue)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.2", port, ssl_context=context).start()
+    reg = open_registry(etcd_url)
+    try:
+        async with cluster(tmp_path, etcd_url, edges=()) as c:
+            m = await publish(c, TEXT)
+            lease = await reg.register_node(NodeRecord("edge", "us", "rogue", f"https://127.0.0.2:{port}"), ttl=10)
+            try:
+                await c.start_edge("e1", token_hosts="127.0.0.1", ca=str(ca[0]))
+                await c.wait_ring(["e1"])
+                await c.edge("e1").membership.wait_for(lambda mb: "us" in mb.regions(), timeout=10)
+                for a in m["addresses"][:2]:
+                    status, _, headers = await get(c.edge_url("e1"), a, EDGE_TOKEN)
+                    assert status == 200 and headers["X-KDN-Source"] == "origin"
+                assert seen, "the edge never asked the rogue region over https; the test proves nothing"
+                assert seen == [None] * len(seen)
+                assert metric(c.edges["e1"], "kdn_edge_token_withheld") == len(seen)
+            finally:
+                await lease.close()
+    finally:
+        await reg.close()
+        await runner.cleanup()
+
+
 async def _stalled_get(port: int, path: str) -> socket.socket:
     """A reader that asks for an object and never reads: a tiny receive buffer, so the server's writes stall."""
     s = socket.socket()
