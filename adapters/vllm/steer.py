@@ -35,7 +35,7 @@ K/V past it were computed unsteered).
 
 Not steered (the layer is not wrapped, and a plan naming it logs an error): sliding window, ALiBi, sinks,
 soft-capped logits, quantized (fp8) K/V; found at the first steered step: cache layouts
-``paged.find_reader`` cannot read (CPU AMX) and backends whose metadata has no ``query_start_loc`` /
+``paged.find_reader`` cannot read (none on CPU: each ISA's is learned) and backends whose metadata has no ``query_start_loc`` /
 ``slot_mapping`` (FlashInfer). An engine with tensor parallelism or speculative decoding refuses ``steer``.
 On GPU, a connector with ``steer`` on asks vLLM for piecewise CUDA graphs: the wrapper is Python that a
 captured full graph would skip (not run on a GPU yet).
