@@ -56,8 +56,6 @@ Strategies (the fetch client's ``strategy=`` hook, or a ranking the bench puts i
                  hedging (past 2x the leading source's expected time, the next source too; not for objects
                  the lookup reported cold): the oracle a hedging client is measured against. Same untimed
                  owner warming as the oracle.
-    latency-hit-only (optional, an experiment) KDN's client, except that a transfer the edge had to fill
-                 (X-KDN-Source not memory/disk) does not update that source's RTT/bandwidth estimate.
     oracle-probe (optional) every fetch goes to all seven sources at once, the first verified answer wins:
                  the measured minimum, but seven transfers per object load the 2 cores.
 Plus the latency strategy on edges with prefetch 0 (the others run with prefetch 2, the default).
@@ -103,7 +101,7 @@ from linkemu import LinkEmulator  # noqa: E402
 import results as R  # noqa: E402
 
 from kdn.bodyget import BodyGetter  # noqa: E402
-from kdn.client import KDNClient  # noqa: E402
+from kdn.client import Fetched, KDNClient  # noqa: E402
 
 REGIONS = ("near", "mid", "far")
 REGION_NET = {"near": 1, "mid": 2, "far": 3}
@@ -114,8 +112,9 @@ MBIT = {("near", "near"): 10_000, ("mid", "mid"): 10_000, ("far", "far"): 10_000
 ORIGIN_RTT_MS, ORIGIN_MBIT = 120, 200
 PUBLISH_TOKEN = "geo-publisher-" + "p" * 20
 EDGE_TOKEN = "geo-edge-" + "e" * 23
-STRATEGIES = ("oracle", "oracle-hedged", "latency", "static-nearest", "random", "origin-only", "oracle-probe",
-              "latency-hit-only")
+# ("latency-hit-only", an experiment of earlier runs, is what kdn.fetch does for every caller now: a body a
+# source had to fill never updates that source's estimate.)
+STRATEGIES = ("oracle", "oracle-hedged", "latency", "static-nearest", "random", "origin-only", "oracle-probe")
 DEFAULT_STRATEGIES = ("oracle", "oracle-hedged", "latency", "static-nearest", "random", "origin-only")
 ORACLES = ("oracle", "oracle-hedged")  # their objects are passed through the region owner, untimed
 
@@ -351,44 +350,45 @@ class BenchClient(KDNClient):
         self.last: dict = {}  # task -> its last PrefixStates (requests in flight share a client)
         self.trace: list | None = None  # --trace: every ranking and transfer, with the estimates behind it
 
-    async def _get(self, src, address, encoding, digest, size):
-        """latency-hit-only (an experiment, not KDN's client): a transfer the edge had to fill does not
-        update that source's estimate, so one cold miss cannot brand a near edge as a slow link."""
-        if self.trace is not None:
-            t0 = time.monotonic()
-            try:
-                f = await super()._get(src, address, encoding, digest, size)
-            except BaseException as e:
-                self.trace.append({"t": round(t0, 4), "ev": "get", "src": src.label, "ms": round((time.monotonic() - t0) * 1e3, 1),
-                                   "error": type(e).__name__})
-                raise
-            self.trace.append({"t": round(t0, 4), "ev": "get", "src": src.label, "ms": round((time.monotonic() - t0) * 1e3, 1),
-                               "served": f.source.split("/", 1)[1]})
-            return f
-        if not getattr(self, "hit_only", False):
-            return await super()._get(src, address, encoding, digest, size)
-        est = self.estimates[src.url]
-        saved = (est.rtt, est.bandwidth, est.samples)
-        f = await super()._get(src, address, encoding, digest, size)
-        served = f.source.split("/", 1)[1].split(":", 1)[0]
-        if src.kind != "origin" and served not in ("memory", "disk", "edge"):
-            est.rtt, est.bandwidth, est.samples = saved
-        return f
+    def _trace_fetches(self) -> None:
+        """--trace: every transfer (through kdn.fetch's observer), beside the rankings below."""
+        trace = self.trace
+        assert trace is not None
 
-    async def _fetch_hedged(self, address, encoding, digest, size, *, hedge=True):
+        class Tracer:
+            def failed(self, route, error):
+                trace.append({"t": round(time.monotonic(), 4), "ev": "get", "src": route.label, "error": type(error).__name__})
+
+            def missed(self, route, seconds):
+                trace.append({"t": round(time.monotonic(), 4), "ev": "get", "src": route.label, "ms": round(seconds * 1e3, 1),
+                              "served": "miss"})
+
+            def delivered(self, route, body):
+                trace.append({"t": round(time.monotonic(), 4), "ev": "get", "src": route.label,
+                              "ms": round(body.seconds * 1e3, 1), "served": body.served_by})
+
+        self.fetch_observer = Tracer()
+
+    async def _fetch_hedged(self, address, encoding, digest, size, *, hedge=True, pooled=None):
         """probe_all: ask every source at once, keep the first verified answer (the measured minimum)."""
         if not self.probe_all:
-            return await super()._fetch_hedged(address, encoding, digest, size, hedge=hedge)
+            return await super()._fetch_hedged(address, encoding, digest, size, hedge=hedge, pooled=pooled)
         from kdn.errors import DigestMismatch, SourceError
+        from kdn.fetch import Route, Want
 
-        tasks = [asyncio.create_task(self._get(s, address, encoding, digest, size)) for s in self.sources]
+        want = Want(address, encoding, size, digest)
+        tasks = [asyncio.create_task(self.fetcher.fetch(want, [Route(s.label, s.url, s.kind, self.headers)]))
+                 for s in self.sources]
         errors = []
         try:
             for fut in asyncio.as_completed(tasks):
                 try:
-                    return await fut
+                    body = await fut
                 except (SourceError, DigestMismatch) as e:
                     errors.append(str(e))
+                    continue
+                return Fetched(address, encoding, body.buffer.data, f"{body.route.label}/{body.served_by}",
+                               body.seconds)
             raise SourceError(f"no source delivered {address}: " + "; ".join(errors))
         finally:
             for t in tasks:
@@ -500,9 +500,6 @@ def make_client(world: World, region: str, strategy: str, seed: int, records: di
         c = BenchClient(**kw, hedge=False, oracle=static_ranking)
     elif strategy == "random":
         c = BenchClient(**kw, oracle=region_random_ranking)
-    elif strategy == "latency-hit-only":
-        c = BenchClient(**kw)
-        c.hit_only = True
     else:
         c = BenchClient(**kw, strategy=strategy, hedge=strategy != "origin-only")
     c.rng.seed(seed)
@@ -576,6 +573,7 @@ async def one_run(world: World, name: str, strategy: str, prefetch: int, request
     if world.args.trace:
         for c in clients.values():
             c.trace = []
+            c._trace_fetches()
     before = await origin_bytes(world)
     t_run = time.perf_counter()
     try:

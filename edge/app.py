@@ -41,12 +41,13 @@ from kdn.auth import Grant, Grants, TokenScope, covers, may_read
 from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, KDNError, SourceError
+from kdn.fetch import CACHED_ONLY, HOP
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
 from kdn.registry.follow import stop_tasks
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
 
 from kdn.edge.disk import DiskTier
-from kdn.edge.fill import CACHED_ONLY, HOP, Filler
+from kdn.edge.fill import Filler
 from kdn.edge.flight import SingleFlight
 from kdn.edge.membership import Membership
 from kdn.edge.memory import MemoryTier

@@ -22,19 +22,17 @@ non-owners go through the owner, that holds across the whole region.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from urllib.parse import quote
 
 import aiohttp
-from blake3 import blake3
 
 from kdn.auth import TokenScope
-from kdn.bodyget import BodyError, BodyGetter
-from kdn.errors import SourceError
+from kdn.bodyget import BodyGetter
+from kdn.errors import DigestMismatch, SourceError
 from kdn.estimate import Estimates
+from kdn.fetch import CACHED_ONLY, HOP, Body, Fetcher, Fresh, Route, Want
 from kdn.registry import NodeRecord, ObjectRecord
 from kdn.ring import Ring
 
@@ -42,8 +40,6 @@ from kdn.edge.tiers import Key
 
 log = logging.getLogger(__name__)
 
-HOP = "X-KDN-Hop"  # set on edge-to-edge requests: the receiver fills itself, never forwards in-region
-CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
 MAX_BLOB_BYTES = 1 << 30
 # A cross-region probe is an optimization (the origin always has the object): it may take this long, or 4x
 # its region's expected time for the size if that is more, before the next source is tried. Without a bound
@@ -82,7 +78,6 @@ class Filler:
                  token_scope: TokenScope | None = None, getter: BodyGetter | None = None,
                  always_probe_regions: bool = False) -> None:
         self.session = session  # prefetch requests to owners
-        self.getter = getter or BodyGetter(ssl=None)  # object bodies (TLS: pass one made with the CA)
         self.membership = membership
         self.origin_urls = origin_urls  # callable -> list[str] (config, else origins in the registry)
         self.me = me
@@ -92,12 +87,23 @@ class Filler:
         self.m = metrics
         self.timeout = timeout  # seconds, per source
         self.estimates = Estimates()
+        # Every body through the one verified fetch; the token is added per request, where it may go.
+        # Object bodies come through its getter (TLS: pass one made with the CA).
+        self.fetcher = Fetcher(getter or BodyGetter(ssl=None), self.estimates, timeout=timeout, authorize=self.headers)
         self._rings: dict[str, tuple[tuple[str, ...], Ring]] = {}
         self._probe_failures: dict[str, int] = {}  # region owner URL -> probe failures in a row
         self._rests: dict[str, int] = {}  # region owner URL -> rests in a row without a success between
         self._resting: dict[str, float] = {}  # region owner URL -> monotonic time its probes resume
         self._hit_rate: dict[str, tuple[float, float]] = {}  # region owner URL -> (share of probes that hit, when)
         self.always_probe_regions = always_probe_regions  # the operator prefers origin egress to latency
+
+    @property
+    def getter(self) -> BodyGetter:
+        return self.fetcher.getter
+
+    @getter.setter
+    def getter(self, getter: BodyGetter) -> None:
+        self.fetcher.getter = getter
 
     def headers(self, url: str) -> dict[str, str]:
         """The upstream token for ``url`` if it may go there (a host the operator named, any scheme)."""
@@ -209,69 +215,57 @@ class Filler:
         return next((n for n in nodes if n.node_id == owner), None)
 
     async def fetch(self, key: Key, rec: ObjectRecord, *, hop: bool) -> Filled:
-        """The first source of the plan that delivers the blob intact (its length and digest checked)."""
+        """The first source of the plan that delivers the blob intact (``kdn.fetch``: length and digest
+        checked as the bytes land; a lying or broken source is counted and the next one tried)."""
         address, encoding = key
         enc = rec.encodings[encoding]
-        errors = []
-        for label, base, extra in self.plan(key, rec, hop=hop, filling=True):
-            kind = label.split(":", 1)[0]
-            t0 = time.perf_counter()
-            try:
-                got = await self._get(f"{base}/v1/objects/{address}", encoding, extra, enc.size,
-                                      self._timeout_for(kind, base, enc.size))
-            except SourceError as e:
-                self.estimates[base].fail()
-                self.m.source_errors.labels(kind).inc()
-                if kind == "region":
-                    self._probe_result(base, False)
-                errors.append(f"{label}: {e}")
-                continue
-            if kind == "region":
-                self._probe_result(base, True)  # an answer, a miss or a body (a lying one is counted below)
-                self._probe_outcome(base, got is not None)
-            if got is None:  # a cached-only probe that missed: a round trip, measured as one
-                self.estimates[base].observe(0, time.perf_counter() - t0)
-                continue
-            blob, digest = got
-            dt = time.perf_counter() - t0
-            if digest != enc.digest:
-                # A lying or broken source: never cache or serve it, count it, try the next one.
-                self.m.digest_failures.labels(kind).inc()
-                self.estimates[base].fail()
-                log.warning("digest mismatch for %s.%s from %s", address, encoding, label)
-                errors.append(f"{label}: digest mismatch")
-                continue
-            self.estimates[base].observe(len(blob), dt)
-            self.m.fill_seconds.labels(kind).observe(dt)
-            self.m.fill_bytes.labels(kind).inc(len(blob))
-            return Filled(blob, label)
-        raise SourceError(f"no source delivered {address}.{encoding}: " + ("; ".join(errors) or "none holds it"))
+        routes = [Route(label, base, label.split(":", 1)[0], extra,
+                        self._timeout_for(label.split(":", 1)[0], base, enc.size))
+                  for label, base, extra in self.plan(key, rec, hop=hop, filling=True)]
+        try:
+            body = await self.fetcher.fetch(Want(address, encoding, enc.size, enc.digest), routes,
+                                            observer=_Counts(self))
+        except DigestMismatch as e:  # every source lied: for the edge that is a failed fill like any other
+            raise SourceError(str(e)) from None
+        assert isinstance(body.buffer, Fresh)
+        return Filled(body.buffer.data, body.route.label)
 
     def _timeout_for(self, kind: str, base: str, size: int) -> float:
         if kind != "region":
             return self.timeout
         return min(self.timeout, max(PROBE_MIN_S, 4 * self.estimates[base].expected(size)))
 
-    async def _get(self, url: str, encoding: str, extra: dict[str, str], size: int,
-                   timeout: float | None = None) -> tuple[bytearray, str] | None:
-        """The body (exactly ``size`` bytes, never more: the buffer is the bound) and its BLAKE3 digest,
-        taken as the bytes landed; None for a cached-only probe that missed."""
-        buf = bytearray(size)
-        hasher = blake3()
-        try:
-            # No redirects: a source that answers 3xx is a failed source, not a pointer to follow (it would
-            # otherwise lead this edge, and its upstream token, to any host it names).
-            r = await self.getter.get(f"{url}?encoding={quote(encoding, safe='')}", memoryview(buf),
-                                      {**self.headers(url), **extra}, timeout or self.timeout, hasher=hasher)
-        except (BodyError, asyncio.TimeoutError, OSError) as e:
-            raise SourceError(f"{type(e).__name__}: {str(e)[:120]}") from None
-        if r.status == 404 and CACHED_ONLY in extra:
-            return None
-        if r.status != 200:
-            raise SourceError(f"HTTP {r.status}")
-        if r.length != size:
-            raise SourceError(f"Content-Length {r.length}, expected {size}")
-        return buf, hasher.hexdigest()
-
     def close(self) -> None:
         self.getter.close()
+
+
+class _Counts:
+    """What the edge counts of each attempt of a fill: metrics, and the regions' breaker and hit rates."""
+
+    def __init__(self, filler: Filler) -> None:
+        self.f = filler
+
+    def failed(self, route: Route, error: Exception) -> None:
+        m = self.f.m
+        if isinstance(error, DigestMismatch):
+            # A lying or broken source: never cached or served, counted; an answer all the same.
+            m.digest_failures.labels(route.kind).inc()
+            log.warning("digest mismatch for a fill from %s: %s", route.label, error)
+            if route.kind == "region":
+                self.f._probe_result(route.url, True)
+                self.f._probe_outcome(route.url, True)
+            return
+        m.source_errors.labels(route.kind).inc()
+        if route.kind == "region":
+            self.f._probe_result(route.url, False)
+
+    def missed(self, route: Route, seconds: float) -> None:
+        self.f._probe_result(route.url, True)  # a healthy answer: the region just does not hold it
+        self.f._probe_outcome(route.url, False)
+
+    def delivered(self, route: Route, body: Body) -> None:
+        if route.kind == "region":
+            self.f._probe_result(route.url, True)
+            self.f._probe_outcome(route.url, True)
+        self.f.m.fill_seconds.labels(route.kind).observe(body.seconds)
+        self.f.m.fill_bytes.labels(route.kind).inc(body.want.size)

@@ -45,6 +45,9 @@ Address = NewType("Address", str)
 ModelId = NewType("ModelId", str)
 """An ``Address``-shaped id of a model: architecture, state-changing config, weights, tokenizer, dtype."""
 
+Digest = NewType("Digest", str)
+"""BLAKE3 of a blob's bytes, 64 lowercase hex characters: what a signed record promises and a receiver checks."""
+
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 # Namespaces and manifest names end up in registry keys and file names: keep
 # them to a safe alphabet, no slashes, no dot-dot, bounded length.
@@ -72,6 +75,11 @@ def validate_address(value: object, *, what: str = "address") -> Address:
 
 def validate_model_id(value: object) -> ModelId:
     return ModelId(validate_address(value, what="model id"))
+
+
+def validate_digest(value: object) -> Digest:
+    """A blob digest: 64 lowercase hex characters (the same alphabet as an address, another meaning)."""
+    return Digest(validate_address(value, what="digest"))
 
 
 def validate_namespace(value: object) -> str:
@@ -236,9 +244,9 @@ def standalone_addresses(
     return [standalone_address(mid, namespace, array("I", tb[s : s + step])) for s in range(0, len(tb), step)]
 
 
-def blob_digest(data: bytes | bytearray | memoryview) -> str:
+def blob_digest(data: bytes | bytearray | memoryview) -> Digest:
     """BLAKE3 hex digest of a whole blob (the registry's digest and the HTTP ETag)."""
-    return blake3(data).hexdigest()
+    return Digest(blake3(data).hexdigest())
 
 
 def iter_hex(values: Iterable[object]) -> list[Address]:

@@ -30,15 +30,17 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
-from blake3 import blake3
 
 from kdn import address as A
-from kdn.errors import DigestMismatch, InvalidInput, SourceError
-from kdn.bodyget import BodyError, BodyGetter
+from kdn.address import validate_digest
+from kdn.bodyget import BodyGetter
 from kdn.encodings import affordable, decode_seconds, parse_budget
+from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.estimate import Estimates
+from kdn.fetch import Buffer, Fetcher, Fresh, Observer, Route, Want
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
+    from kdn.arena import Arena
     from kdn.objects import DecodedObject, ObjectView
     from kdn.registry import Membership
     from kdn.ring import Ring
@@ -100,9 +102,15 @@ class Lookup:
 class Fetched:
     address: str
     encoding: str
-    blob: bytearray  # the preallocated receive buffer, verified
+    blob: bytearray | memoryview  # the receive buffer, verified (a view of an arena lease when one lent it)
     source: str
     seconds: float
+    buffer: Buffer | None = None  # what to release once the bytes are used (an arena lease; else a no-op)
+
+    def release(self) -> None:
+        """Hand the receive buffer back (a no-op unless it came from an arena): ``blob`` is not read after."""
+        if self.buffer is not None:
+            self.buffer.release()
 
 
 @dataclass
@@ -155,6 +163,7 @@ class KDNClient:
         quality: str | float = "lossless",
         local_addr: str | None = None,
         trusted_keys: TrustedKeys | None = None,
+        arena: Arena | None = None,
     ) -> None:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
@@ -204,9 +213,8 @@ class KDNClient:
         parse_budget(quality)
         self._session: aiohttp.ClientSession | None = None
         self._getter: BodyGetter | None = None
+        self._fetcher: Fetcher | None = None
         self._local_addr = local_addr  # bind outgoing connections to this IP (multi-homed hosts, link emulation)
-        self.hedges = 0
-        self.failovers = 0
         # Publisher keys (a kdn.signing.Verifier, key strings, or a file of them): with them, a record
         # whose signature does not verify is a miss -- its digest is never believed.
         self.verifier = _verifier(trusted_keys)
@@ -214,6 +222,11 @@ class KDNClient:
         # kvtc bases by address: each fetched once (then shared by every object that names it)
         self._bases: dict[str, asyncio.Task[Any]] = {}
         self.bases_fetched = 0
+        # What to count of each attempt of a fetch (``kdn.fetch.Observer``: traces, metrics); None: nothing.
+        self.fetch_observer: Observer | None = None
+        # Receive buffers reused across loads (``kdn.arena``): a prefix loaded into an engine's cache
+        # (``fetch_prefix(into=...)``) lands in them and hands them back once decoded into place.
+        self.arena = arena
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -226,6 +239,13 @@ class KDNClient:
             self._getter = BodyGetter(ssl=self._ssl if self._ssl is not None else client_context(self._ca),
                                       local_addr=self._local_addr)
         return self._getter
+
+    @property
+    def fetcher(self) -> Fetcher:
+        """Verified fetches (``kdn.fetch``) over ``getter``, measured into ``estimates``."""
+        if self._fetcher is None:
+            self._fetcher = Fetcher(self.getter, self.estimates, timeout=self._timeout.total or 30.0)
+        return self._fetcher
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -243,6 +263,7 @@ class KDNClient:
         if self._getter is not None:
             self._getter.close()
             self._getter = None
+            self._fetcher = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -431,9 +452,12 @@ class KDNClient:
         return best
 
     async def fetch(self, address: str, *, encoding: str | None = None, digest: str | None = None,
-                    size: int | None = None, quality: str | float | None = None, cold: bool = False) -> Fetched:
+                    size: int | None = None, quality: str | float | None = None, cold: bool = False,
+                    pooled: bool = False, arena: Arena | None = None) -> Fetched:
         """One object, verified. Without ``digest`` the registry record supplies it (and, without
-        ``encoding``, the record's encodings are chosen from by ``quality``)."""
+        ``encoding``, the record's encodings are chosen from by ``quality``). ``pooled``: the body lands
+        in a buffer of ``arena`` (default: the client's, when it has one), which the caller hands back with
+        ``Fetched.release()`` once the bytes are used (ArenaFull when the arena's budget is spent)."""
         A.validate_address(address)
         if digest is None or encoding is None or size is None:
             rec = await self.record(address)
@@ -448,114 +472,35 @@ class KDNClient:
         if size > MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         async with self._sem:
-            return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold)
+            return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold,
+                                            pooled=(arena or self.arena) if pooled else None)
 
-    async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int, *, hedge: bool = True) -> Fetched:
-        """Ask the best source; past twice its expected time, ask the next one too (at most
-        ``max_hedges`` extra requests; others only when a source fails); first verified body wins.
+    async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int, *, hedge: bool = True,
+                            pooled: Arena | None = None) -> Fetched:
+        """Through ``kdn.fetch`` (one verified fetch for edges and clients): the best source first, hedged to
+        the next past twice its expected time (at most ``max_hedges`` extra; others only when a source
+        fails); the first verified body wins.
 
         Not for an object the edge reported it would have to fill (``hedge=False``): its answer is
         slow by design, and a hedge to another edge starts a second fill from the same upstream (the
         geo bench saw one cold object fan out to all seven sources, 100 ms apart, each filling it).
         """
-        order = self._ranked(size, address)
-        errors: list[str] = []
-        lies = 0
-        pending: dict[asyncio.Task[Fetched], Source] = {}
-        started: dict[asyncio.Task[Fetched], float] = {}
-        i = 0
-        hedged = 0
+        routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self._timeout.total)
+                  for s in self._ranked(size, address)]
+        alloc = pooled.take if pooled is not None else None  # the arena the body lands in, if any
+        body = await self.fetcher.fetch(Want(A.validate_address(address), encoding, size, validate_digest(digest)),
+                                        routes, hedge=hedge, max_hedges=self.max_hedges, alloc=alloc,
+                                        observer=self.fetch_observer)
+        blob = body.buffer.data if isinstance(body.buffer, Fresh) else body.blob
+        return Fetched(address, encoding, blob, f"{body.route.label}/{body.served_by}", body.seconds, body.buffer)
 
-        def launch() -> None:
-            nonlocal i
-            src = order[i]
-            i += 1
-            task = asyncio.create_task(self._get(src, address, encoding, digest, size))
-            pending[task], started[task] = src, time.perf_counter()
+    @property
+    def hedges(self) -> int:
+        return self.fetcher.hedges
 
-        def losers_took_at_least() -> None:
-            """A hedge cancelled because another request won took at least as long as it ran: past its
-            expected time, that is a measurement (a lower bound). Without it a hedge target that always
-            loses is never measured: a hedge kept going to a region edge behind a slowed link while the
-            origin, 30 ms away, was never tried (bench/faults.py slow_region_link). Not the leading
-            request (it is hedged only when slow, so a sample taken when it loses is biased upward), and
-            not an edge of the client's own region: its slow answer is mostly a fill shared through the
-            owner, which says nothing about its link (measured so, it sent the geo bench's clients away
-            from their near edges: p50 33 -> 130 ms in a seed)."""
-            now = time.perf_counter()
-            for task, src in pending.items():
-                if task is leading or src.kind == "edge":
-                    continue
-                est = self.estimates[src.url]
-                if now - started[task] > est.expected(size):
-                    est.observe(size, now - started[task])
-
-        launch()
-        leading = next(iter(pending))
-        try:
-            while pending:
-                # Hedge: wait the leading request's expected time x2 (at least 20 ms), then add the next source.
-                first = next(iter(pending.values()))
-                budget = max(2 * self.estimates[first.url].expected(size), 0.02)
-                can_hedge = hedge and hedged < self.max_hedges and i < len(order)
-                done, _ = await asyncio.wait(pending, timeout=budget if can_hedge else None,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    self.hedges += 1
-                    hedged += 1
-                    launch()
-                    continue
-                for task in done:
-                    src = pending.pop(task)
-                    try:
-                        got = task.result()
-                    except (SourceError, DigestMismatch) as e:
-                        errors.append(f"{src.label}: {e}")
-                        lies += isinstance(e, DigestMismatch)
-                        self.failovers += 1
-                        continue
-                    losers_took_at_least()
-                    return got
-                if not pending and i < len(order):
-                    launch()
-            if lies == len(errors):  # every source that answered sent bytes that are not the object
-                raise DigestMismatch(f"no source delivered {address} intact: " + "; ".join(errors))
-            raise SourceError(f"no source delivered {address}: " + "; ".join(errors))
-        finally:
-            for task in pending:
-                task.cancel()
-
-    async def _get(self, src: Source, address: str, encoding: str, digest: str, size: int) -> Fetched:
-        t0 = time.perf_counter()
-        est = self.estimates[src.url]
-        buf = bytearray(size)  # the whole body lands in one preallocated buffer, read straight into it
-        hasher = blake3()  # fed as the bytes land: verification overlaps the transfer, no second pass
-        try:
-            r = await self.getter.get(f"{src.url}/v1/objects/{address}?encoding={encoding}", memoryview(buf),
-                                      self.headers, self._timeout.total, hasher=hasher)
-        except (BodyError, asyncio.TimeoutError, OSError) as e:
-            est.fail()
-            raise SourceError(f"{type(e).__name__}: {str(e)[:100]}") from None
-        if r.status != 200:
-            est.fail()
-            raise SourceError(f"HTTP {r.status}")
-        if r.headers.get("x-kdn-encoding", encoding) != encoding:
-            est.fail()
-            raise SourceError(f"asked for {encoding}, got {r.headers.get('x-kdn-encoding')}")
-        if r.length != size:
-            est.fail()
-            raise SourceError(f"Content-Length {r.length}, expected {size}")
-        source = r.headers.get("x-kdn-source", src.label)
-        if hasher.hexdigest() != digest:
-            est.fail()
-            raise DigestMismatch(f"{address} from {src.label} does not match its digest")
-        dt = time.perf_counter() - t0
-        # Only a cache hit measures the link: a response that the source first had to fill from
-        # upstream (X-KDN-Source peer:/region:/origin on an edge) measures the upstream, and would
-        # make a near edge look far because its cache was cold.
-        if source.split(":", 1)[0] in ("memory", "disk") or src.kind == "origin":
-            est.observe(size, dt)
-        return Fetched(address, encoding, buf, f"{src.label}/{source}", dt)
+    @property
+    def failovers(self) -> int:
+        return self.fetcher.failovers
 
     async def basis(self, address: str) -> Any:
         """The kvtc basis (``kdn.kernels.transform.Basis``) at ``address``: fetched once, verified,
@@ -604,7 +549,8 @@ class KDNClient:
 
     async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None,
                            quality: str | float | None = None,
-                           into: Callable[[int, ObjectView], None] | None = None) -> PrefixStates:
+                           into: Callable[[int, ObjectView], None] | None = None,
+                           arena: Arena | None = None) -> PrefixStates:
         """Fetch, verify and decode every object of a lookup; objects stay in chain order.
 
         A pipeline per object: each is decoded (off the event loop) as soon as it
@@ -616,9 +562,11 @@ class KDNClient:
         ``into(index, view)`` in a worker thread instead of being decoded here: an
         engine's loader that decodes each tensor straight into its cache
         (``kdn.adapters.hf.CacheBuilder``). The returned ``objects`` then carry
-        headers and no tensors.
+        headers and no tensors. Their receive buffers then come from ``arena`` (or the client's own): each
+        goes back once ``into`` has used it, so ``fetched[i].blob`` must not be read after.
         """
         budget = parse_budget(self.quality if quality is None else quality)
+        pool = arena if arena is not None else self.arena
         t0 = time.perf_counter()
         arrived: list[float] = []
 
@@ -630,12 +578,17 @@ class KDNClient:
             if rec is not None and enc in rec["encodings"]:
                 e = rec["encodings"][enc]
                 f = await self.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
-                                     cold=address in hit.cold)
+                                     cold=address in hit.cold, pooled=into is not None, arena=pool)
             else:
-                f = await self.fetch(address, encoding=encoding, quality=quality, cold=address in hit.cold)
+                f = await self.fetch(address, encoding=encoding, quality=quality, cold=address in hit.cold,
+                                     pooled=into is not None, arena=pool)
             arrived.append(time.perf_counter())
-            cap = await self.prepare(f)  # a kvtc object: its basis first (fetched once)
-            return f, await asyncio.to_thread(_decode_checked, f, hit, budget, cap, index, into)
+            try:
+                cap = await self.prepare(f)  # a kvtc object: its basis first (fetched once)
+                return f, await asyncio.to_thread(_decode_checked, f, hit, budget, cap, index, into)
+            finally:
+                if into is not None:  # decoded into the engine's cache: the receive buffer is free again
+                    f.release()
 
         done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
         t_last = max(arrived, default=t0)

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import msgpack
 
-from kdn.address import validate_address, validate_model_id, validate_name, validate_namespace
+from kdn.address import Digest, validate_address, validate_digest, validate_model_id, validate_name, validate_namespace
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
 
@@ -162,12 +162,12 @@ class Encoding(_Record):
 
     name: str
     size: int
-    digest: str  # BLAKE3 hex of the blob in this encoding
+    digest: Digest  # BLAKE3 hex of the blob in this encoding
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(self.name), "Encoding.name must be a non-empty string")
         _require(_is_int(self.size) and self.size >= 0, "Encoding.size must be a non-negative int")
-        validate_address(self.digest, what="digest")
+        validate_digest(self.digest)
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,47 @@ async def test_lying_peer_is_detected_and_never_served(tmp_path, etcd_url):
             await server.close()
 
 
+async def test_an_upstream_answer_in_another_encoding_is_refused(tmp_path, etcd_url):
+    """The edge fills through kdn.fetch, as the client does: a peer that answers with another encoding than
+    asked (its bytes even match the digest) is a failed source; the edge once took any 200 whose digest
+    matched, while the client refused it."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from kdn.registry import NodeRecord
+
+    import aiohttp
+
+    async def relabel(request):
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{c.origin_url()}/v1/objects/{request.match_info['address']}",
+                             params=request.query, headers={"Authorization": f"Bearer {EDGE_TOKEN}"}) as r:
+                body = await r.read()
+        return web.Response(body=body, headers={"X-KDN-Encoding": "raw", "X-KDN-Source": "memory"})
+
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        m = await publish(c, TEXT)
+        server = TestServer(web.Application(), host="127.0.0.1")
+        server.app.router.add_get("/v1/objects/{address}", relabel)
+        await server.start_server()
+        reg = open_registry(etcd_url)
+        lease = await reg.register_node(NodeRecord("edge", "eu", "relabel", str(server.make_url("")).rstrip("/")),
+                                        ttl=10)
+        try:
+            await c.wait_ring(["e1", "relabel"])
+            edge = c.edge("e1")
+            owned = [a for a in m["addresses"] if edge.membership.owner(a).node_id == "relabel"]
+            assert owned, "the relabeller owns none of the addresses; use more chunks"
+            for a in owned:
+                status, _, headers = await get(c.edge_url("e1"), a)
+                assert status == 200 and headers["X-KDN-Source"] == "origin"
+            assert metric(c.edges["e1"], "kdn_edge_source_errors", source="peer") == len(owned)
+        finally:
+            await lease.close()
+            await reg.close()
+            await server.close()
+
+
 async def test_tenant_isolation_at_the_edge(tmp_path, etcd_url):
     async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
         m = await publish(c, TEXT, namespace="acme", token=TENANT_A)

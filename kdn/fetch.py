@@ -1,0 +1,263 @@
+"""One verified fetch: an object's body from the first source of a plan that delivers it intact.
+
+The edge's fills (``kdn.edge.fill``) and the fetch client (``kdn.client``) both
+fetch through ``Fetcher.fetch``; they differ only in the plan they hand it
+(which sources, in which order, with which headers) and in what they count.
+Written once here, for both:
+
+- **the request**: ``GET {url}/v1/objects/{address}?encoding=...`` (quoted),
+  the body read straight into a buffer the caller supplies (``alloc``: a
+  reused arena lease on an engine's hot path, a fresh ``bytearray`` for an
+  edge's tier), never more than the promised size (the buffer is the bound),
+  no redirects followed, a deadline per request;
+- **verification**: status 200, ``X-KDN-Encoding`` as asked, the exact
+  ``Content-Length``, and the BLAKE3 digest fed as the bytes land (no second
+  pass); a body that fails any of these is never returned, its source is
+  counted and the next one is tried;
+- **a cached-only ask** (another region's edge, ``X-KDN-Cached-Only``): a 404
+  is a miss, measured as one round trip, not an error;
+- **hedging** (the client's; an edge's fill does not hedge: its peer's answer
+  is slow by design, a fill behind the owner): past twice the leading
+  request's expected time (at least 20 ms) the next source is asked too, at
+  most ``max_hedges`` extra; the first verified body wins, the others are
+  cancelled and their buffers released;
+- **what measures a link**: only a body the source served from its own tiers
+  (``X-KDN-Source`` memory / disk) or an origin's: a body the source first had
+  to fill measures the upstream, and would make a near edge look far because
+  its cache was cold. A failure inflates the source's estimate; a hedge that
+  lost after running past its expected time is a lower bound on its time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+from urllib.parse import quote
+
+from blake3 import blake3
+
+from kdn.address import Address, Digest
+from kdn.bodyget import BodyError, BodyGetter
+from kdn.errors import DigestMismatch, SourceError
+from kdn.estimate import Estimates
+
+CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
+HOP = "X-KDN-Hop"  # set on edge-to-edge requests: the receiver fills itself, never forwards in-region
+MIN_HEDGE_S = 0.02
+
+
+@dataclass(frozen=True)
+class Want:
+    """What a fetch must deliver: these bytes, and nothing else."""
+
+    address: Address
+    encoding: str
+    size: int
+    digest: Digest
+
+
+@dataclass(frozen=True)
+class Route:
+    """One source in a plan: where to ask, and how."""
+
+    label: str  # what reports and metrics show: "edge:e1", "peer:e2", "region:us", "origin"
+    url: str  # the node's base URL
+    kind: str  # "edge" (the client's own region), "peer", "region", "origin"
+    headers: Mapping[str, str] = field(default_factory=dict)  # the token where it may go, hop, cached-only
+    timeout: float | None = None  # this request's bound (None: the fetcher's)
+
+    @property
+    def cached_only(self) -> bool:
+        return CACHED_ONLY in self.headers
+
+
+class Buffer(Protocol):
+    """Where a body lands: ``view`` is exactly the body's size; ``release`` hands it back."""
+
+    @property
+    def view(self) -> memoryview: ...
+
+    def release(self) -> None: ...
+
+
+class Fresh:
+    """A buffer of its own (an edge's memory tier keeps it as it is): ``release`` does nothing."""
+
+    def __init__(self, size: int) -> None:
+        self.data = bytearray(size)
+        self.view = memoryview(self.data)
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass
+class Body:
+    """A verified body, and who sent it."""
+
+    want: Want
+    buffer: Buffer
+    route: Route
+    served_by: str  # the X-KDN-Source it was sent with (the route's label if none)
+    seconds: float
+
+    @property
+    def blob(self) -> memoryview:
+        return self.buffer.view
+
+
+class Observer(Protocol):
+    """What a caller counts of each attempt (metrics, a breaker); every method is optional to act on."""
+
+    def failed(self, route: Route, error: Exception) -> None: ...
+    def missed(self, route: Route, seconds: float) -> None: ...
+    def delivered(self, route: Route, body: Body) -> None: ...
+
+
+class _Quiet:
+    def failed(self, route: Route, error: Exception) -> None:
+        pass
+
+    def missed(self, route: Route, seconds: float) -> None:
+        pass
+
+    def delivered(self, route: Route, body: Body) -> None:
+        pass
+
+
+class Fetcher:
+    """Verified fetches over one ``BodyGetter``, ranked and measured by one ``Estimates``."""
+
+    def __init__(self, getter: BodyGetter, estimates: Estimates, *, timeout: float = 30.0,
+                 alloc: Callable[[int], Buffer] = Fresh,
+                 authorize: Callable[[str], Mapping[str, str]] | None = None) -> None:
+        self.getter = getter
+        self.estimates = estimates
+        self.timeout = timeout
+        self.alloc = alloc
+        # The caller's own credentials for a URL, decided when a request is actually sent (an edge
+        # counts each time it withholds its token from a host outside --token-hosts).
+        self.authorize = authorize
+        self.hedges = 0  # extra requests started because the leading one ran late
+        self.failovers = 0  # attempts that failed (an error or a lie), each followed by the next source
+
+    async def fetch(self, want: Want, plan: Sequence[Route], *, hedge: bool = False, max_hedges: int = 1,
+                    observer: Observer | None = None, alloc: Callable[[int], Buffer] | None = None) -> Body:
+        """The first verified body from ``plan``'s sources, in order (hedged if asked)."""
+        obs = observer or _Quiet()
+        make = alloc or self.alloc
+        errors: list[str] = []
+        lies = 0
+        pending: dict[asyncio.Task[Body | None], Route] = {}
+        started: dict[asyncio.Task[Body | None], float] = {}
+        i = hedged = 0
+
+        def launch() -> None:
+            nonlocal i
+            route = plan[i]
+            i += 1
+            task = asyncio.ensure_future(self._attempt(want, route, make))
+            pending[task], started[task] = route, time.perf_counter()
+
+        def losers_took_at_least() -> None:
+            """A hedge cancelled because another request won took at least as long as it ran: past its
+            expected time, that is a measurement (a lower bound). Without it a hedge target that always
+            loses is never measured: a hedge kept going to a region edge behind a slowed link while the
+            origin, 30 ms away, was never tried (bench/faults.py slow_region_link). Not the leading
+            request (it is hedged only when slow, so a sample taken when it loses is biased upward), and
+            not an edge of the client's own region: its slow answer is mostly a fill shared through the
+            owner, which says nothing about its link (measured so, it sent the geo bench's clients away
+            from their near edges: p50 33 -> 130 ms in a seed)."""
+            now = time.perf_counter()
+            for task, route in pending.items():
+                if task is leading or route.kind in ("edge", "peer"):
+                    continue
+                est = self.estimates[route.url]
+                if now - started[task] > est.expected(want.size):
+                    est.observe(want.size, now - started[task])
+
+        if not plan:
+            raise SourceError(f"no source for {want.address}.{want.encoding}")
+        launch()
+        leading = next(iter(pending))
+        try:
+            while pending:
+                first = next(iter(pending.values()))
+                budget = max(2 * self.estimates[first.url].expected(want.size), MIN_HEDGE_S)
+                can_hedge = hedge and hedged < max_hedges and i < len(plan)
+                done, _ = await asyncio.wait(pending, timeout=budget if can_hedge else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    self.hedges += 1
+                    hedged += 1
+                    launch()
+                    continue
+                for task in done:
+                    route = pending.pop(task)
+                    t = time.perf_counter() - started[task]
+                    try:
+                        body = task.result()
+                    except (SourceError, DigestMismatch) as e:
+                        self.failovers += 1
+                        self.estimates[route.url].fail()
+                        errors.append(f"{route.label}: {e}")
+                        lies += isinstance(e, DigestMismatch)
+                        obs.failed(route, e)
+                        continue
+                    if body is None:  # a cached-only ask that missed: a round trip, measured as one
+                        self.estimates[route.url].observe(0, t)
+                        obs.missed(route, t)
+                        continue
+                    if body.served_by.split(":", 1)[0] in ("memory", "disk") or route.kind == "origin":
+                        self.estimates[route.url].observe(want.size, body.seconds)
+                    losers_took_at_least()
+                    obs.delivered(route, body)
+                    return body
+                if not pending and i < len(plan):
+                    launch()
+            if errors and lies == len(errors):  # every source that answered sent bytes that are not the object
+                raise DigestMismatch(f"no source delivered {want.address} intact: " + "; ".join(errors))
+            raise SourceError(f"no source delivered {want.address}.{want.encoding}: "
+                              + ("; ".join(errors) or "none holds it"))
+        finally:
+            for task in pending:
+                task.cancel()
+            if pending:  # a cancelled attempt releases its own buffer (below); wait so none outlives us
+                await asyncio.wait(pending)
+            for task in pending:  # two bodies can arrive in one wake-up: the one not returned is handed back
+                if not task.cancelled() and task.exception() is None and (late := task.result()) is not None:
+                    late.buffer.release()
+
+    async def _attempt(self, want: Want, route: Route, make: Callable[[int], Buffer]) -> Body | None:
+        """One request: a verified body, None for a cached-only miss, or SourceError / DigestMismatch."""
+        t0 = time.perf_counter()
+        buf = make(want.size)
+        ok = False
+        try:
+            hasher = blake3()  # fed as the bytes land: verification overlaps the transfer, no second pass
+            url = f"{route.url}/v1/objects/{want.address}?encoding={quote(want.encoding, safe='')}"
+            try:
+                # No redirects: a source that answers 3xx is a failed source, not a pointer to follow (it would
+                # otherwise lead this node, and its token, to any host it names).
+                headers = {**(self.authorize(url) if self.authorize else {}), **route.headers}
+                r = await self.getter.get(url, buf.view, headers, route.timeout or self.timeout, hasher=hasher)
+            except (BodyError, asyncio.TimeoutError, OSError) as e:
+                raise SourceError(f"{type(e).__name__}: {str(e)[:120]}") from None
+            if r.status == 404 and route.cached_only:
+                return None
+            if r.status != 200:
+                raise SourceError(f"HTTP {r.status}")
+            if r.headers.get("x-kdn-encoding", want.encoding) != want.encoding:
+                raise SourceError(f"asked for {want.encoding}, got {r.headers.get('x-kdn-encoding')}")
+            if r.length != want.size:
+                raise SourceError(f"Content-Length {r.length}, expected {want.size}")
+            if hasher.hexdigest() != want.digest:
+                raise DigestMismatch(f"{want.address} from {route.label} does not match its digest")
+            ok = True
+            return Body(want, buf, route, r.headers.get("x-kdn-source", route.label), time.perf_counter() - t0)
+        finally:
+            if not ok:
+                buf.release()
