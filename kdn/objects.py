@@ -560,6 +560,13 @@ _TORCH_DTYPES = {
 }
 
 
+def torch_dtype(st_dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``)."""
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES[st_dtype])  # type: ignore[no-any-return]
+
+
 def from_torch(tensors: Mapping[str, torch.Tensor]) -> dict[str, RawTensor]:
     """Raw tensors from torch tensors (any device; bf16 included).
 

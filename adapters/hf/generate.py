@@ -19,6 +19,7 @@ produced them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kdn.arena import Arena
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.template import chat_frame, encode_text
@@ -66,6 +68,23 @@ class Generation:
     first_logits: torch.Tensor  # logits of the prompt's last position [vocab]
 
 
+_ARENA: list[Arena] = []
+DEFAULT_ARENA_BYTES = 4 << 30
+
+
+def default_arena() -> Arena:
+    """This process's loading arena (``kdn.arena``; page-locked on a CUDA host), made at first use:
+    ``$KDN_ARENA`` bytes (e.g. ``8GiB``), default 4 GiB. It holds what its largest load used, not its budget."""
+    if not _ARENA:
+        import os
+
+        from kdn.kernels.pinned import host_arena
+        from kdn.units import parse_size
+
+        _ARENA.append(host_arena(parse_size(os.environ.get("KDN_ARENA") or DEFAULT_ARENA_BYTES)))
+    return _ARENA[0]
+
+
 def model_id(model: Any, tokenizer: Any) -> str:
     """The ModelId of a loaded model, computed once per model object (weights are hashed)."""
     mid = _IDS.get(model)
@@ -97,8 +116,11 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
                     do_sample: bool = False, temperature: float = 1.0, eos_token_id: int | None = None,
                     use_cache: bool = True, emphasis: EmphasisMap | dict | None = None, steer: bool | None = None,
                     steer_alpha: float | None = None,
-                    steer_heads: list[tuple[int, int]] | None = None) -> Generation:
+                    steer_heads: list[tuple[int, int]] | None = None, arena: Arena | None = None) -> Generation:
     """Generate from ``prompt`` reusing the longest prefix the KDN holds (``use_cache=False``: plain prefill).
+
+    ``arena``: where fetched bodies and the loaded cache's memory come from (default: the client's, else
+    ``default_arena()``, one per process).
 
     ``emphasis``: the manifest's emphasis map (``manifest["emphasis"]``); with ``steer=True``, or with
     ``steer=None`` and a map that says ``default_on``, the question and the generated tokens attend to
@@ -130,9 +152,12 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
             if kind_of(layout) != "kv":
                 hit = hit.head(hit.chunks - 1)
         if hit.tokens:
-            # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder).
-            builder = await loop.run_in_executor(None, CacheBuilder, model, hit.token_counts())
-            states = await client.fetch_prefix(hit, into=builder.add)
+            # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder); the
+            # receive buffers and the cache's memory come from a reused arena (no first-touch page faults).
+            pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
+            builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(),
+                                                                         arena=pool))
+            states = await client.fetch_prefix(hit, into=builder.add, arena=pool)
             report.fetch_ms, report.sources = states.fetch_s * 1e3, states.sources
             report.decode_ms = states.decode_s * 1e3  # decoding runs as objects arrive: what came after
             for obj in states.objects:

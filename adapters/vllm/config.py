@@ -24,6 +24,9 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``trusted_keys``   file of publisher keys (``ed25519:<hex>`` per line): records they did not sign are misses
     ``steer``          accept requests that ask for attention steering from an emphasis map (``steer.py``;
                        default false; on GPU it asks vLLM for piecewise CUDA graphs)
+    ``arena``          bytes of host buffers the load path reuses across requests (``kdn.arena``; page-locked
+                       on a CUDA host; a load stages its whole K/V there), e.g. ``"8GiB"`` (default 4 GiB);
+                       a load that does not fit recomputes
 
 producer (``kv_role`` ``kv_producer`` or ``kv_both``)
     ``store``          the origin's object-store folder that chunk blobs are written into
@@ -49,8 +52,9 @@ SAVE_MODES = ("request", "all")
 _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
-    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding",
+    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding", "arena",
 })
+DEFAULT_ARENA = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class ConnectorConfig:
     node_id: str = field(default_factory=lambda: "vllm-" + (socket.gethostname().split(".")[0][:50] or "node"))
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     steer: bool = False
+    arena: int = DEFAULT_ARENA
 
     @property
     def can_look_up(self) -> bool:
@@ -141,6 +146,17 @@ class ConnectorConfig:
             if not isinstance(extra["steer"], bool):
                 raise InvalidInput(f"KDN connector setting 'steer' must be true or false, got {str(extra['steer'])[:20]!r}")
             kw["steer"] = extra["steer"]
+        if "arena" in extra:
+            from kdn.units import parse_size
+
+            v = extra["arena"]
+            try:
+                kw["arena"] = parse_size(v) if not isinstance(v, bool) else -1
+            except (InvalidInput, TypeError, ValueError):
+                kw["arena"] = -1
+            if kw["arena"] <= 0:
+                raise InvalidInput(f"KDN connector setting 'arena' must be a positive size (bytes or '2GiB'), "
+                                   f"got {str(v)[:30]!r}")
         cfg = cls(**kw)
         if consumer and not cfg.can_look_up:
             raise InvalidInput("the KDN connector needs 'edges', 'origin', or 'registry' with 'region' to load from")

@@ -215,8 +215,11 @@ async def _make_client(cfg: ConnectorConfig):
 
     # The client's own per-request timeout is a backstop behind the load deadline, not a second one
     # racing it: a stalled edge is the worker's "timeout" (it cancels the fetch), never a "missing".
+    from kdn.kernels.pinned import host_arena
+
+    # Bodies land in reused (on a CUDA host, page-locked) buffers, handed back once written into the cache.
     kw = dict(token=read_token(cfg.token_file), quality=cfg.quality, ca=cfg.ca, timeout=cfg.load_timeout * 1.5 + 1,
-              trusted_keys=cfg.trusted_keys)
+              trusted_keys=cfg.trusted_keys, arena=host_arena(cfg.arena))
     if cfg.edges or cfg.origin:
         return KDNClient(edges=list(cfg.edges), origin=cfg.origin, **kw)
     from kdn.registry import open_registry

@@ -1,14 +1,18 @@
 """The connector's worker side: fetch, verify, decode and write KDN states into vLLM's cache.
 
-Two ways to load, chosen per model by the connector (``load`` setting):
+Every object of a load is fetched into a reused arena buffer, verified against
+the digest of its record, its header checked against what the plan expects
+(address, model, namespace, span, tensor shapes), and then at once decoded into
+the load's per-layer staging (``stage.py``) while the other objects are still
+on the wire; its receive buffer goes back to the arena. Two ways to write, chosen
+per model by the connector (``load`` setting):
 
 - **inside the forward** (attention-only models, the default): ``start_load_kv``
   starts every fetch of the step; each attention layer's ``wait_for_layer_load``
-  waits for them once (bounded by ``load_timeout``), then decodes and writes
-  only that layer's K/V, so the cost of decoding is spread over the layers and
-  the first layers never wait for the last ones' bytes to be decoded. A piece
-  that fails marks its blocks (and every later block of the request) in
-  ``get_block_ids_with_load_errors``; vLLM recomputes from there.
+  waits for them once (bounded by ``load_timeout``), then writes only that
+  layer's staged K/V with one backend call. A piece that fails marks its blocks
+  (and every later block of the request) in ``get_block_ids_with_load_errors``;
+  vLLM recomputes from there.
 - **between steps** (hybrid models, always: vLLM refuses block-level errors
   with several KV cache groups, and a state written during the forward would
   be copied over first): a background thread fetches, writes every layer and
@@ -16,14 +20,11 @@ Two ways to load, chosen per model by the connector (``load`` setting):
   (vLLM then recomputes it whole), in ``get_transfer_results``. A request
   aborted meanwhile is still reported when its load ends, so that vLLM frees
   its blocks then and never earlier.
-
-Everything fetched is verified against the digest of its record before it is
-decoded, and every header is checked against what the plan expects (address,
-model, namespace, span, tensor shapes) before a byte is written.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -33,11 +34,14 @@ from typing import Any
 
 import torch
 
+from kdn.arena import ArenaFull
+from kdn.kernels.pinned import host_arena
 from kdn.errors import DigestMismatch, KDNError, SourceError
 
 from kdn.adapters.vllm import compat, paged
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob
 from kdn.adapters.vllm.plan import Piece, blocks_of
+from kdn.adapters.vllm.stage import Staging, StagingClosed
 from kdn.adapters.vllm.stats import KDNStats
 
 log = logging.getLogger("kdn.adapters.vllm")
@@ -68,14 +72,23 @@ class StateLayer:
 
 
 @dataclass
+class _Staged:
+    """What one piece left behind once decoded into the staging: where it came from, and its states."""
+
+    source: str
+    encoding: str
+    nbytes: int
+    states: dict[str, torch.Tensor] = field(default_factory=dict)  # the last piece of a hybrid load
+
+
+@dataclass
 class _Running:
-    """One in-forward load: its fetches, then its decoded objects as the layers ask for them."""
+    """One load: its fetches (each ends staged), then its layers written as the forward asks for them."""
 
     job: LoadJob
-    fetches: list[concurrent.futures.Future]
-    fetched: list[Any] | None = None  # kdn.client.Fetched, in plan order, as far as they arrived
-    views: list[Any] = field(default_factory=list)  # kdn.objects.ObjectView of each, header checked
-    ahead: dict[str, concurrent.futures.Future] = field(default_factory=dict)  # layer name -> its decoded K/V
+    staging: Staging | None = None
+    fetches: list[concurrent.futures.Future] = field(default_factory=list)  # -> _Staged, in plan order
+    staged: list[_Staged] | None = None  # the pieces that arrived intact, in plan order (a prefix)
     error: LoadFailed | None = None
     upto: int = -1  # tokens [plan.first, upto) are still being written; a failure lowers it
     started: float = field(default_factory=time.perf_counter)
@@ -87,6 +100,13 @@ class _Running:
     def spans(self) -> list[tuple[int, Piece, int, int]]:
         """``(i, piece, lo, hi)`` of the pieces that still write tokens."""
         return [(i, p, lo, min(hi, self.upto)) for i, (p, lo, hi) in enumerate(self.job.plan.spans()) if lo < self.upto]
+
+
+def _release(run: _Running) -> None:
+    """Hand the load's staging back (deferred while a piece is still being decoded into it: Staging.writing)."""
+    staging, run.staging = run.staging, None
+    if staging is not None:
+        staging.release()
 
 
 class WorkerSide:
@@ -109,9 +129,8 @@ class WorkerSide:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-load")
-        # Decodes layer i+1 while the engine writes (and computes) layer i: codec work and cache writes
-        # both run outside the GIL, so on two cores the load takes about the longer of the two.
-        self._decoder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-decode")
+        # Receive buffers and every load's staging come from one budgeted arena (the client's).
+        self.arena = getattr(client, "arena", None) or host_arena(cfg.arena)
         import kdn.kernels  # noqa: F401  (registers the lossy codecs a quality budget may pick)
 
     def register(self, layers: dict[str, Any]) -> None:
@@ -127,6 +146,8 @@ class WorkerSide:
                         raise compat.ModelMismatch(f"layer {name} is a {type(mod).__name__}: the KDN connector "
                                                    "loads gated-delta-net states only")
                     self.states.append(StateLayer(name, idx, g.id, mod))
+        self._order = sorted(self.attn.values(), key=lambda a: a.index)  # staging order: the forward's
+        self._index = {a.name: j for j, a in enumerate(self._order)}
 
     def _max_decoded(self, n_tokens: int) -> int:
         """The most an object of ``n_tokens`` for this model can decode to (fp32 at worst, aligned)."""
@@ -141,80 +162,114 @@ class WorkerSide:
             if job.background:
                 self._pool.submit(self._load_in_background, job)
             else:
-                self._running.append(_Running(job, [self._fetch(p) for p in job.plan.pieces]))
+                self._running.append(self._begin(job))
 
-    def _fetch(self, p: Piece) -> concurrent.futures.Future:
-        return self.bridge.submit(self._fetch_one(p))
+    def _begin(self, job: LoadJob) -> _Running:
+        """A load with its staging taken from the arena and every fetch started (each stages its piece)."""
+        run = _Running(job)
+        cache = next(iter(self.attn.values())).module.kv_cache if self.attn else None
+        try:
+            run.staging = Staging(self.arena, [(a.kv_heads, a.head_dim) for a in self._order],
+                                  job.plan.first, job.plan.end, cache.dtype if cache is not None else torch.bfloat16)
+        except ArenaFull as e:  # every buffer is in use by other loads: this one recomputes
+            self._fail(run, LoadFailed("arena", None, str(e)))
+            return run
+        run.fetches = [self.bridge.submit(self._fetch_and_stage(run, i, p)) for i, p in enumerate(job.plan.pieces)]
+        return run
 
-    async def _fetch_one(self, p: Piece) -> tuple[Any, int | None]:
-        """The verified object, and what its decode may allocate when a codec says more than the default
-        (a kvtc object: its model's basis is fetched, verified and registered first, once per basis)."""
-        f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size)
-        return f, await self.client.prepare(f, p.end - p.start)
+    async def _fetch_and_stage(self, run: _Running, i: int, p: Piece) -> _Staged:
+        """Piece ``i``: fetched into an arena buffer, verified, checked, decoded into the staging (a worker
+        thread, while other pieces are still on the wire); the buffer goes back at once. A kvtc object's
+        model basis is fetched, verified and registered first (once per basis)."""
+        f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size, pooled=True)
+        try:
+            cap = await self.client.prepare(f, p.end - p.start)
+        except BaseException:
+            f.release()
+            raise
+        # The decode cannot be stopped once started: if this load is cancelled (a timeout), the thread
+        # runs on, and its receive buffer goes back only when it is done reading it.
+        work = asyncio.ensure_future(asyncio.to_thread(self._stage, run, i, p, f, cap))
+        work.add_done_callback(lambda _: f.release())
+        return await asyncio.shield(work)
+
+    def _stage(self, run: _Running, i: int, p: Piece, f: Any, cap: int | None) -> _Staged:
+        """Open and check one verified object, then decode its K/V (and, for the last piece of a hybrid
+        load, its states) into place. Raises ``LoadFailed``; bytes from the network never fail the step."""
+        staging = run.staging
+        if staging is None:
+            raise LoadFailed("decode", p, "the load ended before this piece arrived")
+        try:
+            with staging.writing():
+                return self._stage_into(staging, run, i, p, f, cap)
+        except StagingClosed as e:
+            raise LoadFailed("decode", p, str(e)) from None
+
+    def _stage_into(self, staging: Staging, run: _Running, i: int, p: Piece, f: Any, cap: int | None) -> _Staged:
+        from kdn.objects import ObjectView, to_torch
+
+        try:
+            # Bounded before a byte is decoded: at most what this model's chunk of that length holds.
+            view = ObjectView(f.blob, max_decoded=max(self._max_decoded(p.end - p.start), cap or 0))
+        except KDNError as e:
+            raise LoadFailed("decode", p, str(e)) from None
+        h = view.header
+        bad = next((f"L{a.index}.{x}" for a in self.attn.values() for x in ("k", "v")
+                    if getattr(h.tensors.get(f"L{a.index}.{x}"), "shape", None) != (a.kv_heads, p.end - p.start,
+                                                                                   a.head_dim)), None)
+        if bad is not None:
+            raise LoadFailed("mismatch", p, f"{bad} is missing or not this model's shape")
+        if (h.address, h.model_id, h.namespace, h.start, h.end) != (p.address, self.model_id, self.cfg.namespace,
+                                                                    p.start, p.end):
+            raise LoadFailed("mismatch", p, f"object {h.address[:16]} [{h.start}, {h.end}) of "
+                             f"{h.model_id[:12]}/{h.namespace} is not the one asked for")
+        lo, hi = max(p.start, run.job.plan.first), min(p.end, run.job.plan.end)
+        out = _Staged(f.source.split("/")[-1].split(":")[0], f.encoding, len(f.blob))
+        try:
+            for j, a in enumerate(self._order):
+                staging.put(j, view, (f"L{a.index}.k", f"L{a.index}.v"), lo, hi, p.start)
+            if self.states and i == len(run.job.plan.pieces) - 1:
+                names = [n for st in self.states for n in (f"L{st.index}.conv", f"L{st.index}.ssm")]
+                out.states = {k: t.clone() for k, t in to_torch(view.decode(names)).items()}  # the blob goes back
+        except Exception as e:  # noqa: BLE001 -- a codec or shape error in bytes that came over the network
+            raise LoadFailed("decode", p, f"{type(e).__name__}: {e}") from None
+        return out
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.attn.get(layer_name)
         if layer is None or not self._running:
             return
         for run in self._running:
-            if run.fetched is None:
+            if run.staged is None:
                 self._collect(run)
             # Tokens before a failed piece are still loaded: vLLM keeps the blocks before the first
-            # bad one, so every layer must hold them. Each failure lowers ``upto``: this ends.
-            while run.upto > run.job.plan.first:
-                try:
-                    self._write_layer(run, layer)
-                    break
-                except LoadFailed as e:
-                    self._fail(run, e)
+            # bad one, so every layer must hold them.
+            if run.upto > run.job.plan.first:
+                self._write_layer(run, layer)
 
     def _collect(self, run: _Running) -> None:
-        """Wait for a load's fetches (what is left of its deadline), open and check each object."""
-        from kdn.objects import ObjectView
-
+        """Wait for a load's pieces to be staged (what is left of its deadline), up to the first that fails."""
         deadline = run.started + self.cfg.load_timeout
-        run.fetched = []
+        run.staged = []
         for p, fut in zip(run.job.plan.pieces, run.fetches):
             try:
-                f, cap = fut.result(max(deadline - time.perf_counter(), 0))
+                run.staged.append(fut.result(max(deadline - time.perf_counter(), 0)))
+                continue
             except concurrent.futures.TimeoutError:
-                self._fail(run, LoadFailed("timeout", p, f"{p.address[:16]} not fetched within {self.cfg.load_timeout:g} s"))
-                break
-            except DigestMismatch as e:
-                self._fail(run, LoadFailed("digest", p, str(e)))
-                break
-            except (SourceError, OSError, KDNError) as e:
-                self._fail(run, LoadFailed("missing", p, str(e)))
-                break
-            except Exception as e:  # noqa: BLE001 -- a bad header or basis record (bytes from the network):
+                e = LoadFailed("timeout", p, f"{p.address[:16]} not fetched within {self.cfg.load_timeout:g} s")
+            except LoadFailed as failed:
+                e = failed
+            except DigestMismatch as failed:
+                e = LoadFailed("digest", p, str(failed))
+            except (SourceError, OSError, KDNError) as failed:
+                e = LoadFailed("missing", p, str(failed))
+            except Exception as failed:  # noqa: BLE001 -- a bad header or basis record (bytes from the network):
                 # this request recomputes, the engine's step goes on
-                self._fail(run, LoadFailed("decode", p, f"{type(e).__name__}: {e}"))
-                break
-            try:
-                # Bounded before a byte is decoded: at most what this model's chunk of that length holds.
-                view = ObjectView(f.blob, max_decoded=max(self._max_decoded(p.end - p.start), cap or 0))
-            except KDNError as e:
-                self._fail(run, LoadFailed("decode", p, str(e)))
-                break
-            h = view.header
-            bad = next((f"L{a.index}.{x}" for a in self.attn.values() for x in ("k", "v")
-                        if getattr(h.tensors.get(f"L{a.index}.{x}"), "shape", None) != (a.kv_heads, p.end - p.start,
-                                                                                       a.head_dim)), None)
-            if bad is not None:
-                self._fail(run, LoadFailed("mismatch", p, f"{bad} is missing or not this model's shape"))
-                break
-            if (h.address, h.model_id, h.namespace, h.start, h.end) != (p.address, self.model_id, self.cfg.namespace,
-                                                                        p.start, p.end):
-                self._fail(run, LoadFailed("mismatch", p, f"object {h.address[:16]} [{h.start}, {h.end}) of "
-                                           f"{h.model_id[:12]}/{h.namespace} is not the one asked for"))
-                break
-            run.fetched.append(f)
-            run.views.append(view)
-        for fut in run.fetches[len(run.fetched):]:
+                e = LoadFailed("decode", p, f"{type(failed).__name__}: {failed}")
+            self._fail(run, e)
+            break
+        for fut in run.fetches[len(run.staged):]:
             fut.cancel()
-        if run.views:
-            for layer in sorted(self.attn.values(), key=lambda a: a.index):  # the order the forward asks for them
-                run.ahead[layer.name] = self._decoder.submit(self._decode_layer, run, layer)
 
     def _fail(self, run: _Running, e: LoadFailed) -> None:
         run.error = e
@@ -236,71 +291,35 @@ class WorkerSide:
         return out
 
     def end_step(self) -> None:
-        """After the forward: account for this step's in-forward loads."""
+        """After the forward: account for this step's in-forward loads, and hand their staging back."""
         for run in self._running:
             if run.upto > run.job.plan.first:
                 self._account(run)
+            _release(run)
         self._running = []
 
     def _account(self, run: _Running) -> None:
         seconds = time.perf_counter() - run.started
+        staged = run.staged or []
         with self._lock:
             for st in (self.stats, self.totals):
                 st.data["loads"] += 1
                 st.data["seconds"].append(seconds)
                 for i, _, lo, hi in run.spans():
-                    f = run.fetched[i]
-                    st.loaded(f.source.split("/")[-1].split(":")[0], hi - lo)
-                    st.fetched(f.encoding, len(f.blob))
+                    if i < len(staged):
+                        st.loaded(staged[i].source, hi - lo)
+                        st.fetched(staged[i].encoding, staged[i].nbytes)
             del self.totals.data["seconds"][:-1024]
 
-    # --- decode and write --------------------------------------------------------------------
-
-    @staticmethod
-    def _tensors(run: _Running, i: int, names: list[str]) -> dict[str, torch.Tensor]:
-        from kdn.objects import to_torch
-
-        try:
-            return to_torch(run.views[i].decode(names))
-        except Exception as e:  # noqa: BLE001 -- a codec or shape error in bytes that came over the network
-            raise LoadFailed("decode", run.job.plan.pieces[i], f"{type(e).__name__}: {e}") from None
-
-    def _decode_layer(self, run: _Running, layer: AttnLayer) -> list[tuple[torch.Tensor, torch.Tensor] | LoadFailed]:
-        """Layer ``layer``'s K/V ``[kv_heads, n, head_dim]`` of each piece, in order, up to the first bad one."""
-        names = [f"L{layer.index}.k", f"L{layer.index}.v"]
-        out: list = []
-        for i, p in enumerate(run.job.plan.pieces[:len(run.views)]):
-            try:
-                t = self._tensors(run, i, names)
-                k, v = t[names[0]], t[names[1]]
-                want = (layer.kv_heads, p.end - p.start, layer.head_dim)
-                if tuple(k.shape) != want or tuple(v.shape) != want:
-                    raise LoadFailed("mismatch", p, f"{names[0]} is {tuple(k.shape)}, the engine wants {want}")
-            except LoadFailed as e:
-                out.append(e)
-                break
-            out.append((k, v))
-        return out
+    # --- write -------------------------------------------------------------------------------
 
     def _write_layer(self, run: _Running, layer: AttnLayer) -> None:
-        """Write the load's token range of layer ``layer``, piece by piece, as its decode comes in."""
-        left = max(run.started + self.cfg.load_timeout - time.perf_counter(), 0)
-        try:
-            decoded = run.ahead[layer.name].result(left)
-        except concurrent.futures.TimeoutError:
-            raise LoadFailed("timeout", run.job.plan.pieces[0], f"decoding ran past {self.cfg.load_timeout:g} s") from None
+        """Layer ``layer``'s staged tokens ``[plan.first, upto)``: one backend write (on a GPU, one copy first)."""
+        assert run.staging is not None
         cache = layer.module.kv_cache
-        ks, vs = [], []
-        for i, p, lo, hi in run.spans():
-            got = decoded[i] if i < len(decoded) else LoadFailed("decode", p, "not decoded")
-            if isinstance(got, LoadFailed):
-                raise got
-            ks.append(got[0][:, lo - p.start:hi - p.start])
-            vs.append(got[1][:, lo - p.start:hi - p.start])
-        # One write per layer (a backend write has a fixed cost per call, ~0.1 ms here): the pieces joined
-        # [H, n, D], then handed over as a [n, H, D] view -- the backend's write reads strides.
-        k = torch.cat(ks, dim=1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype)
-        v = torch.cat(vs, dim=1).transpose(0, 1).to(device=cache.device, dtype=cache.dtype)
+        k, v = run.staging.kv(self._index[layer.name], run.upto)  # [n, H, D] views of the staging
+        k = k.to(device=cache.device, dtype=cache.dtype, non_blocking=True)  # CPU: no copy; GPU: one per layer
+        v = v.to(device=cache.device, dtype=cache.dtype, non_blocking=True)
         slot = paged.slots(run.job.block_ids[self.attn_group], run.job.plan.first, run.upto, self.block_size,
                            cache.device)
         paged.write(layer.module, cache, k, v, slot)
@@ -308,8 +327,7 @@ class WorkerSide:
     def _write_states(self, run: _Running) -> None:
         """The conv and recurrent state at the load point, into each state layer's block for it."""
         job = run.job
-        last = len(job.plan.pieces) - 1
-        t = self._tensors(run, last, [n for s in self.states for n in (f"L{s.index}.conv", f"L{s.index}.ssm")])
+        t = (run.staged or [])[-1].states
         for s in self.states:
             block = job.block_ids[s.group][job.plan.end // self.groups[s.group].block_size - 1]
             try:
@@ -320,11 +338,12 @@ class WorkerSide:
     # --- background loads (hybrid) -----------------------------------------------------------
 
     def _load_in_background(self, job: LoadJob) -> None:
-        run = _Running(job, [self._fetch(p) for p in job.plan.pieces])
+        run = self._begin(job)
         try:
-            self._collect(run)
+            if run.error is None:
+                self._collect(run)
             if run.error is None:  # a background load is all or nothing
-                for layer in self.attn.values():
+                for layer in self._order:
                     self._write_layer(run, layer)
                 if self.states:
                     self._write_states(run)
@@ -335,6 +354,7 @@ class WorkerSide:
             self._fail(run, LoadFailed("decode", None, f"{type(e).__name__}: {e}"))
         if run.error is None:
             self._account(run)
+        _release(run)
         with self._lock:
             (self._done if run.error is None else self._failed).add(job.req_id)
 
@@ -359,4 +379,4 @@ class WorkerSide:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
-        self._decoder.shutdown(wait=True, cancel_futures=True)
+

@@ -1,0 +1,88 @@
+"""The vLLM load's staging: each object decoded into its place as it lands, released only when no one writes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kdn.arena import Arena
+from kdn.objects import ObjectView, encode_object, from_torch
+
+from kdn.adapters.vllm.stage import Staging, StagingClosed
+
+H, D = 2, 64
+
+
+def obj(start: int, end: int, encoding: str, dtype=torch.bfloat16, seed: int = 0) -> tuple[ObjectView, dict]:
+    g = torch.Generator().manual_seed(seed)
+    t = {f"L{i}.{x}": torch.randn(H, end - start, D, generator=g).to(dtype) for i in (0, 3) for x in "kv"}
+    blob = encode_object(kind="kv", address="ab" * 32, model_id="cd" * 32, namespace="public", start=start, end=end,
+                         position=start, parent=None, tensors=from_torch(t), encoding=encoding)
+    return ObjectView(bytearray(blob)), t
+
+
+@pytest.mark.parametrize("encoding", ["raw", "zstd"])
+def test_pieces_land_in_place_whole_and_sliced(encoding):
+    """A load of tokens [128, 600) from pieces [0, 256), [256, 512), [512, 700): the first and last sliced."""
+    arena = Arena(64 << 20)
+    st = Staging(arena, [(H, D), (H, D)], 128, 600, torch.bfloat16)
+    want_k, want_v = [[], []], [[], []]
+    for (s, e), seed in zip(((0, 256), (256, 512), (512, 700)), (1, 2, 3)):
+        view, t = obj(s, e, encoding, seed=seed)
+        lo, hi = max(s, 128), min(e, 600)
+        for j, layer in enumerate((0, 3)):
+            st.put(j, view, (f"L{layer}.k", f"L{layer}.v"), lo, hi, s)
+            want_k[j].append(t[f"L{layer}.k"][:, lo - s:hi - s])
+            want_v[j].append(t[f"L{layer}.v"][:, lo - s:hi - s])
+    for j in range(2):
+        k, v = st.kv(j)  # [n, H, D] views
+        assert k.shape == (472, H, D)
+        assert torch.equal(k, torch.cat(want_k[j], dim=1).transpose(0, 1))
+        assert torch.equal(v, torch.cat(want_v[j], dim=1).transpose(0, 1))
+        assert torch.equal(st.kv(j, upto=300)[0], k[:172])
+    st.release()
+    assert arena.in_use == 0
+
+
+def test_a_staging_made_in_inference_mode_takes_a_sliced_piece_from_a_worker_thread():
+    """vLLM starts a load inside its forward (inference mode); pieces are decoded on worker threads. A sliced
+    piece once failed there ("Inplace update to inference tensor outside InferenceMode") and was recomputed."""
+    with torch.inference_mode():
+        st = Staging(Arena(64 << 20), [(H, D)], 768, 896, torch.float32)
+    view, t = obj(768, 1000, "zstd", dtype=torch.float32)
+    errors = []
+
+    def put():
+        try:
+            st.put(0, view, ("L0.k", "L0.v"), 768, 896, 768)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=put)
+    th.start()
+    th.join()
+    assert not errors
+    assert torch.equal(st.kv(0)[0], t["L0.k"][:, :128].transpose(0, 1))
+
+
+def test_another_dtype_is_converted_into_place():
+    st = Staging(Arena(64 << 20), [(H, D)], 0, 256, torch.bfloat16)
+    view, t = obj(0, 256, "raw", dtype=torch.float32)
+    st.put(0, view, ("L0.k", "L0.v"), 0, 256, 0)
+    assert torch.equal(st.kv(0)[1], t["L0.v"].to(torch.bfloat16).transpose(0, 1))
+
+
+def test_a_release_while_a_piece_is_decoding_waits_for_it():
+    """A timed-out load releases its staging while a worker may still write into it: the memory goes back
+    only when that writer is out, so the next load can never receive a late write."""
+    arena = Arena(64 << 20)
+    st = Staging(arena, [(H, D)], 0, 256, torch.bfloat16)
+    with st.writing():
+        st.release()
+        assert arena.in_use > 0  # still ours: a writer is inside
+    assert arena.in_use == 0
+    with pytest.raises(StagingClosed):
+        with st.writing():
+            pass
