@@ -15,11 +15,33 @@ import asyncio
 import ssl as _ssl
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 MAX_HEADER = 16 << 10
-_NO_BODY = memoryview(b"")  # an idle connection's body: nothing may land in it
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where a body lands, when not in one buffer: ``size`` bytes in all; ``region(offset)`` is a writable
+    view for the bytes from ``offset`` on (at least one byte; the reader never writes past ``size``).
+    ``kdn.scatter`` receives an object's tensors straight into an engine's memory this way."""
+
+    @property
+    def size(self) -> int: ...
+
+    def region(self, offset: int) -> memoryview: ...
+
+
+class _Flat:
+    """One buffer as a sink."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.size = len(view)
+
+    def region(self, offset: int) -> memoryview:
+        return self.view[offset:]
 
 
 class Hasher(Protocol):
@@ -39,6 +61,9 @@ class Response:
     length: int
 
 
+_NO_BODY = _Flat(memoryview(b""))  # an idle connection's body: nothing may land in it
+
+
 class _Conn(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -48,7 +73,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.done: asyncio.Future[Response] | None = None
         self._disarm()
 
-    def _arm(self, body: memoryview, hasher: Hasher | None) -> asyncio.Future[Response]:
+    def _arm(self, body: Sink, hasher: Hasher | None) -> asyncio.Future[Response]:
         """Expect one response whose body lands in ``body``; the future resolves with its head."""
         self._reset(body, hasher)
         self.done = asyncio.get_running_loop().create_future()
@@ -59,8 +84,9 @@ class _Conn(asyncio.BufferedProtocol):
         self._reset(_NO_BODY, None)
         self.done = None
 
-    def _reset(self, body: memoryview, hasher: Hasher | None) -> None:
+    def _reset(self, body: Sink, hasher: Hasher | None) -> None:
         self.body = body
+        self._last = memoryview(b"")  # the region get_buffer handed out last: where the next bytes landed
         self.hasher = hasher  # fed each body segment as it lands, while it is still in cache
         self.hn = 0
         self.resp: Response | None = None
@@ -79,7 +105,16 @@ class _Conn(asyncio.BufferedProtocol):
         if self.resp is None:
             return self.hview[self.hn:]
         if self.got < self.resp.length:
-            return self.body[self.got:self.resp.length]
+            try:
+                region = self.body.region(self.got)[:self.resp.length - self.got]
+            except Exception as e:  # noqa: BLE001 -- a sink that refuses the bytes (a head it will not place)
+                self._fail(BodyError(f"body refused: {str(e)[:200]}"))
+                return memoryview(bytearray(max(sizehint, 1)))
+            if not len(region):
+                self._fail(BodyError("the sink has no room for the body"))
+                return memoryview(bytearray(max(sizehint, 1)))
+            self._last = region
+            return region
         return memoryview(bytearray(max(sizehint, 1)))  # bytes past the body: a protocol error
 
     def buffer_updated(self, n: int) -> None:
@@ -91,7 +126,7 @@ class _Conn(asyncio.BufferedProtocol):
                 self._fail(BodyError("body longer than Content-Length"))
                 return
             if self.hasher is not None:
-                self.hasher.update(self.body[self.got:self.got + n])
+                self.hasher.update(self._last[:n])
             self.got += n
         else:
             self.hn += n
@@ -108,17 +143,29 @@ class _Conn(asyncio.BufferedProtocol):
             if self.resp.status != 200:
                 self.done.set_result(self.resp)  # the caller reports the status; the connection is dropped
                 return
-            if self.resp.length > len(self.body):
-                self._fail(BodyError(f"Content-Length {self.resp.length} exceeds the {len(self.body)} bytes expected"))
+            if self.resp.length > self.body.size:
+                self._fail(BodyError(f"Content-Length {self.resp.length} exceeds the {self.body.size} bytes expected"))
                 return
             extra = self.hn - (end + 4)
             if extra > self.resp.length:
                 self._fail(BodyError("body longer than Content-Length"))
                 return
-            self.body[:extra] = self.hview[end + 4:self.hn]
-            if self.hasher is not None and extra:
-                self.hasher.update(self.body[:extra])
-            self.got = extra
+            pos = end + 4  # body bytes that came in with the head: placed region by region
+            while self.got < extra:
+                try:
+                    region = self.body.region(self.got)[:extra - self.got]
+                except Exception as e:  # noqa: BLE001 -- as in get_buffer
+                    self._fail(BodyError(f"body refused: {str(e)[:200]}"))
+                    return
+                k = len(region)
+                if not k:
+                    self._fail(BodyError("the sink has no room for the body"))
+                    return
+                region[:] = self.hview[pos:pos + k]
+                if self.hasher is not None:
+                    self.hasher.update(region)
+                self.got += k
+                pos += k
         if self.resp is not None and self.got >= self.resp.length and not self.done.done():
             self.done.set_result(self.resp)
 
@@ -174,10 +221,11 @@ class BodyGetter:
         self._idle: dict[_Key, list[_Conn]] = defaultdict(list)
         self._per_host = per_host
 
-    async def get(self, url: str, buf: memoryview, headers: dict[str, str], timeout: float | None, *,
+    async def get(self, url: str, buf: memoryview | Sink, headers: dict[str, str], timeout: float | None, *,
                   hasher: Hasher | None = None) -> Response:
-        """GET ``url`` into ``buf``; with ``hasher`` (e.g. ``blake3()``), every body byte is also fed to it as
-        it arrives, so verifying costs no second pass over the buffer."""
+        """GET ``url`` into ``buf`` (one buffer, or a ``Sink`` that places the bytes); with ``hasher`` (e.g.
+        ``blake3()``), every body byte is also fed to it as it arrives, so verifying costs no second pass."""
+        sink: Sink = _Flat(buf) if isinstance(buf, memoryview) else buf
         u = urlsplit(url)
         tls = u.scheme == "https"
         host, port = u.hostname, u.port or (443 if tls else 80)
@@ -197,7 +245,7 @@ class BodyGetter:
                         _, conn = await loop.create_connection(_Conn, host, port, ssl=self._ssl if tls else None,
                                                                server_hostname=host if tls else None,
                                                                local_addr=self._local_addr)
-                    done = conn._arm(buf, hasher)  # a retry follows only a failure before any byte: the hasher is fresh
+                    done = conn._arm(sink, hasher)  # a retry follows only a failure before any byte: the hasher is fresh
                     conn.send(request)
                     resp = await done
                     break

@@ -25,7 +25,7 @@ import os
 import random
 import ssl as _ssl
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,7 +41,8 @@ from kdn.fetch import Buffer, Fetcher, Fresh, Observer, Route, Want
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
     from kdn.arena import Arena
-    from kdn.objects import DecodedObject, ObjectView
+    from kdn.objects import DecodedObject, Layout, ObjectHeader, ObjectView
+    from kdn.scatter import Placer
     from kdn.registry import Membership
     from kdn.ring import Ring
     from kdn.signing import Verifier
@@ -433,6 +434,10 @@ class KDNClient:
 
         return sorted(self.sources, key=cost)
 
+    def expected_seconds(self, size: int) -> float:
+        """The least expected time to fetch ``size`` bytes from any source (the load planner's link)."""
+        return min(self.estimates[s.url].expected(size) for s in self._ranked(size))
+
     def choose_encoding(self, encodings: dict[str, dict[str, Any]], quality: str | float | None = None) -> str | None:
         """The encoding with the least expected fetch + decode time within the quality budget.
 
@@ -550,7 +555,7 @@ class KDNClient:
     async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None,
                            quality: str | float | None = None,
                            into: Callable[[int, ObjectView], None] | None = None,
-                           arena: Arena | None = None) -> PrefixStates:
+                           arena: Arena | None = None, scatter: Placer | None = None) -> PrefixStates:
         """Fetch, verify and decode every object of a lookup; objects stay in chain order.
 
         A pipeline per object: each is decoded (off the event loop) as soon as it
@@ -564,7 +569,13 @@ class KDNClient:
         (``kdn.adapters.hf.CacheBuilder``). The returned ``objects`` then carry
         headers and no tensors. Their receive buffers then come from ``arena`` (or the client's own): each
         goes back once ``into`` has used it, so ``fetched[i].blob`` must not be read after.
+
+        With ``scatter`` (``kdn.scatter.Placer``, e.g. the same ``CacheBuilder``), a chunk fetched ``raw`` that
+        the engine can place is received straight into its memory (``kdn.scatter``: no receive buffer, no
+        copy); its ``fetched[i].blob`` is empty.
         """
+        from kdn.objects import DecodedObject
+
         budget = parse_budget(self.quality if quality is None else quality)
         pool = arena if arena is not None else self.arena
         t0 = time.perf_counter()
@@ -573,15 +584,21 @@ class KDNClient:
         known = dict(zip(hit.addresses, hit.records))  # verified by the lookup: no second record read
 
         async def one(index: int, address: A.Address) -> tuple[Fetched, DecodedObject]:
-            rec = known.get(address)
-            enc = encoding or (self.choose_encoding(rec["encodings"], quality) if rec else None)
-            if rec is not None and enc in rec["encodings"]:
-                e = rec["encodings"][enc]
-                f = await self.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
-                                     cold=address in hit.cold, pooled=into is not None, arena=pool)
-            else:
-                f = await self.fetch(address, encoding=encoding, quality=quality, cold=address in hit.cold,
-                                     pooled=into is not None, arena=pool)
+            rec = known.get(address) or await self.record(address)
+            if rec is None:
+                raise SourceError(f"{address} is not in the registry")
+            enc = encoding or self.choose_encoding(rec["encodings"], quality)
+            if enc is None or enc not in rec["encodings"]:
+                raise SourceError(f"{address} has no encoding {enc!r} within quality {quality or self.quality!r}"
+                                  f" (it has {sorted(rec['encodings'])})")
+            e = rec["encodings"][enc]
+            if scatter is not None and enc == "raw" and scatter.placeable(index):
+                f, layout = await self._fetch_placed(address, e, index, hit, scatter)
+                arrived.append(time.perf_counter())
+                scatter.placed(index, layout)
+                return f, DecodedObject(layout.header, {})
+            f = await self.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
+                                 cold=address in hit.cold, pooled=into is not None, arena=pool)
             arrived.append(time.perf_counter())
             try:
                 cap = await self.prepare(f)  # a kvtc object: its basis first (fetched once)
@@ -594,6 +611,36 @@ class KDNClient:
         t_last = max(arrived, default=t0)
         return PrefixStates(hit, [o for _, o in done], [f for f, _ in done], t_last - t0, time.perf_counter() - t_last)
 
+    async def _fetch_placed(self, address: A.Address, e: dict[str, Any], index: int, hit: Lookup,
+                            scatter: Placer) -> tuple[Fetched, Layout]:
+        """A raw object received straight into the engine's memory (``kdn.scatter``): never hedged, since two
+        bodies would race for the same memory; a failed attempt's bytes are rewritten by the next source's."""
+        from kdn.scatter import Scatter
+
+        def place(layout: Layout) -> Mapping[str, Sequence[memoryview]]:
+            _check_identity(layout.header, hit, address)
+            return scatter.place(index, layout)
+
+        size = int(e["size"])
+        if size > MAX_OBJECT_BYTES:
+            raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
+        routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self._timeout.total)
+                  for s in self._ranked(size, address)]
+        async with self._sem:
+            body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(e["digest"])), routes,
+                                            hedge=False, alloc=lambda n: Scatter(n, place),
+                                            observer=self.fetch_observer)
+        assert isinstance(body.buffer, Scatter) and body.buffer.layout is not None
+        f = Fetched(address, "raw", memoryview(b""), f"{body.route.label}/{body.served_by}", body.seconds)
+        return f, body.buffer.layout
+
+
+def _check_identity(h: ObjectHeader, hit: Lookup, address: str) -> None:
+    """A verified object is the one the lookup asked for: its address, model and namespace."""
+    if h.model_id != hit.model_id or h.namespace != hit.namespace or h.address != address:
+        raise DigestMismatch(f"object {address} claims model {h.model_id[:12]}/{h.namespace}, "
+                             f"expected {hit.model_id[:12]}/{hit.namespace}")
+
 
 def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: int | None = None,
                     index: int = 0, into: Callable[[int, ObjectView], None] | None = None) -> DecodedObject:
@@ -603,9 +650,7 @@ def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: 
 
     view = ObjectView(f.blob, max_decoded=max_decoded)
     h = view.header
-    if h.model_id != hit.model_id or h.namespace != hit.namespace or h.address != f.address:
-        raise DigestMismatch(f"object {f.address} claims model {h.model_id[:12]}/{h.namespace}, "
-                             f"expected {hit.model_id[:12]}/{hit.namespace}")
+    _check_identity(h, hit, f.address)
     if not {t.codec for t in h.tensors.values()} <= set(codec_names()):
         import kdn.kernels  # noqa: F401  (lossy codecs need torch: registered only when used)
     if budget is None and not all(get_codec(t.codec).lossless for t in h.tensors.values()):

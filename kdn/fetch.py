@@ -40,7 +40,7 @@ from urllib.parse import quote
 from blake3 import blake3
 
 from kdn.address import Address, Digest
-from kdn.bodyget import BodyError, BodyGetter
+from kdn.bodyget import BodyError, BodyGetter, Sink
 from kdn.errors import DigestMismatch, SourceError
 from kdn.estimate import Estimates
 
@@ -75,7 +75,8 @@ class Route:
 
 
 class Buffer(Protocol):
-    """Where a body lands: ``view`` is exactly the body's size; ``release`` hands it back."""
+    """Where a body lands: ``view`` is exactly the body's size; ``release`` hands it back. (A buffer that is
+    also a ``kdn.bodyget.Sink``, such as ``kdn.scatter.Scatter``, places the bytes itself.)"""
 
     @property
     def view(self) -> memoryview: ...
@@ -243,7 +244,8 @@ class Fetcher:
                 # No redirects: a source that answers 3xx is a failed source, not a pointer to follow (it would
                 # otherwise lead this node, and its token, to any host it names).
                 headers = {**(self.authorize(url) if self.authorize else {}), **route.headers}
-                r = await self.getter.get(url, buf.view, headers, route.timeout or self.timeout, hasher=hasher)
+                target = buf if isinstance(buf, Sink) else buf.view  # kdn.scatter places its bytes itself
+                r = await self.getter.get(url, target, headers, route.timeout or self.timeout, hasher=hasher)
             except (BodyError, asyncio.TimeoutError, OSError) as e:
                 raise SourceError(f"{type(e).__name__}: {str(e)[:120]}") from None
             if r.status == 404 and route.cached_only:

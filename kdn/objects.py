@@ -221,10 +221,20 @@ def encode_object(
 
 
 @dataclass(frozen=True)
-class _Layout:
+class Layout:
+    """Where an object's tensors lie: its validated header and each tensor's byte range."""
+
     header: ObjectHeader
     data_start: int  # offset of the data section in the blob
     offsets: dict[str, tuple[int, int]]  # name -> [begin, end) within the data section
+
+    def span(self, name: str) -> tuple[int, int]:
+        """Tensor ``name``'s ``[begin, end)`` in the blob (absolute offsets)."""
+        b, e = self.offsets[name]
+        return self.data_start + b, self.data_start + e
+
+
+_Layout = Layout
 
 
 def _check_name(name: object, exc: type[Exception]) -> None:
@@ -357,8 +367,22 @@ def _as_view(blob: Buffer) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def _layout(mv: memoryview, max_bytes: int) -> _Layout:
-    size = len(mv)
+def head_length(first8: Buffer) -> int:
+    """The length of the blob's head (8 + header) from its first 8 bytes; ObjectTooLarge past the limit."""
+    (n,) = struct.unpack_from("<Q", _as_view(first8), 0)
+    if n > MAX_HEADER_BYTES:
+        raise ObjectTooLarge(f"header length {n} exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
+    return 8 + int(n)
+
+
+def read_layout(head: Buffer, size: int, *, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> Layout:
+    """The layout of a blob of ``size`` bytes from its head alone (its first ``head_length`` bytes), fully
+    validated as :func:`read_header` does: what a receiver needs to place the tensors before they arrive."""
+    return _layout(_as_view(head), max_bytes, size=size)
+
+
+def _layout(mv: memoryview, max_bytes: int, size: int | None = None) -> _Layout:
+    size = len(mv) if size is None else size
     if size > max_bytes:
         raise ObjectTooLarge(f"blob of {size} bytes exceeds max_bytes={max_bytes}")
     if size < 8:

@@ -22,7 +22,7 @@ from kdn.adapters.hf.extract import LayerSpec, _forward, layer_layout, new_cache
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.arena import Arena
-    from kdn.objects import ObjectView
+    from kdn.objects import Layout, ObjectHeader, ObjectView
 
 
 def _expect(cond: bool, msg: str) -> None:
@@ -167,13 +167,10 @@ class CacheBuilder:
         self.last: dict[str, torch.Tensor] = {}
         self._added: set[int] = set()
 
-    def add(self, index: int, view: ObjectView) -> None:
-        """Decode chunk ``index``'s object into its place (checked first: names, shapes, token count)."""
-        from kdn.objects import to_torch
-
+    def _check(self, index: int, h: ObjectHeader) -> int:
+        """Chunk ``index``'s header against this prefix and model (names, shapes, span); its token count."""
         _expect(0 <= index < len(self.counts), f"chunk {index} is outside this prefix of {len(self.counts)} chunks")
         _expect(index not in self._added, f"chunk {index} was added twice")
-        h = view.header
         n = self.counts[index]
         _expect(h.end - h.start == n, f"chunk {index} covers {h.end - h.start} tokens, the prefix expects {n}")
         _expect(h.start == self.offsets[index], f"chunk {index} starts at token {h.start}, the prefix expects "
@@ -184,7 +181,6 @@ class CacheBuilder:
         missing, extra = need - names, names - self._kv_names - self._state_names
         _expect(not missing and not extra, f"chunk {index} does not fit this model ({len(self.layout)} layers): "
                                            f"lacks {sorted(missing)[:4]}, has no place for {sorted(extra)[:4]}")
-        off = self.offsets[index]
         for s in self.layout:
             if not s.kv:
                 continue
@@ -192,6 +188,15 @@ class CacheBuilder:
                 info = h.tensors[f"L{s.index}.{x}"]
                 _expect(info.shape == (s.kv[0], n, s.kv[1]),
                         f"chunk {index} L{s.index}.{x} has shape {list(info.shape)}; this model wants [{s.kv[0]}, {n}, {s.kv[1]}]")
+        return n
+
+    def add(self, index: int, view: ObjectView) -> None:
+        """Decode chunk ``index``'s object into its place (checked first: names, shapes, token count)."""
+        from kdn.objects import to_torch
+
+        h = view.header
+        n = self._check(index, h)
+        off = self.offsets[index]
         for s in self.layout:
             if not s.kv:
                 continue
@@ -201,18 +206,65 @@ class CacheBuilder:
                     view.decode_into(name, lanes[:, off:off + n, :])  # [kv_heads, n, head_dim], strided
                 else:  # decode, then convert into place
                     full[0, :, off:off + n, :].copy_(to_torch(view.decode([name]))[name])
-        if last and self._state_names:
+        if index == len(self.counts) - 1 and self._state_names:
             self.last = to_torch(view.decode(sorted(self._state_names)))
             for st in (st for spec in self.layout for st in spec.states):
                 t = self.last[st.name]
                 _expect(tuple(t.shape) == st.shape, f"{st.name} has shape {tuple(t.shape)}; this model wants {list(st.shape)}")
         self._added.add(index)
 
-    def finish(self, *, device: torch.device | str | None = None) -> tuple[Any, int]:
-        """The cache and its token count, once every chunk has been added."""
-        missing = sorted(set(range(len(self.counts))) - self._added)
+    # --- a raw object received straight into its place (kdn.scatter.Placer) ---
+
+    def placeable(self, index: int) -> bool:
+        """Whether chunk ``index`` can be received in place: not one whose states are kept (those are
+        decoded the usual way), and not twice."""
+        return 0 <= index < len(self.counts) and index not in self._added and not (
+            self._state_names and index == len(self.counts) - 1)
+
+    def place(self, index: int, layout: Layout) -> dict[str, list[memoryview]]:
+        """The memory runs chunk ``index``'s K/V bytes go to: per tensor ``[H, n, D]``, one run per head
+        (``[n, D]``, contiguous in the ``[1, H, S, D]`` cache). Raw tensors of the cache's dtype only."""
+        h = layout.header
+        n = self._check(index, h)
+        off = self.offsets[index]
+        runs: dict[str, list[memoryview]] = {}
+        for s in self.layout:
+            if not s.kv:
+                continue
+            for x, full, lanes in zip(("k", "v"), self.kv[s.index], self._lanes[s.index]):
+                name = f"L{s.index}.{x}"
+                info = h.tensors[name]
+                _expect(info.codec == "raw" and _torch_dtype(info.dtype) == full.dtype,
+                        f"chunk {index} {name} is {info.codec} {info.dtype}: only raw tensors of the cache's dtype "
+                        "are received in place")
+                runs[name] = [memoryview(lanes[hh, off:off + n, :]) for hh in range(s.kv[0])]
+        return runs
+
+    def placed(self, index: int, layout: Layout) -> None:
+        """Chunk ``index`` arrived whole, verified, in the runs ``place`` named: it counts as added."""
+        _expect(index not in self._added, f"chunk {index} was added twice")
+        self._added.add(index)
+
+    def added_prefix(self) -> int:
+        """How many leading chunks have been added (a load cut short uses these)."""
+        k = 0
+        while k in self._added:
+            k += 1
+        return k
+
+    def finish(self, *, device: torch.device | str | None = None, upto: int | None = None) -> tuple[Any, int]:
+        """The cache and its token count, once every chunk has been added; with ``upto``, of the first
+        ``upto`` chunks only (a load cut short at its deadline: attention K/V only, since a hybrid model's
+        states are those of the last chunk)."""
+        k = len(self.counts) if upto is None else upto
+        missing = sorted(set(range(k)) - self._added)
         _expect(not missing, f"chunks {missing[:8]} of the prefix were never added")
-        return _assemble(self.model, self.layout, self.kv, self.last, device, None), self.tokens
+        if k == len(self.counts):
+            return _assemble(self.model, self.layout, self.kv, self.last, device, None), self.tokens
+        _expect(not self._state_names, "a hybrid model's cache cannot stop before the chunk whose states it holds")
+        t = self.offsets[k]
+        kv = {i: (a[:, :, :t, :], b[:, :, :t, :]) for i, (a, b) in self.kv.items()}  # [1, H, t, D] views
+        return _assemble(self.model, self.layout, kv, {}, device, None), t
 
 
 def _kv_tensors(layout: list[LayerSpec], tokens: int, arena: Arena | None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,353 @@
+"""The delivery path on this CPU: bytes/s from an edge's memory tier into an engine's cache, against the bound.
+
+    python -P bench/datapath.py [--model smollm2-135m] [--lengths 2048,8192] [--repeat 5]
+
+An origin (embedded ``file:`` registry) and one edge (memory tier) as processes on 127.0.0.1; the context
+is published as ``raw`` and ``zstd`` and read once through the edge (it fills its memory tier). Then, for
+each encoding, in rotating order per repeat, the same objects (the context's prefix chain) go:
+
+- ``recv_into`` (the **bound**: the link): a plain blocking-socket HTTP/1.1 client GETs every object from
+  the edge into one buffer allocated once, no parsing beyond the head, no verification: what the loopback
+  and the edge can deliver (best of 1 and 2 connections);
+- ``memcpy``: numpy ``copyto`` of the same bytes into a buffer allocated once (the host's copy speed);
+- ``blake3``: hashing the same bytes, one thread (what verification costs per byte);
+- ``kdn -> transformers``: ``KDNClient.fetch_prefix(hit, into=CacheBuilder.add)`` with a host arena, then
+  ``finish()``: fetched, verified, each object decoded straight into its slice of the per-layer cache;
+- ``kdn -> vLLM paged``: the connector's path without the engine: each object fetched into the arena,
+  verified, checked, decoded into the load's staging (``adapters/vllm/stage.py``), then per layer one
+  write into a CPU paged cache (``[blocks, kv_heads, 128, 2 * head_dim]``) through vLLM's own reshape
+  kernel (``cpu_attn_reshape_and_cache``, ISA ``vec``), as ``wait_for_layer_load`` does.
+
+Figures: GB/s of KV bytes landed in the cache (the decoded size; for raw it equals the wire bytes) and the
+wire bytes/s, each path's time, and the KDN paths' ratio to the bound. The lookup is not in these times
+(``bench/ttft.py`` and ``bench/vllm_ttft.py`` time whole requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import results as R  # noqa: E402
+import ttft as T  # noqa: E402  (server processes, publish, model helpers)
+
+MiB = 1 << 20
+PATHS = ("recv_into", "memcpy", "blake3", "kdn-hf", "kdn-vllm")
+
+
+# --- the bound: a raw client -----------------------------------------------------------------
+
+
+def _recv_all(host: str, port: int, paths: list[str], buf: memoryview) -> int:
+    """GET each path on one keep-alive connection; each body lands at the start of ``buf``. Bytes read."""
+    total = 0
+    with socket.create_connection((host, port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = bytearray(16 << 10)
+        hv = memoryview(head)
+        for p in paths:
+            s.sendall(f"GET {p} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            n = 0
+            while True:
+                r = s.recv_into(hv[n:])
+                if not r:
+                    raise OSError("closed")
+                n += r
+                end = head.find(b"\r\n\r\n", 0, n)
+                if end >= 0:
+                    break
+            text = bytes(head[:end]).decode("latin-1").lower()
+            length = int(text.split("content-length:", 1)[1].split("\r\n", 1)[0])
+            extra = n - (end + 4)
+            buf[:extra] = hv[end + 4:n]
+            got = extra
+            while got < length:
+                r = s.recv_into(buf[got:length])
+                if not r:
+                    raise OSError("closed")
+                got += r
+            total += length
+    return total
+
+
+def recv_bound(url: str, paths: list[str], size: int, conns: int) -> float:
+    host, port = url.split("//", 1)[1].split(":")
+    bufs = [memoryview(bytearray(size)) for _ in range(conns)]
+    for b in bufs:  # touched once: the bound does not pay first-touch page faults either
+        b[::4096] = b"\1" * len(b[::4096])
+    parts = [paths[i::conns] for i in range(conns)]
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=_recv_all, args=(host, int(port), parts[i], bufs[i])) for i in range(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+# --- the KDN paths -----------------------------------------------------------------------------
+
+
+class VllmPaged:
+    """A CPU paged cache of the model's shape and the connector's write path into it (no engine)."""
+
+    def __init__(self, layout, tokens: int, arena, encoding: str) -> None:
+        import torch
+        import vllm._custom_ops as ops  # noqa: F401  (the real reshape kernel)
+
+        self.layout = layout
+        self.encoding = encoding
+        self.bs = 128
+        nb = tokens // self.bs + 2
+        h, d = self.layout[0].kv
+        self.caches = [torch.zeros(nb, h, self.bs, 2 * d, dtype=self.layout[0].kv_dtype) for _ in self.layout]
+        self.block_ids = list(range(1, nb))
+        self.arena = arena
+
+    def write(self, cache, k, v, slot) -> None:
+        import vllm._custom_ops as ops
+
+        nb, h, bs, _ = cache.shape
+        kc, vc = cache.view(nb, h, bs * 2, -1).chunk(2, dim=2)  # as CPUAttentionBackendImpl.do_kv_cache_update
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slot, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    async def load(self, client, hit) -> None:
+        from kdn.adapters.vllm import paged
+        from kdn.adapters.vllm.stage import Staging
+        from kdn.objects import ObjectView
+
+        counts = hit.token_counts()
+        end = sum(counts)
+        staging = Staging(self.arena, [s.kv for s in self.layout], 0, end, self.layout[0].kv_dtype)
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+
+        def stage(f, start: int, n: int) -> None:
+            view = ObjectView(f.blob)
+            for j, s in enumerate(self.layout):
+                staging.put(j, view, (f"L{s.index}.k", f"L{s.index}.v"), start, start + n, start)
+
+        async def one(i: int, rec: dict) -> None:
+            e = rec["encodings"][self.encoding]
+            f = await client.fetch(hit.addresses[i], encoding=self.encoding, digest=e["digest"], size=int(e["size"]),
+                                   pooled=True)
+            try:
+                await asyncio.to_thread(stage, f, starts[i], counts[i])
+            finally:
+                f.release()
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(hit.records)))
+        slot = paged.slots(self.block_ids, 0, end, self.bs)
+        for j in range(len(self.layout)):
+            k, v = staging.kv(j)
+            self.write(self.caches[j], k, v, slot)
+        staging.release()
+
+
+async def kdn_hf(lm, client, hit, encoding: str) -> None:
+    from kdn.adapters.hf import CacheBuilder
+
+    builder = CacheBuilder(lm.model, hit.token_counts(), arena=client.arena)
+    await client.fetch_prefix(hit, encoding=encoding, into=builder.add, scatter=builder)
+    builder.finish()
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+async def run(args) -> dict:
+    import aiohttp
+    import numpy as np
+    from blake3 import blake3
+
+    from kdn.adapters.hf import load_model
+    from kdn.client import KDNClient
+    from kdn.kernels.pinned import host_arena
+
+    spec = T.model_spec(args.model)
+    tmp = Path(tempfile.mkdtemp(prefix="kdn-datapath-"))
+    procs = []
+    out: dict = {"rows": []}
+    try:
+        (tmp / "tokens").write_text(T.PUBLISH_TOKEN + " admin *\n")
+        registry = f"file:{tmp / 'registry.sqlite3'}"
+        origin = T.start("origin", "origin", dict(model=spec, registry=registry, store=str(tmp / "store"),
+                                                  host="127.0.0.1", port=T.free_port(), token_file=str(tmp / "tokens"),
+                                                  node_id="origin-1", fsync=False), tmp)
+        procs.append(origin)
+        edge = T.start("edge", "edge", dict(region="eu", registry=registry, origin=origin.url, mem_budget=4 << 30,
+                                            host="127.0.0.1", port=T.free_port(), node_id="edge-1", prefetch=0,
+                                            lease_ttl=10.0, fsync=False), tmp)
+        procs.append(edge)
+        lm = load_model(spec)
+        lm.model.eval()
+        arena = host_arena(2 << 30)
+        from kdn.adapters.hf.extract import layer_layout
+
+        layout = [sp for sp in layer_layout(lm.model) if sp.kv]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+            await T.wait_healthy(s, origin, 600)
+            await T.wait_healthy(s, edge, 120, ready=lambda b: "edge-1" in (b.get("ring") or []))
+            doc, _ = T.token_stream(args.model, lm, max(args.lengths), 16)
+            from kdn.adapters.hf.generate import model_id as engine_model_id
+
+            mid = engine_model_id(lm.model, lm.tokenizer)
+            for L in args.lengths:
+                man = await publish(s, origin.url, f"datapath-{L}", doc[:L])
+                if man["model_id"] != mid:
+                    raise RuntimeError("the origin's model id is not the bench's")
+                for encoding in args.encodings:
+                    async with KDNClient(edges=[edge.url], hedge=False, arena=arena) as client:
+                        hit = await client.lookup(doc[:L], mid)
+                        assert hit.tokens == L, (hit.tokens, L)
+                        recs = [await client.record(a) for a in hit.addresses]
+                        hit.records = recs
+                        sizes = [int(r["encodings"][encoding]["size"]) for r in recs]
+                        wire = sum(sizes)
+                        for a, r in zip(hit.addresses, recs):  # fill the edge's memory tier
+                            e = r["encodings"][encoding]
+                            (await client.fetch(a, encoding=encoding, digest=e["digest"], size=int(e["size"]))).release()
+                        blobs = [bytes((await client.fetch(a, encoding=encoding)).blob) for a in hit.addresses]
+                        kv_bytes = L * sum(2 * sp.kv[0] * sp.kv[1] * 2 for sp in layout)
+                        joined = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+                        dst = np.empty_like(joined)
+                        dst[:] = 1
+                        paths = [f"/v1/objects/{a}?encoding={encoding}" for a in hit.addresses]
+                        paged = VllmPaged(layout, L, arena, encoding)
+                        runs = {"kdn-hf": lambda: kdn_hf(lm, client, hit, encoding),
+                                "kdn-vllm": lambda: paged.load(client, hit)}
+                        syncs = {"memcpy": lambda: np.copyto(dst, joined),
+                                 "blake3": lambda: blake3(memoryview(joined)).digest()}
+
+                        chosen = tuple(p for p in PATHS if p in args.paths)
+                        times: dict[str, list[float]] = {p: [] for p in chosen}
+                        for warm in (True, False):
+                            for r in range(1 if warm else args.repeat):
+                                order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
+                                for p in order:
+                                    t0 = time.perf_counter()
+                                    if p == "recv_into":  # the best of 1 and 2 connections
+                                        dt = min([await asyncio.to_thread(recv_bound, edge.url, paths, max(sizes), c)
+                                                  for c in (1, 2)])
+                                    else:
+                                        if p in runs:
+                                            await runs[p]()
+                                        else:
+                                            syncs[p]()
+                                        dt = time.perf_counter() - t0
+                                    if not warm:
+                                        times[p].append(dt)
+                        row = {"model": args.model, "tokens": L, "encoding": encoding, "objects": len(sizes),
+                               "wire_bytes": wire, "kv_bytes": kv_bytes,
+                               "times": {p: ts for p, ts in times.items()}}
+                        out["rows"].append(row)
+                        med = {p: statistics.median(ts) for p, ts in times.items()}
+                        print(f"[{args.model} L={L} {encoding}] " + ", ".join(
+                            f"{p} {med[p] * 1e3:.1f} ms" for p in chosen), flush=True)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+async def publish(session, origin: str, name: str, tokens: list[int]) -> dict:
+    headers = {"Authorization": f"Bearer {T.PUBLISH_TOKEN}"}
+    async with session.post(f"{origin}/v1/publish", json={"name": name, "tokens": tokens,
+                                                          "encodings": ["zstd", "raw"]}, headers=headers) as r:
+        body = await r.json()
+        if r.status != 202:
+            raise RuntimeError(f"publish {name}: HTTP {r.status} {body}")
+    while True:
+        async with session.get(f"{origin}{body['url']}", headers=headers) as r:
+            job = await r.json()
+        if job["state"] == "done":
+            return job["manifest"]
+        if job["state"] == "failed":
+            raise RuntimeError(f"publish {name} failed: {job.get('error')}")
+        await asyncio.sleep(0.1)
+
+
+def _gbps(nbytes: int, ts: list[float]) -> tuple[float, float]:
+    """(median GB/s, worst GB/s) of ``nbytes`` moved in each of ``ts``."""
+    return nbytes / statistics.median(ts) / 1e9, nbytes / max(ts) / 1e9
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model | context | encoding | wire MB | bound: recv_into GB/s | memcpy GB/s | BLAKE3 GB/s | "
+           "KDN -> transformers cache: ms, GB/s (worst) | vs bound | KDN -> vLLM paged: ms, GB/s (worst) | vs bound |",
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        t, wire, kv = r["times"], r["wire_bytes"], r["kv_bytes"]
+        bound = _gbps(wire, t["recv_into"])[0]
+        cells = []
+        for p in ("kdn-hf", "kdn-vllm"):
+            med, worst = _gbps(kv, t[p])
+            wmed = _gbps(wire, t[p])[0]
+            cells += [f"{statistics.median(t[p]) * 1e3:.0f}, {med:.2f} ({worst:.2f})",
+                      f"{wmed / bound:.2f}x" + ("" if r["encoding"] == "raw" else f" (wire {wmed:.2f} GB/s)")]
+        out.append(f"| {r['model']} | {r['tokens']:,} | {r['encoding']} | {wire / 1e6:.0f} | {bound:.2f} | "
+                   f"{_gbps(wire, t['memcpy'])[0]:.1f} | {_gbps(wire, t['blake3'])[0]:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def headline(res: R.Results, rows: list[dict]) -> None:
+    raw = [r for r in rows if r["encoding"] == "raw"]
+    if not raw:
+        return
+    ratios = []
+    for r in raw:
+        bound = _gbps(r["wire_bytes"], r["times"]["recv_into"])[0]
+        for p in ("kdn-hf", "kdn-vllm"):
+            ratios.append((_gbps(r["wire_bytes"], r["times"][p])[0] / bound, p, r["tokens"]))
+    lo, hi = min(ratios), max(ratios)
+    res.set_headline(
+        "delivery path on this CPU: raw KV from an edge's memory tier into an engine's cache (`bench/datapath.py`)",
+        f"**{lo[0]:.2f}x-{hi[0]:.2f}x** the bound (the goal: >= 0.7x), into the transformers cache and vLLM's "
+        "paged layout at 2k and 8k tokens",
+        "the bound: a raw `recv_into` client reading the same bytes from the same edge into a reused buffer, same run "
+        "(memcpy and BLAKE3 of the bytes beside it)",
+        [{"shown": f"{lo[0]:.2f}x-", "table": "main", "cell": f"{lo[0]:.2f}x"},
+         {"shown": f"-{hi[0]:.2f}x", "table": "main", "cell": f"{hi[0]:.2f}x"}])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--encodings", default="raw,zstd")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma list of " + ", ".join(PATHS)
+                    + " (the table needs all; a subset is for profiling)")
+    ap.add_argument("--json", default=str(ROOT / "bench" / "work" / "datapath.json"))
+    R.add_arg(ap)
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.encodings = [e for e in args.encodings.split(",") if e]
+    args.paths = [p for p in args.paths.split(",") if p]
+    res = R.Results("datapath", args)
+    out = asyncio.run(run(args))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    if set(args.paths) >= set(PATHS):
+        res.table("main", table(out["rows"]))
+        headline(res, out["rows"])
+    res.extra["raw"] = out
+    res.write()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
