@@ -22,7 +22,7 @@ import asyncio
 import functools
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,11 +30,13 @@ import torch
 from kdn.arena import Arena
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
+from kdn.planner import plan as make_plan
 from kdn.template import chat_frame, encode_text
 
 from kdn.adapters.hf.cache import CacheBuilder, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
+from kdn.adapters.hf.plan import chunks_of, speeds_of
 from kdn.adapters.hf.steer import resolve, steering
 
 _IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -52,12 +54,14 @@ class Report:
     ttft_ms: float = 0.0  # from the call to the first generated token
     new_tokens: int = 0
     sources: dict[str, int] = field(default_factory=dict)
+    plan: str = ""  # what the load planner chose and why ("" when it did not run)
 
     def line(self) -> str:
         src = ", ".join(f"{k} x{v}" for k, v in sorted(self.sources.items())) or "none"
         return (f"reused {self.tokens_reused}/{self.tokens_total} tokens ({self.chunks_reused} chunks from {src}); "
                 f"lookup {self.lookup_ms:.1f} ms, fetch {self.fetch_ms:.1f} ms, decode {self.decode_ms:.1f} ms, "
-                f"prefill {self.prefill_ms:.1f} ms; first token after {self.ttft_ms:.1f} ms")
+                f"prefill {self.prefill_ms:.1f} ms; first token after {self.ttft_ms:.1f} ms"
+                + (f"; plan: {self.plan}" if self.plan else ""))
 
 
 @dataclass
@@ -116,11 +120,17 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
                     do_sample: bool = False, temperature: float = 1.0, eos_token_id: int | None = None,
                     use_cache: bool = True, emphasis: EmphasisMap | dict | None = None, steer: bool | None = None,
                     steer_alpha: float | None = None,
-                    steer_heads: list[tuple[int, int]] | None = None, arena: Arena | None = None) -> Generation:
+                    steer_heads: list[tuple[int, int]] | None = None, arena: Arena | None = None,
+                    plan: bool = True, load_deadline: float = 30.0) -> Generation:
     """Generate from ``prompt`` reusing the longest prefix the KDN holds (``use_cache=False``: plain prefill).
 
     ``arena``: where fetched bodies and the loaded cache's memory come from (default: the client's, else
     ``default_arena()``, one per process).
+
+    ``plan`` (default on): load only what is faster to load than to compute (``kdn.planner``, on this
+    process's measured prefill and load speeds; ``Report.plan`` says what it chose and why); a load that
+    runs past its deadline (at most ``load_deadline`` seconds) uses what arrived and computes the rest.
+    ``plan=False`` loads whatever the lookup found.
 
     ``emphasis``: the manifest's emphasis map (``manifest["emphasis"]``); with ``steer=True``, or with
     ``steer=None`` and a map that says ``default_on``, the question and the generated tokens attend to
@@ -139,8 +149,9 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
     report = Report(tokens_total=len(ids))
     st = _steer_plan(model, emphasis, steer, steer_alpha, steer_heads, len(ids))
 
-    builder = None
+    builder, upto = None, None
     loop = asyncio.get_running_loop()
+    speeds = speeds_of(model)
     if use_cache:
         t0 = time.perf_counter()
         hit = await client.lookup(ids, real_id, namespace, chunk_tokens=chunk_tokens)
@@ -151,22 +162,53 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
             layout = await loop.run_in_executor(None, layer_layout, model)
             if kind_of(layout) != "kv":
                 hit = hit.head(hit.chunks - 1)
+        decision, chunks = None, []
+        if hit.tokens:
+            chunks = await loop.run_in_executor(None, chunks_of, hit, client, model)
+        if hit.tokens and plan:
+            # Load only what is faster to load than to compute (kdn.planner, on this engine's measured speeds).
+            decision = make_plan(chunks, len(ids), link=client.expected_seconds, speeds=speeds,
+                                 max_deadline_s=load_deadline)
+            if hit.cold and decision.loads_anything:  # the entry edge fills these first: its upstream's time
+                decision = replace(decision, deadline_s=load_deadline)  # is not the client's to estimate
+            report.plan = decision.reason
+            if decision.load < hit.chunks:
+                hit = hit.head(decision.load)
         if hit.tokens:
             # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder); the
             # receive buffers and the cache's memory come from a reused arena (no first-touch page faults).
             pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
             builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(),
                                                                          arena=pool))
-            states = await client.fetch_prefix(hit, into=builder.add, arena=pool)
-            report.fetch_ms, report.sources = states.fetch_s * 1e3, states.sources
-            report.decode_ms = states.decode_s * 1e3  # decoding runs as objects arrive: what came after
-            for obj in states.objects:
-                if obj.header.model_id != real_id:
-                    raise ModelMismatch(f"object {obj.header.address[:16]}... was produced by model "
-                                        f"{obj.header.model_id[:16]}..., not this one ({real_id[:16]}...)")
+            t0 = time.perf_counter()
+            fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder))
+            try:
+                states = await asyncio.wait_for(asyncio.shield(fetch), decision.deadline_s if decision else None)
+            except TimeoutError:
+                # Past its deadline the load becomes a recompute: what arrived is used, the rest computed.
+                fetch.cancel()
+                await asyncio.gather(fetch, return_exceptions=True)
+                assert decision is not None  # (no deadline without a plan)
+                layout = await loop.run_in_executor(None, layer_layout, model)
+                upto = builder.added_prefix() if kind_of(layout) == "kv" else 0
+                report.plan += (f"; the load ran past its {decision.deadline_s * 1e3:.0f} ms deadline: "
+                                f"{upto} of {hit.chunks} chunks used, the rest computed")
+                if not upto:
+                    builder = None
+            else:
+                report.fetch_ms, report.sources = states.fetch_s * 1e3, states.sources
+                report.decode_ms = states.decode_s * 1e3  # decoding runs as objects arrive: what came after
+                for obj in states.objects:
+                    if obj.header.model_id != real_id:
+                        raise ModelMismatch(f"object {obj.header.address[:16]}... was produced by model "
+                                            f"{obj.header.model_id[:16]}..., not this one ({real_id[:16]}...)")
+                if not hit.cold:  # a load the edge had to fill measures the edge's upstream, not this loader
+                    speeds.observe_load(sum(c.nbytes for c in chunks[:hit.chunks]), time.perf_counter() - t0)
 
     gen = await loop.run_in_executor(None, _run, model, tokenizer, ids, builder, report, max_new_tokens, do_sample,
-                                     temperature, eos_token_id, t_start, st)
+                                     temperature, eos_token_id, t_start, st, upto)
+    # This engine's prefill speed, for the next plan: the tokens it computed, after those it loaded.
+    speeds.observe_prefill(report.tokens_total - report.tokens_reused, report.tokens_reused, report.prefill_ms / 1e3)
     return gen
 
 
@@ -176,24 +218,24 @@ def _steer_plan(model, emphasis, steer, alpha, heads, n_ids):
 
 
 def _run(model, tokenizer, ids, builder, report, max_new_tokens, do_sample, temperature, eos_token_id, t_start,
-         st=None):
+         st=None, upto=None):
     with steering(model, st):
         return _run_steered(model, tokenizer, ids, builder, report, max_new_tokens, do_sample, temperature,
-                            eos_token_id, t_start)
+                            eos_token_id, t_start, upto)
 
 
 def _run_steered(model, tokenizer, ids, builder: CacheBuilder | None, report, max_new_tokens, do_sample, temperature,
-                 eos_token_id, t_start):
+                 eos_token_id, t_start, upto=None):
     with torch.inference_mode():
         t0 = time.perf_counter()
         n = 0
         cache = None
         if builder is not None:
-            cache, n = builder.finish()
+            cache, n = builder.finish(upto=upto)
             if n >= len(ids):  # attention KV only (agenerate dropped a hybrid's last chunk before fetching)
                 cache.crop(len(ids) - 1)
                 n = len(ids) - 1
-            report.chunks_reused = len(builder.counts)
+            report.chunks_reused = len(builder.counts) if upto is None else upto
         report.tokens_reused = n
         report.decode_ms += (time.perf_counter() - t0) * 1e3
         if cache is None:

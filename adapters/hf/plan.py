@@ -1,0 +1,61 @@
+"""The load planner for transformers models: this engine's measured speeds, and a request's chunks.
+
+``kdn.planner`` decides; this module gives it what it needs from a loaded
+model and a ``KDNClient``: a ``Speeds`` per model (its prefill model built from
+the config -- parameters, layers, attention width -- and scaled by this
+process's own timed forwards), the chunks of a lookup with their wire sizes
+(from the signed records when the lookup carries them, else the model's raw
+K/V bytes per token: an overestimate of a compressed object, so the planner
+errs towards computing, never towards a load it cannot afford), and the link
+(the client's least expected time for the bytes).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from kdn.planner import Chunk, PrefillModel, Speeds
+
+_SPEEDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def speeds_of(model: Any) -> Speeds:
+    """This process's measured speeds of ``model`` (made at first use; refined by every load and prefill)."""
+    sp = _SPEEDS.get(model)
+    if sp is None:
+        cfg = model.config
+        text = getattr(cfg, "get_text_config", lambda: cfg)()
+        heads = int(getattr(text, "num_attention_heads", 1) or 1)
+        head_dim = int(getattr(text, "head_dim", None) or (getattr(text, "hidden_size", 64) // heads))
+        layers = int(getattr(text, "num_hidden_layers", 1) or 1)
+        params = sum(p.numel() for p in model.parameters())
+        sp = _SPEEDS[model] = Speeds(PrefillModel(params=params, layers=layers, attn_width=heads * head_dim))
+    return sp
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of raw K/V one token holds in this model (every attention layer, K and V, its cache dtype)."""
+    from kdn.adapters.hf.extract import layer_layout
+
+    import torch
+
+    return sum(2 * s.kv[0] * s.kv[1] * torch.empty(0, dtype=s.kv_dtype).element_size()
+               for s in layer_layout(model) if s.kv and s.kv_dtype is not None)
+
+
+def chunks_of(hit: Any, client: Any, model: Any, encoding: str | None = None) -> list[Chunk]:
+    """The lookup's objects as the planner sees them: tokens, and bytes on the wire in the encoding the
+    client would fetch."""
+    counts = hit.token_counts()
+    per_token = kv_bytes_per_token(model)
+    out = []
+    for i, n in enumerate(counts):
+        rec = hit.records[i] if i < len(hit.records) else None
+        size = n * per_token
+        if rec is not None:
+            enc = encoding or client.choose_encoding(rec["encodings"])
+            if enc in rec["encodings"]:
+                size = int(rec["encodings"][enc]["size"])
+        out.append(Chunk(n, size))
+    return out

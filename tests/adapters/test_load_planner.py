@@ -1,0 +1,146 @@
+"""The load planner inside agenerate: it loads what is faster to load, computes the rest, and a load that
+stalls becomes a recompute within its deadline -- with the same logits as computing (tiny-llama, fp32).
+
+The source is a stand-in edge on loopback (aiohttp): lookup, records and objects from memory, and objects
+from chunk ``stall_from`` on that never arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from blake3 import blake3
+
+from kdn import address as A
+from kdn.adapters.hf import agenerate, continue_from_cache, extract_chunks, load_model, prefill
+from kdn.adapters.hf.generate import model_id
+from kdn.adapters.hf.plan import speeds_of
+from kdn.client import KDNClient
+from kdn.objects import encode_object, from_torch
+
+CHUNK = 256
+N_CHUNKS = 4
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("tiny-llama", dtype="float32")
+
+
+def published(lm):
+    ids = [int(x) for x in torch.randint(3, 200, (N_CHUNKS * CHUNK,), generator=torch.Generator().manual_seed(9))]
+    mid = model_id(lm.model, lm.tokenizer)
+    addrs = A.prefix_addresses(mid, "public", ids, CHUNK)
+    with torch.inference_mode():
+        chunks = list(extract_chunks(lm.model, ids, chunk_tokens=CHUNK))
+    blobs, records = {}, {}
+    for c, a in zip(chunks, addrs):
+        blob = encode_object(kind=c.kind, address=a, model_id=mid, namespace="public", start=c.start, end=c.end,
+                             position=c.start, parent=addrs[c.index - 1] if c.index else None,
+                             tensors=from_torch(c.tensors), encoding="raw")
+        blobs[a] = blob
+        records[a] = {"address": a, "model_id": mid, "namespace": "public", "kind": c.kind, "start": c.start,
+                      "end": c.end, "parent": None, "standalone": False, "origin": "test", "tails": {},
+                      "encodings": {"raw": {"name": "raw", "size": len(blob), "digest": blake3(blob).hexdigest()}}}
+    return ids, mid, addrs, blobs, records
+
+
+async def edge(addrs, blobs, records, stall_from: int | None = None) -> TestServer:
+    release = asyncio.Event()
+
+    async def lookup(request):
+        asked = (await request.json())["addresses"]
+        n = next((i for i, a in enumerate(asked) if a not in blobs), len(asked))
+        return web.json_response({"length": n, "sources": ["memory"] * n})
+
+    async def record(request):
+        rec = records.get(request.match_info["address"])
+        return web.json_response(rec) if rec else web.json_response({"error": "not_found"}, status=404)
+
+    async def obj(request):
+        a = request.match_info["address"]
+        if stall_from is not None and addrs.index(a) >= stall_from:
+            await release.wait()  # a stalled source: never answers (until the test ends)
+        return web.Response(body=blobs[a], headers={"X-KDN-Encoding": "raw", "X-KDN-Source": "memory"})
+
+    app = web.Application()
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_get("/v1/registry/objects/{address}", record)
+    app.router.add_get("/v1/objects/{address}", obj)
+    server = TestServer(app, host="127.0.0.1")
+    server.release = release
+    await server.start_server()
+    return server
+
+
+def reference(lm, ids, suffix, loaded_chunks):
+    """Logits of computing the prompt the way the loader does: chunks 0..k as chunked prefill, the rest at once."""
+    with torch.inference_mode():
+        n = loaded_chunks * CHUNK
+        cache = prefill(lm.model, ids[:n], chunk_tokens=CHUNK) if n else None
+        if cache is None:
+            from kdn.adapters.hf.extract import new_cache
+
+            cache = new_cache(lm.model)
+        return continue_from_cache(lm.model, cache, n, ids[n:] + suffix)[-1]
+
+
+def calibrate(lm, seconds_for_1024: float) -> None:
+    """Tell the planner this engine prefills 1024 tokens in ``seconds_for_1024`` (as a timed forward would)."""
+    sp = speeds_of(lm.model)
+    sp.prefill.k = None
+    sp.prefill.observe(1024, 0, seconds_for_1024)
+
+
+async def test_a_fast_source_is_loaded_and_the_plan_says_so(lm):
+    ids, mid, addrs, blobs, records = published(lm)
+    server = await edge(addrs, blobs, records)
+    try:
+        calibrate(lm, 5.0)  # computing is slow: loading wins
+        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")]) as c:
+            gen = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
+    finally:
+        await server.close()
+    assert gen.report.tokens_reused == N_CHUNKS * CHUNK and gen.report.plan.startswith(f"load {N_CHUNKS} of {N_CHUNKS}")
+    assert torch.equal(gen.first_logits, reference(lm, ids, [5, 6, 7], N_CHUNKS).float())
+
+
+async def test_a_slow_link_is_not_loaded_the_prompt_is_computed(lm):
+    ids, mid, addrs, blobs, records = published(lm)
+    server = await edge(addrs, blobs, records)
+    try:
+        calibrate(lm, 0.001)  # computing is nearly free: no link can beat it
+        url = str(server.make_url("")).rstrip("/")
+        async with KDNClient(edges=[url]) as c:
+            c.estimates[url].set_prior(0.05, 1e6)  # and the link is measured slow (50 ms, 1 MB/s)
+            gen = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
+    finally:
+        await server.close()
+    assert gen.report.tokens_reused == 0 and gen.report.plan.startswith("compute: load")
+    assert gen.report.sources == {}  # nothing was fetched
+    assert torch.equal(gen.first_logits, reference(lm, ids, [5, 6, 7], 0).float())
+
+
+async def test_a_stalled_source_becomes_a_recompute_within_the_deadline(lm):
+    """Chunks 0-1 arrive, 2-3 never do: past the deadline the two that arrived are used and the rest
+    computed; the logits are those of computing the same way, and the wait is bounded."""
+    ids, mid, addrs, blobs, records = published(lm)
+    server = await edge(addrs, blobs, records, stall_from=2)
+    try:
+        calibrate(lm, 2.0)
+        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")], hedge=False) as c:
+            t0 = time.perf_counter()
+            gen = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1, load_deadline=1.0)
+            waited = time.perf_counter() - t0
+    finally:
+        server.release.set()
+        await server.close()
+    assert "ran past its" in gen.report.plan and "2 of 4 chunks used" in gen.report.plan
+    assert gen.report.tokens_reused == 2 * CHUNK
+    assert waited < 1.0 + 10.0  # the deadline, then the computed rest (tiny model): never the 30 s timeout
+    assert torch.equal(gen.first_logits, reference(lm, ids, [5, 6, 7], 2).float())

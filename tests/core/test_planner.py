@@ -1,0 +1,89 @@
+"""The load planner: load what is faster to load than to compute, on measured speeds (kdn/planner.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kdn.planner import LEARN_TOKENS, Chunk, PrefillModel, Speeds, plan
+
+MiB = 1 << 20
+
+
+def llama8b() -> PrefillModel:
+    """A Llama-3-8B shape whose prefill of 8k tokens takes ~246 ms (an H200, docs/benchmarks.md)."""
+    m = PrefillModel(params=8_000_000_000, layers=32, attn_width=4096)
+    m.observe(8192, 0, 0.246)
+    return m
+
+
+def chunks(n=32, tokens=256, nbytes=32 * MiB):
+    return [Chunk(tokens, nbytes) for _ in range(n)]
+
+
+def link(gbps: float, rtt: float = 0.001):
+    return lambda b: rtt + b / (gbps * 1e9)
+
+
+def test_a_fast_link_loads_everything():
+    p = plan(chunks(), 8192 + 16, link=link(50), speeds=Speeds(llama8b()))
+    assert (p.head, p.load) == (0, 32) and p.tokens_loaded == 8192
+    assert p.speedup > 5 and p.expected_load_s < 0.05
+    assert p.deadline_s == pytest.approx(max(2 * p.expected_load_s + 0.05, 0.25 * p.compute_all_s))
+
+
+def test_a_slow_link_computes_everything():
+    p = plan(chunks(), 8192 + 16, link=link(1), speeds=Speeds(llama8b()))
+    assert not p.loads_anything and p.load == 0 and p.tokens_loaded == 0
+    assert p.reason.startswith("compute: load") and p.expected_s == p.compute_all_s
+    assert math.isinf(p.deadline_s)
+
+
+def test_a_slow_loader_counts_even_over_a_fast_link():
+    """The engine's own measured load speed (fetch to cache) bounds the link's."""
+    s = Speeds(llama8b())
+    s.observe_load(1 << 30, 2.0)  # 0.5 GB/s into the cache, measured
+    assert not plan(chunks(), 8192 + 16, link=link(50), speeds=s).loads_anything
+
+
+def test_unmeasured_prefill_loads_and_says_why():
+    p = plan(chunks(4), 1040, link=link(0.01), speeds=Speeds(PrefillModel(1_000_000, 2, 64)))
+    assert p.load == 4 and p.reason == "load: prefill not measured yet"
+
+
+def test_head_overlap_computes_the_head_while_the_tail_loads():
+    """Over a link where loading everything is a bit slower than computing, an engine that can compute its
+    head meanwhile loads only the tail (the head's compute hides under the transfer)."""
+    speeds = Speeds(llama8b())
+    no = plan(chunks(), 8192 + 16, link=link(4), speeds=speeds)
+    yes = plan(chunks(), 8192 + 16, link=link(4), speeds=speeds, overlap=True)
+    assert yes.expected_s <= no.expected_s
+    assert yes.head > 0 and yes.load == 32 and yes.expected_s < yes.compute_all_s
+
+
+def test_a_deadline_cap_bounds_the_load():
+    p = plan(chunks(), 8192 + 16, link=link(50), speeds=Speeds(llama8b()), max_deadline_s=0.01)
+    assert p.deadline_s == 0.01
+
+
+def test_small_forwards_teach_the_fixed_cost_not_the_per_flop_one():
+    m = PrefillModel(params=8_000_000_000, layers=32, attn_width=4096)
+    m.observe(16, 8192, 0.010)  # a 16-token suffix: launch overhead, mostly
+    assert m.k is None and m.fixed == 0.010 and math.isinf(m.seconds(8192))
+    m.observe(LEARN_TOKENS * 4, 0, 0.05)
+    assert m.k is not None and m.seconds(8192) > m.seconds(1024) > m.fixed
+    assert m.seconds(1024, after=8192) > m.seconds(1024)  # attention grows with what is cached
+
+
+def test_nothing_published_computes():
+    p = plan([], 100, link=link(50), speeds=Speeds(llama8b()))
+    assert not p.loads_anything and p.reason == "nothing published"
+
+
+def test_where_a_prefill_is_dear_a_load_may_run_long_before_it_is_abandoned():
+    """On a CPU a prefill takes seconds and a load milliseconds: a noisy moment must not throw the load away."""
+    slow = PrefillModel(params=8_000_000_000, layers=32, attn_width=4096)
+    slow.observe(8192, 0, 20.0)
+    p = plan(chunks(), 8192 + 16, link=link(3), speeds=Speeds(slow))
+    assert p.load == 32 and p.expected_load_s < 0.5 and p.deadline_s == pytest.approx(0.25 * p.compute_all_s)
