@@ -106,8 +106,8 @@ RUNS: list[Run] = [
                            "--duration", "2", "--warmup", "0.5", "--rounds", "2", "--profile", "--no-install"],
         ["--sizes", "4MiB", "--conc", "1", "--servers", "edge-mem,dict", "--clients", "raw", "--duration", "0.5",
          "--warmup", "0.2", "--no-install", "--plot", ""], ("redis", "lmcache"), 1800),
-    Run("gpu_check", "gpu_check", ["--device", "cuda", "--lengths", "2048,8192,32768", "--repeat", "5"],
-        None, ("gpu",), 3600),
+    Run("gpu_check", "gpu_check", ["--device", "cuda"], None, ("gpu",), 3600),
+    Run("datapath", "datapath", ["--repeat", "5"], None, ("smollm2", "vllm"), 1800, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("load", "load", ["--json", "bench/work/load.json", "--plot", "docs/img/load.png"],
         ["--duration", "5", "--clients", "8", "--minutes", "0.5"], ("etcd",), 1200),
     Run("load-soak", "load", ["--duration", "600", "--speedup", "2", "--json", "bench/work/soak.json",
@@ -145,7 +145,7 @@ RUNS: list[Run] = [
 ]
 BY_NAME = {r.name: r for r in RUNS}
 # README headline rows, in this order (runs without a headline are left out).
-HEADLINES = ["ttft", "vllm_ttft", "gpu_check", "address_codec", "quality_transform", "eviction-zipf", "eviction-mooncake",
+HEADLINES = ["ttft", "vllm_ttft", "gpu_check", "datapath", "address_codec", "quality_transform", "eviction-zipf", "eviction-mooncake",
              "faults", "ring", "geo", "blend", "steer", "serve"]
 
 

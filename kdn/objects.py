@@ -515,6 +515,16 @@ class ObjectView:
     def header(self) -> ObjectHeader:
         return self._layout.header
 
+    @property
+    def layout(self) -> Layout:
+        """Where each tensor's bytes lie in the blob (``Layout.span``)."""
+        return self._layout
+
+    @property
+    def buffer(self) -> memoryview:
+        """The blob's bytes (a view; for raw tensors, the tensors themselves)."""
+        return self._mv
+
     def decode(self, names: Collection[str] | None = None, *, out: bytearray | memoryview | None = None) -> dict[str, RawTensor]:
         """The tensors ``names`` (all of them by default), decoded; see :func:`decode_object`."""
         layout, mv = self._layout, self._mv

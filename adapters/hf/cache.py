@@ -9,7 +9,11 @@ states, generation continues bit-identically (see tests/adapters).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
+import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kdn.codecs import itemsize
 from kdn.errors import ModelMismatch
 from kdn.adapters.hf.extract import LayerSpec, _forward, layer_layout, new_cache
 
@@ -150,8 +155,19 @@ class CacheBuilder:
     :meth:`finish` returns what ``build_cache`` would.
     """
 
-    def __init__(self, model: Any, token_counts: Sequence[int], *, arena: Arena | None = None) -> None:
+    def __init__(self, model: Any, token_counts: Sequence[int], *, arena: Arena | None = None,
+                 device: torch.device | str | None = None, staged: bool | None = None) -> None:
         self.model = model
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        # On a GPU each chunk's K/V cross to the device in one copy and are placed there (``_add_staged``);
+        # on the CPU they are decoded straight into place. ``staged=True`` runs the device path on the CPU
+        # too (tests and the GPU script's dry run).
+        self.staged = self.device.type != "cpu" if staged is None else staged
+        self.h2d_bytes = 0  # bytes copied to the device, and the seconds those copies took (staged path)
+        self.h2d_seconds = 0.0
+        self._arena = arena
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stats = threading.Lock()
         self.layout = layer_layout(model)
         self.counts = [int(n) for n in token_counts]
         _expect(all(n > 0 for n in self.counts), f"chunk token counts must be positive, got {self.counts[:8]}")
@@ -159,11 +175,14 @@ class CacheBuilder:
         self.tokens = sum(self.counts)
         self._kv_names = {f"L{s.index}.{x}" for s in self.layout if s.kv for x in ("k", "v")}
         self._state_names = {st.name for s in self.layout for st in s.states}
-        # [1, kv_heads, S, head_dim] per attention layer, on the CPU; `finish` moves them to the model.
-        self.kv = _kv_tensors(self.layout, self.tokens, arena)
+        # [1, kv_heads, S, head_dim] per attention layer: on the host (from the arena), or on the device.
+        self.kv = (_kv_tensors(self.layout, self.tokens, arena) if not self.staged else
+                   {s.index: (torch.empty((1, s.kv[0], self.tokens, s.kv[1]), dtype=s.kv_dtype, device=self.device),
+                              torch.empty((1, s.kv[0], self.tokens, s.kv[1]), dtype=s.kv_dtype, device=self.device))
+                    for s in self.layout if s.kv and s.kv_dtype is not None})
         # The same memory as numpy arrays of unsigned lanes ([kv_heads, S, head_dim]): slicing these per
         # tensor costs far less than slicing the torch tensors.
-        self._lanes = {i: (_lanes(k[0]), _lanes(v[0])) for i, (k, v) in self.kv.items()}
+        self._lanes = {i: (_lanes(k[0]), _lanes(v[0])) for i, (k, v) in self.kv.items()} if not self.staged else {}
         self.last: dict[str, torch.Tensor] = {}
         self._added: set[int] = set()
 
@@ -197,7 +216,9 @@ class CacheBuilder:
         h = view.header
         n = self._check(index, h)
         off = self.offsets[index]
-        for s in self.layout:
+        if self.staged:
+            self._add_staged(view, n, off)
+        for s in self.layout if not self.staged else ():
             if not s.kv:
                 continue
             for x, full, lanes in zip(("k", "v"), self.kv[s.index], self._lanes[s.index]):
@@ -213,12 +234,60 @@ class CacheBuilder:
                 _expect(tuple(t.shape) == st.shape, f"{st.name} has shape {tuple(t.shape)}; this model wants {list(st.shape)}")
         self._added.add(index)
 
+    def _add_staged(self, view: ObjectView, n: int, off: int) -> None:
+        """One chunk's K/V onto the device: one host-to-device copy of the region holding them, then each
+        tensor placed in its slice there (device-side copies). Raw tensors are copied from the received
+        bytes as they are (page-locked when the body came from a pinned arena: a DMA at the link's speed);
+        other codecs are decoded on the host first, into one staging buffer."""
+        import numpy as np
+
+        names = [(s, x, f"L{s.index}.{x}") for s in self.layout if s.kv for x in ("k", "v")]
+        h = view.header
+        lease = None
+        if all(h.tensors[nm].codec == "raw" for _, _, nm in names):
+            spans = {nm: view.layout.span(nm) for _, _, nm in names}
+            lo, hi = min(b for b, _ in spans.values()), max(e for _, e in spans.values())
+            host = torch.frombuffer(view.buffer[lo:hi], dtype=torch.uint8)
+            where = {nm: (b - lo, e - lo) for nm, (b, e) in spans.items()}
+        else:  # decoded on the host, tensor after tensor, into one buffer
+            sizes = {nm: math.prod(h.tensors[nm].shape) * itemsize(h.tensors[nm].dtype) for _, _, nm in names}
+            total = sum(sizes.values())
+            lease = self._arena.take(total) if self._arena is not None else None
+            buf = lease.view if lease is not None else memoryview(bytearray(total))
+            where, pos = {}, 0
+            for _, _, nm in names:
+                info = h.tensors[nm]
+                lane = np.dtype(f"<u{itemsize(info.dtype)}")
+                view.decode_into(nm, np.frombuffer(buf[pos:pos + sizes[nm]], dtype=lane).reshape(info.shape))
+                where[nm] = (pos, pos + sizes[nm])
+                pos += sizes[nm]
+            host = torch.frombuffer(buf, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                dev = host.to(self.device, non_blocking=True)  # [region bytes] on the device: one copy
+                for s, x, nm in names:
+                    a, b = where[nm]
+                    full = self.kv[s.index][0 if x == "k" else 1]
+                    full[0, :, off:off + n, :].copy_(dev[a:b].view(_torch_dtype(h.tensors[nm].dtype))
+                                                     .view(s.kv[0], n, s.kv[1]))  # placed on the device
+                if self._stream is not None:
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+                    done.synchronize()  # the host bytes may be handed back when this returns
+        finally:
+            if lease is not None:
+                lease.release()
+        with self._stats:
+            self.h2d_bytes += host.numel()
+            self.h2d_seconds += time.perf_counter() - t0
+
     # --- a raw object received straight into its place (kdn.scatter.Placer) ---
 
     def placeable(self, index: int) -> bool:
         """Whether chunk ``index`` can be received in place: not one whose states are kept (those are
         decoded the usual way), and not twice."""
-        return 0 <= index < len(self.counts) and index not in self._added and not (
+        return not self.staged and 0 <= index < len(self.counts) and index not in self._added and not (
             self._state_names and index == len(self.counts) - 1)
 
     def place(self, index: int, layout: Layout) -> dict[str, list[memoryview]]:
@@ -259,6 +328,9 @@ class CacheBuilder:
         k = len(self.counts) if upto is None else upto
         missing = sorted(set(range(k)) - self._added)
         _expect(not missing, f"chunks {missing[:8]} of the prefix were never added")
+        if self._stream is not None:  # the model's stream sees every copy done (each add waited for its own)
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        device = device if device is not None else (self.device if self.staged else None)
         if k == len(self.counts):
             return _assemble(self.model, self.layout, self.kv, self.last, device, None), self.tokens
         _expect(not self._state_names, "a hybrid model's cache cannot stop before the chunk whose states it holds")
