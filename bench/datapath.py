@@ -11,6 +11,8 @@ each encoding, in rotating order per repeat, the same objects (the context's pre
   and the edge can deliver (best of 1 and 2 connections);
 - ``memcpy``: numpy ``copyto`` of the same bytes into a buffer allocated once (the host's copy speed);
 - ``blake3``: hashing the same bytes, one thread (what verification costs per byte);
+- ``kdn fetch``: ``KDNClient.fetch`` of every object into the arena, BLAKE3-verified as the bytes land,
+  nothing decoded: what verification costs over the bound;
 - ``kdn -> transformers``: ``KDNClient.fetch_prefix(hit, into=CacheBuilder.add)`` with a host arena, then
   ``finish()``: fetched, verified, each object decoded straight into its slice of the per-layer cache;
 - ``kdn -> vLLM paged``: the connector's path without the engine: each object fetched into the arena,
@@ -44,7 +46,7 @@ import results as R  # noqa: E402
 import ttft as T  # noqa: E402  (server processes, publish, model helpers)
 
 MiB = 1 << 20
-PATHS = ("recv_into", "memcpy", "blake3", "kdn-hf", "kdn-vllm")
+PATHS = ("recv_into", "memcpy", "blake3", "kdn-fetch", "kdn-hf", "kdn-vllm")
 
 
 # --- the bound: a raw client -----------------------------------------------------------------
@@ -115,6 +117,9 @@ class VllmPaged:
         self.caches = [torch.zeros(nb, h, self.bs, 2 * d, dtype=self.layout[0].kv_dtype) for _ in self.layout]
         self.block_ids = list(range(1, nb))
         self.arena = arena
+        import concurrent.futures
+
+        self.stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stage")
 
     def write(self, cache, k, v, slot) -> None:
         import vllm._custom_ops as ops
@@ -142,8 +147,8 @@ class VllmPaged:
             e = rec["encodings"][self.encoding]
             f = await client.fetch(hit.addresses[i], encoding=self.encoding, digest=e["digest"], size=int(e["size"]),
                                    pooled=True)
-            try:
-                await asyncio.to_thread(stage, f, starts[i], counts[i])
+            try:  # on one thread, as the connector's worker does (adapters/vllm/worker.py, _stager)
+                await asyncio.get_running_loop().run_in_executor(self.stager, stage, f, starts[i], counts[i])
             finally:
                 f.release()
 
@@ -153,6 +158,15 @@ class VllmPaged:
             k, v = staging.kv(j)
             self.write(self.caches[j], k, v, slot)
         staging.release()
+
+
+async def fetch_only(client, hit, encoding: str) -> None:
+    """The verified fetch alone: every object into an arena buffer, BLAKE3-checked, then handed back."""
+    async def one(a, rec):
+        e = rec["encodings"][encoding]
+        (await client.fetch(a, encoding=encoding, digest=e["digest"], size=int(e["size"]), pooled=True)).release()
+
+    await asyncio.gather(*(one(a, r) for a, r in zip(hit.addresses, hit.records)))
 
 
 async def kdn_hf(lm, client, hit, encoding: str) -> None:
@@ -226,7 +240,8 @@ async def run(args) -> dict:
                         paths = [f"/v1/objects/{a}?encoding={encoding}" for a in hit.addresses]
                         paged = VllmPaged(layout, L, arena, encoding)
                         runs = {"kdn-hf": lambda: kdn_hf(lm, client, hit, encoding),
-                                "kdn-vllm": lambda: paged.load(client, hit)}
+                                "kdn-vllm": lambda: paged.load(client, hit),
+                                "kdn-fetch": lambda: fetch_only(client, hit, encoding)}
                         syncs = {"memcpy": lambda: np.copyto(dst, joined),
                                  "blake3": lambda: blake3(memoryview(joined)).digest()}
 
@@ -286,8 +301,9 @@ def _gbps(nbytes: int, ts: list[float]) -> tuple[float, float]:
 
 def table(rows: list[dict]) -> str:
     out = ["| model | context | encoding | wire MB | bound: recv_into GB/s | memcpy GB/s | BLAKE3 GB/s | "
+           "KDN verified fetch only: GB/s (vs bound) | "
            "KDN -> transformers cache: ms, GB/s (worst) | vs bound | KDN -> vLLM paged: ms, GB/s (worst) | vs bound |",
-           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         t, wire, kv = r["times"], r["wire_bytes"], r["kv_bytes"]
         bound = _gbps(wire, t["recv_into"])[0]
@@ -297,8 +313,10 @@ def table(rows: list[dict]) -> str:
             wmed = _gbps(wire, t[p])[0]
             cells += [f"{statistics.median(t[p]) * 1e3:.0f}, {med:.2f} ({worst:.2f})",
                       f"{wmed / bound:.2f}x" + ("" if r["encoding"] == "raw" else f" (wire {wmed:.2f} GB/s)")]
+        fetch = _gbps(wire, t["kdn-fetch"])[0]
         out.append(f"| {r['model']} | {r['tokens']:,} | {r['encoding']} | {wire / 1e6:.0f} | {bound:.2f} | "
-                   f"{_gbps(wire, t['memcpy'])[0]:.1f} | {_gbps(wire, t['blake3'])[0]:.1f} | " + " | ".join(cells) + " |")
+                   f"{_gbps(wire, t['memcpy'])[0]:.1f} | {_gbps(wire, t['blake3'])[0]:.1f} | "
+                   f"{fetch:.2f} ({fetch / bound:.2f}x) | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

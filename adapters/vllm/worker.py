@@ -129,6 +129,8 @@ class WorkerSide:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-load")
+        # One thread decodes arrived objects into the staging: the engine's own threads hold the other cores.
+        self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-stage")
         # Receive buffers and every load's staging come from one budgeted arena (the client's).
         self.arena = getattr(client, "arena", None) or host_arena(cfg.arena)
         import kdn.kernels  # noqa: F401  (registers the lossy codecs a quality budget may pick)
@@ -189,7 +191,8 @@ class WorkerSide:
             raise
         # The decode cannot be stopped once started: if this load is cancelled (a timeout), the thread
         # runs on, and its receive buffer goes back only when it is done reading it.
-        work = asyncio.ensure_future(asyncio.to_thread(self._stage, run, i, p, f, cap))
+        work = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self._stager, self._stage, run, i, p,
+                                                                                f, cap))
         work.add_done_callback(lambda _: f.release())
         return await asyncio.shield(work)
 
@@ -379,4 +382,5 @@ class WorkerSide:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._stager.shutdown(wait=True, cancel_futures=False)
 
