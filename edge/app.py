@@ -121,7 +121,12 @@ class RecordCache:
             while len(self._absent) > self.size:
                 self._absent.popitem(last=False)
 
-    def _trusted(self, rec: ObjectRecord | None) -> ObjectRecord | None:
+    def _trusted(self, rec: ObjectRecord | None, address: str) -> ObjectRecord | None:
+        if rec is not None and rec.address != address:  # a record stored under another address: a writer's lie
+            log.warning("the registry's record for %s is %s's: treated as absent", address[:16], rec.address[:16])
+            if self.on_refused is not None:
+                self.on_refused()
+            return None
         if rec is None or self.verifier is None or self.verifier.ok(rec):
             return rec
         log.warning("object record %s is not signed by a trusted publisher key: treated as absent", rec.address)
@@ -138,7 +143,7 @@ class RecordCache:
     async def get(self, address: str) -> ObjectRecord | None:
         rec = self._lru.get(address)
         if rec is None and not self._known_absent(address):
-            rec = self._trusted(await self.registry.get_object(address))
+            rec = self._trusted(await self.registry.get_object(address), address)
             if rec is not None:
                 self._keep(rec)
             else:
@@ -149,7 +154,7 @@ class RecordCache:
         missing = list(dict.fromkeys(a for a in addresses if a not in self._lru and not self._known_absent(a)))
         if missing:
             for address, rec in zip(missing, await self.registry.get_objects(missing)):
-                rec = self._trusted(rec)
+                rec = self._trusted(rec, address)
                 if rec is not None:
                     self._keep(rec)
                 else:
@@ -712,6 +717,10 @@ async def lookup(request: web.Request) -> web.Response:
         if enc is None:
             break
         where.append(edge.where((a, enc), rec))
+    if not bearer(request):
+        # Which tier holds each object is cache state, which an anonymous HEAD does not see either: it would
+        # tell anyone what others read lately (a lookup fills nothing, so it repeats at will).
+        where = ["edge"] * len(where)
     return web.json_response({"length": len(where), "sources": where})
 
 

@@ -601,7 +601,9 @@ class KDNClient:
                                  cold=address in hit.cold, pooled=into is not None, arena=pool)
             arrived.append(time.perf_counter())
             try:
-                cap = await self.prepare(f)  # a kvtc object: its basis first (fetched once)
+                # A kvtc object: its basis first (fetched once); its decode bounded by the span the lookup
+                # asked for, never by what the object's own header claims.
+                cap = await self.prepare(f, hit.token_counts()[index])
                 return f, await asyncio.to_thread(_decode_checked, f, hit, budget, cap, index, into)
             finally:
                 if into is not None:  # decoded into the engine's cache: the receive buffer is free again
@@ -651,6 +653,11 @@ def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: 
     view = ObjectView(f.blob, max_decoded=max_decoded)
     h = view.header
     _check_identity(h, hit, f.address)
+    counts = hit.token_counts()
+    start = sum(counts[:index])
+    if (h.start, h.end) != (start, start + counts[index]):
+        raise DigestMismatch(f"object {f.address} claims tokens [{h.start}, {h.end}), the lookup asked for "
+                             f"[{start}, {start + counts[index]})")
     if not {t.codec for t in h.tensors.values()} <= set(codec_names()):
         import kdn.kernels  # noqa: F401  (lossy codecs need torch: registered only when used)
     if budget is None and not all(get_codec(t.codec).lossless for t in h.tensors.values()):

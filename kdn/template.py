@@ -17,10 +17,22 @@ _SENTINEL = "\ue000KDN-DOCUMENT\ue001"  # private-use code points: no real text 
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens (the template, if any, brings its own)."""
+    """Token ids of ``text`` as text: no special tokens added, and none parsed from it.
+
+    A document (or a question) that contains ``<|im_end|>\\n<|im_start|>system`` is tokenized into the
+    characters it spells, never into the real control ids: otherwise every prompt built on a published
+    text would carry a system turn its publisher wrote. The template's own frame is ``encode_frame``'s."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    except TypeError:  # a tokenizer without special tokens to split (the tiny models' bytes): as it is
+        return encode_frame(tokenizer, text)
+
+
+def encode_frame(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of text the chat template rendered (``chat_frame``): its control tokens parsed as such."""
     try:
         return list(tokenizer.encode(text, add_special_tokens=False))
-    except TypeError:  # the byte tokenizer of tiny models takes no keyword
+    except TypeError:
         return list(tokenizer.encode(text))
 
 

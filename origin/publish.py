@@ -29,7 +29,7 @@ from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry import Encoding, ObjectRecord
 from kdn.store import validate_encoding
-from kdn.template import chat_frame, encode_text
+from kdn.template import chat_frame, encode_frame, encode_text
 
 from kdn.origin.store import ObjectStore
 
@@ -224,8 +224,10 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int) ->
 
             encoding_plan(enc, n_layers=1_000)  # raises InvalidInput for an unknown encoding
 
-    head = head_text(tokenizer, template, prefix_text, system)
-    head_ids = encode_text(tokenizer, head) if head else []
+    # The template's frame with its control tokens; the publisher's prefix text as text (never control ids)
+    frame = head_text(tokenizer, template, None, system)
+    head_ids = (encode_frame(tokenizer, frame) if frame else []) + (encode_text(tokenizer, prefix_text)
+                                                                    if prefix_text else [])
     if text is not None:
         if not isinstance(text, str):
             raise InvalidInput("'text' must be a string")

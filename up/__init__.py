@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import os
 import secrets
 import tempfile
 import time
@@ -32,6 +33,14 @@ if TYPE_CHECKING:  # pragma: no cover - aiohttp loads only when `kdn up` runs
 _Edge = tuple[str, str, str, "web.AppRunner"]
 
 SAMPLE = Path(kdn.__file__).resolve().parent / "data" / "docs" / "harbor-policy.md"
+
+
+def _secret(path: Path, text: str) -> None:
+    """Write a secret readable by its owner only, from the moment it exists (no window at 0644)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -103,10 +112,12 @@ async def _up(args: argparse.Namespace) -> int:
 
     model = args.model or default_model()
     root = Path(args.dir or tempfile.mkdtemp(prefix="kdn-up-"))
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if root.stat().st_mode & 0o077:
+        # Tokens, the signing key, the registry and every blob live here: no other user may enter it.
+        root.chmod(0o700)
     token = secrets.token_hex(16)
-    (root / "tokens").write_text(f"{token} admin *\n")
-    (root / "tokens").chmod(0o600)
+    _secret(root / "tokens", f"{token} admin *\n")
     registry = f"file:{root / 'registry.sqlite3'}"
     port, *edge_ports = ports(args.port)
     from kdn.signing import Signer
@@ -186,7 +197,7 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
     from kdn.errors import KDNError
     from kdn.service import server_options
 
-    (root / "edge-token").write_text(f"{token}\n")
+    _secret(root / "edge-token", f"{token}\n")
     edges: list[_Edge] = []
     for p, (region, node) in zip(ports, [("eu", "eu-1"), ("eu", "eu-2"), ("us", "us-1"), ("us", "us-2")]):
         cfg = EdgeConfig(region=region, registry=registry, origin=origin, mem_budget=512 << 20,

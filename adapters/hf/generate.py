@@ -31,7 +31,7 @@ from kdn.arena import Arena
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.planner import plan as make_plan
-from kdn.template import chat_frame, encode_text
+from kdn.template import chat_frame, encode_frame, encode_text
 
 from kdn.adapters.hf.cache import CacheBuilder, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
@@ -107,12 +107,9 @@ def prompt_tokens(tokenizer: Any, manifest: dict, question: str) -> list[int]:
     instead could merge tokens across the boundary and silently miss the cache.
     """
     published = list(manifest["prefix_tokens"])
-    if manifest.get("template") == "chat":
-        tail = chat_frame(tokenizer)[1]
-        suffix = f"\n\n{question}{tail}"
-    else:
-        suffix = f"\n\n{question}\n"
-    return published + encode_text(tokenizer, suffix)
+    if manifest.get("template") == "chat":  # the question as text, the template's close with its control tokens
+        return published + encode_text(tokenizer, f"\n\n{question}") + encode_frame(tokenizer, chat_frame(tokenizer)[1])
+    return published + encode_text(tokenizer, f"\n\n{question}\n")
 
 
 async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client, *, namespace: str = "public",

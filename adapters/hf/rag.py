@@ -75,7 +75,7 @@ from kdn.emphasis import EmphasisMap, merge_spans
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
 from kdn.kernels.blend import compose, kv_deviation, n_select, query_attention, query_weighted, select_tokens
 from kdn.kernels.rope import rope_of
-from kdn.template import chat_frame, encode_text
+from kdn.template import chat_frame, encode_frame, encode_text
 
 from kdn.adapters.hf.cache import build_cache
 from kdn.adapters.hf.extract import standalone_chunk
@@ -453,7 +453,7 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
         raise InvalidInput("generate_rag needs at least one document")
     mid = model_id(model, tokenizer)
     head_text, tail_text = rag_frame(tokenizer, query, system)
-    head, tail = encode_text(tokenizer, head_text), encode_text(tokenizer, tail_text)
+    head, tail = encode_frame(tokenizer, head_text), encode_frame(tokenizer, tail_text)
     pieces: list[list[int]] = []
     for d in documents:
         toks = encode_text(tokenizer, d)

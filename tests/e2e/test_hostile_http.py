@@ -100,6 +100,12 @@ async def test_cache_probes_are_for_edges_only(tmp_path, etcd_url):
                 assert r.status == 200 and r.headers["X-KDN-Source"] == "edge"  # not which tier holds it
             async with s.head(f"{c.edge_url('e1')}/v1/objects/{a}", headers={"Authorization": f"Bearer {EDGE_TOKEN}"}) as r:
                 assert r.headers["X-KDN-Source"] == "memory"
+            # A lookup fills nothing and repeats at will: it once told anyone which tier held each object.
+            async with s.post(f"{c.edge_url('e1')}/v1/lookup", json={"addresses": [a, b]}) as r:
+                assert (await r.json())["sources"] == ["edge", "edge"]
+            async with s.post(f"{c.edge_url('e1')}/v1/lookup", json={"addresses": [a, b]},
+                              headers={"Authorization": f"Bearer {EDGE_TOKEN}"}) as r:
+                assert (await r.json())["sources"][0] == "memory"
 
 
 async def test_a_lying_lookup_length_is_clamped(tmp_path):

@@ -15,8 +15,11 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_kdn_up_runs_the_demo_and_reuses_the_document(tmp_path):
     port = free_port_block(4)
+    home = tmp_path / "up"
+    home.mkdir()
+    home.chmod(0o755)  # as a user's new folder usually is
     r = subprocess.run(
-        [sys.executable, "-P", "-m", "kdn.cli", "up", "--no-serve", "--model", "tiny-llama", "--dir", str(tmp_path),
+        [sys.executable, "-P", "-m", "kdn.cli", "up", "--no-serve", "--model", "tiny-llama", "--dir", str(home),
          "--port", str(port)],
         capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
@@ -30,6 +33,10 @@ def test_kdn_up_runs_the_demo_and_reuses_the_document(tmp_path):
     assert int(warm.group(1)) >= 3000  # the whole published document came from the cache
     assert re.search(r"\d+\.\dx faster with KDN", out)
     assert "kdn registry show" in out and "kdn publish" in out
+    # its secrets, registry and blobs are the user's alone (once 0644 files in a 0755 folder)
+    assert home.stat().st_mode & 0o777 == 0o700
+    for secret in ("tokens", "edge-token", "origin.key"):
+        assert (home / secret).stat().st_mode & 0o077 == 0, secret
 
 
 def test_kdn_up_takes_free_ports_when_its_own_are_busy_and_floods_no_progress_bars(tmp_path):

@@ -59,3 +59,16 @@ async def test_absences_are_bounded_and_forget_clears_one(tmp_path):
         cache.forget(addr("99"))
         await cache.get(addr("99"))
         assert counting.reads == 101
+
+
+async def test_a_record_stored_under_another_address_is_absent(tmp_path):
+    """A registry writer stores B's (validly signed) record under A's key: the edge once took it as A's."""
+    async with EmbeddedRegistry(tmp_path / "r.sqlite3") as reg:
+        await reg.put_model(model())
+        a, b = addr("a"), addr("b")
+        await reg.put_objects([obj("b")])
+        await reg._put(reg._object_key(a), (await reg.get_object(b)).pack())  # B's record at A's key
+        refused = []
+        cache = RecordCache(reg, size=100, on_refused=lambda: refused.append(1))
+        assert await cache.get(a) is None and (await cache.get_many([a])) == [None]
+        assert refused and (await cache.get(b)).address == b
