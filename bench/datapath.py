@@ -331,7 +331,7 @@ def headline(res: R.Results, rows: list[dict]) -> None:
             ratios.append((_gbps(r["wire_bytes"], r["times"][p])[0] / bound, p, r["tokens"]))
     lo, hi = min(ratios), max(ratios)
     res.set_headline(
-        "delivery path on this CPU: raw KV from an edge's memory tier into an engine's cache (`bench/datapath.py`)",
+        "delivery path on this CPU: raw KV from an edge's memory tier into an engine's cache",
         f"**{lo[0]:.2f}x-{hi[0]:.2f}x** the bound (the goal: >= 0.7x), into the transformers cache and vLLM's "
         "paged layout at 2k and 8k tokens",
         "the bound: a raw `recv_into` client reading the same bytes from the same edge into a reused buffer, same run "
