@@ -140,7 +140,7 @@ async def test_an_object_the_edge_would_fill_through_its_owner_counts_as_cold(tm
         m = await publish(c, TEXT)
         owners = {a: c.edge("e1").membership.owner(a).node_id for a in m["addresses"]}
         assert set(owners.values()) == {"e1", "e2"}, "the test needs chunks owned by each edge"
-        async with KDNClient(edges=[c.edge_url("e1")]) as client:
+        async with KDNClient(edges=[c.edge_url("e1")], token=EDGE_TOKEN) as client:  # a token sees the tiers
             hit = await client.lookup(m["prefix_tokens"], m["model_id"])
             chunks = hit.addresses[:len(hit.sources)]  # whole chunks (a partial tail is found by its record)
             assert [w.split(":")[0] for w in hit.sources] == ["peer" if owners[a] == "e2" else "origin" for a in chunks]

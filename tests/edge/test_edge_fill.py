@@ -252,11 +252,18 @@ async def test_lookup_reports_longest_prefix_and_sources(tmp_path, etcd_url):
         m = await publish(c, TEXT)
         addrs = m["addresses"]
         await get(c.edge_url("e1"), addrs[0])
+        answers = {}
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"{c.edge_url('e1')}/v1/lookup", json={"addresses": addrs + ["9" * 64]}) as r:
-                body = await r.json()
+            for who, token in (("anonymous", None), ("token", EDGE_TOKEN)):
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                async with s.post(f"{c.edge_url('e1')}/v1/lookup", json={"addresses": addrs + ["9" * 64]},
+                                  headers=headers) as r:
+                    answers[who] = await r.json()
+        body = answers["token"]
         assert body["length"] == len(addrs)
         assert body["sources"][0] == "memory" and set(body["sources"][1:]) == {"origin"}
+        # Without a token the same prefix is found, but not which tier holds what (others' recent reads).
+        assert answers["anonymous"] == {"length": len(addrs), "sources": ["edge"] * len(addrs)}
 
 
 async def test_the_owner_persists_to_disk_off_the_response_path(tmp_path, etcd_url):
