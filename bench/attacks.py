@@ -284,9 +284,9 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
     for n in nodes:
         await n.wait_healthy()
     ctx.docs["main"] = await w.publish(ctx.text("main", 2100), "main", encodings=("zstd", "raw"))
-    for doc in ("rot", "rogue", "rogue_tls", "redirect", "tenant", "probe", "planted"):
+    for doc in ("rot", "rogue", "rogue_tls", "redirect", "tenant", "probe", "planted", "relabel"):
         if doc in DOCS_FOR and any(a in names for a in DOCS_FOR[doc]):
-            if doc == "tenant":
+            if doc in ("tenant", "relabel"):
                 ctx.docs[doc] = await publish_as(w, TENANT, ctx.text(doc, 700), doc, namespace="acme")
             else:
                 ctx.docs[doc] = await w.publish(ctx.text(doc, 1300), doc)
@@ -294,7 +294,7 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
 
 DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "rogue_tls": ["rogue_https_node"],
             "redirect": ["upstream_redirect"],
-            "planted": ["planted_digest"],
+            "planted": ["planted_digest"], "relabel": ["relabelled_namespace"],
             "tenant": ["tenant_cache_headers"], "probe": ["anonymous_probes"]}
 
 
@@ -653,6 +653,42 @@ async def bit_rot(ctx: Ctx) -> Row:
                "held", accepted_rotten * len(rotten), ok,
                {"addresses_republished": len(job["addresses"]), "rotten_served_by_origin": served_rotten,
                 "rotten_accepted_by_client": accepted_rotten, "dropped_at_start_logged": dropped})
+
+
+async def relabelled_namespace(ctx: Ctx) -> Row:
+    """Issue #28's third item: a registry writer relabels a tenant's object records ``public`` and waits for
+    the origin to restart (which forgets what it knew); then anyone reads them, at the origin and an edge."""
+    from kdn.registry import ObjectRecord, open_registry
+
+    w, m = ctx.world, ctx.docs["relabel"]
+    addrs = m["addresses"]
+    async with open_registry(w.etcd.registry) as reg:
+        for a in addrs:
+            rec = await reg.get_object(a)
+            relabelled = ObjectRecord.from_dict({**rec.to_dict(), "namespace": "public", "sig": {}})
+            await reg._put(reg._object_key(a), relabelled.pack())
+        now_public = sum([(await reg.get_object(a)).namespace == "public" for a in addrs])
+    await asyncio.to_thread(w.origin.stop)
+    await w.origin.start(timeout=120)
+    served: dict[str, int] = {"origin": 0, "eu-1": 0}
+    leaked = 0
+    for name, url in (("origin", w.origin.url), ("eu-1", w.edges["eu-1"].url)):
+        for a in addrs:
+            status, h, body = await http("GET", f"{url}/v1/objects/{a}")
+            if status == 200:
+                served[name] += 1
+                leaked += len(body)
+    own = sum([(await http("GET", f"{w.origin.url}/v1/objects/{a}", headers=bearer(TENANT)))[0] == 200
+               for a in addrs])
+    n = len(addrs)
+    ok = now_public == n and leaked == 0 and own == n
+    return Row("relabelled_namespace", f"each of {n} records of a tenant's (acme) document rewritten in etcd to "
+               "namespace public (unsigned), the origin restarted, then every object read anonymously at the origin "
+               "and at an edge",
+               f"anonymous reads served: origin {served['origin']} of {n}, eu-1 {served['eu-1']} of {n} (the origin "
+               "takes the namespace from the blob it wrote, the edge refuses the unsigned record); "
+               f"acme's token still reads {own} of {n} at the origin",
+               "refused", leaked, ok, {"relabelled": now_public, **served, "tenant_reads": own})
 
 
 # --- 4. decompression bombs ---------------------------------------------------------------------------
@@ -1341,6 +1377,7 @@ async def client_pooled_bytes(ctx: Ctx) -> Row:
 
 ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> (attack, needs the KDN)
     "bit_rot": (bit_rot, True),  # first: it restarts the origin
+    "relabelled_namespace": (relabelled_namespace, True),  # so does this one
     "trickled_head": (trickled_head, True),  # the slow three run beside the rest
     "slow_body": (slow_body, True),
     "stalled_readers": (stalled_readers, True),

@@ -42,6 +42,7 @@ from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, KDNError, SourceError
 from kdn.fetch import CACHED_ONLY, HOP
+from kdn.objects import blob_namespace
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
 from kdn.registry.follow import stop_tasks
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
@@ -316,6 +317,14 @@ class Edge:
                 if count:
                     self.m.misses.labels(tier.name).inc()
                 continue
+            if handle.meta.namespace != rec.namespace:
+                # Kept when the blob's own header agreed with its record; a record that now says otherwise was
+                # relabelled (see _fill), and is not trusted with these bytes.
+                handle.release()
+                self.records.forget(key[0])
+                log.error("object %s: cached for namespace %r, its record now says %r: not served",
+                          key[0], handle.meta.namespace[:64], rec.namespace[:64])
+                raise SourceError(f"object {key[0]}: its record's namespace changed")
             if count:
                 self.m.hits.labels(tier.name).inc()
             if handle.data is not None:  # in memory: written as it is
@@ -349,6 +358,14 @@ class Edge:
             finally:
                 again.release()
         filled = await self._fills().fetch(key, rec, hop=hop)  # verified against the record's digest
+        made_for = blob_namespace(filled.blob)
+        if made_for is not None and made_for != rec.namespace:
+            # The origin wrote whose object it is into the blob; a record that says otherwise was relabelled by
+            # a registry writer (a signed record cannot be: its signature covers the namespace).
+            self.records.forget(key[0])
+            log.error("object %s: its record says namespace %r, the blob its origin made says %r: not served",
+                      key[0], rec.namespace[:64], made_for)
+            raise SourceError(f"object {key[0]}: record and blob disagree on its namespace")
         meta = self.meta_for(rec, key[1])
         await self.memory.put(key, filled.blob, meta)
         # The owner keeps a durable copy (fsynced: not on the response path); other edges a hot one.

@@ -35,6 +35,7 @@ from kdn.errors import (
     DigestMismatch,
     InvalidAddress,
     InvalidInput,
+    ObjectFormatError,
     ObjectTooLarge,
     TensorMismatch,
     TruncatedObject,
@@ -449,6 +450,16 @@ def _layout(mv: memoryview, max_bytes: int, size: int | None = None) -> _Layout:
 def read_header(blob: Buffer, *, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> ObjectHeader:
     """Parse and fully validate an object's structure without decoding its payload (no torch)."""
     return _layout(_as_view(blob), max_bytes).header
+
+
+def blob_namespace(blob: Buffer) -> str | None:
+    """The namespace written into a blob's own header by whoever made it; None for a blob that is not a KV
+    object (a kvtc basis). Who may read a blob is decided from this where the blob's maker is trusted."""
+    mv = _as_view(blob)
+    try:
+        return _layout(mv, max(len(mv), 8)).header.namespace
+    except (ObjectFormatError, InvalidInput):
+        return None
 
 
 def decoded_nbytes(header: ObjectHeader) -> int:

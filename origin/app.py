@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kdn import service
 from kdn.address import validate_address, validate_name
+from kdn.address import PUBLIC_NAMESPACE
 from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import RegistryUnavailable
@@ -72,7 +73,6 @@ PRODUCER = web.AppKey("producer", Producer)
 JOBS = web.AppKey("jobs", JobQueue)
 EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
 TOKENIZER = web.AppKey("tokenizer", ThreadPoolExecutor)
-NAMESPACES = web.AppKey("namespaces", dict)  # address -> namespace (immutable, so cacheable)
 BASES = web.AppKey("bases", set)  # addresses of the kvtc bases this origin publishes (model-level objects)
 M = web.AppKey("origin_metrics", dict)
 
@@ -154,7 +154,6 @@ async def _publish_basis(app: web.Application, path: str) -> str:
         address=address, model_id=loaded.model_id, namespace="public", kind="basis", start=0, end=1, parent=None,
         standalone=False, encodings={"basis": Encoding("basis", info.size, info.digest)},
         origin=app[CONFIG].node_id, engine=app[PRODUCER].engine)])
-    app[NAMESPACES][address] = "public"
     app[BASES].add(address)
     app[PRODUCER].basis = basis
     log.info("kvtc basis %s (%d bytes) for model %s", address[:16], info.size, loaded.model_id[:16])
@@ -252,8 +251,6 @@ async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
             if step is None:
                 break
             await _retrying(lambda: reg.put_objects(step.records), job)  # blobs first, then their records
-            for rec in step.records:
-                app[NAMESPACES][rec.address] = rec.namespace
             job.chunks_done += 1
             job.chunks_computed += step.computed
             m["chunks_computed" if step.computed else "chunks_reused"].inc()
@@ -301,13 +298,12 @@ async def get_job(request: web.Request) -> web.Response:
     return web.json_response(job.to_dict())
 
 
-async def _namespace_of(app: web.Application, address: str) -> str | None:
-    ns = app[NAMESPACES].get(address)
-    if ns is None:
-        rec = await app[REGISTRY].get_object(address)
-        if rec is None:
-            return None
-        ns = app[NAMESPACES][address] = rec.namespace
+def _namespace_of(app: web.Application, address: str) -> str | None:
+    """Whose object this is, from what this origin holds: the namespace in the stored blob's own header (a
+    kvtc basis, which has none, is public). Never the registry record's: any registry writer can relabel it."""
+    ns = app[STORE].namespace(address)
+    if ns is None and address in app[BASES]:
+        return PUBLIC_NAMESPACE
     return ns
 
 
@@ -327,7 +323,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     address = validate_address(request.match_info["address"])
     store = app[STORE]
     have = store.encodings(address) or await _adopt(app, address)
-    ns = await _namespace_of(app, address) if have else None
+    ns = _namespace_of(app, address) if have else None
     allowed = app[GRANTS].namespaces(bearer(request), "read")
     if ns is None or not (covers(allowed, ns) or (address in app[BASES] and may_read(allowed, ns, "basis"))):
         raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
@@ -365,7 +361,7 @@ async def lookup(request: web.Request) -> web.Response:
     store, n = request.app[STORE], 0
     for a in addrs:
         have = store.encodings(a)
-        ns = await _namespace_of(request.app, a) if have else None
+        ns = _namespace_of(request.app, a) if have else None
         if ns is None or not covers(allowed, ns):
             break
         n += 1
@@ -390,7 +386,6 @@ def create_app(config: OriginConfig) -> web.Application:
     app[METRICS] = metrics
     app[M] = _metrics(metrics)
     service.install_deadlines(app, config.deadlines, metrics, "origin")
-    app[NAMESPACES] = {}
     app[BASES] = set()
     # Anonymous callers may read the public namespace; everything else needs a token.
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))

@@ -11,6 +11,10 @@ written by an engine's connector) are indexed by their hash with a warning;
 ``adopt`` checks them against their registry record. Every read is checked
 against the indexed digest too. The index is by address, so looking one up
 costs the same in a store of twenty blobs or twenty thousand.
+
+The index also keeps each blob's namespace, read from the header written into
+the blob itself: who may read an object is decided from that, never from the
+registry record, whose fields any registry writer can change (#28 item 3).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 from kdn.address import Address, blob_digest, validate_address
 from kdn.errors import DigestMismatch
+from kdn.objects import blob_namespace
 from kdn.store import BlobDir, validate_encoding
 
 log = logging.getLogger(__name__)
@@ -32,6 +37,11 @@ log = logging.getLogger(__name__)
 class BlobInfo:
     size: int
     digest: str
+    namespace: str | None = None  # from the blob's own header; None for a blob that is not a KV object
+
+
+def _info(data: bytes | memoryview) -> BlobInfo:
+    return BlobInfo(len(data), blob_digest(data), blob_namespace(data))
 
 
 class ObjectStore:
@@ -45,7 +55,8 @@ class ObjectStore:
         unattested = 0
         for blob in self.dir.scan():
             data = blob.path.read_bytes()
-            got = blob_digest(data)
+            info = _info(data)
+            got = info.digest
             want = self.dir.attested(blob.address, blob.encoding)
             if want is None:
                 unattested += 1
@@ -55,7 +66,7 @@ class ObjectStore:
                 self.dir.delete(blob.address, blob.encoding)
                 self.dropped += 1
                 continue
-            self._index.setdefault(blob.address, {})[blob.encoding] = BlobInfo(len(data), got)
+            self._index.setdefault(blob.address, {})[blob.encoding] = info
         if unattested:
             log.warning("object store %s: %d blobs have no digest written beside them; indexed by their hash",
                         root, unattested)
@@ -77,12 +88,21 @@ class ObjectStore:
         with self._lock:
             return dict(self._index.get(validate_address(address), {}))
 
+    def namespace(self, address: str) -> str | None:
+        """The namespace this store's blobs of ``address`` carry in their headers; None if it holds none, they
+        are not KV objects, or (never written so by an origin) their encodings disagree."""
+        names = {i.namespace for i in self.encodings(address).values()}
+        if len(names) > 1:
+            log.error("stored blobs of %s carry different namespaces %s: served to no one", address, sorted(map(str, names)))
+            return None
+        return names.pop() if names else None
+
     def has(self, address: str, encoding: str) -> bool:
         return self.info(address, encoding) is not None
 
     def put(self, address: Address, encoding: str, blob: bytes) -> BlobInfo:
         """Store a blob (idempotent: an identical blob already present is not rewritten)."""
-        info = BlobInfo(len(blob), blob_digest(blob))
+        info = _info(blob)
         if self.info(address, encoding) == info:
             return info
         self.dir.put(address, encoding, blob, digest=info.digest)  # the digest lands first, beside it
@@ -99,7 +119,7 @@ class ObjectStore:
         data = self.dir.read(validate_address(address), validate_encoding(encoding))
         if data is None:
             return None
-        info = BlobInfo(len(data), blob_digest(data))
+        info = _info(data)
         if digest is not None and info.digest != digest:
             log.warning("stored blob %s.%s does not match its record's digest: not served", address, encoding)
             return None
