@@ -232,7 +232,9 @@ class Redirector:
 
 
 # Which helper edges each attack needs, beside eu-1 and eu-2.
-EXTRA_EDGES = {"stalled_readers": "st-1", "upstream_redirect": "rd-1", "bad_manifest_record": "pf-1"}
+EXTRA_EDGES = {"stalled_readers": "st-1", "upstream_redirect": "rd-1", "bad_manifest_record": "pf-1",
+               "idle_connections": "ic-1"}
+IDLE_NOFILE, IDLE_CONNECTIONS = 256, 300  # issue #28 item 7: 300 idle connections at an edge limited to 256 files
 N_STORE_BLOBS = 3000  # blobs put into the origin's store before it starts (index_scan)
 
 
@@ -276,6 +278,8 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
         if name == "pf-1":
             args = set_arg(args, "--prefetch", "2")
         ctx.extra[name] = F.Node(name, args, port, w.root / f"{name}.log")
+        if name == "ic-1":
+            ctx.extra[name].nofile = IDLE_NOFILE
     await asyncio.to_thread(w.etcd.start)
     await w.origin.start(timeout=120)
     nodes = [*w.edges.values(), *ctx.extra.values()]
@@ -993,6 +997,56 @@ async def slow_body(ctx: Ctx) -> Row:
                "refused", None, ok, {"results": results, "counted": counted})
 
 
+async def idle_connections(ctx: Ctx) -> Row:
+    """Issue #28's seventh item: hold IDLE_CONNECTIONS idle TCP connections (from 127.0.0.2) at an edge whose
+    process may open IDLE_NOFILE files, then ask it for /healthz and for an object it must fill from the origin."""
+    w, node = ctx.world, ctx.extra["ic-1"]
+    log_before = node.log.stat().st_size
+    held: list[socket.socket] = []
+    try:
+        for _ in range(IDLE_CONNECTIONS):
+            s = socket.socket()
+            s.setblocking(False)
+            s.bind((ROGUE_HOST, 0))
+            held.append(s)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(("127.0.0.1", node.port))
+        await asyncio.sleep(1.0)  # every connect answered (admitted, or closed over the cap)
+        health = []
+        for _ in range(10):
+            t0 = time.monotonic()
+            status, _, _ = await http("GET", f"{node.url}/healthz", timeout=10)
+            health.append((status, time.monotonic() - t0))
+        a = ctx.docs["main"]["addresses"][-1]  # never read at ic-1: a fill from the origin
+        fill_status, _, body = await http("GET", f"{node.url}/v1/objects/{a}?encoding=zstd", timeout=15)
+        _, _, metrics = await http("GET", f"{node.url}/metrics")
+    finally:
+        for s in held:
+            s.close()
+    text = metrics.decode(errors="replace")
+
+    def sample(name: str, reason: str | None = None) -> float:
+        for line in text.splitlines():
+            if line.startswith(name) and (reason is None or f'reason="{reason}"' in line):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    refused_peer, open_now = sample("kdn_connections_refused_total", "peer"), sample("kdn_connections_open")
+    worst = max(t for _, t in health)
+    median = sorted(t for _, t in health)[len(health) // 2]
+    logged = node.log.stat().st_size - log_before
+    ok = (all(st == 200 for st, _ in health) and worst < 1.0 and fill_status == 200
+          and blake3(body).hexdigest() == w.digests[a][1] and refused_peer > 0 and logged < 64 * 1024)
+    return Row("idle_connections", f"{IDLE_CONNECTIONS} idle TCP connections from {ROGUE_HOST} held at an edge "
+               f"whose process may open {IDLE_NOFILE} files; then /healthz 10 times and an object it must fill "
+               "from the origin, from 127.0.0.1",
+               f"/healthz 200 in {median * 1e3:.0f} ms median, {worst * 1e3:.0f} ms worst; the fill "
+               f"{fill_status}; {refused_peer:.0f} connections closed over the per-peer cap "
+               f"({open_now:.0f} open at the end); the edge's log grew {logged} bytes",
+               "held", None, ok, {"healthz_ms": [round(t * 1e3, 1) for _, t in health], "fill_status": fill_status,
+                                  "refused_peer": refused_peer, "open": open_now, "log_bytes": logged})
+
+
 async def trickled_head_one(node: F.Node) -> float | None:
     reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
     loop = asyncio.get_running_loop()
@@ -1396,6 +1450,7 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "publish_body_unread": (publish_body_unread, True),
     "malformed_json": (malformed_json, True),
     "anonymous_probes": (anonymous_probes, True),
+    "idle_connections": (idle_connections, True),
     "client_content_length": (client_content_length, False),
     "client_pooled_bytes": (client_pooled_bytes, False),
 }

@@ -74,6 +74,7 @@ class Node:
         self.name, self.args, self.port, self.log = name, args, port, log
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] = {}  # more environment for the process (e.g. a test hook)
+        self.nofile: int | None = None  # its open-file limit (RLIMIT_NOFILE), if lower than ours
 
     @property
     def url(self) -> str:
@@ -91,8 +92,18 @@ class Node:
     def spawn(self) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                **self.env}
+        nofile = self.nofile
+
+        def limits() -> None:  # in the child, before exec
+            if nofile is not None:
+                import resource
+
+                _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+
         self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kdn.cli", *self.args],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env)
+                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env,
+                                     preexec_fn=limits if nofile is not None else None)
 
     async def wait_healthy(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

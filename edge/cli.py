@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lease-ttl", default="10s", metavar="DURATION", help="membership lease, e.g. 10s")
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="connections open at once (default: 3/4 of `ulimit -n`; docs/operations.md)")
+    p.add_argument("--max-connections-per-peer", type=int, default=None, metavar="N",
+                   help="of those, from one address (default: half of --max-connections)")
     p.add_argument("--ca", default=None, metavar="FILE", help="CA bundle to verify peers and the origin (default: system CAs, or $KDN_CA)")
     p.add_argument("--trusted-keys", default=None, metavar="FILE",
                    help="publisher keys (ed25519:HEX per line): records they did not sign are misses")
@@ -109,6 +113,8 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "ca": _readable(args.ca, "--ca"),
         "trusted_keys": _readable(args.trusted_keys, "--trusted-keys"),
         "region_probes": args.region_probes,
+        "max_connections": args.max_connections,
+        "max_connections_per_peer": args.max_connections_per_peer,
     }
     if kw["trusted_keys"]:
         from kdn.signing import Verifier
@@ -140,7 +146,9 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
     clockhook.install_from_env()  # a test hook (off unless its variable is set): before the tiers are imported
     from kdn.edge.app import EdgeConfig, run  # aiohttp and the tiers: only when serving
 
-    run(EdgeConfig(**kw))
+    config = EdgeConfig(**kw)
+    config.connection_caps()  # bad caps fail here, in one line
+    run(config)
     return 0
 
 

@@ -30,6 +30,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kdn import service
+from kdn.service import connections
 from kdn.address import validate_address, validate_name
 from kdn.address import PUBLIC_NAMESPACE
 from kdn.auth import Grant, Grants, covers, may_read
@@ -405,5 +406,6 @@ def run(config: OriginConfig) -> None:
     from kdn.tls import server_context
 
     app = create_app(config)
-    web.run_app(app, host=config.host, port=config.port, print=None,
-                ssl_context=server_context(config.tls_cert, config.tls_key), **service.server_options(app))
+    connections.run(app, config.host, config.port, caps=config.connection_caps(), service="origin",
+                    ssl_context=server_context(config.tls_cert, config.tls_key), metrics=app[METRICS],
+                    **service.server_options(app))

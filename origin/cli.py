@@ -35,6 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="what computes the states: transformers (default) or vLLM (pip install 'kdn[vllm]')")
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="connections open at once (default: 3/4 of `ulimit -n`; docs/operations.md)")
+    p.add_argument("--max-connections-per-peer", type=int, default=None, metavar="N",
+                   help="of those, from one address (default: half of --max-connections)")
     p.add_argument("--kvtc-basis", default=None, metavar="FILE",
                    help="the model's kvtc basis file (fit_basis in kdn.adapters.hf.transform_fit; docs/operations.md): "
                         "enables kvtc-B encodings")
@@ -80,7 +84,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = OriginConfig(model=args.model, registry=args.registry, store=args.store, host=args.host, port=args.port,
                        token_file=args.token_file, region=validate_name(args.region), url=args.url, dtype=args.dtype,
                        max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                       engine=args.engine, signing_key=args.signing_key, kvtc_basis=args.kvtc_basis)
+                       engine=args.engine, signing_key=args.signing_key, kvtc_basis=args.kvtc_basis,
+                       max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer)
+    cfg.connection_caps()  # bad caps fail here, in one line
     if args.signing_key:
         from kdn.signing import Signer
 

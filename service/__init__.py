@@ -87,6 +87,15 @@ class NodeConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     deadlines: Deadlines = field(default_factory=Deadlines)  # request heads and bodies, responses
+    max_connections: int | None = None  # None: from the descriptor limit (service/connections.py)
+    max_connections_per_peer: int | None = None  # None: half of max_connections
+
+    def connection_caps(self) -> Any:
+        """The ``ConnectionCaps`` this node serves under, fitted to this process's descriptor limit."""
+        from .connections import ConnectionCaps, descriptor_limit
+
+        return ConnectionCaps.for_limit(descriptor_limit(), total=self.max_connections,
+                                        per_peer=self.max_connections_per_peer)
 
     @property
     def advertised_url(self) -> str:

@@ -21,7 +21,7 @@ import attacks  # noqa: E402  (bench/attacks.py)
 pytestmark = pytest.mark.timeout(180)
 
 FAST = ["bit_rot", "relabelled_namespace", "forged_record", "rogue_node", "rogue_https_node", "planted_digest", "zstd_bomb", "cachegen_bomb", "hash_in_token", "bare_token",
-        "tenant_cache_headers", "publish_body_unread", "malformed_json", "anonymous_probes", "client_content_length",
+        "tenant_cache_headers", "publish_body_unread", "malformed_json", "anonymous_probes", "idle_connections", "client_content_length",
         "client_pooled_bytes"]
 
 
