@@ -695,6 +695,37 @@ async def relabelled_namespace(ctx: Ctx) -> Row:
                "refused", leaked, ok, {"relabelled": now_public, **served, "tenant_reads": own})
 
 
+async def manifest_rollback(ctx: Ctx) -> Row:
+    """Issue #28's fourth item: keep a document's signed manifest, publish a new version of the document,
+    then write the old manifest back into etcd and let a client that read the new one ask again."""
+    from kdn.client import KDNClient
+    from kdn.registry import open_registry
+
+    w, edge = ctx.world, ctx.world.edges["eu-1"]
+    await w.publish(ctx.text("rollback-old", 600), "hours")
+    async with open_registry(w.etcd.registry) as reg:
+        stale = await reg.get_manifest("public", "hours")
+        new = await w.publish(ctx.text("rollback-new", 600), "hours")
+        async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], hedge=False, timeout=10) as c:
+            first = await c.manifest("public", "hours")
+            await reg._put(reg._manifest_key("public", "hours"), stale.pack())  # the replay, validly signed
+            replayed = await c.manifest("public", "hours")
+            refused = c.rejected_records
+        async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], hedge=False, timeout=10) as fresh:
+            fooled = await fresh.manifest("public", "hours")  # a process that never saw the new one (residual)
+    took_new = first is not None and first["addresses"] == new["addresses"]
+    took_stale = replayed is not None and replayed["addresses"] == stale.addresses
+    ok = took_new and replayed is None and refused == 1 and fooled is not None
+    return Row("manifest_rollback", "a document published twice under one name; the first, signed, manifest written "
+               "back into etcd; a client with trusted_keys that read the second asks again",
+               f"first read: {'the new version' if took_new else 'OTHER'} (v{first and first.get('version')}); after "
+               f"the replay (v{stale.version}): {'refused' if replayed is None else 'TAKEN' if took_stale else 'other'}"
+               f" ({refused} record refused); a new client process, which never saw the new version, takes the "
+               "replay (the residual: seed KDNClient.manifest_versions from a store to hold across restarts)",
+               "refused", None, ok, {"new_version": first and first.get("version"), "stale_version": stale.version,
+                                     "refused": refused})
+
+
 # --- 4. decompression bombs ---------------------------------------------------------------------------
 
 
@@ -1439,6 +1470,7 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "rogue_node": (rogue_node, True),
     "rogue_https_node": (rogue_https_node, True),
     "planted_digest": (planted_digest, True),
+    "manifest_rollback": (manifest_rollback, True),
     "zstd_bomb": (zstd_bomb_attack, False),
     "cachegen_bomb": (cachegen_bomb_attack, False),
     "index_scan": (index_scan, True),

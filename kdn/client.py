@@ -220,6 +220,7 @@ class KDNClient:
         # whose signature does not verify is a miss -- its digest is never believed.
         self.verifier = _verifier(trusted_keys)
         self.rejected_records = 0
+        self.manifest_versions: dict[str, int] = {}  # namespace/name -> the highest version this client has taken
         # kvtc bases by address: each fetched once (then shared by every object that names it)
         self._bases: dict[str, asyncio.Task[Any]] = {}
         self.bases_fetched = 0
@@ -310,8 +311,28 @@ class KDNClient:
         return self._trusted(d, "object", address)
 
     async def manifest(self, namespace: str, name: str) -> dict[str, Any] | None:
-        d = await self._json("GET", f"/v1/registry/manifests/{A.validate_namespace(namespace)}/{A.validate_name(name)}")
-        return self._trusted(d, "manifest", f"{namespace}/{name}")
+        """The manifest of ``namespace/name`` (None if absent or refused). Never an older one than this client
+        took before: a superseded manifest, validly signed and replayed by a registry writer or a lying edge, is
+        refused (counted in ``rejected_records``; with ``trusted_keys``, which make the version the origin's word);
+        the highest version seen per name is kept in
+        ``manifest_versions``, which a caller may seed from a store of its own to hold across restarts."""
+        ref = f"{A.validate_namespace(namespace)}/{A.validate_name(name)}"
+        d = self._trusted(await self._json("GET", f"/v1/registry/manifests/{ref}"), "manifest", ref)
+        if d is None or self.verifier is None:  # without keys a version is the sender's word: nothing to hold to
+            return d
+        version = d.get("version", 0)
+        if not (isinstance(version, int) and not isinstance(version, bool) and version >= 0):
+            self.rejected_records += 1
+            log.warning("KDN manifest %s refused: version %r", ref, str(version)[:20])
+            return None
+        seen = self.manifest_versions.get(ref, 0)
+        if version < seen:
+            self.rejected_records += 1
+            log.warning("KDN manifest %s refused: version %d is older than version %d taken before (a replay)",
+                        ref, version, seen)
+            return None
+        self.manifest_versions[ref] = version
+        return d
 
     def _trusted(self, d: dict[str, Any] | None, kind: str, what: str) -> dict[str, Any] | None:
         """``d`` if no keys are configured or a trusted key signed it (and it says what it was asked for)."""

@@ -70,6 +70,8 @@ def payload(rec: ObjectRecord | Manifest) -> bytes:
             "prefix_tokens": rec.prefix_tokens, "template": rec.template, "standalone": rec.standalone,
             "head_tokens": rec.head_tokens,
         }
+        if rec.version:  # likewise: a manifest signed before versions verifies, and counts as version 0
+            body["version"], body["created"] = rec.version, rec.created
         if rec.emphasis is not None:  # only when present: manifests signed before maps existed still verify
             from kdn.emphasis import EmphasisMap
 

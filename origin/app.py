@@ -261,7 +261,7 @@ async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
                             prefix_tokens=spec.tokens, template=spec.template, standalone=plan.standalone,
                             head_tokens=spec.head_tokens,
                             emphasis=None if emphasis is None else emphasis.to_dict())
-        await _retrying(lambda: reg.put_manifest(manifest), job)  # every object it names is recorded by now
+        manifest = await _retrying(lambda: reg.put_manifest(manifest), job)  # every object it names is recorded by now
         if plan.tail is not None:
             parent, length = plan.tail
             await _retrying(lambda: reg.add_tail(parent, length, plan.addresses[-1]), job)

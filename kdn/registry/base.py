@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 import asyncio
 import logging
 import contextlib
@@ -76,7 +77,7 @@ class ObjectStore(Protocol):
 
 
 class ManifestStore(Protocol):
-    async def put_manifest(self, manifest: Manifest, objects: Sequence[ObjectRecord] = ()) -> None: ...
+    async def put_manifest(self, manifest: Manifest, objects: Sequence[ObjectRecord] = ()) -> Manifest: ...
     async def get_manifest(self, namespace: str, name: str) -> Manifest | None: ...
     async def list_manifests(self, namespace: str | None = None) -> list[Manifest]: ...
     async def delete_manifest(self, namespace: str, name: str) -> bool: ...
@@ -403,10 +404,28 @@ class KVRegistry(abc.ABC):
 
     # manifests --------------------------------------------------------------
 
-    async def put_manifest(self, manifest: Manifest, objects: Sequence[ObjectRecord] = ()) -> None:
+    async def put_manifest(self, manifest: Manifest, objects: Sequence[ObjectRecord] = ()) -> Manifest:
+        """Record ``manifest`` (after ``objects``), versioned above the stored one of its name; returns it as
+        stored (versioned, and signed where this writer signs).
+
+        The version is the publish time in milliseconds, or one more than the stored manifest's where that
+        is higher (a clock stepped back): it rises with every publish, also across a delete and a
+        re-publish. A signing writer counts only a stored manifest its own key signed (another's version,
+        planted, could otherwise push it anywhere). Two writers publishing one name in the same
+        millisecond can end at one version; the later write wins the name, as before.
+        """
         _expect(manifest, Manifest)
         key = self._manifest_key(manifest.namespace, manifest.name)
-        await self._put_objects_then(objects, (key, self._signed(manifest).pack()))
+        try:
+            old = await self.get_manifest(manifest.namespace, manifest.name)
+        except InvalidInput:  # not a manifest at all: replaced
+            old = None
+        if old is not None and self.signer is not None and not self.signer.signed_it(old):
+            old = None
+        version = max(manifest.version, int(time.time() * 1000), old.version + 1 if old is not None else 1)
+        manifest = self._signed(dataclasses.replace(manifest, version=version))
+        await self._put_objects_then(objects, (key, manifest.pack()))
+        return manifest
 
     async def get_manifest(self, namespace: str, name: str) -> Manifest | None:
         (v,) = await self._read([self._manifest_key(namespace, name)])

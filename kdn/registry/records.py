@@ -281,10 +281,14 @@ class Manifest(_Record):
     sig: dict[str, str] = field(default_factory=dict)  # the origin's signature (kdn/signing.py)
     # Which published tokens matter (kdn/emphasis.py, wire form); signed with the rest. None: no map.
     emphasis: dict[str, Any] | None = None
+    # Per name, rising with every publish (the registry sets it: ``put_manifest``); signed, with ``created``,
+    # so a consumer that saw version v refuses an older manifest replayed to it (0: from before versions).
+    version: int = 0
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
         validate_name(self.name)
+        _require(_is_int(self.version) and 0 <= self.version < 1 << 63, "Manifest.version must be an int >= 0")
         if self.emphasis is not None:
             EmphasisMap.from_dict(self.emphasis, n_tokens=len(self.prefix_tokens)
                                   if isinstance(self.prefix_tokens, list) else 0)

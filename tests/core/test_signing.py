@@ -65,6 +65,42 @@ def test_manifests_are_signed_over_their_tokens(keys):
     assert not v.ok(dataclasses.replace(m, prefix_tokens=[1, 2, 4]))  # a prompt built from it would never hit
 
 
+def test_a_manifests_version_and_time_are_signed(keys):
+    k1, _ = keys
+    m = k1.sign(Manifest(namespace="public", name="doc", model_id=M, addresses=[A1], tokens=3, chunk_tokens=256,
+                         prefix_tokens=[1, 2, 3], version=7, created=1000.0))
+    v = Verifier([k1.public])
+    assert v.ok(Manifest.unpack(m.pack()))
+    for change in (dict(version=8), dict(version=0), dict(created=2000.0)):
+        assert not v.ok(dataclasses.replace(m, **change)), change  # a replay cannot pass as a newer one
+
+
+async def test_manifest_versions_rise_and_a_planted_one_does_not_count(registry, keys):
+    k1, _ = keys
+    registry.signer = k1
+    doc = Manifest(namespace="public", name="doc", model_id=M, addresses=[A1], tokens=3, chunk_tokens=256,
+                   prefix_tokens=[1, 2, 3])
+    await registry.put_manifest(doc)
+    first = await registry.get_manifest("public", "doc")
+    await registry.put_manifest(doc)
+    second = await registry.get_manifest("public", "doc")
+    assert Verifier([k1.public]).ok(second) and second.version > first.version > 0
+    # A registry writer plants an unsigned manifest at a huge version: the origin's next one is not pushed
+    # past it (its own, signed, versions stay the publish time in ms).
+    signer, registry.signer = registry.signer, None
+    try:
+        await registry._put(registry._manifest_key("public", "doc"),
+                            dataclasses.replace(second, version=(1 << 62), sig={}).pack())
+    finally:
+        registry.signer = signer
+    await registry.put_manifest(doc)
+    third = await registry.get_manifest("public", "doc")
+    assert second.version < third.version < 1 << 50
+    await registry.delete_manifest("public", "doc")
+    await registry.put_manifest(doc)  # a re-publish after a delete still rises (the publish time)
+    assert (await registry.get_manifest("public", "doc")).version > third.version
+
+
 def test_rotation_and_revocation(keys):
     k1, k2 = keys
     old, new = k1.sign(record()), k2.sign(record(address=A2))

@@ -55,8 +55,9 @@ async def test_get_objects_beyond_one_transaction(registry):
 async def test_manifest_round_trip_list_delete(registry):
     objs = chain("m", 2)
     m1, m2 = manifest("docs", objs), manifest("faq", objs[:1], namespace="acme")
-    await registry.put_manifest(m1, objs)
-    await registry.put_manifest(m2)
+    m1 = await registry.put_manifest(m1, objs)  # as stored: versioned
+    m2 = await registry.put_manifest(m2)
+    assert m1.version > 0 and m2.version > 0
     assert await registry.get_manifest("public", "docs") == m1
     assert await registry.get_manifest("public", "nope") is None
     assert await registry.list_manifests() == [m2, m1]  # key order: acme/ before public/
@@ -245,7 +246,7 @@ async def test_watch_sees_writes_from_another_handle(registry_factory):
     async with contextlib.aclosing(watch):
         assert (await next_event(watch)).items == {}
         m = manifest("x", chain("x", 1))
-        await writer.put_manifest(m)
+        m = await writer.put_manifest(m)  # as stored: versioned
         ev = await next_event(watch)
     assert (ev.kind, ev.key, Manifest.unpack(ev.value)) == ("put", "manifests/public/x", m)
 
