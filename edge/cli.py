@@ -213,7 +213,8 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
         await reg.put_policy(p)
         if p.manifest is not None:
             ns, name = p.manifest.split("/")
-            if await reg.get_manifest(ns, name) is None:
+            m = await reg.get_manifest(ns, name)
+            if m is None or m.deleted:
                 print(f"kdn: note: manifest {p.manifest} is not published yet; edges apply {p.name} once it is", file=sys.stderr)
         if p.kind == "quota":
             detail = f"{format_size(p.quota_bytes)} for namespace {p.namespace}"

@@ -319,7 +319,7 @@ class KDNClient:
         ref = f"{A.validate_namespace(namespace)}/{A.validate_name(name)}"
         d = self._trusted(await self._json("GET", f"/v1/registry/manifests/{ref}"), "manifest", ref)
         if d is None or self.verifier is None:  # without keys a version is the sender's word: nothing to hold to
-            return d
+            return None if d is not None and d.get("deleted") else d
         version = d.get("version", 0)
         if not (isinstance(version, int) and not isinstance(version, bool) and version >= 0):
             self.rejected_records += 1
@@ -332,7 +332,7 @@ class KDNClient:
                         ref, version, seen)
             return None
         self.manifest_versions[ref] = version
-        return d
+        return None if d.get("deleted") else d  # a signed tombstone: deleted, and older ones refused from now
 
     def _trusted(self, d: dict[str, Any] | None, kind: str, what: str) -> dict[str, Any] | None:
         """``d`` if no keys are configured or a trusted key signed it (and it says what it was asked for)."""

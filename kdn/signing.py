@@ -72,6 +72,8 @@ def payload(rec: ObjectRecord | Manifest) -> bytes:
         }
         if rec.version:  # likewise: a manifest signed before versions verifies, and counts as version 0
             body["version"], body["created"] = rec.version, rec.created
+        if rec.deleted:
+            body["deleted"] = True
         if rec.emphasis is not None:  # only when present: manifests signed before maps existed still verify
             from kdn.emphasis import EmphasisMap
 

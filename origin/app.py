@@ -31,8 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kdn import service
 from kdn.service import connections
-from kdn.address import validate_address, validate_name
-from kdn.address import PUBLIC_NAMESPACE
+from kdn.address import PUBLIC_NAMESPACE, validate_address, validate_name, validate_namespace
 from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import RegistryUnavailable
@@ -229,6 +228,21 @@ async def publish(request: web.Request) -> web.Response:
     return web.json_response({"job": job.id, "url": f"/v1/jobs/{job.id}", **job.to_dict()}, status=202)
 
 
+async def delete_manifest(request: web.Request) -> web.Response:
+    """Delete a published name: a signed tombstone, versioned above the manifest it replaces, so a client
+    that saw it refuses the old manifest replayed. The objects stay (other names may share them)."""
+    app = request.app
+    ns = validate_namespace(request.match_info["namespace"])
+    name = validate_name(request.match_info["name"])
+    app[GRANTS].check(bearer(request), "publish", ns)
+    stored = await app[REGISTRY].get_manifest(ns, name)
+    if stored is None or stored.deleted:
+        raise web.HTTPNotFound(text=f"no manifest {ns}/{name}")
+    tombstone = await app[REGISTRY].put_manifest(stored.tombstone())
+    log.info("manifest %s/%s deleted (tombstone version %d)", ns, name, tombstone.version)
+    return web.json_response(tombstone.to_dict())
+
+
 async def _run_publish(app: web.Application, spec, job: Job) -> dict:
     try:
         manifest = await _publish_steps(app, spec, job)
@@ -396,6 +410,7 @@ def create_app(config: OriginConfig) -> web.Application:
     app.router.add_get("/v1/jobs/{job_id}", get_job)
     app.router.add_get("/v1/objects/{address}", get_object)  # aiohttp adds HEAD for GET routes
     app.router.add_post("/v1/lookup", lookup)
+    app.router.add_delete("/v1/manifests/{namespace}/{name}", delete_manifest)
     app.router.add_get("/healthz", healthz)
     service.add_common_routes(app)
     return app

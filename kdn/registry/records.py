@@ -284,10 +284,16 @@ class Manifest(_Record):
     # Per name, rising with every publish (the registry sets it: ``put_manifest``); signed, with ``created``,
     # so a consumer that saw version v refuses an older manifest replayed to it (0: from before versions).
     version: int = 0
+    # A signed tombstone: the name was deleted (at ``version``). It names no objects and no tokens, so a
+    # replay of an older manifest of the name is refused by version, like any superseded one.
+    deleted: bool = False
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
         validate_name(self.name)
+        _require(isinstance(self.deleted, bool), "Manifest.deleted must be a bool")
+        _require(not self.deleted or not (self.addresses or self.prefix_tokens or self.standalone or self.tokens),
+                 "a deleted Manifest (a tombstone) names no objects and no tokens")
         _require(_is_int(self.version) and 0 <= self.version < 1 << 63, "Manifest.version must be an int >= 0")
         if self.emphasis is not None:
             EmphasisMap.from_dict(self.emphasis, n_tokens=len(self.prefix_tokens)
@@ -311,6 +317,11 @@ class Manifest(_Record):
         for a in self.standalone:
             validate_address(a, what="standalone address")
         _require(_is_number(self.created), "Manifest.created must be a number")
+
+    def tombstone(self) -> Manifest:
+        """What deleting this name records: the same name and model, nothing in it (versioned when stored)."""
+        return Manifest(namespace=self.namespace, name=self.name, model_id=self.model_id, addresses=[], tokens=0,
+                        chunk_tokens=self.chunk_tokens, prefix_tokens=[], deleted=True)
 
     @property
     def ref(self) -> str:

@@ -73,6 +73,10 @@ def test_a_manifests_version_and_time_are_signed(keys):
     assert v.ok(Manifest.unpack(m.pack()))
     for change in (dict(version=8), dict(version=0), dict(created=2000.0)):
         assert not v.ok(dataclasses.replace(m, **change)), change  # a replay cannot pass as a newer one
+    tomb = k1.sign(dataclasses.replace(m.tombstone(), version=8))
+    assert v.ok(Manifest.unpack(tomb.pack())) and not v.ok(dataclasses.replace(tomb, deleted=False))
+    with pytest.raises(InvalidInput, match="tombstone"):
+        dataclasses.replace(m, deleted=True)  # a tombstone names nothing
 
 
 async def test_manifest_versions_rise_and_a_planted_one_does_not_count(registry, keys):

@@ -41,3 +41,31 @@ async def test_a_superseded_manifest_replayed_through_the_registry_is_refused(tm
                 assert (await fresh.manifest("public", "hours"))["addresses"] == old["addresses"]
         finally:
             await writer.close()
+
+
+async def test_a_deleted_name_stays_deleted_for_a_client_that_saw_its_tombstone(tmp_path, etcd_url):
+    import aiohttp
+
+    from edge_helpers import PUBLISH, TENANT_A
+
+    key = Signer.generate(tmp_path / "origin.key")
+    async with cluster(tmp_path, etcd_url, edges=("e1",), origin_kw={"signing_key": str(tmp_path / "origin.key")}) as c:
+        await publish(c, OLD, name="hours")
+        writer = open_registry(c.registry)
+        try:
+            stale = await writer.get_manifest("public", "hours")
+            async with aiohttp.ClientSession(c.origin_url()) as s:
+                for token, want in ((None, 401), (TENANT_A, 403), (PUBLISH, 200), (PUBLISH, 404)):
+                    headers = {"Authorization": f"Bearer {token}"} if token else {}
+                    async with s.delete("/v1/manifests/public/hours", headers=headers) as r:
+                        assert r.status == want, (token, r.status, await r.text())
+                        if r.status == 200:
+                            tomb = await r.json()
+            assert tomb["deleted"] and tomb["addresses"] == [] and tomb["version"] > stale.version
+            async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
+                assert await client.manifest("public", "hours") is None  # deleted (the tombstone, verified)
+                assert client.manifest_versions["public/hours"] == tomb["version"] and client.rejected_records == 0
+                await writer._put(writer._manifest_key("public", "hours"), stale.pack())  # the deleted one replayed
+                assert await client.manifest("public", "hours") is None and client.rejected_records == 1
+        finally:
+            await writer.close()
