@@ -218,7 +218,7 @@ async def run(args) -> dict:
 
             mid = engine_model_id(lm.model, lm.tokenizer)
             for L in args.lengths:
-                man = await publish(s, origin.url, f"datapath-{L}", doc[:L])
+                man = await T.publish(s, origin.url, f"datapath-{L}", doc[:L], encodings=["zstd", "raw"])
                 if man["model_id"] != mid:
                     raise RuntimeError("the origin's model id is not the bench's")
                 for encoding in args.encodings:
@@ -275,23 +275,6 @@ async def run(args) -> dict:
             p.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-async def publish(session, origin: str, name: str, tokens: list[int]) -> dict:
-    headers = {"Authorization": f"Bearer {T.PUBLISH_TOKEN}"}
-    async with session.post(f"{origin}/v1/publish", json={"name": name, "tokens": tokens,
-                                                          "encodings": ["zstd", "raw"]}, headers=headers) as r:
-        body = await r.json()
-        if r.status != 202:
-            raise RuntimeError(f"publish {name}: HTTP {r.status} {body}")
-    while True:
-        async with session.get(f"{origin}{body['url']}", headers=headers) as r:
-            job = await r.json()
-        if job["state"] == "done":
-            return job["manifest"]
-        if job["state"] == "failed":
-            raise RuntimeError(f"publish {name} failed: {job.get('error')}")
-        await asyncio.sleep(0.1)
 
 
 def _gbps(nbytes: int, ts: list[float]) -> tuple[float, float]:

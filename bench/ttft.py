@@ -387,9 +387,11 @@ def cold_registry(src: Path, dest: Path) -> None:
         b.close()
 
 
-async def publish(session, origin: str, name: str, tokens: list[int], timeout: float = 3600) -> dict:
+async def publish(session, origin: str, name: str, tokens: list[int], timeout: float = 3600,
+                  encodings: list[str] | None = None) -> dict:
     headers = {"Authorization": f"Bearer {PUBLISH_TOKEN}"}
-    async with session.post(f"{origin}/v1/publish", json={"name": name, "tokens": tokens}, headers=headers) as r:
+    body = {"name": name, "tokens": tokens, **({"encodings": encodings} if encodings else {})}
+    async with session.post(f"{origin}/v1/publish", json=body, headers=headers) as r:
         body = await r.json()
         if r.status != 202:
             raise RuntimeError(f"publish {name}: HTTP {r.status} {body}")
