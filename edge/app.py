@@ -47,6 +47,7 @@ from kdn.objects import blob_namespace
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
 from kdn.registry.follow import stop_tasks
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
+from kdn.store import validate_encoding
 
 from kdn.edge.disk import DiskTier
 from kdn.edge.fill import Filler
@@ -397,16 +398,16 @@ class Edge:
         plan = self._fills().plan(key, rec, hop=False)
         return next((label for label, _, extra in plan if CACHED_ONLY not in extra), "origin")
 
-    async def _prefetch_one(self, address: str) -> None:
+    async def _prefetch_one(self, address: str, encoding: str | None = None) -> None:
         rec = await self.records.get(address)
-        enc = self.choose_encoding(rec, None) if rec is not None else None
+        enc = self.choose_encoding(rec, encoding) if rec is not None else None
         if rec is None or enc is None or self.holds((address, enc)):
             return
         owner = self._ring().owner(address)
         if owner is not None and owner.node_id != self.me.node_id:
             # The owner fills it; this edge only passes the hint on.
             fills = self._fills()
-            async with fills.session.post(f"{owner.url}/v1/prefetch", json={"addresses": [address]},
+            async with fills.session.post(f"{owner.url}/v1/prefetch", json={"addresses": [address], "encoding": enc},
                                           headers=fills.headers(owner.url)) as r:
                 await r.read()
             return
@@ -654,7 +655,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         if loaded.handle is not None:
             edge._note_read(key)
         if not head:
-            edge.prefetcher.after_read(address)
+            edge.prefetcher.after_read(address, encoding)
         # An anonymous HEAD learns whether it can read the object, not which tier holds it.
         source = loaded.source if (peer or bearer(request) or not head) else "edge"
         headers = object_headers(digest, source, encoding, rec.namespace)
@@ -731,9 +732,13 @@ async def lookup(request: web.Request) -> web.Response:
     for a, rec in zip(addrs, recs):
         if rec is None or not covers(allowed, rec.namespace):
             break
-        enc = edge.choose_encoding(rec, body.get("encoding"))
+        want = body.get("encoding")
+        enc = edge.choose_encoding(rec, want)
         if enc is None:
             break
+        # Without a named encoding, a held lossless copy is a hit: a client picks among them by its link.
+        held = [e for e in LOSSLESS_PREFERENCE if e in rec.encodings] if want is None else [enc]
+        enc = next((e for e in held if edge.holds((a, e))), enc)
         where.append(edge.where((a, enc), rec))
     if not bearer(request):
         # Which tier holds each object is cache state, which an anonymous HEAD does not see either: it would
@@ -751,9 +756,14 @@ async def prefetch(request: web.Request) -> web.Response:
     grants = request.app[GRANTS].namespaces(bearer(request), "read")
     if "*" not in grants:
         raise web.HTTPForbidden(text="prefetch is for edges (a read-* token)")
+    encoding = body.get("encoding")
+    try:
+        encoding = None if encoding is None else validate_encoding(encoding)
+    except InvalidInput as e:
+        raise web.HTTPBadRequest(text=f"'encoding': {e}") from None
     edge = request.app[EDGE]
     for a in addrs:
-        edge.prefetcher.schedule(validate_address(a))
+        edge.prefetcher.schedule(validate_address(a), encoding)
     return web.json_response({"scheduled": len(addrs)}, status=202)
 
 

@@ -49,41 +49,47 @@ class ChainIndex:
 
 
 class Prefetcher:
-    """Schedules background fills of what follows a read; bounded: at most ``max_pending`` at once."""
+    """Schedules background fills of what follows a read; bounded: at most ``max_pending`` at once.
 
-    def __init__(self, index: ChainIndex, k: int, fetch: Callable[[str], Awaitable[None]], *, max_pending: int = 64):
+    A fill is of the encoding the read was of (``None``: the edge's preference): a client that reads
+    raw copies on a fast last hop would miss on prefetched zstd ones, and the other way round.
+    """
+
+    def __init__(self, index: ChainIndex, k: int, fetch: Callable[[str, str | None], Awaitable[None]], *,
+                 max_pending: int = 64):
         self.index = index
         self.k = k
         self._fetch = fetch
-        self._pending: set[str] = set()
+        self._pending: set[tuple[str, str | None]] = set()
         self._tasks: set[asyncio.Task] = set()
         self.max_pending = max_pending
         self.dropped = 0
 
-    def after_read(self, address: str) -> None:
+    def after_read(self, address: str, encoding: str | None = None) -> None:
         for nxt in self.index.following(address, self.k):
-            self.schedule(nxt)
+            self.schedule(nxt, encoding)
 
-    def schedule(self, address: str) -> None:
-        if address in self._pending:
+    def schedule(self, address: str, encoding: str | None = None) -> None:
+        key = (address, encoding)
+        if key in self._pending:
             return
         if len(self._pending) >= self.max_pending:
             self.dropped += 1  # a prefetch is a hint: shed it rather than queue without bound
             return
-        self._pending.add(address)
-        task = asyncio.create_task(self._run(address), name=f"prefetch-{address[:12]}")
+        self._pending.add(key)
+        task = asyncio.create_task(self._run(key), name=f"prefetch-{address[:12]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, address: str) -> None:
+    async def _run(self, key: tuple[str, str | None]) -> None:
         try:
-            await self._fetch(address)
+            await self._fetch(*key)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a failed prefetch costs nothing but the attempt
-            log.debug("prefetch of %s failed: %s", address, e)
+            log.debug("prefetch of %s failed: %s", key[0], e)
         finally:
-            self._pending.discard(address)
+            self._pending.discard(key)
 
     async def idle(self) -> None:
         """Wait until no prefetch is running (tests)."""

@@ -34,9 +34,9 @@ import aiohttp
 from kdn import address as A
 from kdn.address import validate_digest
 from kdn.bodyget import BodyGetter
-from kdn.encodings import affordable, decode_seconds, parse_budget
+from kdn.encodings import affordable, parse_budget
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
-from kdn.estimate import Estimates
+from kdn.estimate import DECODE, DecodeSpeeds, Estimates
 from kdn.fetch import Buffer, Fetcher, Fresh, Observer, Route, Want
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
@@ -165,6 +165,7 @@ class KDNClient:
         local_addr: str | None = None,
         trusted_keys: TrustedKeys | None = None,
         arena: Arena | None = None,
+        decode_speeds: DecodeSpeeds | None = None,
     ) -> None:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
@@ -202,6 +203,9 @@ class KDNClient:
         # away and sent the geo bench's clients to another region (docs/benchmarks.md, Geo).
         self.estimates = Estimates()
         self.control = Estimates()
+        # What decoding each encoding costs on this machine (measured by every decode; the process's own
+        # by default), the other half of choosing an encoding beside the link's estimate.
+        self.decode_speeds = decode_speeds if decode_speeds is not None else DECODE
         for s in self.sources:
             self.estimates[s.url].set_prior(s.prior_rtt)
             self.control[s.url].set_prior(s.prior_rtt)
@@ -472,7 +476,7 @@ class KDNClient:
             if not affordable(name, budget):
                 continue
             size = int(enc["size"])
-            t = min(self.estimates[s.url].expected(size) for s in self.sources) + decode_seconds(name, size)
+            t = min(self.estimates[s.url].expected(size) for s in self.sources) + self.decode_speeds.seconds(name, size)
             if t < best_t:
                 best, best_t = name, t
         return best
@@ -625,7 +629,8 @@ class KDNClient:
                 # A kvtc object: its basis first (fetched once); its decode bounded by the span the lookup
                 # asked for, never by what the object's own header claims.
                 cap = await self.prepare(f, hit.token_counts()[index])
-                return f, await asyncio.to_thread(_decode_checked, f, hit, budget, cap, index, into)
+                return f, await asyncio.to_thread(_decode_checked, f, hit, budget, cap, index, into,
+                                                  self.decode_speeds)
             finally:
                 if into is not None:  # decoded into the engine's cache: the receive buffer is free again
                     f.release()
@@ -666,10 +671,11 @@ def _check_identity(h: ObjectHeader, hit: Lookup, address: str) -> None:
 
 
 def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: int | None = None,
-                    index: int = 0, into: Callable[[int, ObjectView], None] | None = None) -> DecodedObject:
+                    index: int = 0, into: Callable[[int, ObjectView], None] | None = None,
+                    speeds: DecodeSpeeds | None = None) -> DecodedObject:
     """Check a verified object is the one the lookup asked for, then decode it (or hand it to ``into``)."""
     from kdn.codecs import codec_names, get_codec
-    from kdn.objects import DecodedObject, ObjectView
+    from kdn.objects import DecodedObject, ObjectView, decoded_nbytes
 
     view = ObjectView(f.blob, max_decoded=max_decoded)
     h = view.header
@@ -684,10 +690,15 @@ def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: 
     if budget is None and not all(get_codec(t.codec).lossless for t in h.tensors.values()):
         # Belt and braces: the digest already pins the bytes to a lossless encoding.
         raise DigestMismatch(f"object {f.address} holds lossy tensors but lossless was asked for")
+    t0 = time.perf_counter()
     if into is not None:
         into(index, view)
-        return DecodedObject(h, {})
-    return DecodedObject(h, view.decode())
+        out = DecodedObject(h, {})
+    else:
+        out = DecodedObject(h, view.decode())
+    if speeds is not None:  # what the decode (into the engine's cache, with ``into``) cost on this machine
+        speeds.observe(h.encoding, decoded_nbytes(h), time.perf_counter() - t0)
+    return out
 
 
 class SyncKDNClient:

@@ -39,7 +39,7 @@ from kdn.registry import Encoding, Manifest, ModelRecord, NodeRecord, ObjectReco
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
 from kdn.origin.jobs import Job, JobQueue, QueueFull
-from kdn.origin.publish import Producer, parse_request
+from kdn.origin.publish import Producer, default_encodings, parse_request
 from kdn.origin.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class OriginConfig(service.NodeConfig):
     signing_key: str | None = None  # Ed25519 key (kdn origin keygen): every record and manifest is signed
     max_context: int = 32768  # with the vllm engine: the longest document it is sized for
     kvtc_basis: str | None = None  # a kvtc basis file (kdn.adapters.hf.transform_fit): enables kvtc-B encodings
+    raw_copies: str = "auto"  # a publish naming no encodings stores raw beside zstd: auto|always|never
 
 
 CONFIG = web.AppKey("config", OriginConfig)
@@ -208,9 +209,12 @@ async def publish(request: web.Request) -> web.Response:
     loaded = app[LOADED]
     max_tokens = (min(loaded.max_positions, app[CONFIG].max_context) if app[CONFIG].engine == "vllm"
                   else loaded.max_positions)
+    store = app[STORE]
+    defaults = default_encodings(app[CONFIG].raw_copies,
+                                 await asyncio.to_thread(store.free_fraction) if "encodings" not in body else 1.0)
     spec = await asyncio.get_running_loop().run_in_executor(app[TOKENIZER], functools.partial(
         parse_request, body, tokenizer=loaded.tokenizer, vocab_size=loaded.model.config.vocab_size,
-        max_tokens=max_tokens))
+        max_tokens=max_tokens, default_encodings=defaults))
     if spec.probes and app[CONFIG].engine != "hf":
         return json_error(400, "invalid_input", "emphasis probes are run by an origin with --engine hf")
     if spec.standalone and app[CONFIG].engine != "hf":
@@ -392,6 +396,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 def create_app(config: OriginConfig) -> web.Application:
+    default_encodings(config.raw_copies, 1.0)  # a bad setting fails at start, not on the first publish
     metrics = CollectorRegistry()
     app = web.Application(
         client_max_size=config.max_body_bytes,

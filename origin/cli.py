@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kvtc-basis", default=None, metavar="FILE",
                    help="the model's kvtc basis file (fit_basis in kdn.adapters.hf.transform_fit; docs/operations.md): "
                         "enables kvtc-B encodings")
+    p.add_argument("--raw-copies", default="auto", choices=["auto", "always", "never"],
+                   help="a publish naming no encodings stores raw beside zstd (raw loads fastest next to an engine, "
+                        "zstd across a WAN); auto: while the store's disk is under 75%% full")
     p.set_defaults(func=cmd_serve)
 
     p = origin.add_parser("keygen", help="make an origin signing key (FILE, mode 600) and FILE.pub for consumers")
@@ -85,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        token_file=args.token_file, region=validate_name(args.region), url=args.url, dtype=args.dtype,
                        max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key,
                        engine=args.engine, signing_key=args.signing_key, kvtc_basis=args.kvtc_basis,
+                       raw_copies=args.raw_copies,
                        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer)
     cfg.connection_caps()  # bad caps fail here, in one line
     if args.signing_key:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import threading
 from dataclasses import dataclass
 
@@ -72,6 +73,11 @@ class ObjectStore:
                         root, unattested)
         if self._index:
             log.info("object store %s: %d blobs, %d bytes", root, len(self), self.total_bytes)
+
+    def free_fraction(self) -> float:
+        """The share of the store's file system still free (0..1)."""
+        usage = shutil.disk_usage(self.dir.root)
+        return usage.free / usage.total if usage.total else 0.0
 
     @property
     def total_bytes(self) -> int:

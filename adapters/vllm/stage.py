@@ -48,6 +48,7 @@ class Staging:
         n = end - first
         item = torch.empty(0, dtype=dtype).element_size()
         sizes = [h * n * d * item for h, d in dims]
+        self.per_token = 2 * sum(h * d * item for h, d in dims)  # K and V bytes of one token, every layer
         self.lease: Lease | None = arena.take(2 * sum(sizes))
         raw = torch.frombuffer(self.lease.view, dtype=torch.uint8) if sizes else torch.empty(0, dtype=torch.uint8)
         self.k: list[torch.Tensor] = []
@@ -101,6 +102,10 @@ class Staging:
                 # update of such a tensor is allowed only in inference mode, and this runs on a worker thread.
                 with torch.inference_mode():
                     full[:, a:b, :].copy_(t[:, lo - start:hi - start, :])
+
+    def nbytes_of(self, lo: int, hi: int) -> int:
+        """The K/V bytes tokens ``[lo, hi)`` fill here."""
+        return max(hi - lo, 0) * self.per_token
 
     def kv(self, j: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``j``'s K and V for tokens ``[first, upto)`` as ``[n, H, D]`` views (the backend reads strides)."""

@@ -229,8 +229,12 @@ class WorkerSide:
         lo, hi = max(p.start, run.job.plan.first), min(p.end, run.job.plan.end)
         out = _Staged(f.source.split("/")[-1].split(":")[0], f.encoding, len(f.blob))
         try:
+            t0 = time.perf_counter()
             for j, a in enumerate(self._order):
                 staging.put(j, view, (f"L{a.index}.k", f"L{a.index}.v"), lo, hi, p.start)
+            # What decoding this encoding into the staging costs here: the scheduler's choice of encoding
+            # reads it (the same process's ``DecodeSpeeds`` when the two share one).
+            self.client.decode_speeds.observe(f.encoding, staging.nbytes_of(lo, hi), time.perf_counter() - t0)
             if self.states and i == len(run.job.plan.pieces) - 1:
                 names = [n for st in self.states for n in (f"L{st.index}.conv", f"L{st.index}.ssm")]
                 out.states = {k: t.clone() for k, t in to_torch(view.decode(names)).items()}  # the blob goes back

@@ -42,6 +42,25 @@ async def test_prefetch_brings_the_next_chunks_before_they_are_asked(tmp_path, e
         assert origin_served(c) >= served  # reading a[1] may prefetch a[3]; nothing else changed
 
 
+async def test_prefetch_fills_the_encoding_the_read_was_of(tmp_path, etcd_url):
+    # A client on a fast last hop reads raw copies; prefetching zstd ones for it would be a miss each time.
+    async with cluster(tmp_path, etcd_url, prefetch=2) as c:
+        m = await publish(c, TEXT)
+        a = m["addresses"]
+        for e in c.edges:
+            await _wait(lambda e=e: c.edge(e).chains.following(a[0], 2) == a[1:3])
+        reader = owner(c, a[0])
+        status, _, headers = await get(c.edge_url(reader), a[0], encoding="raw")
+        assert status == 200 and headers["X-KDN-Encoding"] == "raw"
+        for _ in range(2):  # a hint passed to another owner lands there, then runs
+            for e in c.edges:
+                await c.edge(e).prefetcher.idle()
+            await asyncio.sleep(0.05)
+        for x in a[1:3]:
+            held = c.edge(owner(c, x)).memory
+            assert held.contains((x, "raw")) and not held.contains((x, "zstd")), "prefetched another encoding"
+
+
 async def test_warm_and_pin_policies_take_effect_live(tmp_path, etcd_url):
     async with cluster(tmp_path, etcd_url) as c:
         m = await publish(c, TEXT, name="hot")

@@ -35,11 +35,14 @@ async def test_a_rotten_blob_is_dropped_at_start_and_a_republish_repairs_it(tmp_
 
     async with running_origin(tmp_path, etcd_url) as (server, session):
         assert server.app[STORE].dropped == 1 and not server.app[STORE].has(address, "zstd")
-        async with session.get(f"/v1/objects/{address}") as r:
+        async with session.get(f"/v1/objects/{address}?encoding=zstd") as r:
             assert r.status == 404  # not served rotten, not served at all until repaired
+        async with session.get(f"/v1/objects/{address}") as r:  # the healthy raw copy still serves
+            assert r.status == 200 and r.headers["X-KDN-Encoding"] == "raw"
         job = await publish(session, {"name": "doc", "text": TEXT})
         assert job["state"] == "done" and job["progress"]["computed"] >= 1  # recomputed, not re-hashed
-        async with session.get(f"/v1/objects/{address}", headers={"Authorization": f"Bearer {PUBLISH_TOKEN}"}) as r:
+        async with session.get(f"/v1/objects/{address}?encoding=zstd",
+                               headers={"Authorization": f"Bearer {PUBLISH_TOKEN}"}) as r:
             assert r.status == 200
             assert blake3(await r.read()).hexdigest() == digest
     reg = open_registry(etcd_url)

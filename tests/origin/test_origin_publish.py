@@ -61,10 +61,48 @@ async def test_publish_text_and_find_every_object(tmp_path, etcd_url, model):
         tokens = loaded.tokenizer.encode(text)
         assert manifest["prefix_tokens"] == tokens and manifest["tokens"] == len(tokens)
         await check_published(session, etcd_url, manifest, loaded, tokens)
-        # blobs are in the store under their addresses
+        # blobs are in the store under their addresses: zstd, and raw beside it by default (disk allowing)
         store = tmp_path / "store"
         for a in manifest["addresses"]:
             assert (store / a[:2] / a[2:4] / f"{a}.zstd").is_file()
+            assert (store / a[:2] / a[2:4] / f"{a}.raw").is_file()
+
+
+def test_default_encodings_follow_the_raw_copies_setting_and_the_disk():
+    from kdn.errors import InvalidInput
+    from kdn.origin.publish import RAW_MIN_FREE, default_encodings
+
+    assert default_encodings("auto", 0.5) == ("zstd", "raw")
+    assert default_encodings("auto", RAW_MIN_FREE - 0.01) == ("zstd",)  # a filling disk keeps zstd only
+    assert default_encodings("always", 0.01) == ("zstd", "raw")
+    assert default_encodings("never", 0.99) == ("zstd",)
+    with pytest.raises(InvalidInput, match="raw copies"):
+        default_encodings("sometimes", 0.5)
+
+
+async def test_raw_copies_never_and_a_named_list_store_only_what_they_say(tmp_path, etcd_url):
+    from kdn.errors import InvalidInput
+    from kdn.origin.app import OriginConfig, create_app
+
+    with pytest.raises(InvalidInput, match="raw copies"):  # a bad setting fails at start
+        create_app(OriginConfig(store=str(tmp_path / "bad"), raw_copies="maybe"))
+    text = doc_text(600)
+    async with running_origin(tmp_path, etcd_url, raw_copies="never") as (server, session):
+        m = (await publish(session, {"name": "never", "text": text}))["manifest"]
+        reg = open_registry(etcd_url)
+        try:
+            assert {tuple((await reg.get_object(a)).encodings) for a in m["addresses"]} == {("zstd",)}
+        finally:
+            await reg.close()
+    (tmp_path / "b").mkdir()
+    async with running_origin(tmp_path / "b", etcd_url) as (server, session):  # auto, but the body names raw only
+        m = (await publish(session, {"name": "named", "text": doc_text(600, "harbor-policy.md"),
+                                     "encodings": ["raw"]}))["manifest"]
+        reg = open_registry(etcd_url)
+        try:
+            assert {tuple((await reg.get_object(a)).encodings) for a in m["addresses"]} == {("raw",)}
+        finally:
+            await reg.close()
 
 
 async def test_partial_tail_is_listed_on_its_parent(tmp_path, etcd_url):
