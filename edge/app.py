@@ -50,6 +50,7 @@ from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_
 from kdn.store import validate_encoding
 
 from kdn.edge.disk import DiskTier
+from kdn.edge.eviction import DEFAULT_POLICY, POLICIES
 from kdn.edge.fill import Filler
 from kdn.edge.flight import SingleFlight
 from kdn.edge.membership import Membership
@@ -82,10 +83,13 @@ class EdgeConfig(service.NodeConfig):
     ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
     trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
     region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"
+    eviction: str = DEFAULT_POLICY  # both tiers' policy: "arc" (chosen on the traces) or "s3-fifo"
 
     def __post_init__(self) -> None:
         if self.region_probes not in ("worth", "always"):
             raise InvalidInput(f"region_probes must be 'worth' or 'always', not {self.region_probes!r}")
+        if self.eviction not in POLICIES:
+            raise InvalidInput(f"eviction must be one of {', '.join(POLICIES)}, not {self.eviction!r}")
 
 
 class RecordCache:
@@ -200,7 +204,7 @@ class Edge:
 
             verifier = Verifier.from_file(config.trusted_keys)
         self.records = RecordCache(registry, config.records_cache, verifier, metrics.refused_records.inc)
-        self.memory = MemoryTier(config.mem_budget, on_evict=self._on_evict)
+        self.memory = MemoryTier(config.mem_budget, POLICIES[config.eviction], on_evict=self._on_evict)
         self.disk: DiskTier | None = None
         self.membership: Membership | None = None
         self.filler: Filler | None = None
@@ -452,7 +456,8 @@ async def _edge_ctx(app: web.Application):
     edge = Edge(cfg, app[REGISTRY], app[EDGE_METRICS])
     app[EDGE] = edge
     if cfg.disk:
-        edge.disk = await DiskTier.open(cfg.disk, cfg.disk_budget, fsync=cfg.fsync, on_evict=edge._on_evict)
+        edge.disk = await DiskTier.open(cfg.disk, cfg.disk_budget, policy=POLICIES[cfg.eviction], fsync=cfg.fsync,
+                                        on_evict=edge._on_evict)
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from kdn.edge.eviction import DEFAULT_POLICY, POLICIES
 from kdn.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ca", default=None, metavar="FILE", help="CA bundle to verify peers and the origin (default: system CAs, or $KDN_CA)")
     p.add_argument("--trusted-keys", default=None, metavar="FILE",
                    help="publisher keys (ed25519:HEX per line): records they did not sign are misses")
+    p.add_argument("--eviction", choices=tuple(POLICIES), default=DEFAULT_POLICY,
+                   help="the tiers' eviction policy (default: arc, chosen on the Mooncake traces: docs/benchmarks.md)")
     p.add_argument("--region-probes", choices=("worth", "always"), default="worth",
                    help="ask other regions before the origin only when their recent hit rate pays for a miss's "
                         "round trip (worth, the default: lower latency), or always (less origin egress)")
@@ -113,6 +116,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "ca": _readable(args.ca, "--ca"),
         "trusted_keys": _readable(args.trusted_keys, "--trusted-keys"),
         "region_probes": args.region_probes,
+        "eviction": args.eviction,
         "max_connections": args.max_connections,
         "max_connections_per_peer": args.max_connections_per_peer,
     }

@@ -48,7 +48,7 @@ from pathlib import Path
 import msgpack
 from blake3 import blake3
 
-from kdn.edge.eviction import PolicyFactory, S3FIFO
+from kdn.edge.eviction import ARC, PolicyFactory
 from kdn.edge.tiers import EntryMeta, EvictCallback, _BaseTier, _Entry, _HandleBase, steady_wall
 from kdn.errors import InvalidInput
 from kdn.store import BlobDir, StoredBlob
@@ -82,7 +82,7 @@ class DiskHandle(_HandleBase):
 
 
 class DiskTier(_BaseTier):
-    """``DiskTier(root, budget_bytes, policy=S3FIFO)``: see ``kdn.edge.tiers`` for the contract.
+    """``DiskTier(root, budget_bytes, policy=ARC)``: see ``kdn.edge.tiers`` for the contract.
 
     The constructor scans ``root`` (blocking); from a running event loop use
     ``await DiskTier.open(...)``, which scans in a thread.
@@ -94,7 +94,7 @@ class DiskTier(_BaseTier):
         self,
         root: str | os.PathLike,
         budget: int,
-        policy: PolicyFactory = S3FIFO,
+        policy: PolicyFactory = ARC,
         *,
         fsync: bool = True,
         on_evict: EvictCallback | None = None,

@@ -21,7 +21,7 @@ class MemoryHandle(_HandleBase):
 
 
 class MemoryTier(_BaseTier):
-    """``MemoryTier(budget_bytes, policy=S3FIFO)``: see ``kdn.edge.tiers`` for the contract."""
+    """``MemoryTier(budget_bytes, policy=ARC)``: see ``kdn.edge.tiers`` for the contract."""
 
     name = "memory"
 

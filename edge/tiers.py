@@ -39,7 +39,7 @@ from kdn.address import Address, validate_address, validate_name, validate_names
 from kdn.errors import InvalidInput
 from kdn.store import validate_encoding
 
-from kdn.edge.eviction import EvictionPolicy, PolicyFactory, S3FIFO
+from kdn.edge.eviction import ARC, EvictionPolicy, PolicyFactory
 
 _WALL0, _MONO0 = time.time(), time.monotonic()
 
@@ -216,7 +216,7 @@ class _BaseTier:
     def __init__(
         self,
         budget: int,
-        policy: PolicyFactory = S3FIFO,
+        policy: PolicyFactory = ARC,
         *,
         on_evict: EvictCallback | None = None,
         clock: Callable[[], float] = steady_wall,

@@ -1,5 +1,6 @@
-"""The chunk-chain replay of bench/eviction.py (``--trace mooncake``) and the policies it compares:
-ARC, W-TinyLFU and PrefixLRU (``kdn.edge.eviction``), each against known behaviour.
+"""The chunk-chain replay of bench/eviction.py (``--trace mooncake``) and the policies it compares: the
+edge's ARC (``kdn.edge.eviction``, checked here against a textbook ARC) and the bench's LRU, W-TinyLFU and
+PrefixLRU (``bench/eviction_policies.py``), each against known behaviour.
 
 All policy-level and fast (a few seconds in all); the cross-checks against theine run when it is installed.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from kdn.edge.eviction import ARC, LRU, S3FIFO, FrequencySketch, PrefixLRU, WTinyLFU
+from kdn.edge.eviction import ARC, S3FIFO
 from kdn.edge.memory import MemoryTier
 from kdn.edge.tiers import EntryMeta
 
@@ -24,6 +25,7 @@ _spec = importlib.util.spec_from_file_location("kdn_bench_eviction",
                                                Path(__file__).resolve().parents[2] / "bench" / "eviction.py")
 ev = sys.modules.setdefault("kdn_bench_eviction", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(ev)
+from eviction_policies import LRU, FrequencySketch, PrefixLRU, WTinyLFU  # noqa: E402 (bench/, on the path now)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,6 +145,24 @@ def test_chain_tables_headline_picks_the_strongest_other_policy(capsys):
         row = {n: x.prefix_ratio for n, x in runs[0]["results"][frac].items()}
         assert w_v == max(row.values()) and winner != other
         assert o_v == max(v for n, v in row.items() if n != winner)
+
+
+# --- LRU (the baseline) -------------------------------------------------------
+
+
+def test_lru_evicts_least_recently_used():
+    p = LRU(1_000)
+    for i in range(4):
+        p.on_insert(i, 1)
+    p.on_access(0)
+    p.on_access(2)
+    assert evict(p, 4) == [1, 3, 0, 2]
+
+
+def test_the_real_traces_load_and_the_second_is_the_other_release_workload():
+    conv, synth = ev.load_mooncake(ev.MOONCAKE), ev.load_mooncake(ev.MOONCAKE_SYNTHETIC)
+    assert len(conv) == 12_031 and len(synth) == 3_993
+    assert ev.working_set(synth) > 10_000 and all(len(c) % 2 == 0 for c in synth[:100])
 
 
 # --- ARC ---------------------------------------------------------------------

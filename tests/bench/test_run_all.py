@@ -64,7 +64,7 @@ def test_docs_are_what_the_results_render():
 def test_a_hand_edited_figure_is_caught(tmp_path):
     doc = ROOT / "docs" / "benchmarks.md"
     text = doc.read_text()
-    edited = text.replace("| 0.8 | 10% | 68.3 GiB | 0.5146 |", "| 0.8 | 10% | 68.3 GiB | 0.6146 |")
+    edited = text.replace("| 0.8 | 10% | 68.3 GiB | 0.5016 |", "| 0.8 | 10% | 68.3 GiB | 0.6016 |")
     assert edited != text
     assert run_all.render_text(edited, doc, run_all.load_results(run_all.RESULTS)) == text
     readme = (ROOT / "README.md").read_text()

@@ -6,6 +6,8 @@ import asyncio
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 from edge_helpers import cluster, get, metric, origin_served, publish  # noqa: E402
@@ -59,6 +61,20 @@ async def test_prefetch_fills_the_encoding_the_read_was_of(tmp_path, etcd_url):
         for x in a[1:3]:
             held = c.edge(owner(c, x)).memory
             assert held.contains((x, "raw")) and not held.contains((x, "zstd")), "prefetched another encoding"
+
+
+async def test_the_eviction_setting_reaches_both_tiers(tmp_path, etcd_url):
+    from kdn.edge.eviction import ARC, S3FIFO
+    from kdn.errors import InvalidInput
+    from kdn.edge.app import EdgeConfig
+
+    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+        await c.start_edge("e2", eviction="s3-fifo")
+        assert all(isinstance(t._policy, ARC) for t in c.edge("e1").tiers)  # noqa: SLF001 - the default
+        assert all(isinstance(t._policy, S3FIFO) for t in c.edge("e2").tiers)  # noqa: SLF001
+        assert len(c.edge("e2").tiers) == 2
+    with pytest.raises(InvalidInput, match="eviction must be one of arc, s3-fifo"):
+        EdgeConfig(eviction="lru")
 
 
 async def test_warm_and_pin_policies_take_effect_live(tmp_path, etcd_url):

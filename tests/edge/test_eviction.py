@@ -1,10 +1,12 @@
-"""Policy-level cases for S3-FIFO and LRU; what every tier must do is in test_tier_contract.py."""
+"""Policy-level cases for the edge's policies, S3-FIFO and ARC (the default); what every tier must do is in
+test_tier_contract.py; the bench's comparison policies (LRU, W-TinyLFU, PrefixLRU) in tests/bench."""
 
 from __future__ import annotations
 
 import pytest
 
-from kdn.edge.eviction import LRU, S3FIFO
+from kdn.edge import eviction
+from kdn.edge.eviction import ARC, S3FIFO
 
 
 def evict(policy, need: int, sizes: dict, skip=frozenset()) -> list:
@@ -87,17 +89,17 @@ def test_s3fifo_frequency_is_capped_at_three():
     assert p._freq["a"] == 3
 
 
-@pytest.mark.parametrize("policy_cls", [S3FIFO, LRU])
+@pytest.mark.parametrize("policy_cls", [S3FIFO, ARC])
 def test_skipped_victims_stay_and_the_walk_ends(policy_cls):
     p, sizes = filled(policy_cls, 60, 6)
     p.on_access(2)
-    # S3-FIFO moves 2 (hit while in S) to M and offers it after S; LRU, because it is most recent.
+    # S3-FIFO moves 2 (hit while in S) to M and offers it after S; ARC moves it to T2, replaced after T1.
     assert evict(p, 10**9, sizes, skip={0, 3}) == [1, 4, 5, 2]
     assert 0 in p and 3 in p and len(p) == 2
     assert sorted(p.victims()) == [0, 3]  # refused keys are offered again by the next walk
 
 
-@pytest.mark.parametrize("policy_cls", [S3FIFO, LRU])
+@pytest.mark.parametrize("policy_cls", [S3FIFO, ARC])
 def test_remove_forgets_a_key(policy_cls):
     p, sizes = filled(policy_cls, 1_000, 3)
     p.remove(1)
@@ -105,18 +107,14 @@ def test_remove_forgets_a_key(policy_cls):
     assert 1 not in p and evict(p, 10**9, sizes) == [0, 2]
 
 
-def test_lru_evicts_least_recently_used():
-    p, sizes = filled(LRU, 1_000, 4)
-    p.on_access(0)
-    p.on_access(2)
-    assert evict(p, 10**9, sizes) == [1, 3, 0, 2]
-
-
-def test_lru_pays_for_a_scan_and_s3fifo_does_not():
-    """A one-pass scan flushes LRU's hot set; S3-FIFO keeps it in the main queue."""
+def test_a_hot_set_reused_just_past_the_cache_stays_in_s3fifo_and_not_in_arc():
+    """Each round: five hot keys, then six keys seen once, in a cache of ten. The hot keys come back after
+    eleven others, past the cache: S3-FIFO's main queue keeps them; ARC's ghost hits on them grow T1 (the
+    wrong way here), so like LRU it keeps none. Why ``--eviction s3-fifo`` stays (docs/benchmarks.md):
+    ARC won on the real traces summed over budgets, not on every workload."""
     hot = [f"h{i}" for i in range(5)]
     results = {}
-    for cls in (S3FIFO, LRU):
+    for cls in (S3FIFO, ARC):
         p, used, sizes = cls(100), 0, {}
         hits = 0
         for rnd in range(40):
@@ -132,4 +130,11 @@ def test_lru_pays_for_a_scan_and_s3fifo_does_not():
                 sizes[k] = 10
                 used += 10
         results[cls.__name__] = hits
-    assert results["S3FIFO"] > 150 and results["LRU"] == 0
+    assert results["S3FIFO"] > 150 and results["ARC"] == 0, results
+
+
+def test_the_edge_offers_its_policies_by_name_and_defaults_to_the_trace_chosen_one():
+    assert eviction.policy_named("arc") is ARC and eviction.policy_named("s3-fifo") is S3FIFO
+    assert eviction.POLICIES[eviction.DEFAULT_POLICY] is ARC
+    with pytest.raises(ValueError, match="use one of arc, s3-fifo"):
+        eviction.policy_named("lru")

@@ -9,7 +9,7 @@ import pytest
 from blake3 import blake3
 
 from kdn.edge.disk import DiskTier
-from kdn.edge.eviction import LRU, S3FIFO
+from kdn.edge.eviction import ARC, S3FIFO
 from kdn.edge.memory import MemoryTier
 from kdn.edge.tiers import EntryMeta, PolicyState
 from kdn.errors import InvalidInput
@@ -37,10 +37,10 @@ class Clock:
 
 @pytest.fixture(params=["memory", "disk"])
 def make_tier(request, tmp_path):
-    """``make_tier(budget, policy=S3FIFO)`` -> (tier, clock); several calls give separate tiers."""
+    """``make_tier(budget, policy=ARC)`` -> (tier, clock); several calls give separate tiers."""
     made = 0
 
-    def make(budget: int, policy=S3FIFO, **kw):
+    def make(budget: int, policy=ARC, **kw):
         nonlocal made
         made += 1
         clock = Clock()
@@ -93,7 +93,7 @@ async def test_bad_input_is_refused(make_tier):
         EntryMeta(size=1, digest="x", namespace="public")
 
 
-@pytest.mark.parametrize("policy", [S3FIFO, LRU])
+@pytest.mark.parametrize("policy", [ARC, S3FIFO])
 @pytest.mark.parametrize("seed", [0, 1])
 async def test_budget_is_never_exceeded(make_tier, policy, seed):
     rng = random.Random(seed)
