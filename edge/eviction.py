@@ -28,6 +28,10 @@ from typing import Protocol
 
 Key = Hashable
 
+MAX_GHOST_KEYS = 1 << 20
+"""Ghost entries (keys only, no data) a policy remembers at most, whatever their byte total: a ghost list
+is bounded by bytes like the cache, so a tier of tiny objects would otherwise keep millions of keys."""
+
 
 class EvictionPolicy(Protocol):
     """Orders keys for eviction. Not thread-safe: the tier calls it from its event loop."""
@@ -152,7 +156,7 @@ class S3FIFO:
     def _remember(self, key: Key, size: int) -> None:
         self._ghost[key] = size
         self._ghost_bytes += size
-        while self._ghost_bytes > self._ghost_cap:
+        while self._ghost_bytes > self._ghost_cap or len(self._ghost) > MAX_GHOST_KEYS:
             self._ghost_bytes -= self._ghost.popitem(last=False)[1]
 
 
@@ -223,6 +227,15 @@ class ARC:
             self._b1_bytes -= self._b1.popitem(last=False)[1]
         while self._t1_bytes + self._t2_bytes + self._b1_bytes + self._b2_bytes > 2 * self._c and self._b2:
             self._b2_bytes -= self._b2.popitem(last=False)[1]
+        self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        """At most MAX_GHOST_KEYS ghosts: the oldest of the longer list go first."""
+        while len(self._b1) + len(self._b2) > MAX_GHOST_KEYS:
+            if len(self._b1) >= len(self._b2):
+                self._b1_bytes -= self._b1.popitem(last=False)[1]
+            else:
+                self._b2_bytes -= self._b2.popitem(last=False)[1]
 
     def on_access(self, key: Key) -> None:
         if key in self._t1:
@@ -259,9 +272,11 @@ class ARC:
                 elif from_t1:  # evicted: remember it in its ghost list
                     self._b1[key] = size
                     self._b1_bytes += size
+                    self._trim_ghosts()
                 else:
                     self._b2[key] = size
                     self._b2_bytes += size
+                    self._trim_ghosts()
 
 
 POLICIES: dict[str, PolicyFactory] = {"arc": ARC, "s3-fifo": S3FIFO}

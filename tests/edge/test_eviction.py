@@ -138,3 +138,16 @@ def test_the_edge_offers_its_policies_by_name_and_defaults_to_the_trace_chosen_o
     assert eviction.POLICIES[eviction.DEFAULT_POLICY] is ARC
     with pytest.raises(ValueError, match="use one of arc, s3-fifo"):
         eviction.policy_named("lru")
+
+
+@pytest.mark.parametrize("policy_cls", [S3FIFO, ARC])
+def test_ghosts_are_bounded_in_keys_as_well_as_bytes(policy_cls, monkeypatch):
+    # Ghosts are bounded by bytes like the cache; a tier of tiny objects would keep millions of keys.
+    monkeypatch.setattr(eviction, "MAX_GHOST_KEYS", 50)
+    p = policy_cls(10**9)
+    for i in range(1_000):  # one-byte keys, each evicted at once: every one becomes a ghost
+        p.on_insert(i, 1)
+        assert evict(p, 1, {i: 1}) == [i]
+    where = p.queue_of if policy_cls is S3FIFO else p.list_of
+    ghosts = [k for k in range(1_000) if where(k) in ("ghost", "B1", "B2")]
+    assert len(ghosts) == 50 and ghosts == list(range(950, 1_000))  # the newest are kept
