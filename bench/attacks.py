@@ -51,6 +51,7 @@ import faultlib as F  # noqa: E402
 
 TENANT = "tenant-" + os.urandom(12).hex()  # publish,read on "acme" only
 MiB = 1 << 20
+LIE_AT = 40_000  # lying_body: the byte flipped, inside the first piece's tensor bytes
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Ctx:
         self.extra: dict[str, F.Node] = {}
         self.docs: dict[str, dict] = {}
         self.public_key = ""
+        self.piece_bytes = 64 << 10
         self.redirector: Redirector | None = None
 
     def text(self, kind: str, chars: int) -> str:
@@ -257,7 +259,9 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
     # plays "another host"; they trust the attack's CA, so a rogue https node's certificate verifies.
     w = F.World(tmp / "world", regions={"eu": 2}, edge_args=["--trusted-keys", str(tmp / "trusted"),
                                                              "--token-hosts", "127.0.0.1", "--ca", str(ca)])
-    w.origin.args += ["--signing-key", str(tmp / "origin.key")]
+    # 64 KiB pieces: the tiny model's blobs (~130 KB raw a chunk) then have several, as a real model's (SmolLM2:
+    # 6 MB a chunk) have at the default 1 MiB.
+    w.origin.args += ["--signing-key", str(tmp / "origin.key"), "--piece-bytes", str(ctx.piece_bytes)]
     (w.root / "tokens").write_text(f"{F.PUBLISH} publish,read *\n{F.EDGE} read *\n{TENANT} publish,read acme\n")
     ctx.world = w
     base = w.edges["eu-1"].args
@@ -463,6 +467,78 @@ async def forged_record(ctx: Ctx) -> Row:
                f"{fooled['forged']} of {2 * n} forged objects accepted ({fooled['tokens_reused']} tokens); honest edge "
                f"{honest['true']} verified",
                "refused", wrong, ok, {"kept_sig": kept, "resigned": resigned, "no_keys": fooled, "honest": honest})
+
+
+async def lying_body(ctx: Ctx) -> Row:
+    """#27 item 6 (verified streaming): a fake edge passes the origin's signed records through untouched and
+    serves every body with one byte of its first piece flipped, 16 KiB at a time. A whole-blob digest finds
+    the lie after the last byte; the record's signed piece digests find it at the end of the first piece, and
+    the client hangs up there and takes the object from the origin."""
+    from kdn.client import KDNClient
+    from kdn.errors import DigestMismatch, SourceError
+
+    w, m = ctx.world, ctx.docs["main"]
+    upstream = w.edges["eu-1"].url
+    sent: list[list[int]] = []  # per forged body: [bytes sent before the reader hung up, its size]
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(upstream + str(request.rel_url), headers=request.headers) as r:
+                body, status, ctype, enc = bytearray(await r.read()), r.status, r.content_type, r.headers.get(
+                    "X-KDN-Encoding", "")
+        if status != 200 or not request.path.startswith("/v1/objects/"):
+            return web.Response(status=status, body=bytes(body), content_type=ctype)
+        body[min(len(body) - 1, LIE_AT)] ^= 0x40
+        resp = web.StreamResponse(headers={"X-KDN-Encoding": enc, "X-KDN-Source": "memory",
+                                           "Content-Length": str(len(body))})
+        await resp.prepare(request)
+        sent.append(seen := [0, len(body)])
+        try:
+            for i in range(0, len(body), 16 << 10):  # (aiohttp may also cancel this handler on a hang-up)
+                await resp.write(bytes(body[i:i + (16 << 10)]))
+                seen[0] = min(i + (16 << 10), len(body))
+                await asyncio.sleep(0.001)
+        except ConnectionError:
+            pass  # the reader hung up: what it took is in ``seen``
+        return resp
+
+    app = web.Application()
+    app.router.add_route("GET", "/{tail:.*}", handle)
+    runner, url = await serve_app(app)
+    true = wrong = refused = failovers = 0
+    try:
+        for a in m["addresses"]:
+            for enc in ("raw", "zstd"):  # a client each: every body is asked of the liar first
+                async with KDNClient(edges=[url], origin=w.origin.url, trusted_keys=[ctx.public_key], hedge=False,
+                                     timeout=10) as c:
+                    rec = await c.record(a)
+                    try:
+                        f = await c.fetch(a, encoding=enc)
+                    except (SourceError, DigestMismatch):
+                        refused += 1
+                        continue
+                    if blake3(bytes(f.blob)).hexdigest() == rec["encodings"][enc]["digest"]:
+                        true += 1
+                    else:
+                        wrong += len(f.blob)
+                    failovers += c.failovers
+    finally:
+        await runner.cleanup()
+    read, total = sum(g for g, _ in sent), sum(n for _, n in sent)
+    stopped_early = sum(g < n for g, n in sent)
+    # Bodies whose lie is in a piece before their last: the ones piece digests can stop before the end.
+    stoppable = sum(n > ctx.piece_bytes * (LIE_AT // ctx.piece_bytes + 1) for _, n in sent)
+    n = 2 * len(m["addresses"])
+    ok = wrong == 0 and true == n and failovers == len(sent) == n and stopped_early >= stoppable > 0
+    return Row("lying_body", f"a fake edge in front of eu-1 keeps the signed records and flips one byte at offset "
+               f"{LIE_AT} of every body it serves; a client with the origin's key fetches each of the {n} objects "
+               f"(raw and zstd) with the origin as its fallback",
+               f"{true} of {n} objects verified (from the origin), {failovers} lies dropped; of the forged bodies' "
+               f"{total} B the client read {read} B ({read / max(total, 1):.0%}) before hanging up "
+               f"({stopped_early} of {len(sent)} before their last byte; {stoppable} have a piece after the lie's): "
+               f"piece digests, {ctx.piece_bytes} B pieces",
+               "refused", wrong, ok, {"read": read, "forged_total": total, "bodies": len(sent),
+                                      "stopped_early": stopped_early, "stoppable": stoppable, "failovers": failovers, "refused": refused})
 
 
 # --- 2. a rogue node record ---------------------------------------------------------------------------
@@ -1467,6 +1543,7 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "slow_body": (slow_body, True),
     "stalled_readers": (stalled_readers, True),
     "forged_record": (forged_record, True),
+    "lying_body": (lying_body, True),
     "rogue_node": (rogue_node, True),
     "rogue_https_node": (rogue_https_node, True),
     "planted_digest": (planted_digest, True),

@@ -223,7 +223,7 @@ class Filler:
                         self._timeout_for(label.split(":", 1)[0], base, enc.size))
                   for label, base, extra in self.plan(key, rec, hop=hop, filling=True)]
         try:
-            body = await self.fetcher.fetch(Want(address, encoding, enc.size, enc.digest), routes,
+            body = await self.fetcher.fetch(Want(address, encoding, enc.size, enc.digest, enc.piece_list), routes,
                                             observer=_Counts(self))
         except DigestMismatch as e:  # every source lied: for the edge that is a failed fill like any other
             raise SourceError(str(e)) from None

@@ -45,7 +45,9 @@ class _Flat:
 
 
 class Hasher(Protocol):
-    """What ``get`` feeds body segments to (``blake3()``, a ``hashlib`` object)."""
+    """What ``get`` feeds body segments to (``blake3()``, a ``hashlib`` object, a ``kdn.pieces`` verifier).
+    An exception from ``update`` (a piece that does not match) ends the request with that exception, and
+    drops the connection: no more of a refused body is read."""
 
     def update(self, data: memoryview, /) -> object: ...
 
@@ -126,7 +128,11 @@ class _Conn(asyncio.BufferedProtocol):
                 self._fail(BodyError("body longer than Content-Length"))
                 return
             if self.hasher is not None:
-                self.hasher.update(self._last[:n])
+                try:
+                    self.hasher.update(self._last[:n])
+                except Exception as e:  # noqa: BLE001 -- a verifier that refuses a piece: the body stops here
+                    self._fail(e)
+                    return
             self.got += n
         else:
             self.hn += n
@@ -163,7 +169,11 @@ class _Conn(asyncio.BufferedProtocol):
                     return
                 region[:] = self.hview[pos:pos + k]
                 if self.hasher is not None:
-                    self.hasher.update(region)
+                    try:
+                        self.hasher.update(region)
+                    except Exception as e:  # noqa: BLE001 -- as above
+                        self._fail(e)
+                        return
                 self.got += k
                 pos += k
         if self.resp is not None and self.got >= self.resp.length and not self.done.done():

@@ -38,6 +38,7 @@ from kdn.encodings import affordable, parse_budget
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.estimate import DECODE, DecodeSpeeds, Estimates
 from kdn.fetch import Buffer, Fetcher, Fresh, Observer, Route, Want
+from kdn.pieces import Pieces
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
     from kdn.arena import Arena
@@ -483,11 +484,12 @@ class KDNClient:
 
     async def fetch(self, address: str, *, encoding: str | None = None, digest: str | None = None,
                     size: int | None = None, quality: str | float | None = None, cold: bool = False,
-                    pooled: bool = False, arena: Arena | None = None) -> Fetched:
+                    pooled: bool = False, arena: Arena | None = None, pieces: Pieces | None = None) -> Fetched:
         """One object, verified. Without ``digest`` the registry record supplies it (and, without
         ``encoding``, the record's encodings are chosen from by ``quality``). ``pooled``: the body lands
         in a buffer of ``arena`` (default: the client's, when it has one), which the caller hands back with
-        ``Fetched.release()`` once the bytes are used (ArenaFull when the arena's budget is spent)."""
+        ``Fetched.release()`` once the bytes are used (ArenaFull when the arena's budget is spent). ``pieces``
+        (the record's piece digests, ``kdn.pieces``) verify the body piece by piece as it lands."""
         A.validate_address(address)
         if digest is None or encoding is None or size is None:
             rec = await self.record(address)
@@ -499,14 +501,15 @@ class KDNClient:
                 raise SourceError(f"{address} has no encoding {encoding!r} within quality {quality or self.quality!r}"
                                   f" (it has {sorted(encs)})")
             digest, size = encs[encoding]["digest"], encs[encoding]["size"]
+            pieces = _pieces_of(encs[encoding])
         if size > MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         async with self._sem:
             return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold,
-                                            pooled=(arena or self.arena) if pooled else None)
+                                            pooled=(arena or self.arena) if pooled else None, pieces=pieces)
 
     async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int, *, hedge: bool = True,
-                            pooled: Arena | None = None) -> Fetched:
+                            pooled: Arena | None = None, pieces: Pieces | None = None) -> Fetched:
         """Through ``kdn.fetch`` (one verified fetch for edges and clients): the best source first, hedged to
         the next past twice its expected time (at most ``max_hedges`` extra; others only when a source
         fails); the first verified body wins.
@@ -518,7 +521,8 @@ class KDNClient:
         routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self._timeout.total)
                   for s in self._ranked(size, address)]
         alloc = pooled.take if pooled is not None else None  # the arena the body lands in, if any
-        body = await self.fetcher.fetch(Want(A.validate_address(address), encoding, size, validate_digest(digest)),
+        body = await self.fetcher.fetch(Want(A.validate_address(address), encoding, size, validate_digest(digest),
+                                             pieces),
                                         routes, hedge=hedge, max_hedges=self.max_hedges, alloc=alloc,
                                         observer=self.fetch_observer)
         blob = body.buffer.data if isinstance(body.buffer, Fresh) else body.blob
@@ -623,7 +627,7 @@ class KDNClient:
                 scatter.placed(index, layout)
                 return f, DecodedObject(layout.header, {})
             f = await self.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
-                                 cold=address in hit.cold, pooled=into is not None, arena=pool)
+                                 cold=address in hit.cold, pooled=into is not None, arena=pool, pieces=_pieces_of(e))
             arrived.append(time.perf_counter())
             try:
                 # A kvtc object: its basis first (fetched once); its decode bounded by the span the lookup
@@ -655,12 +659,18 @@ class KDNClient:
         routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self._timeout.total)
                   for s in self._ranked(size, address)]
         async with self._sem:
-            body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(e["digest"])), routes,
-                                            hedge=False, alloc=lambda n: Scatter(n, place),
+            body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(e["digest"]), _pieces_of(e)),
+                                            routes, hedge=False, alloc=lambda n: Scatter(n, place),
                                             observer=self.fetch_observer)
         assert isinstance(body.buffer, Scatter) and body.buffer.layout is not None
         f = Fetched(address, "raw", memoryview(b""), f"{body.route.label}/{body.served_by}", body.seconds)
         return f, body.buffer.layout
+
+
+def _pieces_of(enc: Mapping[str, Any]) -> Pieces | None:
+    """An encoding's piece digests as its record (a JSON map) states them; InvalidInput if they cannot
+    describe its blob (a record signed with pieces is checked when its signature is)."""
+    return Pieces.checked(enc.get("size"), enc.get("piece_bytes", 0), enc.get("pieces", ()))
 
 
 def _check_identity(h: ObjectHeader, hit: Lookup, address: str) -> None:

@@ -12,8 +12,10 @@ Written once here, for both:
   no redirects followed, a deadline per request;
 - **verification**: status 200, ``X-KDN-Encoding`` as asked, the exact
   ``Content-Length``, and the BLAKE3 digest fed as the bytes land (no second
-  pass); a body that fails any of these is never returned, its source is
-  counted and the next one is tried;
+  pass); with the record's piece digests, each piece is checked as its last
+  byte lands (``kdn.pieces``): a wrong one drops the connection there, and a
+  sink with ``verified(n)`` hears each proven prefix. A body that fails any of
+  these is never returned, its source is counted and the next one is tried;
 - **a cached-only ask** (another region's edge, ``X-KDN-Cached-Only``): a 404
   is a miss, measured as one round trip, not an error;
 - **hedging** (the client's; an edge's fill does not hedge: its peer's answer
@@ -37,12 +39,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import quote
 
-from blake3 import blake3
-
 from kdn.address import Address, Digest
 from kdn.bodyget import BodyError, BodyGetter, Sink
 from kdn.errors import DigestMismatch, SourceError
 from kdn.estimate import Estimates
+from kdn.pieces import Pieces, verifier
 
 CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
 HOP = "X-KDN-Hop"  # set on edge-to-edge requests: the receiver fills itself, never forwards in-region
@@ -57,6 +58,7 @@ class Want:
     encoding: str
     size: int
     digest: Digest
+    pieces: Pieces | None = None  # the record's piece digests: verified piece by piece (kdn/pieces.py)
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,10 @@ class Fetcher:
         buf = make(want.size)
         ok = False
         try:
-            hasher = blake3()  # fed as the bytes land: verification overlaps the transfer, no second pass
+            # Fed as the bytes land: verification overlaps the transfer, no second pass; piece by piece where
+            # the record has pieces (a lie is found within a piece of where it starts).
+            proven = getattr(buf, "verified", None)
+            hasher = verifier(want.size, want.digest, want.pieces, f"{want.address} from {route.label}", proven)
             url = f"{route.url}/v1/objects/{want.address}?encoding={quote(want.encoding, safe='')}"
             try:
                 # No redirects: a source that answers 3xx is a failed source, not a pointer to follow (it would
@@ -256,8 +261,10 @@ class Fetcher:
                 raise SourceError(f"asked for {want.encoding}, got {r.headers.get('x-kdn-encoding')}")
             if r.length != want.size:
                 raise SourceError(f"Content-Length {r.length}, expected {want.size}")
-            if hasher.hexdigest() != want.digest:
+            if not hasher.verified():
                 raise DigestMismatch(f"{want.address} from {route.label} does not match its digest")
+            if proven is not None and want.pieces is None:
+                proven(want.size)  # verified whole: the sink hears it once, at the end
             ok = True
             return Body(want, buf, route, r.headers.get("x-kdn-source", route.label), time.perf_counter() - t0)
         finally:

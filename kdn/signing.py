@@ -17,7 +17,7 @@ key, re-publish, then drop the old key. Revocation: drop a key from the
 trusted set; every record it signed is a miss from then on.
 
 Signed fields (``payload``): objects -- address, model id, namespace, kind,
-token span, parent, standalone, every encoding's size and digest, tails,
+token span, parent, standalone, every encoding's size and digest (and its piece digests, kdn/pieces.py), tails,
 origin, engine; manifests -- namespace, name, model id, addresses, token
 counts, the published token ids, template, standalone addresses, the emphasis map (when there is
 one; its absence is signed too, since the payload then differs from one with a map). Not signed:
@@ -41,7 +41,7 @@ from kdn.errors import InvalidInput, KDNError
 if TYPE_CHECKING:  # pragma: no cover - imported where used: kdn.registry and cryptography load lazily
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-    from kdn.registry.records import Manifest, ObjectRecord
+    from kdn.registry.records import Encoding, Manifest, ObjectRecord
 
     Signable = TypeVar("Signable", bound=ObjectRecord | Manifest)
 
@@ -60,7 +60,7 @@ def payload(rec: ObjectRecord | Manifest) -> bytes:
         body = {
             "t": "kdn/object-record/v1", "address": rec.address, "model_id": rec.model_id, "namespace": rec.namespace,
             "kind": rec.kind, "start": rec.start, "end": rec.end, "parent": rec.parent, "standalone": rec.standalone,
-            "encodings": {n: {"size": e.size, "digest": e.digest} for n, e in sorted(rec.encodings.items())},
+            "encodings": {n: _signed_encoding(e) for n, e in sorted(rec.encodings.items())},
             "tails": {str(k): v for k, v in sorted(rec.tails.items())}, "origin": rec.origin, "engine": rec.engine,
         }
     elif isinstance(rec, Manifest):
@@ -81,6 +81,13 @@ def payload(rec: ObjectRecord | Manifest) -> bytes:
     else:
         raise InvalidInput(f"cannot sign a {type(rec).__name__}")
     return canonical_json(body).encode("utf-8")
+
+
+def _signed_encoding(e: Encoding) -> dict[str, object]:
+    body: dict[str, object] = {"size": e.size, "digest": e.digest}
+    if e.pieces:  # only when present: records signed before pieces existed still verify
+        body["piece_bytes"], body["pieces"] = e.piece_bytes, list(e.pieces)
+    return body
 
 
 def key_id(public_raw: bytes) -> str:

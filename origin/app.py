@@ -35,12 +35,13 @@ from kdn.address import PUBLIC_NAMESPACE, validate_address, validate_name, valid
 from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import RegistryUnavailable
-from kdn.registry import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord
+from kdn.registry import Manifest, ModelRecord, NodeRecord, ObjectRecord
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
 from kdn.origin.jobs import Job, JobQueue, QueueFull
 from kdn.origin.publish import Producer, default_encodings, parse_request
 from kdn.origin.store import ObjectStore
+from kdn.pieces import PIECE_BYTES, check_piece_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class OriginConfig(service.NodeConfig):
     max_context: int = 32768  # with the vllm engine: the longest document it is sized for
     kvtc_basis: str | None = None  # a kvtc basis file (kdn.adapters.hf.transform_fit): enables kvtc-B encodings
     raw_copies: str = "auto"  # a publish naming no encodings stores raw beside zstd: auto|always|never
+    piece_bytes: int = PIECE_BYTES  # each record carries its blobs' piece digests at this size (kdn/pieces.py)
 
 
 CONFIG = web.AppKey("config", OriginConfig)
@@ -112,7 +114,7 @@ async def _model_ctx(app: web.Application):
     loop = asyncio.get_running_loop()
     loaded = await loop.run_in_executor(app[EXECUTOR], lambda: load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir))
     app[LOADED] = loaded
-    app[STORE] = await asyncio.to_thread(ObjectStore, cfg.store, fsync=cfg.fsync)
+    app[STORE] = await asyncio.to_thread(ObjectStore, cfg.store, fsync=cfg.fsync, piece_bytes=cfg.piece_bytes)
     if cfg.engine == "vllm":
         app[PRODUCER] = await loop.run_in_executor(app[EXECUTOR], _vllm_producer, cfg, loaded, app[STORE])
     else:
@@ -153,7 +155,7 @@ async def _publish_basis(app: web.Application, path: str) -> str:
     info = await asyncio.to_thread(store.put, address, "basis", data)
     await app[REGISTRY].put_objects([ObjectRecord(
         address=address, model_id=loaded.model_id, namespace="public", kind="basis", start=0, end=1, parent=None,
-        standalone=False, encodings={"basis": Encoding("basis", info.size, info.digest)},
+        standalone=False, encodings={"basis": info.encoding("basis")},
         origin=app[CONFIG].node_id, engine=app[PRODUCER].engine)])
     app[BASES].add(address)
     app[PRODUCER].basis = basis
@@ -397,6 +399,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 def create_app(config: OriginConfig) -> web.Application:
     default_encodings(config.raw_copies, 1.0)  # a bad setting fails at start, not on the first publish
+    check_piece_bytes(config.piece_bytes)
     metrics = CollectorRegistry()
     app = web.Application(
         client_max_size=config.max_body_bytes,

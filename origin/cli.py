@@ -45,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw-copies", default="auto", choices=["auto", "always", "never"],
                    help="a publish naming no encodings stores raw beside zstd (raw loads fastest next to an engine, "
                         "zstd across a WAN); auto: while the store's disk is under 75%% full")
+    p.add_argument("--piece-bytes", default="1MiB", metavar="SIZE",
+                   help="records carry the BLAKE3 of each SIZE piece of a blob, so a consumer verifies (and may use) "
+                        "a body piece by piece as it lands, and drops a lying source within a piece (64KiB-1GiB; "
+                        "default 1MiB)")
     p.set_defaults(func=cmd_serve)
 
     p = origin.add_parser("keygen", help="make an origin signing key (FILE, mode 600) and FILE.pub for consumers")
@@ -81,6 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kdn.address import validate_name
     from kdn.origin.app import OriginConfig, run
     from kdn.registry.records import validate_node_url
+    from kdn.units import parse_size
 
     if args.url is not None:
         args.url = validate_node_url(args.url.rstrip("/"))
@@ -88,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        token_file=args.token_file, region=validate_name(args.region), url=args.url, dtype=args.dtype,
                        max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key,
                        engine=args.engine, signing_key=args.signing_key, kvtc_basis=args.kvtc_basis,
-                       raw_copies=args.raw_copies,
+                       raw_copies=args.raw_copies, piece_bytes=parse_size(args.piece_bytes),
                        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer)
     cfg.connection_caps()  # bad caps fail here, in one line
     if args.signing_key:

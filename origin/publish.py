@@ -27,7 +27,7 @@ from kdn.address import Address
 from kdn.emphasis import DEFAULT_ALPHA, MAX_SPANS, EmphasisMap, merge_spans
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, KDNError
-from kdn.registry import Encoding, ObjectRecord
+from kdn.registry import ObjectRecord
 from kdn.store import validate_encoding
 from kdn.template import chat_frame, encode_frame, encode_text
 
@@ -412,7 +412,7 @@ class Producer:
         for enc in spec.encodings:
             info = self.store.info(addr, enc)
             assert info is not None, f"{addr}.{enc} must be stored before its record is written"
-            encs[enc] = Encoding(enc, info.size, info.digest)
+            encs[enc] = info.encoding(enc)
         return ObjectRecord(address=addr, model_id=self.loaded.model_id, namespace=spec.namespace, kind=kind,
                             start=s, end=e, parent=parent, standalone=standalone, encodings=encs,
                             origin=self.origin_id, engine=self.engine)

@@ -26,9 +26,11 @@ import shutil
 import threading
 from dataclasses import dataclass
 
-from kdn.address import Address, blob_digest, validate_address
+from kdn.address import Address, Digest, blob_digest, validate_address
 from kdn.errors import DigestMismatch
 from kdn.objects import blob_namespace
+from kdn.pieces import PIECE_BYTES, check_piece_bytes, piece_digests
+from kdn.registry.records import Encoding
 from kdn.store import BlobDir, validate_encoding
 
 log = logging.getLogger(__name__)
@@ -39,16 +41,27 @@ class BlobInfo:
     size: int
     digest: str
     namespace: str | None = None  # from the blob's own header; None for a blob that is not a KV object
+    # Each PIECE_BYTES piece's BLAKE3 (kdn/pieces.py), hashed from the same bytes as ``digest``: at write
+    # time, or at a restart only once the digest written beside the blob matched. Never from bytes that
+    # were not first proven whole, so a record's pieces always name the bytes its digest names.
+    pieces: tuple[Digest, ...] = ()
+    piece_bytes: int = 0
+
+    def encoding(self, name: str) -> Encoding:
+        """This blob as an object record states it."""
+        return Encoding(name, self.size, Digest(self.digest), self.piece_bytes if self.pieces else 0, self.pieces)
 
 
-def _info(data: bytes | memoryview) -> BlobInfo:
-    return BlobInfo(len(data), blob_digest(data), blob_namespace(data))
+def _info(data: bytes | memoryview, piece_bytes: int) -> BlobInfo:
+    pieces = piece_digests(data, piece_bytes)
+    return BlobInfo(len(data), blob_digest(data), blob_namespace(data), pieces, piece_bytes if pieces else 0)
 
 
 class ObjectStore:
     """Blocking store; the async service calls it through ``asyncio.to_thread``."""
 
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = True, piece_bytes: int = PIECE_BYTES) -> None:
+        self.piece_bytes = check_piece_bytes(piece_bytes)  # the piece digests each record carries (kdn/pieces.py)
         self.dir = BlobDir(root, fsync=fsync)
         self._index: dict[str, dict[str, BlobInfo]] = {}  # address -> encoding -> info
         self._lock = threading.Lock()
@@ -56,7 +69,7 @@ class ObjectStore:
         unattested = 0
         for blob in self.dir.scan():
             data = blob.path.read_bytes()
-            info = _info(data)
+            info = _info(data, self.piece_bytes)
             got = info.digest
             want = self.dir.attested(blob.address, blob.encoding)
             if want is None:
@@ -108,7 +121,7 @@ class ObjectStore:
 
     def put(self, address: Address, encoding: str, blob: bytes) -> BlobInfo:
         """Store a blob (idempotent: an identical blob already present is not rewritten)."""
-        info = _info(blob)
+        info = _info(blob, self.piece_bytes)
         if self.info(address, encoding) == info:
             return info
         self.dir.put(address, encoding, blob, digest=info.digest)  # the digest lands first, beside it
@@ -125,7 +138,7 @@ class ObjectStore:
         data = self.dir.read(validate_address(address), validate_encoding(encoding))
         if data is None:
             return None
-        info = _info(data)
+        info = _info(data, self.piece_bytes)
         if digest is not None and info.digest != digest:
             log.warning("stored blob %s.%s does not match its record's digest: not served", address, encoding)
             return None

@@ -33,6 +33,9 @@ class Piece:
     digest: str
     size: int
     tier: str = ""  # where the entry edge said it would come from (memory, disk, peer:..., origin)
+    # The record's piece digests (kdn/pieces.py): the worker verifies the body piece by piece as it lands.
+    piece_bytes: int = 0
+    piece_digests: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert 0 <= self.start < self.end, (self.start, self.end)

@@ -104,12 +104,14 @@ class Saver:
 
     async def _record(self, job: SaveJob, c) -> None:
         from kdn.address import blob_digest
+        from kdn.pieces import PIECE_BYTES, piece_digests
         from kdn.registry import Encoding, ObjectRecord
 
         encs = {}
         for enc in job.encodings:
             data = self.store.read(c.address, enc)
-            encs[enc] = Encoding(enc, len(data), blob_digest(data))
+            pieces = piece_digests(data)  # from the same bytes as the whole digest (kdn/pieces.py)
+            encs[enc] = Encoding(enc, len(data), blob_digest(data), PIECE_BYTES if pieces else 0, pieces)
         rec = ObjectRecord(address=c.address, model_id=self.model_id, namespace=job.namespace, kind=self.kind,
                            start=c.start, end=c.end, parent=c.parent, standalone=False, encodings=encs,
                            origin=self.cfg.node_id, engine=compat.ENGINE)

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdn import address as A
-from kdn.errors import KDNError
+from kdn.errors import InvalidInput, KDNError
+from kdn.pieces import Pieces
 from kdn.store import validate_encoding
 
 from kdn.adapters.vllm import compat
@@ -139,7 +140,13 @@ class SchedulerSide:
                 break
             e = rec["encodings"][enc]
             tier = hit.sources[i] if i < len(hit.sources) else ""
-            pieces.append(Piece(addr, pos, want_end, enc, e["digest"], int(e["size"]), tier))
+            try:
+                proof = Pieces.checked(e["size"], e.get("piece_bytes", 0), e.get("pieces", ()))
+            except InvalidInput as err:
+                log.info("KDN chain for this prompt stops at token %d: %s", pos, err)
+                break
+            pieces.append(Piece(addr, pos, want_end, enc, e["digest"], int(e["size"]), tier,
+                                proof.piece_bytes if proof else 0, proof.digests if proof else ()))
             pos = want_end
         return pieces
 

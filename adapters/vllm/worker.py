@@ -37,6 +37,7 @@ import torch
 from kdn.arena import ArenaFull
 from kdn.kernels.pinned import host_arena
 from kdn.errors import DigestMismatch, KDNError, SourceError
+from kdn.pieces import Pieces
 
 from kdn.adapters.vllm import compat, paged
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob
@@ -183,7 +184,8 @@ class WorkerSide:
         """Piece ``i``: fetched into an arena buffer, verified, checked, decoded into the staging (a worker
         thread, while other pieces are still on the wire); the buffer goes back at once. A kvtc object's
         model basis is fetched, verified and registered first (once per basis)."""
-        f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size, pooled=True)
+        f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size, pooled=True,
+                                    pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests))
         try:
             cap = await self.client.prepare(f, p.end - p.start)
         except BaseException:

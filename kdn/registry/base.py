@@ -515,7 +515,8 @@ def _merge_build(reg: KVRegistry, batch: list[ObjectRecord], extra: list[tuple[s
             old = reg._own(_object(old_bytes))
             for name in set(rec.encodings) & set(old.encodings if old is not None else ()):
                 assert old is not None
-                if old.encodings[name] != rec.encodings[name]:
+                was, now = old.encodings[name], rec.encodings[name]
+                if (was.size, was.digest) != (now.size, now.digest):  # gaining piece digests is no conflict
                     log.error("object %s: the registry records %s as %s (%d B), the writer holds %s (%d B): "
                               "the writer's is recorded", rec.address[:16], name, old.encodings[name].digest[:16],
                               old.encodings[name].size, rec.encodings[name].digest[:16], rec.encodings[name].size)

@@ -22,6 +22,7 @@ import msgpack
 from kdn.address import Digest, validate_address, validate_digest, validate_model_id, validate_name, validate_namespace
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
+from kdn.pieces import Pieces
 
 # "basis": a model-level object (a kvtc basis, kdn/kernels/transform.py) stored and served like a chunk
 OBJECT_KINDS = frozenset({"kv", "ssm", "hybrid", "basis"})
@@ -163,11 +164,28 @@ class Encoding(_Record):
     name: str
     size: int
     digest: Digest  # BLAKE3 hex of the blob in this encoding
+    # The BLAKE3 of each ``piece_bytes`` piece of the blob, in order (kdn/pieces.py: verified streaming);
+    # none for a blob of one piece and in records from before pieces (those are verified whole).
+    piece_bytes: int = 0
+    pieces: tuple[Digest, ...] = ()
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(self.name), "Encoding.name must be a non-empty string")
         _require(_is_int(self.size) and self.size >= 0, "Encoding.size must be a non-negative int")
         validate_digest(self.digest)
+        checked = Pieces.checked(self.size, self.piece_bytes, self.pieces)  # raises InvalidInput if inconsistent
+        object.__setattr__(self, "pieces", checked.digests if checked else ())  # a list from msgpack: a tuple
+
+    @property
+    def piece_list(self) -> Pieces | None:
+        """The blob's pieces as ``kdn.pieces`` verifies them (None: verified whole)."""
+        return Pieces(self.piece_bytes, self.pieces) if self.pieces else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "size": self.size, "digest": self.digest}
+        if self.pieces:  # absent, not empty, when there are none: records stay as small as before
+            d["piece_bytes"], d["pieces"] = self.piece_bytes, list(self.pieces)
+        return d
 
 
 @dataclass(frozen=True)
@@ -217,6 +235,7 @@ class ObjectRecord(_Record):
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
+        d["encodings"] = {k: e.to_dict() for k, e in self.encodings.items()}
         # String keys: msgpack readers default to strict map keys, and JSON has no int keys.
         d["tails"] = {str(k): v for k, v in self.tails.items()}
         return d
