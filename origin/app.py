@@ -34,12 +34,13 @@ from kdn.service import connections
 from kdn.address import PUBLIC_NAMESPACE, validate_address, validate_name, validate_namespace
 from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
-from kdn.errors import RegistryUnavailable
+from kdn.errors import InvalidInput, RegistryUnavailable
 from kdn.registry import Manifest, ModelRecord, NodeRecord, ObjectRecord
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
 from kdn.origin.jobs import Job, JobQueue, QueueFull
 from kdn.origin.publish import Producer, default_encodings, parse_request
+from kdn.origin.s3store import is_s3, open_store, parse_s3_url
 from kdn.origin.store import ObjectStore
 from kdn.pieces import PIECE_BYTES, check_piece_bytes
 
@@ -66,6 +67,7 @@ class OriginConfig(service.NodeConfig):
     kvtc_basis: str | None = None  # a kvtc basis file (kdn.adapters.hf.transform_fit): enables kvtc-B encodings
     raw_copies: str = "auto"  # a publish naming no encodings stores raw beside zstd: auto|always|never
     piece_bytes: int = PIECE_BYTES  # each record carries its blobs' piece digests at this size (kdn/pieces.py)
+    store_credentials: str | None = None  # an s3:// store's keys (INI file; else AWS_* in the environment)
 
 
 CONFIG = web.AppKey("config", OriginConfig)
@@ -114,7 +116,8 @@ async def _model_ctx(app: web.Application):
     loop = asyncio.get_running_loop()
     loaded = await loop.run_in_executor(app[EXECUTOR], lambda: load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir))
     app[LOADED] = loaded
-    app[STORE] = await asyncio.to_thread(ObjectStore, cfg.store, fsync=cfg.fsync, piece_bytes=cfg.piece_bytes)
+    app[STORE] = await asyncio.to_thread(open_store, cfg.store, fsync=cfg.fsync, piece_bytes=cfg.piece_bytes,
+                                         credentials=cfg.store_credentials)
     if cfg.engine == "vllm":
         app[PRODUCER] = await loop.run_in_executor(app[EXECUTOR], _vllm_producer, cfg, loaded, app[STORE])
     else:
@@ -400,6 +403,12 @@ async def healthz(request: web.Request) -> web.Response:
 def create_app(config: OriginConfig) -> web.Application:
     default_encodings(config.raw_copies, 1.0)  # a bad setting fails at start, not on the first publish
     check_piece_bytes(config.piece_bytes)
+    if is_s3(config.store):  # a bad store URL fails at start, in one line
+        parse_s3_url(config.store)
+        if config.engine == "vllm":
+            raise InvalidInput("--engine vllm saves through its connector into a local folder: use a folder --store")
+    elif config.store_credentials is not None:
+        raise InvalidInput("--store-credentials is for an s3:// store")
     metrics = CollectorRegistry()
     app = web.Application(
         client_max_size=config.max_body_bytes,

@@ -20,7 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny-llama",
                    help="tiny-llama, tiny-bamba, ..., smollm2-135m, a transformers folder or a .gguf file")
     registry_arg(p)
-    p.add_argument("--store", default="kdn-origin-store", help="object store folder")
+    p.add_argument("--store", default="kdn-origin-store",
+                   help="object store: a folder, or s3://BUCKET/PREFIX?endpoint=URL (an S3-compatible bucket that "
+                        "several origins may share; docs/operations.md)")
+    p.add_argument("--store-credentials", default=None, metavar="FILE",
+                   help="an s3:// store's keys: aws_access_key_id and aws_secret_access_key (INI, as in "
+                        "~/.aws/credentials); default: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, else unsigned")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--token-file", default=None, help="grants file (see README: Tokens); without it anyone may publish nothing")
@@ -94,6 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key,
                        engine=args.engine, signing_key=args.signing_key, kvtc_basis=args.kvtc_basis,
                        raw_copies=args.raw_copies, piece_bytes=parse_size(args.piece_bytes),
+                       store_credentials=args.store_credentials,
                        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer)
     cfg.connection_caps()  # bad caps fail here, in one line
     if args.signing_key:

@@ -52,7 +52,7 @@ class BlobInfo:
         return Encoding(name, self.size, Digest(self.digest), self.piece_bytes if self.pieces else 0, self.pieces)
 
 
-def _info(data: bytes | memoryview, piece_bytes: int) -> BlobInfo:
+def blob_info(data: bytes | memoryview, piece_bytes: int) -> BlobInfo:
     pieces = piece_digests(data, piece_bytes)
     return BlobInfo(len(data), blob_digest(data), blob_namespace(data), pieces, piece_bytes if pieces else 0)
 
@@ -62,14 +62,26 @@ class ObjectStore:
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True, piece_bytes: int = PIECE_BYTES) -> None:
         self.piece_bytes = check_piece_bytes(piece_bytes)  # the piece digests each record carries (kdn/pieces.py)
-        self.dir = BlobDir(root, fsync=fsync)
         self._index: dict[str, dict[str, BlobInfo]] = {}  # address -> encoding -> info
         self._lock = threading.Lock()
         self.dropped = 0  # blobs whose bytes no longer matched the digest written with them
+        self.where = str(root)
+        self._open(root, fsync)
+        self._load()
+        if self._index:
+            log.info("object store %s: %d blobs, %d bytes", self.where, len(self), self.total_bytes)
+
+    # --- the backend: a local folder here, an S3 bucket in kdn.origin.s3store ---
+
+    def _open(self, root: str | os.PathLike, fsync: bool) -> None:
+        self.dir = BlobDir(root, fsync=fsync)
+
+    def _load(self) -> None:
+        """Index every blob: read whole, checked against the digest written beside it."""
         unattested = 0
         for blob in self.dir.scan():
             data = blob.path.read_bytes()
-            info = _info(data, self.piece_bytes)
+            info = blob_info(data, self.piece_bytes)
             got = info.digest
             want = self.dir.attested(blob.address, blob.encoding)
             if want is None:
@@ -83,9 +95,15 @@ class ObjectStore:
             self._index.setdefault(blob.address, {})[blob.encoding] = info
         if unattested:
             log.warning("object store %s: %d blobs have no digest written beside them; indexed by their hash",
-                        root, unattested)
-        if self._index:
-            log.info("object store %s: %d blobs, %d bytes", root, len(self), self.total_bytes)
+                        self.where, unattested)
+
+    def _write(self, address: Address, encoding: str, blob: bytes, info: BlobInfo) -> BlobInfo:
+        """Store ``blob``; the info of what is stored under the name afterwards (here: always ``blob``)."""
+        self.dir.put(address, encoding, blob, digest=info.digest)  # the digest lands first, beside it
+        return info
+
+    def _read(self, address: str, encoding: str) -> bytes | None:
+        return self.dir.read(address, encoding)
 
     def free_fraction(self) -> float:
         """The share of the store's file system still free (0..1)."""
@@ -120,11 +138,12 @@ class ObjectStore:
         return self.info(address, encoding) is not None
 
     def put(self, address: Address, encoding: str, blob: bytes) -> BlobInfo:
-        """Store a blob (idempotent: an identical blob already present is not rewritten)."""
-        info = _info(blob, self.piece_bytes)
+        """Store a blob (idempotent: an identical blob already present is not rewritten); the info of what is
+        stored (in a store that several origins write, another origin's blob may have been there first)."""
+        info = blob_info(blob, self.piece_bytes)
         if self.info(address, encoding) == info:
             return info
-        self.dir.put(address, encoding, blob, digest=info.digest)  # the digest lands first, beside it
+        info = self._write(address, encoding, blob, info)
         with self._lock:
             self._index.setdefault(address, {})[encoding] = info
         return info
@@ -135,10 +154,10 @@ class ObjectStore:
         With ``digest`` (from the object's registry record) a file that does not match is not indexed.
         None if there is no such file, or it does not match.
         """
-        data = self.dir.read(validate_address(address), validate_encoding(encoding))
+        data = self._read(validate_address(address), validate_encoding(encoding))
         if data is None:
             return None
-        info = _info(data, self.piece_bytes)
+        info = blob_info(data, self.piece_bytes)
         if digest is not None and info.digest != digest:
             log.warning("stored blob %s.%s does not match its record's digest: not served", address, encoding)
             return None
@@ -151,7 +170,7 @@ class ObjectStore:
         info = self.info(address, encoding)
         if info is None:
             return None
-        data = self.dir.read(address, encoding)
+        data = self._read(address, encoding)
         if data is None:
             with self._lock:
                 self._index.get(address, {}).pop(encoding, None)

@@ -1,4 +1,4 @@
-"""Shared fixtures: a real etcd server, and a fresh registry of each implementation."""
+"""Shared fixtures: a real etcd server, a real S3 store (SeaweedFS), and a fresh registry of each implementation."""
 
 from __future__ import annotations
 
@@ -15,10 +15,32 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # tests/ has no __init__.py: make etcd_proc importable
 
 from etcd_proc import EtcdProcess  # noqa: E402
+from seaweed_proc import SeaweedProcess  # noqa: E402
 from tls_certs import issue, make_ca  # noqa: E402
 
 from kdn.registry import EmbeddedRegistry, EtcdRegistry  # noqa: E402
 from kdn.registry.etcd import EtcdAuth  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A SeaweedFS on loopback (its S3 endpoint URL is ``.endpoint``); fails if ``weed`` is not installed."""
+    try:
+        proc = SeaweedProcess()
+        proc.start()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def s3_store_url(s3_server) -> str:
+    """``s3://kdn-tests/PREFIX?endpoint=...``: a fresh prefix in the session's SeaweedFS bucket (one bucket: each
+    bucket is a SeaweedFS collection that takes volumes of its own)."""
+    return f"s3://{s3_server.bucket}/t{uuid.uuid4().hex[:16]}?endpoint={s3_server.endpoint}"
 
 
 @pytest.fixture(scope="session")

@@ -49,8 +49,9 @@ class Cluster:
 
     async def start_origin(self, model: str = "tiny-llama", *, prepare=None, **kw) -> None:
         port = free_port()
-        cfg = OriginConfig(model=model, registry=self.registry, store=str(self.tmp / "origin-store"), port=port,
-                           token_file=str(self.tokens), node_id="origin-1", fsync=False, **kw)
+        kw.setdefault("store", str(self.tmp / "origin-store"))
+        cfg = OriginConfig(model=model, registry=self.registry, port=port, token_file=str(self.tokens),
+                           node_id="origin-1", fsync=False, **kw)
         app = create_origin(cfg)
         if prepare is not None:
             prepare(app)  # e.g. a signal handler a test adds before the app is frozen
