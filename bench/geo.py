@@ -369,15 +369,15 @@ class BenchClient(KDNClient):
 
         self.fetch_observer = Tracer()
 
-    async def _fetch_hedged(self, address, encoding, digest, size, *, hedge=True, pooled=None, pieces=None):
+    async def _fetch_hedged(self, address, encoding, digest, size, *, hedge=True, pooled=None, pieces=None, part=None):
         """probe_all: ask every source at once, keep the first verified answer (the measured minimum)."""
         if not self.probe_all:
             return await super()._fetch_hedged(address, encoding, digest, size, hedge=hedge, pooled=pooled,
-                                               pieces=pieces)
+                                               pieces=pieces, part=part)
         from kdn.errors import DigestMismatch, SourceError
         from kdn.fetch import Route, Want
 
-        want = Want(address, encoding, size, digest, pieces)
+        want = Want(address, encoding, size, digest, pieces, part)
         tasks = [asyncio.create_task(self.fetcher.fetch(want, [Route(s.label, s.url, s.kind, self.headers)]))
                  for s in self.sources]
         errors = []

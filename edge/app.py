@@ -643,6 +643,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     if service.not_modified(request, digest):
         return web.Response(status=304, headers=object_headers(digest, "edge", encoding, rec.namespace))
     head = request.method == "HEAD"
+    rng = service.byte_range(request, size, digest)  # one range of the blob (a 416 before any fill)
     # Hop and cached-only requests are how edges ask each other; from anyone else they would be a way
     # to probe what is cached (or to skip the owner), so only a read-everything (edge) grant sets them.
     peer = "*" in request.app[GRANTS].namespaces(bearer(request), "read")
@@ -665,11 +666,11 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         source = loaded.source if (peer or bearer(request) or not head) else "edge"
         headers = object_headers(digest, source, encoding, rec.namespace)
         if loaded.path is not None:
-            return await _send_file(request, loaded.path, loaded.size, headers, head=head, metrics=edge.m)
+            return await _send_file(request, loaded.path, loaded.size, headers, head=head, metrics=edge.m, rng=rng)
         if loaded.data is None:
             raise RuntimeError(f"a {loaded.source} handle with neither bytes nor a file")
         return await _send_bytes(request, loaded.data, headers, head=head, metrics=edge.m,
-                                 source=loaded.source.split(":", 1)[0])
+                                 source=loaded.source.split(":", 1)[0], rng=rng)
     finally:
         loaded.release()
 
@@ -688,30 +689,35 @@ async def _promote(edge: Edge, key: Key, path: Path, rec: ObjectRecord, inserted
         edge._promoting.discard(key)
 
 
-async def _send_bytes(request, data: memoryview, headers: dict, *, head: bool, metrics, source: str):
-    """Write ``data`` inside the handler, while the caller still holds the tier handle: the bytes
-    cannot be evicted under this write (a stalled reader is cut off, so the handle it pins is released)."""
-    resp, how = await service.send_body(request, data, headers, head=head)
+async def _send_bytes(request, data: memoryview, headers: dict, *, head: bool, metrics, source: str,
+                      rng: tuple[int, int] | None = None):
+    """Write ``data`` (or its range ``rng``) inside the handler, while the caller still holds the tier handle:
+    the bytes cannot be evicted under this write (a stalled reader is cut off, so the handle it pins is
+    released)."""
+    resp, how = await service.send_body(request, data, headers, head=head, rng=rng)
     if how == "gone":
         metrics.aborted.inc()
     elif how == "sent" and not head:
-        metrics.bytes_served.labels(source).inc(len(data))
+        metrics.bytes_served.labels(source).inc(len(data) if rng is None else rng[1] - rng[0])
     return resp
 
 
-async def _send_file(request, path: Path, size: int, headers: dict, *, head: bool, metrics):
-    """sendfile(2) the blob; like aiohttp's FileResponse, but with the digest as ETag."""
+async def _send_file(request, path: Path, size: int, headers: dict, *, head: bool, metrics,
+                     rng: tuple[int, int] | None = None):
+    """sendfile(2) the blob (or its range ``rng``); like aiohttp's FileResponse, but with the digest as ETag."""
     resp = web.StreamResponse(headers=headers)
-    resp.content_length = size
+    service.ranged(resp, rng, size)
+    offset, count = (0, size) if rng is None else (rng[0], rng[1] - rng[0])
     try:
-        await service.send_within(request, size, _sendfile_body(request, resp, path, size, head=head, metrics=metrics))
+        await service.send_within(request, count, _sendfile_body(request, resp, path, offset, count, head=head,
+                                                                 metrics=metrics))
         return resp
     except ConnectionError:
         metrics.aborted.inc()
         return resp
 
 
-async def _sendfile_body(request, resp, path: Path, size: int, *, head: bool, metrics):
+async def _sendfile_body(request, resp, path: Path, offset: int, count: int, *, head: bool, metrics):
     await resp.prepare(request)  # StreamResponse sends its headers now, before the body
     if not head:
         with open(path, "rb") as f:
@@ -719,10 +725,11 @@ async def _sendfile_body(request, resp, path: Path, size: int, *, head: bool, me
             if transport is None:
                 raise ConnectionResetError("connection lost")
             try:
-                await asyncio.get_running_loop().sendfile(transport, f, 0, size)
+                await asyncio.get_running_loop().sendfile(transport, f, offset, count)
             except NotImplementedError:  # e.g. TLS: fall back to plain writes
-                await resp.write(f.read())
-        metrics.bytes_served.labels("disk").inc(size)
+                f.seek(offset)
+                await resp.write(f.read(count))
+        metrics.bytes_served.labels("disk").inc(count)
     await resp.write_eof()
     return resp
 

@@ -19,6 +19,7 @@ from typing import Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 MAX_HEADER = 16 << 10
+BODY_STATUSES = (200, 206)  # answers whose body is read into the buffer (206: a range of the object)
 
 
 @runtime_checkable
@@ -146,7 +147,7 @@ class _Conn(asyncio.BufferedProtocol):
             except (ValueError, IndexError) as e:
                 self._fail(BodyError(f"bad response head: {e}"))
                 return
-            if self.resp.status != 200:
+            if self.resp.status not in BODY_STATUSES:
                 self.done.set_result(self.resp)  # the caller reports the status; the connection is dropped
                 return
             if self.resp.length > self.body.size:
@@ -214,7 +215,7 @@ def _parse(head: bytes) -> Response:
     if raw is not None and not (raw.isascii() and raw.isdigit() and len(raw) <= 15):
         raise ValueError(f"bad Content-Length {raw[:20]!r}")  # not int()'s '+5', ' 5' or '5_0'
     length = int(raw) if raw is not None else -1
-    if int(status) == 200 and length < 0:
+    if int(status) in BODY_STATUSES and length < 0:
         raise ValueError("no Content-Length")
     return Response(int(status), headers, max(length, 0))
 
@@ -271,7 +272,7 @@ class BodyGetter:
                     raise
             else:  # pragma: no cover - the fresh second attempt breaks or raises
                 raise BodyError("no attempt left")
-        if resp.status == 200 and resp.headers.get("connection", "").lower() != "close":
+        if resp.status in BODY_STATUSES and resp.headers.get("connection", "").lower() != "close":
             self._give(key, conn)
         else:
             conn.close()

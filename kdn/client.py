@@ -116,6 +116,16 @@ class Fetched:
 
 
 @dataclass
+class Tensors:
+    """Some tensors of one object (``KDNClient.fetch_tensors``): their bytes as stored in the blob (``layout``
+    names each one's dtype, shape and codec), and the bytes moved to get them."""
+
+    layout: Layout
+    tensors: dict[str, memoryview]
+    bytes_fetched: int
+
+
+@dataclass
 class PrefixStates:
     lookup: Lookup
     objects: list[DecodedObject]  # in chain order
@@ -509,7 +519,8 @@ class KDNClient:
                                             pooled=(arena or self.arena) if pooled else None, pieces=pieces)
 
     async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int, *, hedge: bool = True,
-                            pooled: Arena | None = None, pieces: Pieces | None = None) -> Fetched:
+                            pooled: Arena | None = None, pieces: Pieces | None = None,
+                            part: tuple[int, int] | None = None) -> Fetched:
         """Through ``kdn.fetch`` (one verified fetch for edges and clients): the best source first, hedged to
         the next past twice its expected time (at most ``max_hedges`` extra; others only when a source
         fails); the first verified body wins.
@@ -518,11 +529,11 @@ class KDNClient:
         slow by design, and a hedge to another edge starts a second fill from the same upstream (the
         geo bench saw one cold object fan out to all seven sources, 100 ms apart, each filling it).
         """
+        want = Want(A.validate_address(address), encoding, size, validate_digest(digest), pieces, part)
         routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self._timeout.total)
-                  for s in self._ranked(size, address)]
+                  for s in self._ranked(want.nbytes, address)]
         alloc = pooled.take if pooled is not None else None  # the arena the body lands in, if any
-        body = await self.fetcher.fetch(Want(A.validate_address(address), encoding, size, validate_digest(digest),
-                                             pieces),
+        body = await self.fetcher.fetch(want,
                                         routes, hedge=hedge, max_hedges=self.max_hedges, alloc=alloc,
                                         observer=self.fetch_observer)
         blob = body.buffer.data if isinstance(body.buffer, Fresh) else body.blob
@@ -535,6 +546,59 @@ class KDNClient:
     @property
     def failovers(self) -> int:
         return self.fetcher.failovers
+
+    async def fetch_part(self, address: str, encoding: str, first: int, end: int) -> Fetched:
+        """Pieces ``[first, end)`` of an object (``kdn.pieces``: 1 MiB each by default) by a range request, each
+        verified against the piece digests of its (signed) record: ``blob`` holds the blob's bytes
+        ``[first * piece_bytes, ...)``. InvalidInput if the record has no pieces (a blob of one piece, or
+        from before pieces): fetch it whole."""
+        rec = await self.record(address)
+        if rec is None or encoding not in rec["encodings"]:
+            raise SourceError(f"{address} has no {encoding!r} record here")
+        e = rec["encodings"][encoding]
+        pieces = _pieces_of(e)
+        if pieces is None:
+            raise InvalidInput(f"{address}.{encoding} records no piece digests: fetch it whole")
+        async with self._sem:
+            return await self._fetch_hedged(address, encoding, e["digest"], int(e["size"]), hedge=self.hedge,
+                                            pieces=pieces, part=(first, end))
+
+    async def fetch_tensors(self, address: str, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
+        """Only the named tensors of an object (one layer's ``L3.k`` and ``L3.v``, say), verified: the pieces
+        holding its header, then the pieces that hold those tensors, by range requests. Where the record has
+        no pieces, the whole object is fetched and verified, then cut."""
+        from kdn.objects import head_length, read_layout
+
+        rec = await self.record(address)
+        if rec is None or encoding not in rec["encodings"]:
+            raise SourceError(f"{address} has no {encoding!r} record here")
+        e = rec["encodings"][encoding]
+        size, pieces, want = int(e["size"]), _pieces_of(e), list(names)
+        if pieces is None:
+            f = await self.fetch(address, encoding=encoding)
+            layout = read_layout(f.blob[:head_length(f.blob[:8])], size)
+            return Tensors(layout, {n: memoryview(f.blob)[slice(*_span(layout, n))] for n in want}, size)
+        pb = pieces.piece_bytes
+        head = await self.fetch_part(address, encoding, 0, 1)
+        moved = len(head.blob)
+        hl = head_length(head.blob[:8])
+        if hl > len(head.blob):  # a header longer than a piece: the pieces it spans
+            more = await self.fetch_part(address, encoding, 1, -(-hl // pb))
+            head, moved = replace(head, blob=bytearray(head.blob) + more.blob), moved + len(more.blob)
+        layout = read_layout(head.blob[:hl], size)
+        spans = {n: _span(layout, n) for n in want}
+        if not spans:
+            return Tensors(layout, {}, moved)
+        first, end = min(b for b, _ in spans.values()) // pb, -(-max(e for _, e in spans.values()) // pb)
+        held = -(-len(head.blob) // pb)  # pieces already here with the header
+        data: bytes | bytearray | memoryview = head.blob
+        base = 0
+        if end > held:
+            body = await self.fetch_part(address, encoding, max(first, held), end)
+            moved += len(body.blob)
+            data, base = ((bytearray(head.blob[first * pb:]) + body.blob, first * pb) if first < held
+                          else (body.blob, first * pb))
+        return Tensors(layout, {n: memoryview(data)[b - base:e - base] for n, (b, e) in spans.items()}, moved)
 
     async def basis(self, address: str) -> Any:
         """The kvtc basis (``kdn.kernels.transform.Basis``) at ``address``: fetched once, verified,
@@ -665,6 +729,13 @@ class KDNClient:
         assert isinstance(body.buffer, Scatter) and body.buffer.layout is not None
         f = Fetched(address, "raw", memoryview(b""), f"{body.route.label}/{body.served_by}", body.seconds)
         return f, body.buffer.layout
+
+
+def _span(layout: Layout, name: str) -> tuple[int, int]:
+    try:
+        return layout.span(name)
+    except KeyError:
+        raise InvalidInput(f"object {layout.header.address[:16]} has no tensor {name[:64]!r}") from None
 
 
 def _pieces_of(enc: Mapping[str, Any]) -> Pieces | None:

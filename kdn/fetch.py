@@ -41,9 +41,9 @@ from urllib.parse import quote
 
 from kdn.address import Address, Digest
 from kdn.bodyget import BodyError, BodyGetter, Sink
-from kdn.errors import DigestMismatch, SourceError
+from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.estimate import Estimates
-from kdn.pieces import Pieces, verifier
+from kdn.pieces import BodyVerifier, Pieces, PieceVerifier, piece_span, verifier
 
 CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
 HOP = "X-KDN-Hop"  # set on edge-to-edge requests: the receiver fills itself, never forwards in-region
@@ -59,6 +59,28 @@ class Want:
     size: int
     digest: Digest
     pieces: Pieces | None = None  # the record's piece digests: verified piece by piece (kdn/pieces.py)
+    # Only pieces [first, end) of the blob (a range request, 206), each verified against its digest: the bytes
+    # ``piece_span`` names. None: the whole blob.
+    part: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.part is not None and self.pieces is None:
+            raise InvalidInput(f"{self.address}.{self.encoding}: a range is verified by piece digests, and its "
+                               "record has none")
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this fetch moves (what its time measures)."""
+        lo, hi = self.span
+        return hi - lo
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The bytes ``[lo, hi)`` of the blob this fetch delivers."""
+        if self.part is None or self.pieces is None:
+            return 0, self.size
+        lo, hi, _ = piece_span(self.size, self.pieces, *self.part)
+        return lo, hi
 
 
 @dataclass(frozen=True)
@@ -179,8 +201,8 @@ class Fetcher:
                 if task is leading or route.kind in ("edge", "peer"):
                     continue
                 est = self.estimates[route.url]
-                if now - started[task] > est.expected(want.size):
-                    est.observe(want.size, now - started[task])
+                if now - started[task] > est.expected(want.nbytes):
+                    est.observe(want.nbytes, now - started[task])
 
         if not plan:
             raise SourceError(f"no source for {want.address}.{want.encoding}")
@@ -189,7 +211,7 @@ class Fetcher:
         try:
             while pending:
                 first = next(iter(pending.values()))
-                budget = max(2 * self.estimates[first.url].expected(want.size), MIN_HEDGE_S)
+                budget = max(2 * self.estimates[first.url].expected(want.nbytes), MIN_HEDGE_S)
                 can_hedge = hedge and hedged < max_hedges and i < len(plan)
                 done, _ = await asyncio.wait(pending, timeout=budget if can_hedge else None,
                                              return_when=asyncio.FIRST_COMPLETED)
@@ -215,7 +237,7 @@ class Fetcher:
                         obs.missed(route, t)
                         continue
                     if body.served_by.split(":", 1)[0] in ("memory", "disk") or route.kind == "origin":
-                        self.estimates[route.url].observe(want.size, body.seconds)
+                        self.estimates[route.url].observe(want.nbytes, body.seconds)
                     losers_took_at_least()
                     obs.delivered(route, body)
                     return body
@@ -237,34 +259,44 @@ class Fetcher:
     async def _attempt(self, want: Want, route: Route, make: Callable[[int], Buffer]) -> Body | None:
         """One request: a verified body, None for a cached-only miss, or SourceError / DigestMismatch."""
         t0 = time.perf_counter()
-        buf = make(want.size)
+        lo, hi = want.span
+        buf = make(hi - lo)
         ok = False
         try:
             # Fed as the bytes land: verification overlaps the transfer, no second pass; piece by piece where
             # the record has pieces (a lie is found within a piece of where it starts).
             proven = getattr(buf, "verified", None)
-            hasher = verifier(want.size, want.digest, want.pieces, f"{want.address} from {route.label}", proven)
+            what = f"{want.address} from {route.label}"
+            if want.part is not None and want.pieces is not None:
+                hasher: BodyVerifier = PieceVerifier(hi - lo, piece_span(want.size, want.pieces, *want.part)[2], what,
+                                                     proven)
+            else:
+                hasher = verifier(want.size, want.digest, want.pieces, what, proven)
             url = f"{route.url}/v1/objects/{want.address}?encoding={quote(want.encoding, safe='')}"
             try:
                 # No redirects: a source that answers 3xx is a failed source, not a pointer to follow (it would
                 # otherwise lead this node, and its token, to any host it names).
                 headers = {**(self.authorize(url) if self.authorize else {}), **route.headers}
+                if want.part is not None:  # If-Range: a source holding other bytes under the name sends all (a 200)
+                    headers |= {"Range": f"bytes={lo}-{hi - 1}", "If-Range": f'"{want.digest}"'}
                 target = buf if isinstance(buf, Sink) else buf.view  # kdn.scatter places its bytes itself
                 r = await self.getter.get(url, target, headers, route.timeout or self.timeout, hasher=hasher)
             except (BodyError, asyncio.TimeoutError, OSError) as e:
                 raise SourceError(f"{type(e).__name__}: {str(e)[:120]}") from None
             if r.status == 404 and route.cached_only:
                 return None
-            if r.status != 200:
+            if r.status != (200 if want.part is None else 206):
                 raise SourceError(f"HTTP {r.status}")
+            if want.part is not None and r.headers.get("content-range") != f"bytes {lo}-{hi - 1}/{want.size}":
+                raise SourceError(f"asked for bytes {lo}-{hi - 1}/{want.size}, got {r.headers.get('content-range')}")
             if r.headers.get("x-kdn-encoding", want.encoding) != want.encoding:
                 raise SourceError(f"asked for {want.encoding}, got {r.headers.get('x-kdn-encoding')}")
-            if r.length != want.size:
-                raise SourceError(f"Content-Length {r.length}, expected {want.size}")
+            if r.length != hi - lo:
+                raise SourceError(f"Content-Length {r.length}, expected {hi - lo}")
             if not hasher.verified():
                 raise DigestMismatch(f"{want.address} from {route.label} does not match its digest")
             if proven is not None and want.pieces is None:
-                proven(want.size)  # verified whole: the sink hears it once, at the end
+                proven(hi - lo)  # verified whole: the sink hears it once, at the end
             ok = True
             return Body(want, buf, route, r.headers.get("x-kdn-source", route.label), time.perf_counter() - t0)
         finally:

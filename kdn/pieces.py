@@ -85,6 +85,16 @@ class Pieces:
         return cls(piece_bytes, tuple(validate_digest(d) for d in digests))
 
 
+def piece_span(size: int, pieces: Pieces, first: int, end: int) -> tuple[int, int, Pieces]:
+    """Pieces ``[first, end)`` of a ``size``-byte blob: their bytes ``[lo, hi)`` and their digests (what a range
+    request for them is verified against)."""
+    n = len(pieces.digests)
+    if not (0 <= first < end <= n):
+        raise InvalidInput(f"pieces [{first}, {end}) of a blob of {n}")
+    lo, hi = first * pieces.piece_bytes, min(end * pieces.piece_bytes, size)
+    return lo, hi, Pieces(pieces.piece_bytes, pieces.digests[first:end])
+
+
 class BodyVerifier:
     """What a fetch feeds the body to as it lands (``kdn.bodyget.Hasher``), and asks at the end."""
 

@@ -367,6 +367,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         return web.Response(status=304, headers=headers)
     if request.method == "HEAD":
         return web.Response(headers={**headers, "Content-Length": str(info.size)})
+    rng = service.byte_range(request, info.size, info.digest)  # (a 416 before the blob is read)
     got = await store.aget(address, encoding)
     if got is None:
         raise web.HTTPNotFound(text=f"no object {address}")
@@ -374,8 +375,8 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     # Counted as it starts (a reader may act on the body before this handler resumes); readers cut
     # off are counted by kdn_http_deadline_exceeded_total.
     app[M]["objects_served"].labels(encoding).inc()
-    app[M]["bytes_served"].labels(encoding).inc(len(blob))
-    return (await service.send_body(request, blob, headers))[0]
+    app[M]["bytes_served"].labels(encoding).inc(len(blob) if rng is None else rng[1] - rng[0])
+    return (await service.send_body(request, blob, headers, rng=rng))[0]
 
 
 async def lookup(request: web.Request) -> web.Response:

@@ -194,8 +194,57 @@ async def send_within(request: web.Request, size: int, send: Awaitable[object]) 
 Sent = Literal["sent", "cut", "gone"]
 
 
+def byte_range(request: web.Request, size: int, digest: str) -> tuple[int, int] | None:
+    """The one byte range ``[first, end)`` a GET asks for (RFC 9110 §14), or None for the whole body.
+
+    A single range only (``bytes=a-b``, ``bytes=a-``, ``bytes=-n``); a header this does not take (several
+    ranges, another unit, bad syntax) is ignored, as the RFC allows, and the whole body is sent. With
+    ``If-Range``, the range holds only if it names this blob's (strong) ETag. A range that starts past the
+    end is a 416 with ``Content-Range: bytes */size``. Pieces of a blob (``kdn.pieces``) are ranges: a
+    consumer verifies each piece it asked for against the signed record's piece digests."""
+    text = request.headers.get("Range")
+    if text is None or request.method != "GET":
+        return None
+    if_range = request.headers.get("If-Range")
+    if if_range is not None and if_range.strip() != f'"{digest}"':
+        return None  # the validator names another version (or a date): the whole, current body
+    unit, _, spec = text.strip().partition("=")
+    if unit.strip().lower() != "bytes" or "," in spec or len(spec) > 64:
+        return None
+    lo, dash, hi = spec.strip().partition("-")
+    lo, hi = lo.strip(), hi.strip()
+    if not dash or not (lo.isdigit() or hi.isdigit()) or (lo and not lo.isdigit()) or (hi and not hi.isdigit()):
+        return None
+    if not lo:  # the last ``hi`` bytes
+        n = int(hi)
+        if n == 0:
+            raise _unsatisfiable(size)
+        return max(size - n, 0), size
+    first = int(lo)
+    if hi and int(hi) < first:
+        return None  # invalid: ignored
+    if first >= size:
+        raise _unsatisfiable(size)
+    return first, min(int(hi) + 1 if hi else size, size)
+
+
+def _unsatisfiable(size: int) -> web.HTTPRequestRangeNotSatisfiable:
+    return web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"},
+                                              text=f"the range starts past the {size}-byte object")
+
+
+def ranged(resp: web.StreamResponse, rng: tuple[int, int] | None, size: int) -> None:
+    """Make ``resp`` a 206 for ``rng`` of a ``size``-byte body (else the whole body, 200)."""
+    if rng is None:
+        resp.content_length = size
+        return
+    resp.set_status(206)
+    resp.headers["Content-Range"] = f"bytes {rng[0]}-{rng[1] - 1}/{size}"
+    resp.content_length = rng[1] - rng[0]
+
+
 async def send_body(request: web.Request, data: bytes | bytearray | memoryview, headers: dict[str, str], *,
-                    head: bool = False) -> tuple[web.StreamResponse, Sent]:
+                    head: bool = False, rng: tuple[int, int] | None = None) -> tuple[web.StreamResponse, Sent]:
     """Write an object body as it is, within its send deadline; what the origin and the edge's memory
     tier both answer a GET with. Returns the response and how it went: ``sent``; ``cut`` (a stalled
     reader, aborted by ``send_within``); ``gone`` (the reader hung up, e.g. its hedged twin won).
@@ -204,16 +253,17 @@ async def send_body(request: web.Request, data: bytes | bytearray | memoryview, 
     ``web.Response(body=...)`` would join headers and body into one new ``bytes`` first (aiohttp on
     Python < 3.12.9): a full copy of every object, which halved 4 MiB throughput (bench/serve.py)."""
     resp = web.StreamResponse(headers=headers)
-    resp.content_length = memoryview(data).nbytes
+    ranged(resp, rng, memoryview(data).nbytes)
+    body = data if rng is None else memoryview(data)[rng[0]:rng[1]]
 
     async def send() -> None:
         await resp.prepare(request)
         if not head:
-            await resp.write(data)
+            await resp.write(body)
         await resp.write_eof()
 
     try:
-        ok = await send_within(request, resp.content_length, send())
+        ok = await send_within(request, memoryview(body).nbytes, send())
     except ConnectionError:
         return resp, "gone"
     return resp, "sent" if ok else "cut"
@@ -224,7 +274,8 @@ def json_error(status: int, code: str, detail: str) -> web.Response:
 
 
 _STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-                 408: "timeout", 409: "conflict", 413: "too_large", 415: "unsupported_media_type", 503: "unavailable"}
+                 408: "timeout", 409: "conflict", 413: "too_large", 415: "unsupported_media_type",
+                 416: "range_not_satisfiable", 503: "unavailable"}
 
 
 @web.middleware
@@ -237,8 +288,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         detail = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
         resp = json_error(e.status, _STATUS_CODES.get(e.status, "error"), detail or e.reason)
-        if "Allow" in e.headers:  # a 405 must say which methods the resource takes (RFC 9110 15.5.6)
-            resp.headers["Allow"] = e.headers["Allow"]
+        for name in ("Allow", "Content-Range"):  # a 405 names the methods it takes, a 416 the size (RFC 9110)
+            if name in e.headers:
+                resp.headers[name] = e.headers[name]
         if e.headers.get("Connection", "").lower() == "close":
             # A body cut off by its deadline: answer, then close at once (aiohttp would otherwise
             # linger up to 10 s reading the rest of the body, which is what the deadline refused).
@@ -446,6 +498,7 @@ def object_headers(digest: str, source: str, encoding: str, namespace: str = "pu
         "X-KDN-Source": source,
         "X-KDN-Encoding": encoding,
         "Content-Type": "application/vnd.kdn.object+safetensors",
+        "Accept-Ranges": "bytes",
     }
 
 
