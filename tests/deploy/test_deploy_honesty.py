@@ -187,8 +187,32 @@ def test_deploy_readme_flags_exist(help_flags):
 # --- YAML parses ----------------------------------------------------------------------
 
 
+def test_the_s3_compose_override_points_the_origin_at_its_seaweedfs(help_flags):
+    """deploy/compose.s3.yaml: the origin's store in the SeaweedFS it adds, keys from a secret, telemetry off."""
+    over = yaml.safe_load((DEPLOY / "compose.s3.yaml").read_text())
+    found: list = []
+    _yaml_commands({"command": over["services"]["origin"]["command"]}, "compose.s3.yaml:origin", found)
+    assert [c for _, c, _ in found] == [("origin", "serve")]
+    _check(found, help_flags)
+    cmd = over["services"]["origin"]["command"]
+    store = next(a for a in cmd if a.startswith("--store="))
+    from kdn.origin.s3store import parse_s3_url
+
+    loc = parse_s3_url(store.split("=", 1)[1])
+    weed = over["services"]["seaweedfs"]
+    assert loc.endpoint == f"http://seaweedfs:{next(a for a in weed['command'] if a.startswith('-s3.port=')).split('=')[1]}"
+    assert "-master.telemetry=false" in weed["command"]
+    assert "--store-credentials=/run/secrets/kdn_s3_credentials" in cmd
+    assert "kdn_s3_credentials" in over["services"]["origin"]["secrets"] and "kdn_s3_config" in weed["secrets"]
+    base = yaml.safe_load(COMPOSE.read_text())["services"]["origin"]
+    # the override replaces the origin's command whole: every other flag of the base one is kept
+    assert [a for a in cmd if not a.startswith("--store")] == [a for a in base["command"] if not a.startswith("--store")]
+    assert set(base["secrets"]) <= set(over["services"]["origin"]["secrets"])
+
+
 @pytest.mark.parametrize("rel", [
     "compose.yaml",
+    "compose.s3.yaml",
     "prometheus/prometheus.yml",
     "grafana/provisioning/datasources/prometheus.yaml",
     "grafana/provisioning/dashboards/kdn.yaml",
