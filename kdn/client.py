@@ -325,14 +325,29 @@ class KDNClient:
         d = await self._json("GET", f"/v1/registry/objects/{A.validate_address(address)}")
         return self._trusted(d, "object", address)
 
-    async def manifest(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def manifest(self, namespace: str, name: str, *, pin: str | None = None) -> dict[str, Any] | None:
         """The manifest of ``namespace/name`` (None if absent or refused). Never an older one than this client
         took before: a superseded manifest, validly signed and replayed by a registry writer or a lying edge, is
         refused (counted in ``rejected_records``; with ``trusted_keys``, which make the version the origin's word);
         the highest version seen per name is kept in
-        ``manifest_versions``, which a caller may seed from a store of its own to hold across restarts."""
+        ``manifest_versions``, which a caller may seed from a store of its own to hold across restarts.
+        ``pin`` (``kdn.signing.manifest_pin``, printed by ``kdn publish``) takes exactly that manifest: any
+        other one served under the name is refused (None, counted), with keys or without."""
         ref = f"{A.validate_namespace(namespace)}/{A.validate_name(name)}"
         d = self._trusted(await self._json("GET", f"/v1/registry/manifests/{ref}"), "manifest", ref)
+        if pin is not None and d is not None:
+            from kdn.registry import Manifest
+            from kdn.signing import manifest_pin
+
+            try:
+                got = manifest_pin(Manifest.from_dict(d))
+            except InvalidInput as e:
+                got = f"unreadable ({e})"
+            if got != A.validate_digest(pin):
+                self.rejected_records += 1
+                log.warning("KDN manifest %s refused: it is not the pinned one (%s, pinned %s)", ref, got[:16],
+                            pin[:16])
+                return None
         if d is None or self.verifier is None:  # without keys a version is the sender's word: nothing to hold to
             return None if d is not None and d.get("deleted") else d
         version = d.get("version", 0)
@@ -805,8 +820,8 @@ class SyncKDNClient:
     def lookup(self, *args: Any, **kwargs: Any) -> Lookup:
         return self._runner.run(self._client.lookup(*args, **kwargs))
 
-    def manifest(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self._runner.run(self._client.manifest(namespace, name))
+    def manifest(self, namespace: str, name: str, *, pin: str | None = None) -> dict[str, Any] | None:
+        return self._runner.run(self._client.manifest(namespace, name, pin=pin))
 
     def fetch(self, *args: Any, **kwargs: Any) -> Fetched:
         return self._runner.run(self._client.fetch(*args, **kwargs))

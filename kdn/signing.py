@@ -90,6 +90,13 @@ def _signed_encoding(e: Encoding) -> dict[str, object]:
     return body
 
 
+def manifest_pin(rec: Manifest) -> str:
+    """A manifest's pin: the BLAKE3 of what its signature covers (``payload``), its version and creation time
+    included. A consumer holding a pin takes that manifest and no other -- not an older one replayed, not a
+    newer one -- whoever serves it, keys or none (``KDNClient.manifest(..., pin=)``)."""
+    return blake3(payload(rec)).hexdigest()
+
+
 def key_id(public_raw: bytes) -> str:
     """A short name for a public key: the first 16 hex digits of its BLAKE3."""
     return blake3(public_raw).hexdigest()[:16]

@@ -151,6 +151,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
         raise InvalidInput("--emphasis-alpha and --emphasis-default-on go with --emphasize")
     import asyncio
 
+    from kdn.registry import Manifest
+    from kdn.signing import manifest_pin
+
     manifests = asyncio.run(publish_documents(args.origin.rstrip("/"), token, docs, body_common, args.timeout,
                                          progress=not args.json and sys.stderr.isatty(), ca=args.ca,
                                          args_wait=args.wait))
@@ -162,6 +165,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
             print(f"published {m['namespace']}/{m['name']}: {m['tokens']} tokens, {len(m['addresses'])} chunks"
                   f" (+{len(m['standalone'])} standalone), model {m['model_id'][:16]}..."
                   + (f", {len(emph['spans'])} emphasized spans" if emph else ""))
+            print(f"  pin {manifest_pin(Manifest.from_dict(m))} (version {m.get('version', 0)}): "
+                  "KDNClient.manifest(..., pin=) takes this manifest and no other")
             for i, a in enumerate(m["addresses"]):
                 print(f"  {i:>4} {a}")
     return 0

@@ -69,3 +69,31 @@ async def test_a_deleted_name_stays_deleted_for_a_client_that_saw_its_tombstone(
                 assert await client.manifest("public", "hours") is None and client.rejected_records == 1
         finally:
             await writer.close()
+
+
+async def test_a_pinned_manifest_is_the_only_one_a_fresh_client_takes(tmp_path, etcd_url):
+    """The residual of the version check: a new process has no high-water mark. A pin (what ``kdn publish``
+    prints) holds without keys or memory: a replayed older manifest, and a newer one, are both refused."""
+    from kdn.registry import Manifest
+    from kdn.signing import manifest_pin
+
+    Signer.generate(tmp_path / "o.key")
+    async with cluster(tmp_path, etcd_url, edges=("e1",), origin_kw={"signing_key": str(tmp_path / "o.key")}) as c:
+        old = await publish(c, OLD, name="hours")
+        writer = open_registry(c.registry)
+        try:
+            stale = await writer.get_manifest("public", "hours")
+            pin = manifest_pin(Manifest.from_dict(old))
+            assert pin == manifest_pin(stale)  # the job's manifest is the stored one: the pin names it
+            new = await publish(c, NEW, name="hours")
+            async with KDNClient(edges=[c.edge_url("e1")]) as fresh:  # no keys, no memory
+                assert await fresh.manifest("public", "hours", pin=pin) is None  # the newer one is not the pinned
+                await writer._put(writer._manifest_key("public", "hours"), stale.pack())
+                got = await fresh.manifest("public", "hours", pin=pin)
+                assert got is not None and got["addresses"] == old["addresses"] != new["addresses"]
+                forged = Manifest.from_dict({**stale.to_dict(), "prefix_tokens": [1] + stale.prefix_tokens[1:]})
+                await writer._put(writer._manifest_key("public", "hours"), forged.pack())
+                assert await fresh.manifest("public", "hours", pin=pin) is None
+                assert fresh.rejected_records == 2
+        finally:
+            await writer.close()
