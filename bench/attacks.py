@@ -1564,6 +1564,9 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "client_pooled_bytes": (client_pooled_bytes, False),
 }
 SLOW = ("trickled_head", "slow_body", "stalled_readers")
+# Played first, alone: each restarts the origin. (Only bit_rot was, so in a full run relabelled_namespace
+# restarted the origin under the slow three, which then failed: "origin: closed after 0.0 s".)
+RESTARTS = ("bit_rot", "relabelled_namespace")
 
 
 async def play(ctx: Ctx, name: str) -> Row:
@@ -1592,8 +1595,9 @@ async def run(names: list[str], seed: int, tmp: Path, quick: bool = False) -> li
             await world
             print(f"KDN up in {time.monotonic() - t0:.1f} s: origin, {len(ctx.world.edges) + len(ctx.extra)} edges",
                   flush=True)
-        if "bit_rot" in names:
-            rows["bit_rot"] = await play(ctx, "bit_rot")
+        for n in RESTARTS:  # before the slow ones start: they hold requests open at the origin these restart
+            if n in names:
+                rows[n] = await play(ctx, n)
         slow = {n: asyncio.create_task(play(ctx, n)) for n in SLOW if n in names}
         for n in names:
             if n not in rows and n not in slow:
