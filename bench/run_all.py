@@ -40,7 +40,7 @@ RESULTS = ROOT / "bench" / "results"
 QUICK_OUT = ROOT / "bench" / "work" / "quick-results"
 LOGS = ROOT / "bench" / "work" / "run_all"
 DOCS = [ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "reliability.md",
-        ROOT / "docs" / "security.md"]
+        ROOT / "docs" / "security.md", ROOT / "docs" / "scale.md"]
 
 
 @dataclass
@@ -107,6 +107,7 @@ RUNS: list[Run] = [
         ["--sizes", "4MiB", "--conc", "1", "--servers", "edge-mem,dict", "--clients", "raw", "--duration", "0.5",
          "--warmup", "0.2", "--no-install", "--plot", ""], ("redis", "lmcache"), 1800),
     Run("gpu_check", "gpu_check", ["--device", "cuda"], None, ("gpu",), 3600),
+    Run("scale", "scale", [], ["--records", "500"], ("etcd",), 900),
     Run("datapath", "datapath", ["--repeat", "5"], None, ("smollm2", "vllm"), 1800, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("load", "load", ["--json", "bench/work/load.json", "--plot", "docs/img/load.png"],
         ["--duration", "5", "--clients", "8", "--minutes", "0.5"], ("etcd",), 1200),
