@@ -82,6 +82,7 @@ class EdgeConfig(service.NodeConfig):
     records_cache: int = 100_000
     ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
     trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
+    operator_keys: str | None = None  # operator keys file: policies not signed by one are skipped
     region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"
     eviction: str = DEFAULT_POLICY  # both tiers' policy: "arc" (chosen on the traces) or "s3-fifo"
 
@@ -508,7 +509,13 @@ POLICY_WAIT_S = 5.0  # at start, how long the edge waits for its policies before
 
 async def _policies_ctx(app: web.Application):
     cfg, edge = app[EDGE_CONFIG], app[EDGE]
-    edge.policies = PolicyEngine(app[REGISTRY], cfg.region, edge.tiers, warm=edge.warm, manifest_feed=True)
+    operators = None
+    if cfg.operator_keys:
+        from kdn.signing import Verifier
+
+        operators = Verifier.from_file(cfg.operator_keys)
+    edge.policies = PolicyEngine(app[REGISTRY], cfg.region, edge.tiers, warm=edge.warm, manifest_feed=True,
+                                 verifier=operators)
     await edge.policies.start()
     try:
         yield

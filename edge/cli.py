@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ca", default=None, metavar="FILE", help="CA bundle to verify peers and the origin (default: system CAs, or $KDN_CA)")
     p.add_argument("--trusted-keys", default=None, metavar="FILE",
                    help="publisher keys (ed25519:HEX per line): records they did not sign are misses")
+    p.add_argument("--operator-keys", default=None, metavar="FILE",
+                   help="operator keys (ed25519:HEX per line): policies they did not sign are skipped "
+                        "(`kdn policy set --operator-key`)")
     p.add_argument("--eviction", choices=tuple(POLICIES), default=DEFAULT_POLICY,
                    help="the tiers' eviction policy (default: arc, chosen on the Mooncake traces: docs/benchmarks.md)")
     p.add_argument("--region-probes", choices=("worth", "always"), default="worth",
@@ -73,6 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--namespace", default=None, help="scope of --ttl; the namespace --quota caps")
     p.add_argument("--manifest", default=None, metavar="MANIFEST", help="scope of --ttl: namespace/name")
     p.add_argument("--region", default=None, help="only edges of this region (default: every region)")
+    p.add_argument("--operator-key", default=None, metavar="FILE",
+                   help="sign the policy with this key (`kdn origin keygen` makes one): edges with --operator-keys "
+                        "apply only signed policies")
     registry_arg(p)
     p.set_defaults(func=cmd_policy_set)
     p = policy.add_parser("ls", help="list policies")
@@ -115,15 +121,17 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "tls_key": _readable(args.tls_key, "--tls-key"),
         "ca": _readable(args.ca, "--ca"),
         "trusted_keys": _readable(args.trusted_keys, "--trusted-keys"),
+        "operator_keys": _readable(args.operator_keys, "--operator-keys"),
         "region_probes": args.region_probes,
         "eviction": args.eviction,
         "max_connections": args.max_connections,
         "max_connections_per_peer": args.max_connections_per_peer,
     }
-    if kw["trusted_keys"]:
-        from kdn.signing import Verifier
+    for flag in ("trusted_keys", "operator_keys"):
+        if kw[flag]:
+            from kdn.signing import Verifier
 
-        Verifier.from_file(kw["trusted_keys"])  # a bad key file fails here, in one line
+            Verifier.from_file(kw[flag])  # a bad key file fails here, in one line
     if args.token_hosts is not None:
         from kdn.auth import TokenScope
 
@@ -212,6 +220,10 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
         fields.update(kind="quota", quota_bytes=parse_size(args.quota), namespace=args.namespace)
     # set_at makes every `policy set` a new record: set a warm again and edges warm again.
     p = validate_policy(Policy(**fields, extra={"set_at": time.time()}))
+    if args.operator_key is not None:
+        from kdn.signing import Signer
+
+        p = Signer.load(args.operator_key).sign(p)
 
     async def go(reg) -> int:
         await reg.put_policy(p)

@@ -155,8 +155,12 @@ class PolicyEngine:
         retry_s: float = 0.5,
         max_retry_s: float = 30.0,
         manifest_feed: bool = False,
+        verifier=None,
     ) -> None:
         self._registry = registry
+        # kdn.signing.Verifier of the operator keys (--operator-keys): a policy none of them signed is skipped,
+        # so a registry writer without an operator key can neither pin nor expire what it likes.
+        self._verifier = verifier
         self._manifest_feed = manifest_feed
         self.region = validate_name(region)
         self._tiers = list(tiers)
@@ -325,6 +329,11 @@ class PolicyEngine:
             p = validate_policy(Policy.unpack(value or b""))
             if p.name != name:
                 raise InvalidInput(f"record names {p.name!r} but sits at {key!r}")
+            if self._verifier is not None:
+                try:
+                    self._verifier.check(p)
+                except (TypeError, ValueError) as e:  # a field the signed payload cannot hold
+                    raise InvalidInput(f"policy {p.name} cannot be verified: {e}") from None
         except KDNError as e:
             self.stats.invalid += 1
             self._invalid[key] = str(e)

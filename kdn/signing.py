@@ -41,9 +41,9 @@ from kdn.errors import InvalidInput, KDNError
 if TYPE_CHECKING:  # pragma: no cover - imported where used: kdn.registry and cryptography load lazily
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-    from kdn.registry.records import Encoding, Manifest, ObjectRecord
+    from kdn.registry.records import Encoding, Manifest, ObjectRecord, Policy
 
-    Signable = TypeVar("Signable", bound=ObjectRecord | Manifest)
+    Signable = TypeVar("Signable", bound=ObjectRecord | Manifest | Policy)
 
 KEY_PREFIX = "ed25519:"
 
@@ -52,9 +52,9 @@ class SignatureError(KDNError):
     """A record is unsigned, signed by a key nobody trusts here, or its signature does not match."""
 
 
-def payload(rec: ObjectRecord | Manifest) -> bytes:
-    """The canonical bytes signed for an ``ObjectRecord`` or a ``Manifest``."""
-    from kdn.registry.records import Manifest, ObjectRecord
+def payload(rec: ObjectRecord | Manifest | Policy) -> bytes:
+    """The canonical bytes signed for an ``ObjectRecord``, a ``Manifest`` or a ``Policy`` (an operator's)."""
+    from kdn.registry.records import Manifest, ObjectRecord, Policy
 
     if isinstance(rec, ObjectRecord):
         body = {
@@ -78,6 +78,10 @@ def payload(rec: ObjectRecord | Manifest) -> bytes:
             from kdn.emphasis import EmphasisMap
 
             body["emphasis"] = EmphasisMap.from_dict(rec.emphasis).to_dict()
+    elif isinstance(rec, Policy):
+        body = {"t": "kdn/policy/v1", "name": rec.name, "kind": rec.kind, "region": rec.region,
+                "manifest": rec.manifest, "namespace": rec.namespace, "ttl_s": rec.ttl_s,
+                "quota_bytes": rec.quota_bytes, "extra": rec.extra}
     else:
         raise InvalidInput(f"cannot sign a {type(rec).__name__}")
     return canonical_json(body).encode("utf-8")
@@ -243,7 +247,7 @@ class Verifier:
             raise SignatureError(f"record {_name(rec)}: the signature does not match its fields") from None
         return rec
 
-    def ok(self, rec: ObjectRecord | Manifest) -> bool:
+    def ok(self, rec: ObjectRecord | Manifest | Policy) -> bool:
         try:
             self.check(rec)
             return True
@@ -251,5 +255,5 @@ class Verifier:
             return False
 
 
-def _name(rec: ObjectRecord | Manifest) -> str:
+def _name(rec: ObjectRecord | Manifest | Policy) -> str:
     return str(getattr(rec, "address", None) or f"{getattr(rec, 'namespace', '?')}/{getattr(rec, 'name', '?')}")[:32]

@@ -382,6 +382,9 @@ class Policy(_Record):
     ttl_s: float | None = None
     quota_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # An operator key's signature (kdn/signing.py; `kdn policy set --operator-key`): edges started with
+    # --operator-keys apply only policies one of those keys signed.
+    sig: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -398,3 +401,4 @@ class Policy(_Record):
             "Policy.quota_bytes must be an int >= 0",
         )
         _check_dict("Policy", "extra", self.extra)
+        _check_sig("Policy", self.sig)

@@ -313,3 +313,31 @@ async def test_wait_applied_times_out_with_the_state_it_saw(edge):
     eng = await edge.start()
     with pytest.raises(TimeoutError, match="did not satisfy"):
         await eng.wait_applied(lambda e: "never" in e.active, timeout=0.05)
+
+
+async def test_with_operator_keys_only_policies_an_operator_signed_apply(edge, tmp_path):
+    """#28 item 11, policies: a registry writer without an operator key can neither pin nor expire what it
+    likes. Unsigned, signed by another key, or changed after signing: skipped, counted, and named in
+    ``invalid``; the operator's own policy applies."""
+    import dataclasses
+
+    from kdn.signing import Signer, Verifier
+
+    operator = Signer.generate(tmp_path / "operator.key")
+    other = Signer.generate(tmp_path / "other.key")
+    edge.engine = PolicyEngine(edge.writer, "eu", [edge.mem, edge.disk], warm=edge.warms, retry_s=0.05,
+                               verifier=Verifier([operator.public]))
+    await edge.engine.start()
+    eng = edge.engine
+    await eng.wait_applied(lambda e: e.ready)
+    w = edge.writer
+    await w.put_policy(Policy("unsigned", "ttl", ttl_s=1))
+    await w.put_policy(other.sign(Policy("foreign", "ttl", ttl_s=2)))
+    signed = operator.sign(Policy("tampered", "ttl", ttl_s=3600))
+    await w.put_policy(dataclasses.replace(signed, ttl_s=1))  # the signature no longer covers the fields
+    await w.put_policy(operator.sign(Policy("good", "ttl", ttl_s=30)))
+    await eng.wait_applied(lambda e: "good" in e.active and len(e.invalid) == 3)
+    assert set(eng.invalid) == {"policies/unsigned", "policies/foreign", "policies/tampered"}
+    assert set(eng.policies) == {"good"}
+    await put(edge.mem, addr("y"))
+    assert meta_of(edge.mem, addr("y")).expires_at == edge.clock.now + 30

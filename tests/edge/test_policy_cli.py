@@ -243,3 +243,21 @@ async def test_a_policy_set_from_the_cli_reaches_a_running_edge(cli, backend, tm
     finally:
         await eng.close()
         await reg.close()
+
+
+async def test_policy_set_with_an_operator_key_signs_what_it_writes(cli, backend, tmp_path):
+    from kdn.signing import Signer, Verifier
+
+    key = Signer.generate(tmp_path / "operator.key")
+    r = cli.run("policy", "set", "ttl-signed", "--ttl", "90s", "--operator-key", str(tmp_path / "operator.key"))
+    assert r.returncode == 0, r.stderr
+    assert cli.run("policy", "set", "ttl-plain", "--ttl", "90s").returncode == 0
+    reg = backend[1]()
+    try:
+        got = {p.name: p for p in await reg.list_policies()}
+    finally:
+        await reg.close()
+    v = Verifier([key.public])
+    assert v.ok(got["ttl-signed"]) and not v.ok(got["ttl-plain"])
+    one_error_line(cli.run("policy", "set", "x", "--ttl", "1s", "--operator-key", str(tmp_path / "missing.key")),
+                   "missing.key")
