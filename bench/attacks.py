@@ -235,7 +235,7 @@ class Redirector:
 
 # Which helper edges each attack needs, beside eu-1 and eu-2.
 EXTRA_EDGES = {"stalled_readers": "st-1", "upstream_redirect": "rd-1", "bad_manifest_record": "pf-1",
-               "idle_connections": "ic-1"}
+               "idle_connections": "ic-1", "planted_policy": "po-1"}
 IDLE_NOFILE, IDLE_CONNECTIONS = 256, 300  # issue #28 item 7: 300 idle connections at an edge limited to 256 files
 N_STORE_BLOBS = 3000  # blobs put into the origin's store before it starts (index_scan)
 
@@ -257,8 +257,11 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
     ca, _, _ = tls_pair(tmp / "tls", ROGUE_HOST)
     # The edges send their token to 127.0.0.1 only (the origin and each other), so a listener on 127.0.0.2
     # plays "another host"; they trust the attack's CA, so a rogue https node's certificate verifies.
+    # The operator key signs policies; every edge but the control po-1 applies only what it signed.
+    Signer.generate(tmp / "operator.key")
     w = F.World(tmp / "world", regions={"eu": 2}, edge_args=["--trusted-keys", str(tmp / "trusted"),
-                                                             "--token-hosts", "127.0.0.1", "--ca", str(ca)])
+                                                             "--token-hosts", "127.0.0.1", "--ca", str(ca),
+                                                             "--operator-keys", str(tmp / "operator.key.pub")])
     # 64 KiB pieces: the tiny model's blobs (~130 KB raw a chunk) then have several, as a real model's (SmolLM2:
     # 6 MB a chunk) have at the default 1 MiB.
     w.origin.args += ["--signing-key", str(tmp / "origin.key"), "--piece-bytes", str(ctx.piece_bytes)]
@@ -281,6 +284,9 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
             args = set_arg(args, "--origin", ctx.redirector.url)
         if name == "pf-1":
             args = set_arg(args, "--prefetch", "2")
+        if name == "po-1":  # the control: an edge without operator keys applies any policy
+            i = args.index("--operator-keys")
+            args = args[:i] + args[i + 2:]
         ctx.extra[name] = F.Node(name, args, port, w.root / f"{name}.log")
         if name == "ic-1":
             ctx.extra[name].nofile = IDLE_NOFILE
@@ -539,6 +545,48 @@ async def lying_body(ctx: Ctx) -> Row:
                f"piece digests, {ctx.piece_bytes} B pieces",
                "refused", wrong, ok, {"read": read, "forged_total": total, "bodies": len(sent),
                                       "stopped_early": stopped_early, "stoppable": stoppable, "failovers": failovers, "refused": refused})
+
+
+async def planted_policy(ctx: Ctx) -> Row:
+    """#28 item 11 (policies): a registry writer plants an unsigned `ttl 0` policy for `public` in region eu
+    (everything expires at once: every read refills from the origin) and the same in the control's region.
+    Edges with --operator-keys skip it; the control edge po-1, without them, applies it."""
+    from kdn.registry import Policy, open_registry
+
+    w, m = ctx.world, ctx.docs["main"]
+    a = m["addresses"][0]
+    target, control = w.edges["eu-1"], ctx.extra["po-1"]
+
+    async def source(node: F.Node) -> str:
+        status, headers, _ = await http("GET", f"{node.url}/v1/objects/{a}", headers=bearer(F.EDGE))
+        return f"{status} {headers.get('X-KDN-Source', '?')}"
+
+    before = {}
+    for node in (target, control):
+        await source(node)  # filled
+        before[node.name] = await source(node)  # and held
+    names = ("planted-ttl-eu", "planted-ttl-po")
+    async with open_registry(w.etcd.registry) as reg:  # the attacker holds registry credentials
+        try:
+            for name, region in zip(names, ("eu", "po")):
+                await reg.put_policy(Policy(name, "ttl", region=region, namespace="public", ttl_s=0))
+            await asyncio.sleep(1.5)  # the policy watches, then an expiry pass
+            after = {}
+            for node in (target, control):
+                await source(node)
+                after[node.name] = await source(node)
+        finally:
+            for name in names:
+                await reg.delete_policy(name)
+    held = after[target.name].endswith("memory")
+    control_hit = not after[control.name].endswith("memory")  # the planted policy works where it is not refused
+    ok = before[target.name].endswith("memory") and before[control.name].endswith("memory") and held and control_hit
+    return Row("planted_policy", "an unsigned `ttl 0` policy for namespace public written into etcd for region eu "
+               "(every entry expires at once: each read refills from the origin), the same for the control edge's "
+               "region; read an object twice at eu-1 (--operator-keys) and at po-1 (none)",
+               f"eu-1: second read from {after[target.name].split()[-1]!r} (before: "
+               f"{before[target.name].split()[-1]!r}); control po-1 applied it: second read from "
+               f"{after[control.name].split()[-1]!r}", "refused", None, ok, {"before": before, "after": after})
 
 
 # --- 2. a rogue node record ---------------------------------------------------------------------------
@@ -1544,6 +1592,7 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "stalled_readers": (stalled_readers, True),
     "forged_record": (forged_record, True),
     "lying_body": (lying_body, True),
+    "planted_policy": (planted_policy, True),
     "rogue_node": (rogue_node, True),
     "rogue_https_node": (rogue_https_node, True),
     "planted_digest": (planted_digest, True),
