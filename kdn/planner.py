@@ -28,7 +28,17 @@ transformers adapter; vLLM loads only a prefix past what it holds),
 
 The plan is the least of these, ``T(0)`` (compute everything) included. Its
 ``deadline_s`` bounds the load: past it, the loader uses what arrived and
-computes the rest, so a stalled source costs a bounded delay, not a hang.
+computes the rest, so a stalled source costs a bounded delay, not a hang; and
+the loader reports that load as taking at least its deadline
+(``Speeds.observe_load(abandoned=True)``), so a link that turned slow is learnt
+from the few loads it spoils. A plan that computes everything measures nothing: once the last
+load is ``PROBE_AFTER_S`` old, a plan that would compute all loads its first
+chunk instead (reason "probe"), so a link that recovered is seen again at the
+cost of one chunk.
+
+An engine that already holds ``cached`` leading tokens (vLLM's own prefix
+cache) plans only past them: the chunks follow those tokens, and every
+prefill is costed after them.
 
 Worked example (numbers from docs/design.md): an 8k-token prompt, 32 chunks
 of 32 MiB (a Llama-3-8B shape), a prefill model that says 246 ms for the whole
@@ -42,6 +52,7 @@ little more.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +61,7 @@ LEARN_TOKENS = 256  # a forward of at least this many tokens teaches the prefill
 DEADLINE_SLACK = 2.0  # a load may take this many times its expected time, plus DEADLINE_FLOOR_S, ...
 DEADLINE_FLOOR_S = 0.05
 DEADLINE_OF_PREFILL = 0.25  # ... or this share of the full prefill if longer, before it is abandoned
+PROBE_AFTER_S = 30.0  # a plan that computes everything loads one chunk if no load was measured for this long
 
 
 @dataclass(frozen=True)
@@ -96,13 +108,21 @@ class PrefillModel:
         a forward's fixed cost and teach ``fixed``; only forwards of at least ``LEARN_TOKENS`` teach ``k``:
         learnt from a 16-token suffix on a GPU (all launch overhead), ``k`` would make an 8k prefill look
         ten times dearer than it is, and the planner would load over a link slower than computing."""
-        if n <= 0 or seconds <= 0:
+        self._learn(n, self.flops(n, after), seconds)
+
+    def observe_step(self, work: Sequence[tuple[int, int]], seconds: float) -> None:
+        """A timed engine step that ran ``(n, after)`` for each request in its batch (vLLM: ``n`` scheduled
+        tokens of a request that already had ``after``): its tokens and FLOPs add up."""
+        self._learn(sum(n for n, _ in work), sum(self.flops(n, a) for n, a in work if n > 0), seconds)
+
+    def _learn(self, n: int, flops: float, seconds: float) -> None:
+        if n <= 0 or seconds <= 0 or flops <= 0:
             return
         if n < LEARN_TOKENS:
             self.fixed = seconds if not self.fixed_samples else self.fixed + EWMA * (seconds - self.fixed)
             self.fixed_samples += 1
             return
-        k = max(seconds - self.fixed, seconds * 0.5) / self.flops(n, after)
+        k = max(seconds - self.fixed, seconds * 0.5) / flops
         self.k = k if self.k is None else self.k + EWMA * (k - self.k)
         self.samples += 1
 
@@ -114,16 +134,34 @@ class Speeds:
     prefill: PrefillModel
     load_bps: float | None = None  # wire bytes / second, fetch to cache, of this engine's own loads
     loads: int = 0
+    last_load: float | None = None  # time.monotonic() of the last load measured
 
-    def observe_load(self, nbytes: int, seconds: float) -> None:
+    def observe_load(self, nbytes: int, seconds: float, now: float | None = None, *, abandoned: bool = False) -> None:
+        """A load of ``nbytes`` that took ``seconds``. One ``abandoned`` at its deadline is reported with the
+        bytes it was meant to move and the time it was given: a bound (it would have taken longer), so the
+        speed drops to it at once rather than by a moving average's step, and the next deadline, twice the
+        next expected time, is at least twice this one: a link that turned slow costs a few short loads."""
         if nbytes <= 0 or seconds <= 0:
             return
         bps = nbytes / seconds
-        self.load_bps = bps if self.load_bps is None else self.load_bps + EWMA * (bps - self.load_bps)
+        if abandoned:
+            self.load_bps = bps if self.load_bps is None else min(self.load_bps, bps)
+        else:
+            self.load_bps = bps if self.load_bps is None else self.load_bps + EWMA * (bps - self.load_bps)
         self.loads += 1
+        self.last_load = time.monotonic() if now is None else now
+
+    def stale(self, now: float | None = None) -> bool:
+        """The last load measured is over ``PROBE_AFTER_S`` old (never measured: not stale, the link's own
+        estimate stands)."""
+        t = time.monotonic() if now is None else now
+        return self.last_load is not None and t - self.last_load > PROBE_AFTER_S
 
     def observe_prefill(self, n: int, after: int, seconds: float) -> None:
         self.prefill.observe(n, after, seconds)
+
+    def observe_prefill_step(self, work: Sequence[tuple[int, int]], seconds: float) -> None:
+        self.prefill.observe_step(work, seconds)
 
 
 @dataclass(frozen=True)
@@ -149,17 +187,25 @@ class Plan:
         return self.load > self.head
 
     @property
+    def outcome(self) -> str:
+        """What it chose, for metrics: ``load``, ``compute``, ``probe`` (the reason's first word)."""
+        return self.reason.split(":", 1)[0].split(" ", 1)[0]
+
+    @property
     def speedup(self) -> float:
         """Expected speed against computing everything (1.0 when nothing is loaded)."""
         return self.compute_all_s / self.expected_s if self.expected_s > 0 and math.isfinite(self.compute_all_s) else 1.0
 
 
 def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], float], speeds: Speeds,
-         overlap: bool = False, max_deadline_s: float = math.inf) -> Plan:
-    """The fastest split of a request of ``total_tokens`` whose first ``len(chunks)`` chunks are published.
+         overlap: bool = False, max_deadline_s: float = math.inf, cached: int = 0, probe: bool = True,
+         now: float | None = None) -> Plan:
+    """The fastest split of a request of ``total_tokens`` (past the ``cached`` ones the engine holds) whose
+    first ``len(chunks)`` chunks are published.
 
     ``link(nbytes)``: the expected seconds to fetch that many bytes (round trip included). ``overlap``:
-    the engine can compute a head of chunks while the rest loads.
+    the engine can compute a head of chunks while the rest loads. ``probe``: load one chunk instead of
+    none when the measured load speed is stale (see the module docstring).
     """
     n = len(chunks)
     starts = [0]
@@ -167,7 +213,7 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
         starts.append(starts[-1] + c.tokens)
     assert starts[-1] <= total_tokens, (starts[-1], total_tokens)
     pre = speeds.prefill
-    compute_all = pre.seconds(total_tokens)
+    compute_all = pre.seconds(total_tokens, cached)
     if not n:
         return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "nothing published")
     nbytes = [0]
@@ -188,16 +234,22 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
         return Plan(0, n, starts[n], total_tokens, t, compute_all, max_deadline_s, "load: prefill not measured yet", t)
     best = (compute_all, 0, 0)
     for k in range(1, n + 1):
-        rest = pre.seconds(total_tokens - starts[k], starts[k])
+        rest = pre.seconds(total_tokens - starts[k], cached + starts[k])
         for h in (range(0, k) if overlap else (0,)):
-            t = max(pre.seconds(starts[h]), load_s(h, k)) + rest
+            t = max(pre.seconds(starts[h], cached), load_s(h, k)) + rest
             if t < best[0]:
                 best = (t, h, k)
     t, h, k = best
     if k == 0:
         t_all = load_s(0, n)
-        return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf,
-                    f"compute: load {t_all * 1e3:.0f} ms + suffix > prefill {compute_all * 1e3:.0f} ms", t_all)
+        why = f"load {t_all * 1e3:.0f} ms + suffix > prefill {compute_all * 1e3:.0f} ms"
+        if probe and speeds.stale(now):
+            # Computing everything measures nothing: load one chunk, so that a link that recovered is seen.
+            tl = load_s(0, 1)
+            t = tl + pre.seconds(total_tokens - starts[1], cached + starts[1])
+            return Plan(0, 1, starts[1], total_tokens, t, compute_all, _deadline(tl, max_deadline_s, compute_all),
+                        f"probe: one chunk, the last load measured is stale ({why})", tl)
+        return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "compute: " + why, t_all)
     tl = load_s(h, k)
     what = (f"load {k - h} of {n} chunks" + (f", computing the first {h} meanwhile" if h else "")
             + f": {t * 1e3:.1f} ms vs prefill {compute_all * 1e3:.1f} ms")

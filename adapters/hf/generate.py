@@ -186,6 +186,9 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
                 fetch.cancel()
                 await asyncio.gather(fetch, return_exceptions=True)
                 assert decision is not None  # (no deadline without a plan)
+                if not hit.cold:  # it would have taken longer than this: the next plan knows the link turned slow
+                    speeds.observe_load(sum(c.nbytes for c in chunks[:hit.chunks]), time.perf_counter() - t0,
+                                        abandoned=True)
                 layout = await loop.run_in_executor(None, layer_layout, model)
                 upto = builder.added_prefix() if kind_of(layout) == "kv" else 0
                 report.plan += (f"; the load ran past its {decision.deadline_s * 1e3:.0f} ms deadline: "

@@ -24,6 +24,9 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``trusted_keys``   file of publisher keys (``ed25519:<hex>`` per line): records they did not sign are misses
     ``steer``          accept requests that ask for attention steering from an emphasis map (``steer.py``;
                        default false; on GPU it asks vLLM for piecewise CUDA graphs)
+    ``plan``           load only what is faster to load than to compute (default true: ``kdn.planner`` on this
+                       engine's measured step times, load speeds and link; a request's ``kdn`` params
+                       ``"plan": false`` loads all it can regardless, e.g. to measure a load)
     ``arena``          bytes of host buffers the load path reuses across requests (``kdn.arena``; page-locked
                        on a CUDA host; a load stages its whole K/V there), e.g. ``"8GiB"`` (default 4 GiB);
                        a load that does not fit recomputes
@@ -52,7 +55,7 @@ SAVE_MODES = ("request", "all")
 _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
-    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding", "arena",
+    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding", "arena", "plan",
 })
 DEFAULT_ARENA = 4 << 30
 
@@ -82,6 +85,7 @@ class ConnectorConfig:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     steer: bool = False
     arena: int = DEFAULT_ARENA
+    plan: bool = True
 
     @property
     def can_look_up(self) -> bool:
@@ -142,10 +146,11 @@ class ConnectorConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise InvalidInput(f"KDN connector setting 'chunk_tokens' must be a positive int, got {v!r}")
             kw["chunk_tokens"] = v
-        if "steer" in extra:
-            if not isinstance(extra["steer"], bool):
-                raise InvalidInput(f"KDN connector setting 'steer' must be true or false, got {str(extra['steer'])[:20]!r}")
-            kw["steer"] = extra["steer"]
+        for key in ("steer", "plan"):
+            if key in extra:
+                if not isinstance(extra[key], bool):
+                    raise InvalidInput(f"KDN connector setting {key!r} must be true or false, got {str(extra[key])[:20]!r}")
+                kw[key] = extra[key]
         if "arena" in extra:
             from kdn.units import parse_size
 

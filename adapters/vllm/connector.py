@@ -65,15 +65,21 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if attn is None:
             raise InvalidInput("the KDN connector needs a model with attention layers")
         if role == compat.KVConnectorRole.SCHEDULER:
+            from kdn.adapters.vllm.planning import Planner, prefill_model
             from kdn.adapters.vllm.scheduler import SchedulerSide
+            from kdn.planner import Speeds
 
+            planner = None
+            if self.consume:  # it times every step, so that plans are made on measured speeds
+                planner = Planner(Speeds(prefill_model(hf)), link=self.client.expected_seconds,
+                                  max_deadline_s=self.cfg.load_timeout)
             self.sched = SchedulerSide(cfg=self.cfg, model_id=self.model_id, block_size=attn.block_size,
                                        hybrid=self.hybrid, consume=self.consume, produce=self.produce,
                                        background=self.hybrid or self.cfg.load == "async", bridge=self.bridge,
                                        client=self.client, mamba_groups=mamba,
                                        mamba_mode=compat.mamba_mode(vllm_config),
                                        steer=self.cfg.steer, n_layers=n_layers,
-                                       n_heads=int(hf.num_attention_heads))
+                                       n_heads=int(hf.num_attention_heads), planner=planner)
             self.worker = self.saver = None
         else:
             from kdn.adapters.vllm.worker import WorkerSide
@@ -140,7 +146,9 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         return compat.KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> KDNStats | None:
-        return self.worker.take_stats() if self.worker is not None else None
+        if self.worker is not None:
+            return self.worker.take_stats()
+        return self.sched.take_stats() if self.sched is not None else None  # the load planner's choices
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KDNStats | None:
@@ -168,6 +176,7 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         return self.sched.hit_sources(request, num_external_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self.sched.step_done(connector_output)
         if connector_output.failed_recving:
             self.sched.load_failed(set(connector_output.failed_recving))
 

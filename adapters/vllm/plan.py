@@ -18,6 +18,7 @@ Attention KV needs no such care: a chunk that straddles ``end`` is sliced.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,11 @@ class Piece:
     def __post_init__(self) -> None:
         assert 0 <= self.start < self.end, (self.start, self.end)
 
+    @property
+    def cold(self) -> bool:
+        """Not in the entry edge's memory or disk: a read fills it first (a peer, another region, the origin)."""
+        return self.tier.split(":", 1)[0] not in ("memory", "disk", "")
+
 
 @dataclass(frozen=True)
 class LoadPlan:
@@ -48,10 +54,15 @@ class LoadPlan:
     first: int  # tokens the engine already holds (its own prefix cache), block aligned
     end: int  # tokens it holds after the load
     pieces: tuple[Piece, ...]
+    deadline_s: float = math.inf  # the load planner's: past it the worker gives up (as at ``load_timeout``)
 
     @property
     def tokens(self) -> int:
         return self.end - self.first
+
+    @property
+    def cold(self) -> bool:
+        return any(p.cold for p in self.pieces)
 
     @property
     def last(self) -> Piece:

@@ -8,6 +8,10 @@ for their digests); the answer is kept per request, so later calls cost
 nothing and say the same. A lookup that has not answered yet makes ``matched``
 return None (vLLM asks again next step) until ``lookup_timeout``, after which
 the request runs without the KDN: a slow edge delays no one for long.
+
+What the hit offers is then cut by the load planner (``planning.py``; setting
+``plan``): only what is faster to load than to compute, decided once per
+request and offered the same on every later call.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from kdn.adapters.vllm import compat
 from kdn.adapters.vllm.config import ConnectorConfig
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob, SaveChunk, SaveJob
 from kdn.adapters.vllm.plan import LoadPlan, Piece, plan_load
+from kdn.adapters.vllm.planning import Planner
+from kdn.adapters.vllm.stats import KDNStats
 from kdn.adapters.vllm.steer import SteerJob, SteerSpec, plan_of
 
 log = logging.getLogger("kdn.adapters.vllm")
@@ -68,12 +74,15 @@ class SchedulerSide:
     steer: bool = False  # accept steered requests (connector setting ``steer``)
     n_layers: int = 0  # the model's, for steering plans
     n_heads: int = 0
+    planner: Planner | None = None  # consumers: times the engine's steps; cuts plans where ``plan`` is on
     _lookups: dict[str, _Lookup] = field(default_factory=dict)
     _plans: dict[str, LoadPlan] = field(default_factory=dict)
     _ready: list[LoadJob] = field(default_factory=list)
     _saves: dict[str, _Save] = field(default_factory=dict)
     _given_up: set[str] = field(default_factory=set)  # requests whose load failed: vLLM recomputes them whole
     _steers: dict[str, SteerSpec | None] = field(default_factory=dict)  # per request seen: its plan, or None
+    _decided: dict[str, tuple[int, int, LoadPlan | None]] = field(default_factory=dict)  # (computed, tokens, cut)
+    _stats: KDNStats = field(default_factory=KDNStats)  # the planner's choices since vLLM last took them
     lookups_failed: int = 0
     steer_refused: int = 0  # steered requests run unsteered (a bad plan, no salt, steering off)
 
@@ -113,11 +122,31 @@ class SchedulerSide:
             num_tokens = min(num_tokens, st.query_from + 1)
         plan = plan_load(lk.pieces, computed=computed, num_tokens=num_tokens, block_size=self.block_size,
                          needs_state=self.hybrid)
+        if plan is not None and self.planner is not None:
+            wanted = compat.kdn_params(request).get("plan")
+            if wanted if isinstance(wanted, bool) else self.cfg.plan:
+                plan = self._cut(rid, plan, lk.pieces, computed, num_tokens)
         if plan is None:
             self._plans.pop(rid, None)
             return 0, False
         self._plans[rid] = plan
         return plan.tokens, self.background
+
+    def _cut(self, rid: str, plan: LoadPlan, pieces: list[Piece], computed: int, num_tokens: int) -> LoadPlan | None:
+        """``plan`` cut by the load planner, decided once per request (vLLM asks again while it waits for
+        blocks: the same offer, counted once)."""
+        got = self._decided.get(rid)
+        if got is not None and got[:2] == (computed, num_tokens):
+            return got[2]
+        assert self.planner is not None
+        cut, decision, outcome = self.planner.decide(plan, pieces, num_tokens=num_tokens,
+                                                     block_size=self.block_size, needs_state=self.hybrid)
+        self._decided[rid] = (computed, num_tokens, cut)
+        loaded = cut.tokens if cut is not None else 0
+        self._stats.planned(outcome, loaded, num_tokens - computed - loaded)
+        if cut is None or cut.end < plan.end:
+            log.info("KDN planner for %s: %s", rid, decision.reason)
+        return cut
 
     async def _lookup(self, tokens: list[int]) -> list[Piece]:
         """The published chain under ``tokens``, each piece with the encoding and digest to fetch."""
@@ -313,7 +342,29 @@ class SchedulerSide:
         meta = KDNMetadata(loads=self._ready, saves=self._save_jobs(out) if self.produce else [],
                            steers=self._steer_jobs(out))
         self._ready = []
+        if self.planner is not None:  # timed until its output comes back (step_done)
+            self.planner.steps.scheduled([(n, first) for first, n in compat.step_tokens(out).values()],
+                                         loaded=bool(meta.loads))
         return meta
+
+    def step_done(self, output: Any) -> None:
+        """A step's output came back: its time teaches the prefill model; its loads teach the load speed."""
+        if self.planner is None:
+            return
+        self.planner.steps.finished()
+        data = getattr(getattr(output, "kv_connector_stats", None), "data", None)
+        for sample in (data or {}).get("samples", ()):
+            try:
+                nbytes, seconds, abandoned = int(sample[0]), float(sample[1]), bool(sample[2])
+            except (TypeError, ValueError, IndexError):
+                continue
+            self.planner.speeds.observe_load(nbytes, seconds, abandoned=abandoned)
+
+    def take_stats(self) -> KDNStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, KDNStats()
+        return out
 
     def load_failed(self, req_ids: set[str]) -> None:
         """A background load failed and vLLM re-queued the request from scratch: asked again (it will be,
@@ -327,6 +378,7 @@ class SchedulerSide:
         if lk is not None and not lk.future.done():
             lk.future.cancel()
         self._plans.pop(rid, None)
+        self._decided.pop(rid, None)
         self._saves.pop(rid, None)
         self._steers.pop(rid, None)
 

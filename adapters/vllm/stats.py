@@ -11,7 +11,13 @@ turns them into ``kdn_vllm_*`` series on vLLM's own ``/metrics``:
 - ``kdn_vllm_loaded_bytes_total{encoding}``: object bytes fetched for those loads, by encoding
   (``zstd``, ``raw``, a lossy one within the ``quality`` budget);
 - ``kdn_vllm_load_seconds``: one request's load, fetch to last layer written;
-- ``kdn_vllm_saved_chunks_total``: chunks a producer wrote to its store.
+- ``kdn_vllm_saved_chunks_total``: chunks a producer wrote to its store;
+- ``kdn_vllm_plans_total{outcome}``: the load planner's choices (scheduler side): ``load`` (all the
+  hit), ``load_part``, ``compute`` (faster than loading), ``probe`` (one chunk, to re-measure a link);
+- ``kdn_vllm_planned_tokens_total{how}``: the tokens of those hits the planner chose to load or compute.
+
+The worker also reports each load's wire bytes and seconds (``samples``), which
+the scheduler side reads back for the planner's load speed; they are not a series.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 
 def _empty() -> dict[str, Any]:
-    return {"loads": 0, "tokens": {}, "bytes": {}, "failures": {}, "seconds": [], "saved": 0}
+    return {"loads": 0, "tokens": {}, "bytes": {}, "failures": {}, "seconds": [], "saved": 0, "samples": [],
+            "plans": {}, "plan_tokens": {}}
 
 
 @dataclass
@@ -39,7 +46,7 @@ class KDNStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (d["loads"] or d["failures"] or d["saved"])
+        return not (d["loads"] or d["failures"] or d["saved"] or d.get("samples") or d.get("plans"))
 
     def loaded(self, tier: str, tokens: int) -> None:
         self.data["tokens"][tier] = self.data["tokens"].get(tier, 0) + tokens
@@ -50,15 +57,30 @@ class KDNStats(KVConnectorStats):
     def failed(self, reason: str) -> None:
         self.data["failures"][reason] = self.data["failures"].get(reason, 0) + 1
 
+    def sampled(self, nbytes: int, seconds: float, abandoned: bool = False) -> None:
+        """One load: the wire bytes it was to move, its seconds from start to the last piece staged (or to
+        its deadline), and whether it was given up there."""
+        samples = self.data.setdefault("samples", [])
+        samples.append([int(nbytes), float(seconds), int(abandoned)])
+        del samples[:-256]
+
+    def planned(self, outcome: str, loaded: int, computed: int) -> None:
+        plans, toks = self.data.setdefault("plans", {}), self.data.setdefault("plan_tokens", {})
+        plans[outcome] = plans.get(outcome, 0) + 1
+        toks["loaded"] = toks.get("loaded", 0) + loaded
+        toks["computed"] = toks.get("computed", 0) + computed
+
     def aggregate(self, other: KVConnectorStats) -> KDNStats:
         o = other.data
         d = self.data
         d["loads"] += o.get("loads", 0)
         d["saved"] += o.get("saved", 0)
         d["seconds"] = (d["seconds"] + list(o.get("seconds", [])))[-4096:]  # bounded between log intervals
-        for key in ("tokens", "bytes", "failures"):
+        d["samples"] = (d.setdefault("samples", []) + list(o.get("samples", [])))[-256:]
+        for key in ("tokens", "bytes", "failures", "plans", "plan_tokens"):
+            mine = d.setdefault(key, {})
             for k, v in o.get(key, {}).items():
-                d[key][k] = d[key].get(k, 0) + v
+                mine[k] = mine.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -66,6 +88,9 @@ class KDNStats(KVConnectorStats):
         secs = sorted(d["seconds"])
         out: dict[str, int | float] = {"kdn_loads": d["loads"], "kdn_tokens": sum(d["tokens"].values()),
                                        "kdn_failures": sum(d["failures"].values()), "kdn_saved_chunks": d["saved"]}
+        if d.get("plans"):
+            out["kdn_planned_compute"] = d["plans"].get("compute", 0)
+            out["kdn_planned_tokens_computed"] = d.get("plan_tokens", {}).get("computed", 0)
         if secs:
             out["kdn_load_ms_p50"] = round(secs[len(secs) // 2] * 1e3, 2)
             out["kdn_load_ms_max"] = round(secs[-1] * 1e3, 2)
@@ -86,6 +111,10 @@ class KDNPromMetrics(KVConnectorPromMetrics):
                                             documentation="Time to load one request's prefix from the KDN")
         self._saved = self._counter_cls(name="kdn_vllm_saved_chunks", labelnames=labelnames,
                                         documentation="Chunks a KDN producer wrote to its store")
+        self._plans = self._counter_cls(name="kdn_vllm_plans", labelnames=labelnames + ["outcome"],
+                                        documentation="The KDN load planner's choices: load, load part, compute, probe")
+        self._planned = self._counter_cls(name="kdn_vllm_planned_tokens", labelnames=labelnames + ["how"],
+                                          documentation="Tokens of KDN hits the planner chose to load or to compute")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
@@ -100,3 +129,8 @@ class KDNPromMetrics(KVConnectorPromMetrics):
             self._seconds.labels(*labels).observe(s)
         if d.get("saved"):
             self._saved.labels(*labels).inc(d["saved"])
+        for outcome, n in d.get("plans", {}).items():
+            self._plans.labels(*labels, outcome).inc(n)
+        for how, n in d.get("plan_tokens", {}).items():
+            if n:
+                self._planned.labels(*labels, how).inc(n)

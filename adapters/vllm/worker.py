@@ -9,7 +9,8 @@ per model by the connector (``load`` setting):
 
 - **inside the forward** (attention-only models, the default): ``start_load_kv``
   starts every fetch of the step; each attention layer's ``wait_for_layer_load``
-  waits for them once (bounded by ``load_timeout``), then writes only that
+  waits for them once (bounded by ``load_timeout``, or the planner's tighter
+  deadline for this load), then writes only that
   layer's staged K/V with one backend call. A piece that fails marks its blocks
   (and every later block of the request) in ``get_block_ids_with_load_errors``;
   vLLM recomputes from there.
@@ -93,6 +94,7 @@ class _Running:
     error: LoadFailed | None = None
     upto: int = -1  # tokens [plan.first, upto) are still being written; a failure lowers it
     started: float = field(default_factory=time.perf_counter)
+    ready: float = 0.0  # when its last piece was staged (or it was given up)
 
     def __post_init__(self) -> None:
         if self.upto < 0:
@@ -258,14 +260,15 @@ class WorkerSide:
 
     def _collect(self, run: _Running) -> None:
         """Wait for a load's pieces to be staged (what is left of its deadline), up to the first that fails."""
-        deadline = run.started + self.cfg.load_timeout
+        limit = min(self.cfg.load_timeout, run.job.plan.deadline_s)  # the planner's, where it set a tighter one
+        deadline = run.started + limit
         run.staged = []
         for p, fut in zip(run.job.plan.pieces, run.fetches):
             try:
                 run.staged.append(fut.result(max(deadline - time.perf_counter(), 0)))
                 continue
             except concurrent.futures.TimeoutError:
-                e = LoadFailed("timeout", p, f"{p.address[:16]} not fetched within {self.cfg.load_timeout:g} s")
+                e = LoadFailed("timeout", p, f"{p.address[:16]} not fetched within {limit:.3g} s")
             except LoadFailed as failed:
                 e = failed
             except DigestMismatch as failed:
@@ -279,6 +282,14 @@ class WorkerSide:
             break
         for fut in run.fetches[len(run.staged):]:
             fut.cancel()
+        run.ready = time.perf_counter()
+        if (run.error is None or run.error.reason == "timeout") and not run.job.plan.cold:
+            # The planner's load speed: a load given up at its deadline took at least that long. (A cold
+            # load timed the entry edge's upstream, not this engine's link.)
+            with self._lock:
+                for st in (self.stats, self.totals):
+                    st.sampled(sum(p.size for p in run.job.plan.pieces), run.ready - run.started,
+                               abandoned=run.error is not None)
 
     def _fail(self, run: _Running, e: LoadFailed) -> None:
         run.error = e

@@ -87,3 +87,21 @@ def test_where_a_prefill_is_dear_a_load_may_run_long_before_it_is_abandoned():
     slow.observe(8192, 0, 20.0)
     p = plan(chunks(), 8192 + 16, link=link(3), speeds=Speeds(slow))
     assert p.load == 32 and p.expected_load_s < 0.5 and p.deadline_s == pytest.approx(0.25 * p.compute_all_s)
+
+
+def test_an_abandoned_load_bounds_the_speed_at_once():
+    """A load given up at its deadline proves the loader is at most that fast: no moving average's step."""
+    s = Speeds(llama8b())
+    s.observe_load(1 << 30, 0.1)  # 10 GB/s, measured
+    s.observe_load(1 << 30, 2.0, abandoned=True)  # then a load given up after 2 s
+    assert s.load_bps == pytest.approx((1 << 30) / 2.0)
+    s.observe_load(1 << 30, 0.1, abandoned=True)  # an abandoned load never raises the estimate
+    assert s.load_bps == pytest.approx((1 << 30) / 2.0)
+
+
+def test_cached_tokens_are_costed_after_what_the_engine_holds():
+    s = Speeds(llama8b())
+    p = plan(chunks(8), 4096 + 16, link=link(1), speeds=s, cached=4096)
+    assert p.compute_all_s == pytest.approx(s.prefill.seconds(4096 + 16, 4096))
+    assert p.compute_all_s > s.prefill.seconds(4096 + 16)  # attention over the held tokens costs too
+    assert p.outcome == "compute"

@@ -113,7 +113,8 @@ def main() -> None:
                         "steer_refused": s.steer_refused, "lookups": len(s._lookups), "plans": len(s._plans),
                         "refused_records": s.client.rejected_records if s.client is not None else 0,
                         "ready": len(s._ready), "saves": len(s._saves), "running": len(w._running),
-                        "preempted": preempted[0], "requests": len(sched.requests)})
+                        "preempted": preempted[0], "requests": len(sched.requests),
+                        "planner": s.planner.snapshot() if s.planner is not None else None})
             elif op["op"] == "quit":
                 answer({"bye": True})
                 break

@@ -51,10 +51,12 @@ def world(module_tmp):
                    h.origin("unsigned", "tiny-llama64", dtype="float32", store="hf")]
         # The engines start while the origins do (each takes seconds): nothing is contacted before a request.
         ev = Engine("ev", module_tmp, model=folder, dtype="float32", blocks=20, max_model_len=2048,
-                    kv=kv_config(edges=[proxy.url], load_timeout=LOAD_TIMEOUT, lookup_timeout=2))
+                    # These tests measure loads: the planner is on per request where a test wants it.
+                    kv=kv_config(edges=[proxy.url], load_timeout=LOAD_TIMEOUT, lookup_timeout=2, plan=False))
         eh = Engine("eh", module_tmp, model=folder, dtype="float32",
                     kv=kv_config(edges=[h.edge_url], namespace="acme", token_file=str(module_tmp / "tenant-a"),
-                                 trusted_keys=str(module_tmp / "trusted"), steer=True, quality=5.0, encoding="kvtc-2"))
+                                 trusted_keys=str(module_tmp / "trusted"), steer=True, quality=5.0, encoding="kvtc-2",
+                                 plan=False))
         engines += [ev, eh]
         for p, url in origins:
             wait_http(p, url + "/healthz")
@@ -160,6 +162,38 @@ def test_dead_edge_means_a_plain_prefill(world):
         proxy.mode = "ok"
     assert loaded_tokens(ev) == before
     assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"]
+
+
+def test_an_edge_that_turned_slow_is_learnt_then_computed(world):
+    """The load planner (setting ``plan``, here asked for per request): the engine's own prefills time its
+    steps; over an edge that turned slow a load is given up at the planner's tight deadline and teaches it;
+    within a few requests the engine computes instead, without asking the edge for a byte, and every answer
+    is the engine's own."""
+    ev, proxy, doc = world["ev"], world["proxy"], world["docs"]["v1"]
+    q = question(5)
+    ref = reference(ev, doc, q)  # two prefills of the document: timed steps of 256 tokens
+    ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=1)  # the objects warm at the edge
+    planner = ev.stats()["planner"]
+    assert planner["prefill_samples"] > 0 and planner["seconds_per_flop"] > 0
+    computed, timeouts = planner["counts"].get("compute", 0), failures(ev, "timeout")
+    proxy.mode = "slow"  # 1 MiB of K/V at 256 KiB/s: seconds, against a prefill of tens of milliseconds
+    try:
+        for _ in range(6):
+            asked = proxy.object_requests
+            t0 = time.perf_counter()
+            got = ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=32, kdn=[{"plan": True}])[0]
+            took = time.perf_counter() - t0
+            assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"]
+            assert took < LOAD_TIMEOUT, f"a request over the slow edge took {took:.1f} s"
+            planner = ev.stats()["planner"]
+            if planner["counts"].get("compute", 0) > computed:
+                assert proxy.object_requests == asked, "a computed request still fetched objects"
+                break
+        else:
+            raise AssertionError(f"the planner kept loading over a slow edge: {planner}")
+    finally:
+        proxy.mode = "ok"
+    assert failures(ev, "timeout") - timeouts <= 3, "a slow edge should cost only a few short loads"
 
 
 def test_transformers_made_states_load_across_engines(world):

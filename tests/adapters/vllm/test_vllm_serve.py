@@ -67,6 +67,9 @@ def test_second_fresh_server_loads_what_the_first_saved(tmp_path):
         second = http_json("POST", url2 + "/v1/completions", body)
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 896
         assert metric(url2, "kdn_vllm_loaded_tokens_total", 'tier="origin"') == 896  # the edge filled from the origin
+        # the load planner's choice (a fresh engine has timed no prefill yet: it loads, and says so)
+        assert metric(url2, "kdn_vllm_plans_total", 'outcome="load"') == 1
+        assert metric(url2, "kdn_vllm_planned_tokens_total", 'how="loaded"') == 896
         # and vLLM's own count of cached prompt tokens by source: a fill from the origin has no nearer name
         assert metric(url2, "vllm:prompt_tokens_cached_by_source_total", 'source="external_unspecified"') == 896
         assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]

@@ -206,7 +206,8 @@ def kv_config(role: str = "kv_consumer", **extra) -> dict:
 
 
 class Proxy:
-    """An HTTP proxy to an edge that can lie: ``mode`` ok | flip (one byte of each object) | stall | down."""
+    """An HTTP proxy to an edge that can lie: ``mode`` ok | flip (one byte of each object) | stall | down |
+    slow (objects at ``slow_bps``)."""
 
     def __init__(self, target: str = "") -> None:
         import asyncio
@@ -216,6 +217,8 @@ class Proxy:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.objects_served = 0
+        self.object_requests = 0  # every object request that reached it, answered or not
+        self.slow_bps = 256 << 10
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -232,6 +235,7 @@ class Proxy:
 
         async def handle(request: web.Request) -> web.StreamResponse:
             is_object = request.path.startswith("/v1/objects/")
+            self.object_requests += is_object
             if self.mode == "down":
                 request.transport.close()  # a dead edge: the connection drops
                 return web.Response(status=503)
@@ -249,6 +253,15 @@ class Proxy:
                     body = bytearray(body)
                     body[len(body) // 2] ^= 0x40  # same length, same headers: only the digest can tell
                     body = bytes(body)
+                if self.mode == "slow":  # a link that turned slow: the same bytes, paced (bounded by their size)
+                    resp = web.StreamResponse(status=200, headers=headers)
+                    resp.content_length = len(body)
+                    await resp.prepare(request)
+                    step = 16 << 10
+                    for i in range(0, len(body), step):
+                        await resp.write(body[i:i + step])
+                        await asyncio.sleep(step / self.slow_bps)
+                    return resp
             return web.Response(status=r.status, body=body, headers=headers)
 
         app = web.Application()

@@ -1,0 +1,177 @@
+"""The load planner inside vLLM's scheduler (adapters/vllm/planning.py): step timing, and plans cut to blocks.
+
+Pure: no vLLM, no network. The engine side (a slow edge learnt, then computed) is in test_vllm_dense.py.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from kdn.planner import LEARN_TOKENS, PROBE_AFTER_S, Chunk, PrefillModel, Speeds, plan
+
+from kdn.adapters.vllm.plan import Piece, plan_load
+from kdn.adapters.vllm.planning import Planner, Steps, prefill_model
+
+MiB = 1 << 20
+
+
+def chain(*ends: int, size: int = 4 * MiB, tier: str = "memory") -> list[Piece]:
+    out, start = [], 0
+    for i, e in enumerate(ends):
+        out.append(Piece(f"{i:064x}", start, e, "raw", "0" * 64, size, tier))
+        start = e
+    return out
+
+
+def calibrated(seconds_for_1024: float = 0.1) -> Speeds:
+    """An engine that has timed a 1024-token prefill (a tiny model: its weights and attention as below)."""
+    s = Speeds(PrefillModel(params=50_000_000, layers=8, attn_width=512))
+    s.observe_prefill(1024, 0, seconds_for_1024)
+    return s
+
+
+def link(bps: float, rtt: float = 0.001):
+    return lambda b: rtt + b / bps
+
+
+def test_prefill_model_counts_the_weights_a_token_multiplies():
+    """A Llama-3-8B config: ~7B of weights in its layers (the 0.5B embedding is a lookup, not a matmul)."""
+    cfg = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          num_hidden_layers=32, intermediate_size=14336)
+    m = prefill_model(cfg)
+    assert 6.5e9 < m.params < 7.2e9
+    assert (m.layers, m.attn_width) == (32, 4096)
+    moe = prefill_model(SimpleNamespace(**{**vars(cfg), "num_experts_per_tok": 2, "moe_intermediate_size": 1024}))
+    assert moe.params < m.params  # two small experts per token multiply fewer weights than one dense MLP
+
+
+def test_steps_time_compute_and_skip_overlap_and_loads():
+    sp = Speeds(PrefillModel(params=1_000_000, layers=2, attn_width=64))
+    st = Steps(sp)
+    st.scheduled([(LEARN_TOKENS, 0)], loaded=False, now=0.0)
+    st.scheduled([(LEARN_TOKENS, LEARN_TOKENS)], loaded=False, now=0.1)  # async scheduling: planned while 1 runs
+    st.finished(now=1.0)
+    k1 = sp.prefill.k
+    assert k1 == pytest.approx(1.0 / sp.prefill.flops(LEARN_TOKENS, 0))
+    st.finished(now=2.0)  # it ran from 1.0 (when the step before it ended), not from 0.1
+    assert sp.prefill.samples == 2
+    want = 1.0 / sp.prefill.flops(LEARN_TOKENS, LEARN_TOKENS)
+    assert sp.prefill.k == pytest.approx(k1 + 0.3 * (want - k1))
+    st.scheduled([(LEARN_TOKENS, 0)], loaded=True, now=3.0)  # a step that loaded: its time is not compute
+    st.finished(now=9.0)
+    assert sp.prefill.samples == 2
+    st.finished(now=10.0)  # an output with no step pending (a restart of the count): ignored
+    assert sp.prefill.samples == 2
+
+
+def test_a_batch_step_teaches_its_summed_work():
+    a = PrefillModel(params=1_000_000, layers=2, attn_width=64)
+    b = PrefillModel(params=1_000_000, layers=2, attn_width=64)
+    a.observe_step([(200, 0), (200, 1000), (1, 5000)], 0.5)
+    b._learn(401, a.flops(200, 0) + a.flops(200, 1000) + a.flops(1, 5000), 0.5)
+    assert a.k == b.k and a.k is not None
+
+
+def test_a_fast_link_loads_the_whole_offer_with_the_planners_deadline():
+    pieces = chain(256, 512, 768, 1024, 1100)
+    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    p = Planner(calibrated(), link=link(10e9), max_deadline_s=10)
+    cut, decision, outcome = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+    assert cut == lp.__class__(lp.first, lp.end, lp.pieces, decision.deadline_s)
+    assert outcome == "load" and decision.deadline_s < 1.0
+    assert p.reasons.counts == {"load": 1} and p.reasons.tokens_loaded == 1024
+
+
+def test_a_slow_link_computes_and_says_so():
+    pieces = chain(256, 512, 768, 1024, 1100)
+    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    p = Planner(calibrated(), link=link(10e6))  # 16 MiB at 10 MB/s: 1.7 s against a ~0.1 s prefill
+    cut, decision, outcome = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+    assert cut is None and outcome == "compute" and decision.reason.startswith("compute: load")
+    assert p.reasons.tokens_computed == 1140
+
+
+def test_what_the_engine_holds_is_not_planned_again():
+    """Past vLLM's own 512 cached tokens the planner weighs only the rest, each prefill after them."""
+    pieces = chain(256, 512, 768, 1024, 1100)
+    lp = plan_load(pieces, computed=512, num_tokens=1140, block_size=128, needs_state=False)
+    p = Planner(calibrated(), link=link(10e9))
+    cut, decision, _ = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+    assert cut is not None and (cut.first, cut.end) == (512, 1024)
+    pre = p.speeds.prefill
+    assert decision.compute_all_s == pytest.approx(pre.seconds(1140 - 512, 512))
+
+
+def test_a_dear_last_piece_is_left_to_compute_and_the_cut_stays_on_a_block():
+    """Three cheap pieces and a huge fourth: load three, compute the rest; the cut ends on a block."""
+    pieces = chain(256, 512, 768, size=MiB) + [Piece("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
+    lp = plan_load(pieces, computed=0, num_tokens=1100, block_size=128, needs_state=False)
+    p = Planner(calibrated(), link=link(1e9))
+    cut, _, outcome = p.decide(lp, pieces, num_tokens=1100, block_size=128, needs_state=False)
+    assert outcome == "load_part" and cut is not None and (cut.first, cut.end) == (0, 768)
+    assert len(cut.pieces) == 3 and math.isfinite(cut.deadline_s)
+    # A block of 512 tokens: the planner's 768 comes down to 512.
+    lp512 = plan_load(pieces, computed=0, num_tokens=1100, block_size=512, needs_state=False)
+    cut512, _, _ = p.decide(lp512, pieces, num_tokens=1100, block_size=512, needs_state=False)
+    assert cut512 is not None and cut512.end == 512
+
+
+def test_a_hybrid_cut_ends_where_a_state_is():
+    """A hybrid object carries its state at its own end: with 384-token blocks the cut after three pieces
+    (768) is also the second block's end; after two (512) it is not, so one piece would be none."""
+    pieces = chain(256, 512, 768, size=MiB) + [Piece("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
+    lp = plan_load(pieces, computed=0, num_tokens=1100, block_size=384, needs_state=True)
+    assert lp.end == 768
+    p = Planner(calibrated(), link=link(1e9))
+    cut, _, _ = p.decide(lp, pieces, num_tokens=1100, block_size=384, needs_state=True)
+    assert cut is not None and cut.end == 768
+
+
+def test_a_cold_load_keeps_the_load_timeout():
+    """Pieces the entry edge must fill first: its upstream's time is not this link's, so no tight deadline."""
+    pieces = chain(256, 512, 768, 1024, 1100, tier="origin")
+    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    p = Planner(calibrated(), link=link(10e9), max_deadline_s=10)
+    cut, decision, _ = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+    assert cut is not None and cut.deadline_s == 10 and decision.deadline_s < 1
+
+
+def test_abandoned_loads_teach_the_planner_to_compute_within_a_few_requests():
+    """A link that turns slow: each load given up at its deadline bounds the speed; the next deadline is
+    about twice as long; within a few requests the planner computes, and each spoiled load cost little."""
+    pieces = chain(256, 512, 768, 1024, 1100, size=256 << 10)
+    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    p = Planner(calibrated(0.2), link=link(1e9))  # the client still believes the link is fast
+    true_bps = 2e6  # what the link now gives: 1.3 MiB in ~0.65 s, against a 0.2 s prefill
+    spent = []
+    for _ in range(8):
+        cut, decision, outcome = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+        if cut is None:
+            break
+        nbytes = sum(x.size for x in cut.pieces)
+        took = nbytes / true_bps
+        if took > cut.deadline_s:  # the worker gives up at the deadline and reports it
+            p.speeds.observe_load(nbytes, cut.deadline_s, abandoned=True)
+            spent.append(cut.deadline_s)
+        else:
+            p.speeds.observe_load(nbytes, took)
+    assert outcome == "compute", p.reasons.counts
+    assert len(spent) <= 3 and sum(spent) < 0.6, spent
+
+
+def test_a_stale_measurement_probes_one_chunk_then_computes_again():
+    pieces = chain(256, 512, 768, 1024, 1100)
+    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    sp = calibrated()
+    sp.observe_load(16 * MiB, 2.0, now=0.0)  # slow when last measured
+    chunks = [Chunk(hi - lo, x.size) for x, lo, hi in lp.spans()]
+    fresh = plan(chunks, 1140, link=link(10e9), speeds=sp, now=1.0)
+    assert not fresh.loads_anything
+    stale = plan(chunks, 1140, link=link(10e9), speeds=sp, now=PROBE_AFTER_S + 1)
+    assert (stale.head, stale.load) == (0, 1) and stale.reason.startswith("probe")
+    assert math.isfinite(stale.deadline_s)
+    sp.observe_load(4 * MiB, 0.001, now=PROBE_AFTER_S + 2)  # the probe found the link fast again
+    assert plan(chunks, 1140, link=link(10e9), speeds=sp, now=PROBE_AFTER_S + 3).load >= 1
