@@ -54,7 +54,7 @@ class Link:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.emu = LinkEmulator(0, "127.0.0.1", target_port, delay_ms=0, mbit=0)
+        self.emu = LinkEmulator(0, "127.0.0.1", target_port, delay_ms=0, mbit=0, shared=True)  # one bottleneck
         asyncio.run_coroutine_threadsafe(self.emu.start(), self.loop).result(10)
 
     def set(self, delay_ms: float, mbit: float) -> None:
