@@ -68,6 +68,17 @@ class Source:
     node_id: str | None = None  # edges of the client's region: their id on the ring
 
 
+FILL_TIERS = ("peer", "region", "origin")  # sources an entry edge names for what it must fill first
+
+
+def fills(tier: str) -> bool:
+    """Whether the entry edge said it must fill an object first (from a peer, another region or the
+    origin) before it can serve it. ``memory`` and ``disk`` are served at once; so, as far as the caller
+    can tell, is ``edge``: the coarse answer an anonymous caller gets, which hides cache state. The load
+    planners time their loads against their link only where nothing must be filled."""
+    return tier.split(":", 1)[0] in FILL_TIERS
+
+
 @dataclass
 class Lookup:
     """The longest reusable prefix of a prompt: ``addresses`` cover ``tokens`` leading tokens."""
@@ -84,6 +95,11 @@ class Lookup:
     @property
     def chunks(self) -> int:
         return len(self.addresses)
+
+    @property
+    def filling(self) -> bool:
+        """The entry edge must fill some of these first (``fills``): their time is its upstream's."""
+        return any(fills(w) for w in self.sources[:self.chunks])
 
     def token_counts(self) -> list[int]:
         """Tokens per object, in chain order: whole chunks, then the partial tail if there is one."""

@@ -43,8 +43,10 @@ class Piece:
 
     @property
     def cold(self) -> bool:
-        """Not in the entry edge's memory or disk: a read fills it first (a peer, another region, the origin)."""
-        return self.tier.split(":", 1)[0] not in ("memory", "disk", "")
+        """The entry edge said it must fill this first (a peer, another region, the origin): ``kdn.client.fills``."""
+        from kdn.client import fills
+
+        return fills(self.tier)
 
 
 @dataclass(frozen=True)

@@ -175,3 +175,16 @@ def test_a_stale_measurement_probes_one_chunk_then_computes_again():
     assert math.isfinite(stale.deadline_s)
     sp.observe_load(4 * MiB, 0.001, now=PROBE_AFTER_S + 2)  # the probe found the link fast again
     assert plan(chunks, 1140, link=link(10e9), speeds=sp, now=PROBE_AFTER_S + 3).load >= 1
+
+
+def test_the_coarse_answer_an_anonymous_engine_gets_is_timed_against_its_link():
+    """An edge tells an anonymous caller only "edge" (cache state is hidden): nothing is known to be filled,
+    so the load gets the planner's deadline (a 10 s load_timeout there let a slow link cost 3.5x a prefill)."""
+    for tier, cold in (("edge", False), ("memory", False), ("disk", False), ("", False),
+                       ("origin", True), ("peer:e2", True), ("region:us", True)):
+        pieces = chain(256, 512, 768, 1024, 1100, tier=tier)
+        lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+        cut, decision, _ = Planner(calibrated(), link=link(10e9), max_deadline_s=10).decide(
+            lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+        assert cut is not None and cut.cold == cold
+        assert cut.deadline_s == (10 if cold else decision.deadline_s), tier
