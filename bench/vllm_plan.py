@@ -98,6 +98,9 @@ def run(args, log) -> dict:
                                       "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
                                       "kv_connector_extra_config": {"edges": [link.emu.url]}})
         planner = llm.llm_engine.engine_core.engine_core.scheduler.connector.sched.planner
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().worker  # what the loads really did (vLLM counts a failed load as reused)
         from kdn.planner import PROBE_AFTER_S
 
         ids = doc[:L] + q
@@ -106,6 +109,8 @@ def run(args, log) -> dict:
         def request(phase: str, kdn: dict) -> dict:
             before = dict(planner.reasons.counts)
             loaded0 = planner.reasons.tokens_loaded
+            got0 = sum(worker.totals.data["tokens"].values())
+            late0 = worker.totals.data["failures"].get("timeout", 0)
             sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                 extra_args={"kv_transfer_params": {"kdn": kdn}})
             t0 = time.perf_counter()
@@ -116,9 +121,12 @@ def run(args, log) -> dict:
             row = {"phase": phase, "kdn": kdn, "ttft_ms": ms, "reused": out.num_cached_tokens,
                    "choice": chose[0] if chose else ("off" if kdn.get("load") is False else "no planner"),
                    "planned_tokens": planner.reasons.tokens_loaded - loaded0, "first_token": out.outputs[0].token_ids[0],
+                   "loaded": sum(worker.totals.data["tokens"].values()) - got0,
+                   "given_up": worker.totals.data["failures"].get("timeout", 0) - late0,
                    "load_bps": planner.speeds.load_bps}
             rows.append(row)
-            log(f"{phase:9s} {json.dumps(kdn):28s} {ms:9.1f} ms  reused {row['reused']:5d}  {row['choice']}")
+            log(f"{phase:9s} {json.dumps(kdn):28s} {ms:9.1f} ms  loaded {row['loaded']:5d}  given up "
+                f"{row['given_up']}  {row['choice']}  (load speed now {(row['load_bps'] or 0) / 1e6:.0f} MB/s)")
             return row
 
         request("warm", {"load": False})  # one-off engine costs; a prefill times the engine's steps
@@ -138,9 +146,9 @@ def run(args, log) -> dict:
         wait = max(0.0, last + PROBE_AFTER_S + 0.5 - time.monotonic())
         log(f"link restored; {wait:.0f} s until the planner's last measurement is stale")
         time.sleep(wait)
-        for _ in range(6):
+        for _ in range(4):
             r = request("recovered", {})
-            if r["choice"] == "load" and r["reused"] >= L - 128:
+            if r["choice"] == "load" and r["loaded"] >= L - 128:
                 break
         return {"rows": rows, "length": L, "mbit": args.mbit, "model": args.model,
                 "probe_after_s": PROBE_AFTER_S, "planner": {"counts": planner.reasons.counts}}
@@ -155,16 +163,16 @@ def run(args, log) -> dict:
 def tables(res: R.Results, out: dict) -> None:
     rows = out["rows"]
     prefill = statistics.median(r["ttft_ms"] for r in rows if r["phase"] == "prefill")
-    lines = ["| phase | request | planner's choice | tokens reused | TTFT ms | TTFT / vLLM prefill |",
-             "| --- | ---: | --- | ---: | ---: | ---: |"]
+    lines = ["| phase | request | planner's choice | tokens loaded | load given up | TTFT ms | TTFT / vLLM prefill |",
+             "| --- | ---: | --- | ---: | --- | ---: | ---: |"]
     n: dict[str, int] = {}
     for r in rows:
         if r["phase"] == "warm":
             continue
         n[r["phase"]] = n.get(r["phase"], 0) + 1
         what = {"slow-noplan": "slow, no planner (`plan: false`)", "prefill": "slow, vLLM prefill (`load: false`)"}
-        lines.append(f"| {what.get(r['phase'], r['phase'])} | {n[r['phase']]} | {r['choice']} | {r['reused']:,} "
-                     f"| {r['ttft_ms']:,.0f} | {r['ttft_ms'] / prefill:.2f}x |")
+        lines.append(f"| {what.get(r['phase'], r['phase'])} | {n[r['phase']]} | {r['choice']} | {r['loaded']:,} "
+                     f"| {'yes' if r['given_up'] else ''} | {r['ttft_ms']:,.0f} | {r['ttft_ms'] / prefill:.2f}x |")
     res.table("main", "\n".join(lines))
 
     def stat(phase: str) -> tuple[float, float]:

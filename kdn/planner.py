@@ -34,7 +34,8 @@ the loader reports that load as taking at least its deadline
 from the few loads it spoils. A plan that computes everything measures nothing: once the last
 load is ``PROBE_AFTER_S`` old, a plan that would compute all loads its first
 chunk instead (reason "probe"), so a link that recovered is seen again at the
-cost of one chunk.
+cost of one chunk; the probe's measurement replaces the stale one (no moving
+average drags the old speed along).
 
 An engine that already holds ``cached`` leading tokens (vLLM's own prefix
 cache) plans only past them: the chunks follow those tokens, and every
@@ -144,10 +145,12 @@ class Speeds:
         if nbytes <= 0 or seconds <= 0:
             return
         bps = nbytes / seconds
-        if abandoned:
-            self.load_bps = bps if self.load_bps is None else min(self.load_bps, bps)
+        if self.load_bps is None or self.stale(now):  # a stale estimate is not blended with: a probe resets it
+            self.load_bps = bps
+        elif abandoned:
+            self.load_bps = min(self.load_bps, bps)
         else:
-            self.load_bps = bps if self.load_bps is None else self.load_bps + EWMA * (bps - self.load_bps)
+            self.load_bps = self.load_bps + EWMA * (bps - self.load_bps)
         self.loads += 1
         self.last_load = time.monotonic() if now is None else now
 

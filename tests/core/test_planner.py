@@ -105,3 +105,13 @@ def test_cached_tokens_are_costed_after_what_the_engine_holds():
     assert p.compute_all_s == pytest.approx(s.prefill.seconds(4096 + 16, 4096))
     assert p.compute_all_s > s.prefill.seconds(4096 + 16)  # attention over the held tokens costs too
     assert p.outcome == "compute"
+
+
+def test_a_stale_speed_is_replaced_by_the_next_measurement_not_blended():
+    s = Speeds(llama8b())
+    s.observe_load(1 << 30, 10.0, now=0.0)  # slow, 100 MB/s
+    s.observe_load(1 << 30, 0.1, now=1.0)  # fresh: a moving average's step
+    assert s.load_bps == pytest.approx((1 << 30) / 10 + 0.3 * ((1 << 30) / 0.1 - (1 << 30) / 10))
+    s.observe_load(1 << 30, 10.0, now=2.0, abandoned=True)
+    s.observe_load(32 << 20, 0.01, now=100.0)  # a probe after 98 s: its speed, as measured
+    assert s.load_bps == pytest.approx((32 << 20) / 0.01)
