@@ -226,8 +226,15 @@ class LinkEmulator:
                     break
                 if (now_prof := self.profile_for(peer_ip)) != prof:  # set_profile() while this connection is open
                     prof, delay = now_prof, now_prof.delay_ms / 1e3
-                    pacer.rate = prof.rate
-                    pacer.burst_s = self.burst / prof.rate if prof.rate != float("inf") else 0.0
+                    if self.shared:
+                        # The new profile's own bucket. (Changing the rate of the one this connection shared
+                        # would change it for every connection still keyed to the old profile: a connection
+                        # opened later under that profile was paced at the other one's rate.)
+                        pacer = self._pacer(prof, direction, time.perf_counter())
+                    else:
+                        pacer.rate = prof.rate
+                        pacer.burst_s = self.burst / prof.rate if prof.rate != float("inf") else 0.0
+                    read_size = 65536 if prof.rate == float("inf") else int(min(65536, max(4096, prof.rate * 0.002)))
                 now = time.perf_counter()
                 leave = pacer.reserve(len(data), now)
                 if leave - now > 0.0005:

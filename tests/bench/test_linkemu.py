@@ -161,6 +161,31 @@ async def test_caps_download_and_upload_throughput():
     assert 0.8 * rate <= up <= 1.2 * rate, up / rate
 
 
+async def test_a_shared_link_slowed_then_restored_is_fast_again_on_every_connection():
+    """One bottleneck (shared=True): a connection opened while the link was fast, then used while it was
+    slow, must not leave the fast profile's bucket at the slow rate for connections opened after the link
+    was restored (bench/vllm_plan.py's probe measured 40 Mbit on a restored link)."""
+    blob = bytes(range(256)) * 4096  # 1 MiB
+    runner, port = await _blob_app(blob)
+    try:
+        async with LinkEmulator(0, "127.0.0.1", port, delay_ms=0, mbit=0, shared=True) as link:
+            async with aiohttp.ClientSession() as old, aiohttp.ClientSession() as new:
+                async with old.get(f"{link.url}/blob") as r:  # opened under the fast profile
+                    await r.read()
+                link.set_profile(0, 40)  # 5 MB/s
+                t0 = time.perf_counter()
+                async with old.get(f"{link.url}/blob") as r:  # the same connection, now slow
+                    await r.read()
+                assert time.perf_counter() - t0 > 0.15
+                link.set_profile(0, 0)
+                t0 = time.perf_counter()
+                async with new.get(f"{link.url}/blob") as r:  # a new connection under the fast profile again
+                    assert await r.read() == blob
+                assert time.perf_counter() - t0 < 0.1, "the restored link is still paced"
+    finally:
+        await runner.cleanup()
+
+
 async def test_unlimited_link_passes_bytes_through_intact():
     blob = bytes(range(256)) * 8192  # 2 MiB
     runner, port = await _blob_app(blob)
