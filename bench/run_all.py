@@ -117,6 +117,7 @@ RUNS: list[Run] = [
     Run("vllm_ttft-zstd", "vllm_ttft", ["--models", "smollm2-135m", "--encodings", "zstd", "--json",
                                         "bench/work/vllm_ttft_zstd.json", "--plot", "", "--no-headline"],
         None, ("vllm",), 3600),
+    Run("vllm_plan", "vllm_plan", [], None, ("vllm", "smollm2"), 1200, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("cross_engine", "cross_engine", [], ["--models", "tiny-llama64", "--docs", "1", "--new", "4", "--json", ""],
         ("vllm",), 3600),
     # Records of past runs the docs still discuss; their code has changed since, so re-running the same command
