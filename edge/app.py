@@ -25,8 +25,6 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -58,6 +56,7 @@ from kdn.edge.memory import MemoryTier
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.policies import PolicyEngine
 from kdn.edge.prefetch import ChainIndex, Prefetcher
+from kdn.edge.records import OriginRecords, RecordCache
 from kdn.edge.tiers import EntryMeta, Handle, Key, Tier, steady_wall
 
 log = logging.getLogger(__name__)
@@ -85,94 +84,15 @@ class EdgeConfig(service.NodeConfig):
     operator_keys: str | None = None  # operator keys file: policies not signed by one are skipped
     region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"
     eviction: str = DEFAULT_POLICY  # both tiers' policy: "arc" (chosen on the traces) or "s3-fifo"
+    records: str = "registry"  # where object records are read: the registry, or the origins' stores (edge/records.py)
 
     def __post_init__(self) -> None:
         if self.region_probes not in ("worth", "always"):
             raise InvalidInput(f"region_probes must be 'worth' or 'always', not {self.region_probes!r}")
+        if self.records not in ("registry", "origin"):
+            raise InvalidInput(f"records must be 'registry' or 'origin', not {self.records!r}")
         if self.eviction not in POLICIES:
             raise InvalidInput(f"eviction must be one of {', '.join(POLICIES)}, not {self.eviction!r}")
-
-
-class RecordCache:
-    """Object records by address: immutable once written, so cached without expiry (bounded LRU).
-
-    With a ``verifier`` (the publisher keys this edge trusts), a record that is not
-    signed by one of them is treated as absent, and never cached: its digest is
-    not believed, so no byte is fetched, kept or served for it.
-    """
-
-    def __init__(self, registry, size: int, verifier=None, on_refused=None, negative_ttl: float = 2.0) -> None:
-        self.registry = registry
-        self.size = size
-        self.verifier = verifier
-        self.on_refused = on_refused
-        self._lru: OrderedDict[str, ObjectRecord] = OrderedDict()
-        # Addresses the registry did not have (or whose record is not trusted), for negative_ttl
-        # seconds: a flood of requests for absent addresses costs one registry read each per TTL,
-        # not one per request. A record published meanwhile is seen at most that late.
-        self.negative_ttl = negative_ttl
-        self._absent: OrderedDict[str, float] = OrderedDict()  # address -> when to ask again
-
-    def _known_absent(self, address: str) -> bool:
-        until = self._absent.get(address)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        del self._absent[address]
-        return False
-
-    def _note_absent(self, address: str) -> None:
-        if self.negative_ttl > 0:
-            self._absent[address] = time.monotonic() + self.negative_ttl
-            self._absent.move_to_end(address)
-            while len(self._absent) > self.size:
-                self._absent.popitem(last=False)
-
-    def _trusted(self, rec: ObjectRecord | None, address: str) -> ObjectRecord | None:
-        if rec is not None and rec.address != address:  # a record stored under another address: a writer's lie
-            log.warning("the registry's record for %s is %s's: treated as absent", address[:16], rec.address[:16])
-            if self.on_refused is not None:
-                self.on_refused()
-            return None
-        if rec is None or self.verifier is None or self.verifier.ok(rec):
-            return rec
-        log.warning("object record %s is not signed by a trusted publisher key: treated as absent", rec.address)
-        if self.on_refused is not None:
-            self.on_refused()
-        return None
-
-    def _keep(self, rec: ObjectRecord) -> None:
-        self._lru[rec.address] = rec
-        self._lru.move_to_end(rec.address)
-        while len(self._lru) > self.size:
-            self._lru.popitem(last=False)
-
-    async def get(self, address: str) -> ObjectRecord | None:
-        rec = self._lru.get(address)
-        if rec is None and not self._known_absent(address):
-            rec = self._trusted(await self.registry.get_object(address), address)
-            if rec is not None:
-                self._keep(rec)
-            else:
-                self._note_absent(address)
-        return rec
-
-    async def get_many(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
-        missing = list(dict.fromkeys(a for a in addresses if a not in self._lru and not self._known_absent(a)))
-        if missing:
-            for address, rec in zip(missing, await self.registry.get_objects(missing)):
-                rec = self._trusted(rec, address)
-                if rec is not None:
-                    self._keep(rec)
-                else:
-                    self._note_absent(address)
-        return [self._lru.get(a) for a in addresses]
-
-    def forget(self, address: str) -> None:
-        """Encodings can be added to a record later: drop it so the next read sees them."""
-        self._lru.pop(address, None)
-        self._absent.pop(address, None)
 
 
 @dataclass
@@ -456,6 +376,7 @@ async def _edge_ctx(app: web.Application):
     cfg = app[EDGE_CONFIG]
     edge = Edge(cfg, app[REGISTRY], app[EDGE_METRICS])
     app[EDGE] = edge
+    app[service.RECORDS] = edge.records  # the edge serves records from its cache (and where it reads them)
     if cfg.disk:
         edge.disk = await DiskTier.open(cfg.disk, cfg.disk_budget, policy=POLICIES[cfg.eviction], fsync=cfg.fsync,
                                         on_evict=edge._on_evict)
@@ -482,6 +403,8 @@ async def _upstream_ctx(app: web.Application):
                              upstream_headers=_upstream_headers(cfg.upstream_token_file), metrics=edge.m,
                              token_scope=token_scope(cfg), getter=getter,
                              always_probe_regions=cfg.region_probes == "always")
+        if cfg.records == "origin":  # records beside the blobs: asked of the origins, never of the registry
+            edge.records.source = OriginRecords(session, edge.origin_urls, edge.filler.headers)
         await edge.membership.start()
         try:
             yield

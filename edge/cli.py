@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--region-probes", choices=("worth", "always"), default="worth",
                    help="ask other regions before the origin only when their recent hit rate pays for a miss's "
                         "round trip (worth, the default: lower latency), or always (less origin egress)")
+    p.add_argument("--records", choices=("registry", "origin"), default="registry",
+                   help="where object records are read: the registry (the default), or the origins' stores, "
+                        "for origins started with --records store (no registry read on a request's path)")
     p.set_defaults(func=cmd_edge_serve)
 
     policy = sub.add_parser("policy", help="operator policies: pin, warm, ttl, quota").add_subparsers(
@@ -123,6 +126,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "trusted_keys": _readable(args.trusted_keys, "--trusted-keys"),
         "operator_keys": _readable(args.operator_keys, "--operator-keys"),
         "region_probes": args.region_probes,
+        "records": args.records,
         "eviction": args.eviction,
         "max_connections": args.max_connections,
         "max_connections_per_peer": args.max_connections_per_peer,

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from kdn.errors import KDNError
+from kdn.errors import InvalidInput, KDNError
 
 if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily: `kdn address` needs none of it
     from kdn.registry import ModelRecord, ObjectRecord, Registry
@@ -101,13 +101,69 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
 
     async def go(reg: Registry) -> int:
         rec: ObjectRecord | ModelRecord | None = await reg.get_object(key)
-        kind = "object"
+        kind, where = "object", "registry"
         if rec is None:
             rec, kind = await reg.get_model(key), "model"
+        if rec is None:  # an origin with --records store keeps object records beside its blobs: ask it
+            rec, where = await _record_from_origins(reg, key), "origin"
+            kind = "object"
         if rec is None:
-            print(f"kdn: {key} is not in the registry", file=sys.stderr)
+            print(f"kdn: {key} is not in the registry, nor in an origin's store", file=sys.stderr)
             return 1
-        print(json.dumps({"type": kind, "record": rec.to_dict()}, indent=2, default=str))
+        out = {"type": kind, "record": rec.to_dict()}
+        if where != "registry":
+            out["from"] = where
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+
+    return run_registry(args, go)
+
+
+async def _record_from_origins(reg: Registry, address: str) -> ObjectRecord | None:
+    """An object record from the first live origin (registered in ``reg``) that has it, read as anyone may."""
+    import aiohttp
+
+    from kdn.registry import ObjectRecord
+
+    origins = await reg.list_nodes(role="origin")
+    async with aiohttp.ClientSession() as session:
+        for node in origins:
+            try:
+                async with session.get(f"{node.url}/v1/registry/objects/{address}",
+                                       timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    if r.status == 200:
+                        return ObjectRecord.from_dict(await r.json())
+            except (aiohttp.ClientError, TimeoutError, ValueError, KDNError) as e:
+                print(f"kdn: origin {node.node_id} at {node.url}: {type(e).__name__}: {e}"[:300], file=sys.stderr)
+    return None
+
+
+def cmd_registry_migrate(args: argparse.Namespace) -> int:
+    """Object records out of the registry, into an origin's store (``--records store``; kdn.registry.split)."""
+    from pathlib import Path
+
+    from kdn.registry import EmbeddedRegistry, KVRegistry
+    from kdn.registry.split import RECORDS_FILE, migrate_records
+
+    store = Path(args.store)
+    if str(args.store).startswith("s3://") or not store.is_dir():
+        raise InvalidInput(f"--store {str(args.store)[:80]!r} must be an origin's store folder (records go in "
+                           f"{RECORDS_FILE} there)")
+
+    async def go(reg: Registry) -> int:
+        assert isinstance(reg, KVRegistry)
+        records = EmbeddedRegistry(store / RECORDS_FILE)
+        try:
+            def progress(shard: int, n: int) -> None:
+                if shard % 32 == 31:
+                    print(f"  {shard + 1}/256 shards, {n} records", file=sys.stderr)
+
+            copied, kept = await migrate_records(reg, records, delete=args.delete, progress=progress)
+        finally:
+            await records.close()
+        print(f"{copied} object records copied into {store / RECORDS_FILE}"
+              + (f", {kept} already there (kept)" if kept else "")
+              + ("; removed from the registry" if args.delete else "; the registry still holds them (--delete)"))
         return 0
 
     return run_registry(args, go)
@@ -152,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", metavar="ADDRESS|MODEL_ID|NAMESPACE/NAME")
     registry_arg(p)
     p.set_defaults(func=cmd_registry_show)
+    p = reg.add_parser("migrate", help="move object records out of the registry into an origin's store "
+                                       "(for origins run with --records store; docs/scale.md)")
+    p.add_argument("--store", required=True, metavar="DIR", help="the origin's store folder")
+    p.add_argument("--delete", action="store_true", help="remove them from the registry once copied")
+    registry_arg(p)
+    p.set_defaults(func=cmd_registry_migrate)
     p = reg.add_parser("ls", help="list registry keys")
     p.add_argument("--prefix", default="", help="relative key prefix, e.g. objects/ or manifests/public/")
     registry_arg(p)

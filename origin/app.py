@@ -68,6 +68,14 @@ class OriginConfig(service.NodeConfig):
     raw_copies: str = "auto"  # a publish naming no encodings stores raw beside zstd: auto|always|never
     piece_bytes: int = PIECE_BYTES  # each record carries its blobs' piece digests at this size (kdn/pieces.py)
     store_credentials: str | None = None  # an s3:// store's keys (INI file; else AWS_* in the environment)
+    records: str = "registry"  # where object records are written: the registry, or "store" (beside the blobs)
+
+    def __post_init__(self) -> None:
+        if self.records not in ("registry", "store"):
+            raise InvalidInput(f"records must be 'registry' or 'store', not {self.records!r}")
+        if self.records == "store" and self.store.startswith("s3://"):
+            raise InvalidInput("--records store keeps records in a file beside a folder store; an s3:// store keeps "
+                               "its records in the registry for now (--records registry)")
 
 
 CONFIG = web.AppKey("config", OriginConfig)
@@ -97,6 +105,27 @@ def _metrics(reg: CollectorRegistry) -> dict:
 
 
 # --- resources -------------------------------------------------------------
+
+
+async def _records_ctx(app: web.Application):
+    """With ``--records store``: object records in a file beside the blobs, the rest in the registry
+    (``kdn.registry.split``). Everything the origin writes or reads goes through ``app[REGISTRY]``."""
+    cfg = app[CONFIG]
+    if cfg.records != "store":
+        yield
+        return
+    from kdn.registry import EmbeddedRegistry
+    from kdn.registry.split import RECORDS_FILE, RecordsBeside
+
+    control = app[REGISTRY]
+    records = EmbeddedRegistry(Path(cfg.store) / RECORDS_FILE)
+    app[REGISTRY] = RecordsBeside(control, records)
+    log.info("object records in %s (the registry keeps models, manifests, nodes and policies)",
+             Path(cfg.store) / RECORDS_FILE)
+    try:
+        yield
+    finally:
+        await records.close()  # (the registry's own ctx closes the registry)
 
 
 async def _model_ctx(app: web.Application):
@@ -422,8 +451,9 @@ def create_app(config: OriginConfig) -> web.Application:
     app[BASES] = set()
     # Anonymous callers may read the public namespace; everything else needs a token.
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
-    Path(config.store).mkdir(parents=True, exist_ok=True)
-    app.cleanup_ctx.extend([service.registry_ctx(config.registry), _model_ctx, _jobs_ctx, _lease_ctx])
+    if not config.store.startswith("s3://"):
+        Path(config.store).mkdir(parents=True, exist_ok=True)
+    app.cleanup_ctx.extend([service.registry_ctx(config.registry), _records_ctx, _model_ctx, _jobs_ctx, _lease_ctx])
     app.router.add_post("/v1/publish", publish)
     app.router.add_get("/v1/jobs/{job_id}", get_job)
     app.router.add_get("/v1/objects/{address}", get_object)  # aiohttp adds HEAD for GET routes

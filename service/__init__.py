@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -32,7 +32,7 @@ from kdn.errors import (
     RegistryUnavailable,
     UnknownModel,
 )
-from kdn.registry import Registry, open_registry
+from kdn.registry import ObjectRecord, Registry, open_registry
 from kdn.store import validate_encoding
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,16 @@ log = logging.getLogger(__name__)
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
 
 REGISTRY = web.AppKey("registry", Registry)
+
+
+class RecordSource(Protocol):
+    """Where a server reads object records from: its registry, or (an edge) its record cache."""
+
+    async def get_object(self, address: str) -> ObjectRecord | None: ...
+    async def get_objects(self, addresses: list[str]) -> list[ObjectRecord | None]: ...
+
+
+RECORDS = web.AppKey("records", RecordSource)  # absent: the registry
 GRANTS = web.AppKey("grants", Grants)
 METRICS = web.AppKey("metrics", CollectorRegistry)
 HTTP_METRICS = web.AppKey("http_metrics", dict)
@@ -445,14 +455,33 @@ def bearer(request: web.Request) -> str | None:
 # --- registry read endpoints (origin and edge serve the same) --------------
 
 
+MAX_RECORDS = 1024  # records one POST /v1/records may ask for (~1.4 KB each, signed with pieces)
+
+
+def records_of(app: web.Application) -> RecordSource:
+    """The app's record source: an edge's record cache where it set one, else its registry."""
+    src = app.get(RECORDS)
+    return src if src is not None else app[REGISTRY]
+
+
 async def get_registry_object(request: web.Request) -> web.Response:
     address = validate_address(request.match_info["address"])
-    rec = await request.app[REGISTRY].get_object(address)
+    rec = await records_of(request.app).get_object(address)
     if rec is None:
         raise web.HTTPNotFound(text=f"no object {address}")
     if not _may_read(request, rec.namespace, rec.kind):
         raise web.HTTPNotFound(text=f"no object {address}")  # do not reveal other tenants' objects
     return web.json_response(rec.to_dict())
+
+
+async def post_records(request: web.Request) -> web.Response:
+    """Many object records in one request (an edge asking its origin, where records live beside the blobs):
+    ``{"addresses": [...]}`` in, ``{"records": [record or null, ...]}`` out, in order; a record the caller
+    may not read is null, as an absent one is."""
+    _, addrs = await read_addresses(request, MAX_RECORDS)
+    recs = await records_of(request.app).get_objects(list(addrs))
+    out = [r.to_dict() if r is not None and _may_read(request, r.namespace, r.kind) else None for r in recs]
+    return web.json_response({"records": out})
 
 
 async def get_registry_manifest(request: web.Request) -> web.Response:
@@ -480,6 +509,7 @@ async def get_metrics(request: web.Request) -> web.Response:
 
 def add_common_routes(app: web.Application) -> None:
     app.router.add_get("/v1/registry/objects/{address}", get_registry_object)
+    app.router.add_post("/v1/records", post_records)
     app.router.add_get("/v1/registry/manifests/{namespace}/{name}", get_registry_manifest)
     app.router.add_get("/metrics", get_metrics)
 

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "reg
 
 from registry_helpers import addr, model, obj  # noqa: E402
 
-from kdn.edge.app import RecordCache  # noqa: E402
+from kdn.edge.records import RecordCache  # noqa: E402
 from kdn.registry import EmbeddedRegistry  # noqa: E402
 
 

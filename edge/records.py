@@ -1,0 +1,182 @@
+"""Object records at an edge: a bounded cache in front of where they live (the registry, or the origins).
+
+Records are immutable once written (a new encoding or tail is a new version,
+``RecordCache.forget``), so the cache keeps them without expiry, bounded; it
+remembers absent ones for a short while, so that a flood of misses costs one
+read per address per ``negative_ttl``. It is also what the edge's own
+``/v1/registry/objects/{address}`` and ``POST /v1/records`` answer from.
+
+Where they live (``kdn edge serve --records``):
+
+- ``registry`` (the default): one registry read per miss, batched for a lookup;
+- ``origin``: the origins' stores, where an origin started with ``--records
+  store`` keeps them beside the blobs (``kdn.registry.split``). The edge asks
+  ``POST /v1/records`` of an origin (configured, or listed in the registry),
+  in batches of ``kdn.service.MAX_RECORDS``, with its upstream token where the
+  token may go; the first origin that answers is believed only as far as the
+  record's signature (with ``--trusted-keys``) and its address allow. No
+  object record is read from the registry on a request's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import aiohttp
+
+from kdn.errors import InvalidInput, RegistryUnavailable
+from kdn.registry import ObjectRecord
+from kdn.service import MAX_RECORDS
+
+log = logging.getLogger("kdn.edge")
+
+MAX_RECORDS_BODY = MAX_RECORDS * 64 << 10  # bytes of one answer: far above a real record's ~1.4 KB each
+
+
+class RecordCache:
+    """Object records by address: immutable once written, so cached without expiry (bounded LRU).
+
+    With a ``verifier`` (the publisher keys this edge trusts), a record that is not
+    signed by one of them is treated as absent, and never cached: its digest is
+    not believed, so no byte is fetched, kept or served for it.
+    """
+
+    def __init__(self, source, size: int, verifier=None, on_refused=None, negative_ttl: float = 2.0) -> None:
+        self.source = source  # the registry, or (--records origin) the origins' stores: get_object(s)
+        self.size = size
+        self.verifier = verifier
+        self.on_refused = on_refused
+        self._lru: OrderedDict[str, ObjectRecord] = OrderedDict()
+        # Addresses the registry did not have (or whose record is not trusted), for negative_ttl
+        # seconds: a flood of requests for absent addresses costs one registry read each per TTL,
+        # not one per request. A record published meanwhile is seen at most that late.
+        self.negative_ttl = negative_ttl
+        self._absent: OrderedDict[str, float] = OrderedDict()  # address -> when to ask again
+
+    def _known_absent(self, address: str) -> bool:
+        until = self._absent.get(address)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._absent[address]
+        return False
+
+    def _note_absent(self, address: str) -> None:
+        if self.negative_ttl > 0:
+            self._absent[address] = time.monotonic() + self.negative_ttl
+            self._absent.move_to_end(address)
+            while len(self._absent) > self.size:
+                self._absent.popitem(last=False)
+
+    def _trusted(self, rec: ObjectRecord | None, address: str) -> ObjectRecord | None:
+        if rec is not None and rec.address != address:  # a record stored under another address: a writer's lie
+            log.warning("the registry's record for %s is %s's: treated as absent", address[:16], rec.address[:16])
+            if self.on_refused is not None:
+                self.on_refused()
+            return None
+        if rec is None or self.verifier is None or self.verifier.ok(rec):
+            return rec
+        log.warning("object record %s is not signed by a trusted publisher key: treated as absent", rec.address)
+        if self.on_refused is not None:
+            self.on_refused()
+        return None
+
+    def _keep(self, rec: ObjectRecord) -> None:
+        self._lru[rec.address] = rec
+        self._lru.move_to_end(rec.address)
+        while len(self._lru) > self.size:
+            self._lru.popitem(last=False)
+
+    async def get(self, address: str) -> ObjectRecord | None:
+        rec = self._lru.get(address)
+        if rec is None and not self._known_absent(address):
+            rec = self._trusted(await self.source.get_object(address), address)
+            if rec is not None:
+                self._keep(rec)
+            else:
+                self._note_absent(address)
+        return rec
+
+    async def get_many(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
+        missing = list(dict.fromkeys(a for a in addresses if a not in self._lru and not self._known_absent(a)))
+        if missing:
+            for address, rec in zip(missing, await self.source.get_objects(missing)):
+                rec = self._trusted(rec, address)
+                if rec is not None:
+                    self._keep(rec)
+                else:
+                    self._note_absent(address)
+        return [self._lru.get(a) for a in addresses]
+
+    # the names a record source has (kdn.service.RecordSource): the edge serves its records from here
+    get_object = get
+
+    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
+        return await self.get_many(addresses)
+
+    def forget(self, address: str) -> None:
+        """Encodings can be added to a record later: drop it so the next read sees them."""
+        self._lru.pop(address, None)
+        self._absent.pop(address, None)
+
+
+class OriginRecords:
+    """Object records from the origins' stores (``POST /v1/records``), for an edge's ``RecordCache``."""
+
+    def __init__(self, session: aiohttp.ClientSession, origin_urls: Callable[[], list[str]],
+                 headers: Callable[[str], dict[str, str]], timeout: float = 10.0) -> None:
+        self.session = session
+        self.origin_urls = origin_urls
+        self.headers = headers
+        self.timeout = timeout
+
+    async def get_object(self, address: str) -> ObjectRecord | None:
+        return (await self.get_objects([address]))[0]
+
+    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
+        out: list[ObjectRecord | None] = []
+        for i in range(0, len(addresses), MAX_RECORDS):
+            out += await self._batch(list(addresses[i:i + MAX_RECORDS]))
+        return out
+
+    async def _batch(self, addresses: list[str]) -> list[ObjectRecord | None]:
+        urls = self.origin_urls()
+        if not urls:
+            raise RegistryUnavailable("no origin to read object records from (--records origin)")
+        errors = []
+        for url in urls:
+            try:
+                return await self._ask(url, addresses)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                errors.append(f"{url}: {type(e).__name__}: {e}"[:200])
+        raise RegistryUnavailable("no origin answered for object records: " + "; ".join(errors))
+
+    async def _ask(self, url: str, addresses: list[str]) -> list[ObjectRecord | None]:
+        async with self.session.post(url + "/v1/records", json={"addresses": addresses}, headers=self.headers(url),
+                                     timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+            if r.status != 200:
+                raise ValueError(f"HTTP {r.status}")
+            body = await r.content.read(MAX_RECORDS_BODY + 1)
+        if len(body) > MAX_RECORDS_BODY:
+            raise ValueError(f"answer larger than {MAX_RECORDS_BODY} bytes")
+        import json
+
+        data = json.loads(body)
+        recs = data.get("records") if isinstance(data, dict) else None
+        if not isinstance(recs, list) or len(recs) != len(addresses):
+            raise ValueError("answer is not one record (or null) per address asked")
+        out: list[ObjectRecord | None] = []
+        for address, d in zip(addresses, recs):
+            rec = None
+            if d is not None:
+                try:
+                    rec = ObjectRecord.from_dict(d)
+                except (InvalidInput, TypeError, ValueError, KeyError) as e:
+                    log.warning("origin %s sent a malformed record for %s: %s", url, address[:16], e)
+            out.append(rec)  # one under another address is caught by RecordCache._trusted
+        return out

@@ -1,0 +1,192 @@
+"""Object records beside the blobs, the control plane in the registry: one ``Registry`` over two stores.
+
+One record per 256-token chunk is what caps a registry (docs/scale.md: an 8 GiB
+etcd holds ~5.7 million signed records). An origin started with ``--records
+store`` keeps its object records in its own store instead, in an embedded
+key-value file beside the blobs (``<store>/records.sqlite3``), and the
+registry keeps the control plane: models, manifests, nodes (leases), policies.
+Readers find records where the blobs are: the origin answers
+``/v1/registry/objects/{address}`` and ``POST /v1/records`` from its store, and
+an edge started with ``--records origin`` asks the origin (through its record
+cache) instead of the registry. A signed record verifies itself wherever it is
+read, so moving it changes who stores it, not who vouches for it.
+
+``RecordsBeside`` routes every object method to the records store and the
+rest to the registry. The records store is a ``KVRegistry`` like any other, so
+merging a re-publish into a stored record, signing inside the write (and
+never signing what another key wrote: ``KVRegistry._own``), tails and
+encodings added later behave exactly as in the registry. ``put_manifest``
+writes the objects first, then the manifest: a manifest is never visible
+before the records it names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kdn.errors import InvalidInput
+from kdn.registry.base import KVRegistry, NodeLease, Writes
+from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry.base import Event
+    from kdn.signing import Signer
+
+log = logging.getLogger("kdn.registry")
+
+RECORDS_FILE = "records.sqlite3"
+OBJECTS = "objects/"  # the relative key prefix of object records (KVRegistry._object_key)
+
+
+class RecordsBeside:
+    """A ``Registry`` whose object records live in ``records`` and everything else in ``control``."""
+
+    def __init__(self, control: KVRegistry, records: KVRegistry) -> None:
+        self.control = control
+        self.records = records
+
+    def __repr__(self) -> str:
+        return f"RecordsBeside(control={self.control!r}, records={self.records!r})"
+
+    @property
+    def signer(self) -> Signer | None:
+        return self.control.signer
+
+    @signer.setter
+    def signer(self, signer: Signer | None) -> None:
+        self.control.signer = signer
+        self.records.signer = signer
+
+    # objects: the records store ------------------------------------------------
+
+    async def put_objects(self, records: Sequence[ObjectRecord]) -> None:
+        await self.records.put_objects(records)
+
+    async def get_object(self, address: str) -> ObjectRecord | None:
+        return await self.records.get_object(address)
+
+    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
+        return await self.records.get_objects(addresses)
+
+    async def add_encoding(self, address: str, enc: Encoding) -> ObjectRecord | None:
+        return await self.records.add_encoding(address, enc)
+
+    async def add_tail(self, parent: str, length: int, address: str) -> ObjectRecord | None:
+        return await self.records.add_tail(parent, length, address)
+
+    # manifests: objects first, then the manifest ----------------------------------
+
+    async def put_manifest(self, manifest: Manifest, objects: Sequence[ObjectRecord] = ()) -> Manifest:
+        if objects:
+            await self.records.put_objects(objects)
+        return await self.control.put_manifest(manifest)
+
+    async def get_manifest(self, namespace: str, name: str) -> Manifest | None:
+        return await self.control.get_manifest(namespace, name)
+
+    async def list_manifests(self, namespace: str | None = None) -> list[Manifest]:
+        return await self.control.list_manifests(namespace)
+
+    async def delete_manifest(self, namespace: str, name: str) -> bool:
+        return await self.control.delete_manifest(namespace, name)
+
+    # the control plane ---------------------------------------------------------------
+
+    async def put_model(self, rec: ModelRecord) -> None:
+        await self.control.put_model(rec)
+
+    async def get_model(self, model_id: str) -> ModelRecord | None:
+        return await self.control.get_model(model_id)
+
+    async def list_models(self) -> list[ModelRecord]:
+        return await self.control.list_models()
+
+    async def register_node(self, rec: NodeRecord, ttl: float) -> NodeLease:
+        return await self.control.register_node(rec, ttl)
+
+    async def list_nodes(self, role: str | None = None, region: str | None = None) -> list[NodeRecord]:
+        return await self.control.list_nodes(role, region)
+
+    async def put_policy(self, p: Policy) -> None:
+        await self.control.put_policy(p)
+
+    async def delete_policy(self, name: str) -> bool:
+        return await self.control.delete_policy(name)
+
+    async def list_policies(self) -> list[Policy]:
+        return await self.control.list_policies()
+
+    def watch(self, prefix: str = "") -> AsyncIterator[Event]:
+        """Watches follow the registry (the control plane); object records are immutable content, not news."""
+        return self.control.watch(prefix)
+
+    async def list_keys(self, prefix: str = "") -> list[tuple[str, bytes]]:
+        """The registry's keys, and under ``objects/`` the records store's."""
+        if prefix.startswith(OBJECTS):
+            return await self.records.list_keys(prefix)
+        out = await self.control.list_keys(prefix)
+        if OBJECTS.startswith(prefix):
+            out += await self.records.list_keys(OBJECTS)
+        return out
+
+    async def close(self) -> None:
+        try:
+            await self.records.close()
+        finally:
+            await self.control.close()
+
+    async def __aenter__(self) -> RecordsBeside:
+        await self.control.__aenter__()
+        await self.records.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def migrate_records(registry: KVRegistry, records: KVRegistry, *, delete: bool = False,
+                          progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+    """Copy every object record of ``registry`` into ``records`` (an origin's ``records.sqlite3``); with
+    ``delete``, then remove it from ``registry``. Returns ``(copied, kept)``: ``kept`` counts records the
+    store already had (an origin in ``--records store`` wrote a newer one: it is not overwritten).
+
+    Read in 256 shards by the address's first byte, so memory holds one shard at a time. Stop the origins
+    that write ``registry`` first (or switch them to ``--records store``): a record written there after
+    its shard was read would be deleted uncopied. Each record is checked to be one (a key that does not
+    parse is left where it is, and logged).
+    """
+    copied = kept = 0
+    for shard in range(256):
+        items, _ = await registry._range(registry._key(f"{OBJECTS}{shard:02x}"))
+        good: list[tuple[str, bytes]] = []
+        for key, value in items:
+            try:
+                ObjectRecord.unpack(value)
+            except InvalidInput as e:
+                log.error("registry key %s is not an object record (%s): left where it is", registry._rel(key)[:80], e)
+                continue
+            good.append((records._key(registry._rel(key)), value))
+        if good:
+            keys = [k for k, _ in good]
+
+            def build(values: list[bytes | None], good: list[tuple[str, bytes]] = good) -> Writes:
+                return Writes(puts=[kv for kv, old in zip(good, values) if old is None],
+                              result=sum(old is not None for old in values))
+
+            kept_here: int = await records._transact(keys, build)
+            kept += kept_here
+            copied += len(good) - kept_here
+            if delete:
+                step = (registry.max_txn_ops - 1) if registry.max_txn_ops else len(good)
+                gone = [registry._key(records._rel(k)) for k in keys]
+                for i in range(0, len(gone), step):
+                    await registry._transact([], _deleting(gone[i:i + step]))
+        if progress is not None:
+            progress(shard, copied + kept)
+    return copied, kept
+
+
+def _deleting(keys: list[str]) -> Callable[[list[bytes | None]], Writes]:
+    return lambda _values: Writes(deletes=keys)

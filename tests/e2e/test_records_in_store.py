@@ -1,0 +1,143 @@
+"""Object records beside the blobs (#29 item 1, first part): etcd keeps the control plane only.
+
+A real origin started with ``records="store"`` (``--records store``) keeps its signed object records in
+``records.sqlite3`` in its store; an edge with ``records="origin"`` asks the origin for them, never the
+registry. On a real etcd: no ``objects/`` key is written, lookups and loads work and verify, a record
+planted in etcd is never read, the origin's restart keeps every record, and ``kdn registry migrate``
+moves an existing registry's records into a store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+
+import aiohttp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
+
+from edge_helpers import cluster, get, publish  # noqa: E402
+
+from kdn import cli  # noqa: E402
+from kdn.client import KDNClient  # noqa: E402
+from kdn.registry import EmbeddedRegistry, ObjectRecord, open_registry  # noqa: E402
+from kdn.registry.records import Encoding  # noqa: E402
+from kdn.registry.split import RECORDS_FILE, RecordsBeside  # noqa: E402
+from kdn.signing import Signer, Verifier  # noqa: E402
+
+TEXT = ("The tide tables for the northern harbour were revised twice that winter, once for the storm. " * 9)[:700]
+
+
+async def registry_keys(url: str, prefix: str) -> list[str]:
+    async with open_registry(url) as reg:
+        return [k for k, _ in await reg.list_keys(prefix)]
+
+
+async def post_records(url: str, addresses: list[str]) -> list:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/v1/records", json={"addresses": addresses}) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["records"]
+
+
+async def test_records_live_beside_the_blobs_and_edges_read_them_there(tmp_path, etcd_url, capsys):
+    key = Signer.generate(tmp_path / "origin.key")
+    (tmp_path / "trusted").write_text(key.public + "\n")
+    store = tmp_path / "origin-store"
+    async with cluster(tmp_path, etcd_url, edges=("e1",), records="origin", trusted_keys=str(tmp_path / "trusted"),
+                       origin_kw={"records": "store", "signing_key": str(tmp_path / "origin.key"),
+                                  "store": str(store)}) as c:
+        m = await publish(c, TEXT)
+        addrs = m["addresses"]
+        assert len(addrs) == 3
+        # etcd holds the manifest, the model and the nodes; not one object record
+        assert await registry_keys(etcd_url, "objects/") == []
+        assert await registry_keys(etcd_url, "manifests/public/") == ["manifests/public/doc"]
+        async with EmbeddedRegistry(store / RECORDS_FILE) as recs:
+            stored = await recs.get_objects(addrs)
+        assert all(r is not None and Verifier([key.public]).ok(r) for r in stored)
+
+        # A record planted in etcd (a forged digest, unsigned) is never read: records come from the store.
+        async with open_registry(etcd_url) as reg:
+            forged = dataclasses.replace(stored[0], sig={}, encodings={"zstd": Encoding("zstd", 10, "0" * 64)})
+            await reg.put_objects([forged])
+
+        async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
+            hit = await client.lookup(m["prefix_tokens"] + [5, 6], m["model_id"])
+            assert hit.addresses == addrs[:2] or hit.addresses == addrs, hit.addresses
+            loaded = await client.fetch_prefix(hit)
+            enc = loaded.fetched[0].encoding
+            assert loaded.objects[0].header.address == addrs[0]
+            origin_blob = (await get(c.origin_url(), addrs[0], encoding=enc))[1]
+            assert bytes(loaded.fetched[0].blob) == origin_blob  # verified against the record from the store
+            assert (await get(c.edge_url("e1"), addrs[0], encoding=enc))[1] == origin_blob
+            assert (await client.record(addrs[0]))["encodings"] == stored[0].to_dict()["encodings"]
+
+        # Both servers answer many records at once, in order, null for an unknown address.
+        unknown = "f" * 64
+        for url in (c.origin_url(), c.edge_url("e1")):
+            got = await post_records(url, [addrs[1], unknown, addrs[0]])
+            assert [g and g["address"] for g in got] == [addrs[1], None, addrs[0]]
+
+        # `kdn registry show` finds a record the registry never held, through the origin.
+        rc = await asyncio.to_thread(cli.main, ["registry", "show", addrs[1], "--registry", etcd_url])
+        out = capsys.readouterr().out
+        assert rc == 0 and '"from": "origin"' in out and addrs[1] in out
+
+        # The origin restarts: every record is still there (the file is in its store).
+        await c.origin.close()
+        await c.start_origin(records="store", signing_key=str(tmp_path / "origin.key"), store=str(store))
+        async with KDNClient(origin=c.origin_url(), trusted_keys=[key.public]) as client:
+            assert [(await client.record(a))["address"] for a in addrs] == addrs
+
+
+async def test_migrate_moves_a_registrys_records_into_the_store(tmp_path, etcd_url, capsys):
+    store = tmp_path / "origin-store"
+    async with cluster(tmp_path, etcd_url, edges=(), origin_kw={"store": str(store)}) as c:
+        m = await publish(c, TEXT)
+        addrs = m["addresses"]
+        assert sorted(await registry_keys(etcd_url, "objects/")) == sorted(f"objects/{a}" for a in addrs)
+        await c.origin.close()
+        c.origin = None
+
+        argv = ["registry", "migrate", "--store", str(store), "--registry", etcd_url, "--delete"]
+        assert await asyncio.to_thread(cli.main, argv) == 0
+        assert "3 object records copied" in capsys.readouterr().out
+        assert await registry_keys(etcd_url, "objects/") == []
+        assert await asyncio.to_thread(cli.main, argv) == 0  # again: nothing left to move, nothing lost
+        assert "0 object records copied" in capsys.readouterr().out
+
+        await c.start_origin(records="store", store=str(store))
+        await c.start_edge("e1", records="origin")
+        await c.wait_ring(["e1"])
+        async with KDNClient(edges=[c.edge_url("e1")]) as client:
+            hit = await client.lookup(m["prefix_tokens"] + [5], m["model_id"])
+            assert hit.addresses[:2] == addrs[:2]
+            assert len((await client.fetch_prefix(hit)).objects) == len(hit.addresses)
+
+
+async def test_records_beside_routes_objects_to_the_store_and_the_rest_to_the_registry(tmp_path):
+    key = Signer.generate(tmp_path / "k")
+    control, records = EmbeddedRegistry(tmp_path / "control.sqlite3"), EmbeddedRegistry(tmp_path / "records.sqlite3")
+    async with RecordsBeside(control, records) as reg:
+        reg.signer = key
+        assert control.signer is key and records.signer is key
+        a, t = "a" * 64, "b" * 64
+        rec = ObjectRecord(address=a, model_id="c" * 64, namespace="public", kind="kv", start=0, end=256,
+                           parent=None, standalone=False, encodings={"zstd": Encoding("zstd", 10, "1" * 64)},
+                           origin="o")
+        from kdn.registry import Manifest
+
+        man = Manifest(namespace="public", name="doc", model_id="c" * 64, addresses=[a], tokens=256,
+                       chunk_tokens=256, prefix_tokens=list(range(256)))
+        stored = await reg.put_manifest(man, objects=[rec])
+        assert stored.version > 0 and stored.sig
+        assert [k for k, _ in await control.list_keys("")] == ["manifests/public/doc"]
+        assert [k for k, _ in await records.list_keys("")] == [f"objects/{a}"]
+        assert sorted(k for k, _ in await reg.list_keys("")) == ["manifests/public/doc", f"objects/{a}"]
+        tailed = await reg.add_tail(a, 12, t)
+        assert tailed is not None and tailed.tails == {12: t} and key.signed_it(tailed)
+        assert (await reg.get_objects([a, t])) == [tailed, None]
+        assert (await reg.get_manifest("public", "doc")) == stored
