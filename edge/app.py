@@ -85,6 +85,7 @@ class EdgeConfig(service.NodeConfig):
     region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"
     eviction: str = DEFAULT_POLICY  # both tiers' policy: "arc" (chosen on the traces) or "s3-fifo"
     records: str = "registry"  # where object records are read: the registry, or the origins' stores (edge/records.py)
+    require_admission: bool = False  # leave out peers and origins no --operator-keys key admitted (kdn node admit)
 
     def __post_init__(self) -> None:
         if self.region_probes not in ("worth", "always"):
@@ -118,7 +119,17 @@ class Edge:
         self.config = config
         self.registry = registry
         self.m = metrics
-        self.me = NodeRecord(role="edge", region=config.region, node_id=config.node_id, url=config.advertised_url)
+        self.me = NodeRecord(role="edge", region=config.region, node_id=config.node_id, url=config.advertised_url,
+                             extra=config.record_extra("edge", config.region))
+        # With --require-admission: peers and origins from the registry count only if an operator admitted
+        # them (kdn.signing.unadmitted); a registry writer cannot point this edge at a server of its choice.
+        self.admitters = None
+        if config.require_admission:
+            from kdn.signing import Verifier
+
+            if not config.operator_keys:
+                raise InvalidInput("--require-admission checks admissions with --operator-keys: give both")
+            self.admitters = Verifier.from_file(config.operator_keys)
         verifier = None
         if config.trusted_keys:
             from kdn.signing import Verifier
@@ -398,7 +409,8 @@ async def _upstream_ctx(app: web.Application):
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     getter = BodyGetter(ssl=ssl, per_host=64)
     try:
-        edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl)
+        edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl, admitters=edge.admitters,
+                                     on_unadmitted=edge.m.unadmitted_nodes.inc)
         edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
                              upstream_headers=_upstream_headers(cfg.upstream_token_file), metrics=edge.m,
                              token_scope=token_scope(cfg), getter=getter,
@@ -536,11 +548,23 @@ async def _expire_loop(edge: Edge) -> None:
             await tier.expire()
 
 
+def _left_out(edge: Edge, node: NodeRecord, why: str | None) -> bool:
+    if why is None:
+        return False
+    edge.m.unadmitted_nodes.inc()
+    log.warning("leaving out %s %s at %s: %s", node.role, node.node_id, node.url[:80], why)
+    return True
+
+
 async def _watch_origins(edge: Edge) -> None:
     """Without --origin, the origins are whatever the registry lists as live."""
 
     async def on_event(ev) -> None:
         nodes = await edge.registry.list_nodes(role="origin")
+        if edge.admitters is not None:
+            from kdn.signing import unadmitted
+
+            nodes = [n for n in nodes if not _left_out(edge, n, unadmitted(n, edge.admitters))]
         edge._origins = [n.url.rstrip("/") for n in sorted(nodes, key=lambda n: n.node_id)]
 
     await follow(edge.registry, "nodes/origin/", on_event, what="origin")

@@ -57,6 +57,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--region-probes", choices=("worth", "always"), default="worth",
                    help="ask other regions before the origin only when their recent hit rate pays for a miss's "
                         "round trip (worth, the default: lower latency), or always (less origin egress)")
+    p.add_argument("--admission", default=None, metavar="FILE",
+                   help="this edge's admission (kdn node admit), carried in its node record for readers that "
+                        "require admissions")
+    p.add_argument("--require-admission", action="store_true",
+                   help="leave out peers and origins listed in the registry without an admission signed by an "
+                        "--operator-keys key (a registry writer cannot then point this edge at a server of its choice)")
     p.add_argument("--records", choices=("registry", "origin"), default="registry",
                    help="where object records are read: the registry (the default), or the origins' stores, "
                         "for origins started with --records store (no registry read on a request's path)")
@@ -127,6 +133,8 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "operator_keys": _readable(args.operator_keys, "--operator-keys"),
         "region_probes": args.region_probes,
         "records": args.records,
+        "admission": _readable(args.admission, "--admission"),
+        "require_admission": args.require_admission,
         "eviction": args.eviction,
         "max_connections": args.max_connections,
         "max_connections_per_peer": args.max_connections_per_peer,

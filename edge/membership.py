@@ -52,6 +52,8 @@ class Membership:
         ttl: float = 10.0,
         vnodes: int = 320,
         backoff: tuple[float, float] = (0.1, 5.0),
+        admitters=None,
+        on_unadmitted=None,
     ) -> None:
         if not isinstance(me, NodeRecord) or me.role != "edge":
             raise InvalidInput(f"Membership is for edge nodes, got {me!r}")
@@ -70,6 +72,12 @@ class Membership:
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        # kdn.signing.Verifier of the operator keys (--require-admission): another node's record counts only
+        # with an admission one of them signed that names it (kdn.signing.unadmitted); this edge's own always.
+        self.admitters = admitters
+        self.unadmitted = 0  # node records left out for that (tests)
+        self.on_unadmitted = on_unadmitted  # the edge's counter
+        self._warned: set[str] = set()
 
     # lifecycle --------------------------------------------------------------
 
@@ -230,6 +238,18 @@ class Membership:
         if (rec.role, rec.region, rec.node_id) != ("edge", parts[2], parts[3]):
             log.warning("edge %s: ignoring node record %r that names %s/%s", self.me.node_id, key, rec.region, rec.node_id)
             return None
+        if self.admitters is not None and rec.node_id != self.me.node_id:
+            from kdn.signing import unadmitted
+
+            why = unadmitted(rec, self.admitters)
+            if why is not None:
+                self.unadmitted += 1
+                if self.on_unadmitted is not None:
+                    self.on_unadmitted()
+                if key not in self._warned and len(self._warned) < 1024:
+                    self._warned.add(key)
+                    log.warning("edge %s: leaving out node %s at %s: %s", self.me.node_id, key, rec.url[:80], why)
+                return None
         return rec
 
     def _notify(self) -> None:

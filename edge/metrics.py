@@ -30,6 +30,9 @@ class EdgeMetrics:
         self.refused_records = Counter("kdn_edge_refused_records",
                                        "Object records not trusted (unsigned, or not by a trusted publisher key)",
                                        registry=reg)
+        self.unadmitted_nodes = Counter("kdn_edge_unadmitted_nodes",
+                                        "Node records left out: no admission an operator key signed (--require-admission)",
+                                        registry=reg)
         self.disk_write_errors = Counter("kdn_edge_disk_write_errors", "Disk tier writes that failed (full, "
                                          "read-only, gone); the object stays in memory", registry=reg)
         self.bad_records = Counter("kdn_edge_bad_registry_records", "Registry records skipped as unreadable, by kind",

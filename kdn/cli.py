@@ -169,6 +169,32 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
     return run_registry(args, go)
 
 
+def cmd_node_admit(args: argparse.Namespace) -> int:
+    """An operator's signed admission of one node (``--admission FILE`` on that node; kdn.signing)."""
+    import time
+    from pathlib import Path
+
+    from kdn.registry import Admission
+    from kdn.registry.records import validate_node_url
+    from kdn.signing import Signer
+    from kdn.units import parse_duration
+
+    days = parse_duration(args.valid) / 86400
+    if not 0 < days <= 3660:
+        raise InvalidInput(f"--valid must be between a second and 10 years, got {args.valid!r}")
+    adm = Admission(role=args.role, region=args.region, node_id=args.node_id,
+                    url=validate_node_url(args.url.rstrip("/")), expires=round(time.time() + days * 86400))
+    adm = Signer.load(args.operator_key).sign(adm)
+    text = json.dumps(adm.to_dict(), indent=2) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"admission of {adm.role} {adm.region}/{adm.node_id} at {adm.url} until "
+              f"{time.strftime('%Y-%m-%d', time.gmtime(adm.expires))}: {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_registry_ls(args: argparse.Namespace) -> int:
     async def go(reg: Registry) -> int:
         for key, value in await reg.list_keys(args.prefix):
@@ -218,6 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="", help="relative key prefix, e.g. objects/ or manifests/public/")
     registry_arg(p)
     p.set_defaults(func=cmd_registry_ls)
+    node = sub.add_parser("node", help="node admissions (operator-signed)").add_subparsers(
+        dest="node_command", required=True)
+    p = node.add_parser("admit", help="sign a node's admission with an operator key: readers that require "
+                                      "admissions (kdn edge serve --require-admission) leave out nodes without one")
+    p.add_argument("--operator-key", required=True, metavar="FILE", help="the operator's key (kdn origin keygen)")
+    p.add_argument("--role", required=True, choices=["edge", "origin"])
+    p.add_argument("--region", required=True)
+    p.add_argument("--node-id", required=True)
+    p.add_argument("--url", required=True, help="the URL the node advertises (its --url)")
+    p.add_argument("--valid", default="365d", help="how long it holds (default 365d; re-admit before it ends)")
+    p.add_argument("--out", default=None, metavar="FILE", help="write it here (default: stdout)")
+    p.set_defaults(func=cmd_node_admit)
     p = reg.add_parser("nodes", help="list live nodes")
     p.add_argument("--role", default=None)
     p.add_argument("--region", default=None)

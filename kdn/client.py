@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.clie
     from kdn.arena import Arena
     from kdn.objects import DecodedObject, Layout, ObjectHeader, ObjectView
     from kdn.scatter import Placer
-    from kdn.registry import Membership
+    from kdn.registry import Membership, NodeRecord
     from kdn.ring import Ring
     from kdn.signing import Verifier
 
@@ -457,14 +457,30 @@ class KDNClient:
 
     @classmethod
     async def from_registry(cls, registry: Membership, region: str, *, token_hosts: str | list[str] | None = None,
-                            **kwargs: Any) -> KDNClient:
+                            admitted_by: TrustedKeys | None = None, **kwargs: Any) -> KDNClient:
         """Sources from the registry's live nodes: this region's edges, other regions' edges, the origins.
 
         With a ``token``, nodes it may not reach are left out: a registry writer names these URLs,
         and the token goes only to ``token_hosts`` (loopback by default; https too: kdn.auth.TokenScope).
+        With ``admitted_by`` (operator keys), so is every node without an admission one of them signed
+        (``kdn node admit``): the writer cannot name a server of its choice at all.
         """
         edges = await registry.list_nodes(role="edge")
         origins = await registry.list_nodes(role="origin")
+        operators = _verifier(admitted_by)
+        if operators is not None:
+            from kdn.signing import unadmitted
+
+            why = {(n.role, n.region, n.node_id): unadmitted(n, operators) for n in edges + origins}
+
+            def out(n: NodeRecord) -> str | None:
+                return why[(n.role, n.region, n.node_id)]
+
+            left = [f"{n.role} {n.node_id} ({out(n)})" for n in edges + origins if out(n)]
+            if left:
+                log.warning("leaving out %d unadmitted node(s): %s", len(left), "; ".join(left[:5]))
+            edges = [n for n in edges if not out(n)]
+            origins = [n for n in origins if not out(n)]
         if kwargs.get("token"):
             from kdn.auth import TokenScope
 

@@ -41,9 +41,9 @@ from kdn.errors import InvalidInput, KDNError
 if TYPE_CHECKING:  # pragma: no cover - imported where used: kdn.registry and cryptography load lazily
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-    from kdn.registry.records import Encoding, Manifest, ObjectRecord, Policy
+    from kdn.registry.records import Admission, Encoding, Manifest, NodeRecord, ObjectRecord, Policy
 
-    Signable = TypeVar("Signable", bound=ObjectRecord | Manifest | Policy)
+    Signable = TypeVar("Signable", bound=ObjectRecord | Manifest | Policy | Admission)
 
 KEY_PREFIX = "ed25519:"
 
@@ -52,9 +52,10 @@ class SignatureError(KDNError):
     """A record is unsigned, signed by a key nobody trusts here, or its signature does not match."""
 
 
-def payload(rec: ObjectRecord | Manifest | Policy) -> bytes:
-    """The canonical bytes signed for an ``ObjectRecord``, a ``Manifest`` or a ``Policy`` (an operator's)."""
-    from kdn.registry.records import Manifest, ObjectRecord, Policy
+def payload(rec: ObjectRecord | Manifest | Policy | Admission) -> bytes:
+    """The canonical bytes signed for an ``ObjectRecord``, a ``Manifest``, or (an operator's) a ``Policy``
+    or a node's ``Admission``."""
+    from kdn.registry.records import Admission, Manifest, ObjectRecord, Policy
 
     if isinstance(rec, ObjectRecord):
         body = {
@@ -82,9 +83,42 @@ def payload(rec: ObjectRecord | Manifest | Policy) -> bytes:
         body = {"t": "kdn/policy/v1", "name": rec.name, "kind": rec.kind, "region": rec.region,
                 "manifest": rec.manifest, "namespace": rec.namespace, "ttl_s": rec.ttl_s,
                 "quota_bytes": rec.quota_bytes, "extra": rec.extra}
+    elif isinstance(rec, Admission):
+        body = {"t": "kdn/node-admission/v1", "role": rec.role, "region": rec.region, "node_id": rec.node_id,
+                "url": rec.url, "expires": rec.expires}
     else:
         raise InvalidInput(f"cannot sign a {type(rec).__name__}")
     return canonical_json(body).encode("utf-8")
+
+
+def admission_of(node: NodeRecord) -> Admission | None:
+    """The admission a node record carries (``extra["admission"]``), None if none or unreadable."""
+    from kdn.registry.records import Admission
+
+    raw = node.extra.get("admission") if isinstance(node.extra, dict) else None
+    if raw is None:
+        return None
+    try:
+        return Admission.from_dict(raw)
+    except (InvalidInput, TypeError, ValueError):
+        return None
+
+
+def unadmitted(node: NodeRecord, operators: Verifier, now: float | None = None) -> str | None:
+    """Why ``node`` is not admitted by one of ``operators``' keys (None: it is): no admission, one signed
+    by no trusted operator key or changed after signing, one naming another node, or one expired."""
+    import time
+
+    adm = admission_of(node)
+    if adm is None:
+        return "carries no admission"
+    if not operators.ok(adm):
+        return "its admission is not signed by a trusted operator key"
+    if not adm.names(node):
+        return f"its admission names {adm.role}/{adm.region}/{adm.node_id} at {adm.url[:60]}, not this record"
+    if adm.expires <= (time.time() if now is None else now):
+        return "its admission has expired"
+    return None
 
 
 def _signed_encoding(e: Encoding) -> dict[str, object]:
@@ -247,7 +281,7 @@ class Verifier:
             raise SignatureError(f"record {_name(rec)}: the signature does not match its fields") from None
         return rec
 
-    def ok(self, rec: ObjectRecord | Manifest | Policy) -> bool:
+    def ok(self, rec: ObjectRecord | Manifest | Policy | Admission) -> bool:
         try:
             self.check(rec)
             return True
@@ -255,5 +289,6 @@ class Verifier:
             return False
 
 
-def _name(rec: ObjectRecord | Manifest | Policy) -> str:
-    return str(getattr(rec, "address", None) or f"{getattr(rec, 'namespace', '?')}/{getattr(rec, 'name', '?')}")[:32]
+def _name(rec: ObjectRecord | Manifest | Policy | Admission) -> str:
+    return str(getattr(rec, "address", None) or getattr(rec, "node_id", None)
+               or f"{getattr(rec, 'namespace', '?')}/{getattr(rec, 'name', '?')}")[:32]

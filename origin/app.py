@@ -220,7 +220,7 @@ async def _jobs_ctx(app: web.Application):
 async def _lease_ctx(app: web.Application):
     cfg = app[CONFIG]
     rec = NodeRecord(role="origin", region=cfg.region, node_id=cfg.node_id, url=cfg.advertised_url,
-                     extra={"model_id": app[LOADED].model_id})
+                     extra={"model_id": app[LOADED].model_id, **cfg.record_extra("origin", cfg.region)})
     lease = await app[REGISTRY].register_node(rec, ttl=cfg.lease_ttl)
     try:
         yield

@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="records carry the BLAKE3 of each SIZE piece of a blob, so a consumer verifies (and may use) "
                         "a body piece by piece as it lands, and drops a lying source within a piece (64KiB-1GiB; "
                         "default 1MiB)")
+    p.add_argument("--admission", default=None, metavar="FILE",
+                   help="this origin's admission (kdn node admit), carried in its node record for edges that "
+                        "require admissions (--require-admission)")
     p.add_argument("--records", default="registry", choices=["registry", "store"],
                    help="where object records go: the registry (the default), or the store beside the blobs "
                         "(records.sqlite3; the registry then keeps models, manifests, nodes and policies only: "
@@ -103,7 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_pending_jobs=args.max_pending_jobs, tls_cert=args.tls_cert, tls_key=args.tls_key,
                        engine=args.engine, signing_key=args.signing_key, kvtc_basis=args.kvtc_basis,
                        raw_copies=args.raw_copies, piece_bytes=parse_size(args.piece_bytes),
-                       store_credentials=args.store_credentials, records=args.records,
+                       store_credentials=args.store_credentials, records=args.records, admission=args.admission,
                        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer)
     cfg.connection_caps()  # bad caps fail here, in one line
     if args.signing_key:

@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from aiohttp import web
@@ -99,6 +100,7 @@ class NodeConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)  # request heads and bodies, responses
     max_connections: int | None = None  # None: from the descriptor limit (service/connections.py)
     max_connections_per_peer: int | None = None  # None: half of max_connections
+    admission: str | None = None  # an operator's signed admission of this node (kdn node admit): in its record
 
     def connection_caps(self) -> Any:
         """The ``ConnectionCaps`` this node serves under, fitted to this process's descriptor limit."""
@@ -110,6 +112,31 @@ class NodeConfig:
     @property
     def advertised_url(self) -> str:
         return self.url or f"{'https' if self.tls_cert else 'http'}://{self.host}:{self.port}"
+
+    def record_extra(self, role: str, region: str) -> dict[str, Any]:
+        """What this node's registry record carries besides its name: its admission (``--admission``), read
+        and checked here so that a node that would be left out says so at start, not by going unused."""
+        if not self.admission:
+            return {}
+        import time
+
+        from kdn.registry import Admission, NodeRecord
+
+        try:
+            adm = Admission.from_dict(json.loads(Path(self.admission).read_text()))
+        except OSError as e:
+            raise InvalidInput(f"cannot read --admission {self.admission!r}: {e.strerror}") from None
+        except ValueError as e:
+            raise InvalidInput(f"--admission {self.admission!r} is not an admission (kdn node admit): {e}") from None
+        me = NodeRecord(role=role, region=region, node_id=self.node_id, url=self.advertised_url)
+        if not adm.names(me):
+            raise InvalidInput(f"--admission names {adm.role} {adm.region}/{adm.node_id} at {adm.url}, not this "
+                               f"node ({role} {region}/{self.node_id} at {self.advertised_url})")
+        if adm.expires <= time.time():
+            raise InvalidInput(f"--admission {self.admission!r} has expired: admit this node again (kdn node admit)")
+        if not adm.sig:
+            raise InvalidInput(f"--admission {self.admission!r} is not signed")
+        return {"admission": adm.to_dict()}
 
 
 DEADLINES = web.AppKey("deadlines", Deadlines)

@@ -17,10 +17,11 @@ from kdn.registry.base import (
 from kdn.registry.embedded import EmbeddedRegistry
 from kdn.registry.follow import follow
 from kdn.registry.etcd import EtcdRegistry
-from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+from kdn.registry.records import Admission, Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
 from kdn.registry.url import default_registry_path, open_registry
 
 __all__ = [
+    "Admission",
     "DEFAULT_PREFIX",
     "Compactable",
     "EmbeddedRegistry",

@@ -371,6 +371,40 @@ class NodeRecord(_Record):
 
 
 @dataclass(frozen=True)
+class Admission(_Record):
+    """An operator's word that a node may serve: its role, region, id and URL, until ``expires``.
+
+    Made by ``kdn node admit`` (signed by an operator key, kdn/signing.py); a node started with
+    ``--admission FILE`` carries it in its node record (``extra["admission"]``). Readers that
+    require admissions (edges with ``--require-admission``, ``KDNClient.from_registry(admitted_by=)``)
+    leave out every node record without one that verifies and names that record's own fields, so
+    a registry writer without an operator key cannot point requests at a server of its choice.
+    """
+
+    role: str
+    region: str
+    node_id: str
+    url: str
+    expires: float  # Unix time; past it the node is left out until it is admitted again
+    sig: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for n in ("role", "region", "node_id"):
+            v = getattr(self, n)
+            _check_str("Admission", n, v)
+            validate_name(v)
+        validate_node_url(self.url)
+        _require(isinstance(self.expires, (int, float)) and not isinstance(self.expires, bool) and self.expires > 0,
+                 f"Admission.expires must be a positive Unix time, got {self.expires!r}")
+        _check_sig("Admission", self.sig)
+
+    def names(self, node: NodeRecord) -> bool:
+        """Whether this admits exactly ``node`` (its role, region, id and URL)."""
+        return (self.role, self.region, self.node_id, self.url.rstrip("/")) == (
+            node.role, node.region, node.node_id, node.url.rstrip("/"))
+
+
+@dataclass(frozen=True)
 class Policy(_Record):
     """An operator rule (pin, warm, ttl, quota), scoped by region, manifest and/or namespace."""
 

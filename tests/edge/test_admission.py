@@ -1,0 +1,124 @@
+"""Operator-signed node admissions (#28 item 11, node records): a registry writer cannot add a node of its choice.
+
+``kdn node admit`` signs (role, region, node id, URL, expiry) with an operator key; a node carries it in its
+record (``--admission``); readers that require admissions (``kdn edge serve --require-admission``,
+``KDNClient.from_registry(admitted_by=)``) leave out every other node record. Real registries, real edges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from edge_helpers import cluster  # noqa: E402
+
+from kdn import cli  # noqa: E402
+from kdn.client import KDNClient  # noqa: E402
+from kdn.errors import InvalidInput  # noqa: E402
+from kdn.registry import Admission, EmbeddedRegistry, NodeRecord  # noqa: E402
+from kdn.signing import Signer, Verifier, unadmitted  # noqa: E402
+
+
+def admitted(signer: Signer, node: NodeRecord, *, expires: float | None = None) -> NodeRecord:
+    adm = signer.sign(Admission(node.role, node.region, node.node_id, node.url, expires or time.time() + 3600))
+    return dataclasses.replace(node, extra={**node.extra, "admission": adm.to_dict()})
+
+
+def test_only_an_operators_admission_of_that_very_node_admits_it(tmp_path):
+    op, other = Signer.generate(tmp_path / "op.key"), Signer.generate(tmp_path / "other.key")
+    ops = Verifier([op.public])
+    e2 = NodeRecord(role="edge", region="eu", node_id="e2", url="http://127.0.0.1:9002")
+    assert unadmitted(admitted(op, e2), ops) is None
+    assert unadmitted(e2, ops) == "carries no admission"
+    assert "not signed by a trusted operator key" in unadmitted(admitted(other, e2), ops)
+    good = admitted(op, e2)
+    tampered = dict(good.extra["admission"], expires=good.extra["admission"]["expires"] + 10**6)
+    assert "not signed" in unadmitted(dataclasses.replace(good, extra={"admission": tampered}), ops)
+    # a real admission, copied onto a record that points elsewhere (the writer's own server)
+    rogue = dataclasses.replace(good, url="http://127.0.0.2:9002")
+    assert "names edge/eu/e2 at http://127.0.0.1:9002, not this record" in unadmitted(rogue, ops)
+    assert unadmitted(admitted(op, e2, expires=time.time() - 1), ops) == "its admission has expired"
+    assert unadmitted(dataclasses.replace(e2, extra={"admission": {"role": "edge"}}), ops) == "carries no admission"
+
+
+def test_kdn_node_admit_and_a_node_that_checks_its_own_at_start(tmp_path, capsys):
+    from kdn.edge.app import EdgeConfig
+
+    Signer.generate(tmp_path / "op.key")
+    url = "http://127.0.0.1:9301"
+    argv = ["node", "admit", "--operator-key", str(tmp_path / "op.key"), "--role", "edge", "--region", "eu",
+            "--node-id", "e1", "--url", url, "--valid", "30d", "--out", str(tmp_path / "e1.adm")]
+    assert cli.main(argv) == 0
+    adm = Admission.from_dict(json.loads((tmp_path / "e1.adm").read_text()))
+    assert adm.sig and 29 * 86400 < adm.expires - time.time() <= 30 * 86400 + 1
+    cfg = EdgeConfig(region="eu", node_id="e1", url=url, admission=str(tmp_path / "e1.adm"))
+    assert cfg.record_extra("edge", "eu")["admission"] == adm.to_dict()
+    with pytest.raises(InvalidInput, match="not this node"):  # the admission of another node
+        EdgeConfig(region="eu", node_id="e9", url=url, admission=str(tmp_path / "e1.adm")).record_extra("edge", "eu")
+    (tmp_path / "bad.adm").write_text("{}")
+    with pytest.raises(InvalidInput, match="is not an admission"):
+        EdgeConfig(region="eu", node_id="e1", url=url, admission=str(tmp_path / "bad.adm")).record_extra("edge", "eu")
+    assert cli.main(["node", "admit", "--operator-key", str(tmp_path / "op.key"), "--role", "edge", "--region", "eu",
+                     "--node-id", "e1", "--url", url, "--valid", "0s"]) != 0
+
+
+async def test_client_from_registry_leaves_out_unadmitted_nodes(tmp_path):
+    op = Signer.generate(tmp_path / "op.key")
+    nodes = {
+        "e1": admitted(op, NodeRecord(role="edge", region="eu", node_id="e1", url="http://127.0.0.1:9101")),
+        "rogue": NodeRecord(role="edge", region="eu", node_id="rogue", url="http://127.0.0.2:9102"),
+        "o1": admitted(op, NodeRecord(role="origin", region="origin", node_id="o1", url="http://127.0.0.1:9100")),
+        "o-rogue": NodeRecord(role="origin", region="origin", node_id="o-rogue", url="http://127.0.0.2:9100"),
+    }
+    async with EmbeddedRegistry(tmp_path / "reg.sqlite3") as reg:
+        leases = [await reg.register_node(n, ttl=30) for n in nodes.values()]
+        try:
+            async with await KDNClient.from_registry(reg, "eu") as everyone:
+                assert {s.url for s in everyone.sources} >= {"http://127.0.0.2:9102"}
+            async with await KDNClient.from_registry(reg, "eu", admitted_by=[op.public]) as client:
+                urls = {s.url for s in client.sources}
+            assert urls == {"http://127.0.0.1:9101", "http://127.0.0.1:9100"}, urls
+        finally:
+            for lease in leases:
+                await lease.close()
+
+
+async def test_an_edge_that_requires_admission_leaves_a_rogue_peer_out_of_its_ring(tmp_path, etcd_url):
+    """e1 and e2 are admitted, e3 is not (a node anyone with registry write access could add): e1
+    (--require-admission) owns the ring with e2 only; e3 itself, and an edge that requires nothing, see all."""
+    op = Signer.generate(tmp_path / "op.key")
+
+    def prepare_admissions(c) -> None:
+        for nid in ("e1", "e2"):
+            cfg = c.configs[nid]
+            (tmp_path / f"{nid}.adm").write_text(json.dumps(op.sign(Admission(
+                "edge", "eu", nid, cfg.advertised_url, time.time() + 3600)).to_dict()))
+
+    async with cluster(tmp_path, etcd_url, edges=()) as c:
+        for nid in ("e1", "e2", "e3"):
+            await c.start_edge(nid)  # first start: learn the ports
+        prepare_admissions(c)
+        for nid in ("e1", "e2", "e3"):
+            await c.stop_edge(nid)
+        for nid in ("e1", "e2"):
+            c.configs[nid] = dataclasses.replace(c.configs[nid], admission=str(tmp_path / f"{nid}.adm"))
+        c.configs["e1"] = dataclasses.replace(c.configs["e1"], require_admission=True,
+                                              operator_keys=str(tmp_path / "op.key.pub"))
+        for nid in ("e1", "e2", "e3"):
+            await c.start_edge(nid)
+        await c.edge("e3").membership.wait_for(lambda m: sorted(m.ring.nodes) == ["e1", "e2", "e3"], timeout=10)
+        m1 = c.edge("e1").membership
+        await m1.wait_for(lambda m: sorted(m.ring.nodes) == ["e1", "e2"], timeout=10)
+        await asyncio.sleep(0.3)  # e3's record is there; it stays out
+        assert sorted(m1.ring.nodes) == ["e1", "e2"] and m1.unadmitted >= 1
+        from edge_helpers import metric
+
+        assert metric(c.edges["e1"], "kdn_edge_unadmitted_nodes") >= 1
