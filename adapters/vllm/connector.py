@@ -234,4 +234,5 @@ async def _make_client(cfg: ConnectorConfig):
     from kdn.registry import open_registry
 
     async with open_registry(cfg.registry) as reg:
-        return await KDNClient.from_registry(reg, cfg.region, token_hosts=cfg.token_hosts, **kw)
+        return await KDNClient.from_registry(reg, cfg.region, token_hosts=cfg.token_hosts,
+                                             admitted_by=cfg.admitted_by, **kw)
