@@ -234,8 +234,9 @@ class Redirector:
 
 
 # Which helper edges each attack needs, beside eu-1 and eu-2.
-EXTRA_EDGES = {"stalled_readers": "st-1", "upstream_redirect": "rd-1", "bad_manifest_record": "pf-1",
-               "idle_connections": "ic-1", "planted_policy": "po-1"}
+EXTRA_EDGES = [("stalled_readers", "st-1"), ("upstream_redirect", "rd-1"), ("bad_manifest_record", "pf-1"),
+               ("idle_connections", "ic-1"), ("planted_policy", "po-1"), ("unadmitted_node", "ad-1"),
+               ("unadmitted_node", "ad-2")]  # (attack, the helper edge it needs; its region: the name's prefix)
 IDLE_NOFILE, IDLE_CONNECTIONS = 256, 300  # issue #28 item 7: 300 idle connections at an edge limited to 256 files
 N_STORE_BLOBS = 3000  # blobs put into the origin's store before it starts (index_scan)
 
@@ -268,7 +269,7 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
     (w.root / "tokens").write_text(f"{F.PUBLISH} publish,read *\n{F.EDGE} read *\n{TENANT} publish,read acme\n")
     ctx.world = w
     base = w.edges["eu-1"].args
-    for attack, name in EXTRA_EDGES.items():
+    for attack, name in EXTRA_EDGES:
         if attack not in names:
             continue
         region = name.split("-")[0]
@@ -287,6 +288,16 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
         if name == "po-1":  # the control: an edge without operator keys applies any policy
             i = args.index("--operator-keys")
             args = args[:i] + args[i + 2:]
+        if name in ("ad-1", "ad-2"):  # both admitted by the operator key; ad-1 requires admissions, ad-2 not
+            from kdn.registry import Admission
+            from kdn.signing import Signer
+
+            adm = Signer.load(tmp / "operator.key").sign(Admission("edge", region, name, f"http://127.0.0.1:{port}",
+                                                                   time.time() + 3600))
+            (w.root / f"{name}.admission").write_text(json.dumps(adm.to_dict()))
+            args = set_arg(args, "--admission", str(w.root / f"{name}.admission"))
+            if name == "ad-1":
+                args = [*args, "--require-admission"]
         ctx.extra[name] = F.Node(name, args, port, w.root / f"{name}.log")
         if name == "ic-1":
             ctx.extra[name].nofile = IDLE_NOFILE
@@ -298,7 +309,7 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
     for n in nodes:
         await n.wait_healthy()
     ctx.docs["main"] = await w.publish(ctx.text("main", 2100), "main", encodings=("zstd", "raw"))
-    for doc in ("rot", "rogue", "rogue_tls", "redirect", "tenant", "probe", "planted", "relabel"):
+    for doc in ("rot", "rogue", "rogue_tls", "redirect", "tenant", "probe", "planted", "relabel", "admit"):
         if doc in DOCS_FOR and any(a in names for a in DOCS_FOR[doc]):
             if doc in ("tenant", "relabel"):
                 ctx.docs[doc] = await publish_as(w, TENANT, ctx.text(doc, 700), doc, namespace="acme")
@@ -306,7 +317,7 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
                 ctx.docs[doc] = await w.publish(ctx.text(doc, 1300), doc)
 
 
-DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "rogue_tls": ["rogue_https_node"],
+DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "rogue_tls": ["rogue_https_node"], "admit": ["unadmitted_node"],
             "redirect": ["upstream_redirect"],
             "planted": ["planted_digest"], "relabel": ["relabelled_namespace"],
             "tenant": ["tenant_cache_headers"], "probe": ["anonymous_probes"]}
@@ -655,6 +666,53 @@ async def _rogue(ctx: Ctx, name: str, m: dict, *, tls: bool) -> Row:
                f"{withheld:.0f} withheld; every read 200",
                "held", wrong, ok, {"requests": len(seen), "authorization_headers": tokens, "withheld": withheld,
                                    "paths": paths})
+
+
+async def unadmitted_node(ctx: Ctx) -> Row:
+    """#28 item 11 (node records): a registry writer adds an edge of region 'ad' at its own listener. ad-1
+    (--require-admission) leaves it out of its ring and asks it nothing; ad-2, of the same region, admitted
+    too but requiring nothing (the control), puts it in its ring and sends it the reads the rogue owns."""
+    from kdn.registry import NodeRecord, open_registry
+
+    w = ctx.world
+    seen: list[str] = []
+
+    async def rogue(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", rogue)
+    runner, url = await serve_app(app, ROGUE_HOST)
+    guarded, control = ctx.extra["ad-1"], ctx.extra["ad-2"]
+    left0 = await guarded.metric("kdn_edge_unadmitted_nodes")
+    wrong = failed = 0
+    asked: dict[str, int] = {}
+    try:
+        async with open_registry(w.etcd.registry) as reg:
+            lease = await reg.register_node(NodeRecord("edge", "ad", "rogue-ad", url), ttl=10)
+            try:
+                await asyncio.sleep(1.5)  # both edges' membership watches see it
+                for e in (guarded, control):
+                    before = len(seen)
+                    for a in ctx.docs["admit"]["addresses"]:
+                        status, _, body = await http("GET", f"{e.url}/v1/objects/{a}", headers=bearer(F.EDGE))
+                        failed += status != 200
+                        if status == 200 and blake3(body).hexdigest() != w.digests[a][1]:
+                            wrong += len(body)
+                    asked[e.name] = len(seen) - before
+            finally:
+                await lease.close()
+    finally:
+        await runner.cleanup()
+    left = await guarded.metric("kdn_edge_unadmitted_nodes") - left0
+    ok = asked["ad-1"] == 0 and asked["ad-2"] > 0 and left >= 1 and wrong == 0 and not failed
+    return Row("unadmitted_node", f"a node record without an admission written into etcd: an edge of region 'ad' at "
+               f"{url} (the attacker's listener); every object of a document read at ad-1 (--require-admission) and "
+               f"at ad-2 (admitted, requires nothing)",
+               f"ad-1 asked the listener {asked['ad-1']} times (left it out: {left:.0f} counted); control ad-2 "
+               f"asked it {asked['ad-2']} times; every read 200", "refused", wrong, ok,
+               {"asked": asked, "left_out": left})
 
 
 # --- 2b. a registry writer plants a digest and waits for a re-publish ------------------------------------
@@ -1595,6 +1653,7 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "planted_policy": (planted_policy, True),
     "rogue_node": (rogue_node, True),
     "rogue_https_node": (rogue_https_node, True),
+    "unadmitted_node": (unadmitted_node, True),
     "planted_digest": (planted_digest, True),
     "manifest_rollback": (manifest_rollback, True),
     "zstd_bomb": (zstd_bomb_attack, False),

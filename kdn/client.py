@@ -25,6 +25,7 @@ import os
 import random
 import ssl as _ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -69,13 +70,12 @@ class Source:
 
 
 FILL_TIERS = ("peer", "region", "origin")  # sources an entry edge names for what it must fill first
+RECENT_FETCHES = 1 << 16  # addresses a client remembers having fetched (KDNClient.warm)
 
 
 def fills(tier: str) -> bool:
     """Whether the entry edge said it must fill an object first (from a peer, another region or the
-    origin) before it can serve it. ``memory`` and ``disk`` are served at once; so, as far as the caller
-    can tell, is ``edge``: the coarse answer an anonymous caller gets, which hides cache state. The load
-    planners time their loads against their link only where nothing must be filled."""
+    origin) before it can serve it."""
     return tier.split(":", 1)[0] in FILL_TIERS
 
 
@@ -96,10 +96,6 @@ class Lookup:
     def chunks(self) -> int:
         return len(self.addresses)
 
-    @property
-    def filling(self) -> bool:
-        """The entry edge must fill some of these first (``fills``): their time is its upstream's."""
-        return any(fills(w) for w in self.sources[:self.chunks])
 
     def token_counts(self) -> list[int]:
         """Tokens per object, in chain order: whole chunks, then the partial tail if there is one."""
@@ -251,6 +247,7 @@ class KDNClient:
         # whose signature does not verify is a miss -- its digest is never believed.
         self.verifier = _verifier(trusted_keys)
         self.rejected_records = 0
+        self._fetched: OrderedDict[str, None] = OrderedDict()  # addresses fetched lately (warm), bounded
         self.manifest_versions: dict[str, int] = {}  # namespace/name -> the highest version this client has taken
         # kvtc bases by address: each fetched once (then shared by every object that names it)
         self._bases: dict[str, asyncio.Task[Any]] = {}
@@ -584,7 +581,30 @@ class KDNClient:
                                         routes, hedge=hedge, max_hedges=self.max_hedges, alloc=alloc,
                                         observer=self.fetch_observer)
         blob = body.buffer.data if isinstance(body.buffer, Fresh) else body.blob
+        self._note_fetched(address)
         return Fetched(address, encoding, blob, f"{body.route.label}/{body.served_by}", body.seconds, body.buffer)
+
+    def _note_fetched(self, address: str) -> None:
+        self._fetched[address] = None
+        self._fetched.move_to_end(address)
+        while len(self._fetched) > RECENT_FETCHES:
+            self._fetched.popitem(last=False)
+
+    def warm(self, address: str, tier: str) -> bool:
+        """Whether reading ``address``, which the entry edge's lookup placed in ``tier``, costs only this
+        client's link (what the load planners time): the edge said ``memory`` or ``disk``; or it gave the
+        coarse answer an anonymous caller gets (``edge``, which hides cache state) and this client fetched
+        that very object lately, so the edge held it then. A fill (``fills``), or an object this client has
+        not read, may cost the edge's upstream too."""
+        t = tier.split(":", 1)[0]
+        if t in ("memory", "disk"):
+            return True
+        return t in ("edge", "") and address in self._fetched
+
+    def warm_hit(self, hit: Lookup) -> bool:
+        """``warm`` for every object of a lookup."""
+        tiers = list(hit.sources) + [""] * (len(hit.addresses) - len(hit.sources))
+        return all(self.warm(a, t) for a, t in zip(hit.addresses, tiers))
 
     @property
     def hedges(self) -> int:
@@ -775,6 +795,7 @@ class KDNClient:
                                             observer=self.fetch_observer)
         assert isinstance(body.buffer, Scatter) and body.buffer.layout is not None
         f = Fetched(address, "raw", memoryview(b""), f"{body.route.label}/{body.served_by}", body.seconds)
+        self._note_fetched(address)
         return f, body.buffer.layout
 
 

@@ -162,11 +162,12 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
         decision, chunks = None, []
         if hit.tokens:
             chunks = await loop.run_in_executor(None, chunks_of, hit, client, model)
+        warm = hit.tokens > 0 and client.warm_hit(hit)  # (before the fetch: it makes them warm)
         if hit.tokens and plan:
             # Load only what is faster to load than to compute (kdn.planner, on this engine's measured speeds).
             decision = make_plan(chunks, len(ids), link=client.expected_seconds, speeds=speeds,
                                  max_deadline_s=load_deadline)
-            if hit.filling and decision.loads_anything:  # the entry edge fills these first: its upstream's time
+            if not warm and decision.loads_anything:  # the entry edge may fill these first: its upstream's time
                 decision = replace(decision, deadline_s=load_deadline)  # is not the client's to estimate
             report.plan = decision.reason
             if decision.load < hit.chunks:
@@ -186,7 +187,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
                 fetch.cancel()
                 await asyncio.gather(fetch, return_exceptions=True)
                 assert decision is not None  # (no deadline without a plan)
-                if not hit.filling:  # it would have taken longer than this: the next plan knows the link turned slow
+                if warm:  # it would have taken longer than this: the next plan knows the link turned slow
                     speeds.observe_load(sum(c.nbytes for c in chunks[:hit.chunks]), time.perf_counter() - t0,
                                         abandoned=True)
                 layout = await loop.run_in_executor(None, layer_layout, model)
@@ -202,7 +203,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
                     if obj.header.model_id != real_id:
                         raise ModelMismatch(f"object {obj.header.address[:16]}... was produced by model "
                                             f"{obj.header.model_id[:16]}..., not this one ({real_id[:16]}...)")
-                if not hit.filling:  # a load the edge had to fill measures the edge's upstream, not this loader
+                if warm:  # a load the edge had to fill measures the edge's upstream, not this loader
                     speeds.observe_load(sum(c.nbytes for c in chunks[:hit.chunks]), time.perf_counter() - t0)
 
     gen = await loop.run_in_executor(None, _run, model, tokenizer, ids, builder, report, max_new_tokens, do_sample,

@@ -37,13 +37,17 @@ class Piece:
     # The record's piece digests (kdn/pieces.py): the worker verifies the body piece by piece as it lands.
     piece_bytes: int = 0
     piece_digests: tuple[str, ...] = ()
+    warm: bool | None = None  # KDNClient.warm: its read costs only this engine's link (None: judge by ``tier``)
 
     def __post_init__(self) -> None:
         assert 0 <= self.start < self.end, (self.start, self.end)
 
     @property
     def cold(self) -> bool:
-        """The entry edge said it must fill this first (a peer, another region, the origin): ``kdn.client.fills``."""
+        """Its read may cost the entry edge's upstream too: not known warm (``KDNClient.warm``), or, where
+        that was not asked, a tier the edge must fill first (``kdn.client.fills``)."""
+        if self.warm is not None:
+            return not self.warm
         from kdn.client import fills
 
         return fills(self.tier)

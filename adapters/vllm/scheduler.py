@@ -175,7 +175,8 @@ class SchedulerSide:
                 log.info("KDN chain for this prompt stops at token %d: %s", pos, err)
                 break
             pieces.append(Piece(addr, pos, want_end, enc, e["digest"], int(e["size"]), tier,
-                                proof.piece_bytes if proof else 0, proof.digests if proof else ()))
+                                proof.piece_bytes if proof else 0, proof.digests if proof else (),
+                                warm=c.warm(addr, tier)))
             pos = want_end
         return pieces
 

@@ -177,12 +177,26 @@ def test_a_stale_measurement_probes_one_chunk_then_computes_again():
     assert plan(chunks, 1140, link=link(10e9), speeds=sp, now=PROBE_AFTER_S + 3).load >= 1
 
 
-def test_the_coarse_answer_an_anonymous_engine_gets_is_timed_against_its_link():
-    """An edge tells an anonymous caller only "edge" (cache state is hidden): nothing is known to be filled,
-    so the load gets the planner's deadline (a 10 s load_timeout there let a slow link cost 3.5x a prefill)."""
-    for tier, cold in (("edge", False), ("memory", False), ("disk", False), ("", False),
-                       ("origin", True), ("peer:e2", True), ("region:us", True)):
-        pieces = chain(256, 512, 768, 1024, 1100, tier=tier)
+def test_what_an_engine_read_before_is_timed_against_its_link_even_when_the_edge_says_only_edge():
+    """An edge tells an anonymous caller only "edge" (cache state is hidden). An object this engine fetched
+    lately is warm there (KDNClient.warm): its load gets the planner's deadline, and a give-up teaches the
+    speed (with load_timeout for every such load, a slow link cost 3.5x a prefill in bench/vllm_plan.py). One
+    it has not read may be a fill: load_timeout, and nothing learnt."""
+    import dataclasses
+
+    from kdn.client import KDNClient
+
+    client = KDNClient(edges=["http://127.0.0.1:1"])
+    seen = chain(256, 512, 768, 1024, 1100)
+    for p in seen:
+        client._note_fetched(p.address)
+    assert client.warm(seen[0].address, "edge") and not client.warm("e" * 64, "edge")
+    assert client.warm("e" * 64, "memory") and not client.warm(seen[0].address, "origin")
+    for tier, known, cold in (("edge", True, False), ("edge", False, True), ("memory", False, False),
+                              ("disk", False, False), ("origin", True, True), ("peer:e2", True, True),
+                              ("region:us", True, True)):
+        pieces = [dataclasses.replace(p, tier=tier, warm=client.warm(p.address if known else "e" * 64, tier))
+                  for p in chain(256, 512, 768, 1024, 1100)]
         lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
         cut, decision, _ = Planner(calibrated(), link=link(10e9), max_deadline_s=10).decide(
             lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
