@@ -581,10 +581,12 @@ class KDNClient:
                                         routes, hedge=hedge, max_hedges=self.max_hedges, alloc=alloc,
                                         observer=self.fetch_observer)
         blob = body.buffer.data if isinstance(body.buffer, Fresh) else body.blob
-        self._note_fetched(address)
+        self.note_read(address)
         return Fetched(address, encoding, blob, f"{body.route.label}/{body.served_by}", body.seconds, body.buffer)
 
-    def _note_fetched(self, address: str) -> None:
+    def note_read(self, address: str) -> None:
+        """Remember that this client read ``address`` (or had it read for it: a vLLM scheduler hands its loads
+        to a worker with a client of its own): the edge held or filled it, so it is warm there now."""
         self._fetched[address] = None
         self._fetched.move_to_end(address)
         while len(self._fetched) > RECENT_FETCHES:
@@ -795,7 +797,7 @@ class KDNClient:
                                             observer=self.fetch_observer)
         assert isinstance(body.buffer, Scatter) and body.buffer.layout is not None
         f = Fetched(address, "raw", memoryview(b""), f"{body.route.label}/{body.served_by}", body.seconds)
-        self._note_fetched(address)
+        self.note_read(address)
         return f, body.buffer.layout
 
 

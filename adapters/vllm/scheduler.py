@@ -219,6 +219,8 @@ class SchedulerSide:
                           plan.tokens if plan else 0)
             else:
                 self._ready.append(LoadJob(rid, plan, compat.block_ids_of(blocks), self.background))
+                for p in plan.pieces:  # the worker reads them through the edge, which then holds them (warm)
+                    self.client.note_read(p.address)
         self._steer_for(request)
         if self.produce and rid not in self._saves:
             self._track_save(request)

@@ -189,7 +189,7 @@ def test_what_an_engine_read_before_is_timed_against_its_link_even_when_the_edge
     client = KDNClient(edges=["http://127.0.0.1:1"])
     seen = chain(256, 512, 768, 1024, 1100)
     for p in seen:
-        client._note_fetched(p.address)
+        client.note_read(p.address)
     assert client.warm(seen[0].address, "edge") and not client.warm("e" * 64, "edge")
     assert client.warm("e" * 64, "memory") and not client.warm(seen[0].address, "origin")
     for tier, known, cold in (("edge", True, False), ("edge", False, True), ("memory", False, False),
