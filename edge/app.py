@@ -21,6 +21,7 @@ Routes:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -124,6 +125,7 @@ class Edge:
         # With --require-admission: peers and origins from the registry count only if an operator admitted
         # them (kdn.signing.unadmitted); a registry writer cannot point this edge at a server of its choice.
         self.admitters = None
+        self.left_out: set[tuple[str, str, str]] = set()  # origins left out, logged once each
         if config.require_admission:
             from kdn.signing import Verifier
 
@@ -549,10 +551,14 @@ async def _expire_loop(edge: Edge) -> None:
 
 
 def _left_out(edge: Edge, node: NodeRecord, why: str | None) -> bool:
+    """Whether an origin is left out (not admitted); counted and logged once per node and reason."""
     if why is None:
         return False
-    edge.m.unadmitted_nodes.inc()
-    log.warning("leaving out %s %s at %s: %s", node.role, node.node_id, node.url[:80], why)
+    key = (node.node_id, node.url, why)
+    if key not in edge.left_out and len(edge.left_out) < 1024:
+        edge.left_out.add(key)
+        edge.m.unadmitted_nodes.inc()
+        log.warning("leaving out %s %s at %s: %s", node.role, node.node_id, node.url[:80], why)
     return True
 
 
@@ -567,7 +573,21 @@ async def _watch_origins(edge: Edge) -> None:
             nodes = [n for n in nodes if not _left_out(edge, n, unadmitted(n, edge.admitters))]
         edge._origins = [n.url.rstrip("/") for n in sorted(nodes, key=lambda n: n.node_id)]
 
-    await follow(edge.registry, "nodes/origin/", on_event, what="origin")
+    async def recheck() -> None:  # admissions expire while their origins stay up: read the list again
+        from kdn.edge.membership import ADMISSION_RECHECK_S
+
+        while True:
+            await asyncio.sleep(ADMISSION_RECHECK_S)
+            with contextlib.suppress(KDNError):
+                await on_event(None)
+
+    task = asyncio.create_task(recheck()) if edge.admitters is not None else None
+    try:
+        await follow(edge.registry, "nodes/origin/", on_event, what="origin")
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 # --- handlers --------------------------------------------------------------

@@ -33,6 +33,7 @@ __all__ = ["EDGE_PREFIX", "Membership"]
 log = logging.getLogger(__name__)
 
 EDGE_PREFIX = "nodes/edge/"
+ADMISSION_RECHECK_S = 30.0  # how often admissions are checked again for expiry (--require-admission)
 
 
 class Membership:
@@ -54,6 +55,7 @@ class Membership:
         backoff: tuple[float, float] = (0.1, 5.0),
         admitters=None,
         on_unadmitted=None,
+        recheck_s: float = ADMISSION_RECHECK_S,
     ) -> None:
         if not isinstance(me, NodeRecord) or me.role != "edge":
             raise InvalidInput(f"Membership is for edge nodes, got {me!r}")
@@ -77,6 +79,7 @@ class Membership:
         self.admitters = admitters
         self.unadmitted = 0  # node records left out for that (tests)
         self.on_unadmitted = on_unadmitted  # the edge's counter
+        self.recheck_s = recheck_s  # admissions are checked again this often (they expire)
         self._warned: set[str] = set()
 
     # lifecycle --------------------------------------------------------------
@@ -105,6 +108,9 @@ class Membership:
             watch,
             loop.create_task(self._stay_registered(), name=f"kdn-membership-lease-{self.me.node_id}"),
         ]
+        if self.admitters is not None:
+            self._tasks.append(loop.create_task(self._recheck_admissions(),
+                                                name=f"kdn-membership-admissions-{self.me.node_id}"))
 
     async def close(self) -> None:
         """Stop following and revoke the lease: the others drop this edge at once."""
@@ -219,6 +225,9 @@ class Membership:
             else:
                 self._by_key[ev.key] = rec
         self.revision = max(self.revision, ev.revision)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
         self.nodes = {r.node_id: r for r in _sorted(self._by_key.values())}
         local = {r.node_id: r for r in self._by_key.values() if r.region == self.me.region}
         if local.keys() != self._local.keys():
@@ -238,7 +247,7 @@ class Membership:
         if (rec.role, rec.region, rec.node_id) != ("edge", parts[2], parts[3]):
             log.warning("edge %s: ignoring node record %r that names %s/%s", self.me.node_id, key, rec.region, rec.node_id)
             return None
-        if self.admitters is not None and rec.node_id != self.me.node_id:
+        if self.admitters is not None and not self._is_me(rec):
             from kdn.signing import unadmitted
 
             why = unadmitted(rec, self.admitters)
@@ -251,6 +260,28 @@ class Membership:
                     log.warning("edge %s: leaving out node %s at %s: %s", self.me.node_id, key, rec.url[:80], why)
                 return None
         return rec
+
+    def _is_me(self, rec: NodeRecord) -> bool:
+        """This edge's own record (its whole identity: another region's record under my id is not me)."""
+        return (rec.role, rec.region, rec.node_id, rec.url) == (self.me.role, self.me.region, self.me.node_id,
+                                                               self.me.url)
+
+    async def _recheck_admissions(self) -> None:
+        """Admissions expire while their nodes stay up (a lease's keepalive rewrites nothing): drop those."""
+        from kdn.signing import unadmitted
+
+        while True:
+            await asyncio.sleep(self.recheck_s)
+            expired = [k for k, r in self._by_key.items()
+                       if not self._is_me(r) and unadmitted(r, self.admitters) is not None]
+            if expired:
+                for k in expired:
+                    log.warning("edge %s: leaving out node %s: its admission is no longer valid", self.me.node_id, k)
+                    del self._by_key[k]
+                    self.unadmitted += 1
+                    if self.on_unadmitted is not None:
+                        self.on_unadmitted()
+                self._rebuild()
 
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()

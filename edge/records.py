@@ -11,10 +11,10 @@ Where they live (``kdn edge serve --records``):
 - ``registry`` (the default): one registry read per miss, batched for a lookup;
 - ``origin``: the origins' stores, where an origin started with ``--records
   store`` keeps them beside the blobs (``kdn.registry.split``). The edge asks
-  ``POST /v1/records`` of an origin (configured, or listed in the registry),
+  ``POST /v1/records`` of the origins (configured, or listed in the registry),
   in batches of ``kdn.service.MAX_RECORDS``, with its upstream token where the
-  token may go; the first origin that answers is believed only as far as the
-  record's signature (with ``--trusted-keys``) and its address allow. No
+  token may go; what one origin lacks is asked of the next. A record is believed
+  only as far as its signature (with ``--trusted-keys``) and its address allow. No
   object record is read from the registry on a request's path.
 """
 
@@ -34,7 +34,7 @@ from kdn.service import MAX_RECORDS
 
 log = logging.getLogger("kdn.edge")
 
-MAX_RECORDS_BODY = MAX_RECORDS * 64 << 10  # bytes of one answer: far above a real record's ~1.4 KB each
+MAX_RECORDS_BODY = MAX_RECORDS * 16 << 10  # bytes of one answer: far above a real record's ~1.4 KB each
 
 
 class RecordCache:
@@ -145,25 +145,42 @@ class OriginRecords:
         return out
 
     async def _batch(self, addresses: list[str]) -> list[ObjectRecord | None]:
+        """Each origin keeps the records of what it published: the ones the first did not have are asked of
+        the next, and so on; absent only if no origin that answered has it."""
         urls = self.origin_urls()
         if not urls:
             raise RegistryUnavailable("no origin to read object records from (--records origin)")
-        errors = []
+        out: list[ObjectRecord | None] = [None] * len(addresses)
+        missing = list(range(len(addresses)))
+        errors, answered = [], 0
         for url in urls:
             try:
-                return await self._ask(url, addresses)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                got = await self._ask(url, [addresses[i] for i in missing])
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError) as e:
                 errors.append(f"{url}: {type(e).__name__}: {e}"[:200])
-        raise RegistryUnavailable("no origin answered for object records: " + "; ".join(errors))
+                continue
+            answered += 1
+            for i, rec in zip(missing, got):
+                out[i] = rec
+            missing = [i for i in missing if out[i] is None]
+            if not missing:
+                break
+        if not answered:
+            raise RegistryUnavailable("no origin answered for object records: " + "; ".join(errors))
+        return out
 
     async def _ask(self, url: str, addresses: list[str]) -> list[ObjectRecord | None]:
         async with self.session.post(url + "/v1/records", json={"addresses": addresses}, headers=self.headers(url),
                                      timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
             if r.status != 200:
                 raise ValueError(f"HTTP {r.status}")
-            body = await r.content.read(MAX_RECORDS_BODY + 1)
-        if len(body) > MAX_RECORDS_BODY:
-            raise ValueError(f"answer larger than {MAX_RECORDS_BODY} bytes")
+            if (r.content_length or 0) > MAX_RECORDS_BODY:
+                raise ValueError(f"answer larger than {MAX_RECORDS_BODY} bytes")
+            body = bytearray()
+            async for chunk in r.content.iter_chunked(1 << 16):  # the whole answer, bounded
+                body += chunk
+                if len(body) > MAX_RECORDS_BODY:
+                    raise ValueError(f"answer larger than {MAX_RECORDS_BODY} bytes")
         import json
 
         data = json.loads(body)

@@ -143,7 +143,7 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kdn.registry import EmbeddedRegistry, KVRegistry
-    from kdn.registry.split import RECORDS_FILE, migrate_records
+    from kdn.registry.split import RECORDS_FILE, SHARDS, migrate_records
 
     store = Path(args.store)
     if str(args.store).startswith("s3://") or not store.is_dir():
@@ -155,8 +155,8 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
         records = EmbeddedRegistry(store / RECORDS_FILE)
         try:
             def progress(shard: int, n: int) -> None:
-                if shard % 32 == 31:
-                    print(f"  {shard + 1}/256 shards, {n} records", file=sys.stderr)
+                if shard % 512 == 511:
+                    print(f"  {shard + 1}/{SHARDS} shards, {n} records", file=sys.stderr)
 
             copied, kept = await migrate_records(reg, records, delete=args.delete, progress=progress)
         finally:

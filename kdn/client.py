@@ -70,7 +70,8 @@ class Source:
 
 
 FILL_TIERS = ("peer", "region", "origin")  # sources an entry edge names for what it must fill first
-RECENT_FETCHES = 1 << 16  # addresses a client remembers having fetched (KDNClient.warm)
+RECENT_FETCHES = 1 << 16  # addresses a client remembers having fetched (KDNClient.warm) ...
+RECENT_S = 600.0  # ... and for how long (an edge's memory tier turns over; after this, not known warm)
 
 
 def fills(tier: str) -> bool:
@@ -247,7 +248,7 @@ class KDNClient:
         # whose signature does not verify is a miss -- its digest is never believed.
         self.verifier = _verifier(trusted_keys)
         self.rejected_records = 0
-        self._fetched: OrderedDict[str, None] = OrderedDict()  # addresses fetched lately (warm), bounded
+        self._fetched: OrderedDict[str, float] = OrderedDict()  # address -> when fetched (warm), bounded
         self.manifest_versions: dict[str, int] = {}  # namespace/name -> the highest version this client has taken
         # kvtc bases by address: each fetched once (then shared by every object that names it)
         self._bases: dict[str, asyncio.Task[Any]] = {}
@@ -587,7 +588,7 @@ class KDNClient:
     def note_read(self, address: str) -> None:
         """Remember that this client read ``address`` (or had it read for it: a vLLM scheduler hands its loads
         to a worker with a client of its own): the edge held or filled it, so it is warm there now."""
-        self._fetched[address] = None
+        self._fetched[address] = time.monotonic()
         self._fetched.move_to_end(address)
         while len(self._fetched) > RECENT_FETCHES:
             self._fetched.popitem(last=False)
@@ -601,7 +602,8 @@ class KDNClient:
         t = tier.split(":", 1)[0]
         if t in ("memory", "disk"):
             return True
-        return t in ("edge", "") and address in self._fetched
+        when = self._fetched.get(address)
+        return t in ("edge", "") and when is not None and time.monotonic() - when < RECENT_S
 
     def warm_hit(self, hit: Lookup) -> bool:
         """``warm`` for every object of a lookup."""

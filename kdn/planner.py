@@ -136,6 +136,7 @@ class Speeds:
     load_bps: float | None = None  # wire bytes / second, fetch to cache, of this engine's own loads
     loads: int = 0
     last_load: float | None = None  # time.monotonic() of the last load measured
+    last_probe: float | None = None  # ... and of the last probe planned (one per PROBE_AFTER_S at most)
 
     def observe_load(self, nbytes: int, seconds: float, now: float | None = None, *, abandoned: bool = False) -> None:
         """A load of ``nbytes`` that took ``seconds``. One ``abandoned`` at its deadline is reported with the
@@ -158,7 +159,8 @@ class Speeds:
         """The last load measured is over ``PROBE_AFTER_S`` old (never measured: not stale, the link's own
         estimate stands)."""
         t = time.monotonic() if now is None else now
-        return self.last_load is not None and t - self.last_load > PROBE_AFTER_S
+        last = max(self.last_load or 0.0, self.last_probe or 0.0)
+        return self.last_load is not None and t - last > PROBE_AFTER_S
 
     def observe_prefill(self, n: int, after: int, seconds: float) -> None:
         self.prefill.observe(n, after, seconds)
@@ -208,7 +210,8 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
 
     ``link(nbytes)``: the expected seconds to fetch that many bytes (round trip included). ``overlap``:
     the engine can compute a head of chunks while the rest loads. ``probe``: load one chunk instead of
-    none when the measured load speed is stale (see the module docstring).
+    none when the measured load speed is stale (see the module docstring); callers pass False where the
+    load would not measure this link (the edge must fill it first).
     """
     n = len(chunks)
     starts = [0]
@@ -248,6 +251,8 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
         why = f"load {t_all * 1e3:.0f} ms + suffix > prefill {compute_all * 1e3:.0f} ms"
         if probe and speeds.stale(now):
             # Computing everything measures nothing: load one chunk, so that a link that recovered is seen.
+            # One probe per PROBE_AFTER_S, whether or not it measures (requests before its answer compute).
+            speeds.last_probe = time.monotonic() if now is None else now
             tl = load_s(0, 1)
             t = tl + pre.seconds(total_tokens - starts[1], cached + starts[1])
             return Plan(0, 1, starts[1], total_tokens, t, compute_all, _deadline(tl, max_deadline_s, compute_all),

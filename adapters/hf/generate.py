@@ -166,7 +166,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
         if hit.tokens and plan:
             # Load only what is faster to load than to compute (kdn.planner, on this engine's measured speeds).
             decision = make_plan(chunks, len(ids), link=client.expected_seconds, speeds=speeds,
-                                 max_deadline_s=load_deadline)
+                                 max_deadline_s=load_deadline, probe=warm)
             if not warm and decision.loads_anything:  # the entry edge may fill these first: its upstream's time
                 decision = replace(decision, deadline_s=load_deadline)  # is not the client's to estimate
             report.plan = decision.reason

@@ -113,7 +113,7 @@ class Planner:
         """
         chunks = [Chunk(hi - lo, p.size) for p, lo, hi in lp.spans()]
         decision = make_plan(chunks, num_tokens - lp.first, link=self.link, speeds=self.speeds,
-                             max_deadline_s=self.max_deadline_s, cached=lp.first)
+                             max_deadline_s=self.max_deadline_s, cached=lp.first, probe=not lp.cold)
         if decision.load == len(chunks):
             out: LoadPlan | None = replace(lp, deadline_s=decision.deadline_s)
         elif decision.load == 0:

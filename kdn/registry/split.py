@@ -38,6 +38,7 @@ log = logging.getLogger("kdn.registry")
 
 RECORDS_FILE = "records.sqlite3"
 OBJECTS = "objects/"  # the relative key prefix of object records (KVRegistry._object_key)
+SHARDS = 4096  # migrate_records reads object records by their address's first three hex digits
 
 
 class RecordsBeside:
@@ -152,14 +153,15 @@ async def migrate_records(registry: KVRegistry, records: KVRegistry, *, delete: 
     ``delete``, then remove it from ``registry``. Returns ``(copied, kept)``: ``kept`` counts records the
     store already had (an origin in ``--records store`` wrote a newer one: it is not overwritten).
 
-    Read in 256 shards by the address's first byte, so memory holds one shard at a time. Stop the origins
+    Read in 4,096 shards by the address's first three hex digits, so memory (and one etcd answer, under
+    gRPC's 4 MiB) holds one shard at a time: ~1,400 records of 1.5 KB at 5.7 million. Stop the origins
     that write ``registry`` first (or switch them to ``--records store``): a record written there after
     its shard was read would be deleted uncopied. Each record is checked to be one (a key that does not
     parse is left where it is, and logged).
     """
     copied = kept = 0
-    for shard in range(256):
-        items, _ = await registry._range(registry._key(f"{OBJECTS}{shard:02x}"))
+    for shard in range(SHARDS):
+        items, _ = await registry._range(registry._key(f"{OBJECTS}{shard:03x}"))
         good: list[tuple[str, bytes]] = []
         for key, value in items:
             try:

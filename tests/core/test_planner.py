@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kdn.planner import LEARN_TOKENS, Chunk, PrefillModel, Speeds, plan
+from kdn.planner import LEARN_TOKENS, PROBE_AFTER_S, Chunk, PrefillModel, Speeds, plan
 
 MiB = 1 << 20
 
@@ -115,3 +115,14 @@ def test_a_stale_speed_is_replaced_by_the_next_measurement_not_blended():
     s.observe_load(1 << 30, 10.0, now=2.0, abandoned=True)
     s.observe_load(32 << 20, 0.01, now=100.0)  # a probe after 98 s: its speed, as measured
     assert s.load_bps == pytest.approx((32 << 20) / 0.01)
+
+
+def test_one_probe_per_stale_period_even_before_it_measures():
+    """Requests planned while a probe is on the wire compute: a stale speed costs one chunk per period."""
+    s = Speeds(llama8b())
+    s.observe_load(1 << 30, 10.0, now=0.0)  # slow when last measured
+    first = plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0)
+    second = plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.5)
+    assert first.reason.startswith("probe") and not second.loads_anything
+    assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0 + PROBE_AFTER_S + 1).reason.startswith("probe")
+    assert not plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=300.0, probe=False).loads_anything

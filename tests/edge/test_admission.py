@@ -122,3 +122,28 @@ async def test_an_edge_that_requires_admission_leaves_a_rogue_peer_out_of_its_ri
         from edge_helpers import metric
 
         assert metric(c.edges["e1"], "kdn_edge_unadmitted_nodes") >= 1
+
+
+async def test_an_expiring_admission_and_a_record_borrowing_my_id_are_left_out(tmp_path):
+    """A node whose admission runs out while it stays up is dropped at the next check (a lease's keepalive
+    rewrites nothing); a record of another region under this edge's own id is not this edge."""
+    from kdn.edge.membership import Membership
+
+    op = Signer.generate(tmp_path / "op.key")
+    me = NodeRecord(role="edge", region="eu", node_id="e1", url="http://127.0.0.1:9401")
+    soon = admitted(op, NodeRecord(role="edge", region="eu", node_id="e2", url="http://127.0.0.1:9402"),
+                    expires=time.time() + 1.5)
+    borrowed = NodeRecord(role="edge", region="us", node_id="e1", url="http://127.0.0.2:9401")  # not admitted
+    async with EmbeddedRegistry(tmp_path / "reg.sqlite3") as reg:
+        leases = [await reg.register_node(r, ttl=30) for r in (soon, borrowed)]
+        m = Membership(reg, me, ttl=5, admitters=Verifier([op.public]), recheck_s=0.2)
+        await m.start()
+        try:
+            await m.wait_for(lambda m: sorted(m.ring.nodes) == ["e1", "e2"], timeout=5)
+            assert all(r.region == "eu" for r in m.nodes.values()) and "us" not in m.regions()
+            await m.wait_for(lambda m: sorted(m.ring.nodes) == ["e1"], timeout=5)  # e2's admission ran out
+            assert m.unadmitted >= 2
+        finally:
+            await m.close()
+            for lease in leases:
+                await lease.close()

@@ -191,6 +191,13 @@ def test_what_an_engine_read_before_is_timed_against_its_link_even_when_the_edge
     for p in seen:
         client.note_read(p.address)
     assert client.warm(seen[0].address, "edge") and not client.warm("e" * 64, "edge")
+    import kdn.client
+
+    old, kdn.client.RECENT_S = kdn.client.RECENT_S, 0.0  # read longer ago than an edge is taken to keep it
+    try:
+        assert not client.warm(seen[0].address, "edge")
+    finally:
+        kdn.client.RECENT_S = old
     assert client.warm("e" * 64, "memory") and not client.warm(seen[0].address, "origin")
     for tier, known, cold in (("edge", True, False), ("edge", False, True), ("memory", False, False),
                               ("disk", False, False), ("origin", True, True), ("peer:e2", True, True),
