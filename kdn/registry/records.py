@@ -362,12 +362,17 @@ class NodeRecord(_Record):
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for n in ("role", "region", "node_id"):
-            v = getattr(self, n)
-            _check_str("NodeRecord", n, v)
-            validate_name(v)
-        validate_node_url(self.url)
+        _check_node_names("NodeRecord", self)
         _check_dict("NodeRecord", "extra", self.extra)
+
+
+def _check_node_names(rec: str, node: NodeRecord | Admission) -> None:
+    """A node's role, region and id are names, its URL a node URL (a node record and its admission)."""
+    for n in ("role", "region", "node_id"):
+        v = getattr(node, n)
+        _check_str(rec, n, v)
+        validate_name(v)
+    validate_node_url(node.url)
 
 
 @dataclass(frozen=True)
@@ -389,13 +394,10 @@ class Admission(_Record):
     sig: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for n in ("role", "region", "node_id"):
-            v = getattr(self, n)
-            _check_str("Admission", n, v)
-            validate_name(v)
-        validate_node_url(self.url)
-        _require(isinstance(self.expires, (int, float)) and not isinstance(self.expires, bool) and self.expires > 0,
-                 f"Admission.expires must be a positive Unix time, got {self.expires!r}")
+        _check_node_names("Admission", self)
+        _require(isinstance(self.expires, (int, float)) and not isinstance(self.expires, bool)
+                 and math.isfinite(self.expires) and self.expires > 0,
+                 f"Admission.expires must be a positive, finite Unix time, got {self.expires!r}")
         _check_sig("Admission", self.sig)
 
     def names(self, node: NodeRecord) -> bool:

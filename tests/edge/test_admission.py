@@ -147,3 +147,9 @@ async def test_an_expiring_admission_and_a_record_borrowing_my_id_are_left_out(t
             await m.close()
             for lease in leases:
                 await lease.close()
+
+
+@pytest.mark.parametrize("expires", [float("inf"), float("nan"), 0, -1.0, True, "tomorrow"])
+def test_an_admission_expires_at_a_real_time(expires):
+    with pytest.raises(InvalidInput, match="expires"):
+        Admission("edge", "eu", "e1", "http://127.0.0.1:9001", expires)
