@@ -114,6 +114,8 @@ RUNS: list[Run] = [
     Run("load-soak", "load", ["--duration", "600", "--speedup", "2", "--json", "bench/work/soak.json",
                               "--plot", "docs/img/soak.png"], None, ("etcd",), 1800),
     Run("faults", "faults", [], ["--quick", "--only", "origin_down"], ("etcd",), 3600),
+    Run("upper_tier", "upper_tier", ["--json", "bench/work/upper_tier.json"],
+        ["--regions", "2", "--requests", "3"], ("etcd",), 2400),
     Run("vllm_ttft-zstd", "vllm_ttft", ["--models", "smollm2-135m", "--encodings", "zstd", "--json",
                                         "bench/work/vllm_ttft_zstd.json", "--plot", "", "--no-headline"],
         None, ("vllm",), 3600),

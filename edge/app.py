@@ -41,7 +41,7 @@ from kdn.auth import Grant, Grants, TokenScope, covers, may_read
 from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, KDNError, SourceError
-from kdn.fetch import CACHED_ONLY, HOP
+from kdn.fetch import CACHED_ONLY, HOP, TIER
 from kdn.objects import blob_namespace
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
 from kdn.registry.follow import stop_tasks
@@ -228,7 +228,8 @@ class Edge:
         owner = self._ring().owner(address)
         return owner is None or owner.node_id == self.me.node_id
 
-    async def load(self, key: Key, rec: ObjectRecord, *, hop: bool = False, fill: bool = True) -> Loaded | None:
+    async def load(self, key: Key, rec: ObjectRecord, *, hop: bool = False, tier: bool = False,
+                   fill: bool = True) -> Loaded | None:
         """Every read, top to bottom (groupcache's ``Group.load``).
 
         1. The tiers, memory then disk: a hit needs no coordination (a disk hit is
@@ -237,7 +238,8 @@ class Edge:
            walks the source plan, verifies, keeps the blob, and hands every caller
            waiting on it the same bytes.
 
-        With ``fill=False`` a miss is None (HEAD and cached-only probes never fill).
+        With ``fill=False`` a miss is None (HEAD and cached-only probes never fill). ``tier``: a lower
+        region's fill through this edge, the upper tier: a miss fills from the origin alone.
         Raises ``SourceError`` when no source delivers an intact blob.
         """
         hit = await self._from_tiers(key, rec)
@@ -245,7 +247,7 @@ class Edge:
             return hit
         self.m.in_flight.inc()
         try:
-            blob, source = await self.flight.do(key, lambda: self._fill(key, rec, hop=hop))
+            blob, source = await self.flight.do(key, lambda: self._fill(key, rec, hop=hop, tier=tier))
         finally:
             self.m.in_flight.dec()
         return Loaded(source, len(blob), data=memoryview(blob))
@@ -278,7 +280,7 @@ class Edge:
             return Loaded(tier.name, handle.size, path=handle.path, handle=handle)
         return None
 
-    async def _fill(self, key: Key, rec: ObjectRecord, *, hop: bool) -> tuple[bytes, str]:
+    async def _fill(self, key: Key, rec: ObjectRecord, *, hop: bool, tier: bool = False) -> tuple[bytes, str]:
         """Inside the key's single flight: re-check, fetch from the plan, verify, keep.
 
         Event order that makes the re-check necessary: caller A misses the tiers,
@@ -297,7 +299,7 @@ class Edge:
                 return bytes(blob), again.source
             finally:
                 again.release()
-        filled = await self._fills().fetch(key, rec, hop=hop)  # verified against the record's digest
+        filled = await self._fills().fetch(key, rec, hop=hop, tier=tier)  # verified against the record's digest
         made_for = blob_namespace(filled.blob)
         if made_for is not None and made_for != rec.namespace:
             # The origin wrote whose object it is into the blob; a record that says otherwise was relabelled by
@@ -416,7 +418,8 @@ async def _upstream_ctx(app: web.Application):
         edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
                              upstream_headers=_upstream_headers(cfg.upstream_token_file), metrics=edge.m,
                              token_scope=token_scope(cfg), getter=getter,
-                             always_probe_regions=cfg.region_probes == "always")
+                             always_probe_regions=cfg.region_probes == "always",
+                             upper_regions=lambda: edge.policies.upper_regions if edge.policies else frozenset())
         if cfg.records == "origin":  # records beside the blobs: asked of the origins, never of the registry
             edge.records.source = OriginRecords(session, edge.origin_urls, edge.filler.headers)
         await edge.membership.start()
@@ -618,12 +621,13 @@ async def get_object(request: web.Request) -> web.StreamResponse:
         return web.Response(status=304, headers=object_headers(digest, "edge", encoding, rec.namespace))
     head = request.method == "HEAD"
     rng = service.byte_range(request, size, digest)  # one range of the blob (a 416 before any fill)
-    # Hop and cached-only requests are how edges ask each other; from anyone else they would be a way
+    # Hop, tier and cached-only requests are how edges ask each other; from anyone else they would be a way
     # to probe what is cached (or to skip the owner), so only a read-everything (edge) grant sets them.
     peer = "*" in request.app[GRANTS].namespaces(bearer(request), "read")
     cached_only = peer and bool(request.headers.get(CACHED_ONLY))
     try:
-        loaded = await edge.load(key, rec, hop=peer and HOP in request.headers, fill=not (head or cached_only))
+        loaded = await edge.load(key, rec, hop=peer and HOP in request.headers, tier=peer and TIER in request.headers,
+                                 fill=not (head or cached_only))
     except SourceError as e:
         raise web.HTTPServiceUnavailable(text=str(e)) from None
     if loaded is None:
@@ -761,6 +765,7 @@ async def healthz(request: web.Request) -> web.Response:
         "memory": {"used": edge.memory.used, "budget": edge.memory.budget},
         "disk": {"used": edge.disk.used, "budget": edge.disk.budget} if edge.disk else None,
         "origins": edge.origin_urls(),
+        "upper_tiers": sorted(edge.policies.upper_regions) if edge.policies else [],
     })
 
 

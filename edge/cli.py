@@ -68,13 +68,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "for origins started with --records store (no registry read on a request's path)")
     p.set_defaults(func=cmd_edge_serve)
 
-    policy = sub.add_parser("policy", help="operator policies: pin, warm, ttl, quota").add_subparsers(
+    policy = sub.add_parser("policy", help="operator policies: pin, warm, ttl, quota, upper tier").add_subparsers(
         dest="policy_command", required=True
     )
     p = policy.add_parser(
         "set",
         help="create or replace a policy",
-        description="Exactly one of --pin, --warm, --ttl, --quota. Edges apply it live; --region limits it to one region.",
+        description="Exactly one of --pin, --warm, --ttl, --quota, --upper. Edges apply it live; --region limits it to "
+                    "one region (for --upper it names the upper tier, which every region uses).",
     )
     p.add_argument("name")
     kind = p.add_mutually_exclusive_group(required=True)
@@ -82,9 +83,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     kind.add_argument("--warm", metavar="MANIFEST", help="fetch the objects of namespace/name now")
     kind.add_argument("--ttl", metavar="DURATION", help="objects may be dropped this long after insertion, e.g. 2h")
     kind.add_argument("--quota", metavar="SIZE", help="byte cap of --namespace in each tier, e.g. 5GiB")
+    kind.add_argument("--upper", action="store_true",
+                      help="make --region the upper tier (origin shield): other regions' owner edges fill through "
+                           "it, so the origin serves about one fill per object")
     p.add_argument("--namespace", default=None, help="scope of --ttl; the namespace --quota caps")
     p.add_argument("--manifest", default=None, metavar="MANIFEST", help="scope of --ttl: namespace/name")
-    p.add_argument("--region", default=None, help="only edges of this region (default: every region)")
+    p.add_argument("--region", default=None,
+                   help="only edges of this region (default: every region); with --upper, the upper tier's region")
     p.add_argument("--operator-key", default=None, metavar="FILE",
                    help="sign the policy with this key (`kdn origin keygen` makes one): edges with --operator-keys "
                         "apply only signed policies")
@@ -222,6 +227,12 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
         if args.namespace is not None or args.manifest is not None:
             raise InvalidInput("--namespace and --manifest go with --ttl or --quota; --pin and --warm name their manifest")
         fields.update(kind="pin" if args.pin is not None else "warm", manifest=args.pin or args.warm)
+    elif args.upper:
+        if args.region is None:
+            raise InvalidInput("--upper needs --region REGION: the region the others fill through")
+        if args.namespace is not None or args.manifest is not None:
+            raise InvalidInput("--upper holds for every object; it takes no --namespace or --manifest")
+        fields.update(kind="upper")
     elif args.ttl is not None:
         fields.update(kind="ttl", ttl_s=parse_duration(args.ttl), namespace=args.namespace, manifest=args.manifest)
     else:
@@ -248,6 +259,9 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
             detail = f"{format_size(p.quota_bytes)} for namespace {p.namespace}"
         elif p.kind == "ttl":
             detail = f"{format_duration(p.ttl_s)} for {_scope(p)}"
+        elif p.kind == "upper":
+            print(f"policy {p.name} set: region {p.region} is the upper tier; other regions fill through it")
+            return 0
         else:
             detail = p.manifest
         print(f"policy {p.name} set: {p.kind} {detail} in {_region(p)}")
@@ -315,6 +329,8 @@ def _row(p) -> tuple[str, str, str, str, str]:
         scope, setting = p.manifest, "-"
     elif p.kind == "ttl":
         scope, setting = _scope(p), format_duration(p.ttl_s)
+    elif p.kind == "upper":
+        scope, setting = "every object", "the upper tier: other regions fill through it"
     else:
         scope, setting = f"namespace {p.namespace}", format_size(p.quota_bytes)
     return p.name, p.kind, p.region or "*", scope, setting

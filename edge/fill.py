@@ -7,7 +7,16 @@
                                                bounded: PROBE_MIN_S or 4x its expected time; a
                                                region only when its recent hit rate pays for a
                                                miss's round trip, see PROBE_HIT_PRIOR)
+    -> the upper tier's owner of the object   (a full fill there, which it shares with every
+                                               region asking at once; when an ``upper`` policy
+                                               names a region and this edge is not in it)
     -> the origin
+
+An upper tier (origin shield, ``kdn policy set NAME --upper --region R``) makes the origin serve about
+one fill per object whatever the number of regions: every other region's owner asks R's owner of the
+object (``X-KDN-Tier``), whose single flight collapses their fills into one, and which fills from the
+origin alone (its plan skips the cross-region asks the lower region already made). A failing upper tier
+rests like a region (the breaker below) and the origin is asked instead.
 
 Every body received is checked against the registry digest before it is
 cached or served; a mismatch is counted, never served, and the next source is
@@ -32,7 +41,7 @@ from kdn.auth import TokenScope
 from kdn.bodyget import BodyGetter
 from kdn.errors import DigestMismatch, SourceError
 from kdn.estimate import Estimates
-from kdn.fetch import CACHED_ONLY, HOP, Body, Fetcher, Fresh, Route, Want
+from kdn.fetch import CACHED_ONLY, HOP, TIER, Body, Fetcher, Fresh, Route, Want
 from kdn.registry import NodeRecord, ObjectRecord
 from kdn.ring import Ring
 
@@ -62,12 +71,16 @@ PROBE_REST_MAX_S = 60.0
 PROBE_HIT_PRIOR = 0.5
 PROBE_HIT_ALPHA = 0.1
 PROBE_HIT_STALE_S = 30.0
+# A fill through the upper tier is two transfers in a row (upper <- origin, then me <- upper): it may take
+# 4x the sum of their expected times, at least UPPER_MIN_S, at most the fill timeout; past it, or after a
+# failure, the origin is asked, and an upper tier that keeps failing rests like a region (the breaker).
+UPPER_MIN_S = 10.0
 
 
 @dataclass(frozen=True)
 class Filled:
     blob: bytearray  # verified; nobody else holds it (a memory tier keeps it as it is)
-    source: str  # "peer:ID", "region:R", "origin"
+    source: str  # "peer:ID", "region:R", "upper:R", "origin"
 
 
 class Filler:
@@ -76,7 +89,7 @@ class Filler:
     def __init__(self, *, session: aiohttp.ClientSession, membership, origin_urls, me: NodeRecord,
                  upstream_headers: dict[str, str], metrics, timeout: float = 30.0,
                  token_scope: TokenScope | None = None, getter: BodyGetter | None = None,
-                 always_probe_regions: bool = False) -> None:
+                 always_probe_regions: bool = False, upper_regions=None) -> None:
         self.session = session  # prefetch requests to owners
         self.membership = membership
         self.origin_urls = origin_urls  # callable -> list[str] (config, else origins in the registry)
@@ -96,6 +109,8 @@ class Filler:
         self._resting: dict[str, float] = {}  # region owner URL -> monotonic time its probes resume
         self._hit_rate: dict[str, tuple[float, float]] = {}  # region owner URL -> (share of probes that hit, when)
         self.always_probe_regions = always_probe_regions  # the operator prefers origin egress to latency
+        # callable -> the regions ``upper`` policies name (the edge's PolicyEngine.upper_regions)
+        self.upper_regions = upper_regions or frozenset
 
     @property
     def getter(self) -> BodyGetter:
@@ -117,18 +132,26 @@ class Filler:
                         host, ",".join(self.scope.patterns))
         return {}
 
-    def plan(self, key: Key, rec: ObjectRecord, *, hop: bool,
+    def plan(self, key: Key, rec: ObjectRecord, *, hop: bool, tier: bool = False,
              filling: bool = False) -> list[tuple[str, str, dict[str, str]]]:
-        """Sources in the order to try: (label, base URL, extra headers). ``filling``: for a fill (regions
-        left out while they rest are counted), not a lookup's forecast."""
+        """Sources in the order to try: (label, base URL, extra headers). ``tier``: a lower region's fill
+        through this edge, the upper tier (only the origins). ``filling``: for a fill (regions left out
+        while they rest are counted), not a lookup's forecast."""
         address, encoding = key
         size = rec.encodings[encoding].size
+        origins = self.origin_urls()
+        if tier:
+            return [("origin", url, {}) for url in origins]
         out: list[tuple[str, str, dict[str, str]]] = []
         owner = self.membership.owner(address)
         if not hop and owner is not None and owner.node_id != self.me.node_id:
             out.append((f"peer:{owner.node_id}", owner.url, {HOP: "1"}))
-        # Other regions: ask the owner there, cached-only; fastest region first.
-        remote = []
+        uppers: frozenset[str] = self.upper_regions()
+        shielded = bool(uppers) and self.me.region not in uppers
+        # Other regions: ask the owner there, cached-only; fastest region first. The upper tier is asked in
+        # full below instead.
+        remote: list[tuple[str, str]] = []
+        upper: list[tuple[str, str]] = []
         for region, nodes in self.membership.regions().items():
             if region == self.me.region or not nodes:
                 continue
@@ -139,27 +162,31 @@ class Filler:
                 if filling:
                     self.m.region_skipped.inc()
                 continue
-            remote.append((f"region:{region}", ring_owner.url))
-        origins = self.origin_urls()
-        # Unmeasured sources cannot be compared: then every region is asked (and so measured).
+            (upper if shielded and region in uppers else remote).append((region, ring_owner.url))
+        # Unmeasured sources cannot be compared: then every region is asked (and so measured). A probe saves
+        # the time of what is asked when it misses: the origin, or the upper tier where that is faster.
         measured = bool(origins) and all(self.estimates[u].samples for u in origins)
-        t_origin = min((self.estimates[u].expected(size) for u in origins), default=float("inf"))
-        for label, url in sorted(remote, key=lambda r: self.estimates[r[1]].expected(size)):
+        t_next = min((self.estimates[u].expected(size) for u in origins), default=float("inf"))
+        t_next = min([t_next] + [self.estimates[u].expected(size) for _, u in upper if self.estimates[u].samples])
+        for region, url in sorted(remote, key=lambda r: self.estimates[r[1]].expected(size)):
             if (measured and not self.always_probe_regions and self.estimates[url].samples
-                    and not self._worth_probing(url, size, t_origin)):
+                    and not self._worth_probing(url, size, t_next)):
                 if filling:
                     self.m.region_not_worth.inc()
                 continue
-            out.append((label, url, {HOP: "1", CACHED_ONLY: "1"}))
+            out.append((f"region:{region}", url, {HOP: "1", CACHED_ONLY: "1"}))
+        for region, url in sorted(upper, key=lambda r: self.estimates[r[1]].expected(size)):
+            out.append((f"upper:{region}", url, {HOP: "1", TIER: "1"}))
         for url in origins:
             out.append(("origin", url, {}))
         return out
 
-    def _worth_probing(self, url: str, size: int, t_origin: float) -> bool:
-        """Is asking this region before the origin expected to save time? (See PROBE_HIT_PRIOR.)"""
+    def _worth_probing(self, url: str, size: int, t_next: float) -> bool:
+        """Is asking this region before the next source (the origin, or the upper tier) expected to save
+        time? (See PROBE_HIT_PRIOR.)"""
         p = self.hit_rate(url)
         est = self.estimates[url]
-        return p * (t_origin - est.expected(size)) > (1.0 - p) * est.expected(0)
+        return p * (t_next - est.expected(size)) > (1.0 - p) * est.expected(0)
 
     def hit_rate(self, url: str) -> float:
         """The share of recent cached-only probes of this region edge that found the object."""
@@ -214,14 +241,14 @@ class Filler:
         owner = ring[1].owner(address)
         return next((n for n in nodes if n.node_id == owner), None)
 
-    async def fetch(self, key: Key, rec: ObjectRecord, *, hop: bool) -> Filled:
+    async def fetch(self, key: Key, rec: ObjectRecord, *, hop: bool, tier: bool = False) -> Filled:
         """The first source of the plan that delivers the blob intact (``kdn.fetch``: length and digest
         checked as the bytes land; a lying or broken source is counted and the next one tried)."""
         address, encoding = key
         enc = rec.encodings[encoding]
         routes = [Route(label, base, label.split(":", 1)[0], extra,
                         self._timeout_for(label.split(":", 1)[0], base, enc.size))
-                  for label, base, extra in self.plan(key, rec, hop=hop, filling=True)]
+                  for label, base, extra in self.plan(key, rec, hop=hop, tier=tier, filling=True)]
         try:
             body = await self.fetcher.fetch(Want(address, encoding, enc.size, enc.digest, enc.piece_list), routes,
                                             observer=_Counts(self))
@@ -231,6 +258,9 @@ class Filler:
         return Filled(body.buffer.data, body.route.label)
 
     def _timeout_for(self, kind: str, base: str, size: int) -> float:
+        if kind == "upper":
+            t_origin = min((self.estimates[u].expected(size) for u in self.origin_urls()), default=0.0)
+            return min(self.timeout, max(UPPER_MIN_S, 4 * (self.estimates[base].expected(size) + t_origin)))
         if kind != "region":
             return self.timeout
         return min(self.timeout, max(PROBE_MIN_S, 4 * self.estimates[base].expected(size)))
@@ -251,12 +281,13 @@ class _Counts:
             # A lying or broken source: never cached or served, counted; an answer all the same.
             m.digest_failures.labels(route.kind).inc()
             log.warning("digest mismatch for a fill from %s: %s", route.label, error)
-            if route.kind == "region":
+            if route.kind in ("region", "upper"):
                 self.f._probe_result(route.url, True)
-                self.f._probe_outcome(route.url, True)
+                if route.kind == "region":
+                    self.f._probe_outcome(route.url, True)
             return
         m.source_errors.labels(route.kind).inc()
-        if route.kind == "region":
+        if route.kind in ("region", "upper"):
             self.f._probe_result(route.url, False)
 
     def missed(self, route: Route, seconds: float) -> None:
@@ -264,8 +295,9 @@ class _Counts:
         self.f._probe_outcome(route.url, False)
 
     def delivered(self, route: Route, body: Body) -> None:
-        if route.kind == "region":
+        if route.kind in ("region", "upper"):
             self.f._probe_result(route.url, True)
+        if route.kind == "region":
             self.f._probe_outcome(route.url, True)
         self.f.m.fill_seconds.labels(route.kind).observe(body.seconds)
         self.f.m.fill_bytes.labels(route.kind).inc(body.want.size)

@@ -67,6 +67,14 @@ class EdgeMetrics:
 
         Gauge("kdn_edge_ring_members", "Live edges in this edge's region", registry=reg).set_function(ring_members)
 
+        def upper_tiers() -> float:
+            e = edge()
+            p = getattr(e, "policies", None) if e is not None else None
+            return float(len(p.upper_regions)) if p is not None else 0.0
+
+        Gauge("kdn_edge_upper_tiers", "Regions an upper policy names (none: other regions' fills go to the origin)",
+              registry=reg).set_function(upper_tiers)
+
         def corrupt() -> float:
             e = edge()
             d = getattr(e, "disk", None) if e is not None else None

@@ -15,8 +15,14 @@ Operators know what is hot. They say so with records under ``policies/``
 - ``quota`` (``namespace``, ``quota_bytes``): a hard byte cap for that
   namespace in each tier, so one tenant cannot push another's data out.
   Several for one namespace: the smallest wins.
+- ``upper`` (``region``): that region is the upper tier (origin shield). Every
+  other region's owner edges fill through its owner of the object instead of
+  asking the origin (``kdn.edge.fill``), so the origin serves about one fill
+  per object whatever the number of regions. Several: each region uses the
+  one it measures fastest, the others next, the origin last.
 
-A policy applies here if its ``region`` is None or this edge's region.
+A policy applies here if its ``region`` is None or this edge's region; an
+``upper`` policy holds for every edge (its region names the tier, not a scope).
 
 What "apply" means: after every change the engine builds one rule function
 and hands it to each tier (``GovernedTier.apply_policy``), which re-rules *every
@@ -84,6 +90,11 @@ def validate_policy(p: Policy) -> Policy:
     elif p.kind == "quota":
         if p.namespace is None or p.quota_bytes is None:
             raise InvalidInput(f"policy {p.name!r}: a quota policy needs a namespace and quota_bytes")
+    elif p.kind == "upper":
+        if p.region is None:
+            raise InvalidInput(f"policy {p.name!r}: an upper policy names the upper tier's region")
+        if p.manifest is not None or p.namespace is not None or p.ttl_s is not None or p.quota_bytes is not None:
+            raise InvalidInput(f"policy {p.name!r}: an upper policy takes a region only (it holds for every object)")
     return p
 
 
@@ -181,6 +192,7 @@ class PolicyEngine:
         self._policies: dict[str, Policy] = {}
         self._active: dict[str, Policy] = {}
         self._pinned: frozenset[str] = frozenset()
+        self._upper: frozenset[str] = frozenset()
         self._unresolved: frozenset[str] = frozenset()
         self._invalid_view: dict[str, str] = {}
         self._ready = False
@@ -207,6 +219,11 @@ class PolicyEngine:
     def invalid(self) -> dict[str, str]:
         """Registry keys of the records that were skipped, and why."""
         return self._invalid_view
+
+    @property
+    def upper_regions(self) -> frozenset[str]:
+        """The regions named upper tiers by ``upper`` policies (every region sees the same)."""
+        return self._upper
 
     @property
     def pinned_addresses(self) -> frozenset[str]:
@@ -366,7 +383,7 @@ class PolicyEngine:
         return {p.manifest for p in self._records.values() if p.manifest is not None and self._here(p)}
 
     def _here(self, p: Policy) -> bool:
-        return p.region is None or p.region == self.region
+        return p.region is None or p.region == self.region or p.kind == "upper"
 
     async def _resolve(self) -> None:
         wanted = self._wanted()
@@ -431,6 +448,7 @@ class PolicyEngine:
         self.stats.active = kinds
         self._policies, self._active = dict(self._records), here
         self._pinned = rules.pinned
+        self._upper = frozenset(p.region for p in self._records.values() if p.kind == "upper" and p.region)
         self._unresolved = frozenset(ref for ref in self._manifests if ref not in resolved)
         self._invalid_view = dict(self._invalid)
         self._ready = self._snapshots >= {POLICIES, MANIFESTS}

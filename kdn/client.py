@@ -69,14 +69,14 @@ class Source:
     node_id: str | None = None  # edges of the client's region: their id on the ring
 
 
-FILL_TIERS = ("peer", "region", "origin")  # sources an entry edge names for what it must fill first
+FILL_TIERS = ("peer", "region", "upper", "origin")  # sources an entry edge names for what it must fill first
 RECENT_FETCHES = 1 << 16  # addresses a client remembers having fetched (KDNClient.warm) ...
 RECENT_S = 600.0  # ... and for how long (an edge's memory tier turns over; after this, not known warm)
 
 
 def fills(tier: str) -> bool:
-    """Whether the entry edge said it must fill an object first (from a peer, another region or the
-    origin) before it can serve it."""
+    """Whether the entry edge said it must fill an object first (from a peer, another region, the upper
+    tier or the origin) before it can serve it."""
     return tier.split(":", 1)[0] in FILL_TIERS
 
 

@@ -47,6 +47,7 @@ from kdn.pieces import BodyVerifier, Pieces, PieceVerifier, piece_span, verifier
 
 CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
 HOP = "X-KDN-Hop"  # set on edge-to-edge requests: the receiver fills itself, never forwards in-region
+TIER = "X-KDN-Tier"  # a lower region's fill through the upper tier: the receiver fills from the origin
 MIN_HEDGE_S = 0.02
 
 
@@ -89,7 +90,7 @@ class Route:
 
     label: str  # what reports and metrics show: "edge:e1", "peer:e2", "region:us", "origin"
     url: str  # the node's base URL
-    kind: str  # "edge" (the client's own region), "peer", "region", "origin"
+    kind: str  # "edge" (the client's own region), "peer", "region", "upper", "origin"
     headers: Mapping[str, str] = field(default_factory=dict)  # the token where it may go, hop, cached-only
     timeout: float | None = None  # this request's bound (None: the fetcher's)
 

@@ -26,7 +26,7 @@ from kdn.pieces import Pieces
 
 # "basis": a model-level object (a kvtc basis, kdn/kernels/transform.py) stored and served like a chunk
 OBJECT_KINDS = frozenset({"kv", "ssm", "hybrid", "basis"})
-POLICY_KINDS = frozenset({"pin", "warm", "ttl", "quota"})
+POLICY_KINDS = frozenset({"pin", "warm", "ttl", "quota", "upper"})
 
 R = TypeVar("R", bound="_Record")
 
@@ -408,10 +408,11 @@ class Admission(_Record):
 
 @dataclass(frozen=True)
 class Policy(_Record):
-    """An operator rule (pin, warm, ttl, quota), scoped by region, manifest and/or namespace."""
+    """An operator rule (pin, warm, ttl, quota), scoped by region, manifest and/or namespace; or the choice
+    of the upper tier (``upper``: ``region`` names the region every other region fills through)."""
 
     name: str
-    kind: str  # "pin" | "warm" | "ttl" | "quota"
+    kind: str  # "pin" | "warm" | "ttl" | "quota" | "upper"
     region: str | None = None
     manifest: str | None = None  # "namespace/name"
     namespace: str | None = None

@@ -188,8 +188,8 @@ def test_a_region_that_holds_what_is_asked_stays_worth_asking():
     f.estimates[url].observe(0, 0.05)  # 50 ms round trip
     f.estimates[url].observe(len(BLOB) * 100, 0.10)
     assert f.hit_rate(url) > 0.9
-    assert f._worth_probing(url, len(BLOB), t_origin=0.5)  # noqa: SLF001  (much faster than the origin)
-    assert not f._worth_probing(url, len(BLOB), t_origin=0.05)  # noqa: SLF001  (no faster: never worth a miss)
+    assert f._worth_probing(url, len(BLOB), t_next=0.5)  # noqa: SLF001  (much faster than the origin)
+    assert not f._worth_probing(url, len(BLOB), t_next=0.05)  # noqa: SLF001  (no faster: never worth a miss)
 
 
 def test_hit_rates_are_bounded_and_forget_the_least_recently_updated_region():

@@ -75,13 +75,16 @@ async def test_policy_set_ls_rm_round_trip(cli, backend):
     assert cli.run("policy", "set", "ttl-all", "--ttl", "90s").returncode == 0
     r = cli.run("policy", "set", "quota-a", "--quota", "2GiB", "--namespace", "tenant-a", "--region", "us")
     assert r.returncode == 0 and "2 GiB for namespace tenant-a in region us" in r.stdout
+    r = cli.run("policy", "set", "shield", "--upper", "--region", "eu")
+    assert r.returncode == 0 and "region eu is the upper tier" in r.stdout
 
     reg = backend[1]()
     try:
         got = {p.name: p for p in await reg.list_policies()}
     finally:
         await reg.close()
-    assert set(got) == {"pin-docs", "warm-faq", "ttl-news", "ttl-all", "quota-a"}
+    assert set(got) == {"pin-docs", "warm-faq", "ttl-news", "ttl-all", "quota-a", "shield"}
+    assert (got["shield"].kind, got["shield"].region) == ("upper", "eu")
     assert (got["pin-docs"].kind, got["pin-docs"].manifest, got["pin-docs"].region) == ("pin", "public/docs", "eu")
     assert (got["warm-faq"].kind, got["warm-faq"].manifest, got["warm-faq"].region) == ("warm", "tenant-a/faq", None)
     assert (got["ttl-news"].ttl_s, got["ttl-news"].namespace) == (5400.0, "news")
@@ -96,13 +99,14 @@ async def test_policy_set_ls_rm_round_trip(cli, backend):
     assert set(rows) == set(got)
     assert rows["quota-a"].split()[1:3] == ["quota", "us"] and rows["quota-a"].endswith("2 GiB")
     assert rows["ttl-news"].endswith("1h30m") and rows["ttl-all"].endswith("1m30s")
+    assert rows["shield"].split()[1:3] == ["upper", "eu"] and "upper tier" in rows["shield"]
     r = cli.run("policy", "ls", "--json")
     assert r.returncode == 0 and {p["name"] for p in json.loads(r.stdout)} == set(got)
 
     # Set again: replaced, not duplicated.
     assert cli.run("policy", "set", "ttl-all", "--ttl", "2h").returncode == 0
     ls = {p["name"]: p for p in json.loads(cli.run("policy", "ls", "--json").stdout)}
-    assert len(ls) == 5 and ls["ttl-all"]["ttl_s"] == 7200.0
+    assert len(ls) == 6 and ls["ttl-all"]["ttl_s"] == 7200.0
 
     r = cli.run("policy", "rm", "ttl-all")
     assert r.returncode == 0 and "removed" in r.stdout
@@ -132,7 +136,10 @@ async def test_policy_ls_shows_a_record_no_edge_would_apply(cli, backend):
         (["policy", "set", "x", "--quota=-1GiB", "--namespace", "a"], ["invalid size"]),
         (["policy", "set", "x", "--ttl", "forever"], ["invalid duration", "forever"]),
         (["policy", "set", "x", "--ttl=-5m"], ["invalid duration"]),
-        (["policy", "set", "x"], ["one of the arguments --pin --warm --ttl --quota is required"]),
+        (["policy", "set", "x"], ["one of the arguments --pin --warm --ttl --quota --upper is required"]),
+        (["policy", "set", "x", "--upper"], ["--upper needs --region"]),
+        (["policy", "set", "x", "--upper", "--region", "eu", "--namespace", "a"], ["takes no --namespace"]),
+        (["policy", "set", "x", "--upper", "--ttl", "1h"], ["not allowed with"]),
         (["policy", "set", "x", "--pin", "a/b", "--ttl", "1h"], ["not allowed with"]),
         (["policy", "set", "x", "--quota", "1G"], ["--quota needs --namespace"]),
         (["policy", "set", "x", "--quota", "1G", "--namespace", "a", "--manifest", "a/b"], ["no --manifest"]),
