@@ -116,6 +116,8 @@ RUNS: list[Run] = [
     Run("faults", "faults", [], ["--quick", "--only", "origin_down"], ("etcd",), 3600),
     Run("upper_tier", "upper_tier", ["--json", "bench/work/upper_tier.json"],
         ["--regions", "2", "--requests", "3"], ("etcd",), 2400),
+    Run("upper_tier-split", "upper_tier", ["--workload", "split", "--requests", "200", "--json",
+                                           "bench/work/upper_tier_split.json"], None, ("etcd",), 2400),
     Run("vllm_ttft-zstd", "vllm_ttft", ["--models", "smollm2-135m", "--encodings", "zstd", "--json",
                                         "bench/work/vllm_ttft_zstd.json", "--plot", "", "--no-headline"],
         None, ("vllm",), 3600),
