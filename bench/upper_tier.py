@@ -235,7 +235,8 @@ def main() -> int:
     ap.add_argument("--workload", choices=("shared", "split"), default="shared",
                     help="shared: every region reads the same requests (shared knowledge, each region in its own "
                          "order); split: each request from one region drawn at random")
-    ap.add_argument("--clients", type=int, default=8, help="requests in flight at most")
+    ap.add_argument("--clients", type=int, default=4,
+                    help="requests in flight at most (4 x 4 objects keeps 2 cores short of saturation)")
     ap.add_argument("--object-kib", type=int, default=64, help="bytes per chunk object, KiB")
     ap.add_argument("--mem-budget", default="256MiB", help="each edge's memory tier (above the working set)")
     ap.add_argument("--disk-budget", default="512MiB", help="each edge's disk tier")

@@ -6,7 +6,8 @@
     -> other regions' edges holding it        (cached-only asks, fastest region first, each
                                                bounded: PROBE_MIN_S or 4x its expected time; a
                                                region only when its recent hit rate pays for a
-                                               miss's round trip, see PROBE_HIT_PRIOR)
+                                               miss's round trip, see PROBE_HIT_PRIOR; at most
+                                               PROBE_MAX_REGIONS of them)
     -> the upper tier's owner of the object   (a full fill there, which it shares with every
                                                region asking at once; when an ``upper`` policy
                                                names a region and this edge is not in it)
@@ -71,6 +72,10 @@ PROBE_REST_MAX_S = 60.0
 PROBE_HIT_PRIOR = 0.5
 PROBE_HIT_ALPHA = 0.1
 PROBE_HIT_STALE_S = 30.0
+# At most this many regions are asked cached-only in one fill (unless the operator asked for every region,
+# --region-probes always), the fastest first: each miss costs a round trip in series, so asking every
+# region made a cold fill over 10 regions wait for up to 9 of them (bench/upper_tier.py).
+PROBE_MAX_REGIONS = 2
 # A fill through the upper tier is two transfers in a row (upper <- origin, then me <- upper): it may take
 # 4x the sum of their expected times, at least UPPER_MIN_S, at most the fill timeout; past it, or after a
 # failure, the origin is asked, and an upper tier that keeps failing rests like a region (the breaker).
@@ -168,12 +173,18 @@ class Filler:
         measured = bool(origins) and all(self.estimates[u].samples for u in origins)
         t_next = min((self.estimates[u].expected(size) for u in origins), default=float("inf"))
         t_next = min([t_next] + [self.estimates[u].expected(size) for _, u in upper if self.estimates[u].samples])
+        probes = 0
         for region, url in sorted(remote, key=lambda r: self.estimates[r[1]].expected(size)):
             if (measured and not self.always_probe_regions and self.estimates[url].samples
                     and not self._worth_probing(url, size, t_next)):
                 if filling:
                     self.m.region_not_worth.inc()
                 continue
+            if probes == PROBE_MAX_REGIONS and not self.always_probe_regions:
+                if filling:
+                    self.m.region_capped.inc()
+                continue
+            probes += 1
             out.append((f"region:{region}", url, {HOP: "1", CACHED_ONLY: "1"}))
         for region, url in sorted(upper, key=lambda r: self.estimates[r[1]].expected(size)):
             out.append((f"upper:{region}", url, {HOP: "1", TIER: "1"}))

@@ -43,6 +43,9 @@ class EdgeMetrics:
         self.region_not_worth = Counter("kdn_edge_region_probes_not_worth", "Cross-region probes left out of a "
                                         "fill plan: the region's recent hit rate does not pay for a miss's round "
                                         "trip against going to the origin", registry=reg)
+        self.region_capped = Counter("kdn_edge_region_probes_capped", "Cross-region probes left out of a fill "
+                                     "plan: PROBE_MAX_REGIONS more promising regions are asked already",
+                                     registry=reg)
         self.aborted = Counter("kdn_edge_aborted_responses", "Responses cut short by the client hanging up",
                                registry=reg)
         self.in_flight = Gauge("kdn_edge_fills_in_flight", "Fills in progress", registry=reg)

@@ -160,7 +160,20 @@ def test_the_plan_puts_the_upper_tier_after_the_cached_only_asks_and_before_the_
     assert [label for label, _ in plan("eu", {"eu"}, tier=True)] == ["origin"]
     # Two upper tiers: a region outside both asks both (fastest first), then the origin.
     assert [label for label, _ in plan("ap", {"eu", "us"})][-1] == "origin"
+    assert len(plan("ap", {"eu", "us"})) == 3
     assert {label for label, _ in plan("ap", {"eu", "us"})} == {"upper:eu", "upper:us", "origin"}
+
+
+def test_a_fill_asks_at_most_two_other_regions_cached_only_unless_told_to_ask_every_one():
+    urls = {f"r{i}": f"http://127.0.0.1:{10 + i}" for i in range(1, 9)}
+    key = (ADDRESS, "zstd")
+    metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
+    f = _filler(None, "r0", urls, "http://127.0.0.1:4", set(), metrics)
+    labels = [label for label, _, _ in f.plan(key, RECORD, hop=False, filling=True)]
+    assert len(labels) == fill.PROBE_MAX_REGIONS + 1 and labels[-1] == "origin", labels
+    assert metrics.region_capped._value.get() == 8 - fill.PROBE_MAX_REGIONS  # noqa: SLF001
+    f.always_probe_regions = True
+    assert len(f.plan(key, RECORD, hop=False)) == 8 + 1
 
 
 def test_a_region_is_worth_asking_first_against_the_upper_tier_not_the_origin():
