@@ -430,10 +430,10 @@ class Oracle:
         e = node.edge
         return e.memory.contains(key) or (e.disk is not None and e.disk.contains(key))
 
-    def fill(self, node: EdgeNode, key, size: int, hop: bool, depth: int = 0) -> float:
+    def fill(self, node: EdgeNode, key, size: int, hop: bool, depth: int = 0, tier: bool = False) -> float:
         """Time for ``node`` to obtain ``key`` it does not hold, following its real fill plan."""
         L, r, t = self.world.links, node.region, 0.0
-        for label, url, _ in node.edge.filler.plan(key, self.records[key[0]], hop=hop):
+        for label, url, _ in node.edge.filler.plan(key, self.records[key[0]], hop=hop, tier=tier):
             kind = label.split(":", 1)[0]
             if kind == "origin":
                 return t + L.xfer(r, "origin", size)
@@ -443,6 +443,9 @@ class Oracle:
             if kind == "peer":
                 inner = 0.0 if self.holds(peer, key) else self.fill(peer, key, size, True, depth + 1)
                 return t + inner + L.xfer(r, r, size)
+            if kind == "upper":  # a full fill there (an upper policy; the geo runs set none)
+                inner = 0.0 if self.holds(peer, key) else self.fill(peer, key, size, True, depth + 1, tier=True)
+                return t + inner + L.xfer(r, peer.region, size)
             if self.holds(peer, key):  # another region's owner, cached-only
                 return t + L.xfer(r, peer.region, size)
             t += L.rtt(r, peer.region)  # its 404

@@ -101,7 +101,7 @@ class EdgeConfig(service.NodeConfig):
 class Loaded:
     """What one read got: bytes in memory to write, or a file to sendfile. ``release()`` once sent."""
 
-    source: str  # "memory", "disk", or where a fill came from: "peer:ID", "region:R", "origin"
+    source: str  # "memory", "disk", or where a fill came from: "peer:ID", "region:R", "upper:R", "origin"
     size: int
     data: memoryview | None = None
     path: Path | None = None
@@ -247,7 +247,11 @@ class Edge:
             return hit
         self.m.in_flight.inc()
         try:
-            blob, source = await self.flight.do(key, lambda: self._fill(key, rec, hop=hop, tier=tier))
+            # A tier request has a flight of its own, which asks only the origin: joined to a fill that itself
+            # goes through an upper tier (views of a moved upper policy disagree for a moment), two upper
+            # tiers could each wait on the other until the timeout.
+            flight_key = (key, "tier") if tier else key
+            blob, source = await self.flight.do(flight_key, lambda: self._fill(key, rec, hop=hop, tier=tier))
         finally:
             self.m.in_flight.dec()
         return Loaded(source, len(blob), data=memoryview(blob))

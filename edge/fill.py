@@ -77,8 +77,9 @@ PROBE_HIT_STALE_S = 30.0
 # region made a cold fill over 10 regions wait for up to 9 of them (bench/upper_tier.py).
 PROBE_MAX_REGIONS = 2
 # A fill through the upper tier is two transfers in a row (upper <- origin, then me <- upper): it may take
-# 4x the sum of their expected times, at least UPPER_MIN_S, at most the fill timeout; past it, or after a
-# failure, the origin is asked, and an upper tier that keeps failing rests like a region (the breaker).
+# 4x its measured time (kdn.fetch measures an upper tier's full fills), at least UPPER_MIN_S, at most the
+# fill timeout; past it, or after a failure, the origin is asked, and an upper tier that keeps failing
+# rests like a region (the breaker; an origin error the upper tier passes on counts against it too).
 UPPER_MIN_S = 10.0
 
 
@@ -168,11 +169,11 @@ class Filler:
                     self.m.region_skipped.inc()
                 continue
             (upper if shielded and region in uppers else remote).append((region, ring_owner.url))
-        # Unmeasured sources cannot be compared: then every region is asked (and so measured). A probe saves
-        # the time of what is asked when it misses: the origin, or the upper tier where that is faster.
-        measured = bool(origins) and all(self.estimates[u].samples for u in origins)
-        t_next = min((self.estimates[u].expected(size) for u in origins), default=float("inf"))
-        t_next = min([t_next] + [self.estimates[u].expected(size) for _, u in upper if self.estimates[u].samples])
+        # A probe saves the time of what is asked when it misses: the upper tier (below one), else the origin.
+        # Unmeasured, they cannot be compared: then every region is asked (and so measured).
+        nexts = [u for _, u in upper] or origins
+        measured = bool(nexts) and all(self.estimates[u].samples for u in nexts)
+        t_next = min((self.estimates[u].expected(size) for u in nexts), default=float("inf"))
         probes = 0
         for region, url in sorted(remote, key=lambda r: self.estimates[r[1]].expected(size)):
             if (measured and not self.always_probe_regions and self.estimates[url].samples
@@ -269,9 +270,8 @@ class Filler:
         return Filled(body.buffer.data, body.route.label)
 
     def _timeout_for(self, kind: str, base: str, size: int) -> float:
-        if kind == "upper":
-            t_origin = min((self.estimates[u].expected(size) for u in self.origin_urls()), default=0.0)
-            return min(self.timeout, max(UPPER_MIN_S, 4 * (self.estimates[base].expected(size) + t_origin)))
+        if kind == "upper":  # its estimate is of its full fills (kdn.fetch): both hops
+            return min(self.timeout, max(UPPER_MIN_S, 4 * self.estimates[base].expected(size)))
         if kind != "region":
             return self.timeout
         return min(self.timeout, max(PROBE_MIN_S, 4 * self.estimates[base].expected(size)))

@@ -24,7 +24,8 @@ Written once here, for both:
   most ``max_hedges`` extra; the first verified body wins, the others are
   cancelled and their buffers released;
 - **what measures a link**: only a body the source served from its own tiers
-  (``X-KDN-Source`` memory / disk) or an origin's: a body the source first had
+  (``X-KDN-Source`` memory / disk), an origin's, or an upper tier's (its fills
+  are what a miss costs the edges below it): a body the source first had
   to fill measures the upstream, and would make a near edge look far because
   its cache was cold. A failure inflates the source's estimate; a hedge that
   lost after running past its expected time is a lower bound on its time.
@@ -237,7 +238,8 @@ class Fetcher:
                         self.estimates[route.url].observe(0, t)
                         obs.missed(route, t)
                         continue
-                    if body.served_by.split(":", 1)[0] in ("memory", "disk") or route.kind == "origin":
+                    # An upper tier's full fill counts too: it is what every miss costs an edge below it.
+                    if body.served_by.split(":", 1)[0] in ("memory", "disk") or route.kind in ("origin", "upper"):
                         self.estimates[route.url].observe(want.nbytes, body.seconds)
                     losers_took_at_least()
                     obs.delivered(route, body)

@@ -23,7 +23,7 @@ from kdn.edge import fill  # noqa: E402
 from kdn.edge.metrics import EdgeMetrics  # noqa: E402
 from kdn.edge.policies import validate_policy  # noqa: E402
 from kdn.errors import InvalidInput  # noqa: E402
-from kdn.fetch import CACHED_ONLY, TIER  # noqa: E402
+from kdn.fetch import CACHED_ONLY, HOP, TIER  # noqa: E402
 from kdn.registry import NodeRecord, ObjectRecord, Policy, open_registry  # noqa: E402
 from kdn.registry.records import Encoding  # noqa: E402
 
@@ -159,9 +159,12 @@ def test_the_plan_puts_the_upper_tier_after_the_cached_only_asks_and_before_the_
     # A lower region's fill at the upper tier: the origin alone (the asker made the cross-region asks).
     assert [label for label, _ in plan("eu", {"eu"}, tier=True)] == ["origin"]
     # Two upper tiers: a region outside both asks both (fastest first), then the origin.
-    assert [label for label, _ in plan("ap", {"eu", "us"})][-1] == "origin"
-    assert len(plan("ap", {"eu", "us"})) == 3
-    assert {label for label, _ in plan("ap", {"eu", "us"})} == {"upper:eu", "upper:us", "origin"}
+    two = plan("ap", {"eu", "us"})
+    assert [label for label, _ in two] in (["upper:eu", "upper:us", "origin"], ["upper:us", "upper:eu", "origin"])
+    assert all(TIER in headers and HOP in headers for _, headers in two[:2])
+    # An edge in one of two upper tiers asks the other cached-only, never as a tier fill.
+    assert [(label, TIER in headers) for label, headers in plan("eu", {"eu", "us"})] == [
+        ("region:us", False), ("region:ap", False), ("origin", False)]
 
 
 def test_a_fill_asks_at_most_two_other_regions_cached_only_unless_told_to_ask_every_one():
@@ -182,11 +185,17 @@ def test_a_region_is_worth_asking_first_against_the_upper_tier_not_the_origin():
     urls = {"eu": "http://127.0.0.1:1", "us": "http://127.0.0.1:2"}
     origin = "http://127.0.0.1:4"
     key = (ADDRESS, "zstd")
-    for uppers, want in (({"eu"}, ["upper:eu", "origin"]), (set(), ["region:eu", "region:us", "origin"])):
-        f = _filler(None, "ap", urls, origin, uppers)
-        for url, seconds in ((origin, 0.3), (urls["eu"], 0.06), (urls["us"], 0.06)):
-            f.estimates[url].observe(100, seconds)  # round trips: the origin 5x as far as either region
-        assert [label for label, _, _ in f.plan(key, RECORD, hop=False)] == want, uppers
+    # Below an upper tier the origin is never asked, so never measured: the upper tier's fills are.
+    f = _filler(None, "ap", urls, origin, {"eu"})
+    assert [label for label, _, _ in f.plan(key, RECORD, hop=False)] == ["region:us", "upper:eu", "origin"]
+    for url in (urls["eu"], urls["us"]):
+        f.estimates[url].observe(100, 0.06)
+    assert [label for label, _, _ in f.plan(key, RECORD, hop=False)] == ["upper:eu", "origin"]
+    # Without one, the same regions against an origin 5x as far: worth asking.
+    f = _filler(None, "ap", urls, origin, set())
+    for url, seconds in ((origin, 0.3), (urls["eu"], 0.06), (urls["us"], 0.06)):
+        f.estimates[url].observe(100, seconds)
+    assert [label for label, _, _ in f.plan(key, RECORD, hop=False)] == ["region:eu", "region:us", "origin"]
 
 
 async def test_a_failing_upper_tier_is_passed_over_for_the_origin_then_rests(monkeypatch):
