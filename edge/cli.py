@@ -260,6 +260,9 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
         elif p.kind == "ttl":
             detail = f"{format_duration(p.ttl_s)} for {_scope(p)}"
         elif p.kind == "upper":
+            if not await reg.list_nodes("edge", p.region):
+                print(f"kdn: note: no live edge in region {p.region}: until one starts, fills go to the origin",
+                      file=sys.stderr)
             print(f"policy {p.name} set: region {p.region} is the upper tier; other regions fill through it")
             return 0
         else:

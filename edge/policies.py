@@ -19,7 +19,8 @@ Operators know what is hot. They say so with records under ``policies/``
   other region's owner edges fill through its owner of the object instead of
   asking the origin (``kdn.edge.fill``), so the origin serves about one fill
   per object whatever the number of regions. Several: each region uses the
-  one it measures fastest, the others next, the origin last.
+  one it measures fastest, the others next, the origin last (and the origin
+  serves about one fill per object per upper region).
 
 A policy applies here if its ``region`` is None or this edge's region; an
 ``upper`` policy holds for every edge (its region names the tier, not a scope).

@@ -77,6 +77,7 @@ async def test_policy_set_ls_rm_round_trip(cli, backend):
     assert r.returncode == 0 and "2 GiB for namespace tenant-a in region us" in r.stdout
     r = cli.run("policy", "set", "shield", "--upper", "--region", "eu")
     assert r.returncode == 0 and "region eu is the upper tier" in r.stdout
+    assert "no live edge in region eu" in r.stderr  # allowed: edges follow it once one starts
 
     reg = backend[1]()
     try:

@@ -86,6 +86,19 @@ async def test_other_regions_fill_through_the_upper_tier_and_the_origin_serves_e
         assert status == 200 and headers["X-KDN-Source"] == "upper:eu"
         assert origin_served(c) == before  # held by the upper tier: the origin is not asked again
 
+        # X-KDN-Tier ("fill from the origin, you are the upper tier") is for edges: from anyone else it is
+        # ignored, and the read goes through the upper tier as any other.
+        from edge_helpers import EDGE_TOKEN
+
+        m2 = await publish(c, TEXT[::-1], name="doc2")
+        e, f = m2["addresses"][0], m2["addresses"][1]
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{c.edge_url('ap1')}/v1/objects/{e}", headers={TIER: "1"}) as r:
+                assert r.status == 200 and r.headers["X-KDN-Source"] == "upper:eu"
+            async with s.get(f"{c.edge_url('ap1')}/v1/objects/{f}",
+                             headers={TIER: "1", HOP: "1", "Authorization": f"Bearer {EDGE_TOKEN}"}) as r:
+                assert r.status == 200 and r.headers["X-KDN-Source"] == "origin"  # an edge's tier request
+
         # Without the policy, a region misses past the others to the origin (cached-only asks fill nothing).
         reg = open_registry(c.registry)
         try:
