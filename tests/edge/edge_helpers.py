@@ -8,10 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 from aiohttp.test_utils import TestServer
+from blake3 import blake3
 
 from kdn.edge.app import EDGE, EdgeConfig, create_app as create_edge
 from kdn.origin.app import OriginConfig, create_app as create_origin
+from kdn.registry import ObjectRecord
+from kdn.registry.records import Encoding
 from kdn.service import server_options
 from ports import free_port  # tests/ports.py
 
@@ -19,6 +23,24 @@ PUBLISH = "pub-" + "a" * 28
 EDGE_TOKEN = "edge-" + "c" * 27  # read * : what edges show each other and the origin
 TENANT_A = "tenant-a-" + "d" * 23
 TENANT_B = "tenant-b-" + "e" * 23
+
+# One object, for a Filler against small servers that stall, lie or fail (``serve_objects``).
+BLOB = b"kv bytes " * 1000
+ADDRESS = "a" * 64
+RECORD = ObjectRecord(address=ADDRESS, model_id="b" * 64, namespace="public", kind="kv", start=0, end=256,
+                      parent=None, standalone=False, origin="o",
+                      encodings={"zstd": Encoding("zstd", len(BLOB), blake3(BLOB).hexdigest())})
+
+
+async def serve_objects(handler) -> tuple[web.AppRunner, str]:
+    """``GET /v1/objects/{address}`` answered by ``handler`` on a free loopback port: (runner, base URL)."""
+    app = web.Application()
+    app.router.add_get("/v1/objects/{address}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
 
 
 def write_tokens(path: Path) -> Path:

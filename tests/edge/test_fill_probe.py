@@ -4,23 +4,24 @@ region's expected time), then the origin is asked; it once held the fill for the
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 
 import aiohttp
 import pytest
 from aiohttp import web
-from blake3 import blake3
 from prometheus_client import CollectorRegistry
 
-from kdn.edge import fill
-from kdn.edge.metrics import EdgeMetrics
-from kdn.registry import NodeRecord, ObjectRecord
-from kdn.registry.records import Encoding
+sys.path.insert(0, os.path.dirname(__file__))
+
+from edge_helpers import ADDRESS, BLOB, RECORD, serve_objects  # noqa: E402
+
+from kdn.edge import fill  # noqa: E402
+from kdn.edge.metrics import EdgeMetrics  # noqa: E402
+from kdn.registry import NodeRecord  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
-
-BLOB = b"kv bytes " * 1000
-ADDRESS = "a" * 64
 
 
 class _Members:
@@ -34,23 +35,8 @@ class _Members:
         return {"far": [self.remote]}
 
 
-async def _serve(handler) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_get("/v1/objects/{address}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
-
-
 async def _origin(request: web.Request) -> web.Response:
     return web.Response(body=BLOB)
-
-
-RECORD = ObjectRecord(address=ADDRESS, model_id="b" * 64, namespace="public", kind="kv", start=0, end=256,
-                      parent=None, standalone=False, origin="o",
-                      encodings={"zstd": Encoding("zstd", len(BLOB), blake3(BLOB).hexdigest())})
 
 
 def _filler(session: aiohttp.ClientSession, far_url: str, origin_url: str, metrics: EdgeMetrics) -> fill.Filler:
@@ -68,8 +54,8 @@ async def test_a_stalled_region_is_abandoned_for_the_origin(monkeypatch):
         await release.wait()  # a link that passes no byte
         return web.Response(body=BLOB)
 
-    far, far_url = await _serve(stalled)
-    org, org_url = await _serve(_origin)
+    far, far_url = await serve_objects(stalled)
+    org, org_url = await serve_objects(_origin)
     rec, metrics = RECORD, EdgeMetrics(CollectorRegistry(), lambda: None)
     async with aiohttp.ClientSession() as session:
         f = _filler(session, far_url, org_url, metrics)
@@ -104,8 +90,8 @@ async def test_a_region_that_keeps_failing_rests_then_is_probed_again(monkeypatc
         await asyncio.sleep(0.03)
         return web.Response(body=BLOB)
 
-    far, far_url = await _serve(far_handler)
-    org, org_url = await _serve(slower_origin)
+    far, far_url = await serve_objects(far_handler)
+    org, org_url = await serve_objects(slower_origin)
     rec, metrics = RECORD, EdgeMetrics(CollectorRegistry(), lambda: None)
 
     async def timed(f) -> tuple[float, str]:
@@ -158,8 +144,8 @@ async def test_a_region_that_keeps_missing_and_is_no_faster_than_the_origin_is_n
         await asyncio.sleep(0.02)
         return web.Response(body=BLOB)
 
-    far, far_url = await _serve(far_misses)
-    org, org_url = await _serve(origin)
+    far, far_url = await serve_objects(far_misses)
+    org, org_url = await serve_objects(origin)
     metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
     try:
         async with aiohttp.ClientSession() as session:

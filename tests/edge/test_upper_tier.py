@@ -12,20 +12,18 @@ import sys
 import aiohttp
 import pytest
 from aiohttp import web
-from blake3 import blake3
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from edge_helpers import cluster, get, metric, origin_served, publish  # noqa: E402
+from edge_helpers import ADDRESS, BLOB, RECORD, cluster, get, metric, origin_served, publish, serve_objects  # noqa: E402
 
 from kdn.edge import fill  # noqa: E402
 from kdn.edge.metrics import EdgeMetrics  # noqa: E402
 from kdn.edge.policies import validate_policy  # noqa: E402
 from kdn.errors import InvalidInput  # noqa: E402
 from kdn.fetch import CACHED_ONLY, HOP, TIER  # noqa: E402
-from kdn.registry import NodeRecord, ObjectRecord, Policy, open_registry  # noqa: E402
-from kdn.registry.records import Encoding  # noqa: E402
+from kdn.registry import NodeRecord, Policy, open_registry  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,13 +115,6 @@ async def test_other_regions_fill_through_the_upper_tier_and_the_origin_serves_e
 
 # --- the plan and its failures, one filler against small servers --------------------------------
 
-BLOB = b"kv bytes " * 1000
-ADDRESS = "a" * 64
-RECORD = ObjectRecord(address=ADDRESS, model_id="b" * 64, namespace="public", kind="kv", start=0, end=256,
-                      parent=None, standalone=False, origin="o",
-                      encodings={"zstd": Encoding("zstd", len(BLOB), blake3(BLOB).hexdigest())})
-
-
 class _Members:
     """One edge per region, and no in-region owner hop."""
 
@@ -135,16 +126,6 @@ class _Members:
 
     def regions(self):
         return self.nodes
-
-
-async def _serve(handler) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_get("/v1/objects/{address}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
 
 
 def _filler(session, me: str, urls: dict[str, str], origin_url: str, uppers, metrics=None) -> fill.Filler:
@@ -223,8 +204,8 @@ async def test_a_failing_upper_tier_is_passed_over_for_the_origin_then_rests(mon
         hits["origin"] += 1
         return web.Response(body=BLOB)
 
-    up, up_url = await _serve(broken)
-    org, org_url = await _serve(origin)
+    up, up_url = await serve_objects(broken)
+    org, org_url = await serve_objects(origin)
     metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
     try:
         async with aiohttp.ClientSession() as session:
@@ -250,8 +231,8 @@ async def test_a_lying_upper_tier_is_never_served(monkeypatch):
     async def origin(request):
         return web.Response(body=BLOB)
 
-    up, up_url = await _serve(liar)
-    org, org_url = await _serve(origin)
+    up, up_url = await serve_objects(liar)
+    org, org_url = await serve_objects(origin)
     metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
     try:
         async with aiohttp.ClientSession() as session:
