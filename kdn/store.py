@@ -10,9 +10,11 @@ budgets or eviction; callers keep their own index.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,8 @@ from pathlib import Path
 from kdn.address import Address, validate_address
 from kdn.errors import InvalidInput
 
+# A temp file untouched this long is a crashed writer's (a live one writes to it continuously).
+STALE_PART_S = 600.0
 _ENCODING = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 
 
@@ -116,9 +120,14 @@ class BlobDir:
             return False
 
     def scan(self) -> Iterator[StoredBlob]:
-        """Every complete blob on disk; deletes leftover temp files and strays first."""
+        """Every complete blob on disk; deletes leftover temp files and strays first. A temp file written to
+        within ``STALE_PART_S`` is another writer's (two origins may share one store folder): kept. Deleting
+        it once made that origin's write fail (the vLLM tests' two origins on one store, at start)."""
+        now = time.time()
         for p in self.tmp.iterdir():
-            p.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                if now - p.stat().st_mtime > STALE_PART_S:
+                    p.unlink(missing_ok=True)
         for d1 in sorted(self.root.iterdir()):
             if d1 == self.tmp or not d1.is_dir() or len(d1.name) != 2:
                 continue

@@ -4,10 +4,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from kdn.errors import InvalidInput
+from kdn import store
 from kdn.store import BlobDir
 
 A1 = "a1" * 32
@@ -36,11 +38,16 @@ def test_scan_finds_blobs_and_removes_half_written_files(tmp_path):
     d = BlobDir(tmp_path)
     d.put(A1, "raw", b"1")
     d.put(A2, "zstd", b"22")
-    (tmp_path / "tmp" / f"{A2}.raw.0000.part").write_bytes(b"half")
+    crashed = tmp_path / "tmp" / f"{A2}.raw.0000.part"
+    crashed.write_bytes(b"half")
+    old = time.time() - store.STALE_PART_S - 1
+    os.utime(crashed, (old, old))  # a writer that died long ago
+    writing = tmp_path / "tmp" / f"{A1}.zstd.1111.part"
+    writing.write_bytes(b"in progress")  # another origin on the same folder, writing now
     (tmp_path / "a1" / "a1" / "notes.txt").write_text("not a blob")
     found = {(b.address, b.encoding, b.size) for b in BlobDir(tmp_path).scan()}
     assert found == {(A1, "raw", 1), (A2, "zstd", 2)}
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert list((tmp_path / "tmp").iterdir()) == [writing]
 
 
 def test_process_killed_mid_write_leaves_no_blob(tmp_path):

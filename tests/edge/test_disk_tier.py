@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 
 from blake3 import blake3
 
 from kdn.edge import disk as disk_mod
 from kdn.edge.disk import DiskTier
 from kdn.edge.tiers import EntryMeta, PolicyState
-from kdn.store import BlobDir
+from kdn.store import STALE_PART_S, BlobDir
 
 
 def key(i: int) -> tuple[str, str]:
@@ -97,6 +99,8 @@ async def test_half_written_temp_file_is_ignored_and_removed(tmp_path):
     await fill(DiskTier(tmp_path, 10_000), 1)
     part = tmp_path / "tmp" / f"{key(5)[0]}.raw.abcdef.part"
     part.write_bytes(b"half a blob")
+    old = time.time() - STALE_PART_S - 1
+    os.utime(part, (old, old))  # a crash's leftover (a fresh one may be another writer's, and is kept)
     t = DiskTier(tmp_path, 10_000)
     assert set(t.keys()) == {key(0)} and t.used == 1_000
     assert not part.exists()
