@@ -68,7 +68,8 @@ _NO_BODY = _Flat(memoryview(b""))  # an idle connection's body: nothing may land
 
 
 class _Conn(asyncio.BufferedProtocol):
-    def __init__(self) -> None:
+    def __init__(self, getter: BodyGetter | None = None) -> None:
+        self.getter = getter  # its ``received`` counts every body byte that lands
         self.transport: asyncio.Transport | None = None
         self.head = bytearray(MAX_HEADER)
         self.hview = memoryview(self.head)
@@ -135,6 +136,8 @@ class _Conn(asyncio.BufferedProtocol):
                     self._fail(e)
                     return
             self.got += n
+            if self.getter is not None:
+                self.getter.received += n
         else:
             self.hn += n
             end = self.head.find(b"\r\n\r\n", 0, self.hn)
@@ -177,6 +180,8 @@ class _Conn(asyncio.BufferedProtocol):
                         return
                 self.got += k
                 pos += k
+                if self.getter is not None:
+                    self.getter.received += k
         if self.resp is not None and self.got >= self.resp.length and not self.done.done():
             self.done.set_result(self.resp)
 
@@ -231,6 +236,9 @@ class BodyGetter:
         self._local_addr = (local_addr, 0) if local_addr else None
         self._idle: dict[_Key, list[_Conn]] = defaultdict(list)
         self._per_host = per_host
+        # Body bytes landed so far, over every connection, including requests still in flight or given up:
+        # what a load that ran past its deadline did move (kdn.planner learns the link's speed from it).
+        self.received = 0
 
     async def get(self, url: str, buf: memoryview | Sink, headers: dict[str, str], timeout: float | None, *,
                   hasher: Hasher | None = None) -> Response:
@@ -253,7 +261,7 @@ class BodyGetter:
                 reused = conn is not None
                 try:
                     if conn is None:
-                        _, conn = await loop.create_connection(_Conn, host, port, ssl=self._ssl if tls else None,
+                        _, conn = await loop.create_connection(lambda: _Conn(self), host, port, ssl=self._ssl if tls else None,
                                                                server_hostname=host if tls else None,
                                                                local_addr=self._local_addr)
                     done = conn._arm(sink, hasher)  # a retry follows only a failure before any byte: the hasher is fresh

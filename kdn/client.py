@@ -272,6 +272,12 @@ class KDNClient:
         return self._getter
 
     @property
+    def received_bytes(self) -> int:
+        """Object-body bytes landed so far on this client's connections, including requests still in flight
+        or given up: a load cut short at its deadline measures its link by them (``kdn.planner``)."""
+        return self._getter.received if self._getter is not None else 0
+
+    @property
     def fetcher(self) -> Fetcher:
         """Verified fetches (``kdn.fetch``) over ``getter``, measured into ``estimates``."""
         if self._fetcher is None:

@@ -29,11 +29,11 @@ transformers adapter; vLLM loads only a prefix past what it holds),
 The plan is the least of these, ``T(0)`` (compute everything) included. Its
 ``deadline_s`` bounds the load: past it, the loader uses what arrived and
 computes the rest, so a stalled source costs a bounded delay, not a hang; and
-the loader reports that load as taking at least its deadline
+the loader reports the bytes that did land by then
 (``Speeds.observe_load(abandoned=True)``), so a link that turned slow is learnt
-from the few loads it spoils. A plan that computes everything measures nothing: once the last
-load is ``PROBE_AFTER_S`` old, a plan that would compute all loads its first
-chunk instead (reason "probe"), so a link that recovered is seen again at the
+from the one load it spoils. A plan that computes everything measures nothing:
+once the last load is ``PROBE_AFTER_S`` old, a plan that would compute all
+loads its first chunk instead (reason "probe"), so a link that recovered is seen again at the
 cost of one chunk; the probe's measurement replaces the stale one (no moving
 average drags the old speed along).
 
@@ -140,12 +140,14 @@ class Speeds:
 
     def observe_load(self, nbytes: int, seconds: float, now: float | None = None, *, abandoned: bool = False) -> None:
         """A load of ``nbytes`` that took ``seconds``. One ``abandoned`` at its deadline is reported with the
-        bytes it was meant to move and the time it was given: a bound (it would have taken longer), so the
-        speed drops to it at once rather than by a moving average's step, and the next deadline, twice the
-        next expected time, is at least twice this one: a link that turned slow costs a few short loads."""
-        if nbytes <= 0 or seconds <= 0:
+        bytes that did land in the time it was given (``BodyGetter.received`` over the load): the link's
+        own speed while it ran, taken at once rather than by a moving average's step, so that the next
+        plan computes if that speed loses to the prefill: a link that turned slow costs one load, not one
+        per doubling of the deadline (bench/vllm_plan.py: three, before). No byte at all (a stalled
+        source) counts as one, a speed that makes every load lose until the probe."""
+        if seconds <= 0 or (nbytes <= 0 and not abandoned):
             return
-        bps = nbytes / seconds
+        bps = max(nbytes, 1) / seconds
         if self.load_bps is None or self.stale(now):  # a stale estimate is not blended with: a probe resets it
             self.load_bps = bps
         elif abandoned:

@@ -178,7 +178,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
             pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
             builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(),
                                                                          arena=pool))
-            t0 = time.perf_counter()
+            t0, received = time.perf_counter(), client.received_bytes
             fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder))
             try:
                 states = await asyncio.wait_for(asyncio.shield(fetch), decision.deadline_s if decision else None)
@@ -187,9 +187,8 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
                 fetch.cancel()
                 await asyncio.gather(fetch, return_exceptions=True)
                 assert decision is not None  # (no deadline without a plan)
-                if warm:  # it would have taken longer than this: the next plan knows the link turned slow
-                    speeds.observe_load(sum(c.nbytes for c in chunks[:hit.chunks]), time.perf_counter() - t0,
-                                        abandoned=True)
+                if warm:  # what did land by then is the link's speed: the next plan knows it turned slow
+                    speeds.observe_load(client.received_bytes - received, time.perf_counter() - t0, abandoned=True)
                 layout = await loop.run_in_executor(None, layer_layout, model)
                 upto = builder.added_prefix() if kind_of(layout) == "kv" else 0
                 report.plan += (f"; the load ran past its {decision.deadline_s * 1e3:.0f} ms deadline: "

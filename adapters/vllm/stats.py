@@ -58,8 +58,9 @@ class KDNStats(KVConnectorStats):
         self.data["failures"][reason] = self.data["failures"].get(reason, 0) + 1
 
     def sampled(self, nbytes: int, seconds: float, abandoned: bool = False) -> None:
-        """One load: the wire bytes it was to move, its seconds from start to the last piece staged (or to
-        its deadline), and whether it was given up there."""
+        """One load: the wire bytes it moved (all it was to move; given up at its deadline, what landed by
+        then), its seconds from start to the last piece staged (or to its deadline), and whether it was
+        given up there."""
         samples = self.data.setdefault("samples", [])
         samples.append([int(nbytes), float(seconds), int(abandoned)])
         del samples[:-256]

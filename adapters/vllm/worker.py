@@ -94,6 +94,7 @@ class _Running:
     error: LoadFailed | None = None
     upto: int = -1  # tokens [plan.first, upto) are still being written; a failure lowers it
     started: float = field(default_factory=time.perf_counter)
+    received: int = 0  # the client's body bytes landed when it started (KDNClient.received_bytes)
     ready: float = 0.0  # when its last piece was staged (or it was given up)
 
     def __post_init__(self) -> None:
@@ -171,7 +172,7 @@ class WorkerSide:
 
     def _begin(self, job: LoadJob) -> _Running:
         """A load with its staging taken from the arena and every fetch started (each stages its piece)."""
-        run = _Running(job)
+        run = _Running(job, received=self.client.received_bytes)
         cache = next(iter(self.attn.values())).module.kv_cache if self.attn else None
         try:
             run.staging = Staging(self.arena, [(a.kv_heads, a.head_dim) for a in self._order],
@@ -284,12 +285,15 @@ class WorkerSide:
             fut.cancel()
         run.ready = time.perf_counter()
         if (run.error is None or run.error.reason == "timeout") and not run.job.plan.cold:
-            # The planner's load speed: a load given up at its deadline took at least that long. (A cold
-            # load timed the entry edge's upstream, not this engine's link.)
+            # The planner's load speed: a load given up at its deadline moved what landed by then (every
+            # load's bytes on this client's connections, while it ran: the link it shares with them). (A
+            # cold load timed the entry edge's upstream, not this engine's link.)
+            given_up = run.error is not None
+            moved = (self.client.received_bytes - run.received if given_up
+                     else sum(p.size for p in run.job.plan.pieces))
             with self._lock:
                 for st in (self.stats, self.totals):
-                    st.sampled(sum(p.size for p in run.job.plan.pieces), run.ready - run.started,
-                               abandoned=run.error is not None)
+                    st.sampled(moved, run.ready - run.started, abandoned=given_up)
 
     def _fail(self, run: _Running, e: LoadFailed) -> None:
         run.error = e

@@ -25,6 +25,7 @@ from kdn.objects import encode_object, from_torch
 
 CHUNK = 256
 N_CHUNKS = 4
+PARTIAL = 1000
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,7 @@ def published(lm):
 
 async def edge(addrs, blobs, records, stall_from: int | None = None) -> TestServer:
     release = asyncio.Event()
+    slow = {"on": False}  # once on: each object sends its first PARTIAL bytes, then nothing (a link gone slow)
 
     async def lookup(request):
         asked = (await request.json())["addresses"]
@@ -66,6 +68,13 @@ async def edge(addrs, blobs, records, stall_from: int | None = None) -> TestServ
         a = request.match_info["address"]
         if stall_from is not None and addrs.index(a) >= stall_from:
             await release.wait()  # a stalled source: never answers (until the test ends)
+        if slow["on"]:
+            r = web.StreamResponse(headers={"X-KDN-Encoding": "raw", "X-KDN-Source": "memory"})
+            r.content_length = len(blobs[a])
+            await r.prepare(request)
+            await r.write(blobs[a][:PARTIAL])
+            await release.wait()
+            return r
         return web.Response(body=blobs[a], headers={"X-KDN-Encoding": "raw", "X-KDN-Source": "memory"})
 
     app = web.Application()
@@ -74,6 +83,7 @@ async def edge(addrs, blobs, records, stall_from: int | None = None) -> TestServ
     app.router.add_get("/v1/objects/{address}", obj)
     server = TestServer(app, host="127.0.0.1")
     server.release = release
+    server.slow = slow
     await server.start_server()
     return server
 
@@ -144,3 +154,32 @@ async def test_a_stalled_source_becomes_a_recompute_within_the_deadline(lm):
     assert gen.report.tokens_reused == 2 * CHUNK
     assert waited < 1.0 + 10.0  # the deadline, then the computed rest (tiny model): never the 30 s timeout
     assert torch.equal(gen.first_logits, reference(lm, ids, [5, 6, 7], 2).float())
+
+
+async def test_a_link_gone_slow_spoils_one_load_then_the_prompt_is_computed(lm):
+    """Warm reads measure the link fast; then it sends only a trickle. The next load is given up at its
+    deadline and reports the bytes that landed by then (not the bytes it was meant to move), so the
+    request after it computes at once instead of trying again with a doubled deadline."""
+    ids, mid, addrs, blobs, records = published(lm)
+    server = await edge(addrs, blobs, records)
+    try:
+        calibrate(lm, 2.0)
+        sp = speeds_of(lm.model)
+        sp.load_bps, sp.loads, sp.last_load = None, 0, None
+        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")], hedge=False) as c:
+            for _ in range(2):  # reads from the edge's memory: they measure the link (fast)
+                gen = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
+                assert gen.report.tokens_reused == N_CHUNKS * CHUNK
+            fast = sp.loads
+            assert fast >= 1 and sp.load_bps > 1e6
+            server.slow["on"] = True
+            spoiled = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
+            after = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
+    finally:
+        server.release.set()
+        await server.close()
+    assert "ran past its" in spoiled.report.plan and spoiled.report.tokens_reused == 0
+    deadline = 0.25 * 2.0 * (N_CHUNKS * CHUNK + 3) / 1024  # a quarter of the prefill (kdn.planner._deadline)
+    assert sp.loads == fast + 1 and sp.load_bps <= N_CHUNKS * PARTIAL / (0.9 * deadline)  # what landed, not the blobs
+    assert after.report.plan.startswith("compute: load") and after.report.tokens_reused == 0
+    assert torch.equal(after.first_logits, reference(lm, ids, [5, 6, 7], 0).float())

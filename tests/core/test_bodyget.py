@@ -130,6 +130,31 @@ async def test_timeout_closes_the_connection():
         server.close()
 
 
+async def test_received_counts_every_body_byte_even_of_a_request_given_up():
+    """What a load cut short at its deadline did move (kdn.planner learns the link's speed from it)."""
+    async def handler(reader, writer):
+        while True:
+            path = (await read_request(reader)).split(b" ")[1]
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY))
+            writer.write(BODY if path == b"/whole" else BODY[:1000])  # /part: 1,000 bytes, then nothing
+            await writer.drain()
+            if path != b"/whole":
+                await asyncio.sleep(5)
+
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        assert g.received == 0
+        await g.get(url + "/whole", memoryview(bytearray(len(BODY))), {}, 5)
+        assert g.received == len(BODY)
+        with pytest.raises(TimeoutError):
+            await g.get(url + "/part", memoryview(bytearray(len(BODY))), {}, 0.3)
+        assert g.received == len(BODY) + 1000  # the head's bytes are not counted, the body's are
+    finally:
+        g.close()
+        server.close()
+
+
 @pytest.mark.parametrize("head", [
     b"Content-Length: 1000\r\nContent-Length: 1001\r\n",  # two lengths: which body is this?
     b"Content-Length: +1000\r\n",  # int() would take these

@@ -89,14 +89,28 @@ def test_where_a_prefill_is_dear_a_load_may_run_long_before_it_is_abandoned():
     assert p.load == 32 and p.expected_load_s < 0.5 and p.deadline_s == pytest.approx(0.25 * p.compute_all_s)
 
 
-def test_an_abandoned_load_bounds_the_speed_at_once():
-    """A load given up at its deadline proves the loader is at most that fast: no moving average's step."""
+def test_an_abandoned_load_sets_the_speed_to_what_landed_at_once():
+    """A load given up at its deadline reports the bytes that landed by then: that speed, no moving average's
+    step (and never a rise)."""
     s = Speeds(llama8b())
     s.observe_load(1 << 30, 0.1)  # 10 GB/s, measured
-    s.observe_load(1 << 30, 2.0, abandoned=True)  # then a load given up after 2 s
-    assert s.load_bps == pytest.approx((1 << 30) / 2.0)
+    s.observe_load(64 << 20, 2.0, abandoned=True)  # then a load given up after 2 s, 64 MiB in
+    assert s.load_bps == pytest.approx((64 << 20) / 2.0)
     s.observe_load(1 << 30, 0.1, abandoned=True)  # an abandoned load never raises the estimate
-    assert s.load_bps == pytest.approx((1 << 30) / 2.0)
+    assert s.load_bps == pytest.approx((64 << 20) / 2.0)
+    p = plan(chunks(), 8192 + 16, link=link(1), speeds=s)
+    assert p.outcome == "compute"  # 1 GiB at 32 MiB/s loses to the 8B model's prefill
+
+
+def test_an_abandoned_load_that_moved_nothing_makes_loads_lose_until_the_probe():
+    s = Speeds(llama8b())
+    s.observe_load(1 << 30, 0.1, now=0.0)
+    s.observe_load(0, 0.5, now=1.0, abandoned=True)  # a stalled source: no byte in 0.5 s
+    assert s.load_bps is not None and s.load_bps <= 2.0
+    assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=2.0).outcome == "compute"
+    assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=1.0 + PROBE_AFTER_S + 1).outcome == "probe"
+    s.observe_load(0, 0.0, abandoned=True)  # no time: nothing learnt
+    assert s.loads == 2
 
 
 def test_cached_tokens_are_costed_after_what_the_engine_holds():
