@@ -11,7 +11,8 @@ scheduler, which never sees a forward itself:
   steps that loaded from the KDN teach nothing (their time is not compute).
 - **the loader**: the wire bytes of each of this engine's loads and the time
   from its start to its last piece staged, reported by the worker side in its
-  stats; a load abandoned at its deadline counts as having taken that long.
+  stats; a load abandoned at its deadline reports the bytes that landed by
+  then (the link's speed while it ran).
 - **the link**: the client's least expected time for the bytes.
 
 ``decide`` cuts a ``LoadPlan`` to the number of pieces the planner chose,
