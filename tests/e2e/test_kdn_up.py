@@ -32,11 +32,30 @@ def test_kdn_up_runs_the_demo_and_reuses_the_document(tmp_path):
     assert warm, out
     assert int(warm.group(1)) >= 3000  # the whole published document came from the cache
     assert re.search(r"\d+\.\dx faster with KDN", out)
+    # the KDN's answer is the one computing the prompt in the origin's chunks gives, token for token
+    assert re.search(r"the same \d+ tokens as computing the prompt here without KDN", out), out
+    assert "NOT the same" not in out
     assert "kdn registry show" in out and "kdn publish" in out
     # its secrets, registry and blobs are the user's alone (once 0644 files in a 0755 folder)
     assert home.stat().st_mode & 0o777 == 0o700
     for secret in ("tokens", "edge-token", "origin.key"):
         assert (home / secret).stat().st_mode & 0o077 == 0, secret
+
+
+def test_the_demo_question_is_one_smollm2_answers_right_on_the_path_the_kdn_is_exact_to():
+    """`kdn up` on a machine with SmolLM2 asks ``up.QUESTION``: the model must answer it from the sample with the
+    document's own figure, computed as a KDN hit is (published tokens in 256-token chunks, then the question)."""
+    from kdn.adapters.hf import load_model, prompt_tokens
+    from kdn.origin.publish import head_text
+    from kdn.template import encode_frame, encode_text
+    from kdn.up import ANSWER, QUESTION, SAMPLE, _chunked
+
+    lm = load_model("smollm2-135m")
+    tok = lm.tokenizer
+    published = encode_frame(tok, head_text(tok, "chat", None, None)) + encode_text(tok, SAMPLE.read_text())
+    ids = prompt_tokens(tok, {"prefix_tokens": published, "template": "chat"}, QUESTION)
+    out = tok.decode(_chunked(lm, ids, len(published) // 256 * 256, 24), skip_special_tokens=True)
+    assert ANSWER in out, out
 
 
 def test_kdn_up_takes_free_ports_when_its_own_are_busy_and_floods_no_progress_bars(tmp_path):
