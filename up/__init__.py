@@ -288,5 +288,6 @@ def _chunked(lm: Any, ids: list[int], reused: int, max_new_tokens: int) -> list[
     with torch.inference_mode():
         cache = prefill(lm.model, ids[:reused], chunk_tokens=256) if reused else new_cache(lm.model)
         logits = continue_from_cache(lm.model, cache, reused, ids[reused:])
-        return decode_loop(lm.model, cache, int(torch.argmax(logits[-1].float())), len(ids), max_new_tokens,
-                           getattr(lm.tokenizer, "eos_token_id", None))
+        out: list[int] = decode_loop(lm.model, cache, int(torch.argmax(logits[-1].float())), len(ids), max_new_tokens,
+                                     getattr(lm.tokenizer, "eos_token_id", None))
+    return out
