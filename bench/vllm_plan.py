@@ -1,6 +1,6 @@
 """vLLM with the load planner over an edge link that turns slow, then recovers: never (for long) slower than computing.
 
-    python -P bench/vllm_plan.py [--model smollm2-135m] [--length 2048] [--mbit 40] [--slow 6]
+    python -P bench/vllm_plan.py [--model smollm2-135m] [--length 2048] [--mbit auto] [--slow 6]
 
 On 127.0.0.1, in their own processes: an origin (transformers, bf16, ``zstd``
 and ``raw``) and one edge with a memory tier; in front of the edge a user-space
@@ -12,7 +12,11 @@ Then, each request the context plus a 16-token suffix, a fresh cache salt,
 one output token, its time to first token (TTFT) and the planner's choice:
 
 1. ``fast``: the link unlimited (loopback): the planner loads;
-2. ``slow``: the link cut to ``--mbit`` (2 ms each way): ``--slow`` requests
+2. ``slow``: the link cut to ``--mbit`` (2 ms each way; ``auto``: the rate at
+   which the context's wire bytes take ``SLOW_X`` = 3 times vLLM's prefill of
+   the prompt, measured just before, so that the contrast is the same on a
+   fast CPU and a slow one: 40 Mbit on the AVX2 EPYC this bench first ran on,
+   whose prefill took 3 s): ``--slow`` requests
    with the planner; then the baselines on the same slow link: the connector
    without a planner (``"plan": false``: it loads whatever is published), and
    vLLM's own prefill (``"load": false``);
@@ -45,6 +49,8 @@ import results as R  # noqa: E402
 import vllm_ttft as V  # noqa: E402  (its processes, publish and model inputs)
 from linkemu import LinkEmulator  # noqa: E402
 from ports import free_port  # noqa: E402
+
+SLOW_X = 3.0  # --mbit auto: the slow link moves the context's bytes in this many prefills
 
 
 class Link:
@@ -130,11 +136,16 @@ def run(args, log) -> dict:
             return row
 
         request("warm", {"load": False})  # one-off engine costs; a prefill times the engine's steps
-        request("warm", {"load": False})
+        prefill_ms = request("warm", {"load": False})["ttft_ms"]
+        wire0 = sum(worker.totals.data["bytes"].values())
         request("warm", {"plan": False})  # fills the edge's memory tier from the origin
+        wire = sum(worker.totals.data["bytes"].values()) - wire0  # the context's bytes, as the client fetches them
         for _ in range(3):
             request("fast", {})
-        link.set(2, args.mbit)
+        mbit = (wire * 8 / (SLOW_X * prefill_ms / 1e3) / 1e6 if args.mbit == "auto" else float(args.mbit))
+        log(f"slow link: {mbit:.1f} Mbit for {wire / 1e6:.1f} MB: {wire * 8 / (mbit * 1e6):.1f} s against a "
+            f"{prefill_ms / 1e3:.1f} s prefill")
+        link.set(2, mbit)
         for _ in range(args.slow):
             request("slow", {})
         for _ in range(2):
@@ -150,7 +161,7 @@ def run(args, log) -> dict:
             r = request("recovered", {})
             if r["choice"] == "load" and r["loaded"] >= L - 128:
                 break
-        return {"rows": rows, "length": L, "mbit": args.mbit, "model": args.model,
+        return {"rows": rows, "length": L, "mbit": mbit, "wire_bytes": wire, "model": args.model,
                 "probe_after_s": PROBE_AFTER_S, "planner": {"counts": planner.reasons.counts}}
     finally:
         if link is not None:
@@ -199,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--length", type=int, default=2048)
-    ap.add_argument("--mbit", type=float, default=40.0, help="the slow link's bandwidth, each way")
+    ap.add_argument("--mbit", default="auto",
+                    help="the slow link's bandwidth, each way (auto: the context's bytes take 3x the prefill)")
     ap.add_argument("--slow", type=int, default=6, help="requests with the planner over the slow link")
     ap.add_argument("--json", default=str(V.WORK / "vllm_plan.json"))
     R.add_arg(ap)
