@@ -257,6 +257,9 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
             speeds.last_probe = time.monotonic() if now is None else now
             tl = load_s(0, 1)
             t = tl + pre.seconds(total_tokens - starts[1], cached + starts[1])
+            # The usual deadline, not a shorter one: in vLLM the chunk loads inside the forward that computes
+            # the rest, so a probe given up costs that rest twice (tried: 20.4 s against 12.6 s for waiting
+            # out the slow chunk, bench/vllm_plan.py, a 9.8 s prefill).
             return Plan(0, 1, starts[1], total_tokens, t, compute_all, _deadline(tl, max_deadline_s, compute_all),
                         f"probe: one chunk, the last load measured is stale ({why})", tl)
         return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "compute: " + why, t_all)
