@@ -1,0 +1,40 @@
+"""The README's layout table names every product module (it once missed 35 of them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = ["kdn", "kdn/registry", "service", "up", "origin", "edge", "kernels", "adapters/hf", "adapters/vllm"]
+
+
+def layout_rows() -> dict[str, str]:
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        m = re.match(r"\| `([a-z/]+)/` \| [^|]+ \| (.*) \|$", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_the_readme_layout_table_names_every_module(folder):
+    rows = layout_rows()
+    row = rows.get(folder) or rows.get(folder.split("/")[0])
+    assert row is not None, f"README's layout table has no row for {folder}/"
+    modules = sorted(p.name for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
+    missing = [m for m in modules if f"`{m}`" not in row]
+    assert not missing, f"README's layout row for {folder}/ does not name {missing}"
+
+
+def test_every_product_folder_is_checked():
+    """A new product folder needs a row (and a place in FOLDERS)."""
+    packages = {str(p.parent.relative_to(ROOT)) for p in ROOT.glob("*/**/__init__.py")
+                if p.relative_to(ROOT).parts[0] not in ("tests", "bench", "deploy", "build", "docs")
+                and not any(part.startswith(".") or part.endswith(".egg-info") or part == "site-packages"
+                            for part in p.relative_to(ROOT).parts)}
+    unnamed = {p for p in packages - set(FOLDERS) if not any(f.startswith(p + "/") for f in FOLDERS)}
+    assert not unnamed, sorted(unnamed)  # (adapters/ holds only the hf/ and vllm/ rows' packages)
