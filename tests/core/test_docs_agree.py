@@ -1,4 +1,5 @@
-"""The README's layout table names every product module (it once missed 35 of them)."""
+"""What the docs say about the tree and its defaults, checked: the README's layout table names every product
+module (it once missed 35 of them); the defaults operations.md quotes are the code's."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def test_every_product_folder_is_checked():
                             for part in p.relative_to(ROOT).parts)}
     unnamed = {p for p in packages - set(FOLDERS) if not any(f.startswith(p + "/") for f in FOLDERS)}
     assert not unnamed, sorted(unnamed)  # (adapters/ holds only the hf/ and vllm/ rows' packages)
+
+
+def test_the_ring_default_the_docs_quote_is_the_codes():
+    """operations.md sized disks with 160 vnodes for a while after the code's default became 320."""
+    import inspect
+
+    from kdn.edge.membership import Membership
+    from kdn.ring import Ring
+
+    default = inspect.signature(Ring).parameters["vnodes"].default
+    assert inspect.signature(Membership).parameters["vnodes"].default == default
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    quoted = {int(n) for n in re.findall(r"default (\d+) vnodes", ops)} | {int(n) for n in re.findall(r"Ring\(vnodes=(\d+)\)", ops)}
+    assert quoted == {default}, quoted
