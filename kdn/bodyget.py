@@ -19,6 +19,8 @@ from typing import Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 MAX_HEADER = 16 << 10
+BOUNCE = 1 << 20  # a connection's read buffer for sinks of small runs ...
+BOUNCE_BELOW = 256 << 10  # ... used when the sink's next run is smaller than this
 BODY_STATUSES = (200, 206)  # answers whose body is read into the buffer (206: a range of the object)
 
 
@@ -71,6 +73,7 @@ class _Conn(asyncio.BufferedProtocol):
     def __init__(self, getter: BodyGetter | None = None) -> None:
         self.getter = getter  # its ``received`` counts every body byte that lands
         self.transport: asyncio.Transport | None = None
+        self._bounce: memoryview | None = None  # allocated at the first small-run sink, kept with the connection
         self.head = bytearray(MAX_HEADER)
         self.hview = memoryview(self.head)
         self.closed = False
@@ -90,6 +93,7 @@ class _Conn(asyncio.BufferedProtocol):
 
     def _reset(self, body: Sink, hasher: Hasher | None) -> None:
         self.body = body
+        self._bouncing = False  # the last region handed out was the bounce buffer, not the sink's
         self._last = memoryview(b"")  # the region get_buffer handed out last: where the next bytes landed
         self.hasher = hasher  # fed each body segment as it lands, while it is still in cache
         self.hn = 0
@@ -117,6 +121,17 @@ class _Conn(asyncio.BufferedProtocol):
             if not len(region):
                 self._fail(BodyError("the sink has no room for the body"))
                 return memoryview(bytearray(max(sizehint, 1)))
+            left = self.resp.length - self.got
+            if len(region) < BOUNCE_BELOW < left:
+                # A sink of small runs (kdn.scatter: 32 KB per head of a chunk): one read per run costs a
+                # system call and the loop's bookkeeping each. Read into one cache-sized buffer instead and
+                # copy the bytes out to their runs (buffer_updated) while they are still in cache.
+                if self._bounce is None:
+                    self._bounce = memoryview(bytearray(BOUNCE))
+                self._bouncing = True
+                self._last = self._bounce[:min(left, BOUNCE)]
+                return self._last
+            self._bouncing = False
             self._last = region
             return region
         return memoryview(bytearray(max(sizehint, 1)))  # bytes past the body: a protocol error
@@ -128,6 +143,8 @@ class _Conn(asyncio.BufferedProtocol):
         if self.resp is not None:
             if self.got >= self.resp.length:
                 self._fail(BodyError("body longer than Content-Length"))
+                return
+            if self._bouncing and not self._place(self._last[:n]):
                 return
             if self.hasher is not None:
                 try:
@@ -184,6 +201,24 @@ class _Conn(asyncio.BufferedProtocol):
                     self.getter.received += k
         if self.resp is not None and self.got >= self.resp.length and not self.done.done():
             self.done.set_result(self.resp)
+
+    def _place(self, data: memoryview) -> bool:
+        """Copy bytes read into the bounce buffer out to the sink's runs (before they are hashed: a sink may
+        act on a verified prefix at once). False: the sink refused them (the request failed)."""
+        pos, n = 0, len(data)
+        while pos < n:
+            try:
+                dst = self.body.region(self.got + pos)[:n - pos]
+            except Exception as e:  # noqa: BLE001 -- as in get_buffer
+                self._fail(BodyError(f"body refused: {str(e)[:200]}"))
+                return False
+            k = len(dst)
+            if not k:
+                self._fail(BodyError("the sink has no room for the body"))
+                return False
+            dst[:] = data[pos:pos + k]
+            pos += k
+        return True
 
     def _fail(self, exc: Exception) -> None:
         if self.done is not None and not self.done.done():

@@ -130,6 +130,66 @@ async def test_timeout_closes_the_connection():
         server.close()
 
 
+class Runs:
+    """A sink of small runs over one buffer, in a shuffled order (as kdn.scatter's per-head runs are)."""
+
+    def __init__(self, size: int, run: int) -> None:
+        import random
+
+        self.size, self.run = size, run
+        self.mem = bytearray(-(-size // run) * run)  # whole runs: any run may land in any slot
+        order = list(range(0, size, run))
+        random.Random(3).shuffle(order)
+        self.where = dict(zip(range(0, size, run), order))  # body offset of a run -> where it lands in mem
+        self.asked = 0
+
+    def region(self, offset: int) -> memoryview:
+        self.asked += 1
+        start = offset // self.run * self.run
+        dst = self.where[start]
+        return memoryview(self.mem)[dst + offset - start:dst + min(self.run, self.size - start)]
+
+    def body(self) -> bytes:
+        return b"".join(bytes(self.mem[self.where[s]:self.where[s] + min(self.run, self.size - s)])
+                        for s in range(0, self.size, self.run))
+
+
+@pytest.mark.parametrize("run", [7, 4096, 32 << 10, 300 << 10])
+async def test_a_sink_of_small_runs_gets_every_byte_in_its_place_and_the_hasher_all_in_order(run):
+    """Runs smaller than BOUNCE_BELOW are read through one bounce buffer and copied out; larger ones directly."""
+    from blake3 import blake3
+
+    handler, _ = good()
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        sink, h = Runs(len(BODY), run), blake3()
+        r = await g.get(url + "/o", sink, {}, 5, hasher=h)
+        assert r.status == 200 and sink.body() == BODY and h.digest() == blake3(BODY).digest()
+        assert g.received == len(BODY)
+    finally:
+        g.close()
+        server.close()
+
+
+async def test_a_small_run_sink_that_refuses_mid_body_fails_the_request():
+    class Refusing(Runs):
+        def region(self, offset):
+            if offset >= 500_000:
+                raise ValueError("no place for these bytes")
+            return super().region(offset)
+
+    handler, _ = good()
+    server, url = await serve(handler)
+    g = BodyGetter(ssl=None)
+    try:
+        with pytest.raises(BodyError, match="body refused: no place"):
+            await g.get(url + "/o", Refusing(len(BODY), 4096), {}, 5)
+    finally:
+        g.close()
+        server.close()
+
+
 async def test_received_counts_every_body_byte_even_of_a_request_given_up():
     """What a load cut short at its deadline did move (kdn.planner learns the link's speed from it)."""
     async def handler(reader, writer):
