@@ -3,7 +3,10 @@
 The fetch client's hot path. aiohttp's client hands over a fresh ``bytes`` per
 socket read, which must then be copied into the destination: on loopback that
 held the client to ~0.4x of a raw ``recv_into`` client (bench/serve.py). Here
-the event loop reads the body directly into the caller's buffer. Only what
+the event loop reads the body directly into the caller's buffer (or, for a
+sink of small runs such as ``kdn.scatter``'s 32 KB per head, into a 1 MiB
+bounce buffer per connection whose bytes are copied out to their runs while in
+cache: one read per run cost more, bench/datapath.py). Only what
 the object route needs: ``GET``, a ``Content-Length`` body (no chunked
 encoding), keep-alive connections pooled per origin, TLS through the stdlib
 context, a bounded header block, and a deadline per request.
@@ -69,9 +72,19 @@ class Response:
 _NO_BODY = _Flat(memoryview(b""))  # an idle connection's body: nothing may land in it
 
 
+class Tally:
+    """Body bytes landed for one caller's requests (one load's fetches), including requests still in flight
+    or given up: what a load cut short at its deadline did move (``kdn.planner`` learns the link from it).
+    A hedge's second body counts too."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
 class _Conn(asyncio.BufferedProtocol):
-    def __init__(self, getter: BodyGetter | None = None) -> None:
-        self.getter = getter  # its ``received`` counts every body byte that lands
+    def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._bounce: memoryview | None = None  # allocated at the first small-run sink, kept with the connection
         self.head = bytearray(MAX_HEADER)
@@ -80,9 +93,9 @@ class _Conn(asyncio.BufferedProtocol):
         self.done: asyncio.Future[Response] | None = None
         self._disarm()
 
-    def _arm(self, body: Sink, hasher: Hasher | None) -> asyncio.Future[Response]:
+    def _arm(self, body: Sink, hasher: Hasher | None, tally: Tally | None = None) -> asyncio.Future[Response]:
         """Expect one response whose body lands in ``body``; the future resolves with its head."""
-        self._reset(body, hasher)
+        self._reset(body, hasher, tally)
         self.done = asyncio.get_running_loop().create_future()
         return self.done
 
@@ -91,8 +104,9 @@ class _Conn(asyncio.BufferedProtocol):
         self._reset(_NO_BODY, None)
         self.done = None
 
-    def _reset(self, body: Sink, hasher: Hasher | None) -> None:
+    def _reset(self, body: Sink, hasher: Hasher | None, tally: Tally | None = None) -> None:
         self.body = body
+        self.tally = tally
         self._bouncing = False  # the last region handed out was the bounce buffer, not the sink's
         self._last = memoryview(b"")  # the region get_buffer handed out last: where the next bytes landed
         self.hasher = hasher  # fed each body segment as it lands, while it is still in cache
@@ -153,8 +167,8 @@ class _Conn(asyncio.BufferedProtocol):
                     self._fail(e)
                     return
             self.got += n
-            if self.getter is not None:
-                self.getter.received += n
+            if self.tally is not None:
+                self.tally.bytes += n
         else:
             self.hn += n
             end = self.head.find(b"\r\n\r\n", 0, self.hn)
@@ -197,8 +211,8 @@ class _Conn(asyncio.BufferedProtocol):
                         return
                 self.got += k
                 pos += k
-                if self.getter is not None:
-                    self.getter.received += k
+                if self.tally is not None:
+                    self.tally.bytes += k
         if self.resp is not None and self.got >= self.resp.length and not self.done.done():
             self.done.set_result(self.resp)
 
@@ -271,14 +285,12 @@ class BodyGetter:
         self._local_addr = (local_addr, 0) if local_addr else None
         self._idle: dict[_Key, list[_Conn]] = defaultdict(list)
         self._per_host = per_host
-        # Body bytes landed so far, over every connection, including requests still in flight or given up:
-        # what a load that ran past its deadline did move (kdn.planner learns the link's speed from it).
-        self.received = 0
 
     async def get(self, url: str, buf: memoryview | Sink, headers: dict[str, str], timeout: float | None, *,
-                  hasher: Hasher | None = None) -> Response:
+                  hasher: Hasher | None = None, tally: Tally | None = None) -> Response:
         """GET ``url`` into ``buf`` (one buffer, or a ``Sink`` that places the bytes); with ``hasher`` (e.g.
-        ``blake3()``), every body byte is also fed to it as it arrives, so verifying costs no second pass."""
+        ``blake3()``), every body byte is also fed to it as it arrives, so verifying costs no second pass; with
+        ``tally``, every body byte that lands is counted there too."""
         sink: Sink = _Flat(buf) if isinstance(buf, memoryview) else buf
         u = urlsplit(url)
         tls = u.scheme == "https"
@@ -296,10 +308,10 @@ class BodyGetter:
                 reused = conn is not None
                 try:
                     if conn is None:
-                        _, conn = await loop.create_connection(lambda: _Conn(self), host, port, ssl=self._ssl if tls else None,
+                        _, conn = await loop.create_connection(_Conn, host, port, ssl=self._ssl if tls else None,
                                                                server_hostname=host if tls else None,
                                                                local_addr=self._local_addr)
-                    done = conn._arm(sink, hasher)  # a retry follows only a failure before any byte: the hasher is fresh
+                    done = conn._arm(sink, hasher, tally)  # a retry follows only a failure before any byte: the hasher is fresh
                     conn.send(request)
                     resp = await done
                     break

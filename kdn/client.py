@@ -34,7 +34,7 @@ import aiohttp
 
 from kdn import address as A
 from kdn.address import validate_digest
-from kdn.bodyget import BodyGetter
+from kdn.bodyget import BodyGetter, Tally
 from kdn.encodings import affordable, parse_budget
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.estimate import DECODE, DecodeSpeeds, Estimates
@@ -270,12 +270,6 @@ class KDNClient:
             self._getter = BodyGetter(ssl=self._ssl if self._ssl is not None else client_context(self._ca),
                                       local_addr=self._local_addr)
         return self._getter
-
-    @property
-    def received_bytes(self) -> int:
-        """Object-body bytes landed so far on this client's connections, including requests still in flight
-        or given up: a load cut short at its deadline measures its link by them (``kdn.planner``)."""
-        return self._getter.received if self._getter is not None else 0
 
     @property
     def fetcher(self) -> Fetcher:
@@ -545,12 +539,15 @@ class KDNClient:
 
     async def fetch(self, address: str, *, encoding: str | None = None, digest: str | None = None,
                     size: int | None = None, quality: str | float | None = None, cold: bool = False,
-                    pooled: bool = False, arena: Arena | None = None, pieces: Pieces | None = None) -> Fetched:
+                    pooled: bool = False, arena: Arena | None = None, pieces: Pieces | None = None,
+                    tally: Tally | None = None) -> Fetched:
         """One object, verified. Without ``digest`` the registry record supplies it (and, without
         ``encoding``, the record's encodings are chosen from by ``quality``). ``pooled``: the body lands
         in a buffer of ``arena`` (default: the client's, when it has one), which the caller hands back with
         ``Fetched.release()`` once the bytes are used (ArenaFull when the arena's budget is spent). ``pieces``
-        (the record's piece digests, ``kdn.pieces``) verify the body piece by piece as it lands."""
+        (the record's piece digests, ``kdn.pieces``) verify the body piece by piece as it lands. ``tally``
+        (``kdn.bodyget.Tally``) counts the body bytes as they land, also of an attempt that fails or is cut
+        short: a load given up at its deadline measures its own link by them (``kdn.planner``)."""
         A.validate_address(address)
         if digest is None or encoding is None or size is None:
             rec = await self.record(address)
@@ -567,11 +564,12 @@ class KDNClient:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         async with self._sem:
             return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold,
-                                            pooled=(arena or self.arena) if pooled else None, pieces=pieces)
+                                            pooled=(arena or self.arena) if pooled else None, pieces=pieces,
+                                            tally=tally)
 
     async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int, *, hedge: bool = True,
                             pooled: Arena | None = None, pieces: Pieces | None = None,
-                            part: tuple[int, int] | None = None) -> Fetched:
+                            part: tuple[int, int] | None = None, tally: Tally | None = None) -> Fetched:
         """Through ``kdn.fetch`` (one verified fetch for edges and clients): the best source first, hedged to
         the next past twice its expected time (at most ``max_hedges`` extra; others only when a source
         fails); the first verified body wins.
@@ -586,7 +584,7 @@ class KDNClient:
         alloc = pooled.take if pooled is not None else None  # the arena the body lands in, if any
         body = await self.fetcher.fetch(want,
                                         routes, hedge=hedge, max_hedges=self.max_hedges, alloc=alloc,
-                                        observer=self.fetch_observer)
+                                        observer=self.fetch_observer, tally=tally)
         blob = body.buffer.data if isinstance(body.buffer, Fresh) else body.blob
         self.note_read(address)
         return Fetched(address, encoding, blob, f"{body.route.label}/{body.served_by}", body.seconds, body.buffer)
@@ -725,7 +723,8 @@ class KDNClient:
     async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None,
                            quality: str | float | None = None,
                            into: Callable[[int, ObjectView], None] | None = None,
-                           arena: Arena | None = None, scatter: Placer | None = None) -> PrefixStates:
+                           arena: Arena | None = None, scatter: Placer | None = None,
+                           tally: Tally | None = None) -> PrefixStates:
         """Fetch, verify and decode every object of a lookup; objects stay in chain order.
 
         A pipeline per object: each is decoded (off the event loop) as soon as it
@@ -741,8 +740,10 @@ class KDNClient:
         goes back once ``into`` has used it, so ``fetched[i].blob`` must not be read after.
 
         With ``scatter`` (``kdn.scatter.Placer``, e.g. the same ``CacheBuilder``), a chunk fetched ``raw`` that
-        the engine can place is received straight into its memory (``kdn.scatter``: no receive buffer, no
-        copy); its ``fetched[i].blob`` is empty.
+        the engine can place is received straight into its memory (``kdn.scatter``: no receive buffer of the
+        object's size; its 32 KB runs are read through the connection's 1 MiB bounce buffer and copied out
+        while in cache, ``kdn.bodyget``); its ``fetched[i].blob`` is empty. ``tally``: every body byte of the
+        prefix counted as it lands (``fetch``).
         """
         from kdn.objects import DecodedObject
 
@@ -763,12 +764,13 @@ class KDNClient:
                                   f" (it has {sorted(rec['encodings'])})")
             e = rec["encodings"][enc]
             if scatter is not None and enc == "raw" and scatter.placeable(index):
-                f, layout = await self._fetch_placed(address, e, index, hit, scatter)
+                f, layout = await self._fetch_placed(address, e, index, hit, scatter, tally)
                 arrived.append(time.perf_counter())
                 scatter.placed(index, layout)
                 return f, DecodedObject(layout.header, {})
             f = await self.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
-                                 cold=address in hit.cold, pooled=into is not None, arena=pool, pieces=_pieces_of(e))
+                                 cold=address in hit.cold, pooled=into is not None, arena=pool, pieces=_pieces_of(e),
+                                 tally=tally)
             arrived.append(time.perf_counter())
             try:
                 # A kvtc object: its basis first (fetched once); its decode bounded by the span the lookup
@@ -785,7 +787,7 @@ class KDNClient:
         return PrefixStates(hit, [o for _, o in done], [f for f, _ in done], t_last - t0, time.perf_counter() - t_last)
 
     async def _fetch_placed(self, address: A.Address, e: dict[str, Any], index: int, hit: Lookup,
-                            scatter: Placer) -> tuple[Fetched, Layout]:
+                            scatter: Placer, tally: Tally | None = None) -> tuple[Fetched, Layout]:
         """A raw object received straight into the engine's memory (``kdn.scatter``): never hedged, since two
         bodies would race for the same memory; a failed attempt's bytes are rewritten by the next source's."""
         from kdn.scatter import Scatter
@@ -802,7 +804,7 @@ class KDNClient:
         async with self._sem:
             body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(e["digest"]), _pieces_of(e)),
                                             routes, hedge=False, alloc=lambda n: Scatter(n, place),
-                                            observer=self.fetch_observer)
+                                            observer=self.fetch_observer, tally=tally)
         assert isinstance(body.buffer, Scatter) and body.buffer.layout is not None
         f = Fetched(address, "raw", memoryview(b""), f"{body.route.label}/{body.served_by}", body.seconds)
         self.note_read(address)

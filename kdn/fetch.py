@@ -41,7 +41,7 @@ from typing import Protocol
 from urllib.parse import quote
 
 from kdn.address import Address, Digest
-from kdn.bodyget import BodyError, BodyGetter, Sink
+from kdn.bodyget import BodyError, BodyGetter, Sink, Tally
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.estimate import Estimates
 from kdn.pieces import BodyVerifier, Pieces, PieceVerifier, piece_span, verifier
@@ -172,8 +172,10 @@ class Fetcher:
         self.failovers = 0  # attempts that failed (an error or a lie), each followed by the next source
 
     async def fetch(self, want: Want, plan: Sequence[Route], *, hedge: bool = False, max_hedges: int = 1,
-                    observer: Observer | None = None, alloc: Callable[[int], Buffer] | None = None) -> Body:
-        """The first verified body from ``plan``'s sources, in order (hedged if asked)."""
+                    observer: Observer | None = None, alloc: Callable[[int], Buffer] | None = None,
+                    tally: Tally | None = None) -> Body:
+        """The first verified body from ``plan``'s sources, in order (hedged if asked); ``tally`` counts every
+        body byte of every attempt as it lands."""
         obs = observer or _Quiet()
         make = alloc or self.alloc
         errors: list[str] = []
@@ -186,7 +188,7 @@ class Fetcher:
             nonlocal i
             route = plan[i]
             i += 1
-            task = asyncio.ensure_future(self._attempt(want, route, make))
+            task = asyncio.ensure_future(self._attempt(want, route, make, tally))
             pending[task], started[task] = route, time.perf_counter()
 
         def losers_took_at_least() -> None:
@@ -259,7 +261,8 @@ class Fetcher:
                 if not task.cancelled() and task.exception() is None and (late := task.result()) is not None:
                     late.buffer.release()
 
-    async def _attempt(self, want: Want, route: Route, make: Callable[[int], Buffer]) -> Body | None:
+    async def _attempt(self, want: Want, route: Route, make: Callable[[int], Buffer],
+                       tally: Tally | None = None) -> Body | None:
         """One request: a verified body, None for a cached-only miss, or SourceError / DigestMismatch."""
         t0 = time.perf_counter()
         lo, hi = want.span
@@ -283,7 +286,8 @@ class Fetcher:
                 if want.part is not None:  # If-Range: a source holding other bytes under the name sends all (a 200)
                     headers |= {"Range": f"bytes={lo}-{hi - 1}", "If-Range": f'"{want.digest}"'}
                 target = buf if isinstance(buf, Sink) else buf.view  # kdn.scatter places its bytes itself
-                r = await self.getter.get(url, target, headers, route.timeout or self.timeout, hasher=hasher)
+                r = await self.getter.get(url, target, headers, route.timeout or self.timeout, hasher=hasher,
+                                          tally=tally)
             except (BodyError, asyncio.TimeoutError, OSError) as e:
                 raise SourceError(f"{type(e).__name__}: {str(e)[:120]}") from None
             if r.status == 404 and route.cached_only:

@@ -140,7 +140,7 @@ class Speeds:
 
     def observe_load(self, nbytes: int, seconds: float, now: float | None = None, *, abandoned: bool = False) -> None:
         """A load of ``nbytes`` that took ``seconds``. One ``abandoned`` at its deadline is reported with the
-        bytes that did land in the time it was given (``BodyGetter.received`` over the load): the link's
+        bytes that did land in the time it was given (the load's own ``kdn.bodyget.Tally``): the link's
         own speed while it ran, taken at once rather than by a moving average's step, so that the next
         plan computes if that speed loses to the prefill: a link that turned slow costs one load, not one
         per doubling of the deadline (bench/vllm_plan.py: three, before). No byte at all (a stalled

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kdn.arena import Arena
+from kdn.bodyget import Tally
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.planner import plan as make_plan
@@ -178,8 +179,9 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
             pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
             builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(),
                                                                          arena=pool))
-            t0, received = time.perf_counter(), client.received_bytes
-            fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder))
+            t0, tally = time.perf_counter(), Tally()
+            fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder,
+                                                              tally=tally))
             try:
                 states = await asyncio.wait_for(asyncio.shield(fetch), decision.deadline_s if decision else None)
             except TimeoutError:
@@ -188,7 +190,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
                 await asyncio.gather(fetch, return_exceptions=True)
                 assert decision is not None  # (no deadline without a plan)
                 if warm:  # what did land by then is the link's speed: the next plan knows it turned slow
-                    speeds.observe_load(client.received_bytes - received, time.perf_counter() - t0, abandoned=True)
+                    speeds.observe_load(tally.bytes, time.perf_counter() - t0, abandoned=True)
                 layout = await loop.run_in_executor(None, layer_layout, model)
                 upto = builder.added_prefix() if kind_of(layout) == "kv" else 0
                 report.plan += (f"; the load ran past its {decision.deadline_s * 1e3:.0f} ms deadline: "

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from kdn.arena import ArenaFull
+from kdn.bodyget import Tally
 from kdn.kernels.pinned import host_arena
 from kdn.errors import DigestMismatch, KDNError, SourceError
 from kdn.pieces import Pieces
@@ -94,7 +95,7 @@ class _Running:
     error: LoadFailed | None = None
     upto: int = -1  # tokens [plan.first, upto) are still being written; a failure lowers it
     started: float = field(default_factory=time.perf_counter)
-    received: int = 0  # the client's body bytes landed when it started (KDNClient.received_bytes)
+    tally: Tally = field(default_factory=Tally)  # the body bytes its own fetches landed (a give-up's measure)
     ready: float = 0.0  # when its last piece was staged (or it was given up)
 
     def __post_init__(self) -> None:
@@ -172,7 +173,7 @@ class WorkerSide:
 
     def _begin(self, job: LoadJob) -> _Running:
         """A load with its staging taken from the arena and every fetch started (each stages its piece)."""
-        run = _Running(job, received=self.client.received_bytes)
+        run = _Running(job)
         cache = next(iter(self.attn.values())).module.kv_cache if self.attn else None
         try:
             run.staging = Staging(self.arena, [(a.kv_heads, a.head_dim) for a in self._order],
@@ -188,7 +189,7 @@ class WorkerSide:
         thread, while other pieces are still on the wire); the buffer goes back at once. A kvtc object's
         model basis is fetched, verified and registered first (once per basis)."""
         f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size, pooled=True,
-                                    pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests))
+                                    pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests), tally=run.tally)
         try:
             cap = await self.client.prepare(f, p.end - p.start)
         except BaseException:
@@ -285,12 +286,12 @@ class WorkerSide:
             fut.cancel()
         run.ready = time.perf_counter()
         if (run.error is None or run.error.reason == "timeout") and not run.job.plan.cold:
-            # The planner's load speed: a load given up at its deadline moved what landed by then (every
-            # load's bytes on this client's connections, while it ran: the link it shares with them). (A
-            # cold load timed the entry edge's upstream, not this engine's link.)
+            # The planner's load speed: a load given up at its deadline moved what its own fetches landed by
+            # then (not other loads' bytes: several in one step share the link, and each counts its own
+            # share, as a load that completes does). (A cold load timed the entry edge's upstream, not this
+            # engine's link.)
             given_up = run.error is not None
-            moved = (self.client.received_bytes - run.received if given_up
-                     else sum(p.size for p in run.job.plan.pieces))
+            moved = run.tally.bytes if given_up else sum(p.size for p in run.job.plan.pieces)
             with self._lock:
                 for st in (self.stats, self.totals):
                     st.sampled(moved, run.ready - run.started, abandoned=given_up)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kdn.bodyget import BodyError, BodyGetter
+from kdn.bodyget import BodyError, BodyGetter, Tally
 
 BODY = bytes(range(256)) * 4000  # 1 MB
 
@@ -155,10 +155,15 @@ class Runs:
 
 
 @pytest.mark.parametrize("run", [7, 4096, 32 << 10, 300 << 10])
-async def test_a_sink_of_small_runs_gets_every_byte_in_its_place_and_the_hasher_all_in_order(run):
+async def test_a_sink_of_small_runs_gets_every_byte_in_its_place_and_the_hasher_all_in_order(run, monkeypatch):
     """Runs smaller than BOUNCE_BELOW are read through one bounce buffer and copied out; larger ones directly."""
     from blake3 import blake3
 
+    from kdn import bodyget
+
+    copied = []
+    place = bodyget._Conn._place
+    monkeypatch.setattr(bodyget._Conn, "_place", lambda self, data: copied.append(len(data)) or place(self, data))
     handler, _ = good()
     server, url = await serve(handler)
     g = BodyGetter(ssl=None)
@@ -166,32 +171,59 @@ async def test_a_sink_of_small_runs_gets_every_byte_in_its_place_and_the_hasher_
         sink, h = Runs(len(BODY), run), blake3()
         r = await g.get(url + "/o", sink, {}, 5, hasher=h)
         assert r.status == 200 and sink.body() == BODY and h.digest() == blake3(BODY).digest()
-        assert g.received == len(BODY)
+        if run < bodyget.BOUNCE_BELOW:  # read through the bounce buffer: far fewer reads than runs
+            assert sum(copied) >= len(BODY) - bodyget.BOUNCE_BELOW and len(copied) < len(BODY) / run / 2
+        else:  # large runs are read straight into place (a short remainder of one may take the bounce)
+            assert sum(copied) < len(BODY)
+        copied.clear()
+        flat = bytearray(len(BODY))
+        await g.get(url + "/o", memoryview(flat), {}, 5)
+        assert flat == BODY and copied == []  # one buffer: never through the bounce
     finally:
         g.close()
         server.close()
 
 
 async def test_a_small_run_sink_that_refuses_mid_body_fails_the_request():
+    """The refusal comes while bytes read into the bounce buffer are copied out (``_place``), and fails the
+    request with the sink's reason."""
     class Refusing(Runs):
+        placing = False
+
         def region(self, offset):
             if offset >= 500_000:
-                raise ValueError("no place for these bytes")
+                raise ValueError(f"no place for these bytes (while copying out: {Refusing.placing})")
             return super().region(offset)
 
     handler, _ = good()
     server, url = await serve(handler)
     g = BodyGetter(ssl=None)
     try:
-        with pytest.raises(BodyError, match="body refused: no place"):
-            await g.get(url + "/o", Refusing(len(BODY), 4096), {}, 5)
+        from kdn import bodyget
+
+        place = bodyget._Conn._place
+
+        def placing(self, data):
+            Refusing.placing = True
+            try:
+                return place(self, data)
+            finally:
+                Refusing.placing = False
+
+        bodyget._Conn._place = placing
+        try:
+            with pytest.raises(BodyError, match=r"body refused: no place .*while copying out: True"):
+                await g.get(url + "/o", Refusing(len(BODY), 4096), {}, 5)
+        finally:
+            bodyget._Conn._place = place
     finally:
         g.close()
         server.close()
 
 
-async def test_received_counts_every_body_byte_even_of_a_request_given_up():
-    """What a load cut short at its deadline did move (kdn.planner learns the link's speed from it)."""
+async def test_a_tally_counts_its_own_requests_body_bytes_even_of_one_given_up():
+    """What a load cut short at its deadline did move (kdn.planner learns the link's speed from it), and
+    only that load's: another request's bytes on the same getter count in its own tally."""
     async def handler(reader, writer):
         while True:
             path = (await read_request(reader)).split(b" ")[1]
@@ -203,13 +235,18 @@ async def test_received_counts_every_body_byte_even_of_a_request_given_up():
 
     server, url = await serve(handler)
     g = BodyGetter(ssl=None)
+    mine, other = Tally(), Tally()
     try:
-        assert g.received == 0
-        await g.get(url + "/whole", memoryview(bytearray(len(BODY))), {}, 5)
-        assert g.received == len(BODY)
+        await g.get(url + "/whole", memoryview(bytearray(len(BODY))), {}, 5, tally=mine)
+        assert mine.bytes == len(BODY)
+        part = asyncio.ensure_future(g.get(url + "/part", memoryview(bytearray(len(BODY))), {}, 0.5, tally=mine))
+        await g.get(url + "/whole", memoryview(bytearray(len(BODY))), {}, 5, tally=other)  # meanwhile, another's
         with pytest.raises(TimeoutError):
-            await g.get(url + "/part", memoryview(bytearray(len(BODY))), {}, 0.3)
-        assert g.received == len(BODY) + 1000  # the head's bytes are not counted, the body's are
+            await part
+        assert mine.bytes == len(BODY) + 1000  # the head's bytes are not counted, the body's are
+        assert other.bytes == len(BODY)
+        await g.get(url + "/whole", memoryview(bytearray(len(BODY))), {}, 5)  # no tally: nothing counted
+        assert (mine.bytes, other.bytes) == (len(BODY) + 1000, len(BODY))
     finally:
         g.close()
         server.close()

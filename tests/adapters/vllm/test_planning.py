@@ -141,7 +141,7 @@ def test_a_cold_load_keeps_the_load_timeout():
 
 def test_a_load_given_up_teaches_the_planner_to_compute_from_the_next_request():
     """A link that turns slow: the load given up at its deadline reports the bytes that landed by then (the
-    worker's ``KDNClient.received_bytes`` over the load), so one load is spoiled, not one per doubling of the
+    load's own ``kdn.bodyget.Tally``), so one load is spoiled, not one per doubling of the
     deadline, and the next request computes."""
     pieces = chain(256, 512, 768, 1024, 1100, size=256 << 10)
     lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
@@ -210,3 +210,37 @@ def test_what_an_engine_read_before_is_timed_against_its_link_even_when_the_edge
             lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
         assert cut is not None and cut.cold == cold
         assert cut.deadline_s == (10 if cold else decision.deadline_s), tier
+
+
+def test_the_worker_reports_a_given_up_load_by_its_own_tally_not_the_bytes_it_meant_to_move():
+    """``WorkerSide._collect``: a load past its deadline is sampled with the body bytes its own fetches landed
+    (its ``Tally``), a load that completes with all its bytes (no vLLM needed: the worker's own bookkeeping)."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from kdn.adapters.vllm.meta import LoadJob
+    from kdn.adapters.vllm.plan import LoadPlan
+    from kdn.adapters.vllm.stats import KDNStats
+    from kdn.adapters.vllm.worker import WorkerSide, _Running
+
+    pieces = chain(256, 512, size=4 * MiB, tier="memory")
+    w = WorkerSide.__new__(WorkerSide)  # only what _collect and _fail touch
+    w.cfg = SimpleNamespace(load_timeout=10.0)
+    w.stats, w.totals, w._lock, w._bad_blocks = KDNStats(), KDNStats(), __import__("threading").Lock(), set()
+    w.attn_group, w.block_size = 0, 128
+
+    def run_of(deadline_s: float, done: bool) -> _Running:
+        job = LoadJob("r", LoadPlan(0, 512, tuple(pieces), deadline_s), ([1, 2, 3, 4],), background=False)
+        run = _Running(job)
+        run.fetches = [concurrent.futures.Future() for _ in pieces]
+        if done:
+            for f in run.fetches:
+                f.set_result(SimpleNamespace())
+        run.tally.bytes = 300_000  # what its fetches landed so far
+        return run
+
+    w._collect(run_of(0.05, done=False))  # nothing arrives: given up at its 50 ms deadline
+    w._collect(run_of(10.0, done=True))
+    (gave_up_bytes, took, abandoned), (done_bytes, _, done_abandoned) = w.totals.data["samples"]
+    assert (gave_up_bytes, abandoned) == (300_000, 1) and 0.04 < took < 1.0
+    assert (done_bytes, done_abandoned) == (8 * MiB, 0)
