@@ -9,7 +9,11 @@ validated (``kdn.objects.read_layout``) the moment it is complete; ``place``
 (the engine's, e.g. ``kdn.adapters.hf.CacheBuilder.scatter``) checks the header
 against what it expects and names, per tensor, the runs of its own memory the
 tensor's bytes go to, in order; every byte no tensor claims (padding, tensors
-the engine does not take) goes to a scratch buffer. The bytes are hashed as
+the engine does not take) goes to a scratch buffer. (Its runs are small, 32 KB
+per head of a chunk, so ``kdn.bodyget`` reads them through a 1 MiB bounce buffer
+per connection and copies them out while still in cache: a hot copy costs less
+than one socket read per run, and far less than the cold copy of a whole
+received body this module exists to avoid.) The bytes are hashed as
 they land, as always: the fetch succeeds only if the digest of the whole body
 matches its signed record, and only then does the engine count the chunk as
 loaded. A body that fails (a lying source) may have written into the runs:

@@ -258,7 +258,8 @@ async def _ask(origin_app: web.Application, edges: list[_Edge], manifest: dict[s
     loop = asyncio.get_running_loop()
     same = await loop.run_in_executor(None, _chunked, lm, ids, warm.report.tokens_reused, len(warm.ids))
     k = _agree(same, warm.ids)
-    if k == len(warm.ids) == len(same):
+    exact = k == len(warm.ids) == len(same)
+    if exact:
         _say(f"  the same {k} tokens as computing the prompt here without KDN, in the origin's 256-token chunks")
     else:
         _say(f"  NOT the same as computing it here in the origin's 256-token chunks: they part at token {k}: "
@@ -267,8 +268,9 @@ async def _ask(origin_app: web.Application, edges: list[_Edge], manifest: dict[s
         k = _agree(plain.ids, warm.ids)
         _say(f"  (the one-shot prefill timed above parts from it at token {k}: bf16 rounds one "
              f"{len(ids)}-token forward differently from 256-token chunks) {plain.text.strip()!r}")
-    _say("  shown: the model's own reading of the document, computed once at the origin and loaded from an edge,"
-         " answers exactly as computing it would, in a fraction of the time")
+    if exact:
+        _say("  shown: the model's own reading of the document, computed once at the origin and loaded from an"
+             " edge, answers exactly as computing it would, in a fraction of the time")
 
 
 def _agree(a: list[int], b: list[int]) -> int:
