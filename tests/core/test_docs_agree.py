@@ -1,5 +1,6 @@
 """What the docs say about the tree and its defaults, checked: the README's layout table names every product
-module (it once missed 35 of them); the defaults operations.md quotes are the code's."""
+module (it once missed 35 of them); the defaults operations.md quotes are the code's; the edge and the client
+import no torch."""
 
 from __future__ import annotations
 
@@ -53,3 +54,16 @@ def test_the_ring_default_the_docs_quote_is_the_codes():
     ops = (ROOT / "docs" / "operations.md").read_text()
     quoted = {int(n) for n in re.findall(r"default (\d+) vnodes", ops)} | {int(n) for n in re.findall(r"Ring\(vnodes=(\d+)\)", ops)}
     assert quoted == {default}, quoted
+
+
+def test_the_edge_and_the_client_import_no_torch():
+    """The edge runs without torch (README: "edge/ ... no torch"), and so does the fetch client: a fresh
+    interpreter importing their modules, CLI included, never loads it (nor transformers)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kdn.edge.app, kdn.edge.cli, kdn.edge.fill, kdn.client, kdn.fetch, kdn.cli, kdn.service; "
+            "print(','.join(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "", f"loaded {r.stdout.strip()}"
