@@ -2,7 +2,7 @@
 
 Every address is BLAKE3 over a canonical byte encoding, written as 64 lowercase
 hex characters. The encoding (format version 1) is fixed here and documented in
-the README; the test vectors in ``tests/kdn/test_address.py`` pin it.
+the README; the test vectors in ``tests/core/test_address.py`` pin it.
 
 Canonical encoding, version 1 (``u8``/``u16``/``u32`` are little-endian)::
 
