@@ -236,7 +236,7 @@ class Redirector:
 # Which helper edges each attack needs, beside eu-1 and eu-2.
 EXTRA_EDGES = [("stalled_readers", "st-1"), ("upstream_redirect", "rd-1"), ("bad_manifest_record", "pf-1"),
                ("idle_connections", "ic-1"), ("planted_policy", "po-1"), ("unadmitted_node", "ad-1"),
-               ("unadmitted_node", "ad-2")]  # (attack, the helper edge it needs; its region: the name's prefix)
+               ("unadmitted_node", "ad-2"), ("timing_probe", "tp-1")]  # (attack, the helper edge it needs; its region: the name's prefix)
 IDLE_NOFILE, IDLE_CONNECTIONS = 256, 300  # issue #28 item 7: 300 idle connections at an edge limited to 256 files
 N_STORE_BLOBS = 3000  # blobs put into the origin's store before it starts (index_scan)
 
@@ -292,6 +292,8 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
             args = set_arg(args, "--origin", ctx.redirector.url)
         if name == "pf-1":
             args = set_arg(args, "--prefetch", "2")
+        if name == "tp-1":  # the control: a "no" answered as soon as known, as before #28 item 10
+            args = [*args, "--deny-floor-ms", "0"]
         if name == "po-1":  # the control: an edge without operator keys applies any policy
             i = args.index("--operator-keys")
             args = args[:i] + args[i + 2:]
@@ -328,7 +330,7 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
 DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "rogue_tls": ["rogue_https_node"], "admit": ["unadmitted_node"],
             "redirect": ["upstream_redirect"],
             "planted": ["planted_digest"], "relabel": ["relabelled_namespace"],
-            "tenant": ["tenant_cache_headers"], "probe": ["anonymous_probes"]}
+            "tenant": ["tenant_cache_headers", "timing_probe"], "probe": ["anonymous_probes"]}
 
 
 async def publish_as(w: F.World, token: str, text: str, name: str, namespace: str) -> dict:
@@ -1393,6 +1395,63 @@ async def tenant_cache_headers(ctx: Ctx) -> Row:
                "held", None, ok, {k: list(v) for k, v in seen.items()})
 
 
+TIMING_TRIES = 300  # per kind of "no", interleaved
+
+
+def told_apart(a: list[float], b: list[float]) -> float:
+    """The best accuracy of one threshold that says which of two samples a time came from (0.5: chance)."""
+    pts = sorted([(x, 0) for x in a] + [(x, 1) for x in b])
+    best, below_a, below_b = 0.5, 0, 0
+    for _, kind in pts:  # "below the threshold: a" (or the other way round), at every cut
+        below_a += kind == 0
+        below_b += kind == 1
+        acc = (below_a + len(b) - below_b) / (len(a) + len(b))
+        best = max(best, acc, 1 - acc)
+    return best
+
+
+async def timing_probe(ctx: Ctx) -> Row:
+    """#28 item 10: tell another tenant's recently read object from an absent one by how long the "no" takes.
+    The tenant reads its object at eu-1 (the default floor) and at tp-1 (the control, --deny-floor-ms 0);
+    then an anonymous caller asks each edge for it and for never-seen addresses, interleaved."""
+    w, m = ctx.world, ctx.docs["tenant"]
+    theirs = m["addresses"][0]
+    rng = random.Random(f"{ctx.seed}/timing")
+    got, figures = [], {}
+    for node in (w.edges["eu-1"], ctx.extra["tp-1"]):
+        status, _, _ = await http("GET", f"{node.url}/v1/objects/{theirs}", headers=bearer(TENANT))
+        took: dict[str, list[float]] = {"cached": [], "absent": []}
+        statuses = set()
+        async with aiohttp.ClientSession(node.url) as s:  # one kept-alive connection: no setup in the times
+            for i in range(TIMING_TRIES * 2):
+                kind = ("cached", "absent")[(i + i // 2) % 2]  # ABBA: neither kind always goes first
+                a = theirs if kind == "cached" else rng.randbytes(32).hex()
+                t0 = time.perf_counter()
+                async with s.get(f"/v1/objects/{a}") as r:
+                    await r.read()
+                    statuses.add(r.status)
+                took[kind].append(time.perf_counter() - t0)
+        med = {k: sorted(v)[len(v) // 2] * 1e6 for k, v in took.items()}
+        acc = told_apart(took["cached"], took["absent"])
+        # Chance for this statistic (the best of ~600 thresholds): the same times with the labels shuffled.
+        pooled, shuffled = took["cached"] + took["absent"], []
+        for _ in range(100):
+            rng.shuffle(pooled)
+            shuffled.append(told_apart(pooled[:TIMING_TRIES], pooled[TIMING_TRIES:]))
+        chance = sorted(shuffled)[94]
+        figures[node.name] = {"owner_read": status, "statuses": sorted(statuses), "median_us": med,
+                              "told_apart": round(acc, 3), "chance_p95": round(chance, 3)}
+        got.append(f"{node.name}: medians {med['cached']:,.0f} vs {med['absent']:,.0f} us, told apart "
+                   f"{acc:.0%} of the time (shuffled labels: {chance:.0%} at the 95th percentile)")
+    e, c = figures["eu-1"], figures["tp-1"]
+    ok = (e["owner_read"] == c["owner_read"] == 200 and e["statuses"] == c["statuses"] == [404]
+          and e["told_apart"] <= 0.65)
+    return Row("timing_probe", f"an anonymous caller asks an edge {TIMING_TRIES} times each, interleaved, for a "
+               "tenant's object its owner just read there and for never-seen addresses (every answer 404), and "
+               "times the answers; at eu-1 (default --deny-floor-ms 2) and the control tp-1 (--deny-floor-ms 0)",
+               "; ".join(got), "held", None, ok, figures)
+
+
 async def upstream_redirect(ctx: Ctx) -> Row:
     from kdn.client import KDNClient
     from kdn.errors import SourceError
@@ -1680,6 +1739,7 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "publish_body_unread": (publish_body_unread, True),
     "malformed_json": (malformed_json, True),
     "anonymous_probes": (anonymous_probes, True),
+    "timing_probe": (timing_probe, True),
     "idle_connections": (idle_connections, True),
     "client_content_length": (client_content_length, False),
     "client_pooled_bytes": (client_pooled_bytes, False),

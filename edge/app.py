@@ -80,6 +80,9 @@ class EdgeConfig(service.NodeConfig):
     token_hosts: str | None = None
     prefetch: int = 2
     records_cache: int = 100_000
+    # A "no" (absent, or not yours) takes at least this long, or a recent record read's p99 if longer
+    # (edge/records.py): its timing then does not tell another tenant's recently read object from an absent one.
+    deny_floor_ms: float = 2.0
     ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
     trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
     operator_keys: str | None = None  # operator keys file: policies not signed by one are skipped
@@ -137,7 +140,8 @@ class Edge:
             from kdn.signing import Verifier
 
             verifier = Verifier.from_file(config.trusted_keys)
-        self.records = RecordCache(registry, config.records_cache, verifier, metrics.refused_records.inc)
+        self.records = RecordCache(registry, config.records_cache, verifier, metrics.refused_records.inc,
+                                   floor_s=config.deny_floor_ms / 1000)
         self.memory = MemoryTier(config.mem_budget, POLICIES[config.eviction], on_evict=self._on_evict)
         self.disk: DiskTier | None = None
         self.membership: Membership | None = None
@@ -602,10 +606,12 @@ async def _watch_origins(edge: Edge) -> None:
 
 async def _readable_record(request: web.Request, address: str) -> ObjectRecord:
     edge = request.app[EDGE]
+    t0 = time.monotonic()
     rec = await edge.records.get(address)
     allowed = request.app[GRANTS].namespaces(bearer(request), "read")
     if rec is None or not may_read(allowed, rec.namespace, rec.kind):
-        raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
+        await edge.records.hold(t0)  # the same answer whether absent or not yours, and at the same time
+        raise web.HTTPNotFound(text=f"no object {address}")
     return rec
 
 
@@ -720,6 +726,7 @@ async def lookup(request: web.Request) -> web.Response:
     """Ordered addresses in; how many leading ones can be served, and from where each would come."""
     edge = request.app[EDGE]
     body, addrs = await service.read_addresses(request)
+    t0 = time.monotonic()
     allowed = request.app[GRANTS].namespaces(bearer(request), "read")
     recs = await edge.records.get_many(addrs)
     where = []
@@ -738,6 +745,8 @@ async def lookup(request: web.Request) -> web.Response:
         # Which tier holds each object is cache state, which an anonymous HEAD does not see either: it would
         # tell anyone what others read lately (a lookup fills nothing, so it repeats at will).
         where = ["edge"] * len(where)
+    if len(where) < len(addrs):  # it stopped at a "no": held like one (an absent record, or another tenant's)
+        await edge.records.hold(t0)
     return web.json_response({"length": len(where), "sources": where})
 
 

@@ -66,6 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--records", choices=("registry", "origin"), default="registry",
                    help="where object records are read: the registry (the default), or the origins' stores, "
                         "for origins started with --records store (no registry read on a request's path)")
+    p.add_argument("--deny-floor-ms", type=float, default=2.0, metavar="MS",
+                   help="answer a 'no' (an absent object, or another tenant's) no sooner than this, or than "
+                        "recent record reads take if longer, so its timing does not tell which (default 2; 0: off)")
     p.set_defaults(func=cmd_edge_serve)
 
     policy = sub.add_parser("policy", help="operator policies: pin, warm, ttl, quota, upper tier").add_subparsers(
@@ -138,6 +141,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "operator_keys": _readable(args.operator_keys, "--operator-keys"),
         "region_probes": args.region_probes,
         "records": args.records,
+        "deny_floor_ms": _between(args.deny_floor_ms, 0, 1000, "--deny-floor-ms"),
         "admission": _readable(args.admission, "--admission"),
         "require_admission": args.require_admission,
         "eviction": args.eviction,
@@ -191,6 +195,14 @@ def _at_least(n: int, low: int, flag: str) -> int:
     if n < low:
         raise InvalidInput(f"{flag} must be >= {low}, got {n}")
     return n
+
+
+def _between(x: float, low: float, high: float, flag: str) -> float:
+    import math
+
+    if not (math.isfinite(x) and low <= x <= high):
+        raise InvalidInput(f"{flag} must be {low:g}-{high:g}, got {x:g}")
+    return x
 
 
 def _positive(x, flag: str):

@@ -108,6 +108,47 @@ async def test_cache_probes_are_for_edges_only(tmp_path, etcd_url):
                 assert (await r.json())["sources"][0] == "memory"
 
 
+async def test_timing_does_not_tell_another_tenants_recently_read_object_from_an_absent_one(tmp_path, etcd_url):
+    """#28 item 10: the record cache answered "not yours" for a record it held (another tenant read it lately)
+    without a registry read, and "absent" after one: ~570 vs ~800 us, a probe of what others read. Now every
+    "no" -- an object GET, a record read, a lookup that stops short -- waits for the floor (here 60 ms, far
+    above a registry read, so the test does not time anything fast)."""
+    import time
+
+    from edge_helpers import TENANT_B
+
+    floor = 0.06
+    async with cluster(tmp_path, etcd_url, edges=("e1",), deny_floor_ms=floor * 1000) as c:
+        url = c.edge_url("e1")
+        theirs = (await publish(c, TEXT, name="t", namespace="acme", token=TENANT_A))["addresses"][0]
+        assert (await get(url, theirs, token=TENANT_A))[0] == 200  # its owner reads it: its record is cached
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TENANT_B}"}) as s:
+            async def timed(method, path, **kw) -> tuple[int, float, object]:
+                t0 = time.perf_counter()
+                async with s.request(method, url + path, **kw) as r:
+                    body = await r.json() if r.content_type == "application/json" else None
+                    return r.status, time.perf_counter() - t0, body
+
+            took = {"cached": [], "absent": []}
+            for i in range(4):
+                absent = f"{i:064x}"
+                for kind, a in (("cached", theirs), ("absent", absent)):
+                    for method, path, kw in (("GET", f"/v1/objects/{a}", {}), ("HEAD", f"/v1/objects/{a}", {}),
+                                             ("GET", f"/v1/registry/objects/{a}", {}),
+                                             ("POST", "/v1/lookup", {"json": {"addresses": [a]}}),
+                                             ("POST", "/v1/records", {"json": {"addresses": [a]}})):
+                        status, dt, body = await timed(method, path, **kw)
+                        if path == "/v1/lookup":
+                            assert (status, body["length"]) == (200, 0)
+                        elif path == "/v1/records":
+                            assert (status, body["records"]) == (200, [None])
+                        else:
+                            assert status == 404, (method, path, status)
+                        took[kind].append(dt)
+        # Before: the cached record's "no" took well under a millisecond, so it fell below the floor.
+        assert min(took["cached"]) >= floor * 0.95 and min(took["absent"]) >= floor * 0.95, took
+
+
 async def test_a_lying_lookup_length_is_clamped(tmp_path):
     """An edge answering a lookup with -1 or 10**9 chunks once made the client slice its chain wrongly."""
     from kdn.client import KDNClient

@@ -72,3 +72,42 @@ async def test_a_record_stored_under_another_address_is_absent(tmp_path):
         cache = RecordCache(reg, size=100, on_refused=lambda: refused.append(1))
         assert await cache.get(a) is None and (await cache.get_many([a])) == [None]
         assert refused and (await cache.get(b)).address == b
+
+
+class Slow(Counting):
+    """The real registry, each read ``delay`` seconds slow (a registry far away)."""
+
+    def __init__(self, reg, delay: float) -> None:
+        super().__init__(reg)
+        self.delay = delay
+
+    async def get_object(self, address):
+        await asyncio.sleep(self.delay)
+        return await super().get_object(address)
+
+
+async def test_the_floor_of_a_no_follows_the_source_when_it_is_slower(tmp_path):
+    """A "no" is held to the floor, or to recent reads' p99 when the registry is slower than that: a floor below
+    the reads would let a cached record's "no" show again (#28 item 10)."""
+    from kdn.errors import InvalidInput
+
+    async with EmbeddedRegistry(tmp_path / "r.sqlite3") as reg:
+        cache = RecordCache(Slow(reg, 0.03), size=100, floor_s=0.002)
+        assert cache.no_floor() == 0.002  # nothing read yet
+        for i in range(5):
+            await cache.get(addr(str(i)))
+        assert 0.03 <= cache.no_floor() < 0.5
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await cache.hold(t0)
+        assert loop.time() - t0 >= 0.029
+        off = RecordCache(Slow(reg, 0.03), size=100, floor_s=0)
+        await off.get(addr("x"))
+        assert off.no_floor() == 0
+        for bad in (-0.001, 1.5, float("nan")):
+            try:
+                RecordCache(reg, size=10, floor_s=bad)
+            except InvalidInput as e:
+                assert "floor" in str(e)
+            else:
+                raise AssertionError(f"floor {bad} accepted")
