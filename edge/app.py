@@ -90,6 +90,7 @@ class EdgeConfig(service.NodeConfig):
     eviction: str = DEFAULT_POLICY  # both tiers' policy: "arc" (chosen on the traces) or "s3-fifo"
     records: str = "registry"  # where object records are read: the registry, or the origins' stores (edge/records.py)
     require_admission: bool = False  # leave out peers and origins no --operator-keys key admitted (kdn node admit)
+    revoked_admissions: str | None = None  # the operator's revocation list (kdn node revoke), read again on change
 
     def __post_init__(self) -> None:
         if self.region_probes not in ("worth", "always"):
@@ -129,12 +130,14 @@ class Edge:
         # them (kdn.signing.unadmitted); a registry writer cannot point this edge at a server of its choice.
         self.admitters = None
         self.left_out: set[tuple[str, str, str]] = set()  # origins left out, logged once each
+        if config.revoked_admissions and not config.require_admission:
+            raise InvalidInput("--revoked-admissions is for --require-admission: give both")
         if config.require_admission:
-            from kdn.signing import Verifier
+            from kdn.signing import Admitters
 
             if not config.operator_keys:
                 raise InvalidInput("--require-admission checks admissions with --operator-keys: give both")
-            self.admitters = Verifier.from_file(config.operator_keys)
+            self.admitters = Admitters.from_files(config.operator_keys, config.revoked_admissions)
         verifier = None
         if config.trusted_keys:
             from kdn.signing import Verifier
@@ -589,6 +592,7 @@ async def _watch_origins(edge: Edge) -> None:
 
         while True:
             await asyncio.sleep(ADMISSION_RECHECK_S)
+            edge.admitters.refresh()  # a revocation takes effect here, as an expiry does
             with contextlib.suppress(KDNError):
                 await on_event(None)
 

@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--require-admission", action="store_true",
                    help="leave out peers and origins listed in the registry without an admission signed by an "
                         "--operator-keys key (a registry writer cannot then point this edge at a server of its choice)")
+    p.add_argument("--revoked-admissions", default=None, metavar="FILE",
+                   help="with --require-admission: admission ids the operator revoked (kdn node revoke), one per "
+                        "line; read again when it changes, within 30 s")
     p.add_argument("--records", choices=("registry", "origin"), default="registry",
                    help="where object records are read: the registry (the default), or the origins' stores, "
                         "for origins started with --records store (no registry read on a request's path)")
@@ -144,6 +147,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "deny_floor_ms": _between(args.deny_floor_ms, 0, 1000, "--deny-floor-ms"),
         "admission": _readable(args.admission, "--admission"),
         "require_admission": args.require_admission,
+        "revoked_admissions": _readable(args.revoked_admissions, "--revoked-admissions"),
         "eviction": args.eviction,
         "max_connections": args.max_connections,
         "max_connections_per_peer": args.max_connections_per_peer,

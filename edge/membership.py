@@ -272,6 +272,8 @@ class Membership:
 
         while True:
             await asyncio.sleep(self.recheck_s)
+            if hasattr(self.admitters, "refresh"):  # an operator's revocation list (kdn.signing.Admitters)
+                self.admitters.refresh()
             expired = [k for k, r in self._by_key.items()
                        if not self._is_me(r) and unadmitted(r, self.admitters) is not None]
             if expired:

@@ -195,6 +195,57 @@ def cmd_node_admit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_node_revoke(args: argparse.Namespace) -> int:
+    """Add admissions to an operator's revocation list (readers' ``--revoked-admissions FILE``), atomically."""
+    import contextlib
+    import os
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from kdn.registry import Admission
+    from kdn.signing import parse_admission_ids, admission_id
+
+    ids = []
+    for f in args.admission:
+        try:
+            adm = Admission.from_dict(json.loads(Path(f).read_text()))
+        except OSError as e:
+            raise InvalidInput(f"cannot read admission {f!r}: {e.strerror}") from None
+        except (ValueError, TypeError) as e:
+            raise InvalidInput(f"{f} is not an admission (kdn node admit): {e}") from None
+        ids.append((admission_id(adm), f"{adm.role} {adm.region}/{adm.node_id} at {adm.url}"))
+    ids += [(i, "by id") for i in parse_admission_ids(args.id, "--id")]
+    if not ids:
+        raise InvalidInput("name an admission to revoke: a file (kdn node admit --out) or --id")
+    path = Path(args.list)
+    try:
+        old = path.read_text() if path.exists() else ""
+    except OSError as e:
+        raise InvalidInput(f"cannot read {str(path)!r}: {e.strerror}") from None
+    have = set(parse_admission_ids(old.splitlines(), str(path)))
+    new = [(i, what) for i, what in ids if i not in have]
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    text = old + ("" if not old or old.endswith("\n") else "\n")
+    text += "".join(f"{i}  # {what}, revoked {stamp} UTC\n" for i, what in new)
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    print(f"{len(new)} admission(s) revoked in {path} ({len(have) + len(new)} in all"
+          + (f"; {len(ids) - len(new)} already there" if len(ids) > len(new) else "")
+          + "); readers with --revoked-admissions read it again within 30 s", file=sys.stderr)
+    return 0
+
+
 def cmd_registry_ls(args: argparse.Namespace) -> int:
     async def go(reg: Registry) -> int:
         for key, value in await reg.list_keys(args.prefix):
@@ -256,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid", default="365d", help="how long it holds (default 365d; re-admit before it ends)")
     p.add_argument("--out", default=None, metavar="FILE", help="write it here (default: stdout)")
     p.set_defaults(func=cmd_node_admit)
+    p = node.add_parser("revoke", help="add admissions to a revocation list: readers given it "
+                                       "(--revoked-admissions) leave their nodes out though unexpired")
+    p.add_argument("admission", nargs="*", help="admission files (kdn node admit --out)")
+    p.add_argument("--id", action="append", default=[], help="an admission id (64 hex; repeatable)")
+    p.add_argument("--list", required=True, metavar="FILE", help="the revocation list (created if absent)")
+    p.set_defaults(func=cmd_node_revoke)
     p = reg.add_parser("nodes", help="list live nodes")
     p.add_argument("--role", default=None)
     p.add_argument("--region", default=None)

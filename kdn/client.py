@@ -154,6 +154,25 @@ class PrefixStates:
         return out
 
 
+def _admitters(keys: TrustedKeys | None, revoked: str | os.PathLike[str] | Iterable[str] | None) -> Verifier | None:
+    """The operator keys a reader checks admissions with, and their revocation list (kdn.signing.Admitters)."""
+    if keys is None:
+        if revoked is not None:
+            raise InvalidInput("revoked_admissions is for admitted_by: give both")
+        return None
+    from kdn.signing import KEY_PREFIX, Admitters, Verifier
+
+    if isinstance(keys, Admitters) and revoked is None:
+        return keys
+    if isinstance(keys, Verifier):
+        return Admitters([f"{KEY_PREFIX}{k.public_bytes_raw().hex()}" for k in keys.keys.values()], revoked)
+    if isinstance(keys, str) and keys.startswith(KEY_PREFIX):
+        return Admitters([keys], revoked)
+    if isinstance(keys, (str, os.PathLike)):
+        return Admitters.from_files(keys, revoked)
+    return Admitters(keys, revoked)
+
+
 def _verifier(keys: TrustedKeys | None) -> Verifier | None:
     if keys is None:
         return None
@@ -455,17 +474,20 @@ class KDNClient:
 
     @classmethod
     async def from_registry(cls, registry: Membership, region: str, *, token_hosts: str | list[str] | None = None,
-                            admitted_by: TrustedKeys | None = None, **kwargs: Any) -> KDNClient:
+                            admitted_by: TrustedKeys | None = None,
+                            revoked_admissions: str | os.PathLike[str] | Iterable[str] | None = None,
+                            **kwargs: Any) -> KDNClient:
         """Sources from the registry's live nodes: this region's edges, other regions' edges, the origins.
 
         With a ``token``, nodes it may not reach are left out: a registry writer names these URLs,
         and the token goes only to ``token_hosts`` (loopback by default; https too: kdn.auth.TokenScope).
         With ``admitted_by`` (operator keys), so is every node without an admission one of them signed
-        (``kdn node admit``): the writer cannot name a server of its choice at all.
+        (``kdn node admit``): the writer cannot name a server of its choice at all; and every node whose
+        admission is in ``revoked_admissions`` (a file or a list of ids: ``kdn node revoke``).
         """
         edges = await registry.list_nodes(role="edge")
         origins = await registry.list_nodes(role="origin")
-        operators = _verifier(admitted_by)
+        operators = _admitters(admitted_by, revoked_admissions)
         if operators is not None:
             from kdn.signing import unadmitted
 

@@ -106,7 +106,8 @@ def admission_of(node: NodeRecord) -> Admission | None:
 
 def unadmitted(node: NodeRecord, operators: Verifier, now: float | None = None) -> str | None:
     """Why ``node`` is not admitted by one of ``operators``' keys (None: it is): no admission, one signed
-    by no trusted operator key or changed after signing, one naming another node, or one expired."""
+    by no trusted operator key or changed after signing, one naming another node, one expired, or (where
+    ``operators`` is an ``Admitters`` with a revocation list) one the operator revoked."""
     import time
 
     adm = admission_of(node)
@@ -118,7 +119,15 @@ def unadmitted(node: NodeRecord, operators: Verifier, now: float | None = None) 
         return f"its admission names {adm.role}/{adm.region}/{adm.node_id} at {adm.url[:60]}, not this record"
     if adm.expires <= (time.time() if now is None else now):
         return "its admission has expired"
+    if isinstance(operators, Admitters) and admission_id(adm) in operators.revoked:
+        return f"its admission {admission_id(adm)[:16]} is revoked"
     return None
+
+
+def admission_id(adm: Admission) -> str:
+    """An admission's name in a revocation list: the BLAKE3 of what its signature covers. A node admitted
+    again (a new expiry) has a new one, so revoking one admission never bars the node for good."""
+    return blake3(payload(adm)).hexdigest()
 
 
 def _signed_encoding(e: Encoding) -> dict[str, object]:
@@ -292,3 +301,67 @@ class Verifier:
 def _name(rec: ObjectRecord | Manifest | Policy | Admission) -> str:
     return str(getattr(rec, "address", None) or getattr(rec, "node_id", None)
                or f"{getattr(rec, 'namespace', '?')}/{getattr(rec, 'name', '?')}")[:32]
+
+
+class Admitters(Verifier):
+    """Operator keys for node admissions, with the operator's revocation list: a file of admission ids
+    (``admission_id``; ``kdn node revoke`` appends to it), one per line, ``#`` comments.
+
+    The list is a file, as the keys are, not a registry record: a registry writer could delete a record,
+    and every node it revoked would be admitted again. ``refresh()`` reads it again when it changed
+    (the readers call it with their admission recheck, every ``ADMISSION_RECHECK_S``), so a revocation
+    takes effect within that while the readers run. A list that cannot be read keeps the one last read
+    (logged): a file half-written by a careless copy must not admit what it revoked.
+    """
+
+    def __init__(self, public_keys: Iterable[str], revoked: str | os.PathLike[str] | Iterable[str] | None = None) -> None:
+        super().__init__(public_keys)
+        self.revoked: frozenset[str] = frozenset()
+        self.revoked_path: Path | None = None
+        self._stamp: tuple[int, int] | None = None
+        if isinstance(revoked, (str, os.PathLike)):
+            self.revoked_path = Path(revoked)
+            if not self.refresh():
+                raise InvalidInput(f"cannot read the revoked admissions {str(revoked)!r}")
+        elif revoked is not None:
+            self.revoked = frozenset(parse_admission_ids(revoked, "the revoked admissions"))
+
+    @classmethod
+    def from_files(cls, keys: str | os.PathLike[str],
+                   revoked: str | os.PathLike[str] | Iterable[str] | None = None) -> Admitters:
+        try:
+            lines = Path(keys).read_text().splitlines()
+        except OSError as e:
+            raise InvalidInput(f"cannot read operator keys {str(keys)!r}: {e.strerror}") from None
+        return cls((ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")), revoked)
+
+    def refresh(self) -> bool:
+        """Read the revocation list again if its file changed; False if it cannot be read (the last kept)."""
+        import logging
+
+        if self.revoked_path is None:
+            return True
+        try:
+            st = self.revoked_path.stat()
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp == self._stamp:
+                return True
+            ids = parse_admission_ids(self.revoked_path.read_text().splitlines(), str(self.revoked_path))
+        except (OSError, InvalidInput) as e:
+            logging.getLogger("kdn.signing").error("cannot read the revoked admissions %s (%s): keeping the %d "
+                                                   "read before", self.revoked_path, e, len(self.revoked))
+            return False
+        self.revoked, self._stamp = frozenset(ids), stamp
+        return True
+
+
+def parse_admission_ids(lines: Iterable[str], what: str) -> list[str]:
+    out = []
+    for ln in lines:
+        t = ln.split("#", 1)[0].strip().lower()
+        if not t:
+            continue
+        if len(t) != 64 or any(c not in "0123456789abcdef" for c in t):
+            raise InvalidInput(f"{what}: {t[:24]!r} is not an admission id (64 hex digits: kdn node revoke)")
+        out.append(t)
+    return out

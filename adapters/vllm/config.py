@@ -24,6 +24,7 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``trusted_keys``   file of publisher keys (``ed25519:<hex>`` per line): records they did not sign are misses
     ``admitted_by``    with ``registry``: file of operator keys; nodes without an admission one of them signed
                        (``kdn node admit``) are left out
+    ``revoked_admissions``  with ``admitted_by``: file of admission ids the operator revoked (``kdn node revoke``)
     ``steer``          accept requests that ask for attention steering from an emphasis map (``steer.py``;
                        default false; on GPU it asks vLLM for piecewise CUDA graphs)
     ``plan``           load only what is faster to load than to compute (default true: ``kdn.planner`` on this
@@ -58,7 +59,7 @@ _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
     "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding", "arena", "plan",
-    "admitted_by",
+    "admitted_by", "revoked_admissions",
 })
 DEFAULT_ARENA = 4 << 30
 
@@ -81,6 +82,7 @@ class ConnectorConfig:
     ca: str | None = None
     trusted_keys: str | None = None
     admitted_by: str | None = None
+    revoked_admissions: str | None = None
     signing_key: str | None = None
     store: str | None = None
     save: str = "request"
@@ -106,7 +108,7 @@ class ConnectorConfig:
         if "edges" in extra:
             kw["edges"] = _edges(extra["edges"])
         for key in ("registry", "region", "origin", "token_file", "ca", "store", "trusted_keys", "signing_key",
-                    "token_hosts", "admitted_by"):
+                    "token_hosts", "admitted_by", "revoked_admissions"):
             if extra.get(key) is not None:
                 kw[key] = _string(key, extra[key])
         if "token_hosts" in kw:

@@ -235,4 +235,5 @@ async def _make_client(cfg: ConnectorConfig):
 
     async with open_registry(cfg.registry) as reg:
         return await KDNClient.from_registry(reg, cfg.region, token_hosts=cfg.token_hosts,
-                                             admitted_by=cfg.admitted_by, **kw)
+                                             admitted_by=cfg.admitted_by,
+                                             revoked_admissions=cfg.revoked_admissions, **kw)

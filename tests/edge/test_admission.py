@@ -153,3 +153,82 @@ async def test_an_expiring_admission_and_a_record_borrowing_my_id_are_left_out(t
 def test_an_admission_expires_at_a_real_time(expires):
     with pytest.raises(InvalidInput, match="expires"):
         Admission("edge", "eu", "e1", "http://127.0.0.1:9001", expires)
+
+
+def test_kdn_node_revoke_lists_an_admission_that_readers_then_refuse(tmp_path, capsys):
+    """#28 item 11 (admission revocation): an admission was revoked only by its expiry or by dropping the operator
+    key. ``kdn node revoke`` adds its id to the operator's list (a file, as the keys are: a registry writer
+    cannot delete it); a reader given the list refuses that admission, and a new admission of the same node
+    (another expiry, another id) is accepted again. The list is read again when the file changes."""
+    from kdn.signing import Admitters, admission_id
+
+    op = Signer.generate(tmp_path / "op.key")
+    e2 = NodeRecord(role="edge", region="eu", node_id="e2", url="http://127.0.0.1:9002")
+    old, new = admitted(op, e2), admitted(op, e2, expires=time.time() + 7200)
+    (tmp_path / "e2.adm").write_text(json.dumps(old.extra["admission"]))
+    revoked = tmp_path / "revoked.txt"
+    ops = Admitters([op.public], revoked=[])
+    assert unadmitted(old, ops) is None
+    assert cli.main(["node", "revoke", str(tmp_path / "e2.adm"), "--list", str(revoked)]) == 0
+    assert cli.main(["node", "revoke", str(tmp_path / "e2.adm"), "--list", str(revoked)]) == 0  # idempotent
+    lines = [ln for ln in revoked.read_text().splitlines() if ln.strip()]
+    aid = admission_id(Admission.from_dict(old.extra["admission"]))
+    assert len(lines) == 1 and lines[0].startswith(aid) and "edge eu/e2" in lines[0]
+    ops = Admitters.from_files(tmp_path / "op.key.pub", revoked)
+    assert unadmitted(old, ops) == f"its admission {aid[:16]} is revoked"
+    assert unadmitted(new, ops) is None  # admitted again: a new admission
+    # The list changes while the reader runs: read again; a list that turns unreadable keeps the last one.
+    assert cli.main(["node", "revoke", "--id", admission_id(Admission.from_dict(new.extra["admission"])),
+                     "--list", str(revoked)]) == 0
+    assert ops.refresh() and unadmitted(new, ops) is not None
+    revoked.write_text("not an id\n")
+    assert not ops.refresh() and unadmitted(old, ops) is not None and unadmitted(new, ops) is not None
+    with pytest.raises(InvalidInput, match="not an admission id"):
+        Admitters([op.public], revoked=["abc"])
+    assert cli.main(["node", "revoke", "--id", "xyz", "--list", str(tmp_path / "r2.txt")]) != 0
+    assert not (tmp_path / "r2.txt").exists()
+
+
+async def test_a_revoked_admission_drops_the_node_at_the_next_check(tmp_path):
+    """A node whose admission the operator revokes while it stays up leaves the ring at the next recheck, as an
+    expired one does."""
+    from kdn.edge.membership import Membership
+    from kdn.signing import Admitters, admission_id
+
+    op = Signer.generate(tmp_path / "op.key")
+    me = NodeRecord(role="edge", region="eu", node_id="e1", url="http://127.0.0.1:9501")
+    e2 = admitted(op, NodeRecord(role="edge", region="eu", node_id="e2", url="http://127.0.0.1:9502"))
+    revoked = tmp_path / "revoked.txt"
+    revoked.write_text("# nothing revoked yet\n")
+    async with EmbeddedRegistry(tmp_path / "reg.sqlite3") as reg:
+        lease = await reg.register_node(e2, ttl=30)
+        m = Membership(reg, me, ttl=5, admitters=Admitters.from_files(tmp_path / "op.key.pub", revoked),
+                       recheck_s=0.2)
+        await m.start()
+        try:
+            await m.wait_for(lambda m: sorted(m.ring.nodes) == ["e1", "e2"], timeout=5)
+            revoked.write_text(admission_id(Admission.from_dict(e2.extra["admission"])) + "\n")
+            await m.wait_for(lambda m: sorted(m.ring.nodes) == ["e1"], timeout=5)
+        finally:
+            await m.close()
+            await lease.close()
+
+
+async def test_client_from_registry_leaves_out_a_revoked_node(tmp_path):
+    from kdn.signing import admission_id
+
+    op = Signer.generate(tmp_path / "op.key")
+    e1 = admitted(op, NodeRecord(role="edge", region="eu", node_id="e1", url="http://127.0.0.1:9601"))
+    e2 = admitted(op, NodeRecord(role="edge", region="eu", node_id="e2", url="http://127.0.0.1:9602"))
+    async with EmbeddedRegistry(tmp_path / "reg.sqlite3") as reg:
+        leases = [await reg.register_node(n, ttl=30) for n in (e1, e2)]
+        try:
+            gone = [admission_id(Admission.from_dict(e2.extra["admission"]))]
+            async with await KDNClient.from_registry(reg, "eu", admitted_by=[op.public],
+                                                     revoked_admissions=gone) as client:
+                assert {s.url for s in client.sources} == {"http://127.0.0.1:9601"}
+            with pytest.raises(InvalidInput, match="admitted_by"):
+                await KDNClient.from_registry(reg, "eu", revoked_admissions=gone)
+        finally:
+            for lease in leases:
+                await lease.close()
