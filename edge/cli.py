@@ -107,6 +107,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_policy_ls)
     p = policy.add_parser("rm", help="remove a policy")
     p.add_argument("name")
+    p.add_argument("--operator-key", default=None, metavar="FILE",
+                   help="write a signed tombstone instead of deleting: edges with --operator-keys keep a signed "
+                        "policy whose record is merely deleted (a registry writer could do that)")
     registry_arg(p)
     p.set_defaults(func=cmd_policy_rm)
 
@@ -314,8 +317,24 @@ def cmd_policy_rm(args: argparse.Namespace) -> int:
     from kdn.address import validate_name
 
     name = validate_name(args.name)
+    signer = None
+    if args.operator_key is not None:
+        from kdn.signing import Signer
+
+        signer = Signer.load(args.operator_key)
 
     async def go(reg) -> int:
+        if signer is not None:  # edges with --operator-keys ignore a bare delete: write a signed tombstone
+            from kdn.edge.policies import is_tombstone, tombstone
+            from kdn.registry.records import Policy
+
+            raw = dict(await reg.list_keys(f"policies/{name}")).get(f"policies/{name}")
+            if raw is None or is_tombstone(old := Policy.unpack(raw)):
+                print(f"kdn: no policy named {name}", file=sys.stderr)
+                return 1
+            await reg.put_policy(signer.sign(tombstone(old, time.time())))
+            print(f"policy {name} removed (a signed tombstone: edges with --operator-keys drop it)")
+            return 0
         if not await reg.delete_policy(name):
             print(f"kdn: no policy named {name}", file=sys.stderr)
             return 1
@@ -342,8 +361,11 @@ async def _read_policies(reg) -> list[tuple[str, Policy | None, str | None]]:
 
 
 def _row(p) -> tuple[str, str, str, str, str]:
+    from kdn.edge.policies import is_tombstone
     from kdn.units import format_duration, format_size
 
+    if is_tombstone(p):
+        return p.name, p.kind, p.region or "*", "-", "removed (a signed tombstone)"
     if p.kind in ("pin", "warm"):
         scope, setting = p.manifest, "-"
     elif p.kind == "ttl":

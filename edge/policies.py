@@ -48,6 +48,15 @@ flight, and removing the policy cancels it too, so the callback must tolerate
 cancellation. A failed warm is logged and counted (``stats.warm_failures``),
 never retried on its own and never fatal.
 
+Signed policies (an edge with ``--operator-keys``): only a policy one of those
+keys signed applies, and a registry writer without one must not undo it either.
+So removing one is a signed record too, a tombstone (``kdn policy rm
+--operator-key``: the policy's fields with ``extra.deleted``); a key deleted
+without one leaves the policy in force here (logged), and a signed policy older
+(by its signed ``extra.set_at``) than the newest seen under its name is a replay
+and skipped. What the edge has seen lives in its process: an edge started
+after such a deletion or replay does not know what came before (docs/security.md).
+
 Invalid records (not msgpack, bad fields, a ``pin`` without a manifest, a key
 that disagrees with the record's name) are logged, listed in ``invalid`` and
 skipped; a registry that cannot be reached makes the watches retry with
@@ -59,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,7 +79,7 @@ from kdn.errors import InvalidInput, KDNError
 from kdn.registry.follow import follow, stop_tasks
 from kdn.registry.records import Manifest, Policy
 
-__all__ = ["PolicyEngine", "PolicyStats", "Warm", "validate_policy"]
+__all__ = ["PolicyEngine", "PolicyStats", "Warm", "is_tombstone", "set_at", "tombstone", "validate_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +88,24 @@ MANIFESTS = "manifests/"
 
 Warm = Callable[[list[str], str], Awaitable[None]]
 """``warm(addresses, namespace)``: fetch these objects into this edge's tiers now."""
+
+
+def set_at(p: Policy) -> float:
+    """When ``kdn policy set`` (or ``rm``) made ``p``: its ``extra.set_at``, signed with the rest; 0 if none."""
+    at = p.extra.get("set_at")
+    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at) else 0.0
+
+
+def is_tombstone(p: Policy) -> bool:
+    """A signed removal (``kdn policy rm --operator-key``): the policy's fields, ``extra.deleted`` set."""
+    return p.extra.get("deleted") is True
+
+
+def tombstone(p: Policy, at: float) -> Policy:
+    """What removing ``p`` writes where policies are signed: ``p`` marked deleted, ``set_at`` now (sign it)."""
+    import dataclasses
+
+    return dataclasses.replace(p, extra={**p.extra, "deleted": True, "set_at": at}, sig={})
 
 
 def validate_policy(p: Policy) -> Policy:
@@ -181,6 +209,10 @@ class PolicyEngine:
         self._max_retry_s = max_retry_s
         # Registry state, as the watches last told it.
         self._records: dict[str, Policy] = {}  # valid policies, every region, by name
+        # With a verifier: per name, the newest signed set_at seen (policies and tombstones), so an older signed
+        # record replayed under the name is refused; and the names whose keys went without a tombstone.
+        self._newest: dict[str, float] = {}
+        self._kept: set[str] = set()
         self._invalid: dict[str, str] = {}  # key -> why it is skipped
         self._manifests: dict[str, Manifest | None] = {}  # refs some policy names -> record (None: not published)
         self._snapshots: set[str] = set()
@@ -329,17 +361,34 @@ class PolicyEngine:
 
     def _take_policy(self, ev) -> None:
         if ev.kind == "snapshot":
-            self._records, self._invalid = {}, {}
+            before, self._records, self._invalid = self._records, {}, {}
             for key, value in ev.items.items():
-                self._put_policy(key, value)
+                self._put_policy(key, value, before.get(key[len(POLICIES):]))
+            for name in before.keys() - {k[len(POLICIES):] for k in ev.items}:
+                self._gone(name, before[name])
             self._snapshots.add(POLICIES)
         elif ev.kind == "put":
-            self._put_policy(ev.key, ev.value)
+            self._put_policy(ev.key, ev.value, self._records.get(ev.key[len(POLICIES):]))
         elif ev.kind == "delete":
-            self._records.pop(ev.key[len(POLICIES) :], None)
+            name = ev.key[len(POLICIES) :]
             self._invalid.pop(ev.key, None)
+            p = self._records.pop(name, None)
+            if p is not None:
+                self._gone(name, p)
 
-    def _put_policy(self, key: str, value: bytes | None) -> None:
+    def _gone(self, name: str, p: Policy) -> None:
+        """A policy's key is gone. Unsigned edges drop it; signed ones keep it: only a signed tombstone removes."""
+        if self._verifier is None:
+            return
+        self._records[name] = p
+        if name not in self._kept:
+            self._kept.add(name)
+            self.stats.invalid += 1
+            log.warning("policy %s was deleted from the registry without a signed tombstone: still applied here "
+                        "(remove a signed policy with `kdn policy rm --operator-key`)", name)
+
+    def _put_policy(self, key: str, value: bytes | None, current: Policy | None = None) -> None:
+        """Take the record at ``key``; ``current`` is the policy in force under its name until now."""
         name = key[len(POLICIES) :]
         self._records.pop(name, None)
         self._invalid.pop(key, None)
@@ -352,11 +401,21 @@ class PolicyEngine:
                     self._verifier.check(p)
                 except (TypeError, ValueError) as e:  # a field the signed payload cannot hold
                     raise InvalidInput(f"policy {p.name} cannot be verified: {e}") from None
+                at, newest = set_at(p), self._newest.get(name, float("-inf"))
+                if at < newest:
+                    raise InvalidInput(f"policy {p.name}: signed at {at:.0f}, older than the one seen here "
+                                       f"({newest:.0f}): a replay")
+                self._newest[name] = at
         except KDNError as e:
             self.stats.invalid += 1
             self._invalid[key] = str(e)
             log.warning("skipping invalid policy %s: %s", key, _line(e))
+            if current is not None and self._verifier is not None:
+                self._records[name] = current  # an unsigned or replayed record over a signed one does not undo it
             return
+        self._kept.discard(name)
+        if is_tombstone(p):
+            return  # removed (signed, where signatures count): nothing applies under the name
         self._records[name] = p
 
     def _take_manifest(self, ev) -> None:

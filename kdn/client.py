@@ -209,6 +209,7 @@ class KDNClient:
         trusted_keys: TrustedKeys | None = None,
         arena: Arena | None = None,
         decode_speeds: DecodeSpeeds | None = None,
+        manifest_state: str | os.PathLike[str] | None = None,
     ) -> None:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
@@ -268,7 +269,13 @@ class KDNClient:
         self.verifier = _verifier(trusted_keys)
         self.rejected_records = 0
         self._fetched: OrderedDict[str, float] = OrderedDict()  # address -> when fetched (warm), bounded
-        self.manifest_versions: dict[str, int] = {}  # namespace/name -> the highest version this client has taken
+        # namespace/name -> the highest version this client has taken; with ``manifest_state``, kept in that file
+        # (kdn.versions) so that a new process still refuses what an earlier one saw superseded.
+        self.manifest_versions: dict[str, int] = {}
+        if manifest_state is not None:
+            from kdn.versions import VersionFile
+
+            self.manifest_versions = VersionFile(manifest_state)
         # kvtc bases by address: each fetched once (then shared by every object that names it)
         self._bases: dict[str, asyncio.Task[Any]] = {}
         self.bases_fetched = 0
@@ -363,7 +370,8 @@ class KDNClient:
         took before: a superseded manifest, validly signed and replayed by a registry writer or a lying edge, is
         refused (counted in ``rejected_records``; with ``trusted_keys``, which make the version the origin's word);
         the highest version seen per name is kept in
-        ``manifest_versions``, which a caller may seed from a store of its own to hold across restarts.
+        ``manifest_versions``: in memory, or with ``manifest_state=PATH`` in that file, so that it holds across
+        restarts and processes (kdn.versions).
         ``pin`` (``kdn.signing.manifest_pin``, printed by ``kdn publish``) takes exactly that manifest: any
         other one served under the name is refused (None, counted), with keys or without."""
         ref = f"{A.validate_namespace(namespace)}/{A.validate_name(name)}"

@@ -43,6 +43,65 @@ async def test_a_superseded_manifest_replayed_through_the_registry_is_refused(tm
             await writer.close()
 
 
+async def test_a_superseded_manifest_replayed_to_a_new_process_is_refused_with_a_state_file(tmp_path, etcd_url):
+    """The residual of the version check, closed: a manifest's high-water mark was held per process, so a new
+    one (a restarted engine) took a replayed superseded manifest. With ``manifest_state`` the mark is in a file:
+    a client made after the replay, sharing only that file, refuses it."""
+    import asyncio
+
+    key = Signer.generate(tmp_path / "origin.key")
+    state = tmp_path / "versions.json"
+    async with cluster(tmp_path, etcd_url, edges=("e1",), origin_kw={"signing_key": str(tmp_path / "origin.key")}) as c:
+        await publish(c, OLD, name="hours")
+        writer = open_registry(c.registry)
+        try:
+            stale = await writer.get_manifest("public", "hours")
+            new = await publish(c, NEW, name="hours")
+            async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public], manifest_state=state) as first:
+                assert (await first.manifest("public", "hours"))["addresses"] == new["addresses"]
+            await writer._put(writer._manifest_key("public", "hours"), stale.pack())  # the replay, between processes
+            code = ("import asyncio, sys\n"
+                    "from kdn.client import KDNClient\n"
+                    "async def main():\n"
+                    f"    async with KDNClient(edges=[{c.edge_url('e1')!r}], trusted_keys=[{key.public!r}],\n"
+                    f"                         manifest_state={str(state)!r}) as c:\n"
+                    "        m = await c.manifest('public', 'hours')\n"
+                    "        print('refused' if m is None else 'TOOK', c.rejected_records)\n"
+                    "asyncio.run(main())\n")
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            # (a process of its own, waited for asynchronously: the edge answering it runs in this event loop)
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-P", "-c", code, env=env,
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert out.decode().split() == ["refused", "1"], out.decode() + err.decode()
+            async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as forgetful:  # the control
+                assert (await forgetful.manifest("public", "hours"))["addresses"] == stale.addresses
+        finally:
+            await writer.close()
+
+
+def test_a_manifest_state_file_only_rises_and_an_unreadable_one_is_an_error(tmp_path):
+    import json
+
+    import pytest
+
+    from kdn.errors import InvalidInput
+    from kdn.versions import FORMAT, VersionFile
+
+    path = tmp_path / "v.json"
+    a, b = VersionFile(path), VersionFile(path)  # two processes' clients sharing one file
+    a["public/x"] = 3
+    b["public/y"] = 5
+    b["public/x"] = 2  # lower than stored: nothing written
+    assert json.loads(path.read_text())[FORMAT] == {"public/x": 3, "public/y": 5}
+    assert VersionFile(path) == {"public/x": 3, "public/y": 5} and b.writes == 1
+    for bad in ("{", '{"other": {}}', json.dumps({FORMAT: {"public/x": -1}}), json.dumps({FORMAT: {"no-slash": 1}}),
+                json.dumps({FORMAT: {"public/x": True}})):
+        path.write_text(bad)
+        with pytest.raises(InvalidInput, match="unreadable"):
+            VersionFile(path)  # never a silent reset to 0: that reset is the replay
+
+
 async def test_a_deleted_name_stays_deleted_for_a_client_that_saw_its_tombstone(tmp_path, etcd_url):
     import aiohttp
 

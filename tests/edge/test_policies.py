@@ -341,3 +341,38 @@ async def test_with_operator_keys_only_policies_an_operator_signed_apply(edge, t
     assert set(eng.policies) == {"good"}
     await put(edge.mem, addr("y"))
     assert meta_of(edge.mem, addr("y")).expires_at == edge.clock.now + 30
+
+
+async def test_a_signed_policy_is_undone_only_by_a_signed_tombstone_and_not_by_a_replay(edge, tmp_path):
+    """#28 item 11, signed policy deletion: with --operator-keys, a registry writer deleting a signed quota (one
+    tenant may then push the others out), overwriting it with an unsigned record, or replaying an older signed
+    version under its name once undid it. Now each leaves the newest signed policy in force; only the
+    operator's signed tombstone (``kdn policy rm --operator-key``) removes it."""
+    from kdn.edge.policies import tombstone
+    from kdn.signing import Signer, Verifier
+
+    operator = Signer.generate(tmp_path / "operator.key")
+    edge.engine = PolicyEngine(edge.writer, "eu", [edge.mem, edge.disk], warm=edge.warms, retry_s=0.05,
+                               verifier=Verifier([operator.public]))
+    await edge.engine.start()
+    eng, w = edge.engine, edge.writer
+    await eng.wait_applied(lambda e: e.ready)
+    old = operator.sign(Policy("q", "quota", namespace="acme", quota_bytes=1 << 20, extra={"set_at": 100.0}))
+    new = operator.sign(Policy("q", "quota", namespace="acme", quota_bytes=4 << 20, extra={"set_at": 200.0}))
+    await w.put_policy(new)
+    await eng.wait_applied(lambda e: e.active.get("q") == new)
+    await w.delete_policy("q")  # a bare delete: the writer's, or an operator who forgot --operator-key
+    await w.put_policy(Policy("marker", "ttl", ttl_s=1))  # (unsigned: skipped; its event comes after the delete)
+    await eng.wait_applied(lambda e: "policies/marker" in e.invalid)
+    assert eng.active.get("q") == new
+    await w.put_policy(Policy("q", "quota", namespace="acme", quota_bytes=1))  # unsigned, over the signed one
+    await eng.wait_applied(lambda e: "policies/q" in e.invalid)
+    assert eng.active.get("q") == new
+    await w.put_policy(old)  # signed, but older than the one in force: a replay
+    await eng.wait_applied(lambda e: "replay" in e.invalid.get("policies/q", ""))
+    assert eng.active.get("q") == new
+    await w.put_policy(operator.sign(tombstone(new, 300.0)))
+    await eng.wait_applied(lambda e: "q" not in e.active)
+    await w.put_policy(new)  # the removed policy replayed: older than its tombstone
+    await eng.wait_applied(lambda e: "replay" in e.invalid.get("policies/q", ""))
+    assert "q" not in eng.active and "q" not in eng.policies

@@ -269,3 +269,24 @@ async def test_policy_set_with_an_operator_key_signs_what_it_writes(cli, backend
     assert v.ok(got["ttl-signed"]) and not v.ok(got["ttl-plain"])
     one_error_line(cli.run("policy", "set", "x", "--ttl", "1s", "--operator-key", str(tmp_path / "missing.key")),
                    "missing.key")
+
+
+async def test_policy_rm_with_an_operator_key_writes_a_signed_tombstone(cli, backend, tmp_path):
+    from kdn.edge.policies import is_tombstone, set_at
+    from kdn.signing import Signer, Verifier
+
+    key = Signer.generate(tmp_path / "operator.key")
+    k = ("--operator-key", str(tmp_path / "operator.key"))
+    assert cli.run("policy", "set", "q", "--quota", "1MiB", "--namespace", "acme", *k).returncode == 0
+    r = cli.run("policy", "rm", "q", *k)
+    assert r.returncode == 0 and "signed tombstone" in r.stdout, r.stderr
+    reg = backend[1]()
+    try:
+        got = {p.name: p for p in await reg.list_policies()}
+    finally:
+        await reg.close()
+    t = got["q"]  # still there, as a tombstone the operator signed, newer than the policy it removes
+    assert is_tombstone(t) and Verifier([key.public]).ok(t) and t.quota_bytes == 1 << 20 and set_at(t) > 0
+    assert "removed (a signed tombstone)" in cli.run("policy", "ls").stdout
+    assert cli.run("policy", "rm", "q", *k).returncode == 1  # removed already
+    assert cli.run("policy", "rm", "nothing", *k).returncode == 1
