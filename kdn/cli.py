@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 from kdn.errors import InvalidInput, KDNError
 
 if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily: `kdn address` needs none of it
-    from kdn.registry import ModelRecord, ObjectRecord, Registry
+    from kdn.registry import Manifest, ModelRecord, ObjectRecord, Registry
 
 # Parts that contribute subcommands: module path -> its `register(subparsers)`.
 # Each module must import nothing heavy at import time.
@@ -93,7 +93,7 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
             if m is None:
                 print(f"kdn: no manifest {ns}/{name} in the registry", file=sys.stderr)
                 return 1
-            print(json.dumps({"type": "manifest", "record": m.to_dict()}, indent=2, default=str))
+            print(json.dumps({"type": "manifest", "record": m.to_dict(), **_verdict(args, m)}, indent=2, default=str))
             return 0
 
         return run_registry(args, manifest)
@@ -110,13 +110,27 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
         if rec is None:
             print(f"kdn: {key} is not in the registry, nor in an origin's store", file=sys.stderr)
             return 1
-        out = {"type": kind, "record": rec.to_dict()}
+        out = {"type": kind, "record": rec.to_dict(), **_verdict(args, rec)}
         if where != "registry":
             out["from"] = where
         print(json.dumps(out, indent=2, default=str))
         return 0
 
     return run_registry(args, go)
+
+
+def _verdict(args: argparse.Namespace, rec: ObjectRecord | ModelRecord | Manifest) -> dict[str, object]:
+    """With ``--trusted-keys``: whether one of them signed ``rec`` (a registry writer can change any record;
+    only a signed one is the origin's word)."""
+    if not args.trusted_keys:
+        return {}
+    from kdn.signing import SignatureError, Verifier
+
+    try:
+        Verifier.from_file(args.trusted_keys).check(rec)
+    except SignatureError as e:
+        return {"verified": False, "why": str(e)}
+    return {"verified": True, "key": rec.sig.get("key")}
 
 
 async def _record_from_origins(reg: Registry, address: str) -> ObjectRecord | None:
@@ -283,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     reg = sub.add_parser("registry", help="query the registry").add_subparsers(dest="registry_command", required=True)
     p = reg.add_parser("show", help="show the record of an object address, a model id, or a manifest NAMESPACE/NAME")
     p.add_argument("address", metavar="ADDRESS|MODEL_ID|NAMESPACE/NAME")
+    p.add_argument("--trusted-keys", default=None, metavar="FILE",
+                   help="publisher keys (ed25519:HEX per line): say whether one of them signed the record")
     registry_arg(p)
     p.set_defaults(func=cmd_registry_show)
     p = reg.add_parser("migrate", help="move object records out of the registry into an origin's store "

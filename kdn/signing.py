@@ -16,7 +16,8 @@ Rotation: trust the new key beside the old one, switch the origin to the new
 key, re-publish, then drop the old key. Revocation: drop a key from the
 trusted set; every record it signed is a miss from then on.
 
-Signed fields (``payload``): objects -- address, model id, namespace, kind,
+Signed fields (``payload``): models -- every field (id, name, architecture, dtype, chunk size, config,
+extra: the kvtc basis's address, the origin's URL); objects -- address, model id, namespace, kind,
 token span, parent, standalone, every encoding's size and digest (and its piece digests, kdn/pieces.py), tails,
 origin, engine; manifests -- namespace, name, model id, addresses, token
 counts, the published token ids, template, standalone addresses, the emphasis map (when there is
@@ -41,9 +42,9 @@ from kdn.errors import InvalidInput, KDNError
 if TYPE_CHECKING:  # pragma: no cover - imported where used: kdn.registry and cryptography load lazily
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-    from kdn.registry.records import Admission, Encoding, Manifest, NodeRecord, ObjectRecord, Policy
+    from kdn.registry.records import Admission, Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
 
-    Signable = TypeVar("Signable", bound=ObjectRecord | Manifest | Policy | Admission)
+    Signable = TypeVar("Signable", bound=ObjectRecord | Manifest | Policy | Admission | ModelRecord)
 
 KEY_PREFIX = "ed25519:"
 
@@ -52,10 +53,10 @@ class SignatureError(KDNError):
     """A record is unsigned, signed by a key nobody trusts here, or its signature does not match."""
 
 
-def payload(rec: ObjectRecord | Manifest | Policy | Admission) -> bytes:
-    """The canonical bytes signed for an ``ObjectRecord``, a ``Manifest``, or (an operator's) a ``Policy``
-    or a node's ``Admission``."""
-    from kdn.registry.records import Admission, Manifest, ObjectRecord, Policy
+def payload(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord) -> bytes:
+    """The canonical bytes signed for an ``ObjectRecord``, a ``Manifest``, a ``ModelRecord``, or (an
+    operator's) a ``Policy`` or a node's ``Admission``."""
+    from kdn.registry.records import Admission, Manifest, ModelRecord, ObjectRecord, Policy
 
     if isinstance(rec, ObjectRecord):
         body = {
@@ -83,6 +84,10 @@ def payload(rec: ObjectRecord | Manifest | Policy | Admission) -> bytes:
         body = {"t": "kdn/policy/v1", "name": rec.name, "kind": rec.kind, "region": rec.region,
                 "manifest": rec.manifest, "namespace": rec.namespace, "ttl_s": rec.ttl_s,
                 "quota_bytes": rec.quota_bytes, "extra": rec.extra}
+    elif isinstance(rec, ModelRecord):
+        body = {"t": "kdn/model-record/v1", "model_id": rec.model_id, "name": rec.name,
+                "architecture": rec.architecture, "dtype": rec.dtype, "chunk_tokens": rec.chunk_tokens,
+                "config": rec.config, "extra": rec.extra}
     elif isinstance(rec, Admission):
         body = {"t": "kdn/node-admission/v1", "role": rec.role, "region": rec.region, "node_id": rec.node_id,
                 "url": rec.url, "expires": rec.expires}
@@ -290,7 +295,7 @@ class Verifier:
             raise SignatureError(f"record {_name(rec)}: the signature does not match its fields") from None
         return rec
 
-    def ok(self, rec: ObjectRecord | Manifest | Policy | Admission) -> bool:
+    def ok(self, rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord) -> bool:
         try:
             self.check(rec)
             return True
@@ -298,8 +303,8 @@ class Verifier:
             return False
 
 
-def _name(rec: ObjectRecord | Manifest | Policy | Admission) -> str:
-    return str(getattr(rec, "address", None) or getattr(rec, "node_id", None)
+def _name(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord) -> str:
+    return str(getattr(rec, "address", None) or getattr(rec, "node_id", None) or getattr(rec, "model_id", None)
                or f"{getattr(rec, 'namespace', '?')}/{getattr(rec, 'name', '?')}")[:32]
 
 

@@ -312,7 +312,7 @@ class KVRegistry(abc.ABC):
 
     async def put_model(self, rec: ModelRecord) -> None:
         _expect(rec, ModelRecord)
-        await self._put(self._model_key(rec.model_id), rec.pack())
+        await self._put(self._model_key(rec.model_id), self._signed(rec).pack())
 
     async def get_model(self, model_id: str) -> ModelRecord | None:
         (v,) = await self._read([self._model_key(model_id)])

@@ -147,6 +147,7 @@ class ModelRecord(_Record):
     chunk_tokens: int
     config: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    sig: dict[str, str] = field(default_factory=dict)  # the origin's signature (kdn/signing.py), as its objects'
 
     def __post_init__(self) -> None:
         validate_model_id(self.model_id)
@@ -155,6 +156,7 @@ class ModelRecord(_Record):
         _require(_is_int(self.chunk_tokens) and self.chunk_tokens > 0, "ModelRecord.chunk_tokens must be a positive int")
         _check_dict("ModelRecord", "config", self.config)
         _check_dict("ModelRecord", "extra", self.extra)
+        _check_sig("ModelRecord", self.sig)
 
 
 @dataclass(frozen=True)

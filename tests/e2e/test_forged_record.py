@@ -8,6 +8,7 @@ its fields: a miss, counted, and no forged byte reaches the model.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -115,3 +116,36 @@ async def test_an_edge_with_trusted_keys_treats_unsigned_records_as_absent(tmp_p
         from edge_helpers import metric
 
         assert metric(c.edges["e1"], "kdn_edge_refused_records") >= 1
+
+
+async def test_an_origins_model_record_is_signed_and_kdn_registry_show_checks_it(tmp_path, etcd_url, capsys):
+    """#28 item 11 (model records): they were unsigned, so a registry writer could change what a model record
+    says (its kvtc basis, its origin, its shape) unseen. The origin signs it as it signs its objects;
+    ``kdn registry show --trusted-keys`` says whether the record is the origin's word."""
+    import dataclasses
+
+    from kdn import cli
+    from kdn.registry import open_registry
+    from kdn.signing import Verifier
+
+    key = Signer.generate(tmp_path / "origin.key")
+    (tmp_path / "trusted").write_text(key.public + "\n")
+    async with cluster(tmp_path, etcd_url, edges=(), origin_kw={"signing_key": str(tmp_path / "origin.key")}) as c:
+        reg = open_registry(c.registry)
+        try:
+            (model,) = await reg.list_models()
+            assert Verifier([key.public]).ok(model)
+            show = ["registry", "show", model.model_id, "--registry", c.registry, "--trusted-keys",
+                    str(tmp_path / "trusted")]
+            capsys.readouterr()
+            assert await asyncio.to_thread(cli.main, show) == 0
+            out = json.loads(capsys.readouterr().out)
+            assert out["type"] == "model" and out["verified"] is True
+            # A writer's edit: the signature kept, a field changed (the origin's URL, where fills would go).
+            forged = dataclasses.replace(model, extra={**model.extra, "origin": "http://127.0.0.2:1"})
+            await reg._put(reg._model_key(model.model_id), forged.pack())
+            assert await asyncio.to_thread(cli.main, show) == 0
+            out = json.loads(capsys.readouterr().out)
+            assert out["verified"] is False and "does not match" in out["why"]
+        finally:
+            await reg.close()
