@@ -235,7 +235,7 @@ class Redirector:
 
 # Which helper edges each attack needs, beside eu-1 and eu-2.
 EXTRA_EDGES = [("stalled_readers", "st-1"), ("upstream_redirect", "rd-1"), ("bad_manifest_record", "pf-1"),
-               ("idle_connections", "ic-1"), ("planted_policy", "po-1"), ("unadmitted_node", "ad-1"),
+               ("idle_connections", "ic-1"), ("planted_policy", "po-1"), ("undone_policy", "po-1"), ("unadmitted_node", "ad-1"),
                ("unadmitted_node", "ad-2"), ("timing_probe", "tp-1")]  # (attack, the helper edge it needs; its region: the name's prefix)
 IDLE_NOFILE, IDLE_CONNECTIONS = 256, 300  # issue #28 item 7: 300 idle connections at an edge limited to 256 files
 N_STORE_BLOBS = 3000  # blobs put into the origin's store before it starts (index_scan)
@@ -277,7 +277,7 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
         w.origin.args += ["--admission", str(w.root / "origin.admission")]
     base = w.edges["eu-1"].args
     for attack, name in EXTRA_EDGES:
-        if attack not in names:
+        if attack not in names or name in ctx.extra:  # (po-1 serves two attacks)
             continue
         region = name.split("-")[0]
         args = set_arg(set_arg(set_arg(base, "--region", region), "--node-id", name), "--disk",
@@ -330,7 +330,7 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
 DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "rogue_tls": ["rogue_https_node"], "admit": ["unadmitted_node"],
             "redirect": ["upstream_redirect"],
             "planted": ["planted_digest"], "relabel": ["relabelled_namespace"],
-            "tenant": ["tenant_cache_headers", "timing_probe"], "probe": ["anonymous_probes"]}
+            "tenant": ["tenant_cache_headers", "timing_probe", "undone_policy"], "probe": ["anonymous_probes"]}
 
 
 async def publish_as(w: F.World, token: str, text: str, name: str, namespace: str) -> dict:
@@ -608,6 +608,63 @@ async def planted_policy(ctx: Ctx) -> Row:
                f"eu-1: second read from {after[target.name].split()[-1]!r} (before: "
                f"{before[target.name].split()[-1]!r}); control po-1 applied it: second read from "
                f"{after[control.name].split()[-1]!r}", "refused", None, ok, {"before": before, "after": after})
+
+
+async def undone_policy(ctx: Ctx) -> Row:
+    """#28 item 11 (signed policy deletion): the operator signs a `ttl 0` policy for namespace acme (each read
+    of it refills: observable from outside); a registry writer then deletes its key, and replays an older
+    version the operator once signed (`ttl 1h`: entries kept). eu-1 (--operator-keys) keeps the newest signed
+    policy through both; the control po-1 (no keys) drops it at the delete. The operator's signed tombstone
+    then removes it at eu-1."""
+    import dataclasses
+
+    from kdn.edge.policies import tombstone
+    from kdn.registry import Policy, open_registry
+    from kdn.signing import Signer
+
+    w, a = ctx.world, ctx.docs["tenant"]["addresses"][0]
+    target, control = w.edges["eu-1"], ctx.extra["po-1"]
+    op = Signer.load(ctx.tmp / "operator.key")
+    t = time.time()
+    old = op.sign(Policy("acme-ttl", "ttl", namespace="acme", ttl_s=3600, extra={"set_at": t - 60}))
+    new = op.sign(dataclasses.replace(old, ttl_s=0, extra={"set_at": t}, sig={}))
+
+    async def second_read() -> dict[str, str]:
+        await asyncio.sleep(1.5)  # the policy watches, then an expiry pass
+        out = {}
+        for node in (target, control):
+            for _ in range(2):
+                status, headers, _ = await http("GET", f"{node.url}/v1/objects/{a}", headers=bearer(TENANT))
+            out[node.name] = headers.get("X-KDN-Source", "?") if status == 200 else f"HTTP {status}"
+        return out
+
+    steps = {}
+    async with open_registry(w.etcd.registry) as reg:
+        try:
+            await reg.put_policy(new)  # the operator's
+            steps["signed"] = await second_read()
+            await reg.delete_policy(new.name)  # the writer's
+            steps["deleted"] = await second_read()
+            await reg.put_policy(old)  # the writer's replay
+            steps["replayed"] = await second_read()
+            await reg.put_policy(op.sign(tombstone(new, time.time())))  # the operator's removal
+            steps["tombstone"] = await second_read()
+        finally:
+            await reg.delete_policy(new.name)
+    e, c = target.name, control.name
+
+    def refills(step: str, node: str) -> bool:
+        return steps[step][node] not in ("memory", "?") and not steps[step][node].startswith("HTTP")
+
+    ok = (refills("signed", e) and refills("signed", c) and refills("deleted", e) and steps["deleted"][c] == "memory"
+          and refills("replayed", e) and steps["tombstone"][e] == "memory")
+    return Row("undone_policy", "the operator's signed `ttl 0` policy for namespace acme (each read refills); then, "
+               "with registry write access, its key deleted, and an older signed version (`ttl 1h`) replayed; "
+               "a tenant's object read twice at eu-1 (--operator-keys) and the control po-1 (none) after each step",
+               f"second read at eu-1: signed '{steps['signed'][e]}', after the delete '{steps['deleted'][e]}', after "
+               f"the replay '{steps['replayed'][e]}' (kept), after the operator's signed tombstone "
+               f"'{steps['tombstone'][e]}'; control po-1 after the delete: '{steps['deleted'][c]}' (dropped)",
+               "refused", None, ok, steps)
 
 
 # --- 2. a rogue node record ---------------------------------------------------------------------------
@@ -1723,6 +1780,7 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "forged_record": (forged_record, True),
     "lying_body": (lying_body, True),
     "planted_policy": (planted_policy, True),
+    "undone_policy": (undone_policy, True),
     "rogue_node": (rogue_node, True),
     "rogue_https_node": (rogue_https_node, True),
     "unadmitted_node": (unadmitted_node, True),
