@@ -11,8 +11,8 @@ tenant's record, cached because its owner read it lately, is refused without
 a registry read, an absent one after one (~570 vs ~800 us medians on loopback).
 So every "no" (absent, or not yours) is held until ``hold(since)``: no sooner
 than ``floor_s`` after the request came, nor than the 99th percentile of the
-last 256 reads from the source. Both kinds of "no" then take the floor, and
-only a read slower than it still shows.
+last minute's reads from the source (at most 50 ms). Both kinds of "no" then
+take the floor, and only a read slower than it still shows.
 
 Where they live (``kdn edge serve --records``):
 
@@ -43,6 +43,9 @@ from kdn.service import MAX_RECORDS
 
 log = logging.getLogger("kdn.edge")
 
+# A "no" follows slow record reads up to this (a slower registry then shows in its timing, but a slow spell
+# does not make every refusal wait a second), over the reads of the last minute only.
+MAX_FLOOR_S, READS_WINDOW_S = 0.05, 60.0
 MAX_RECORDS_BODY = MAX_RECORDS * 16 << 10  # bytes of one answer: far above a real record's ~1.4 KB each
 
 
@@ -69,22 +72,25 @@ class RecordCache:
         if not 0 <= floor_s <= 1:
             raise InvalidInput(f"the floor of a 'no' must be 0-1000 ms, not {floor_s * 1000:g} ms")
         self.floor_s = floor_s  # 0: a "no" is answered as soon as known (its timing then tells cached from not)
-        self._read_s: deque[float] = deque(maxlen=256)  # how long the last reads from the source took
+        # (when, how long) of the last successful reads from the source: a failed one (a registry down for a
+        # while) says nothing of how long a read takes, and once made every "no" wait out its timeout.
+        self._read_s: deque[tuple[float, float]] = deque(maxlen=256)
 
     async def _read(self, call):
         t0 = time.monotonic()
-        try:
-            return await call
-        finally:
-            self._read_s.append(time.monotonic() - t0)
+        got = await call
+        now = time.monotonic()
+        self._read_s.append((now, now - t0))
+        return got
 
     def no_floor(self) -> float:
-        """Seconds a "no" takes at least: ``floor_s``, or the 99th percentile of recent source reads if
-        longer (at most 1 s). 0 with the floor off."""
+        """Seconds a "no" takes at least: ``floor_s``, or the 99th percentile of the source reads of the last
+        ``READS_WINDOW_S`` if longer, up to ``MAX_FLOOR_S`` (a read slower than that shows). 0: the floor off."""
         if self.floor_s <= 0:
             return 0.0
-        reads = sorted(self._read_s)
-        return min(1.0, max(self.floor_s, reads[int(len(reads) * 0.99)] if reads else 0.0))
+        since = time.monotonic() - READS_WINDOW_S
+        reads = sorted(s for at, s in self._read_s if at >= since)
+        return max(self.floor_s, min(MAX_FLOOR_S, reads[int(len(reads) * 0.99)] if reads else 0.0))
 
     async def hold(self, since: float) -> None:
         """Wait until ``no_floor()`` seconds have passed since ``since`` (``time.monotonic()``): what a
