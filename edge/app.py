@@ -40,7 +40,7 @@ from kdn.address import validate_address, validate_name
 from kdn.auth import Grant, Grants, TokenScope, covers, may_read
 from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
-from kdn.errors import InvalidInput, KDNError, SourceError
+from kdn.errors import InvalidInput, KDNError, RegistryUnavailable, SourceError
 from kdn.fetch import CACHED_ONLY, HOP, TIER
 from kdn.objects import blob_namespace
 from kdn.registry import Manifest, NodeRecord, ObjectRecord, follow
@@ -368,22 +368,47 @@ class Edge:
             loaded.release()
         self.prefetched.add((address, enc))
 
-    async def warm(self, addresses: list[str], namespace: str) -> None:
-        """Operator 'warm' policy: every edge fills the addresses it owns, ahead of demand."""
-        for address in addresses:
-            if not self.owns(address):
-                continue
-            rec = await self.records.get(address)
-            enc = self.choose_encoding(rec, None) if rec is not None else None
-            if rec is None or enc is None or self.holds((address, enc)):
-                continue
-            try:
-                loaded = await self.load((address, enc), rec, hop=True)
-                if loaded is not None:
-                    loaded.release()
-                self.m.warmed.inc()
-            except SourceError as e:
-                log.warning("warm of %s failed: %s", address, e)
+    async def warm(self, addresses: list[str], namespace: str, *, rate: int | None = None,
+                   policy: str | None = None) -> None:
+        """Operator 'warm' and 'push' policies: every edge fills the addresses it owns, ahead of demand; a push
+        (``policy`` named) at most ``rate`` bytes a second, its progress in ``kdn_edge_push*``. A fill goes
+        through the same single flight as a reader's, so a reader asking meanwhile joins it."""
+        mine = [a for a in addresses if self.owns(a)]
+        pending = self.m.push_pending.labels(policy) if policy is not None else None
+        if pending is not None:
+            pending.set(len(mine))
+        t0, sent = time.monotonic(), 0
+        try:
+            for address in mine:
+                outcome = "failed"
+                try:
+                    rec = await self.records.get(address)
+                    enc = self.choose_encoding(rec, None) if rec is not None else None
+                    if rec is None or enc is None:
+                        log.warning("%s of %s: no record with an encoding to fill", policy or "warm", address[:16])
+                    elif self.holds((address, enc)):
+                        outcome = "held"
+                    else:
+                        loaded = await self.load((address, enc), rec, hop=True)
+                        if loaded is not None:
+                            loaded.release()
+                        self.m.warmed.inc()
+                        outcome, size = "filled", rec.encodings[enc].size
+                        sent += size
+                        if policy is not None:
+                            self.m.pushed_bytes.labels(policy).inc(size)
+                except (SourceError, RegistryUnavailable) as e:
+                    log.warning("%s of %s failed: %s", policy or "warm", address[:16], e)
+                if pending is not None:
+                    self.m.pushed.labels(policy, outcome).inc()
+                    pending.dec()
+                if rate and outcome == "filled":  # paced: the push's bytes so far at no more than rate
+                    ahead = sent / rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+        finally:
+            if pending is not None:
+                pending.set(0)
 
 
 EDGE = web.AppKey("edge", Edge)

@@ -74,24 +74,29 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "recent record reads take if longer, so its timing does not tell which (default 2; 0: off)")
     p.set_defaults(func=cmd_edge_serve)
 
-    policy = sub.add_parser("policy", help="operator policies: pin, warm, ttl, quota, upper tier").add_subparsers(
+    policy = sub.add_parser("policy", help="operator policies: pin, warm, push, ttl, quota, upper tier").add_subparsers(
         dest="policy_command", required=True
     )
     p = policy.add_parser(
         "set",
         help="create or replace a policy",
-        description="Exactly one of --pin, --warm, --ttl, --quota, --upper. Edges apply it live; --region limits it to "
-                    "one region (for --upper it names the upper tier, which every region uses).",
+        description="Exactly one of --pin, --warm, --push, --ttl, --quota, --upper. Edges apply it live; --region "
+                    "limits it to one region (for --upper it names the upper tier, which every region uses; a push "
+                    "names its regions with --to).",
     )
     p.add_argument("name")
     kind = p.add_mutually_exclusive_group(required=True)
     kind.add_argument("--pin", metavar="MANIFEST", help="never evict the objects of namespace/name")
     kind.add_argument("--warm", metavar="MANIFEST", help="fetch the objects of namespace/name now")
+    kind.add_argument("--push", metavar="MANIFEST", help="send the objects of namespace/name to the regions --to "
+                      "names (default: every region) ahead of their readers, at most --rate per edge")
     kind.add_argument("--ttl", metavar="DURATION", help="objects may be dropped this long after insertion, e.g. 2h")
     kind.add_argument("--quota", metavar="SIZE", help="byte cap of --namespace in each tier, e.g. 5GiB")
     kind.add_argument("--upper", action="store_true",
                       help="make --region the upper tier (origin shield): other regions' owner edges fill through "
                            "it, so the origin serves about one fill per object")
+    p.add_argument("--to", default=None, metavar="REGIONS", help="with --push: comma-separated regions")
+    p.add_argument("--rate", default=None, metavar="SIZE", help="with --push: bytes a second per edge, e.g. 50MiB")
     p.add_argument("--namespace", default=None, help="scope of --ttl; the namespace --quota caps")
     p.add_argument("--manifest", default=None, metavar="MANIFEST", help="scope of --ttl: namespace/name")
     p.add_argument("--region", default=None,
@@ -242,7 +247,25 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
     from kdn.units import format_duration, format_size, parse_duration, parse_size
 
     fields: dict = {"name": args.name, "region": args.region}
-    if args.pin is not None or args.warm is not None:
+    extra: dict = {}
+    if (args.to is not None or args.rate is not None) and args.push is None:
+        raise InvalidInput("--to and --rate go with --push")
+    if args.push is not None:
+        if args.region is not None or args.namespace is not None or args.manifest is not None:
+            raise InvalidInput("--push names its manifest and its regions (--to), not --region, --namespace or --manifest")
+        fields.update(kind="push", manifest=args.push)
+        if args.to is not None:
+            from kdn.address import validate_name
+
+            extra["regions"] = sorted({validate_name(r.strip()) for r in args.to.split(",") if r.strip()})
+            if not extra["regions"]:
+                raise InvalidInput("--to names no region")
+        if args.rate is not None:
+            rate = parse_size(args.rate.removesuffix("/s"))
+            if rate <= 0:
+                raise InvalidInput("--rate must be more than zero")
+            extra["rate_bytes"] = rate
+    elif args.pin is not None or args.warm is not None:
         if args.namespace is not None or args.manifest is not None:
             raise InvalidInput("--namespace and --manifest go with --ttl or --quota; --pin and --warm name their manifest")
         fields.update(kind="pin" if args.pin is not None else "warm", manifest=args.pin or args.warm)
@@ -261,7 +284,7 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
             raise InvalidInput("--quota caps a namespace; it takes no --manifest")
         fields.update(kind="quota", quota_bytes=parse_size(args.quota), namespace=args.namespace)
     # set_at makes every `policy set` a new record: set a warm again and edges warm again.
-    p = validate_policy(Policy(**fields, extra={"set_at": time.time()}))
+    p = validate_policy(Policy(**fields, extra={**extra, "set_at": time.time()}))
     if args.operator_key is not None:
         from kdn.signing import Signer
 
@@ -283,6 +306,13 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
                 print(f"kdn: note: no live edge in region {p.region}: until one starts, fills go to the origin",
                       file=sys.stderr)
             print(f"policy {p.name} set: region {p.region} is the upper tier; other regions fill through it")
+            return 0
+        elif p.kind == "push":
+            regions = p.extra.get("regions") or []
+            rate = p.extra.get("rate_bytes")
+            print(f"policy {p.name} set: push {p.manifest} to "
+                  f"{'regions ' + ', '.join(regions) if regions else 'every region'}"
+                  + (f" at most {format_size(rate)}/s per edge" if rate else ""))
             return 0
         else:
             detail = p.manifest
@@ -366,6 +396,10 @@ def _row(p) -> tuple[str, str, str, str, str]:
 
     if is_tombstone(p):
         return p.name, p.kind, p.region or "*", "-", "removed (a signed tombstone)"
+    if p.kind == "push":
+        rate = p.extra.get("rate_bytes")
+        return (p.name, p.kind, ",".join(p.extra.get("regions") or []) or "*", p.manifest,
+                f"at most {format_size(rate)}/s per edge" if rate else "-")
     if p.kind in ("pin", "warm"):
         scope, setting = p.manifest, "-"
     elif p.kind == "ttl":

@@ -23,6 +23,11 @@ class EdgeMetrics:
         self.prefetch_used = Counter("kdn_edge_prefetch_used", "Prefetched entries later read", registry=reg)
         self.prefetch_wasted = Counter("kdn_edge_prefetch_wasted", "Prefetched entries evicted unread", registry=reg)
         self.warmed = Counter("kdn_edge_warmed", "Entries filled by a warm policy", registry=reg)
+        self.pushed = Counter("kdn_edge_pushed_objects", "Objects of a push policy this edge owns, by outcome: "
+                              "filled, held (already cached) or failed", ["policy", "outcome"], registry=reg)
+        self.pushed_bytes = Counter("kdn_edge_pushed_bytes", "Bytes a push policy filled", ["policy"], registry=reg)
+        self.push_pending = Gauge("kdn_edge_push_pending", "Objects of a push still to go here (0: done)",
+                                  ["policy"], registry=reg)
         self.token_withheld = Counter("kdn_edge_token_withheld", "Upstream requests sent without this edge's "
                                       "token: a host not in --token-hosts", registry=reg)
         self.digest_failures = Counter("kdn_edge_digest_failures", "Bodies that failed digest verification, by source",

@@ -9,6 +9,12 @@ Operators know what is hot. They say so with records under ``policies/``
 - ``warm`` (manifest): fetch the manifest's objects now, ahead of demand. The
   engine only decides *when*; the server's ``warm(addresses, namespace)``
   callback does the fetching.
+- ``push`` (manifest; ``extra.regions``, none: every region; ``extra.rate_bytes``):
+  a warm for the named regions, sent ahead of their first reader, at most
+  ``rate_bytes`` a second per edge, its progress counted per policy. The
+  callback gets ``rate=`` and ``policy=``. An edge that restarts mid-push runs it
+  again and skips what its tiers kept (the disk tier survives restarts); a
+  reader asking for an object the push is filling joins that fill.
 - ``ttl`` (``ttl_s``, scoped by ``namespace`` and/or ``manifest``, global if
   neither): an entry may be dropped ``ttl_s`` after it was inserted. Several
   matching rules: the smallest wins. A pin beats a TTL (the tier's rule).
@@ -86,8 +92,12 @@ log = logging.getLogger(__name__)
 POLICIES = "policies/"
 MANIFESTS = "manifests/"
 
-Warm = Callable[[list[str], str], Awaitable[None]]
-"""``warm(addresses, namespace)``: fetch these objects into this edge's tiers now."""
+Warm = Callable[..., Awaitable[None]]
+"""``warm(addresses, namespace)``: fetch these objects into this edge's tiers now; for a push also
+``rate=`` (bytes a second, or None) and ``policy=`` (its name, for progress)."""
+
+
+MAX_PUSH_REGIONS = 1000
 
 
 def set_at(p: Policy) -> float:
@@ -110,9 +120,20 @@ def tombstone(p: Policy, at: float) -> Policy:
 
 def validate_policy(p: Policy) -> Policy:
     """The fields each kind needs, beyond what the record itself checks. Used by the CLI too."""
-    if p.kind in ("pin", "warm"):
+    if p.kind in ("pin", "warm", "push"):
         if p.manifest is None:
             raise InvalidInput(f"policy {p.name!r}: a {p.kind} policy needs a manifest (namespace/name)")
+        if p.kind == "push":
+            regions, rate = p.extra.get("regions", []), p.extra.get("rate_bytes")
+            if p.region is not None:
+                raise InvalidInput(f"policy {p.name!r}: a push names its regions in extra.regions, not region")
+            if not isinstance(regions, list) or len(regions) > MAX_PUSH_REGIONS:
+                raise InvalidInput(f"policy {p.name!r}: extra.regions must be a list of at most "
+                                   f"{MAX_PUSH_REGIONS} region names")
+            for r in regions:
+                validate_name(r)
+            if rate is not None and not (isinstance(rate, int) and not isinstance(rate, bool) and rate > 0):
+                raise InvalidInput(f"policy {p.name!r}: extra.rate_bytes must be a positive int (bytes a second)")
     elif p.kind == "ttl":
         if p.ttl_s is None:
             raise InvalidInput(f"policy {p.name!r}: a ttl policy needs ttl_s")
@@ -443,6 +464,9 @@ class PolicyEngine:
         return {p.manifest for p in self._records.values() if p.manifest is not None and self._here(p)}
 
     def _here(self, p: Policy) -> bool:
+        if p.kind == "push":
+            regions = p.extra.get("regions") or []
+            return not regions or self.region in regions
         return p.region is None or p.region == self.region or p.kind == "upper"
 
     async def _resolve(self) -> None:
@@ -515,7 +539,7 @@ class PolicyEngine:
         self._notify()
 
     def _start_warms(self, here: dict[str, Policy], resolved: dict[str, Manifest]) -> None:
-        warms = {n: p for n, p in here.items() if p.kind == "warm"}
+        warms = {n: p for n, p in here.items() if p.kind in ("warm", "push")}
         for name in list(self._warmed):
             if name not in warms:  # removed, or no longer for this region
                 del self._warmed[name]
@@ -532,19 +556,23 @@ class PolicyEngine:
             self._warmed[name] = (p, addrs)
             self._cancel_warm(name)
             self.stats.warm_runs += 1
-            self._warm_tasks[name] = asyncio.create_task(self._run_warm(name, list(addrs), m.namespace), name=f"kdn-warm-{name}")
+            self._warm_tasks[name] = asyncio.create_task(self._run_warm(name, list(addrs), m.namespace, p),
+                                                         name=f"kdn-warm-{name}")
 
     def _cancel_warm(self, name: str) -> None:
         task = self._warm_tasks.pop(name, None)
         if task is not None:
             task.cancel()
 
-    async def _run_warm(self, name: str, addresses: list[str], namespace: str) -> None:
+    async def _run_warm(self, name: str, addresses: list[str], namespace: str, p: Policy) -> None:
         t0 = time.monotonic()
         if self._warm is None:
             return
         try:
-            await self._warm(addresses, namespace)
+            if p.kind == "push":
+                await self._warm(addresses, namespace, rate=p.extra.get("rate_bytes"), policy=name)
+            else:
+                await self._warm(addresses, namespace)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a failed warm costs a later miss, never the engine

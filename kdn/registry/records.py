@@ -26,7 +26,7 @@ from kdn.pieces import Pieces
 
 # "basis": a model-level object (a kvtc basis, kdn/kernels/transform.py) stored and served like a chunk
 OBJECT_KINDS = frozenset({"kv", "ssm", "hybrid", "basis"})
-POLICY_KINDS = frozenset({"pin", "warm", "ttl", "quota", "upper"})
+POLICY_KINDS = frozenset({"pin", "warm", "push", "ttl", "quota", "upper"})
 
 R = TypeVar("R", bound="_Record")
 
@@ -414,7 +414,7 @@ class Policy(_Record):
     of the upper tier (``upper``: ``region`` names the region every other region fills through)."""
 
     name: str
-    kind: str  # "pin" | "warm" | "ttl" | "quota" | "upper"
+    kind: str  # "pin" | "warm" | "push" | "ttl" | "quota" | "upper"
     region: str | None = None
     manifest: str | None = None  # "namespace/name"
     namespace: str | None = None

@@ -57,10 +57,12 @@ class Warms:
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], str]] = []
+        self.push_args: list[dict] = []  # (a push's rate= and policy=)
         self.fail: set[str] = set()
 
-    async def __call__(self, addresses: list[str], namespace: str) -> None:
+    async def __call__(self, addresses: list[str], namespace: str, **push) -> None:
         self.calls.append((addresses, namespace))
+        self.push_args.append(push)
         if namespace in self.fail:
             raise ConnectionError("origin unreachable")
 
@@ -376,3 +378,28 @@ async def test_a_signed_policy_is_undone_only_by_a_signed_tombstone_and_not_by_a
     await w.put_policy(new)  # the removed policy replayed: older than its tombstone
     await eng.wait_applied(lambda e: "replay" in e.invalid.get("policies/q", ""))
     assert "q" not in eng.active and "q" not in eng.policies
+
+
+async def test_a_push_runs_in_the_regions_it_names_with_its_rate(edge):
+    """#29 item 4: a push is a warm for named regions, paced, its progress counted per policy (by the edge)."""
+    from kdn.edge.policies import validate_policy
+    from kdn.errors import InvalidInput
+
+    eng = await edge.start()
+    m = manifest("guide", 2)
+    await edge.writer.put_manifest(m)
+    await edge.writer.put_policy(Policy("push-us", "push", manifest="public/guide", extra={"regions": ["us"]}))
+    await edge.writer.put_policy(Policy("push-eu", "push", manifest="public/guide",
+                                        extra={"regions": ["eu", "us"], "rate_bytes": 1 << 20}))
+    await eng.wait_applied(lambda e: e.stats.warm_done == 1)
+    assert set(eng.active) == {"push-eu"}  # this engine is eu's: push-us is not for it
+    assert edge.warms.calls == [(m.addresses, "public")]
+    assert edge.warms.push_args == [{"rate": 1 << 20, "policy": "push-eu"}]
+    await edge.writer.put_policy(Policy("push-all", "push", manifest="public/guide"))  # no regions: every one
+    await eng.wait_applied(lambda e: e.stats.warm_done == 2)
+    assert edge.warms.push_args[1] == {"rate": None, "policy": "push-all"}
+    for bad in ({"regions": "eu"}, {"regions": ["not a name!"]}, {"rate_bytes": 0}, {"rate_bytes": 1.5}):
+        with pytest.raises(InvalidInput):
+            validate_policy(Policy("x", "push", manifest="public/guide", extra=bad))
+    with pytest.raises(InvalidInput, match="extra.regions"):
+        validate_policy(Policy("x", "push", region="eu", manifest="public/guide"))
