@@ -26,7 +26,9 @@ checked against its BLAKE3 digest.
 Setups, on fresh worlds: ``pull`` (today's default: an edge misses past the other regions, asked
 cached-only where their recent hit rate pays for the round trip, to the origin), and ``upper`` (``kdn
 policy set shield --upper --region r0``: other regions' misses fill through r0's edge, which fills from
-the origin). Measured: origin egress (its own ``kdn_origin_bytes_served``) beside its bound (the
+the origin), and ``push`` (the upper tier, then ``kdn policy set ... --push`` of a manifest naming every
+object, before the first request: each region's owner fills through r0 ahead of its readers; the push's
+own time is reported beside it, its bytes counted in the egress). Measured: origin egress (its own ``kdn_origin_bytes_served``) beside its bound (the
 distinct bytes the requests name: a pull CDN sends each object out of the origin at least once), and the
 clients' object and request latency, p50 and p99, beside a floor measured in the same run (the objects
 the client's own edge already held: memory or disk).
@@ -86,17 +88,49 @@ async def one_run(n: int, setup: str, rows, objects, chains, size: int, args) ->
         try:
             await world.start()
             await L.record(world, objects, digests, size)
-            if setup == "upper":
+            push: dict = {}
+            if setup in ("upper", "push"):
                 from kdn.registry import Policy, open_registry
 
                 async with open_registry(world.etcd.registry) as reg:
                     await reg.put_policy(Policy(name="shield", kind="upper", region=UPPER))
                 await _wait_upper(world)
-            return await replay(world, regions, rows, chains, digests, size, args)
+            if setup == "push":
+                push = await _push(world, list(objects))
+            r = await replay(world, regions, rows, chains, digests, size, args)
+            r["push_seconds"] = push.get("seconds")
+            r["origin_egress_mib"] = round(r["origin_egress_mib"] + push.get("egress_mib", 0.0), 1)
+            r["egress_over_bound"] = round(r["origin_egress_mib"] / r["distinct_mib"], 2) if r["distinct_mib"] else 0.0
+            return r
         finally:
             await world.close()
             for link in links:
                 await link.stop()
+
+
+async def _push(world, addresses: list[str], timeout: float = 600.0) -> dict:
+    """A manifest naming every object, pushed to every region (through the upper tier): until each edge
+    counts all of them done. Its seconds and the origin bytes it cost."""
+    from kdn.registry import Manifest, Policy, open_registry
+
+    egress0 = await world.origin.metric("kdn_origin_bytes_served")
+    t0 = time.monotonic()
+    async with open_registry(world.etcd.registry) as reg:
+        model_id = (await reg.list_models())[0].model_id
+        await reg.put_manifest(Manifest(namespace="public", name="trace", model_id=model_id, addresses=addresses,
+                                        tokens=0, chunk_tokens=L.CHUNK, prefix_tokens=[]))
+        await reg.put_policy(Policy(name="trace-push", kind="push", manifest="public/trace"))
+    for e in world.edges.values():  # one edge a region: each owns, and pushes, every object
+        while await e.metric("kdn_edge_pushed_objects", policy="trace-push") < len(addresses):
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"{e.name}: the push did not finish in {timeout} s")
+            await asyncio.sleep(0.2)
+    failed = sum([await e.metric("kdn_edge_pushed_objects", policy="trace-push", outcome="failed")
+                  for e in world.edges.values()])
+    if failed:
+        raise RuntimeError(f"{failed:.0f} pushed objects failed")
+    egress = await world.origin.metric("kdn_origin_bytes_served") - egress0
+    return {"seconds": round(time.monotonic() - t0, 1), "egress_mib": egress / 2**20}
 
 
 async def _wait_upper(world, timeout: float = 20.0) -> None:
@@ -200,6 +234,8 @@ def report(results: dict[str, dict[str, dict]]) -> str:
     for n, by_setup in results.items():
         for setup, r in by_setup.items():
             src = ", ".join(f"{k} {v:.0%}" for k, v in r["sources"].items())
+            if r.get("push_seconds") is not None:
+                setup = f"push ({r['push_seconds']} s before)"
             lines.append(f"| {n} | {setup} | {r['origin_egress_mib']} | {r['distinct_mib']} | "
                          f"{r['egress_over_bound']}x | {r['object_p50_ms']} / {r['object_p99_ms']} | "
                          f"{r['request_p50_ms']} / {r['request_p99_ms']} | {r['floor_p50_ms']} / {r['floor_p99_ms']} "
@@ -217,7 +253,7 @@ async def run(args) -> dict[str, dict[str, dict]]:
     out: dict[str, dict[str, dict]] = {}
     for n in args.regions:
         out[str(n)] = {}
-        for setup in ("pull", "upper"):
+        for setup in args.setups:
             t0 = time.monotonic()
             r = out[str(n)][setup] = await one_run(n, setup, rows, objects, chains, size, args)
             print(f"{n} regions, {setup}: {r['seconds']} s of requests ({time.monotonic() - t0:.0f} s in all); "
@@ -240,6 +276,8 @@ def main() -> int:
     ap.add_argument("--object-kib", type=int, default=64, help="bytes per chunk object, KiB")
     ap.add_argument("--mem-budget", default="256MiB", help="each edge's memory tier (above the working set)")
     ap.add_argument("--disk-budget", default="512MiB", help="each edge's disk tier")
+    ap.add_argument("--setups", type=lambda v: v.split(","), default=["pull", "upper", "push"],
+                    help="which to run, of pull, upper, push (default all three)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
     R.add_arg(ap)

@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 
 
 
+PUSH_FILLS = 8  # fills a push keeps going at an edge (a warm: one at a time)
+
+
 @dataclass
 class EdgeConfig(service.NodeConfig):
     """An edge (``kdn edge serve``): the shared node settings plus its tiers, upstreams and trust."""
@@ -377,9 +380,12 @@ class Edge:
         pending = self.m.push_pending.labels(policy) if policy is not None else None
         if pending is not None:
             pending.set(len(mine))
-        t0, sent = time.monotonic(), 0
-        try:
-            for address in mine:
+        t0, started = time.monotonic(), 0
+        todo = iter(mine)
+
+        async def worker() -> None:  # a push keeps PUSH_FILLS fills going: one at a time is a round trip each
+            nonlocal started
+            for address in todo:
                 outcome = "failed"
                 try:
                     rec = await self.records.get(address)
@@ -389,12 +395,16 @@ class Edge:
                     elif self.holds((address, enc)):
                         outcome = "held"
                     else:
+                        size = rec.encodings[enc].size
+                        if rate:  # paced: a fill starts once the bytes started before it fit the rate
+                            wait, started = started / rate - (time.monotonic() - t0), started + size
+                            if wait > 0:
+                                await asyncio.sleep(wait)
                         loaded = await self.load((address, enc), rec, hop=True)
                         if loaded is not None:
                             loaded.release()
                         self.m.warmed.inc()
-                        outcome, size = "filled", rec.encodings[enc].size
-                        sent += size
+                        outcome = "filled"
                         if policy is not None:
                             self.m.pushed_bytes.labels(policy).inc(size)
                 except (SourceError, RegistryUnavailable) as e:
@@ -402,10 +412,10 @@ class Edge:
                 if pending is not None:
                     self.m.pushed.labels(policy, outcome).inc()
                     pending.dec()
-                if rate and outcome == "filled":  # paced: the push's bytes so far at no more than rate
-                    ahead = sent / rate - (time.monotonic() - t0)
-                    if ahead > 0:
-                        await asyncio.sleep(ahead)
+        try:
+            async with asyncio.TaskGroup() as group:  # (a worker's bug, or a cancel, stops them all)
+                for _ in range(PUSH_FILLS if policy is not None else 1):
+                    group.create_task(worker())
         finally:
             if pending is not None:
                 pending.set(0)
