@@ -38,7 +38,7 @@ from pathlib import Path
 import aiohttp
 from blake3 import blake3
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from etcd_proc import ETCD_BIN, EtcdProcess  # noqa: E402
 from ports import free_port  # noqa: E402
 
@@ -50,7 +50,7 @@ PREFIX = "/kdn-faults/"
 
 class Etcd(EtcdProcess):
     """One etcd member whose data survives ``stop()``: stop and start it again on the same ports
-    (``tests/etcd_proc.py``, the one throwaway-etcd helper), under ``root/etcd``."""
+    (``bench/lib/etcd_proc.py``, the one throwaway-etcd helper), under ``root/etcd``."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(ETCD_BIN, root=root / "etcd", retry_ports=False)  # the nodes' arguments name its port

@@ -90,7 +90,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))  # etcd_proc: the one throwaway-etcd helper
+sys.path.insert(0, str(ROOT / "bench" / "lib"))  # etcd_proc: the one throwaway-etcd helper
 
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
@@ -191,7 +191,7 @@ class World:
 
     def __init__(self, tmp: Path, args) -> None:
         self.tmp, self.args = tmp, args
-        self.etcd = EtcdProcess()  # tests/etcd_proc.py: the one throwaway-etcd helper
+        self.etcd = EtcdProcess()  # bench/lib/etcd_proc.py: the one throwaway-etcd helper
         self.registry = ""
         self.links = Links(1.0)
         self.origin_runner: web.AppRunner | None = None

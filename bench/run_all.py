@@ -245,10 +245,12 @@ def _module_of(path: Path) -> str | None:
 
 
 def _imports(path: Path, text: str) -> list[Path]:
-    """The repository files ``path`` may import: bench/ and tests/ modules by name, kdn modules by dotted name."""
+    """The repository files ``path`` may import: bench/, bench/lib/ and tests/ modules by name, kdn modules by
+    dotted name."""
     out: list[Path] = []
     for m in re.finditer(r"^\s*(?:from|import)\s+(\w+)", text, re.M):
-        out += [d / f"{m.group(1)}.py" for d in (ROOT / "bench", ROOT / "tests") if (d / f"{m.group(1)}.py").exists()]
+        out += [d / f"{m.group(1)}.py" for d in (ROOT / "bench", ROOT / "bench" / "lib", ROOT / "tests")
+                if (d / f"{m.group(1)}.py").exists()]
     for m in _KDN_NAME.finditer(text):
         out += _module_files(m.group(1) or m.group(2))
     if _KDN_COMMAND.search(text):  # ["kdn", "origin", "serve", ...]: the console command is kdn.cli

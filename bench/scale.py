@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (python -P leaves it out)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the one throwaway-etcd helper
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the one throwaway-etcd helper
 import results as R  # noqa: E402
 from etcd_proc import EtcdProcess  # noqa: E402
 

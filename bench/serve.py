@@ -54,8 +54,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # python -P leaves it out
 import results as R  # noqa: E402
 
-sys.path.insert(0, str(HERE.parent / "tests"))
-from ports import free_port  # noqa: E402  (tests/ports.py: ports the kernel will not hand out)
+sys.path.insert(0, str(HERE / "lib"))
+from ports import free_port  # noqa: E402  (bench/lib/ports.py: ports the kernel will not hand out)
 WORK = HERE / "work" / "serve"
 VENV = HERE / "work" / "lmcache-venv"
 CLIENTS = HERE / "serve_clients.py"

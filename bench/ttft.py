@@ -71,8 +71,8 @@ WORK = ROOT / "bench" / "work"
 sys.path.insert(0, str(ROOT / "bench"))  # python -P leaves it out
 import results as R  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests"))
-from ports import free_port  # noqa: E402  (tests/ports.py: ports the kernel will not hand out)
+sys.path.insert(0, str(ROOT / "bench" / "lib"))
+from ports import free_port  # noqa: E402  (bench/lib/ports.py: ports the kernel will not hand out)
 DOCS = ROOT / "kdn" / "data" / "docs"
 QWEN = "qwen2-0.5b-shape"
 SMOL = "smollm2-135m"

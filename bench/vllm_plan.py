@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench" / "lib"))
 import results as R  # noqa: E402
 import vllm_ttft as V  # noqa: E402  (its processes, publish and model inputs)
 from linkemu import LinkEmulator  # noqa: E402

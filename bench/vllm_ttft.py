@@ -50,9 +50,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work"
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench" / "lib"))
 import results as R  # noqa: E402
-from ports import free_port  # noqa: E402  (tests/ports.py: ports the kernel will not hand out)
+from ports import free_port  # noqa: E402  (bench/lib/ports.py: ports the kernel will not hand out)
 
 PUBLISH_TOKEN = "bench-publisher-" + "p" * 24
 PATHS = ("prefill", "local-hit", "kdn-hit")

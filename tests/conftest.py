@@ -12,7 +12,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/ has no __init__.py: make etcd_proc importable
+sys.path.insert(0, os.path.dirname(__file__))  # tests/ has no __init__.py: make its helpers importable
+# what benches and tests share (throwaway etcd, loopback ports): bench/lib/, imported by name
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "lib"))
 
 from etcd_proc import EtcdProcess  # noqa: E402
 from seaweed_proc import SeaweedProcess  # noqa: E402

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ports import free_port  # tests/ports.py
+from ports import free_port  # bench/lib/ports.py
 
 
 def weed_binary() -> str:

@@ -148,8 +148,8 @@ def test_a_result_is_current_only_while_the_code_it_measures_is_unchanged(tmp_pa
                           check=True).stdout.split()[0]
     ring = run_all.BY_NAME["ring"]
     assert "bench/ring.py" in run_all._bench_sources("ring") and "bench/results.py" in run_all._bench_sources("ring")
-    # cross_engine imports vllm_ttft, which imports tests/ports.py: a change to either stales it
-    assert {"bench/vllm_ttft.py", "tests/ports.py"} <= set(run_all._bench_sources("cross_engine"))
+    # cross_engine imports vllm_ttft, which imports bench/lib/ports.py: a change to either stales it
+    assert {"bench/vllm_ttft.py", "bench/lib/ports.py"} <= set(run_all._bench_sources("cross_engine"))
     # the package modules a bench imports count, through every import form, and only those: the ring bench
     # (kdn.ring) does not measure the blend, the blend bench does; the vLLM connector is named in a string
     assert {"kdn/ring.py", "kdn/__init__.py"} <= set(run_all._bench_sources("ring"))

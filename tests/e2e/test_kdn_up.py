@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ports import free_port_block  # tests/ports.py
+from ports import free_port_block  # bench/lib/ports.py
 
 pytestmark = pytest.mark.timeout(300)
 

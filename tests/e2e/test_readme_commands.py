@@ -12,7 +12,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from ports import free_port  # tests/ports.py
+from ports import free_port  # bench/lib/ports.py
 
 ROOT = Path(__file__).resolve().parents[2]
 

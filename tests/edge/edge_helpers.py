@@ -17,7 +17,7 @@ from kdn.origin.app import OriginConfig, create_app as create_origin
 from kdn.registry import ObjectRecord
 from kdn.registry.records import Encoding
 from kdn.service import server_options
-from ports import free_port  # tests/ports.py
+from ports import free_port  # bench/lib/ports.py
 
 PUBLISH = "pub-" + "a" * 28
 EDGE_TOKEN = "edge-" + "c" * 27  # read * : what edges show each other and the origin

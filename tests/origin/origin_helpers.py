@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from kdn.origin.app import OriginConfig, create_app
 from kdn.service import server_options
-from ports import free_port  # tests/ports.py
+from ports import free_port  # bench/lib/ports.py
 
 PUBLISH_TOKEN = "pub-" + "a" * 28
 TENANT_TOKEN = "acme-" + "b" * 27  # publish + read in namespace acme only

@@ -14,7 +14,7 @@ import torch
 
 from kdn.address import blob_digest
 from kdn.registry import open_registry
-from ports import free_port  # tests/ports.py
+from ports import free_port  # bench/lib/ports.py
 
 from origin_helpers import PUBLISH_TOKEN, auth, write_tokens
 

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ports import free_port  # tests/ports.py: ports the kernel will not hand out (tests/ is on sys.path)
+from ports import free_port  # bench/lib/ports.py: ports the kernel will not hand out (tests/conftest.py puts it on sys.path)
 
 HERE = Path(__file__).resolve().parent
 PUBLISH = "pub-" + "a" * 28

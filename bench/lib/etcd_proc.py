@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ports import free_port  # tests/ports.py
+from ports import free_port  # bench/lib/ports.py
 
 ETCD_BIN = os.environ.get("KDN_ETCD_BIN", "/usr/bin/etcd")
 ETCDCTL_BIN = "/usr/bin/etcdctl"  # Debian's etcd-client

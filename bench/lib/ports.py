@@ -7,7 +7,7 @@ hybrid tests to ``bind on ('127.0.0.1', 34435): address already in use``. A port
 handed out by the kernel, so only another explicit pick can take it; picks are random, checked by binding,
 and not repeated within a process.
 
-(Imported by bench scripts too, with ``tests/`` on ``sys.path``, as ``etcd_proc`` is.)
+(In bench/lib/: bench scripts and tests both import it, as ``etcd_proc``.)
 """
 
 from __future__ import annotations
