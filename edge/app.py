@@ -627,7 +627,8 @@ async def _watch_origins(edge: Edge) -> None:
 
         while True:
             await asyncio.sleep(ADMISSION_RECHECK_S)
-            edge.admitters.refresh()  # a revocation takes effect here, as an expiry does
+            if edge.admitters is not None:
+                edge.admitters.refresh()  # a revocation takes effect here, as an expiry does
             with contextlib.suppress(KDNError):
                 await on_event(None)
 

@@ -106,8 +106,13 @@ class RecordCache:
         loop = asyncio.get_running_loop()
         at = math.ceil((since + floor) * 1000) / 1000
         if at > loop.time():
-            wake = loop.create_future()
-            handle = loop.call_at(at, lambda: wake.done() or wake.set_result(None))
+            wake: asyncio.Future[None] = loop.create_future()
+
+            def ring() -> None:
+                if not wake.done():
+                    wake.set_result(None)
+
+            handle = loop.call_at(at, ring)
             try:
                 await wake
             finally:
