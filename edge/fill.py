@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -95,8 +96,10 @@ class Filler:
     def __init__(self, *, session: aiohttp.ClientSession, membership, origin_urls, me: NodeRecord,
                  upstream_headers: dict[str, str], metrics, timeout: float = 30.0,
                  token_scope: TokenScope | None = None, getter: BodyGetter | None = None,
-                 always_probe_regions: bool = False, upper_regions=None) -> None:
+                 always_probe_regions: bool = False, upper_regions=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.session = session  # prefetch requests to owners
+        self.clock = clock  # the breaker's rests and the hit rates' age (tests step a fake one)
         self.membership = membership
         self.origin_urls = origin_urls  # callable -> list[str] (config, else origins in the registry)
         self.me = me
@@ -203,12 +206,12 @@ class Filler:
     def hit_rate(self, url: str) -> float:
         """The share of recent cached-only probes of this region edge that found the object."""
         rate, when = self._hit_rate.get(url, (PROBE_HIT_PRIOR, 0.0))
-        return rate if time.monotonic() - when <= PROBE_HIT_STALE_S else PROBE_HIT_PRIOR
+        return rate if self.clock() - when <= PROBE_HIT_STALE_S else PROBE_HIT_PRIOR
 
     def _probe_outcome(self, url: str, hit: bool) -> None:
         rate = self.hit_rate(url)
         self._hit_rate.pop(url, None)  # re-inserted last: the dict's order is the order of last update
-        self._hit_rate[url] = (rate + PROBE_HIT_ALPHA * (float(hit) - rate), time.monotonic())
+        self._hit_rate[url] = (rate + PROBE_HIT_ALPHA * (float(hit) - rate), self.clock())
         if len(self._hit_rate) > 4096:  # bounded: forget the least recently updated
             for old in list(self._hit_rate)[:1024]:
                 self._hit_rate.pop(old, None)
@@ -217,7 +220,7 @@ class Filler:
         until = self._resting.get(url)
         if until is None:
             return False
-        if time.monotonic() < until:
+        if self.clock() < until:
             return True
         return False  # rested: the next fill probes it once more (a failure doubles the rest)
 
@@ -228,7 +231,7 @@ class Filler:
             self._rests.pop(url, None)
             self._resting.pop(url, None)
             return
-        now = time.monotonic()
+        now = self.clock()
         if self._resting.get(url, 0.0) > now:
             return  # a probe that started before the rest began
         n = self._probe_failures[url] = self._probe_failures.get(url, 0) + 1

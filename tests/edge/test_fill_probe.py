@@ -39,11 +39,22 @@ async def _origin(request: web.Request) -> web.Response:
     return web.Response(body=BLOB)
 
 
-def _filler(session: aiohttp.ClientSession, far_url: str, origin_url: str, metrics: EdgeMetrics) -> fill.Filler:
+class Clock:
+    """The breaker's clock, stepped by the test: a rest passes without waiting it out."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _filler(session: aiohttp.ClientSession, far_url: str, origin_url: str, metrics: EdgeMetrics,
+            clock=time.monotonic) -> fill.Filler:
     """An edge of region near, alone there, with one other region (far, at ``far_url``) and an origin."""
     return fill.Filler(session=session, membership=_Members(NodeRecord("edge", "far", "far-1", far_url)),
                        origin_urls=lambda: [origin_url], me=NodeRecord("edge", "near", "near-1", "http://x"),
-                       upstream_headers={}, metrics=metrics, timeout=30.0)
+                       upstream_headers={}, metrics=metrics, timeout=30.0, clock=clock)
 
 
 async def test_a_stalled_region_is_abandoned_for_the_origin(monkeypatch):
@@ -102,7 +113,8 @@ async def test_a_region_that_keeps_failing_rests_then_is_probed_again(monkeypatc
 
     try:
         async with aiohttp.ClientSession() as session:
-            f = _filler(session, far_url, org_url, metrics)
+            clock = Clock()
+            f = _filler(session, far_url, org_url, metrics, clock)
             for _ in range(fill.PROBE_TRIP):  # each failed probe costs its bound
                 took, src = await timed(f)
                 assert src == "origin" and took >= 0.3, (took, src)
@@ -111,13 +123,13 @@ async def test_a_region_that_keeps_failing_rests_then_is_probed_again(monkeypatc
             assert far_hits["n"] == fill.PROBE_TRIP
             assert metrics.region_skipped._value.get() == 1  # noqa: SLF001
             assert f.plan((ADDRESS, "zstd"), rec, hop=False)[0][0] == "origin"  # a lookup's forecast agrees
-            await asyncio.sleep(1.05)  # rested: probed once more; it fails again, so it rests twice as long
+            clock.now += 1.05  # rested: probed once more; it fails again, so it rests twice as long
             took, src = await timed(f)
             assert far_hits["n"] == fill.PROBE_TRIP + 1 and took >= 0.3
-            await asyncio.sleep(1.05)
+            clock.now += 1.05
             took, src = await timed(f)
             assert far_hits["n"] == fill.PROBE_TRIP + 1 and took < 0.25, "the second rest is 2 s, not 1"
-            await asyncio.sleep(1.0)
+            clock.now += 1.0
             stalled.clear()  # the link is back
             took, src = await timed(f)
             assert src == "region:far" and far_hits["n"] == fill.PROBE_TRIP + 2
@@ -149,7 +161,8 @@ async def test_a_region_that_keeps_missing_and_is_no_faster_than_the_origin_is_n
     metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
     try:
         async with aiohttp.ClientSession() as session:
-            f = _filler(session, far_url, org_url, metrics)
+            clock = Clock()
+            f = _filler(session, far_url, org_url, metrics, clock)
             assert (await f.fetch((ADDRESS, "zstd"), RECORD, hop=False)).source == "origin"
             assert asked["far"] == 1  # unmeasured: asked (and so measured: its miss is a round-trip sample)
             assert f.hit_rate(far_url) < fill.PROBE_HIT_PRIOR
@@ -158,7 +171,7 @@ async def test_a_region_that_keeps_missing_and_is_no_faster_than_the_origin_is_n
             assert asked["far"] == 1  # no faster than the origin and missing: a miss's round trip buys nothing
             assert metrics.region_not_worth._value.get() == 5  # noqa: SLF001
             assert [label for label, _, _ in f.plan((ADDRESS, "zstd"), RECORD, hop=False)] == ["origin"]
-            await asyncio.sleep(1.05)  # the hit rate goes stale: back to the prior, asked again
+            clock.now += 1.05  # the hit rate goes stale: back to the prior, asked again
             assert f.hit_rate(far_url) == fill.PROBE_HIT_PRIOR
     finally:
         await far.cleanup()
