@@ -11,7 +11,9 @@ aimed at a fresh process worked. ``VersionFile`` keeps it in a file instead
 
 Written atomically (a temporary file, fsync, rename) each time a version rises,
 under an exclusive ``flock`` of ``PATH.lock`` and merged with what the file holds,
-so processes sharing one file only ever raise a mark, never lower another's.
+so processes sharing one file only ever raise a mark, never lower another's; and
+read again (``get``) whenever the file changed since, so a mark another process
+raised holds here at once.
 Rises are rare (one per publish of a name the process reads), so a write each
 is cheap. A file that cannot be read is a clear error at start, never a silent
 reset to 0: that reset is the very replay this guards against. Bounded: at most
@@ -46,11 +48,29 @@ class VersionFile(dict[str, int]):
         self.path = Path(path)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self.writes = 0
+        self._stamp: tuple[int, int, int] | None = None
         with self._locked():
             super().update(self._read())
 
+    def get(self, ref: str, default: int | None = None) -> int | None:  # type: ignore[override]
+        self._follow()
+        return super().get(ref, default)
+
+    def _follow(self) -> None:
+        """Take the marks other processes wrote since this one last read the file (a stat when none did)."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise InvalidInput(f"cannot read manifest versions {str(self.path)!r}: {e.strerror}") from None
+        if (st.st_ino, st.st_mtime_ns, st.st_size) != self._stamp:
+            for k, v in self._read().items():  # (a whole file: written by rename)
+                if v > super().get(k, -1):
+                    super().__setitem__(k, v)
     def __setitem__(self, ref: str, version: int) -> None:
-        if version <= self.get(ref, -1):
+        self._follow()
+        if version <= super().get(ref, -1):
             return
         super().__setitem__(ref, version)
         with self._locked():
@@ -67,13 +87,16 @@ class VersionFile(dict[str, int]):
 
     def _read(self) -> dict[str, int]:
         try:
-            raw = self.path.read_bytes()
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                raw = f.read(MAX_BYTES + 1)
+            self._stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         except FileNotFoundError:
             return {}
         except OSError as e:
             raise InvalidInput(f"cannot read manifest versions {str(self.path)!r}: {e.strerror}") from None
         if len(raw) > MAX_BYTES:
-            raise InvalidInput(f"manifest versions {self.path}: {len(raw)} bytes, more than {MAX_BYTES}")
+            raise InvalidInput(f"manifest versions {self.path}: more than {MAX_BYTES} bytes")
         try:
             doc = json.loads(raw)
             table = doc[FORMAT]

@@ -156,3 +156,16 @@ async def test_a_pinned_manifest_is_the_only_one_a_fresh_client_takes(tmp_path, 
                 assert fresh.rejected_records == 2
         finally:
             await writer.close()
+
+
+def test_a_mark_another_process_raised_holds_at_once(tmp_path):
+    """Two clients (processes) share a state file: a version one of them took is the other's floor at its next
+    check, not only once it writes a rise of its own."""
+    from kdn.versions import VersionFile
+
+    path = tmp_path / "v.json"
+    early, late = VersionFile(path), VersionFile(path)
+    late["public/hours"] = 7  # the other process takes version 7
+    assert early.get("public/hours", 0) == 7  # read again: the file changed
+    early["public/hours"] = 6  # lower than what is known now: nothing written
+    assert VersionFile(path)["public/hours"] == 7 and early.writes == 0
