@@ -137,7 +137,7 @@ async def test_policy_ls_shows_a_record_no_edge_would_apply(cli, backend):
         (["policy", "set", "x", "--quota=-1GiB", "--namespace", "a"], ["invalid size"]),
         (["policy", "set", "x", "--ttl", "forever"], ["invalid duration", "forever"]),
         (["policy", "set", "x", "--ttl=-5m"], ["invalid duration"]),
-        (["policy", "set", "x"], ["one of the arguments --pin --warm --ttl --quota --upper is required"]),
+        (["policy", "set", "x"], ["one of the arguments --pin --warm --push --ttl --quota --upper is required"]),
         (["policy", "set", "x", "--upper"], ["--upper needs --region"]),
         (["policy", "set", "x", "--upper", "--region", "eu", "--namespace", "a"], ["takes no --namespace"]),
         (["policy", "set", "x", "--upper", "--ttl", "1h"], ["not allowed with"]),
