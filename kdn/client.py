@@ -36,7 +36,7 @@ from kdn import address as A
 from kdn.address import validate_digest
 from kdn.bodyget import BodyGetter, Tally
 from kdn.encodings import affordable, parse_budget
-from kdn.errors import DigestMismatch, InvalidInput, SourceError
+from kdn.errors import DigestMismatch, InvalidInput, KDNError, SourceError
 from kdn.estimate import DECODE, DecodeSpeeds, Estimates
 from kdn.fetch import Buffer, Fetcher, Fresh, Observer, Route, Want
 from kdn.pieces import Pieces
@@ -111,6 +111,15 @@ class Lookup:
         keep = self.addresses[:k]
         return replace(self, addresses=keep, tokens=sum(self.token_counts()[:k]), records=self.records[:k],
                        cold=self.cold & set(keep), sources=self.sources[:k])
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a probe of the link measured (``KDNClient.probe``): ``Speeds.observe_load``'s arguments."""
+
+    nbytes: int
+    seconds: float
+    abandoned: bool
 
 
 @dataclass(frozen=True)
@@ -596,6 +605,30 @@ class KDNClient:
             return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold,
                                             pooled=(arena or self.arena) if pooled else None, pieces=pieces,
                                             tally=tally)
+
+    async def probe(self, address: str, *, encoding: str, digest: str, size: int, pieces: Pieces | None = None,
+                    deadline_s: float) -> Probe | None:
+        """Time this client's link by fetching one object, verifying it and dropping it: the load planner's
+        probe (``Plan.probe_s``), run beside a request that computes instead of inside it. Not hedged (a
+        second source would time another link). Never raises for the source: a probe cut at ``deadline_s``
+        or failed reports the body bytes that did land by then (``abandoned``), as a load given up does.
+        None: it measured nothing (the arena had no room for the body)."""
+        from kdn.arena import ArenaFull
+
+        tally, t0 = Tally(), time.perf_counter()
+        try:
+            async with self._sem:
+                f = await asyncio.wait_for(
+                    self._fetch_hedged(address, encoding, digest, size, hedge=False, pieces=pieces, tally=tally,
+                                       pooled=self.arena), deadline_s)
+        except ArenaFull:
+            return None
+        except (TimeoutError, KDNError, aiohttp.ClientError, OSError) as e:
+            log.info("KDN probe of %s ended early after %.0f ms: %s", address[:16],
+                     (time.perf_counter() - t0) * 1e3, str(e) or type(e).__name__)
+            return Probe(tally.bytes, time.perf_counter() - t0, True)
+        f.release()
+        return Probe(len(f.blob), time.perf_counter() - t0, False)
 
     async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int, *, hedge: bool = True,
                             pooled: Arena | None = None, pieces: Pieces | None = None,

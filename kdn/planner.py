@@ -33,9 +33,14 @@ the loader reports the bytes that did land by then
 (``Speeds.observe_load(abandoned=True)``), so a link that turned slow is learnt
 from the one load it spoils. A plan that computes everything measures nothing:
 once the last load is ``PROBE_AFTER_S`` old, a plan that would compute all
-loads its first chunk instead (reason "probe"), so a link that recovered is seen again at the
-cost of one chunk; the probe's measurement replaces the stale one (no moving
-average drags the old speed along).
+still computes all, and asks its caller to fetch the first chunk *off the
+request path* (reason "probe", ``Plan.probe_s``: the probe's own deadline, the
+prompt's prefill time, at least ``PROBE_FLOOR_S``): the
+engine does not wait for it, so a link still slow costs no request anything,
+and one that recovered is seen again; the probe's measurement replaces the
+stale one (no moving average drags the old speed along). The probe times the
+fetch and its verification, not a decode into the engine's cache: it may
+overstate a slow decoder's load speed until the next real load measures it.
 
 An engine that already holds ``cached`` leading tokens (vLLM's own prefix
 cache) plans only past them: the chunks follow those tokens, and every
@@ -62,7 +67,8 @@ LEARN_TOKENS = 256  # a forward of at least this many tokens teaches the prefill
 DEADLINE_SLACK = 2.0  # a load may take this many times its expected time, plus DEADLINE_FLOOR_S, ...
 DEADLINE_FLOOR_S = 0.05
 DEADLINE_OF_PREFILL = 0.25  # ... or this share of the full prefill if longer, before it is abandoned
-PROBE_AFTER_S = 30.0  # a plan that computes everything loads one chunk if no load was measured for this long
+PROBE_AFTER_S = 30.0  # a plan that computes everything probes one chunk if no load was measured for this long
+PROBE_FLOOR_S = 1.0  # a probe runs at least this long (or to its last byte) before what landed is its measure
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,7 @@ class Plan:
     deadline_s: float  # of the load; past it the loader gives up (inf: no bound)
     reason: str
     expected_load_s: float = 0.0
+    probe_s: float = 0.0  # > 0: fetch chunk 0 off the request path, for at most this long, and observe its speed
 
     def __post_init__(self) -> None:
         assert 0 <= self.head <= self.load, (self.head, self.load)
@@ -195,7 +202,8 @@ class Plan:
 
     @property
     def outcome(self) -> str:
-        """What it chose, for metrics: ``load``, ``compute``, ``probe`` (the reason's first word)."""
+        """What it chose, for metrics: ``load``, ``compute``, ``probe`` (computes, and re-measures the link off
+        the request path; the reason's first word)."""
         return self.reason.split(":", 1)[0].split(" ", 1)[0]
 
     @property
@@ -211,9 +219,10 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
     first ``len(chunks)`` chunks are published.
 
     ``link(nbytes)``: the expected seconds to fetch that many bytes (round trip included). ``overlap``:
-    the engine can compute a head of chunks while the rest loads. ``probe``: load one chunk instead of
-    none when the measured load speed is stale (see the module docstring); callers pass False where the
-    load would not measure this link (the edge must fill it first).
+    the engine can compute a head of chunks while the rest loads. ``probe``: where the plan computes
+    everything and the measured load speed is stale, ask for chunk 0 to be fetched off the request path
+    (``Plan.probe_s``; see the module docstring); callers pass False where the fetch would not measure
+    this link (the edge must fill it first).
     """
     n = len(chunks)
     starts = [0]
@@ -252,16 +261,19 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
         t_all = load_s(0, n)
         why = f"load {t_all * 1e3:.0f} ms + suffix > prefill {compute_all * 1e3:.0f} ms"
         if probe and speeds.stale(now):
-            # Computing everything measures nothing: load one chunk, so that a link that recovered is seen.
-            # One probe per PROBE_AFTER_S, whether or not it measures (requests before its answer compute).
+            # Computing everything measures nothing: fetch one chunk beside the request, so that a link that
+            # recovered is seen. One probe per PROBE_AFTER_S, whether or not it measures (requests before its
+            # answer compute). Off the request path, since inside it a probe over a link still slow cost that
+            # request the chunk's transfer: 1.33x a prefill in vLLM, bench/vllm_plan.py at ec527af.
+            # The probe is cut once it took as long as computing the whole prompt (a link that slow loses
+            # anyway, and what landed by then is its measure), but never before PROBE_FLOOR_S: off the request
+            # path a longer probe costs nothing, and one cut at a GPU's 20 ms prefill would time mostly its
+            # connection's setup, and keep a recovered link looking slow.
             speeds.last_probe = time.monotonic() if now is None else now
-            tl = load_s(0, 1)
-            t = tl + pre.seconds(total_tokens - starts[1], cached + starts[1])
-            # The usual deadline, not a shorter one: in vLLM the chunk loads inside the forward that computes
-            # the rest, so a probe given up costs that rest twice (tried: 20.4 s against 12.6 s for waiting
-            # out the slow chunk, bench/vllm_plan.py, a 9.8 s prefill).
-            return Plan(0, 1, starts[1], total_tokens, t, compute_all, _deadline(tl, max_deadline_s, compute_all),
-                        f"probe: one chunk, the last load measured is stale ({why})", tl)
+            return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf,
+                        f"probe: compute, and fetch one chunk off the request path to re-measure the link, "
+                        f"the last load measured is stale ({why})", t_all,
+                        probe_s=min(max_deadline_s, max(PROBE_FLOOR_S, compute_all)))
         return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "compute: " + why, t_all)
     tl = load_s(h, k)
     what = (f"load {k - h} of {n} chunks" + (f", computing the first {h} meanwhile" if h else "")

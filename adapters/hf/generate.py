@@ -37,7 +37,7 @@ from kdn.template import chat_frame, encode_frame, encode_text
 from kdn.adapters.hf.cache import CacheBuilder, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
-from kdn.adapters.hf.plan import chunks_of, speeds_of
+from kdn.adapters.hf.plan import chunks_of, speeds_of, start_probe
 from kdn.adapters.hf.steer import resolve, steering
 
 _IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -171,6 +171,8 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
             if not warm and decision.loads_anything:  # the entry edge may fill these first: its upstream's time
                 decision = replace(decision, deadline_s=load_deadline)  # is not the client's to estimate
             report.plan = decision.reason
+            if decision.probe_s:  # computes it all; the link is timed beside this request, not inside it
+                start_probe(hit, client, speeds, decision.probe_s)
             if decision.load < hit.chunks:
                 hit = hit.head(decision.load)
         if hit.tokens:

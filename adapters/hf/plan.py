@@ -7,17 +7,21 @@ process's own timed forwards), the chunks of a lookup with their wire sizes
 (from the signed records when the lookup carries them, else the model's raw
 K/V bytes per token: an overestimate of a compressed object, so the planner
 errs towards computing, never towards a load it cannot afford), and the link
-(the client's least expected time for the bytes).
+(the client's least expected time for the bytes). A plan that computes while
+the load speed is stale asks for a probe: ``start_probe`` fetches the first
+chunk beside the request and teaches its speed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from typing import Any
 
 from kdn.planner import Chunk, PrefillModel, Speeds
 
 _SPEEDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PROBES: set[asyncio.Task] = set()  # probes on the wire (a reference each, so none is collected mid-flight)
 
 
 def speeds_of(model: Any) -> Speeds:
@@ -59,3 +63,33 @@ def chunks_of(hit: Any, client: Any, model: Any, encoding: str | None = None) ->
                 size = int(rec["encodings"][enc]["size"])
         out.append(Chunk(n, size))
     return out
+
+
+def start_probe(hit: Any, client: Any, speeds: Speeds, deadline_s: float,
+                encoding: str | None = None) -> asyncio.Task:
+    """Fetch the lookup's first object beside the request (the planner's probe, ``Plan.probe_s``) and teach
+    ``speeds`` what it measured when it lands; the request does not wait for it. A record that names no
+    encoding this client would fetch, or bad piece digests, measure nothing."""
+    from kdn.errors import InvalidInput
+    from kdn.pieces import Pieces
+
+    async def run() -> None:
+        address = hit.addresses[0]
+        rec = hit.records[0] if hit.records else await client.record(address)
+        enc = (encoding or client.choose_encoding(rec["encodings"])) if rec is not None else None
+        if rec is None or enc not in rec["encodings"]:
+            return
+        e = rec["encodings"][enc]
+        try:
+            pieces = Pieces.checked(e["size"], e.get("piece_bytes", 0), e.get("pieces", ()))
+        except InvalidInput:
+            return
+        got = await client.probe(address, encoding=enc, digest=e["digest"], size=int(e["size"]), pieces=pieces,
+                                 deadline_s=deadline_s)
+        if got is not None:
+            speeds.observe_load(got.nbytes, got.seconds, abandoned=got.abandoned)
+
+    task = asyncio.ensure_future(run())
+    PROBES.add(task)
+    task.add_done_callback(PROBES.discard)
+    return task

@@ -83,6 +83,7 @@ class SchedulerSide:
     _steers: dict[str, SteerSpec | None] = field(default_factory=dict)  # per request seen: its plan, or None
     _decided: dict[str, tuple[int, int, LoadPlan | None]] = field(default_factory=dict)  # (computed, tokens, cut)
     _stats: KDNStats = field(default_factory=KDNStats)  # the planner's choices since vLLM last took them
+    _probes: list[concurrent.futures.Future] = field(default_factory=list)  # the planner's, on the wire
     lookups_failed: int = 0
     steer_refused: int = 0  # steered requests run unsteered (a bad plan, no salt, steering off)
 
@@ -139,9 +140,15 @@ class SchedulerSide:
         if got is not None and got[:2] == (computed, num_tokens):
             return got[2]
         assert self.planner is not None
+        self._probed()  # (a probe that landed while the engine idled: this plan knows the link again)
         cut, decision, outcome = self.planner.decide(plan, pieces, num_tokens=num_tokens,
                                                      block_size=self.block_size, needs_state=self.hybrid)
         self._decided[rid] = (computed, num_tokens, cut)
+        if decision.probe_s and plan.pieces:  # computes it all; the link is timed beside it (step_done learns)
+            p = plan.pieces[0]
+            self._probes.append(self.bridge.submit(self.client.probe(
+                p.address, encoding=p.encoding, digest=p.digest, size=p.size, deadline_s=decision.probe_s,
+                pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests))))
         loaded = cut.tokens if cut is not None else 0
         self._stats.planned(outcome, loaded, num_tokens - computed - loaded)
         if cut is None or cut.end < plan.end:
@@ -362,6 +369,20 @@ class SchedulerSide:
             except (TypeError, ValueError, IndexError):
                 continue
             self.planner.speeds.observe_load(nbytes, seconds, abandoned=abandoned)
+        self._probed()
+
+    def _probed(self) -> None:
+        """The planner's probes that landed teach the load speed (here, on the scheduler's thread)."""
+        if not any(f.done() for f in self._probes):
+            return
+        assert self.planner is not None
+        for f in [f for f in self._probes if f.done()]:
+            self._probes.remove(f)
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("KDN probe failed: %s", f.exception())
+            got = None if f.cancelled() or f.exception() is not None else f.result()
+            if got is not None:
+                self.planner.speeds.observe_load(got.nbytes, got.seconds, abandoned=got.abandoned)
 
     def take_stats(self) -> KDNStats | None:
         if self._stats.is_empty():

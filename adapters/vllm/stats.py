@@ -13,7 +13,8 @@ turns them into ``kdn_vllm_*`` series on vLLM's own ``/metrics``:
 - ``kdn_vllm_load_seconds``: one request's load, fetch to last layer written;
 - ``kdn_vllm_saved_chunks_total``: chunks a producer wrote to its store;
 - ``kdn_vllm_plans_total{outcome}``: the load planner's choices (scheduler side): ``load`` (all the
-  hit), ``load_part``, ``compute`` (faster than loading), ``probe`` (one chunk, to re-measure a link);
+  hit), ``load_part``, ``compute`` (faster than loading), ``probe`` (computed, while one chunk is fetched
+  off the request path to re-measure a stale link);
 - ``kdn_vllm_planned_tokens_total{how}``: the tokens of those hits the planner chose to load or compute.
 
 The worker also reports each load's wire bytes and seconds (``samples``), which

@@ -183,3 +183,48 @@ async def test_a_link_gone_slow_spoils_one_load_then_the_prompt_is_computed(lm):
     assert sp.loads == fast + 1 and sp.load_bps <= N_CHUNKS * PARTIAL / (0.9 * deadline)  # what landed, not the blobs
     assert after.report.plan.startswith("compute: load") and after.report.tokens_reused == 0
     assert torch.equal(after.first_logits, reference(lm, ids, [5, 6, 7], 0).float())
+
+
+async def test_a_stale_speed_is_probed_beside_the_request_which_computes(lm):
+    """Once the last measured load is stale, a plan that computes fetches chunk 0 *beside* the request: over a
+    link still slow the request computes at a prefill's cost and returns with the probe still on the wire
+    (which then teaches the slow speed); over a link that recovered the probe teaches the fast one, and the
+    next request loads everything again."""
+    from kdn.adapters.hf.plan import PROBES
+    from kdn.planner import PROBE_AFTER_S
+
+    ids, mid, addrs, blobs, records = published(lm)
+    server = await edge(addrs, blobs, records)
+    sp = speeds_of(lm.model)
+
+    def stale() -> None:
+        sp.last_load, sp.last_probe = time.monotonic() - PROBE_AFTER_S - 1, None
+
+    try:
+        calibrate(lm, 2.0)
+        sp.load_bps, sp.loads = 1000.0, 1  # measured slow, long ago
+        stale()
+        server.slow["on"] = True
+        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")], hedge=False) as c:
+            probing = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
+            in_flight = len(PROBES)  # the request did not wait for it
+            await asyncio.wait_for(asyncio.gather(*PROBES), 10)
+            slow_bps, loads = sp.load_bps, sp.loads
+            server.slow["on"] = False
+            stale()
+            recovering = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
+            await asyncio.wait_for(asyncio.gather(*PROBES), 10)
+            fast_bps = sp.load_bps
+            back = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
+    finally:
+        server.release.set()
+        await server.close()
+    assert probing.report.plan.startswith("probe: compute") and probing.report.tokens_reused == 0
+    assert probing.report.sources == {}  # nothing of the request's own was fetched
+    assert in_flight == 1 and not PROBES
+    assert loads == 2 and slow_bps <= PARTIAL / 0.1  # the trickle that landed by the probe's deadline
+    assert torch.equal(probing.first_logits, reference(lm, ids, [5, 6, 7], 0).float())
+    assert recovering.report.plan.startswith("probe: compute") and recovering.report.tokens_reused == 0
+    assert fast_bps > 1e6  # the probe replaced the stale slow speed, not blended with it
+    assert back.report.plan.startswith(f"load {N_CHUNKS} of {N_CHUNKS}") and back.report.tokens_reused == N_CHUNKS * CHUNK
+    assert torch.equal(back.first_logits, reference(lm, ids, [5, 6, 7], N_CHUNKS).float())

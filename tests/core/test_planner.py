@@ -137,6 +137,10 @@ def test_one_probe_per_stale_period_even_before_it_measures():
     s.observe_load(1 << 30, 10.0, now=0.0)  # slow when last measured
     first = plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0)
     second = plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.5)
-    assert first.reason.startswith("probe") and not second.loads_anything
+    assert first.reason.startswith("probe") and first.probe_s > 0 and not second.loads_anything
+    assert not second.probe_s
+    # The probe is off the request path: the request itself computes it all, at a prefill's cost.
+    assert not first.loads_anything and first.expected_s == first.compute_all_s
+    assert math.isfinite(first.probe_s) and first.probe_s >= 1.0
     assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0 + PROBE_AFTER_S + 1).reason.startswith("probe")
     assert not plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=300.0, probe=False).loads_anything

@@ -114,7 +114,16 @@ def main() -> None:
                         "refused_records": s.client.rejected_records if s.client is not None else 0,
                         "ready": len(s._ready), "saves": len(s._saves), "running": len(w._running),
                         "preempted": preempted[0], "requests": len(sched.requests),
-                        "planner": s.planner.snapshot() if s.planner is not None else None})
+                        "planner": s.planner.snapshot() if s.planner is not None else None,
+                        "probes_pending": sum(not f.done() for f in s._probes)})
+            elif op["op"] == "age_planner":  # the planner's last measured load made stale (PROBE_AFTER_S old)
+                from kdn.planner import PROBE_AFTER_S
+
+                sp = sched.connector.sched.planner.speeds
+                sp.last_load, sp.last_probe = time.monotonic() - PROBE_AFTER_S - 1, None
+                if op.get("load_bps"):
+                    sp.load_bps = float(op["load_bps"])
+                answer({"aged": True})
             elif op["op"] == "quit":
                 answer({"bye": True})
                 break

@@ -196,6 +196,57 @@ def test_an_edge_that_turned_slow_is_learnt_then_computed(world):
     assert failures(ev, "timeout") - timeouts <= 3, "a slow edge should cost only a few short loads"
 
 
+def test_a_stale_speed_is_probed_beside_the_request_that_computes(world):
+    """Once the planner's last measured load is stale, a request it computes fetches one chunk *beside* it
+    (the probe; the scheduler never waits on it): over an edge still slow the request is computed, the
+    engine's own answer, the probe its only object request, and the probe (cut after a prefill's time,
+    at least 1 s) then teaches the slow speed; once the edge is fast again the next probe teaches that, and the
+    plan after it weighs the fast link (no new probe). That the request does not wait for its probe is
+    shown for transformers in tests/adapters/test_load_planner.py."""
+    ev, proxy, doc = world["ev"], world["proxy"], world["docs"]["v1"]
+    q = question(6)
+    ref = reference(ev, doc, q)
+    ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=1)  # the objects warm at the edge
+
+    def run() -> dict:
+        return ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=32, kdn=[{"plan": True}])[0]
+
+    def probe_ended() -> None:  # bounded wait
+        deadline = time.monotonic() + 30
+        while ev.stats()["probes_pending"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ev.stats()["probes_pending"], "the probe never ended"
+
+    proxy.mode = "slow"  # one chunk's K/V at 256 KiB/s: about a second, against a prefill of milliseconds
+    try:
+        ev.call(op="age_planner", load_bps=1000.0)  # measured slow, long ago
+        before = ev.stats()["planner"]
+        asked = proxy.object_requests
+        got = run()
+        assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"] and got["cached"] == 0
+        planner = ev.stats()["planner"]
+        assert planner["counts"].get("probe", 0) == before["counts"].get("probe", 0) + 1, planner
+        probe_ended()
+        assert proxy.object_requests == asked + 1  # the probe alone: the request fetched nothing
+        after = run()  # its plan reads what the probe measured: the link is still slow
+        planner = ev.stats()["planner"]
+        assert planner["loads"] >= before["loads"] + 1 and planner["load_bps"] < 1e6, planner
+        assert after["tokens"] == ref["tokens"] and after["logprobs"] == ref["logprobs"]
+    finally:
+        proxy.mode = "ok"
+    ev.call(op="age_planner")
+    probing = run()
+    assert probing["cached"] == 0 and probing["tokens"] == ref["tokens"]
+    probe_ended()
+    probes = ev.stats()["planner"]["counts"].get("probe", 0)
+    back = run()
+    planner = ev.stats()["planner"]
+    # The probe replaced the slow speed (no moving average from 1 kB/s), and the measurement is fresh: this
+    # plan weighs the link as measured (on this tiny model, computing may still win), it does not probe.
+    assert planner["load_bps"] > 1e6 and planner["counts"].get("probe", 0) == probes, planner
+    assert back["cached"] in (0, LOADED) and back["tokens"] == ref["tokens"] and back["logprobs"] == ref["logprobs"]
+
+
 def test_transformers_made_states_load_across_engines(world):
     eh, doc = world["eh"], world["docs"]["acme"]
     q = question(5)
