@@ -159,14 +159,25 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
     from kdn.registry import EmbeddedRegistry, KVRegistry
     from kdn.registry.split import RECORDS_FILE, SHARDS, migrate_records
 
+    s3 = str(args.store).startswith("s3://")
     store = Path(args.store)
-    if str(args.store).startswith("s3://") or not store.is_dir():
+    if s3:
+        from kdn.origin.s3records import RECORDS, S3Records
+        from kdn.origin.s3store import parse_s3_url
+
+        where = f"{parse_s3_url(args.store).url}/{RECORDS}"  # a bad URL fails here, in one line
+    elif not store.is_dir():
         raise InvalidInput(f"--store {str(args.store)[:80]!r} must be an origin's store folder (records go in "
-                           f"{RECORDS_FILE} there)")
+                           f"{RECORDS_FILE} there) or s3://BUCKET/PREFIX")
+    elif args.store_credentials is not None:
+        raise InvalidInput("--store-credentials is for an s3:// store")
+    else:
+        where = str(store / RECORDS_FILE)
 
     async def go(reg: Registry) -> int:
         assert isinstance(reg, KVRegistry)
-        records = EmbeddedRegistry(store / RECORDS_FILE)
+        records: KVRegistry = (S3Records(args.store, credentials=args.store_credentials) if s3
+                               else EmbeddedRegistry(store / RECORDS_FILE))
         try:
             def progress(shard: int, n: int) -> None:
                 if shard % 512 == 511:
@@ -175,7 +186,7 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
             copied, kept = await migrate_records(reg, records, delete=args.delete, progress=progress)
         finally:
             await records.close()
-        print(f"{copied} object records copied into {store / RECORDS_FILE}"
+        print(f"{copied} object records copied into {where}"
               + (f", {kept} already there (kept)" if kept else "")
               + ("; removed from the registry" if args.delete else "; the registry still holds them (--delete)"))
         return 0
@@ -303,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_registry_show)
     p = reg.add_parser("migrate", help="move object records out of the registry into an origin's store "
                                        "(for origins run with --records store; docs/scale.md)")
-    p.add_argument("--store", required=True, metavar="DIR", help="the origin's store folder")
+    p.add_argument("--store", required=True, metavar="DIR|s3://BUCKET/PREFIX?endpoint=URL",
+                   help="the origin's store: a folder, or its bucket")
+    p.add_argument("--store-credentials", default=None, metavar="FILE",
+                   help="an s3:// store's keys (INI: aws_access_key_id, aws_secret_access_key); else AWS_* "
+                        "in the environment")
     p.add_argument("--delete", action="store_true", help="remove them from the registry once copied")
     registry_arg(p)
     p.set_defaults(func=cmd_registry_migrate)

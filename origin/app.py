@@ -73,9 +73,6 @@ class OriginConfig(service.NodeConfig):
     def __post_init__(self) -> None:
         if self.records not in ("registry", "store"):
             raise InvalidInput(f"records must be 'registry' or 'store', not {self.records!r}")
-        if self.records == "store" and self.store.startswith("s3://"):
-            raise InvalidInput("--records store keeps records in a file beside a folder store; an s3:// store keeps "
-                               "its records in the registry for now (--records registry)")
 
 
 CONFIG = web.AppKey("config", OriginConfig)
@@ -108,20 +105,26 @@ def _metrics(reg: CollectorRegistry) -> dict:
 
 
 async def _records_ctx(app: web.Application):
-    """With ``--records store``: object records in a file beside the blobs, the rest in the registry
-    (``kdn.registry.split``). Everything the origin writes or reads goes through ``app[REGISTRY]``."""
+    """With ``--records store``: object records beside the blobs (a file in a folder store, small objects in
+    an s3:// one), the rest in the registry (``kdn.registry.split``). Everything the origin writes or reads
+    goes through ``app[REGISTRY]``."""
     cfg = app[CONFIG]
     if cfg.records != "store":
         yield
         return
-    from kdn.registry import EmbeddedRegistry
+    from kdn.registry import EmbeddedRegistry, KVRegistry
     from kdn.registry.split import RECORDS_FILE, RecordsBeside
 
     control = app[REGISTRY]
-    records = EmbeddedRegistry(Path(cfg.store) / RECORDS_FILE)
+    records: KVRegistry
+    if is_s3(cfg.store):
+        from kdn.origin.s3records import S3Records
+
+        records = S3Records(cfg.store, credentials=cfg.store_credentials)
+    else:
+        records = EmbeddedRegistry(Path(cfg.store) / RECORDS_FILE)
     app[REGISTRY] = RecordsBeside(control, records)
-    log.info("object records in %s (the registry keeps models, manifests, nodes and policies)",
-             Path(cfg.store) / RECORDS_FILE)
+    log.info("object records in %r (the registry keeps models, manifests, nodes and policies)", records)
     try:
         yield
     finally:

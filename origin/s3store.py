@@ -56,6 +56,7 @@ _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming 
 _PREFIX = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
 _QUERY_KEYS = {"endpoint", "region"}
 MAX_META_BYTES = 1 << 20  # a blob's info: ~100 B + 65 B a piece
+RECORDS = "records"  # the folder of the object records beside the blobs (``--records store``, origin/s3records.py)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,23 @@ def parse_s3_url(url: str) -> S3Location:
     if not re.fullmatch(r"[a-z0-9-]{1,32}", region):
         raise InvalidInput(f"invalid S3 region {region[:40]!r}")
     return S3Location(bucket, prefix, endpoint, region)
+
+
+def bucket(loc: S3Location, credentials: str | os.PathLike[str] | None = None, *, under: str = "") -> Any:
+    """An obstore ``S3Store`` of ``loc``'s prefix (or of ``under`` inside it). Credentials from the file, else
+    from the environment (read by the client); with neither, requests go unsigned."""
+    from obstore.store import S3Store
+
+    kw: dict[str, Any] = {"region": loc.region, "virtual_hosted_style_request": False,
+                          "client_options": {"timeout": "60s", "connect_timeout": "5s",
+                                             "allow_http": bool(loc.endpoint and loc.endpoint.startswith("http:"))}}
+    if loc.endpoint:
+        kw["endpoint"] = loc.endpoint
+    if credentials is not None:
+        kw["access_key_id"], kw["secret_access_key"] = read_credentials(credentials)
+    elif not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
+        kw["skip_signature"] = True  # no credentials anywhere: unsigned requests
+    return S3Store(loc.bucket, prefix=loc.prefix + (f"/{under}" if under else ""), **kw)
 
 
 def read_credentials(path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -169,19 +187,7 @@ class S3ObjectStore(ObjectStore):
         super().__init__(self.location.url, fsync=True, piece_bytes=piece_bytes)
 
     def _open(self, root: str | os.PathLike[str], fsync: bool) -> None:
-        from obstore.store import S3Store
-
-        loc = self.location
-        kw: dict[str, Any] = {"region": loc.region, "virtual_hosted_style_request": False,
-                              "client_options": {"timeout": "60s", "connect_timeout": "5s",
-                                                 "allow_http": bool(loc.endpoint and loc.endpoint.startswith("http:"))}}
-        if loc.endpoint:
-            kw["endpoint"] = loc.endpoint
-        if self._credentials is not None:
-            kw["access_key_id"], kw["secret_access_key"] = read_credentials(self._credentials)
-        elif not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
-            kw["skip_signature"] = True  # no credentials anywhere: unsigned requests
-        self._s3 = S3Store(loc.bucket, prefix=loc.prefix, **kw)
+        self._s3 = bucket(self.location, self._credentials)
 
     @staticmethod
     def _key(address: str, encoding: str) -> str:
@@ -196,6 +202,8 @@ class S3ObjectStore(ObjectStore):
         metas: set[tuple[Address, str]] = set()
         for batch in obs.list(self._s3, chunk_size=1000):
             for meta in batch:
+                if meta["path"].startswith(RECORDS + "/"):
+                    continue  # object records (--records store), not blobs
                 name = meta["path"].rsplit("/", 1)[-1]
                 is_meta = name.endswith(".meta")
                 addr, _, enc = name.removesuffix(".meta").partition(".")

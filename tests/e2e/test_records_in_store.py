@@ -1,7 +1,7 @@
 """Object records beside the blobs (#29 item 1, first part): etcd keeps the control plane only.
 
 A real origin started with ``records="store"`` (``--records store``) keeps its signed object records in
-``records.sqlite3`` in its store; an edge with ``records="origin"`` asks the origin for them, never the
+its store (``records.sqlite3`` in a folder; small objects in an s3:// bucket, a real SeaweedFS here); an edge with ``records="origin"`` asks the origin for them, never the
 registry. On a real etcd: no ``objects/`` key is written, lookups and loads work and verify, a record
 planted in etcd is never read, the origin's restart keeps every record, and ``kdn registry migrate``
 moves an existing registry's records into a store.
@@ -14,7 +14,10 @@ import dataclasses
 import os
 import sys
 
+from collections.abc import Callable
+
 import aiohttp
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 
@@ -22,7 +25,8 @@ from edge_helpers import cluster, get, publish  # noqa: E402
 
 from kdn import cli  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402
-from kdn.registry import EmbeddedRegistry, ObjectRecord, open_registry  # noqa: E402
+from kdn.origin.s3records import S3Records  # noqa: E402
+from kdn.registry import EmbeddedRegistry, KVRegistry, ObjectRecord, open_registry  # noqa: E402
 from kdn.registry.records import Encoding  # noqa: E402
 from kdn.registry.split import RECORDS_FILE, RecordsBeside  # noqa: E402
 from kdn.signing import Signer, Verifier  # noqa: E402
@@ -42,20 +46,31 @@ async def post_records(url: str, addresses: list[str]) -> list:
             return (await r.json())["records"]
 
 
-async def test_records_live_beside_the_blobs_and_edges_read_them_there(tmp_path, etcd_url, capsys):
+def records_store(request, tmp_path, medium: str) -> tuple[str, Callable[[], KVRegistry]]:
+    """The origin's store (a folder, or a fresh prefix of the session's SeaweedFS bucket) and a handle on the
+    records beside its blobs."""
+    if medium == "s3":
+        url = request.getfixturevalue("s3_store_url")
+        return url, lambda: S3Records(url)
+    store = tmp_path / "origin-store"
+    return str(store), lambda: EmbeddedRegistry(store / RECORDS_FILE)
+
+
+@pytest.mark.parametrize("medium", ["folder", "s3"])
+async def test_records_live_beside_the_blobs_and_edges_read_them_there(request, tmp_path, etcd_url, capsys, medium):
     key = Signer.generate(tmp_path / "origin.key")
     (tmp_path / "trusted").write_text(key.public + "\n")
-    store = tmp_path / "origin-store"
+    store, beside = records_store(request, tmp_path, medium)
     async with cluster(tmp_path, etcd_url, edges=("e1",), records="origin", trusted_keys=str(tmp_path / "trusted"),
                        origin_kw={"records": "store", "signing_key": str(tmp_path / "origin.key"),
-                                  "store": str(store)}) as c:
+                                  "store": store}) as c:
         m = await publish(c, TEXT)
         addrs = m["addresses"]
         assert len(addrs) == 3
         # etcd holds the manifest, the model and the nodes; not one object record
         assert await registry_keys(etcd_url, "objects/") == []
         assert await registry_keys(etcd_url, "manifests/public/") == ["manifests/public/doc"]
-        async with EmbeddedRegistry(store / RECORDS_FILE) as recs:
+        async with beside() as recs:
             stored = await recs.get_objects(addrs)
         assert all(r is not None and Verifier([key.public]).ok(r) for r in stored)
 
@@ -88,28 +103,31 @@ async def test_records_live_beside_the_blobs_and_edges_read_them_there(tmp_path,
 
         # The origin restarts: every record is still there (the file is in its store).
         await c.origin.close()
-        await c.start_origin(records="store", signing_key=str(tmp_path / "origin.key"), store=str(store))
+        await c.start_origin(records="store", signing_key=str(tmp_path / "origin.key"), store=store)
         async with KDNClient(origin=c.origin_url(), trusted_keys=[key.public]) as client:
             assert [(await client.record(a))["address"] for a in addrs] == addrs
 
 
-async def test_migrate_moves_a_registrys_records_into_the_store(tmp_path, etcd_url, capsys):
-    store = tmp_path / "origin-store"
-    async with cluster(tmp_path, etcd_url, edges=(), origin_kw={"store": str(store)}) as c:
+@pytest.mark.parametrize("medium", ["folder", "s3"])
+async def test_migrate_moves_a_registrys_records_into_the_store(request, tmp_path, etcd_url, capsys, medium):
+    store, beside = records_store(request, tmp_path, medium)
+    async with cluster(tmp_path, etcd_url, edges=(), origin_kw={"store": store}) as c:
         m = await publish(c, TEXT)
         addrs = m["addresses"]
         assert sorted(await registry_keys(etcd_url, "objects/")) == sorted(f"objects/{a}" for a in addrs)
         await c.origin.close()
         c.origin = None
 
-        argv = ["registry", "migrate", "--store", str(store), "--registry", etcd_url, "--delete"]
+        argv = ["registry", "migrate", "--store", store, "--registry", etcd_url, "--delete"]
         assert await asyncio.to_thread(cli.main, argv) == 0
         assert "3 object records copied" in capsys.readouterr().out
         assert await registry_keys(etcd_url, "objects/") == []
+        async with beside() as recs:
+            assert [r and r.address for r in await recs.get_objects(addrs)] == addrs
         assert await asyncio.to_thread(cli.main, argv) == 0  # again: nothing left to move, nothing lost
         assert "0 object records copied" in capsys.readouterr().out
 
-        await c.start_origin(records="store", store=str(store))
+        await c.start_origin(records="store", store=store)
         await c.start_edge("e1", records="origin")
         await c.wait_ring(["e1"])
         async with KDNClient(edges=[c.edge_url("e1")]) as client:
