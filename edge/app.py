@@ -21,6 +21,7 @@ Routes:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import logging
 import os
@@ -154,6 +155,7 @@ class Edge:
         self.filler: Filler | None = None
         self.chains = ChainIndex()
         self.prefetcher = Prefetcher(self.chains, config.prefetch, self._prefetch_one)
+        self.bodies: OriginRecords | None = None  # where manifest bodies are read (set with the upstream)
         self.policies: PolicyEngine | None = None
         self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
         self.flight: SingleFlight[tuple[bytes, str]] = SingleFlight()  # one fill per key at a time
@@ -466,8 +468,11 @@ async def _upstream_ctx(app: web.Application):
                              token_scope=token_scope(cfg), getter=getter,
                              always_probe_regions=cfg.region_probes == "always",
                              upper_regions=lambda: edge.policies.upper_regions if edge.policies else frozenset())
+        # Manifest bodies a registry pointer names (origins with --records store), whatever --records says.
+        edge.bodies = OriginRecords(session, edge.origin_urls, edge.filler.headers)
+        app[service.MANIFEST_BODIES] = edge.bodies
         if cfg.records == "origin":  # records beside the blobs: asked of the origins, never of the registry
-            edge.records.source = OriginRecords(session, edge.origin_urls, edge.filler.headers)
+            edge.records.source = edge.bodies
         await edge.membership.start()
         try:
             yield
@@ -501,7 +506,7 @@ async def _policies_ctx(app: web.Application):
 
         operators = Verifier.from_file(cfg.operator_keys)
     edge.policies = PolicyEngine(app[REGISTRY], cfg.region, edge.tiers, warm=edge.warm, manifest_feed=True,
-                                 verifier=operators)
+                                 verifier=operators, bodies=edge.bodies)
     await edge.policies.start()
     try:
         yield
@@ -571,7 +576,32 @@ async def _watch_manifests(edge: Edge) -> None:
                 warned.add(key)
                 log.warning("skipping unreadable manifest record %s: %s", key, str(e).splitlines()[0][:200])
 
+    async def whole(key: str, value: bytes) -> bytes:
+        """A pointer's whole manifest (``Manifest.body``, read from the origins), packed; anything else, or
+        a pointer whose body cannot be read now (no chain for prefetch; policies read it again), as it is."""
+        try:
+            m = Manifest.unpack(value)
+        except KDNError:
+            return value  # (put() counts and logs it)
+        if m.body is None or edge.bodies is None:
+            return value
+        async with fetching:
+            full = await edge.bodies.get_manifest_body(m.namespace, m.name, m.body)
+        if full is None or not m.points_at(full):
+            log.warning("manifest %s v%d: its body %s could not be read from the origins", key, m.version,
+                        m.body[:16])
+            return value
+        return full.pack()
+
+    fetching = asyncio.Semaphore(16)
+
     async def on_event(ev) -> None:
+        if ev.kind == "snapshot":
+            keys = list(ev.items)
+            ev = dataclasses.replace(ev, items=dict(zip(keys, await asyncio.gather(
+                *(whole(k, ev.items[k]) for k in keys)))))
+        elif ev.kind == "put" and ev.value is not None:
+            ev = dataclasses.replace(ev, value=await whole(ev.key, ev.value))
         if ev.kind == "snapshot":
             edge.chains = ChainIndex()
             edge.prefetcher.index = edge.chains

@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 
 from kdn.address import validate_name
 from kdn.edge.tiers import EntryMeta, GovernedTier, Key, PolicyState
-from kdn.errors import InvalidInput, KDNError
+from kdn.errors import InvalidInput, KDNError, RegistryUnavailable
 from kdn.registry.follow import follow, stop_tasks
 from kdn.registry.records import Manifest, Policy
 
@@ -217,8 +217,12 @@ class PolicyEngine:
         max_retry_s: float = 30.0,
         manifest_feed: bool = False,
         verifier=None,
+        bodies=None,
     ) -> None:
         self._registry = registry
+        # Where the whole manifest a registry pointer names is read (``Manifest.body``: an origin with
+        # ``--records store``): ``get_manifest_body(namespace, name, digest)``; None: pointers name nothing.
+        self._bodies = bodies
         # kdn.signing.Verifier of the operator keys (--operator-keys): a policy none of them signed is skipped,
         # so a registry writer without an operator key can neither pin nor expire what it likes.
         self._verifier = verifier
@@ -443,12 +447,28 @@ class PolicyEngine:
         wanted = self._wanted()
         if ev.kind == "snapshot":
             for ref in wanted:
-                self._manifests[ref] = self._unpack_manifest(ref, ev.items.get(MANIFESTS + ref))
+                self._keep_manifest(ref, self._unpack_manifest(ref, ev.items.get(MANIFESTS + ref)))
             self._snapshots.add(MANIFESTS)
             return
         ref = ev.key[len(MANIFESTS) :]
         if ref in wanted:
-            self._manifests[ref] = self._unpack_manifest(ref, ev.value) if ev.kind == "put" else None
+            self._keep_manifest(ref, self._unpack_manifest(ref, ev.value) if ev.kind == "put" else None)
+
+    def _keep_manifest(self, ref: str, m: Manifest | None) -> None:
+        if m is not None and m.body is not None:  # a pointer not followed yet: read it whole (_resolve, retried)
+            self._manifests.pop(ref, None)
+        else:
+            self._manifests[ref] = m
+
+    async def _whole(self, m: Manifest | None) -> Manifest | None:
+        """``m``, or the whole manifest a pointer names (RegistryUnavailable while its body cannot be read)."""
+        if m is None or m.body is None:
+            return m
+        full = None if self._bodies is None else await self._bodies.get_manifest_body(m.namespace, m.name, m.body)
+        if full is None or not m.points_at(full):
+            raise RegistryUnavailable(f"manifest {m.ref} v{m.version}: its body {m.body[:16]} could not be read "
+                                      "from the origins")
+        return full
 
     @staticmethod
     def _unpack_manifest(ref: str, value: bytes | None) -> Manifest | None:
@@ -478,7 +498,7 @@ class PolicyEngine:
         for ref in sorted(wanted - self._manifests.keys()):
             ns, name = ref.split("/")
             try:
-                self._manifests[ref] = await self._registry.get_manifest(ns, name)
+                self._manifests[ref] = await self._whole(await self._registry.get_manifest(ns, name))
             except InvalidInput as e:
                 log.warning("manifest %s named by a policy is unreadable: %s", ref, _line(e))
                 self._manifests[ref] = None

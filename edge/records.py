@@ -29,16 +29,19 @@ Where they live (``kdn edge serve --records``):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from urllib.parse import quote
 
 import aiohttp
+from blake3 import blake3
 
 from kdn.errors import InvalidInput, RegistryUnavailable
-from kdn.registry import ObjectRecord
+from kdn.registry import Manifest, ObjectRecord
 from kdn.service import MAX_RECORDS
 
 log = logging.getLogger("kdn.edge")
@@ -230,20 +233,38 @@ class OriginRecords:
             raise RegistryUnavailable("no origin answered for object records: " + "; ".join(errors))
         return out
 
+    async def get_manifest_body(self, namespace: str, name: str, digest: str) -> Manifest | None:
+        """The whole manifest a registry pointer names (an origin with ``--records store`` keeps it beside its
+        records): asked of each origin in turn, believed only if its packed bytes hash to ``digest``."""
+        errors = []
+        for url in self.origin_urls():
+            path = f"{url}/v1/registry/manifests/{quote(namespace, safe='')}/{quote(name, safe='')}"
+            try:
+                async with self.session.get(path, params={"body": digest}, headers=self.headers(url),
+                                            timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                    if r.status == 404:
+                        continue
+                    if r.status != 200:
+                        raise ValueError(f"HTTP {r.status}")
+                    body = await _bounded(r)
+                full = Manifest.from_dict(json.loads(body))
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError, TypeError) as e:
+                errors.append(f"{url}: {type(e).__name__}: {e}"[:200])
+                continue
+            if full.body is None and blake3(full.pack()).hexdigest() == digest:
+                return full
+            log.warning("origin %s sent a manifest body for %s/%s that is not %s: refused", url, namespace, name,
+                        digest[:16])
+        if errors:
+            log.warning("manifest body %s: %s", digest[:16], "; ".join(errors))
+        return None
+
     async def _ask(self, url: str, addresses: list[str]) -> list[ObjectRecord | None]:
         async with self.session.post(url + "/v1/records", json={"addresses": addresses}, headers=self.headers(url),
                                      timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
             if r.status != 200:
                 raise ValueError(f"HTTP {r.status}")
-            if (r.content_length or 0) > MAX_RECORDS_BODY:
-                raise ValueError(f"answer larger than {MAX_RECORDS_BODY} bytes")
-            body = bytearray()
-            async for chunk in r.content.iter_chunked(1 << 16):  # the whole answer, bounded
-                body += chunk
-                if len(body) > MAX_RECORDS_BODY:
-                    raise ValueError(f"answer larger than {MAX_RECORDS_BODY} bytes")
-        import json
-
+            body = await _bounded(r)
         data = json.loads(body)
         recs = data.get("records") if isinstance(data, dict) else None
         if not isinstance(recs, list) or len(recs) != len(addresses):
@@ -258,3 +279,15 @@ class OriginRecords:
                     log.warning("origin %s sent a malformed record for %s: %s", url, address[:16], e)
             out.append(rec)  # one under another address is caught by RecordCache._trusted
         return out
+
+
+async def _bounded(r: aiohttp.ClientResponse) -> bytearray:
+    """A response's whole body, at most ``MAX_RECORDS_BODY`` bytes (ValueError past it)."""
+    if (r.content_length or 0) > MAX_RECORDS_BODY:
+        raise ValueError(f"answer larger than {MAX_RECORDS_BODY} bytes")
+    body = bytearray()
+    async for chunk in r.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > MAX_RECORDS_BODY:
+            raise ValueError(f"answer larger than {MAX_RECORDS_BODY} bytes")
+    return body

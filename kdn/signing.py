@@ -76,6 +76,8 @@ def payload(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord) -> 
             body["version"], body["created"] = rec.version, rec.created
         if rec.deleted:
             body["deleted"] = True
+        if rec.body is not None:  # a pointer: its signature binds the whole manifest's digest
+            body["body"] = rec.body
         if rec.emphasis is not None:  # only when present: manifests signed before maps existed still verify
             from kdn.emphasis import EmphasisMap
 

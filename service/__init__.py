@@ -24,7 +24,7 @@ from aiohttp.typedefs import Handler, Middleware
 import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from kdn.address import Address, validate_address, validate_name, validate_namespace
+from kdn.address import Address, validate_address, validate_digest, validate_name, validate_namespace
 from kdn.auth import AuthError, Grants, may_read
 from kdn.errors import (
     InvalidInput,
@@ -33,7 +33,7 @@ from kdn.errors import (
     RegistryUnavailable,
     UnknownModel,
 )
-from kdn.registry import ObjectRecord, Registry, open_registry
+from kdn.registry import Manifest, ObjectRecord, Registry, open_registry
 from kdn.store import validate_encoding
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,16 @@ class RecordSource(Protocol):
 
 
 RECORDS = web.AppKey("records", RecordSource)  # absent: the registry
+
+
+class ManifestBodies(Protocol):
+    """Where a server reads the whole manifest a registry pointer names (``Manifest.body``): an origin's own
+    records store, or (an edge) the origins."""
+
+    async def get_manifest_body(self, namespace: str, name: str, digest: str) -> Manifest | None: ...
+
+
+MANIFEST_BODIES = web.AppKey("manifest_bodies", ManifestBodies)  # absent: pointers are not followed
 GRANTS = web.AppKey("grants", Grants)
 METRICS = web.AppKey("metrics", CollectorRegistry)
 HTTP_METRICS = web.AppKey("http_metrics", dict)
@@ -527,10 +537,31 @@ async def get_registry_manifest(request: web.Request) -> web.Response:
     name = validate_name(request.match_info["name"])
     if not _may_read(request, ns):
         raise web.HTTPNotFound(text=f"no manifest {ns}/{name}")
+    asked = request.query.get("body")  # one body by its digest (an edge following a pointer it read)
+    if asked is not None:
+        man = await _manifest_body(request.app, ns, name, validate_digest(asked))
+        if man is None or (man.namespace, man.name) != (ns, name):
+            raise web.HTTPNotFound(text=f"no body {asked[:16]} of manifest {ns}/{name}")
+        return web.json_response(man.to_dict())
     man = await request.app[REGISTRY].get_manifest(ns, name)
+    if man is not None and man.body is not None:  # a pointer (records beside the blobs): its whole manifest
+        whole = await _manifest_body(request.app, ns, name, man.body)
+        if whole is None or not man.points_at(whole):
+            raise web.HTTPBadGateway(text=f"manifest {ns}/{name} v{man.version}: its body {man.body[:16]} "
+                                          "could not be read from the origins")
+        man = whole
     if man is None:
         raise web.HTTPNotFound(text=f"no manifest {ns}/{name}")
     return web.json_response(man.to_dict())
+
+
+async def _manifest_body(app: web.Application, namespace: str, name: str, digest: str) -> Manifest | None:
+    bodies = app.get(MANIFEST_BODIES)
+    if bodies is None:
+        reg = app[REGISTRY]
+        get = getattr(reg, "get_manifest_body", None)  # an origin's records store (kdn.registry.split)
+        return await get(digest) if get is not None else None
+    return await bodies.get_manifest_body(namespace, name, digest)
 
 
 def _may_read(request: web.Request, namespace: str, kind: str | None = None) -> bool:

@@ -414,8 +414,15 @@ class KVRegistry(abc.ABC):
         planted, could otherwise push it anywhere). Two writers publishing one name in the same
         millisecond can end at one version; the later write wins the name, as before.
         """
-        _expect(manifest, Manifest)
+        manifest = await self.versioned(manifest)
         key = self._manifest_key(manifest.namespace, manifest.name)
+        await self._put_objects_then(objects, (key, manifest.pack()))
+        return manifest
+
+    async def versioned(self, manifest: Manifest) -> Manifest:
+        """``manifest`` as ``put_manifest`` would store it: versioned above the stored one of its name (see
+        there), and signed where this writer signs. Nothing is written."""
+        _expect(manifest, Manifest)
         try:
             old = await self.get_manifest(manifest.namespace, manifest.name)
         except InvalidInput:  # not a manifest at all: replaced
@@ -423,9 +430,8 @@ class KVRegistry(abc.ABC):
         if old is not None and self.signer is not None and not self.signer.signed_it(old):
             old = None
         version = max(manifest.version, int(time.time() * 1000), old.version + 1 if old is not None else 1)
-        manifest = self._signed(dataclasses.replace(manifest, version=version))
-        await self._put_objects_then(objects, (key, manifest.pack()))
-        return manifest
+        signed: Manifest = self._signed(dataclasses.replace(manifest, version=version))
+        return signed
 
     async def get_manifest(self, namespace: str, name: str) -> Manifest | None:
         (v,) = await self._read([self._manifest_key(namespace, name)])

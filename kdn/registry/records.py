@@ -308,6 +308,10 @@ class Manifest(_Record):
     # A signed tombstone: the name was deleted (at ``version``). It names no objects and no tokens, so a
     # replay of an older manifest of the name is refused by version, like any superseded one.
     deleted: bool = False
+    # A pointer (``pointer``): the whole manifest is stored where the object records are (an origin with
+    # ``--records store``), under this BLAKE3 of its packed bytes; the registry keeps only the name, version
+    # and sizes. None: this is the whole manifest.
+    body: str | None = None
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
@@ -316,6 +320,10 @@ class Manifest(_Record):
         _require(not self.deleted or not (self.addresses or self.prefix_tokens or self.standalone or self.tokens),
                  "a deleted Manifest (a tombstone) names no objects and no tokens")
         _require(_is_int(self.version) and 0 <= self.version < 1 << 63, "Manifest.version must be an int >= 0")
+        if self.body is not None:
+            validate_digest(self.body)
+            _require(not (self.addresses or self.prefix_tokens or self.standalone or self.emphasis or self.head_tokens),
+                     "a Manifest pointer (body) carries no objects, tokens or map: they are in its body")
         if self.emphasis is not None:
             EmphasisMap.from_dict(self.emphasis, n_tokens=len(self.prefix_tokens)
                                   if isinstance(self.prefix_tokens, list) else 0)
@@ -343,6 +351,19 @@ class Manifest(_Record):
         """What deleting this name records: the same name and model, nothing in it (versioned when stored)."""
         return Manifest(namespace=self.namespace, name=self.name, model_id=self.model_id, addresses=[], tokens=0,
                         chunk_tokens=self.chunk_tokens, prefix_tokens=[], deleted=True)
+
+    def pointer(self, body: str) -> Manifest:
+        """What the registry keeps of this manifest when its whole (``body``: the BLAKE3 of its ``pack()``) is
+        stored beside the object records: name, model, version, sizes; unsigned until its writer signs it."""
+        return dataclasses.replace(self, addresses=[], prefix_tokens=[], standalone=[], emphasis=None, head_tokens=0,
+                                   sig={}, body=body)
+
+    def points_at(self, full: Manifest) -> bool:
+        """Whether ``full`` is the body this pointer names: same name, model, version (its digest was checked
+        by whoever read it)."""
+        return (self.body is not None and full.body is None
+                and (full.namespace, full.name, full.model_id, full.version, full.tokens)
+                == (self.namespace, self.name, self.model_id, self.version, self.tokens))
 
     @property
     def ref(self) -> str:

@@ -1,7 +1,8 @@
 """Object records beside the blobs (#29 item 1, first part): etcd keeps the control plane only.
 
 A real origin started with ``records="store"`` (``--records store``) keeps its signed object records in
-its store (``records.sqlite3`` in a folder; small objects in an s3:// bucket, a real SeaweedFS here); an edge with ``records="origin"`` asks the origin for them, never the
+its store (``records.sqlite3`` in a folder; small objects in an s3:// bucket, a real SeaweedFS here), and its whole
+manifests too, etcd keeping a signed pointer per name; an edge with ``records="origin"`` asks the origin for them, never the
 registry. On a real etcd: no ``objects/`` key is written, lookups and loads work and verify, a record
 planted in etcd is never read, the origin's restart keeps every record, and ``kdn registry migrate``
 moves an existing registry's records into a store.
@@ -26,7 +27,7 @@ from edge_helpers import cluster, get, publish  # noqa: E402
 from kdn import cli  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402
 from kdn.origin.s3records import S3Records  # noqa: E402
-from kdn.registry import EmbeddedRegistry, KVRegistry, ObjectRecord, open_registry  # noqa: E402
+from kdn.registry import EmbeddedRegistry, KVRegistry, Manifest, ObjectRecord, open_registry  # noqa: E402
 from kdn.registry.records import Encoding  # noqa: E402
 from kdn.registry.split import RECORDS_FILE, RecordsBeside  # noqa: E402
 from kdn.signing import Signer, Verifier  # noqa: E402
@@ -73,6 +74,31 @@ async def test_records_live_beside_the_blobs_and_edges_read_them_there(request, 
         async with beside() as recs:
             stored = await recs.get_objects(addrs)
         assert all(r is not None and Verifier([key.public]).ok(r) for r in stored)
+
+        # The manifest too: etcd keeps a signed pointer (name, version, sizes, the body's digest); the whole
+        # manifest, token list and all, is beside the records. Clients read it whole, through the edge.
+        async with open_registry(etcd_url) as reg:
+            raw = dict(await reg.list_keys("manifests/public/"))["manifests/public/doc"]
+            pointer = Manifest.unpack(raw)
+        assert pointer.body is not None and pointer.prefix_tokens == [] and pointer.addresses == []
+        assert len(raw) < 1024 and Verifier([key.public]).ok(pointer)
+        async with beside() as recs:
+            assert (await recs.get_objects(addrs))[0] is not None
+        async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
+            whole = await client.manifest("public", "doc")
+        assert whole is not None and whole["prefix_tokens"] == m["prefix_tokens"] and whole["addresses"] == addrs
+        assert whole["version"] == pointer.version and not whole.get("body")
+        assert c.edge("e1").chains.following(addrs[0], 2) == addrs[1:3]  # the edge's prefetch chains read it whole
+        async with aiohttp.ClientSession() as s:
+            url = f"{c.edge_url('e1')}/v1/registry/manifests/public/doc"
+            async with s.get(url, params={"body": "0" * 64}) as r:
+                assert r.status == 404  # no such body
+            # A pointer planted in etcd naming a body that is not stored: a clear 502, never a wrong manifest.
+            async with open_registry(etcd_url) as reg:
+                await reg._put(reg._manifest_key("public", "ghost"),
+                               dataclasses.replace(pointer, name="ghost", body="1" * 64, sig={}).pack())
+            async with s.get(f"{c.edge_url('e1')}/v1/registry/manifests/public/ghost") as r:
+                assert r.status == 502 and "could not be read" in await r.text()
 
         # A record planted in etcd (a forged digest, unsigned) is never read: records come from the store.
         async with open_registry(etcd_url) as reg:
@@ -153,8 +179,13 @@ async def test_records_beside_routes_objects_to_the_store_and_the_rest_to_the_re
         stored = await reg.put_manifest(man, objects=[rec])
         assert stored.version > 0 and stored.sig
         assert [k for k, _ in await control.list_keys("")] == ["manifests/public/doc"]
-        assert [k for k, _ in await records.list_keys("")] == [f"objects/{a}"]
+        pointer = await control.get_manifest("public", "doc")  # the registry's: signed, the tokens elsewhere
+        assert pointer.body is not None and pointer.prefix_tokens == [] and key.signed_it(pointer)
+        assert pointer.version == stored.version and pointer.points_at(stored)
+        assert [k for k, _ in await records.list_keys("")] == [f"manifest-bodies/{pointer.body}", f"objects/{a}"]
         assert sorted(k for k, _ in await reg.list_keys("")) == ["manifests/public/doc", f"objects/{a}"]
+        assert await reg.list_manifests() == [stored]  # listed whole
+        assert await reg.get_manifest_body("0" * 64) is None
         tailed = await reg.add_tail(a, 12, t)
         assert tailed is not None and tailed.tails == {12: t} and key.signed_it(tailed)
         assert (await reg.get_objects([a, t])) == [tailed, None]
