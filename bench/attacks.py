@@ -647,7 +647,7 @@ async def undone_policy(ctx: Ctx) -> Row:
             steps["deleted"] = await second_read()
             await reg.put_policy(old)  # the writer's replay
             steps["replayed"] = await second_read()
-            await reg.put_policy(op.sign(tombstone(new, time.time())))  # the operator's removal
+            await reg.put_policy(op.sign(tombstone(new.name, time.time())))  # the operator's removal
             steps["tombstone"] = await second_read()
         finally:
             await reg.delete_policy(new.name)

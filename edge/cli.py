@@ -355,14 +355,31 @@ def cmd_policy_rm(args: argparse.Namespace) -> int:
 
     async def go(reg) -> int:
         if signer is not None:  # edges with --operator-keys ignore a bare delete: write a signed tombstone
-            from kdn.edge.policies import is_tombstone, tombstone
+            from kdn.edge.policies import is_tombstone, set_at, tombstone
+            from kdn.errors import KDNError
             from kdn.registry.records import Policy
+            from kdn.signing import Verifier
 
+            # The tombstone is built from the name alone (a registry writer controls what is stored there). The
+            # stored record only orders it: one this key signed, set on a machine whose clock ran ahead,
+            # must not outlive its removal.
+            at = time.time()
             raw = dict(await reg.list_keys(f"policies/{name}")).get(f"policies/{name}")
-            if raw is None or is_tombstone(old := Policy.unpack(raw)):
-                print(f"kdn: no policy named {name}", file=sys.stderr)
-                return 1
-            await reg.put_policy(signer.sign(tombstone(old, time.time())))
+            old = None
+            if raw is not None:
+                try:
+                    old = Policy.unpack(raw)
+                except KDNError:
+                    old = None
+            if old is not None and old.name == name and Verifier([signer.public]).ok(old):
+                if is_tombstone(old):
+                    print(f"kdn: policy {name} is removed already", file=sys.stderr)
+                    return 1
+                at = max(at, set_at(old) + 0.001)
+            elif raw is None:
+                print(f"kdn: note: no policy named {name} in the registry; a signed tombstone is written anyway "
+                      "(edges that still apply one under that name drop it)", file=sys.stderr)
+            await reg.put_policy(signer.sign(tombstone(name, at)))
             print(f"policy {name} removed (a signed tombstone: edges with --operator-keys drop it)")
             return 0
         if not await reg.delete_policy(name):
@@ -376,7 +393,7 @@ def cmd_policy_rm(args: argparse.Namespace) -> int:
 
 async def _read_policies(reg) -> list[tuple[str, Policy | None, str | None]]:
     """``(name, policy, None)`` or ``(name, None, why)`` for a record no edge would apply."""
-    from kdn.edge.policies import validate_policy
+    from kdn.edge.policies import is_tombstone, validate_policy
     from kdn.errors import KDNError
     from kdn.registry.records import Policy
 
@@ -384,7 +401,8 @@ async def _read_policies(reg) -> list[tuple[str, Policy | None, str | None]]:
     for key, value in await reg.list_keys("policies/"):
         name = key.removeprefix("policies/")
         try:
-            rows.append((name, validate_policy(Policy.unpack(value)), None))
+            p = Policy.unpack(value)
+            rows.append((name, p if is_tombstone(p) else validate_policy(p), None))  # (a removal has no setting)
         except KDNError as e:
             rows.append((name, None, str(e).splitlines()[0]))
     return rows
@@ -395,7 +413,7 @@ def _row(p) -> tuple[str, str, str, str, str]:
     from kdn.units import format_duration, format_size
 
     if is_tombstone(p):
-        return p.name, p.kind, p.region or "*", "-", "removed (a signed tombstone)"
+        return p.name, "-", "-", "-", "removed (a signed tombstone)"
     if p.kind == "push":
         rate = p.extra.get("rate_bytes")
         return (p.name, p.kind, ",".join(p.extra.get("regions") or []) or "*", p.manifest,

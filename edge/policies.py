@@ -111,11 +111,11 @@ def is_tombstone(p: Policy) -> bool:
     return p.extra.get("deleted") is True
 
 
-def tombstone(p: Policy, at: float) -> Policy:
-    """What removing ``p`` writes where policies are signed: ``p`` marked deleted, ``set_at`` now (sign it)."""
-    import dataclasses
-
-    return dataclasses.replace(p, extra={**p.extra, "deleted": True, "set_at": at}, sig={})
+def tombstone(name: str, at: float) -> Policy:
+    """What removing the policy ``name`` writes where policies are signed (sign it): the name, ``deleted``
+    and ``set_at``, nothing taken from the record it removes. Built from what the registry holds, it signed
+    whatever a registry writer had put there (another policy's name, a record no edge would take)."""
+    return Policy(name=name, kind="ttl", extra={"deleted": True, "set_at": at})
 
 
 def validate_policy(p: Policy) -> Policy:
@@ -236,7 +236,7 @@ class PolicyEngine:
         self._records: dict[str, Policy] = {}  # valid policies, every region, by name
         # With a verifier: per name, the newest signed set_at seen (policies and tombstones), so an older signed
         # record replayed under the name is refused; and the names whose keys went without a tombstone.
-        self._newest: dict[str, float] = {}
+        self._newest: dict[str, tuple[float, bool]] = {}  # name -> (set_at, a tombstone)
         self._kept: set[str] = set()
         self._invalid: dict[str, str] = {}  # key -> why it is skipped
         self._manifests: dict[str, Manifest | None] = {}  # refs some policy names -> record (None: not published)
@@ -418,7 +418,9 @@ class PolicyEngine:
         self._records.pop(name, None)
         self._invalid.pop(key, None)
         try:
-            p = validate_policy(Policy.unpack(value or b""))
+            p = Policy.unpack(value or b"")
+            if not is_tombstone(p):  # a tombstone removes: only its name, signature and time count
+                validate_policy(p)
             if p.name != name:
                 raise InvalidInput(f"record names {p.name!r} but sits at {key!r}")
             if self._verifier is not None:
@@ -426,11 +428,13 @@ class PolicyEngine:
                     self._verifier.check(p)
                 except (TypeError, ValueError) as e:  # a field the signed payload cannot hold
                     raise InvalidInput(f"policy {p.name} cannot be verified: {e}") from None
-                at, newest = set_at(p), self._newest.get(name, float("-inf"))
-                if at < newest:
+                at = set_at(p)
+                newest, removed = self._newest.get(name, (float("-inf"), False))
+                # Older than the newest seen is a replay; at the same instant a removal wins over a set.
+                if at < newest or (at == newest and removed and not is_tombstone(p)):
                     raise InvalidInput(f"policy {p.name}: signed at {at:.0f}, older than the one seen here "
                                        f"({newest:.0f}): a replay")
-                self._newest[name] = at
+                self._newest[name] = (at, is_tombstone(p))
         except KDNError as e:
             self.stats.invalid += 1
             self._invalid[key] = str(e)

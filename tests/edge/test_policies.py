@@ -373,11 +373,15 @@ async def test_a_signed_policy_is_undone_only_by_a_signed_tombstone_and_not_by_a
     await w.put_policy(old)  # signed, but older than the one in force: a replay
     await eng.wait_applied(lambda e: "replay" in e.invalid.get("policies/q", ""))
     assert eng.active.get("q") == new
-    await w.put_policy(operator.sign(tombstone(new, 300.0)))
+    await w.put_policy(operator.sign(tombstone("q", 300.0)))
     await eng.wait_applied(lambda e: "q" not in e.active)
     await w.put_policy(new)  # the removed policy replayed: older than its tombstone
     await eng.wait_applied(lambda e: "replay" in e.invalid.get("policies/q", ""))
     assert "q" not in eng.active and "q" not in eng.policies
+    # A signed policy set at the very instant of its tombstone (clocks tie): the removal wins.
+    await w.put_policy(operator.sign(Policy("q", "quota", namespace="acme", quota_bytes=2, extra={"set_at": 300.0})))
+    await eng.wait_applied(lambda e: "replay" in e.invalid.get("policies/q", "") and "300" in e.invalid["policies/q"])
+    assert "q" not in eng.active
 
 
 async def test_a_push_runs_in_the_regions_it_names_with_its_rate(edge):

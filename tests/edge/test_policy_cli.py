@@ -286,7 +286,37 @@ async def test_policy_rm_with_an_operator_key_writes_a_signed_tombstone(cli, bac
     finally:
         await reg.close()
     t = got["q"]  # still there, as a tombstone the operator signed, newer than the policy it removes
-    assert is_tombstone(t) and Verifier([key.public]).ok(t) and t.quota_bytes == 1 << 20 and set_at(t) > 0
+    assert is_tombstone(t) and Verifier([key.public]).ok(t) and set_at(t) > 0
+    assert t.quota_bytes is None and t.namespace is None  # built from the name alone, nothing of the record
     assert "removed (a signed tombstone)" in cli.run("policy", "ls").stdout
     assert cli.run("policy", "rm", "q", *k).returncode == 1  # removed already
-    assert cli.run("policy", "rm", "nothing", *k).returncode == 1
+    r = cli.run("policy", "rm", "nothing", *k)  # not in the registry (a writer may have deleted its key)
+    assert r.returncode == 0 and "written anyway" in r.stderr
+
+
+async def test_policy_rm_signs_no_name_a_registry_writer_planted_under_the_one_removed(cli, backend, tmp_path):
+    """#28 second reading: the tombstone was built from the record stored under the name, so a writer who put
+    a record naming ``victim`` at ``policies/x`` got the operator's `rm x` to sign the removal of ``victim``
+    (and of nothing under ``x``). Now it is built from the name asked for, whatever the registry holds."""
+    from kdn.edge.policies import is_tombstone
+    from kdn.registry.records import Policy
+    from kdn.signing import Signer, Verifier
+
+    key = Signer.generate(tmp_path / "operator.key")
+    k = ("--operator-key", str(tmp_path / "operator.key"))
+    assert cli.run("policy", "set", "victim", "--ttl", "1h", "--namespace", "acme", *k).returncode == 0
+    assert cli.run("policy", "set", "x", "--ttl", "1m", "--namespace", "acme", *k).returncode == 0
+    reg = backend[1]()
+    try:
+        await reg._put(reg._policy_key("x"), Policy("victim", "ttl", ttl_s=5, extra={"set_at": 1.0}).pack())
+    finally:
+        await reg.close()
+    r = cli.run("policy", "rm", "x", *k)
+    assert r.returncode == 0, r.stderr
+    reg = backend[1]()
+    try:
+        got = {p.name: p for p in await reg.list_policies()}
+    finally:
+        await reg.close()
+    assert not is_tombstone(got["victim"]) and Verifier([key.public]).ok(got["victim"])  # untouched
+    assert is_tombstone(got["x"]) and Verifier([key.public]).ok(got["x"])
