@@ -136,3 +136,22 @@ async def test_a_failed_read_does_not_raise_the_floor_of_a_no(tmp_path):
         slow = RecordCache(Slow(reg, 0.2), size=10, floor_s=0.002)
         await slow.get(addr("x"))
         assert slow.no_floor() == MAX_FLOOR_S
+
+
+async def test_the_floor_of_a_no_covers_the_checks_of_what_was_read_not_the_read_alone(tmp_path):
+    """#28 second reading: the floor followed the source's reads only, while the signature checks of what they
+    returned (~0.1 ms a record) came after, so a batch of present records (another tenant's chain, posted to
+    /v1/lookup) answered later than the same batch absent, past the floor. The checks count now."""
+    import time
+
+    class SlowChecks:
+        def ok(self, rec) -> bool:
+            time.sleep(0.004)  # a check as slow as a big batch's signatures
+            return True
+
+    async with EmbeddedRegistry(tmp_path / "r.sqlite3") as reg:
+        recs = [obj(f"tenant{i}") for i in range(8)]
+        await reg.put_objects(recs)
+        cache = RecordCache(reg, size=100, verifier=SlowChecks(), floor_s=0.002)
+        assert [r.address for r in await cache.get_many([r.address for r in recs])] == [r.address for r in recs]
+        assert cache.no_floor() >= 8 * 0.004  # the read and the eight checks, not the read alone
