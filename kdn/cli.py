@@ -93,7 +93,8 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
             if m is None:
                 print(f"kdn: no manifest {ns}/{name} in the registry", file=sys.stderr)
                 return 1
-            print(json.dumps({"type": "manifest", "record": m.to_dict(), **_verdict(args, m)}, indent=2, default=str))
+            print(json.dumps({"type": "manifest", "record": m.to_dict(), **_verdict(args, m, f"{ns}/{name}")},
+                             indent=2, default=str))
             return 0
 
         return run_registry(args, manifest)
@@ -110,7 +111,7 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
         if rec is None:
             print(f"kdn: {key} is not in the registry, nor in an origin's store", file=sys.stderr)
             return 1
-        out = {"type": kind, "record": rec.to_dict(), **_verdict(args, rec)}
+        out = {"type": kind, "record": rec.to_dict(), **_verdict(args, rec, key)}
         if where != "registry":
             out["from"] = where
         print(json.dumps(out, indent=2, default=str))
@@ -119,18 +120,27 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
     return run_registry(args, go)
 
 
-def _verdict(args: argparse.Namespace, rec: ObjectRecord | ModelRecord | Manifest) -> dict[str, object]:
+def _verdict(args: argparse.Namespace, rec: ObjectRecord | ModelRecord | Manifest, asked: str) -> dict[str, object]:
     """With ``--trusted-keys``: whether one of them signed ``rec`` (a registry writer can change any record;
-    only a signed one is the origin's word)."""
+    only a signed one is the origin's word), and whether it is the record of what was ``asked`` (a signed
+    record of another address, model or name, put under this key, is signed but not this one's)."""
     if not args.trusted_keys:
         return {}
+    from kdn.registry import Manifest, ModelRecord, ObjectRecord
     from kdn.signing import SignatureError, Verifier
 
+    about = (rec.address if isinstance(rec, ObjectRecord) else rec.model_id if isinstance(rec, ModelRecord)
+             else rec.ref)
+    if about != asked:
+        return {"verified": False, "why": f"the record is {about[:80]}'s, not {asked[:80]}'s"}
     try:
         Verifier.from_file(args.trusted_keys).check(rec)
     except SignatureError as e:
         return {"verified": False, "why": str(e)}
-    return {"verified": True, "key": rec.sig.get("key")}
+    out: dict[str, object] = {"verified": True, "key": rec.sig.get("key")}
+    if isinstance(rec, Manifest):
+        out["version"] = rec.version  # (an older signed manifest verifies too: compare with what you expect)
+    return out
 
 
 async def _record_from_origins(reg: Registry, address: str) -> ObjectRecord | None:

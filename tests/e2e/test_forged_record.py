@@ -147,5 +147,12 @@ async def test_an_origins_model_record_is_signed_and_kdn_registry_show_checks_it
             assert await asyncio.to_thread(cli.main, show) == 0
             out = json.loads(capsys.readouterr().out)
             assert out["verified"] is False and "does not match" in out["why"]
+            # Second reading: another key's record, signed and whole, put under this model's key. It verifies as a
+            # record, but it is not this model's.
+            other = Signer.load(str(tmp_path / "origin.key")).sign(dataclasses.replace(model, model_id="d" * 64))
+            await reg._put(reg._model_key(model.model_id), other.pack())
+            assert await asyncio.to_thread(cli.main, show) == 0
+            out = json.loads(capsys.readouterr().out)
+            assert out["verified"] is False and "not " + model.model_id[:80] in out["why"]
         finally:
             await reg.close()
