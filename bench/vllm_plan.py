@@ -4,7 +4,7 @@
 
 On 127.0.0.1, in their own processes: an origin (transformers, bf16, ``zstd``
 and ``raw``) and one edge with a memory tier; in front of the edge a user-space
-link emulator (``bench/linkemu.py``; no ``tc netem`` here); then one vLLM
+link emulator (``bench/linkemu.py``, in a process of its own; no ``tc netem`` here); then one vLLM
 engine (CPU, bf16, in this process) with ``KDNConnector`` as consumer, the
 load planner on (its default). The context of ``--length`` tokens is
 published once and read once through the engine (filling the edge's memory).
@@ -38,8 +38,9 @@ import secrets
 import shutil
 import statistics
 import sys
+import select
+import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -55,22 +56,65 @@ SLOW_X = 3.0  # --mbit auto: the slow link moves the context's bytes in this man
 
 
 class Link:
-    """A LinkEmulator on its own event loop thread, steered from this (synchronous) thread."""
+    """A LinkEmulator in its own process, steered over its stdin. In this process its pacing shared the GIL
+    with the engine under test (vLLM's engine core runs here): while a given-up load's bytes or a probe drained
+    through it, vLLM's own prefill ran 10-30% slower, a cost of the bench, not of the system."""
 
     def __init__(self, target_port: int) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.emu = LinkEmulator(0, "127.0.0.1", target_port, delay_ms=0, mbit=0, shared=True)  # one bottleneck
-        asyncio.run_coroutine_threadsafe(self.emu.start(), self.loop).result(10)
+        self.proc = subprocess.Popen([sys.executable, "-P", __file__, "--link-child", str(target_port)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self._answer()
+        if not line.startswith("url "):
+            self.close()
+            raise RuntimeError(f"the link emulator did not start: {line!r}")
+        self.url = line.split(" ", 1)[1]
+
+    def _answer(self, timeout: float = 30.0) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.proc.stdout.readline().strip() if ready else ""
 
     def set(self, delay_ms: float, mbit: float) -> None:
-        self.loop.call_soon_threadsafe(self.emu.set_profile, delay_ms, mbit)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"set {delay_ms} {mbit}\n")
+        self.proc.stdin.flush()
+        if self._answer() != "ok":
+            raise RuntimeError("the link emulator did not take its new profile")
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.emu.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def link_child(target_port: int) -> int:
+    """The emulator's process (``Link``): one shared bottleneck to 127.0.0.1:``target_port``; ``set D M`` and
+    ``quit`` on stdin, one answer line each."""
+
+    async def serve() -> None:
+        emu = LinkEmulator(0, "127.0.0.1", target_port, delay_ms=0, mbit=0, shared=True)
+        await emu.start()
+        print(f"url {emu.url}", flush=True)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                line = await loop.run_in_executor(None, sys.stdin.readline)
+                words = line.split()
+                if not words or words[0] == "quit":
+                    return
+                if words[0] == "set" and len(words) == 3:
+                    emu.set_profile(float(words[1]), float(words[2]))
+                    print("ok", flush=True)
+        finally:
+            await emu.stop()
+
+    asyncio.run(serve())
+    return 0
 
 
 def run(args, log) -> dict:
@@ -94,7 +138,7 @@ def run(args, log) -> dict:
         edge.wait(f"http://127.0.0.1:{ep}/healthz")
         V.publish(f"http://127.0.0.1:{op}", "ctx", doc[:L], ["zstd", "raw"])
         link = Link(ep)
-        log(f"published {L} tokens; link emulator on {link.emu.url}")
+        log(f"published {L} tokens; link emulator on {link.url}")
 
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -103,7 +147,7 @@ def run(args, log) -> dict:
                   enable_prefix_caching=True, max_model_len=L + 16 + 64, gpu_memory_utilization=0.3,
                   kv_transfer_config={"kv_connector": "KDNConnector", "kv_connector_module_path": "kdn.adapters.vllm",
                                       "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-                                      "kv_connector_extra_config": {"edges": [link.emu.url]}})
+                                      "kv_connector_extra_config": {"edges": [link.url]}})
         planner = llm.llm_engine.engine_core.engine_core.scheduler.connector.sched.planner
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -237,4 +281,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--link-child"]:
+        sys.exit(link_child(int(sys.argv[2])))
     sys.exit(main())
