@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import json
 import sys
+from pathlib import Path
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
@@ -232,11 +233,7 @@ def cmd_node_admit(args: argparse.Namespace) -> int:
 
 def cmd_node_revoke(args: argparse.Namespace) -> int:
     """Add admissions to an operator's revocation list (readers' ``--revoked-admissions FILE``), atomically."""
-    import contextlib
     import os
-    import tempfile
-    import time
-    from pathlib import Path
 
     from kdn.registry import Admission
     from kdn.signing import parse_admission_ids, admission_id
@@ -254,6 +251,27 @@ def cmd_node_revoke(args: argparse.Namespace) -> int:
     if not ids:
         raise InvalidInput("name an admission to revoke: a file (kdn node admit --out) or --id")
     path = Path(args.list)
+    import fcntl
+
+    try:  # two revokes at once: each reads, adds and writes under the lock, so neither loses the other's
+        lock = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise InvalidInput(f"cannot lock {str(path)!r}: {e.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _revoke_locked(path, ids)
+    finally:
+        os.close(lock)
+
+
+def _revoke_locked(path: Path, ids: list[tuple[str, str]]) -> int:
+    import contextlib
+    import os
+    import tempfile
+    import time
+
+    from kdn.signing import parse_admission_ids
+
     try:
         old = path.read_text() if path.exists() else ""
     except OSError as e:

@@ -173,6 +173,9 @@ def _admitters(keys: TrustedKeys | None, revoked: str | os.PathLike[str] | Itera
 
     if isinstance(keys, Admitters) and revoked is None:
         return keys
+    if isinstance(keys, Admitters) and (keys.revoked_path is not None or keys.revoked):
+        raise InvalidInput("admitted_by already carries a revocation list: give revoked_admissions there, or "
+                           "plain keys here (one list, not two that could disagree)")
     if isinstance(keys, Verifier):
         return Admitters([f"{KEY_PREFIX}{k.public_bytes_raw().hex()}" for k in keys.keys.values()], revoked)
     if isinstance(keys, str) and keys.startswith(KEY_PREFIX):

@@ -325,7 +325,7 @@ class Admitters(Verifier):
         super().__init__(public_keys)
         self.revoked: frozenset[str] = frozenset()
         self.revoked_path: Path | None = None
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int, int] | None = None
         if isinstance(revoked, (str, os.PathLike)):
             self.revoked_path = Path(revoked)
             if not self.refresh():
@@ -350,7 +350,7 @@ class Admitters(Verifier):
             return True
         try:
             st = self.revoked_path.stat()
-            stamp = (st.st_mtime_ns, st.st_size)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)  # (a rename changes the inode)
             if stamp == self._stamp:
                 return True
             ids = parse_admission_ids(self.revoked_path.read_text().splitlines(), str(self.revoked_path))

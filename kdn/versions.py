@@ -37,7 +37,7 @@ log = logging.getLogger("kdn.client")
 
 FORMAT = "kdn/manifest-versions/v1"
 MAX_NAMES = 100_000
-MAX_BYTES = 16 << 20
+MAX_BYTES = 32 << 20  # MAX_NAMES refs of up to 192 characters and their versions fit (~22 MB)
 
 
 class VersionFile(dict[str, int]):
@@ -72,18 +72,19 @@ class VersionFile(dict[str, int]):
         self._follow()
         if version <= super().get(ref, -1):
             return
-        super().__setitem__(ref, version)
         with self._locked():
             merged = self._read()
-            for k, v in self.items():  # take the others' rises too: the highest of both, per name
+            for k, v in [*self.items(), (ref, version)]:  # take the others' rises too: the highest, per name
                 merged[k] = max(v, merged.get(k, 0))
-            super().update(merged)
             if len(merged) > MAX_NAMES:
                 drop = len(merged) - MAX_NAMES
                 log.warning("manifest versions %s: over %d names, dropping the %d written first",
                             self.path, MAX_NAMES, drop)
                 merged = dict(list(merged.items())[drop:])
             self._write(merged)
+            # Raised here only once on disk: a write that failed is tried again by the next rise to it.
+            super().update(merged)
+            super().__setitem__(ref, version)
 
     def _read(self) -> dict[str, int]:
         try:
@@ -121,6 +122,11 @@ class VersionFile(dict[str, int]):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
+            dirfd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dirfd)  # the rename itself survives a power loss
+            finally:
+                os.close(dirfd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
