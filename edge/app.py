@@ -58,7 +58,7 @@ from kdn.edge.memory import MemoryTier
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.policies import PolicyEngine
 from kdn.edge.prefetch import ChainIndex, Prefetcher
-from kdn.edge.records import OriginRecords, RecordCache
+from kdn.edge.records import OriginRecords, OwnerRecords, RecordCache
 from kdn.edge.tiers import EntryMeta, Handle, Key, Tier, steady_wall
 
 log = logging.getLogger(__name__)
@@ -471,8 +471,10 @@ async def _upstream_ctx(app: web.Application):
         # Manifest bodies a registry pointer names (origins with --records store), whatever --records says.
         edge.bodies = OriginRecords(session, edge.origin_urls, edge.filler.headers)
         app[service.MANIFEST_BODIES] = edge.bodies
-        if cfg.records == "origin":  # records beside the blobs: asked of the origins, never of the registry
-            edge.records.source = edge.bodies
+        if cfg.records == "origin":  # records beside the blobs: asked of the owner edge, then the origins
+            membership = edge.membership
+            edge.records.source = OwnerRecords(edge.bodies, membership.owner, cfg.node_id,
+                                               lambda where, n: edge.m.record_reads.labels(where).inc(n))
         await edge.membership.start()
         try:
             yield

@@ -18,7 +18,9 @@ Where they live (``kdn edge serve --records``):
 
 - ``registry`` (the default): one registry read per miss, batched for a lookup;
 - ``origin``: the origins' stores, where an origin started with ``--records
-  store`` keeps them beside the blobs (``kdn.registry.split``). The edge asks
+  store`` keeps them beside the blobs (``kdn.registry.split``). A miss goes to
+  the owner edge of the address (``OwnerRecords``, ``X-KDN-Hop``: its cache
+  stands for the whole region), which asks, as the edge does for what it owns,
   ``POST /v1/records`` of the origins (configured, or listed in the registry),
   in batches of ``kdn.service.MAX_RECORDS``, with its upstream token where the
   token may go; what one origin lacks is asked of the next. A record is believed
@@ -41,7 +43,8 @@ import aiohttp
 from blake3 import blake3
 
 from kdn.errors import InvalidInput, RegistryUnavailable
-from kdn.registry import Manifest, ObjectRecord
+from kdn.fetch import HOP
+from kdn.registry import Manifest, NodeRecord, ObjectRecord
 from kdn.service import MAX_RECORDS
 
 log = logging.getLogger("kdn.edge")
@@ -155,11 +158,17 @@ class RecordCache:
         while len(self._lru) > self.size:
             self._lru.popitem(last=False)
 
-    async def get(self, address: str) -> ObjectRecord | None:
+    def _source_get(self, addresses: list[str], hop: bool):
+        if hop and getattr(self.source, "takes_hop", False):
+            return self.source.get_objects(addresses, hop=True)
+        return self.source.get_objects(addresses)
+
+    async def get(self, address: str, hop: bool = False) -> ObjectRecord | None:
         rec = self._lru.get(address)
         if rec is None and not self._known_absent(address):
             t0 = time.monotonic()
-            rec = self._trusted(await self.source.get_object(address), address)
+            got = (await self._source_get([address], hop))[0] if hop else await self.source.get_object(address)
+            rec = self._trusted(got, address)
             self._took(t0)
             if rec is not None:
                 self._keep(rec)
@@ -167,11 +176,13 @@ class RecordCache:
                 self._note_absent(address)
         return rec
 
-    async def get_many(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
+    async def get_many(self, addresses: Sequence[str], hop: bool = False) -> list[ObjectRecord | None]:
+        """``hop``: the caller is an edge of this region asking its owner (``X-KDN-Hop``): misses go to the
+        origins, never to another owner (``OwnerRecords``)."""
         missing = list(dict.fromkeys(a for a in addresses if a not in self._lru and not self._known_absent(a)))
         if missing:
             t0 = time.monotonic()
-            got = await self.source.get_objects(missing)
+            got = await self._source_get(missing, hop)
             for address, rec in zip(missing, got):
                 rec = self._trusted(rec, address)
                 if rec is not None:
@@ -184,8 +195,10 @@ class RecordCache:
     # the names a record source has (kdn.service.RecordSource): the edge serves its records from here
     get_object = get
 
-    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
-        return await self.get_many(addresses)
+    async def get_objects(self, addresses: Sequence[str], hop: bool = False) -> list[ObjectRecord | None]:
+        return await self.get_many(addresses, hop=hop)
+
+    takes_hop = True  # kdn.service.post_records passes a hop through
 
     def forget(self, address: str) -> None:
         """Encodings can be added to a record later: drop it so the next read sees them."""
@@ -263,8 +276,10 @@ class OriginRecords:
             log.warning("manifest body %s: %s", digest[:16], "; ".join(errors))
         return None
 
-    async def _ask(self, url: str, addresses: list[str]) -> list[ObjectRecord | None]:
-        async with self.session.post(url + "/v1/records", json={"addresses": addresses}, headers=self.headers(url),
+    async def _ask(self, url: str, addresses: list[str], extra: dict[str, str] | None = None
+                   ) -> list[ObjectRecord | None]:
+        async with self.session.post(url + "/v1/records", json={"addresses": addresses},
+                                     headers={**self.headers(url), **(extra or {})},
                                      timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
             if r.status != 200:
                 raise ValueError(f"HTTP {r.status}")
@@ -283,6 +298,71 @@ class OriginRecords:
                     log.warning("origin %s sent a malformed record for %s: %s", url, address[:16], e)
             out.append(rec)  # one under another address is caught by RecordCache._trusted
         return out
+
+
+class OwnerRecords:
+    """Object records for an edge with ``--records origin``, through the owner edge of each address (its
+    region's ring), as its blobs are filled: the owner's record cache, whose misses go to the origins,
+    stands for every edge of the region, so the origins read about one record per object per region (and
+    per negative TTL for an absent one), not one per edge. Addresses this edge owns, a request that is
+    already a hop (``X-KDN-Hop``, from any caller: it only sends the read to the origins), and an owner that
+    fails or does not answer go to the origins (``OriginRecords``). A record is checked where it lands
+    (``RecordCache._trusted``), whoever relayed it."""
+
+    takes_hop = True  # RecordCache passes a hop through (kdn.service.post_records)
+
+    def __init__(self, origins: OriginRecords, owner: Callable[[str], NodeRecord | None], me: str,
+                 on_read: Callable[[str, int], None] | None = None) -> None:
+        self.origins = origins
+        self.owner = owner  # address -> the region's owner edge (Membership.owner), None: no ring yet
+        self.me = me
+        self.on_read = on_read  # (where: "owner" | "origin", how many records) for the metrics
+
+    async def get_object(self, address: str, hop: bool = False) -> ObjectRecord | None:
+        return (await self.get_objects([address], hop=hop))[0]
+
+    async def get_objects(self, addresses: Sequence[str], hop: bool = False) -> list[ObjectRecord | None]:
+        out: list[ObjectRecord | None] = [None] * len(addresses)
+        direct: list[int] = []
+        by_owner: dict[str, list[int]] = {}
+        for i, a in enumerate(addresses):
+            o = None if hop else self.owner(a)
+            if o is None or o.node_id == self.me:
+                direct.append(i)
+            else:
+                by_owner.setdefault(o.url, []).append(i)
+
+        async def from_origins(idx: list[int]) -> None:
+            got = await self.origins.get_objects([addresses[i] for i in idx])
+            self._count("origin", len(idx))
+            for i, rec in zip(idx, got):
+                out[i] = rec
+
+        async def from_owner(url: str, idx: list[int]) -> None:
+            try:
+                for k in range(0, len(idx), MAX_RECORDS):
+                    part = idx[k:k + MAX_RECORDS]
+                    got = await self.origins._ask(url, [addresses[i] for i in part], {HOP: "1"})
+                    self._count("owner", len(part))
+                    for i, rec in zip(part, got):
+                        out[i] = rec
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError) as e:
+                log.info("owner %s did not answer for %d records (%s): asking the origins", url, len(idx),
+                         f"{type(e).__name__}: {e}"[:160])
+                await from_origins([i for i in idx if out[i] is None])
+
+        jobs = [from_owner(url, idx) for url, idx in by_owner.items()]
+        if direct:
+            jobs.append(from_origins(direct))
+        await asyncio.gather(*jobs)
+        return out
+
+    def _count(self, where: str, n: int) -> None:
+        if self.on_read is not None and n:
+            self.on_read(where, n)
+
+    async def get_manifest_body(self, namespace: str, name: str, digest: str) -> Manifest | None:
+        return await self.origins.get_manifest_body(namespace, name, digest)
 
 
 async def _bounded(r: aiohttp.ClientResponse) -> bytearray:

@@ -190,3 +190,35 @@ async def test_records_beside_routes_objects_to_the_store_and_the_rest_to_the_re
         assert tailed is not None and tailed.tails == {12: t} and key.signed_it(tailed)
         assert (await reg.get_objects([a, t])) == [tailed, None]
         assert (await reg.get_manifest("public", "doc")) == stored
+
+
+async def test_a_record_miss_goes_through_the_owner_edge_so_the_origins_read_each_record_once_a_region(tmp_path,
+                                                                                                     etcd_url):
+    """#29 item 1 (the owner hop): with --records origin every edge's record miss went to the origins, so they
+    read each record once per edge. Now a miss goes to the address's owner edge (X-KDN-Hop), whose cache
+    stands for the region: three edges looking the same prompt up cost the origins one read per record."""
+    from edge_helpers import metric
+
+    store = tmp_path / "origin-store"
+    async with cluster(tmp_path, etcd_url, edges=("e1", "e2", "e3"), records="origin",
+                       origin_kw={"records": "store", "store": str(store)}) as c:
+        await c.wait_ring(["e1", "e2", "e3"])
+        m = await publish(c, TEXT)
+        addrs = m["addresses"]
+        for e in ("e1", "e2", "e3"):
+            async with KDNClient(edges=[c.edge_url(e)]) as client:
+                hit = await client.lookup(m["prefix_tokens"] + [5], m["model_id"])
+                assert hit.addresses[:2] == addrs[:2]
+                assert len((await client.fetch_prefix(hit)).objects) == len(hit.addresses)
+
+        def reads(source: str) -> float:
+            return sum(metric(c.edges[e], "kdn_edge_record_reads", source=source) for e in ("e1", "e2", "e3"))
+
+        assert reads("origin") == len(addrs), (reads("origin"), reads("owner"))  # once each, by its owner
+        assert reads("owner") >= 2  # the others asked the owners
+        # An owner gone: its edges' misses go to the origins (nothing is lost, only the collapse).
+        await c.stop_edge("e3")
+        async with KDNClient(edges=[c.edge_url("e1")]) as client:
+            c.edge("e1").records._lru.clear()
+            hit = await client.lookup(m["prefix_tokens"] + [5], m["model_id"])
+            assert hit.addresses[:2] == addrs[:2]
