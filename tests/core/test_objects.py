@@ -540,3 +540,47 @@ def test_a_zstd_bomb_is_refused_before_it_is_decoded():
         decode_object(blob)
     # an engine that knows its model's chunk size bounds it exactly; a caller that expects it may allow it
     assert decode_object(blob, max_decoded=64 << 20).tensors["L0.k"].shape == (1, 32 << 20, 1)
+
+
+# --- the cache of validated layouts -------------------------------------------------------------
+
+
+def test_a_header_read_twice_is_validated_once_and_a_bad_one_every_time(monkeypatch):
+    from kdn import objects
+
+    calls = []
+    validate = objects._validate
+    monkeypatch.setattr(objects, "_validate", lambda text, size: calls.append(size) or validate(text, size))
+    monkeypatch.setattr(objects, "_LAYOUTS", objects._LayoutCache(1 << 20))
+    blob = blob_of("raw")
+    first, again = read_header(blob), read_header(bytearray(blob))
+    assert first is again and calls == [len(blob)]  # the second read is the first's layout
+    # The size is part of what was checked: the same header over fewer data bytes is checked (and refused).
+    with pytest.raises(TruncatedObject, match="ends 3 bytes before"):
+        decode_object(blob[:-3])
+    with pytest.raises(TruncatedObject):
+        decode_object(blob[:-3])
+    assert calls == [len(blob), len(blob) - 3, len(blob) - 3]  # a refused header is never kept
+    # One changed byte of the header is another header: checked, and refused on its own terms.
+    bad = with_kdn(blob, lambda k: k.update(start=-1))
+    for _ in range(2):
+        with pytest.raises(CorruptObject, match="start"):
+            read_header(bad)
+    assert len(calls) == 5
+
+
+def test_the_layout_cache_is_bounded_by_its_key_bytes():
+    from kdn.objects import _LayoutCache, _validate
+
+    blobs = [blob_of("raw", start=256 * i, end=256 * (i + 1), position=256 * i) for i in range(1, 40)]
+    n = struct.unpack_from("<Q", blobs[0])[0]
+    cache = _LayoutCache(16 * n)  # room for ~16 headers of this size
+    for b in blobs:
+        (hn,) = struct.unpack_from("<Q", b)
+        cache.put(b[8:8 + hn], len(b), _validate(b[8:8 + hn], len(b)))
+    assert cache._bytes <= 16 * n and len(cache._items) <= 16
+    last = blobs[-1]
+    (hn,) = struct.unpack_from("<Q", last)
+    assert cache.get(last[8:8 + hn], len(last)) is not None  # the newest stays; the oldest went
+    (hn0,) = struct.unpack_from("<Q", blobs[0])
+    assert cache.get(blobs[0][8:8 + hn0], len(blobs[0])) is None
