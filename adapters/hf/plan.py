@@ -15,10 +15,13 @@ chunk beside the request and teaches its speed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 from typing import Any
 
 from kdn.planner import Chunk, PrefillModel, Speeds
+
+log = logging.getLogger("kdn.adapters.hf")
 
 _SPEEDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 PROBES: set[asyncio.Task] = set()  # probes on the wire (a reference each, so none is collected mid-flight)
@@ -69,23 +72,26 @@ def start_probe(hit: Any, client: Any, speeds: Speeds, deadline_s: float,
                 encoding: str | None = None) -> asyncio.Task:
     """Fetch the lookup's first object beside the request (the planner's probe, ``Plan.probe_s``) and teach
     ``speeds`` what it measured when it lands; the request does not wait for it. A record that names no
-    encoding this client would fetch, or bad piece digests, measure nothing."""
-    from kdn.errors import InvalidInput
+    encoding this client would fetch, bad piece digests, or a record that cannot be read (the edge or the
+    registry failing: the next stale plan probes again) measure nothing; the task never ends in an error."""
+    from kdn.errors import InvalidInput, KDNError
     from kdn.pieces import Pieces
 
     async def run() -> None:
         address = hit.addresses[0]
-        rec = hit.records[0] if hit.records else await client.record(address)
-        enc = (encoding or client.choose_encoding(rec["encodings"])) if rec is not None else None
-        if rec is None or enc not in rec["encodings"]:
-            return
-        e = rec["encodings"][enc]
         try:
-            pieces = Pieces.checked(e["size"], e.get("piece_bytes", 0), e.get("pieces", ()))
+            rec = hit.records[0] if hit.records else await client.record(address)
+            enc = (encoding or client.choose_encoding(rec["encodings"])) if rec is not None else None
+            if rec is None or enc not in rec["encodings"]:
+                return
+            e = rec["encodings"][enc]
+            got = await client.probe(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
+                                     pieces=Pieces.of(e), deadline_s=deadline_s)
         except InvalidInput:
             return
-        got = await client.probe(address, encoding=enc, digest=e["digest"], size=int(e["size"]), pieces=pieces,
-                                 deadline_s=deadline_s)
+        except (KDNError, OSError) as err:
+            log.debug("probe of %s measured nothing: %s", address[:16], err)
+            return
         if got is not None:
             speeds.observe_load(got.nbytes, got.seconds, abandoned=got.abandoned)
 

@@ -228,3 +228,24 @@ async def test_a_stale_speed_is_probed_beside_the_request_which_computes(lm):
     assert fast_bps > 1e6  # the probe replaced the stale slow speed, not blended with it
     assert back.report.plan.startswith(f"load {N_CHUNKS} of {N_CHUNKS}") and back.report.tokens_reused == N_CHUNKS * CHUNK
     assert torch.equal(back.first_logits, reference(lm, ids, [5, 6, 7], N_CHUNKS).float())
+
+
+async def test_a_probe_whose_record_cannot_be_read_measures_nothing_and_ends_without_an_error(lm):
+    """The probe runs beside the request, with no one awaiting it: a record that cannot be read (the edge
+    gone) must end it quietly (not as a task whose exception is never retrieved) and teach no speed."""
+    import socket
+    from types import SimpleNamespace
+
+    from kdn.adapters.hf.plan import start_probe
+
+    _, _, addrs, _, _ = published(lm)
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sp = speeds_of(lm.model)
+    before = (sp.load_bps, sp.loads)
+    async with KDNClient(edges=[f"http://127.0.0.1:{port}"], hedge=False, timeout=5.0) as c:
+        task = start_probe(SimpleNamespace(addresses=addrs[:1], records=[]), c, sp, 1.0)
+        await asyncio.wait_for(asyncio.shield(task), 30)
+    assert task.exception() is None
+    assert (sp.load_bps, sp.loads) == before
