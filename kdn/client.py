@@ -7,17 +7,23 @@ origin. Each source keeps a moving estimate of round-trip time and bandwidth
 (``kdn.estimate``); a fetch goes to the source with the least expected time
 for the object's size, is hedged to the next source when it runs past twice
 its expected time, fails over on error, and is verified against the digest
-the registry promised before anything is decoded. One HTTP session serves
-every request.
+the registry promised before anything is decoded. Object bodies are read by
+``kdn.bodyget`` (keep-alive connections of its own, straight into arena
+buffers); lookups, records and manifests go through one aiohttp session.
 
     async with KDNClient(edges=["http://127.0.0.1:8100"], token=...) as c:
         hit = await c.lookup(tokens, model_id, namespace="public")
         states = await c.fetch_prefix(hit)
 
-``SyncKDNClient`` wraps it for scripts.
+What it returns (``Lookup``, ``Fetched``, ``PrefixStates``, ...) is defined in
+``kdn.lookup``; ``SyncKDNClient`` (``kdn.sync``) wraps it for scripts. Both are
+importable from here.
 """
 
 from __future__ import annotations
+
+__all__ = ["FILL_TIERS", "Fetched", "KDNClient", "Lookup", "PrefixStates", "Probe", "Source",
+           "Tensors", "fills"]
 
 import asyncio
 import logging
@@ -26,8 +32,8 @@ import random
 import ssl as _ssl
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
@@ -38,7 +44,8 @@ from kdn.bodyget import BodyGetter, Tally
 from kdn.encodings import affordable, parse_budget
 from kdn.errors import DigestMismatch, InvalidInput, KDNError, SourceError
 from kdn.estimate import DECODE, DecodeSpeeds, Estimates
-from kdn.fetch import Buffer, Fetcher, Fresh, Observer, Route, Want
+from kdn.fetch import Fetcher, Fresh, Observer, Route, Want
+from kdn.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Source, Tensors, fills
 from kdn.pieces import Pieces
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
@@ -60,107 +67,8 @@ MAX_OBJECT_BYTES = 1 << 30
 BASIS_ENCODING = "basis"  # how a model's kvtc basis is stored and served (kind "basis" records)
 
 
-@dataclass(frozen=True)
-class Source:
-    url: str
-    kind: str  # "edge" | "region" | "origin"
-    label: str  # what reports show: "edge:e1", "region:us", "origin"
-    prior_rtt: float = 0.001
-    node_id: str | None = None  # edges of the client's region: their id on the ring
-
-
-FILL_TIERS = ("peer", "region", "upper", "origin")  # sources an entry edge names for what it must fill first
 RECENT_FETCHES = 1 << 16  # addresses a client remembers having fetched (KDNClient.warm) ...
 RECENT_S = 600.0  # ... and for how long (an edge's memory tier turns over; after this, not known warm)
-
-
-def fills(tier: str) -> bool:
-    """Whether the entry edge said it must fill an object first (from a peer, another region, the upper
-    tier or the origin) before it can serve it."""
-    return tier.split(":", 1)[0] in FILL_TIERS
-
-
-@dataclass
-class Lookup:
-    """The longest reusable prefix of a prompt: ``addresses`` cover ``tokens`` leading tokens."""
-
-    model_id: str
-    namespace: str
-    addresses: list[A.Address]
-    tokens: int
-    chunk_tokens: int
-    records: list[dict[str, Any]] = field(default_factory=list)  # registry records of ``addresses``, in order
-    cold: set[A.Address] = field(default_factory=set)  # addresses the entry edge reported it would have to fill
-    sources: list[str] = field(default_factory=list)  # per whole chunk: where the entry edge would serve it from
-
-    @property
-    def chunks(self) -> int:
-        return len(self.addresses)
-
-
-    def token_counts(self) -> list[int]:
-        """Tokens per object, in chain order: whole chunks, then the partial tail if there is one."""
-        whole = min(len(self.addresses), self.tokens // self.chunk_tokens)
-        counts = [self.chunk_tokens] * whole
-        if len(self.addresses) > whole:
-            counts.append(self.tokens - whole * self.chunk_tokens)
-        return counts
-
-    def head(self, k: int) -> Lookup:
-        """The first ``k`` objects of this prefix (a hybrid engine that must recompute the last token drops one)."""
-        keep = self.addresses[:k]
-        return replace(self, addresses=keep, tokens=sum(self.token_counts()[:k]), records=self.records[:k],
-                       cold=self.cold & set(keep), sources=self.sources[:k])
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What a probe of the link measured (``KDNClient.probe``): ``Speeds.observe_load``'s arguments."""
-
-    nbytes: int
-    seconds: float
-    abandoned: bool
-
-
-@dataclass(frozen=True)
-class Fetched:
-    address: str
-    encoding: str
-    blob: bytearray | memoryview  # the receive buffer, verified (a view of an arena lease when one lent it)
-    source: str
-    seconds: float
-    buffer: Buffer | None = None  # what to release once the bytes are used (an arena lease; else a no-op)
-
-    def release(self) -> None:
-        """Hand the receive buffer back (a no-op unless it came from an arena): ``blob`` is not read after."""
-        if self.buffer is not None:
-            self.buffer.release()
-
-
-@dataclass
-class Tensors:
-    """Some tensors of one object (``KDNClient.fetch_tensors``): their bytes as stored in the blob (``layout``
-    names each one's dtype, shape and codec), and the bytes moved to get them."""
-
-    layout: Layout
-    tensors: dict[str, memoryview]
-    bytes_fetched: int
-
-
-@dataclass
-class PrefixStates:
-    lookup: Lookup
-    objects: list[DecodedObject]  # in chain order
-    fetched: list[Fetched]
-    fetch_s: float
-    decode_s: float
-
-    @property
-    def sources(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for f in self.fetched:
-            out[f.source] = out.get(f.source, 0) + 1
-        return out
 
 
 def _admitters(keys: TrustedKeys | None, revoked: str | os.PathLike[str] | Iterable[str] | None) -> Verifier | None:
@@ -601,7 +509,7 @@ class KDNClient:
                 raise SourceError(f"{address} has no encoding {encoding!r} within quality {quality or self.quality!r}"
                                   f" (it has {sorted(encs)})")
             digest, size = encs[encoding]["digest"], encs[encoding]["size"]
-            pieces = _pieces_of(encs[encoding])
+            pieces = Pieces.of(encs[encoding])
         if size > MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         async with self._sem:
@@ -697,7 +605,7 @@ class KDNClient:
         if rec is None or encoding not in rec["encodings"]:
             raise SourceError(f"{address} has no {encoding!r} record here")
         e = rec["encodings"][encoding]
-        pieces = _pieces_of(e)
+        pieces = Pieces.of(e)
         if pieces is None:
             raise InvalidInput(f"{address}.{encoding} records no piece digests: fetch it whole")
         async with self._sem:
@@ -714,7 +622,7 @@ class KDNClient:
         if rec is None or encoding not in rec["encodings"]:
             raise SourceError(f"{address} has no {encoding!r} record here")
         e = rec["encodings"][encoding]
-        size, pieces, want = int(e["size"]), _pieces_of(e), list(names)
+        size, pieces, want = int(e["size"]), Pieces.of(e), list(names)
         if pieces is None:
             f = await self.fetch(address, encoding=encoding)
             layout = read_layout(f.blob[:head_length(f.blob[:8])], size)
@@ -835,7 +743,7 @@ class KDNClient:
                 scatter.placed(index, layout)
                 return f, DecodedObject(layout.header, {})
             f = await self.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
-                                 cold=address in hit.cold, pooled=into is not None, arena=pool, pieces=_pieces_of(e),
+                                 cold=address in hit.cold, pooled=into is not None, arena=pool, pieces=Pieces.of(e),
                                  tally=tally)
             arrived.append(time.perf_counter())
             try:
@@ -868,7 +776,7 @@ class KDNClient:
         routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self._timeout.total)
                   for s in self._ranked(size, address)]
         async with self._sem:
-            body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(e["digest"]), _pieces_of(e)),
+            body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(e["digest"]), Pieces.of(e)),
                                             routes, hedge=False, alloc=lambda n: Scatter(n, place),
                                             observer=self.fetch_observer, tally=tally)
         assert isinstance(body.buffer, Scatter) and body.buffer.layout is not None
@@ -882,12 +790,6 @@ def _span(layout: Layout, name: str) -> tuple[int, int]:
         return layout.span(name)
     except KeyError:
         raise InvalidInput(f"object {layout.header.address[:16]} has no tensor {name[:64]!r}") from None
-
-
-def _pieces_of(enc: Mapping[str, Any]) -> Pieces | None:
-    """An encoding's piece digests as its record (a JSON map) states them; InvalidInput if they cannot
-    describe its blob (a record signed with pieces is checked when its signature is)."""
-    return Pieces.checked(enc.get("size"), enc.get("piece_bytes", 0), enc.get("pieces", ()))
 
 
 def _check_identity(h: ObjectHeader, hit: Lookup, address: str) -> None:
@@ -928,44 +830,10 @@ def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: 
     return out
 
 
-class SyncKDNClient:
-    """Blocking wrapper for scripts: one ``asyncio.Runner`` owned by this object, closed with it."""
+def __getattr__(name: str) -> Any:
+    """``SyncKDNClient`` is importable from here too (it lives in ``kdn.sync``, which imports this module)."""
+    if name == "SyncKDNClient":
+        from kdn.sync import SyncKDNClient
 
-    def __init__(self, **kwargs: Any) -> None:
-        self._runner = asyncio.Runner()
-        self._client = self._runner.run(self._make(kwargs))
-
-    @staticmethod
-    async def _make(kwargs: dict[str, Any]) -> KDNClient:
-        return KDNClient(**kwargs)
-
-    @property
-    def aclient(self) -> KDNClient:
-        """The async client inside (for ``run``)."""
-        return self._client
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine on this wrapper's loop (e.g. ``kdn.adapters.hf.agenerate``)."""
-        return self._runner.run(coro)
-
-    def lookup(self, *args: Any, **kwargs: Any) -> Lookup:
-        return self._runner.run(self._client.lookup(*args, **kwargs))
-
-    def manifest(self, namespace: str, name: str, *, pin: str | None = None) -> dict[str, Any] | None:
-        return self._runner.run(self._client.manifest(namespace, name, pin=pin))
-
-    def fetch(self, *args: Any, **kwargs: Any) -> Fetched:
-        return self._runner.run(self._client.fetch(*args, **kwargs))
-
-    def fetch_prefix(self, *args: Any, **kwargs: Any) -> PrefixStates:
-        return self._runner.run(self._client.fetch_prefix(*args, **kwargs))
-
-    def close(self) -> None:
-        self._runner.run(self._client.close())
-        self._runner.close()
-
-    def __enter__(self) -> SyncKDNClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return SyncKDNClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

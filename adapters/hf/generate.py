@@ -1,6 +1,6 @@
 """The engine side: look up the longest cached prefix, load it, prefill only the rest, generate.
 
-    from kdn.client import SyncKDNClient
+    from kdn.sync import SyncKDNClient
     from kdn.adapters.hf import generate, prompt_tokens
 
     with SyncKDNClient(edges=["http://127.0.0.1:8100"]) as client:
@@ -282,7 +282,7 @@ def _pick(logits: torch.Tensor, do_sample: bool, temperature: float) -> int:
 
 def generate(model: Any, tokenizer: Any, prompt: str | list[int], client, **kwargs) -> Generation:
     """Blocking ``agenerate`` for scripts: ``client`` is a ``kdn.client.SyncKDNClient``."""
-    from kdn.client import SyncKDNClient
+    from kdn.sync import SyncKDNClient
 
     if not isinstance(client, SyncKDNClient):
         raise InvalidInput("generate() takes a SyncKDNClient; use agenerate() with a KDNClient")

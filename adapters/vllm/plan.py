@@ -48,7 +48,7 @@ class Piece:
         that was not asked, a tier the edge must fill first (``kdn.client.fills``)."""
         if self.warm is not None:
             return not self.warm
-        from kdn.client import fills
+        from kdn.lookup import fills
 
         return fills(self.tier)
 
