@@ -183,7 +183,7 @@ async def test_an_edge_follows_manifests_once_and_a_pin_named_before_its_manifes
                                                                                           monkeypatch):
     """The prefetch index and the policy engine once each watched ``manifests/``: two watches, two
     copies of every manifest. The edge now has one view and hands each event to the engine."""
-    import kdn.edge.app as edge_app
+    import kdn.edge.views as edge_views
     import kdn.edge.membership as membership
     import kdn.edge.policies as policies
     from kdn.registry.follow import follow
@@ -194,7 +194,7 @@ async def test_an_edge_follows_manifests_once_and_a_pin_named_before_its_manifes
         followed.append(prefix)
         return follow(registry, prefix, *a, **kw)
 
-    for module in (edge_app, policies, membership):
+    for module in (edge_views, policies, membership):
         monkeypatch.setattr(module, "follow", counting)
     async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
         e = c.edge("e1")

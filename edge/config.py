@@ -1,0 +1,49 @@
+"""An edge's settings (``kdn edge serve``): the shared node settings plus its tiers, upstreams and trust."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from kdn.edge.eviction import DEFAULT_POLICY, POLICIES
+
+from kdn import service
+from kdn.address import validate_name
+from kdn.errors import InvalidInput
+
+
+@dataclass
+class EdgeConfig(service.NodeConfig):
+    """An edge (``kdn edge serve``): the shared node settings plus its tiers, upstreams and trust."""
+
+    port: int = 8100
+    node_id: str = field(default_factory=lambda: validate_name(f"edge-{socket.gethostname().split('.')[0][:40]}"))
+    region: str = "local"
+    origin: str | None = None  # default: the origins registered in the registry
+    mem_budget: int = 1 << 30
+    disk: str | None = None
+    disk_budget: int = 10 << 30
+    upstream_token_file: str | None = None  # the token this edge shows peers and the origin
+    # hosts that token may reach, http or https; None = loopback (kdn.auth.TokenScope)
+    token_hosts: str | None = None
+    prefetch: int = 2
+    records_cache: int = 100_000
+    # A "no" (absent, or not yours) takes at least this long, or a recent record read's p99 if longer
+    # (edge/records.py): its timing then does not tell another tenant's recently read object from an absent one.
+    deny_floor_ms: float = 2.0
+    ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
+    trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
+    operator_keys: str | None = None  # operator keys file: policies not signed by one are skipped
+    region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"
+    eviction: str = DEFAULT_POLICY  # both tiers' policy: "arc" (chosen on the traces) or "s3-fifo"
+    records: str = "registry"  # where object records are read: the registry, or the origins' stores (edge/records.py)
+    require_admission: bool = False  # leave out peers and origins no --operator-keys key admitted (kdn node admit)
+    revoked_admissions: str | None = None  # the operator's revocation list (kdn node revoke), read again on change
+
+    def __post_init__(self) -> None:
+        if self.region_probes not in ("worth", "always"):
+            raise InvalidInput(f"region_probes must be 'worth' or 'always', not {self.region_probes!r}")
+        if self.records not in ("registry", "origin"):
+            raise InvalidInput(f"records must be 'registry' or 'origin', not {self.records!r}")
+        if self.eviction not in POLICIES:
+            raise InvalidInput(f"eviction must be one of {', '.join(POLICIES)}, not {self.eviction!r}")

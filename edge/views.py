@@ -1,0 +1,129 @@
+"""The edge's registry views: one watch of ``manifests/`` (the prefetch chain index and the policy engine
+both read it), one of the live origins (without ``--origin``), and the TTL expiry pass."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+
+from kdn.edge.node import Edge
+from kdn.edge.prefetch import ChainIndex
+
+from kdn.errors import KDNError
+from kdn.registry import Manifest, NodeRecord, follow
+
+log = logging.getLogger("kdn.edge.app")
+
+
+async def watch_manifests(edge: Edge) -> None:
+    """The edge's one view of ``manifests/``: keeps the chain index (for prefetch) current and hands
+    each event on to the policy engine (pins and warms name manifests)."""
+
+    warned: set[str] = set()
+
+    def put(key: str, value: bytes) -> None:
+        # One unreadable manifest (a newer writer, a bad hand edit) hides itself only: once it failed
+        # the whole snapshot, which left prefetch off and re-listed every manifest in a retry loop.
+        try:
+            edge.chains.put(Manifest.unpack(value))
+        except KDNError as e:
+            edge.m.bad_records.labels("manifest").inc()
+            if key not in warned and len(warned) < 1024:
+                warned.add(key)
+                log.warning("skipping unreadable manifest record %s: %s", key, str(e).splitlines()[0][:200])
+
+    async def whole(key: str, value: bytes) -> bytes:
+        """A pointer's whole manifest (``Manifest.body``, read from the origins), packed; anything else, or
+        a pointer whose body cannot be read now (no chain for prefetch; policies read it again), as it is."""
+        try:
+            m = Manifest.unpack(value)
+        except KDNError:
+            return value  # (put() counts and logs it)
+        if m.body is None or edge.bodies is None:
+            return value
+        async with fetching:
+            full = await edge.bodies.get_manifest_body(m.namespace, m.name, m.body)
+        if full is None or not m.points_at(full):
+            log.warning("manifest %s v%d: its body %s could not be read from the origins", key, m.version,
+                        m.body[:16])
+            return value
+        return full.pack()
+
+    fetching = asyncio.Semaphore(16)
+
+    async def on_event(ev) -> None:
+        if ev.kind == "snapshot":
+            keys = list(ev.items)
+            ev = dataclasses.replace(ev, items=dict(zip(keys, await asyncio.gather(
+                *(whole(k, ev.items[k]) for k in keys)))))
+        elif ev.kind == "put" and ev.value is not None:
+            ev = dataclasses.replace(ev, value=await whole(ev.key, ev.value))
+        if ev.kind == "snapshot":
+            edge.chains = ChainIndex()
+            edge.prefetcher.index = edge.chains
+            for key, value in ev.items.items():
+                put(key, value)
+        elif ev.kind == "put":
+            put(ev.key, ev.value)
+        elif ev.kind == "delete":
+            edge.chains.remove(ev.key.split("/", 1)[1])
+        if edge.policies is not None:
+            await edge.policies.feed_manifests(ev)
+
+    await follow(edge.registry, "manifests/", on_event, what="manifest")
+
+
+EXPIRY_PASS_S = 1.0
+
+
+async def expire_loop(edge: Edge) -> None:
+    """The expiry pass: every EXPIRY_PASS_S, drop the TTL-expired entries of every tier. Without it an expired
+    entry went only under pressure, so with room to spare it was served for ever past its TTL."""
+    while True:
+        await asyncio.sleep(EXPIRY_PASS_S)
+        for tier in edge.tiers:
+            await tier.expire()
+
+
+def _left_out(edge: Edge, node: NodeRecord, why: str | None) -> bool:
+    """Whether an origin is left out (not admitted); counted and logged once per node and reason."""
+    if why is None:
+        return False
+    key = (node.node_id, node.url, why)
+    if key not in edge.left_out and len(edge.left_out) < 1024:
+        edge.left_out.add(key)
+        edge.m.unadmitted_nodes.inc()
+        log.warning("leaving out %s %s at %s: %s", node.role, node.node_id, node.url[:80], why)
+    return True
+
+
+async def watch_origins(edge: Edge) -> None:
+    """Without --origin, the origins are whatever the registry lists as live."""
+
+    async def on_event(ev) -> None:
+        nodes = await edge.registry.list_nodes(role="origin")
+        if edge.admitters is not None:
+            from kdn.signing import unadmitted
+
+            nodes = [n for n in nodes if not _left_out(edge, n, unadmitted(n, edge.admitters))]
+        edge._origins = [n.url.rstrip("/") for n in sorted(nodes, key=lambda n: n.node_id)]
+
+    async def recheck() -> None:  # admissions expire while their origins stay up: read the list again
+        from kdn.edge.membership import ADMISSION_RECHECK_S
+
+        while True:
+            await asyncio.sleep(ADMISSION_RECHECK_S)
+            if edge.admitters is not None:
+                edge.admitters.refresh()  # a revocation takes effect here, as an expiry does
+            with contextlib.suppress(KDNError):
+                await on_event(None)
+
+    task = asyncio.create_task(recheck()) if edge.admitters is not None else None
+    try:
+        await follow(edge.registry, "nodes/origin/", on_event, what="origin")
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
