@@ -2,7 +2,7 @@
 
     python -P bench/fuzz_http.py [--examples 300] [--seed 1] [--registry etcd|file]
 
-Starts a real origin (tiny-llama) and one edge on 127.0.0.1 (``tests/edge/edge_helpers.py``
+Starts a real origin (tiny-llama) and one edge on 127.0.0.1 (``bench/lib/edge_helpers.py``
 ``cluster``), publishes a public and a tenant document so that real addresses, manifests and
 jobs exist, then for each service runs every operation its tag in the spec names, in
 schemathesis's positive and negative generation modes, ``--examples`` cases each (positive
@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "docs" / "openapi.yaml"
-for _p in (ROOT / "tests", ROOT / "tests" / "edge"):
+for _p in (ROOT / "bench" / "lib",):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 

@@ -245,11 +245,11 @@ def _module_of(path: Path) -> str | None:
 
 
 def _imports(path: Path, text: str) -> list[Path]:
-    """The repository files ``path`` may import: bench/, bench/lib/ and tests/ modules by name, kdn modules by
-    dotted name."""
+    """The repository files ``path`` may import: bench/ and bench/lib/ modules by name (nothing in bench/
+    imports tests/: tests/core/test_docs_agree.py), kdn modules by dotted name."""
     out: list[Path] = []
     for m in re.finditer(r"^\s*(?:from|import)\s+(\w+)", text, re.M):
-        out += [d / f"{m.group(1)}.py" for d in (ROOT / "bench", ROOT / "bench" / "lib", ROOT / "tests")
+        out += [d / f"{m.group(1)}.py" for d in (ROOT / "bench", ROOT / "bench" / "lib")
                 if (d / f"{m.group(1)}.py").exists()]
     for m in _KDN_NAME.finditer(text):
         out += _module_files(m.group(1) or m.group(2))
@@ -274,8 +274,8 @@ def _imports(path: Path, text: str) -> list[Path]:
 
 
 def _bench_sources(script: str) -> list[str]:
-    """Every repository file the result of bench/SCRIPT.py measures: the script, the bench/ and tests/
-    modules it imports, and the package modules any of them import, transitively."""
+    """Every repository file the result of bench/SCRIPT.py measures: the script, the bench/ modules it
+    imports, and the package modules any of them import, transitively."""
     seen: list[str] = []
     todo = [ROOT / "bench" / f"{script}.py"]
     while todo:

@@ -88,3 +88,18 @@ def test_every_file_the_docs_and_docstrings_name_exists():
             if not ((ROOT / ref).exists() or (ref.startswith("kdn/") and (ROOT / ref[4:]).exists())):
                 broken.append(f"{f.relative_to(ROOT)}: {ref}")
     assert not broken, broken
+
+
+def test_nothing_in_bench_imports_tests():
+    """What benches and tests share lives in bench/lib (the design's rule: bench/ imports no tests/ module)."""
+    shared = {p.stem for d in (ROOT / "bench", ROOT / "bench" / "lib") for p in d.glob("*.py")}
+    test_only = {p.stem for p in (ROOT / "tests").rglob("*.py")} - shared
+    offenders = []
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        text = path.read_text()
+        if re.search(r'ROOT\s*/\s*"tests"|["\']tests/', text.split('"""', 2)[-1] if text.startswith('"""') else text):
+            offenders.append(f"{path.relative_to(ROOT)}: puts tests/ on its path")
+        for m in re.finditer(r"^\s*(?:from|import)\s+(\w+)", text, re.M):
+            if m.group(1) in test_only and not m.group(1).startswith("test_"):
+                offenders.append(f"{path.relative_to(ROOT)}: imports {m.group(1)} from tests/")
+    assert not offenders, offenders
