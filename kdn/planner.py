@@ -31,7 +31,11 @@ The plan is the least of these, ``T(0)`` (compute everything) included. Its
 computes the rest, so a stalled source costs a bounded delay, not a hang; and
 the loader reports the bytes that did land by then
 (``Speeds.observe_load(abandoned=True)``), so a link that turned slow is learnt
-from the one load it spoils. A plan that computes everything measures nothing:
+from the one load it spoils. That one load need not run to its deadline:
+once an eighth of it has passed, a load whose own progress (the bytes its
+fetches landed, over the time it has run) says it would end past 1.5x its
+deadline is given up at once (``overruns``): the link's speed is measured
+as well from that eighth, and the request computes ~7/8 of a deadline sooner. A plan that computes everything measures nothing:
 once the last load is ``PROBE_AFTER_S`` old, a plan that would compute all
 still computes all, and asks its caller to fetch the first chunk *off the
 request path* (reason "probe", ``Plan.probe_s``: the probe's own deadline, the
@@ -69,6 +73,8 @@ DEADLINE_FLOOR_S = 0.05
 DEADLINE_OF_PREFILL = 0.25  # ... or this share of the full prefill if longer, before it is abandoned
 PROBE_AFTER_S = 30.0  # a plan that computes everything probes one chunk if no load was measured for this long
 PROBE_FLOOR_S = 1.0  # a probe runs at least this long (or to its last byte) before what landed is its measure
+OVERRUN_AFTER = 0.125  # a load is judged by its own progress once this share of its deadline has passed ...
+OVERRUN_MARGIN = 1.5  # ... and given up at once if, at the speed it has moved, it would end past this x its deadline
 
 
 @dataclass(frozen=True)
@@ -280,6 +286,20 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
             + f": {t * 1e3:.1f} ms vs prefill {compute_all * 1e3:.1f} ms")
     return Plan(h, k, starts[k] - starts[h], total_tokens, t, compute_all,
                 _deadline(tl, max_deadline_s, compute_all), what, tl)
+
+
+def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float) -> bool:
+    """Whether a load that has run ``elapsed_s`` of its ``deadline_s`` and landed ``landed`` of its ``total``
+    bytes should be given up now: at the speed it has moved so far it would end past ``OVERRUN_MARGIN`` x its
+    deadline (or nothing has landed at all), judged only once ``OVERRUN_AFTER`` of the deadline has passed.
+
+    Why: such a load is given up at its deadline anyway, so every moment spent on it past the point that
+    showed it is lost to the request; the first load after a link turned slow paid its whole deadline
+    (1.34x a prefill in bench/vllm_plan.py). The average since the start, first byte's wait included, can
+    only understate the speed; the margin and the eighth are there so a slow start alone gives nothing up."""
+    if not math.isfinite(deadline_s) or deadline_s <= 0 or elapsed_s < OVERRUN_AFTER * deadline_s or landed >= total:
+        return False
+    return landed <= 0 or elapsed_s * total / landed > OVERRUN_MARGIN * deadline_s
 
 
 def _deadline(expected_s: float, cap: float, compute_all_s: float = 0.0) -> float:

@@ -37,7 +37,7 @@ from kdn.template import chat_frame, encode_frame, encode_text
 from kdn.adapters.hf.cache import CacheBuilder, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
-from kdn.adapters.hf.plan import chunks_of, speeds_of, start_probe
+from kdn.adapters.hf.plan import await_load, chunks_of, speeds_of, start_probe
 from kdn.adapters.hf.steer import resolve, steering
 
 _IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -185,8 +185,11 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
             fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder,
                                                               tally=tally))
             try:
-                states = await asyncio.wait_for(asyncio.shield(fetch), decision.deadline_s if decision else None)
-            except TimeoutError:
+                # A warm load is also given up before its deadline once its progress shows it would overrun it.
+                states = await await_load(fetch, tally=tally, total=sum(c.nbytes for c in chunks[:hit.chunks]),
+                                          deadline_s=decision.deadline_s if decision else None,
+                                          judged=warm, started=t0)
+            except TimeoutError as late:
                 # Past its deadline the load becomes a recompute: what arrived is used, the rest computed.
                 fetch.cancel()
                 await asyncio.gather(fetch, return_exceptions=True)
@@ -195,8 +198,8 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
                     speeds.observe_load(tally.bytes, time.perf_counter() - t0, abandoned=True)
                 layout = await loop.run_in_executor(None, layer_layout, model)
                 upto = builder.added_prefix() if kind_of(layout) == "kv" else 0
-                report.plan += (f"; the load ran past its {decision.deadline_s * 1e3:.0f} ms deadline: "
-                                f"{upto} of {hit.chunks} chunks used, the rest computed")
+                why = str(late) or f"ran past its {decision.deadline_s * 1e3:.0f} ms deadline"
+                report.plan += f"; the load {why}: {upto} of {hit.chunks} chunks used, the rest computed"
                 if not upto:
                     builder = None
             else:

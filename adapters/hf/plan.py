@@ -9,17 +9,22 @@ K/V bytes per token: an overestimate of a compressed object, so the planner
 errs towards computing, never towards a load it cannot afford), and the link
 (the client's least expected time for the bytes). A plan that computes while
 the load speed is stale asks for a probe: ``start_probe`` fetches the first
-chunk beside the request and teaches its speed.
+chunk beside the request and teaches its speed. ``await_load`` bounds a load
+by its deadline, and gives it up sooner once its own progress shows it would
+overrun it (``kdn.planner.overruns``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 import weakref
 from typing import Any
 
-from kdn.planner import Chunk, PrefillModel, Speeds
+from kdn.bodyget import Tally
+from kdn.planner import OVERRUN_AFTER, Chunk, PrefillModel, Speeds, overruns
 
 log = logging.getLogger("kdn.adapters.hf")
 
@@ -39,6 +44,28 @@ def speeds_of(model: Any) -> Speeds:
         params = sum(p.numel() for p in model.parameters())
         sp = _SPEEDS[model] = Speeds(PrefillModel(params=params, layers=layers, attn_width=heads * head_dim))
     return sp
+
+
+async def await_load(fetch: asyncio.Future, *, tally: Tally, total: int, deadline_s: float | None,
+                     judged: bool, started: float) -> Any:
+    """``fetch``'s result, or ``TimeoutError`` once it ran past ``deadline_s`` (None: no bound) since
+    ``started`` (``time.perf_counter``) or, if ``judged`` (a planned load from warm sources, ``total`` bytes),
+    once the bytes ``tally`` counts show it would overrun that deadline. ``fetch`` itself is left running (the
+    caller cancels it and uses what arrived)."""
+    if deadline_s is None or not math.isfinite(deadline_s) or not judged:
+        return await asyncio.wait_for(asyncio.shield(fetch), deadline_s)
+    step = deadline_s * OVERRUN_AFTER / 2
+    while True:
+        left = started + deadline_s - time.perf_counter()
+        if left <= 0:
+            raise TimeoutError(f"ran past its {deadline_s * 1e3:.0f} ms deadline")
+        done, _ = await asyncio.wait({fetch}, timeout=min(step, left))
+        if done:
+            return fetch.result()
+        ran = time.perf_counter() - started
+        if ran < deadline_s and overruns(ran, tally.bytes, total, deadline_s):
+            raise TimeoutError(f"was given up after {ran * 1e3:.0f} ms, {tally.bytes:,} of {total:,} B landed: "
+                               f"too slow to end within its {deadline_s * 1e3:.0f} ms deadline")
 
 
 def kv_bytes_per_token(model: Any) -> int:

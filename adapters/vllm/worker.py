@@ -10,8 +10,9 @@ per model by the connector (``load`` setting):
 - **inside the forward** (attention-only models, the default): ``start_load_kv``
   starts every fetch of the step; each attention layer's ``wait_for_layer_load``
   waits for them once (bounded by ``load_timeout``, or the planner's tighter
-  deadline for this load), then writes only that
-  layer's staged K/V with one backend call. A piece that fails marks its blocks
+  deadline for this load, and given up sooner once the load's own progress
+  shows it would overrun that: ``kdn.planner.overruns``), then writes only
+  that layer's staged K/V with one backend call. A piece that fails marks its blocks
   (and every later block of the request) in ``get_block_ids_with_load_errors``;
   vLLM recomputes from there.
 - **between steps** (hybrid models, always: vLLM refuses block-level errors
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from kdn.bodyget import Tally
 from kdn.kernels.pinned import host_arena
 from kdn.errors import DigestMismatch, KDNError, SourceError
 from kdn.pieces import Pieces
+from kdn.planner import OVERRUN_AFTER, overruns
 
 from kdn.adapters.vllm import compat, paged
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob
@@ -262,15 +265,22 @@ class WorkerSide:
 
     def _collect(self, run: _Running) -> None:
         """Wait for a load's pieces to be staged (what is left of its deadline), up to the first that fails."""
-        limit = min(self.cfg.load_timeout, run.job.plan.deadline_s)  # the planner's, where it set a tighter one
+        plan = run.job.plan
+        limit = min(self.cfg.load_timeout, plan.deadline_s)  # the planner's, where it set a tighter one
         deadline = run.started + limit
+        # A load the planner timed may be given up before its deadline, once its own progress shows it would
+        # overrun it (kdn.planner.overruns). Not a cold one (its first bytes wait for the edge's own fill), nor
+        # one without the planner (load_timeout alone bounds it).
+        judged = math.isfinite(plan.deadline_s) and not plan.cold
+        total = sum(p.size for p in plan.pieces)
+        step = limit * OVERRUN_AFTER / 2
         run.staged = []
-        for p, fut in zip(run.job.plan.pieces, run.fetches):
+        for p, fut in zip(plan.pieces, run.fetches):
             try:
-                run.staged.append(fut.result(max(deadline - time.perf_counter(), 0)))
+                run.staged.append(self._wait_piece(run, fut, deadline, step if judged else math.inf, total, limit))
                 continue
-            except concurrent.futures.TimeoutError:
-                e = LoadFailed("timeout", p, f"{p.address[:16]} not fetched within {limit:.3g} s")
+            except concurrent.futures.TimeoutError as late:
+                e = LoadFailed("timeout", p, str(late) or f"{p.address[:16]} not fetched within {limit:.3g} s")
             except LoadFailed as failed:
                 e = failed
             except DigestMismatch as failed:
@@ -295,6 +305,25 @@ class WorkerSide:
             with self._lock:
                 for st in (self.stats, self.totals):
                     st.sampled(moved, run.ready - run.started, abandoned=given_up)
+
+    @staticmethod
+    def _wait_piece(run: _Running, fut: concurrent.futures.Future, deadline: float, step: float, total: int,
+                    limit: float) -> _Staged:
+        """One piece's result, by ``deadline``; every ``step`` s the load's progress is judged, and a load
+        that would overrun its deadline is given up now (``TimeoutError`` saying so)."""
+        while True:
+            now = time.perf_counter()
+            try:
+                return fut.result(max(min(deadline, now + step) - now, 0))
+            except concurrent.futures.TimeoutError:
+                now = time.perf_counter()
+                if now >= deadline:
+                    raise
+                ran = now - run.started
+                if overruns(ran, run.tally.bytes, total, limit):
+                    raise concurrent.futures.TimeoutError(
+                        f"given up after {ran * 1e3:.0f} ms: {run.tally.bytes:,} of {total:,} B landed, too slow "
+                        f"to end within its {limit * 1e3:.0f} ms deadline") from None
 
     def _fail(self, run: _Running, e: LoadFailed) -> None:
         run.error = e

@@ -144,3 +144,22 @@ def test_one_probe_per_stale_period_even_before_it_measures():
     assert math.isfinite(first.probe_s) and first.probe_s >= 1.0
     assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0 + PROBE_AFTER_S + 1).reason.startswith("probe")
     assert not plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=300.0, probe=False).loads_anything
+
+
+def test_a_load_that_would_overrun_its_deadline_is_given_up_once_an_eighth_of_it_has_passed():
+    """``overruns``: judged by the load's own progress (bytes landed over time run), never before an eighth of
+    its deadline, and only past the margin (1.5x the deadline at the speed so far)."""
+    from kdn.planner import OVERRUN_AFTER, OVERRUN_MARGIN, overruns
+
+    total, d = 100 * MiB, 2.0
+    assert not overruns(OVERRUN_AFTER * d * 0.99, 0, total, d)  # too early to judge, even with nothing landed
+    assert overruns(OVERRUN_AFTER * d, 0, total, d)  # a stalled source: nothing landed in an eighth
+    assert overruns(0.25, 1 * MiB, total, d)  # a trickle: 25 s at this speed against a 2 s deadline
+    on_time = 0.25 * total / (0.9 * d)  # the speed that ends at 0.9x the deadline, after 0.25 s
+    assert not overruns(0.25, int(on_time), total, d)
+    slow_start = int(0.65 * on_time)  # 0.65x that landed (the first byte waited): still within the margin
+    assert not overruns(0.25, slow_start, total, d)
+    edge = 0.5 * total / (OVERRUN_MARGIN * d)  # exactly at the margin after 0.5 s: not yet; a little under: yes
+    assert not overruns(0.5, int(edge) + 1, total, d) and overruns(0.5, int(edge) - 1, total, d)
+    assert not overruns(1.9, total, total, d)  # everything landed: nothing to give up
+    assert not overruns(5.0, 0, total, math.inf)  # no deadline (no planner): never judged

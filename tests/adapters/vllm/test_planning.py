@@ -6,6 +6,7 @@ Pure: no vLLM, no network. The engine side (a slow edge learnt, then computed) i
 from __future__ import annotations
 
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -242,5 +243,83 @@ def test_the_worker_reports_a_given_up_load_by_its_own_tally_not_the_bytes_it_me
     w._collect(run_of(0.05, done=False))  # nothing arrives: given up at its 50 ms deadline
     w._collect(run_of(10.0, done=True))
     (gave_up_bytes, took, abandoned), (done_bytes, _, done_abandoned) = w.totals.data["samples"]
-    assert (gave_up_bytes, abandoned) == (300_000, 1) and 0.04 < took < 1.0
+    assert (gave_up_bytes, abandoned) == (300_000, 1) and 0.005 < took < 1.0
     assert (done_bytes, done_abandoned) == (8 * MiB, 0)
+
+
+def _bare_worker(load_timeout: float = 10.0):
+    from types import SimpleNamespace
+
+    from kdn.adapters.vllm.stats import KDNStats
+    from kdn.adapters.vllm.worker import WorkerSide
+
+    w = WorkerSide.__new__(WorkerSide)  # only what _collect and _fail touch
+    w.cfg = SimpleNamespace(load_timeout=load_timeout)
+    w.stats, w.totals, w._lock, w._bad_blocks = KDNStats(), KDNStats(), __import__("threading").Lock(), set()
+    w.attn_group, w.block_size = 0, 128
+    return w
+
+
+def test_a_load_too_slow_for_its_deadline_is_given_up_by_its_progress_not_at_the_deadline():
+    """``WorkerSide._collect`` with ``kdn.planner.overruns``: a planned warm load whose fetches have landed a
+    trickle is given up once an eighth of its deadline has passed (its progress says it would end far past
+    the deadline), and says so; a cold one (the entry edge fills first: its first bytes wait for that fill)
+    and one without the planner's deadline (``load_timeout`` alone) wait to the end of their bound."""
+    import concurrent.futures
+
+    from kdn.adapters.vllm.meta import LoadJob
+    from kdn.adapters.vllm.plan import LoadPlan
+    from kdn.adapters.vllm.worker import _Running
+
+    def run_of(deadline_s: float, tier: str) -> _Running:
+        pieces = chain(256, 512, size=4 * MiB, tier=tier)
+        run = _Running(LoadJob("r", LoadPlan(0, 512, tuple(pieces), deadline_s), ([1, 2, 3, 4],), background=False))
+        run.fetches = [concurrent.futures.Future() for _ in pieces]
+        run.tally.bytes = 64 * 1024  # a trickle: 64 KiB of 8 MiB
+        return run
+
+    timed = {}
+    for name, deadline, tier, timeout in (("warm", 2.0, "memory", 10.0), ("cold", 0.4, "origin", 10.0),
+                                          ("no planner", math.inf, "memory", 0.4)):
+        w = _bare_worker(timeout)
+        run = run_of(deadline, tier)
+        t0 = time.perf_counter()
+        w._collect(run)
+        timed[name] = time.perf_counter() - t0
+        assert run.error is not None and run.error.reason == "timeout", name
+        if name == "warm":
+            assert "given up after" in str(run.error) and "65,536 of 8,388,608 B landed" in str(run.error)
+    assert 0.2 <= timed["warm"] < 1.0  # an eighth of 2 s (and a step of the poll), not the 2 s
+    assert timed["cold"] >= 0.39 and timed["no planner"] >= 0.39  # each ran to its bound
+
+
+def test_a_load_on_pace_for_its_deadline_is_not_given_up():
+    """The same bookkeeping, a load whose bytes land at a speed that ends inside its deadline: it completes."""
+    import concurrent.futures
+    import threading
+
+    from kdn.adapters.vllm.meta import LoadJob
+    from kdn.adapters.vllm.plan import LoadPlan
+    from kdn.adapters.vllm.worker import _Running
+
+    pieces = chain(256, 512, size=4 * MiB, tier="memory")
+    run = _Running(LoadJob("r", LoadPlan(0, 512, tuple(pieces), 1.0), ([1, 2, 3, 4],), background=False))
+    run.fetches = [concurrent.futures.Future() for _ in pieces]
+    stop = threading.Event()
+
+    def land() -> None:  # 8 MiB over 0.6 s of a 1 s deadline, in steps of 20 ms, then both pieces done
+        for _ in range(30):
+            if stop.wait(0.02):
+                return
+            run.tally.bytes += 8 * MiB // 30
+        for f in run.fetches:
+            f.set_result(__import__("types").SimpleNamespace())
+
+    t = threading.Thread(target=land)
+    t.start()
+    try:
+        _bare_worker()._collect(run)
+    finally:
+        stop.set()
+        t.join()
+    assert run.error is None and len(run.staged or []) == 2
