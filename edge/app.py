@@ -52,8 +52,8 @@ from kdn.edge.policies import PolicyEngine
 from kdn.edge.records import OriginRecords, OwnerRecords
 from kdn.edge.tiers import Key
 
-from kdn.edge.config import EdgeConfig
-from kdn.edge.node import Edge
+from kdn.edge.config import EdgeConfig as EdgeConfig  # (re-exported: the app's settings and its Edge)
+from kdn.edge.node import Edge as Edge
 from kdn.edge.views import expire_loop, watch_manifests, watch_origins
 
 log = logging.getLogger(__name__)

@@ -189,7 +189,8 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
     from kdn.edge import clockhook
 
     clockhook.install_from_env()  # a test hook (off unless its variable is set): before the tiers are imported
-    from kdn.edge.app import EdgeConfig, run  # aiohttp and the tiers: only when serving
+    from kdn.edge.app import run  # aiohttp and the tiers: only when serving
+    from kdn.edge.config import EdgeConfig
 
     config = EdgeConfig(**kw)
     config.connection_caps()  # bad caps fail here, in one line
@@ -298,8 +299,10 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
             if m is None or m.deleted:
                 print(f"kdn: note: manifest {p.manifest} is not published yet; edges apply {p.name} once it is", file=sys.stderr)
         if p.kind == "quota":
+            assert p.quota_bytes is not None  # (a quota policy carries its bytes: Policy checks it)
             detail = f"{format_size(p.quota_bytes)} for namespace {p.namespace}"
         elif p.kind == "ttl":
+            assert p.ttl_s is not None  # (likewise its time)
             detail = f"{format_duration(p.ttl_s)} for {_scope(p)}"
         elif p.kind == "upper":
             if not await reg.list_nodes("edge", p.region):
@@ -315,7 +318,7 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
                   + (f" at most {format_size(rate)}/s per edge" if rate else ""))
             return 0
         else:
-            detail = p.manifest
+            detail = p.manifest or ""
         print(f"policy {p.name} set: {p.kind} {detail} in {_region(p)}")
         return 0
 

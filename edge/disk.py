@@ -75,10 +75,11 @@ class DiskHandle(_HandleBase):
 
     def __init__(self, tier: DiskTier, e: _Entry) -> None:
         super().__init__(tier, e)
-        self.path: Path = e.payload
+        self._file: Path = e.payload
+        self.path = self._file
 
     async def read(self) -> bytes:
-        return await asyncio.to_thread(self.path.read_bytes)
+        return await asyncio.to_thread(self._file.read_bytes)
 
 
 class DiskTier(_BaseTier):
@@ -161,10 +162,10 @@ class DiskTier(_BaseTier):
 
     # --- hooks -------------------------------------------------------------
 
-    async def _write(self, e: _Entry, blob: bytes | memoryview) -> Path:
+    async def _write(self, e: _Entry, blob: bytes | bytearray | memoryview) -> Path:
         return await asyncio.to_thread(self._write_sync, e, blob)
 
-    def _write_sync(self, e: _Entry, blob: bytes | memoryview) -> Path:
+    def _write_sync(self, e: _Entry, blob: bytes | bytearray | memoryview) -> Path:
         address, encoding = e.key
         final = self.blobs.path(address, encoding)
         final.parent.mkdir(parents=True, exist_ok=True)

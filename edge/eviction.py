@@ -23,7 +23,7 @@ Every policy here is byte-sized: a 6 MiB object takes six times the room of a
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Generator, Hashable
 from typing import Protocol
 
 Key = Hashable
@@ -39,7 +39,7 @@ class EvictionPolicy(Protocol):
     def on_insert(self, key: Key, size: int) -> None: ...
     def on_access(self, key: Key) -> None: ...
     def remove(self, key: Key) -> None: ...
-    def victims(self) -> Iterator[Key]:
+    def victims(self) -> Generator[Key, None, None]:
         """Keys in eviction order. Call ``remove(k)`` for a yielded ``k`` to evict it; resume to skip it.
 
         While the iterator is open, remove no key but the one just yielded, and insert none.
@@ -121,7 +121,7 @@ class S3FIFO:
         else:
             self._main.pop(key, None)
 
-    def victims(self) -> Iterator[Key]:
+    def victims(self) -> Generator[Key, None, None]:
         skipped_small: set[Key] = set()
         skipped_main: set[Key] = set()
         while len(skipped_small) < len(self._small) or len(skipped_main) < len(self._main):
@@ -252,7 +252,7 @@ class ARC:
         elif key in self._t2:
             self._t2_bytes -= self._t2.pop(key)
 
-    def victims(self) -> Iterator[Key]:
+    def victims(self) -> Generator[Key, None, None]:
         skipped1: set[Key] = set()
         skipped2: set[Key] = set()
         while len(skipped1) < len(self._t1) or len(skipped2) < len(self._t2):

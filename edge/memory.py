@@ -14,10 +14,11 @@ class MemoryHandle(_HandleBase):
 
     def __init__(self, tier: MemoryTier, e: _Entry) -> None:
         super().__init__(tier, e)
-        self.data = memoryview(e.payload).toreadonly()
+        self._view = memoryview(e.payload).toreadonly()
+        self.data = self._view
 
     async def read(self) -> memoryview:
-        return self.data
+        return self._view
 
 
 class MemoryTier(_BaseTier):

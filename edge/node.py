@@ -29,6 +29,7 @@ from kdn.edge.prefetch import ChainIndex, Prefetcher
 from kdn.edge.records import OriginRecords, RecordCache
 from kdn.edge.tiers import EntryMeta, Handle, Key, Tier, steady_wall
 
+from kdn.address import Address
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, RegistryUnavailable, SourceError
 from kdn.fetch import CACHED_ONLY
@@ -38,6 +39,11 @@ from kdn.registry import NodeRecord, ObjectRecord
 log = logging.getLogger("kdn.edge.app")
 
 PUSH_FILLS = 8  # fills a push keeps going at an edge (a warm: one at a time)
+
+
+def key_of(rec: ObjectRecord, encoding: str) -> Key:
+    """The tier key of ``rec``'s object in ``encoding`` (its address was checked when the record was parsed)."""
+    return Address(rec.address), encoding
 
 
 @dataclass
@@ -93,7 +99,7 @@ class Edge:
         self.bodies: OriginRecords | None = None  # where manifest bodies are read (set with the upstream)
         self.policies: PolicyEngine | None = None
         self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
-        self.flight: SingleFlight[tuple[bytes, str]] = SingleFlight()  # one fill per key at a time
+        self.flight: SingleFlight[tuple[bytes | bytearray, str]] = SingleFlight()  # one fill per key at a time
         self._background: set[asyncio.Task] = set()
         self._disk_error_logged = float("-inf")
         self._promoting: set[Key] = set()  # disk hits being copied to memory: one copy per key at a time
@@ -231,7 +237,8 @@ class Edge:
             return Loaded(tier.name, handle.size, path=handle.path, handle=handle)
         return None
 
-    async def _fill(self, key: Key, rec: ObjectRecord, *, hop: bool, tier: bool = False) -> tuple[bytes, str]:
+    async def _fill(self, key: Key, rec: ObjectRecord, *, hop: bool,
+                    tier: bool = False) -> tuple[bytes | bytearray, str]:
         """Inside the key's single flight: re-check, fetch from the plan, verify, keep.
 
         Event order that makes the re-check necessary: caller A misses the tiers,
@@ -266,7 +273,7 @@ class Edge:
             self.background(self._persist(key, filled.blob, meta))
         return filled.blob, filled.source
 
-    async def _persist(self, key: Key, blob: bytes, meta: EntryMeta) -> None:
+    async def _persist(self, key: Key, blob: bytes | bytearray | memoryview, meta: EntryMeta) -> None:
         """The owner's disk copy. A disk that fails (full, read-only, gone) costs that copy only: the
         memory tier and the response are not affected; counted, and logged at most once a minute."""
         if self.disk is None:
@@ -292,7 +299,7 @@ class Edge:
     async def _prefetch_one(self, address: str, encoding: str | None = None) -> None:
         rec = await self.records.get(address)
         enc = self.choose_encoding(rec, encoding) if rec is not None else None
-        if rec is None or enc is None or self.holds((address, enc)):
+        if rec is None or enc is None or self.holds(key := key_of(rec, enc)):
             return
         owner = self._ring().owner(address)
         if owner is not None and owner.node_id != self.me.node_id:
@@ -303,10 +310,10 @@ class Edge:
                 await r.read()
             return
         self.m.prefetch_started.inc()
-        loaded = await self.load((address, enc), rec, hop=True)
+        loaded = await self.load(key, rec, hop=True)
         if loaded is not None:
             loaded.release()
-        self.prefetched.add((address, enc))
+        self.prefetched.add(key)
 
     async def warm(self, addresses: list[str], namespace: str, *, rate: int | None = None,
                    policy: str | None = None) -> None:
@@ -329,7 +336,7 @@ class Edge:
                     enc = self.choose_encoding(rec, None) if rec is not None else None
                     if rec is None or enc is None:
                         log.warning("%s of %s: no record with an encoding to fill", policy or "warm", address[:16])
-                    elif self.holds((address, enc)):
+                    elif self.holds(key_of(rec, enc)):
                         outcome = "held"
                     else:
                         size = rec.encodings[enc].size
@@ -337,7 +344,7 @@ class Edge:
                             wait, started = started / rate - (time.monotonic() - t0), started + size
                             if wait > 0:
                                 await asyncio.sleep(wait)
-                        loaded = await self.load((address, enc), rec, hop=True)
+                        loaded = await self.load(key_of(rec, enc), rec, hop=True)
                         if loaded is not None:
                             loaded.release()
                         self.m.warmed.inc()

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from kdn.address import Address, validate_address, validate_name, validate_namespace
 from kdn.errors import InvalidInput
@@ -379,7 +379,7 @@ class _BaseTier:
         walk = self._policy.victims()
         try:
             for key in walk:
-                e = self._index[key]
+                e = self._index[cast(Key, key)]  # the policy hands back the keys the tier gave it
                 if e.protected or not eligible(e):
                     continue
                 self._drop(e, "capacity")

@@ -173,8 +173,8 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
     s3 = str(args.store).startswith("s3://")
     store = Path(args.store)
     if s3:
-        from kdn.origin.s3records import RECORDS, S3Records
-        from kdn.origin.s3store import parse_s3_url
+        from kdn.origin.s3records import S3Records
+        from kdn.origin.s3store import RECORDS, parse_s3_url
 
         where = f"{parse_s3_url(args.store).url}/{RECORDS}"  # a bad URL fails here, in one line
     elif not store.is_dir():

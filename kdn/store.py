@@ -57,7 +57,7 @@ class BlobDir:
         e = validate_encoding(encoding)
         return self.root / a[:2] / a[2:4] / f"{a}.{e}"
 
-    def put(self, address: str, encoding: str, data: bytes | memoryview, *, digest: str | None = None) -> Path:
+    def put(self, address: str, encoding: str, data: bytes | bytearray | memoryview, *, digest: str | None = None) -> Path:
         """Write a blob atomically; an existing blob of the same name is replaced whole.
 
         With ``digest`` (its BLAKE3), the digest is written beside it first (``<blob>.b3``): a reader

@@ -6,4 +6,4 @@ so ``import kdn`` itself never imports it.
 """
 
 from kdn.kernels import cachegen, codecs, transform  # noqa: F401  (registers the codecs)
-from kdn.kernels.codecs import encode_as, encoding_plan  # noqa: F401
+from kdn.kernels.codecs import encode_as as encode_as, encoding_plan as encoding_plan  # (re-exported)

@@ -31,6 +31,7 @@ import re
 import warnings
 import zlib
 from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -77,7 +78,7 @@ def write_float(x: torch.Tensor, dtype: str, out: memoryview | None) -> Buffer:
     """``x`` in ``dtype``, into ``out`` (exactly its size, writable) or fresh bytes."""
     want = x.numel() * torch.empty(0, dtype=FLOAT_DTYPES[dtype]).element_size()
     if out is None:
-        return memoryview(x.to(FLOAT_DTYPES[dtype]).contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
+        return x.to(FLOAT_DTYPES[dtype]).contiguous().view(-1).view(torch.uint8).numpy().data.cast("B")
     ov = _view(out)
     if ov.readonly or len(ov) != want:
         raise CodecError(f"output buffer must be writable and {want} bytes, got {len(ov)} (readonly={ov.readonly})")
@@ -152,6 +153,7 @@ class LossyCodec:
         shape = tuple(shape)
         if len(mv) != nbytes(dtype, shape):
             raise CodecError(f"{self.name} encode: {len(mv)} bytes for {dtype}{list(shape)}, expected {nbytes(dtype, shape)}")
+        params: dict[str, Any]
         if 0 in shape:
             payload, params = b"", {}
         else:
@@ -327,7 +329,8 @@ def encoding_plan(encoding: str, *, n_layers: int | None = None) -> Callable:
             return LOSSLESS_STATE_CODEC
         if pair is not None:
             return pair[0] if m.group(2) == "k" else pair[1]
-        b = bits[0] if len(bits) == 1 else bits[min(3 * int(m.group(1)) // n_layers, 2)]
+        # (three widths need n_layers: checked above)
+        b = bits[0] if len(bits) == 1 else bits[min(3 * int(m.group(1)) // cast(int, n_layers), 2)]
         if family == "cachegen":
             return f"cachegen-{b}"
         return f"ans{b}-channel" if m.group(2) == "k" else f"ans{b}-token"

@@ -18,7 +18,7 @@ from kdn.arena import Arena
 def pinned(n: int) -> memoryview:
     """``n`` page-locked bytes (the tensor stays alive as long as the view: numpy keeps it as its base)."""
     t = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=True)
-    return memoryview(t.numpy())[:n]
+    return t.numpy().data[:n]
 
 
 def host_arena(budget: int, *, pin: bool | None = None) -> Arena:

@@ -70,7 +70,7 @@ import constriction
 import numpy as np
 import torch
 
-from kdn.address import blob_digest, canonical_json
+from kdn.address import Address, blob_digest, canonical_json
 from kdn.codecs import Buffer, register_codec
 from kdn.errors import CodecError, InvalidInput
 from kdn.kernels.codecs import _KV_NAME, FLOAT_DTYPES, LossyCodec, Reader, int_param, write_float
@@ -192,7 +192,7 @@ class Basis:
                         and np.isfinite(scale).all() and (scale > 0).all() and (var >= 0).all()):
                     raise CodecError(f"basis: layer {i} {KINDS[j]} holds non-finite or non-positive values")
                 pair.append(LayerBasis(mean, scale, var, basis, float(alpha[i][j])))
-            layers.append(tuple(pair))
+            layers.append((pair[0], pair[1]))
         rd.done()
         return cls(model_id, n_layers, kv_heads, head_dim, inv_freq, tuple(layers), sinks)
 
@@ -203,19 +203,19 @@ _BASES: dict[str, Basis] = {}
 _BASES_LOCK = threading.Lock()
 
 
-def register_basis(basis: Basis) -> str:
+def register_basis(basis: Basis) -> Address:
     """Make ``basis`` available to :func:`decode_tensor` under its address; returns the address."""
-    addr = basis.address
+    addr = Address(basis.address)  # (the BLAKE3 of its bytes: an address by construction)
     with _BASES_LOCK:
         _BASES[addr] = basis
     return addr
 
 
-def get_basis(address: str) -> Basis:
-    try:
-        return _BASES[address]
-    except (KeyError, TypeError):
-        raise CodecError(f"kvtc: basis {str(address)[:16]}... is not loaded (fetch it and register_basis)") from None
+def get_basis(address: object) -> Basis:
+    basis = _BASES.get(address) if isinstance(address, str) else None
+    if basis is None:
+        raise CodecError(f"kvtc: basis {str(address)[:16]}... is not loaded (fetch it and register_basis)")
+    return basis
 
 
 # --- allocation ------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def allocate(basis: Basis, bits_per_value: float) -> Allocation:
         else:
             hi = mid
     theta = math.exp(hi)
-    kept = tuple(tuple(kept_and_step(lb, theta)[0] for lb in pair) for pair in basis.layers)
+    kept = tuple((kept_and_step(k, theta)[0], kept_and_step(v, theta)[0]) for k, v in basis.layers)
     return Allocation(theta, kept, estimate_bits(basis, theta))
 
 
@@ -402,6 +402,8 @@ def decode_tensor(payload: Buffer, dtype: str, shape: tuple[int, ...], params: d
         raise CodecError(f"{what}: payload was coded with basis {str(params.get('basis'))[:16]}..., not this one")
     layer = int_param(params, "layer", 0, basis.n_layers - 1, what)
     kind = params.get("kv")
+    if not isinstance(kind, str):
+        raise CodecError(f"{what}: kv {str(kind)[:20]!r} is not one of {list(KINDS)}")
     _check_shape(basis, layer, kind, tuple(shape), what)
     position = int_param(params, "pos", 0, (1 << 53), what)
     n, c = shape[1], basis.channels

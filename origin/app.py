@@ -35,7 +35,8 @@ from kdn.address import PUBLIC_NAMESPACE, validate_address, validate_name, valid
 from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, RegistryUnavailable
-from kdn.registry import Manifest, ModelRecord, NodeRecord, ObjectRecord
+from kdn.registry import KVRegistry, Manifest, ModelRecord, NodeRecord, ObjectRecord
+from kdn.registry.split import RecordsBeside
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
 from kdn.origin.jobs import Job, JobQueue, QueueFull
@@ -104,6 +105,15 @@ def _metrics(reg: CollectorRegistry) -> dict:
 # --- resources -------------------------------------------------------------
 
 
+def _writer(app: web.Application) -> KVRegistry | RecordsBeside:
+    """The origin's registry as the writer it is (``kdn.registry.open``'s, or split by ``--records store``):
+    the one that signs what it writes."""
+    reg = app[REGISTRY]
+    if not isinstance(reg, (KVRegistry, RecordsBeside)):
+        raise TypeError(f"an origin writes through a KVRegistry, not {type(reg).__name__}")
+    return reg
+
+
 async def _records_ctx(app: web.Application):
     """With ``--records store``: object records beside the blobs (a file in a folder store, small objects in
     an s3:// one), the rest in the registry (``kdn.registry.split``). Everything the origin writes or reads
@@ -112,10 +122,12 @@ async def _records_ctx(app: web.Application):
     if cfg.records != "store":
         yield
         return
-    from kdn.registry import EmbeddedRegistry, KVRegistry
-    from kdn.registry.split import RECORDS_FILE, RecordsBeside
+    from kdn.registry import EmbeddedRegistry
+    from kdn.registry.split import RECORDS_FILE
 
-    control = app[REGISTRY]
+    control = _writer(app)
+    if not isinstance(control, KVRegistry):
+        raise TypeError(f"--records store splits one registry, not {control!r}")
     records: KVRegistry
     if is_s3(cfg.store):
         from kdn.origin.s3records import S3Records
@@ -136,8 +148,8 @@ async def _model_ctx(app: web.Application):
     if cfg.signing_key:
         from kdn.signing import Signer
 
-        app[REGISTRY].signer = Signer.load(cfg.signing_key)
-        log.info("origin signs its records with key %s", app[REGISTRY].signer.key_id)
+        signer = _writer(app).signer = Signer.load(cfg.signing_key)
+        log.info("origin signs its records with key %s", signer.key_id)
     # One thread owns the model: torch state (inference mode, the model itself) is not shared.
     app[EXECUTOR] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-model")
     # Another tokenizes publish bodies (up to max_body_bytes of text: seconds), off the event loop
@@ -312,8 +324,8 @@ async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
             m["chunks_computed" if step.computed else "chunks_reused"].inc()
         emphasis = await loop.run_in_executor(app[EXECUTOR], producer.derive_emphasis, spec)  # probes: a forward each
         manifest = Manifest(namespace=spec.namespace, name=spec.name, model_id=producer.loaded.model_id,
-                            addresses=plan.addresses, tokens=len(spec.tokens), chunk_tokens=producer.chunk_tokens,
-                            prefix_tokens=spec.tokens, template=spec.template, standalone=plan.standalone,
+                            addresses=[*plan.addresses], tokens=len(spec.tokens), chunk_tokens=producer.chunk_tokens,
+                            prefix_tokens=spec.tokens, template=spec.template, standalone=[*plan.standalone],
                             head_tokens=spec.head_tokens,
                             emphasis=None if emphasis is None else emphasis.to_dict())
         manifest = await _retrying(lambda: reg.put_manifest(manifest), job)  # every object it names is recorded by now

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kdn import address as A
 from kdn.address import Address
@@ -32,6 +33,9 @@ from kdn.store import validate_encoding
 from kdn.template import chat_frame, encode_frame, encode_text
 
 from kdn.origin.store import ObjectStore
+
+if TYPE_CHECKING:  # (torch and the kernels load with the model, not with this module)
+    from kdn.kernels.transform import Basis
 
 TEMPLATES = ("none", "chat")
 
@@ -293,7 +297,7 @@ class Producer:
         self.store = store
         self.origin_id = origin_id
         self.engine = f"transformers {transformers.__version__}"  # named on every record it writes
-        self.basis = None  # the model's kvtc basis (kdn.kernels.transform.Basis), if the origin has one
+        self.basis: Basis | None = None  # the model's kvtc basis (kdn.kernels.transform.Basis), if the origin has one
 
     @property
     def chunk_tokens(self) -> int:
@@ -361,7 +365,11 @@ class Producer:
         enc = next(e for e in spec.encodings if e in LOSSLESS_PREFERENCE)
         chunks = []
         for a in plan.addresses[:n]:
-            blob, info = self.store.get(a, enc)
+            got = self.store.get(a, enc)
+            if got is None:  # dropped since the plan saw it (a collection, or its bytes failed their digest)
+                raise KDNError(f"stored chunk {a[:16]} ({enc}) went missing while the publish resumed from it: "
+                               "publish again to compute it")
+            blob, info = got
             chunks.append(to_torch(decode_object(blob, expected_digest=info.digest)))
         cache, cached = build_cache(self.loaded.model, chunks)
         assert cached == plan.spans[n - 1][1], (cached, plan.spans[n - 1])

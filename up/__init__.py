@@ -197,7 +197,8 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
     import aiohttp
     from aiohttp import web
 
-    from kdn.edge.app import EdgeConfig, create_app as create_edge
+    from kdn.edge.app import create_app as create_edge
+    from kdn.edge.config import EdgeConfig
     from kdn.errors import KDNError
     from kdn.service import server_options
 

@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -65,7 +65,8 @@ def _chunk_len(c: int, chunk: Mapping[str, torch.Tensor], layout: list[LayerSpec
             )
             n = t.shape[1] if n is None else n
             _expect(t.shape[1] == n, f"chunk {c} L{s.index}.{x} covers {t.shape[1]} tokens, other layers {n}")
-    _expect(n is not None, "this model has no attention layer: the token count of a chunk is unknown")
+    if n is None:
+        raise ModelMismatch("this model has no attention layer: the token count of a chunk is unknown")
     return int(n)
 
 
@@ -273,8 +274,9 @@ class CacheBuilder:
                 for s, x, nm in names:
                     a, b = where[nm]
                     full = self.kv[s.index][0 if x == "k" else 1]
+                    heads, dim = cast(tuple[int, int], s.kv)  # (names holds attention layers only)
                     full[0, :, off:off + n, :].copy_(dev[a:b].view(_torch_dtype(h.tensors[nm].dtype))
-                                                     .view(s.kv[0], n, s.kv[1]))  # placed on the device
+                                                     .view(heads, n, dim))  # placed on the device
                 if self._stream is not None:
                     done = torch.cuda.Event()
                     done.record(self._stream)
@@ -353,11 +355,11 @@ def _kv_tensors(layout: list[LayerSpec], tokens: int, arena: Arena | None) -> di
     buffer; the lease goes back when the last of them is garbage (the engine's cache dropped them: a
     DynamicCache replaces them with a concatenation at its first new token), never while a view lives.
     """
-    specs = [s for s in layout if s.kv and s.kv_dtype is not None]
+    specs = [(s.index, s.kv, s.kv_dtype) for s in layout if s.kv and s.kv_dtype is not None]
     if arena is None:
-        return {s.index: (torch.empty((1, s.kv[0], tokens, s.kv[1]), dtype=s.kv_dtype),
-                          torch.empty((1, s.kv[0], tokens, s.kv[1]), dtype=s.kv_dtype)) for s in specs}
-    sizes = [s.kv[0] * tokens * s.kv[1] * torch.empty(0, dtype=s.kv_dtype).element_size() for s in specs]
+        return {i: (torch.empty((1, kv[0], tokens, kv[1]), dtype=dt), torch.empty((1, kv[0], tokens, kv[1]), dtype=dt))
+                for i, kv, dt in specs}
+    sizes = [kv[0] * tokens * kv[1] * torch.empty(0, dtype=dt).element_size() for _, kv, dt in specs]
     lease = arena.take(2 * sum(sizes))
     # torch keeps the numpy array its storage was made from alive until the storage dies (every view of it,
     # however derived); the array's finalizer hands the lease back then. (A finalizer on the base tensor
@@ -367,12 +369,12 @@ def _kv_tensors(layout: list[LayerSpec], tokens: int, arena: Arena | None) -> di
     base = torch.from_numpy(owner)
     del owner
     out, off = {}, 0
-    for s, size in zip(specs, sizes):
+    for (i, kv, dt), size in zip(specs, sizes):
         pair = []
         for _ in range(2):
-            pair.append(base[off:off + size].view(s.kv_dtype).view(1, s.kv[0], tokens, s.kv[1]))
+            pair.append(base[off:off + size].view(dt).view(1, kv[0], tokens, kv[1]))
             off += size
-        out[s.index] = (pair[0], pair[1])
+        out[i] = (pair[0], pair[1])
     return out
 
 

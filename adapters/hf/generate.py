@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kdn.address import ModelId
 from kdn.arena import Arena
 from kdn.bodyget import Tally
 from kdn.emphasis import EmphasisMap
@@ -90,7 +91,7 @@ def default_arena() -> Arena:
     return _ARENA[0]
 
 
-def model_id(model: Any, tokenizer: Any) -> str:
+def model_id(model: Any, tokenizer: Any) -> ModelId:
     """The ModelId of a loaded model, computed once per model object (weights are hashed)."""
     mid = _IDS.get(model)
     if mid is None:

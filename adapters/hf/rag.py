@@ -215,7 +215,8 @@ def kv_share(layer: Any) -> float:
 
 def chunk_start_tokens(segments: Sequence[Segment], ratio: float) -> list[int]:
     """Context indices of the first ``n_select(n, ratio)`` tokens of each reused segment (ascending)."""
-    out, off = [], 0
+    out: list[int] = []
+    off = 0
     for s in segments:
         n = len(s.ids)
         if s.kv is not None:
@@ -270,7 +271,7 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
                                   dtype=torch.long, device=dev)
             start, idx = 0, torch.sort(torch.cat((chosen, fresh_idx))).values
             h = embed(ids[idx])[None]  # [1, s, hidden]
-            layer_tokens = int(chosen.numel()) * L
+            layer_tokens: float = int(chosen.numel()) * L
         else:
             # "deviation": layers 0..check_layer in full; "deviation-kv": layers 0..check_layer-1 in full and
             # only the K/V projections of the check layer (what the deviation needs).
@@ -376,7 +377,7 @@ def rag_frame(tokenizer: Any, query: str, system: str | None) -> tuple[str, str]
     return (f"{system}\n\n" if system else ""), f"\n\n{query}\n"
 
 
-async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: list[str], device: Any,
+async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: Sequence[str], device: Any,
                         report: RagReport) -> list[dict | None]:
     """Each address's tensors, or ``None`` where the KDN cannot serve it (a miss is a recompute).
 

@@ -126,8 +126,8 @@ def _inner_attention(name: str, module: Any) -> Callable[..., Any]:
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if fn is None:
             raise ModelMismatch(f"{type(module).__name__} has no eager attention function to steer")
-        return fn  # type: ignore[no-any-return]
-    return ALL_ATTENTION_FUNCTIONS[name]  # type: ignore[no-any-return]
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 def _wrapper(inner: str) -> Callable[..., Any]:

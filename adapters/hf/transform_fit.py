@@ -122,7 +122,7 @@ def fit_basis(model: Any, model_id: str, windows: Sequence[torch.Tensor], alpha_
             order = np.argsort(var)[::-1]
             pair.append(LayerBasis(mean.astype(np.float32), s.astype(np.float32),
                                    np.maximum(var[order], 0).astype(np.float32), vec[:, order].astype(np.float32), 1.0))
-        layers.append(tuple(pair))
+        layers.append((pair[0], pair[1]))
     inv = rope_of(model).inv_freq.double().numpy()
     basis = Basis(model_id, len(layers), cfg.num_key_value_heads, hd, inv, tuple(layers), sink_tokens)
     alpha = measure_alpha(alpha_model if alpha_model is not None else model, basis, alpha_windows,
@@ -133,8 +133,9 @@ def fit_basis(model: Any, model_id: str, windows: Sequence[torch.Tensor], alpha_
 def with_alpha(basis: Basis, alpha: np.ndarray) -> Basis:
     """``basis`` with the sensitivities ``alpha`` ``[n_layers, 2]``."""
     return Basis(basis.model_id, basis.n_layers, basis.kv_heads, basis.head_dim, basis.inv_freq,
-                 tuple(tuple(LayerBasis(lb.mean, lb.scale, lb.var, lb.basis, float(alpha[i, j]))
-                             for j, lb in enumerate(pair)) for i, pair in enumerate(basis.layers)), basis.sink_tokens)
+                 tuple((LayerBasis(k.mean, k.scale, k.var, k.basis, float(alpha[i, 0])),
+                        LayerBasis(v.mean, v.scale, v.var, v.basis, float(alpha[i, 1])))
+                       for i, (k, v) in enumerate(basis.layers)), basis.sink_tokens)
 
 
 def _kl(exact: torch.Tensor, logits: torch.Tensor) -> float:

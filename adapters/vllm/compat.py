@@ -19,19 +19,22 @@ from typing import Any
 
 import torch
 import vllm
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (re-exported)
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # (re-exported: the connector's bases and types)
+    KVConnectorBase_V1 as KVConnectorBase_V1,
+    KVConnectorMetadata as KVConnectorMetadata,
+    KVConnectorRole as KVConnectorRole,
+    KVConnectorTransferResults as KVConnectorTransferResults,
+    SupportsHMA as SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats  # noqa: F401
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics as KVConnectorPromMetrics,
+    KVConnectorStats as KVConnectorStats,
+)
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
-from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: F401
+from vllm.v1.metrics.cache_hit_source import CacheHitSource as CacheHitSource
 
-from kdn.errors import ModelMismatch
+from kdn.errors import ModelMismatch as ModelMismatch
 
 log = logging.getLogger("kdn.adapters.vllm")
 

@@ -11,7 +11,7 @@ gated-delta-net layers, several KV cache groups) start with a connector.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,11 @@ from kdn.adapters.vllm.config import ConnectorConfig
 from kdn.adapters.vllm.identity import model_id_for
 from kdn.adapters.vllm.meta import KDNMetadata
 from kdn.adapters.vllm.stats import KDNPromMetrics, KDNStats
+
+if TYPE_CHECKING:  # (each role imports only its own side, at start)
+    from kdn.adapters.vllm.save import Saver
+    from kdn.adapters.vllm.scheduler import SchedulerSide
+    from kdn.adapters.vllm.worker import WorkerSide
 
 log = logging.getLogger("kdn.adapters.vllm")
 
@@ -59,8 +64,11 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             # Drafts make the scheduler's token counts optimistic, and a drafter's layers would read the plan too.
             raise InvalidInput("attention steering ('steer': true) does not run with speculative decoding")
         self.bridge = LoopThread(f"kdn-{role.name.lower()}") if self.consume or (self.produce and self.cfg.registry) else None
-        self.client = self.bridge.run(_make_client(self.cfg), timeout=30) if self.consume else None
-        self.registry = None
+        self.client = self.bridge.run(_make_client(self.cfg), timeout=30) if self.consume and self.bridge else None
+        self.registry: Any = None
+        self.sched: SchedulerSide | None = None  # the scheduler role's side; the worker role's two:
+        self.worker: WorkerSide | None = None
+        self.saver: Saver | None = None
         attn = next((g for g in self.groups if g.kind == "attention"), None)
         if attn is None:
             raise InvalidInput("the KDN connector needs a model with attention layers")
@@ -70,7 +78,7 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             from kdn.planner import Speeds
 
             planner = None
-            if self.consume:  # it times every step, so that plans are made on measured speeds
+            if self.client is not None:  # it times every step, so that plans are made on measured speeds
                 planner = Planner(Speeds(prefill_model(hf)), link=self.client.expected_seconds,
                                   max_deadline_s=self.cfg.load_timeout)
             self.sched = SchedulerSide(cfg=self.cfg, model_id=self.model_id, block_size=attn.block_size,
@@ -80,11 +88,9 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                                        mamba_mode=compat.mamba_mode(vllm_config),
                                        steer=self.cfg.steer, n_layers=n_layers,
                                        n_heads=int(hf.num_attention_heads), planner=planner)
-            self.worker = self.saver = None
         else:
             from kdn.adapters.vllm.worker import WorkerSide
 
-            self.sched = None
             self.worker = WorkerSide(cfg=self.cfg, model_id=self.model_id, groups=self.groups, bridge=self.bridge,
                                      client=self.client, device=torch.device(vllm_config.device_config.device))
             self.worker.register(compat.forward_layers(vllm_config))
@@ -95,7 +101,6 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 # vLLM binds each step's metadata before the forward, so the wrapped layers read it then.
                 where = {n: (g.id, g.block_size) for g in self.groups for n in g.layers}
                 self.steerer = Steerer(self.worker.attn, where, lambda: getattr(self._connector_metadata, "steers", None))
-            self.saver = None
             if self.produce:
                 from kdn.adapters.vllm.save import Saver
 
@@ -112,6 +117,18 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         log.info("KDN connector (%s, %s) for model %s: %s", role.name.lower(), tc.kv_role, self.model_id[:16],
                  "hybrid, loads between steps" if self.hybrid else "attention only")
 
+    def _worker(self) -> WorkerSide:
+        """The worker role's side: vLLM calls worker methods on the worker's connector only."""
+        if self.worker is None:
+            raise RuntimeError("KDN connector: a worker-role call on the scheduler's connector")
+        return self.worker
+
+    def _sched(self) -> SchedulerSide:
+        """The scheduler role's side (likewise)."""
+        if self.sched is None:
+            raise RuntimeError("KDN connector: a scheduler-role call on a worker's connector")
+        return self.sched
+
     # --- worker ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -122,10 +139,10 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KDNMetadata)
         if meta.loads:
-            self.worker.start(meta)
+            self._worker().start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_layer(layer_name)
+        self._worker().wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if self.saver is not None:
@@ -133,16 +150,16 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self.saver.save_layer(meta, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        self.worker.end_step()
+        self._worker().end_step()
         if self.saver is not None:
             meta = self._get_connector_metadata()
-            self.worker.saved(self.saver.finish_step(meta))
+            self._worker().saved(self.saver.finish_step(meta))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.bad_blocks()
+        return self._worker().bad_blocks()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        done, failed = self.worker.transfer_results()
+        done, failed = self._worker().transfer_results()
         return compat.KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> KDNStats | None:
@@ -167,24 +184,24 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self.sched.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.sched.matched(request, num_computed_tokens)
+        return self._sched().matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.sched.allocated(request, blocks, num_external_tokens)
+        self._sched().allocated(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
-        return self.sched.hit_sources(request, num_external_tokens)
+        return self._sched().hit_sources(request, num_external_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.sched.step_done(connector_output)
+        self._sched().step_done(connector_output)
         if connector_output.failed_recving:
-            self.sched.load_failed(set(connector_output.failed_recving))
+            self._sched().load_failed(set(connector_output.failed_recving))
 
     def build_connector_meta(self, scheduler_output: Any) -> KDNMetadata:
-        return self.sched.build_meta(scheduler_output)
+        return self._sched().build_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.sched.finished(request)
+        self._sched().finished(request)
         return False, None  # saves finish inside the step, loads are reported through get_finished
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
@@ -227,12 +244,14 @@ async def _make_client(cfg: ConnectorConfig):
     from kdn.kernels.pinned import host_arena
 
     # Bodies land in reused (on a CUDA host, page-locked) buffers, handed back once written into the cache.
-    kw = dict(token=read_token(cfg.token_file), quality=cfg.quality, ca=cfg.ca, timeout=cfg.load_timeout * 1.5 + 1,
-              trusted_keys=cfg.trusted_keys, arena=host_arena(cfg.arena))
+    kw: dict[str, Any] = dict(token=read_token(cfg.token_file), quality=cfg.quality, ca=cfg.ca,
+                              timeout=cfg.load_timeout * 1.5 + 1, trusted_keys=cfg.trusted_keys,
+                              arena=host_arena(cfg.arena))
     if cfg.edges or cfg.origin:
         return KDNClient(edges=list(cfg.edges), origin=cfg.origin, **kw)
     from kdn.registry import open_registry
 
+    assert cfg.registry and cfg.region  # (ConnectorConfig: edges, an origin, or a registry with its region)
     async with open_registry(cfg.registry) as reg:
         return await KDNClient.from_registry(reg, cfg.region, token_hosts=cfg.token_hosts,
                                              admitted_by=cfg.admitted_by,

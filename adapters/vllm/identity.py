@@ -13,9 +13,11 @@ from __future__ import annotations
 import functools
 import gc
 
+from kdn.address import ModelId
+
 
 @functools.lru_cache(maxsize=4)
-def model_id_for(path: str, dtype: str) -> str:
+def model_id_for(path: str, dtype: str) -> ModelId:
     from kdn.adapters.hf import load_model
 
     lm = load_model(path, dtype=dtype)

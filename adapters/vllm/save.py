@@ -18,6 +18,7 @@ import logging
 import torch
 
 from kdn.address import Address
+from kdn.errors import KDNError
 from kdn.store import BlobDir
 
 from kdn.adapters.vllm import compat, paged
@@ -110,6 +111,8 @@ class Saver:
         encs = {}
         for enc in job.encodings:
             data = self.store.read(c.address, enc)
+            if data is None:  # (written just above; gone only if something removed it meanwhile)
+                raise KDNError(f"chunk {c.address[:16]} ({enc}) left the store before its record was written")
             pieces = piece_digests(data)  # from the same bytes as the whole digest (kdn/pieces.py)
             encs[enc] = Encoding(enc, len(data), blob_digest(data), PIECE_BYTES if pieces else 0, pieces)
         rec = ObjectRecord(address=c.address, model_id=self.model_id, namespace=job.namespace, kind=self.kind,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdn import address as A
+from kdn.address import ModelId
 from kdn.errors import InvalidInput, KDNError
 from kdn.pieces import Pieces
 from kdn.store import validate_encoding
@@ -34,7 +35,8 @@ from kdn.adapters.vllm.meta import KDNMetadata, LoadJob, SaveChunk, SaveJob
 from kdn.adapters.vllm.plan import LoadPlan, Piece, plan_load
 from kdn.adapters.vllm.planning import Planner
 from kdn.adapters.vllm.stats import KDNStats
-from kdn.adapters.vllm.steer import SteerJob, SteerSpec, plan_of
+from kdn.adapters.steering import SteerSpec
+from kdn.adapters.vllm.steer import SteerJob, plan_of
 
 log = logging.getLogger("kdn.adapters.vllm")
 
@@ -60,7 +62,7 @@ class _Save:
 @dataclass
 class SchedulerSide:
     cfg: ConnectorConfig
-    model_id: str
+    model_id: ModelId
     block_size: int
     hybrid: bool
     consume: bool
@@ -313,7 +315,7 @@ class SchedulerSide:
             if not ready:
                 continue
             block_ids = compat.request_blocks(self.kv_cache_manager, rid)
-            state_blocks: dict[int, int] = {}
+            state_blocks: dict[int, int] | None = {}
             if self.hybrid:
                 # A hybrid object carries the state at its end, and the engine holds only the state
                 # where this step stops: each chunk must end a step (the origin schedules 256-token steps).
@@ -327,7 +329,7 @@ class SchedulerSide:
                 if state_blocks is None:
                     del self._saves[rid]
                     continue
-            jobs.append(SaveJob(rid, st.namespace, st.encodings, tuple(ready), block_ids, state_blocks))
+            jobs.append(SaveJob(rid, st.namespace, st.encodings, tuple(ready), block_ids, state_blocks or {}))
             if st.next == len(st.chunks):
                 del self._saves[rid]
         return jobs

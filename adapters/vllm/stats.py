@@ -23,7 +23,7 @@ the scheduler side reads back for the planner's load speed; they are not a serie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kdn.adapters.vllm.compat import KVConnectorPromMetrics, KVConnectorStats
@@ -38,6 +38,8 @@ def _empty() -> dict[str, Any]:
 
 @dataclass
 class KDNStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)  # (vLLM's own field, as vLLM declares it: typed here)
+
     def __post_init__(self) -> None:
         if not self.data:
             self.data = _empty()

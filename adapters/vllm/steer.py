@@ -107,7 +107,7 @@ def plan_of(params: dict, *, n_layers: int, n_heads: int, n_ids: int, cache_salt
         raise InvalidInput("'steer_heads' must be a list of [layer, head] pairs")
     spec = steering.resolve(emphasis, n_layers=n_layers, n_heads=n_heads, steer=on, alpha=params.get("steer_alpha"),
                             heads=heads, query_from=params.get("steer_query_from"), n_ids=n_ids)
-    if spec is None:
+    if spec is None or emphasis is None:  # (resolve plans nothing without a map)
         return None
     want = steering.salt(emphasis, alpha=params.get("steer_alpha"), heads=heads,
                          query_from=params.get("steer_query_from"))

@@ -337,6 +337,7 @@ class WorkerSide:
             if not job.background:
                 # In-forward loads fail by block: vLLM recomputes from the first bad one. A background
                 # load fails as a whole request (vLLM takes no block errors with several cache groups).
+                assert self.attn_group is not None  # (a load writes attention layers)
                 table = job.block_ids[self.attn_group]
                 self._bad_blocks.update(table[i] for i in blocks_of(first, job.plan.end, self.block_size))
 
@@ -374,6 +375,7 @@ class WorkerSide:
         k, v = run.staging.kv(self._index[layer.name], run.upto)  # [n, H, D] views of the staging
         k = k.to(device=cache.device, dtype=cache.dtype, non_blocking=True)  # CPU: no copy; GPU: one per layer
         v = v.to(device=cache.device, dtype=cache.dtype, non_blocking=True)
+        assert self.attn_group is not None
         slot = paged.slots(run.job.block_ids[self.attn_group], run.job.plan.first, run.upto, self.block_size,
                            cache.device)
         paged.write(layer.module, cache, k, v, slot)
