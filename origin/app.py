@@ -40,7 +40,7 @@ from kdn.registry.split import RecordsBeside
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
 from kdn.origin.jobs import Job, JobQueue, QueueFull
-from kdn.origin.publish import Producer, default_encodings, parse_request
+from kdn.origin.publish import Producer, default_encodings, parse_request, push_policy, push_policy_name
 from kdn.origin.s3store import is_s3, open_store, parse_s3_url
 from kdn.origin.store import ObjectStore
 from kdn.pieces import PIECE_BYTES, check_piece_bytes
@@ -293,6 +293,8 @@ async def delete_manifest(request: web.Request) -> web.Response:
         raise web.HTTPNotFound(text=f"no manifest {ns}/{name}")
     tombstone = await app[REGISTRY].put_manifest(stored.tombstone())
     log.info("manifest %s/%s deleted (tombstone version %d)", ns, name, tombstone.version)
+    if await app[REGISTRY].delete_policy(push_policy_name(ns, name)):  # a push its publish set ends with it
+        log.info("manifest %s/%s: its push policy removed", ns, name)
     return web.json_response(tombstone.to_dict())
 
 
@@ -332,9 +334,30 @@ async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
         if plan.tail is not None:
             parent, length = plan.tail
             await _retrying(lambda: reg.add_tail(parent, length, plan.addresses[-1]), job)
+        await _set_push(app, spec, job)
     m["store_objects"].set(len(app[STORE]))
     m["store_bytes"].set(app[STORE].total_bytes)
     return manifest.to_dict()
+
+
+async def _set_push(app: web.Application, spec, job: Job) -> None:
+    """The push a publish asked for (``push``), once its manifest is written: a push policy the edges of the
+    named regions act on (edge/policies.py), signed with the origin's key where it has one (edges started with
+    --operator-keys apply it only if that key is among theirs); ``push: false`` ends it."""
+    if spec.push is None:
+        return
+    reg = _writer(app)
+    if spec.push is False:
+        name = push_policy_name(spec.namespace, spec.name)
+        if await _retrying(lambda: reg.delete_policy(name), job):
+            log.info("publish %s/%s: push policy %s removed", spec.namespace, spec.name, name)
+        return
+    p = push_policy(spec)
+    if reg.signer is not None:
+        p = reg.signer.sign(p)
+    await _retrying(lambda: reg.put_policy(p), job)
+    log.info("publish %s/%s: push policy %s set (%s)", spec.namespace, spec.name, p.name,
+             ", ".join(spec.push) if spec.push else "every region")
 
 
 REGISTRY_RETRY_S = 60.0  # how long a publish job waits out a registry outage before it fails

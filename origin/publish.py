@@ -28,7 +28,7 @@ from kdn.address import Address
 from kdn.emphasis import DEFAULT_ALPHA, MAX_SPANS, EmphasisMap, merge_spans
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, KDNError
-from kdn.registry import ObjectRecord
+from kdn.registry import ObjectRecord, Policy
 from kdn.store import validate_encoding
 from kdn.template import chat_frame, encode_frame, encode_text
 
@@ -54,6 +54,47 @@ class PublishSpec:
     encodings: tuple[str, ...] = ("zstd",)
     emphasis: EmphasisMap | None = None  # stored (and signed) with the manifest
     probes: tuple[tuple[int, ...], ...] = ()  # probe questions' tokens: the model adds the spans they attend to
+    # Once published, send the objects to these regions' edges (() every region; None: leave any push as it
+    # is; False: end the push this publish set): a push policy, as `kdn policy set --push` writes one.
+    push: tuple[str, ...] | None | bool = None
+    push_rate: int | None = None  # bytes a second per edge, with push
+
+
+MAX_PUSH_REGIONS = 256
+
+
+def push_policy_name(namespace: str, name: str) -> str:
+    """The name of the push policy a publish of ``namespace/name`` sets (a policy name: at most 128 characters)."""
+    full = f"push.{namespace}.{name}"
+    return full if len(full) <= 128 else "push." + A.blob_digest(full.encode())[:40]
+
+
+def push_policy(spec: PublishSpec) -> Policy:
+    """The push policy ``spec`` asks for (``spec.push`` is a tuple of regions, empty for every region)."""
+    assert isinstance(spec.push, tuple), spec.push
+    extra: dict[str, object] = {}
+    if spec.push:
+        extra["regions"] = list(spec.push)
+    if spec.push_rate is not None:
+        extra["rate_bytes"] = spec.push_rate
+    return Policy(push_policy_name(spec.namespace, spec.name), "push", manifest=f"{spec.namespace}/{spec.name}",
+                  extra=extra)
+
+
+def _parse_push(push: object, rate: object) -> tuple[tuple[str, ...] | None | bool, int | None]:
+    """A publish body's ``push`` (true: every region; a list of region names; false: end this name's push) and
+    ``push_rate`` (bytes a second per edge)."""
+    if rate is not None and not (isinstance(rate, int) and not isinstance(rate, bool) and 0 < rate < 1 << 53):
+        raise InvalidInput("'push_rate' must be a positive integer below 2**53: bytes a second per edge")
+    if push is None or push is False:
+        if push is None and rate is not None:
+            raise InvalidInput("'push_rate' goes with 'push'")
+        return push, None  # (push false ends a push: a rate means nothing then)
+    if push is True:
+        return (), rate
+    if not (isinstance(push, list) and 0 < len(push) <= MAX_PUSH_REGIONS):
+        raise InvalidInput(f"'push' must be true (every region), false, or a list of 1-{MAX_PUSH_REGIONS} region names")
+    return tuple(sorted({A.validate_name(r) for r in push})), rate
 
 
 MAX_EMPHASIS_TEXTS = 64
@@ -220,6 +261,7 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int,
         raise InvalidInput("'prefix' and 'standalone' must be booleans")
     if not (prefix or standalone):
         raise InvalidInput("nothing to publish: 'prefix' and 'standalone' are both false")
+    push, push_rate = _parse_push(body.get("push"), body.get("push_rate"))
     encodings = body.get("encodings", list(default_encodings))
     if not isinstance(encodings, list) or not encodings or len(encodings) > 4:
         raise InvalidInput("'encodings' must be a list of 1-4 encoding names")
@@ -264,6 +306,8 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int,
         encodings=tuple(dict.fromkeys(encodings)),
         emphasis=emap,
         probes=tuple(tuple(p) for p in probes),
+        push=push,
+        push_rate=push_rate,
     )
 
 

@@ -61,6 +61,39 @@ async def test_a_push_fills_the_named_regions_ahead_of_readers_at_its_rate(tmp_p
         assert metric(server, "kdn_edge_pushed_bytes_total", policy="harbor-us") == sum(sizes)
 
 
+async def test_a_publish_that_asks_for_a_push_fills_those_regions_and_deleting_it_ends_the_push(tmp_path, etcd_url):
+    """``push`` in the publish body: once the manifest is written the origin sets the push policy
+    (push.<namespace>.<name>); the region it names fills every object before a reader asks, the other none;
+    deleting the manifest removes the policy."""
+    import aiohttp
+
+    from edge_helpers import PUBLISH
+
+    from kdn.registry import open_registry
+
+    async with cluster(tmp_path, etcd_url, edges=()) as c:
+        await c.start_edge("e1", "eu")
+        await c.start_edge("u1", "us")
+        m = await publish(c, TEXT, name="tide", push=["us"], push_rate=1 << 30)
+        addrs, policy = m["addresses"], "push.public.tide"
+        server = c.edges["u1"]
+        for _ in range(200):  # (bounded: 20 s)
+            if metric(server, "kdn_edge_pushed_objects_total", policy=policy) == len(addrs):
+                break
+            await asyncio.sleep(0.1)
+        assert metric(server, "kdn_edge_pushed_objects_total", policy=policy, outcome="filled") == len(addrs)
+        us, eu = c.edge("u1"), c.edge("e1")
+        assert all(us.holds((a, "zstd")) for a in addrs)
+        assert not any(eu.holds((a, "zstd")) for a in addrs)  # not a region it names
+        async with open_registry(c.registry) as reg:
+            (p,) = [p for p in await reg.list_policies() if p.name == policy]
+            assert (p.kind, p.manifest, p.extra) == ("push", "public/tide", {"regions": ["us"], "rate_bytes": 1 << 30})
+            async with aiohttp.ClientSession(c.origin_url(), headers={"Authorization": f"Bearer {PUBLISH}"}) as s:
+                async with s.delete("/v1/manifests/public/tide") as r:
+                    assert r.status == 200, await r.text()
+            assert policy not in [p.name for p in await reg.list_policies()]
+
+
 def test_push_flags_are_checked(tmp_path, capsys):
     reg = ["--registry", f"file:{tmp_path / 'r.sqlite3'}"]
     for argv, why in ((["--push", "public/x", "--region", "eu"], "--to"), (["--warm", "public/x", "--to", "eu"], "--push"),
