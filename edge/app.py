@@ -4,10 +4,10 @@ The read path is ``node.py`` (``Edge.load``: memory -> disk -> one flight per
 key -> owner peer -> other regions -> origin); the handlers here send what it
 returns with ``X-KDN-Source`` saying where the bytes came from, and answer
 lookups with the same planner. ``create_app(config)`` builds the aiohttp app;
-the registry, the edge and its tiers, the upstream (HTTP session, membership),
-background work, policies and the registry views (``views.py``) are each a
-``cleanup_ctx`` resource, started in order and stopped in reverse. The
-settings are ``config.py``'s ``EdgeConfig``.
+the registry, the edge (``Edge.open``: every part made, none None), its
+membership, background work, policies and the registry views (``views.py``)
+are each a ``cleanup_ctx`` resource, started in order and stopped in reverse.
+The settings are ``config.py``'s ``EdgeConfig``.
 
 Routes:
     GET|HEAD /v1/objects/{address}[?encoding=]   the blob (HEAD: is it here, no fill)
@@ -24,17 +24,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kdn import service
 from kdn.service import connections
 from kdn.address import validate_address
-from kdn.auth import Grant, Grants, TokenScope, covers, may_read
-from kdn.bodyget import BodyGetter
+from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, SourceError
 from kdn.fetch import CACHED_ONLY, HOP, TIER
@@ -43,13 +40,7 @@ from kdn.registry.follow import stop_tasks
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
 from kdn.store import validate_encoding
 
-from kdn.edge.disk import DiskTier
-from kdn.edge.eviction import POLICIES
-from kdn.edge.fill import Filler
-from kdn.edge.membership import Membership
 from kdn.edge.metrics import EdgeMetrics
-from kdn.edge.policies import PolicyEngine
-from kdn.edge.records import OriginRecords, OwnerRecords
 from kdn.edge.tiers import Key
 
 from kdn.edge.config import EdgeConfig as EdgeConfig  # (re-exported: the app's settings and its Edge)
@@ -70,54 +61,28 @@ EDGE = web.AppKey("edge", Edge)
 
 
 async def _edge_ctx(app: web.Application):
-    """The edge itself: its tiers (the disk tier opened here) and its one-flight-per-key table."""
-    cfg = app[EDGE_CONFIG]
-    edge = Edge(cfg, app[REGISTRY], app[EDGE_METRICS])
+    """The edge itself, every part made (``Edge.open``: the disk tier scanned first); at the end its
+    one-flight-per-key table closed, then its upstream session and body reader."""
+    edge = await Edge.open(app[EDGE_CONFIG], app[REGISTRY], app[EDGE_METRICS])
     app[EDGE] = edge
     app[service.RECORDS] = edge.records  # the edge serves records from its cache (and where it reads them)
-    if cfg.disk:
-        edge.disk = await DiskTier.open(cfg.disk, cfg.disk_budget, policy=POLICIES[cfg.eviction], fsync=cfg.fsync,
-                                        on_evict=edge._on_evict)
+    app[service.MANIFEST_BODIES] = edge.bodies
     try:
         yield
     finally:
         await edge.flight.close()
+        edge.getter.close()
+        await edge.session.close()
 
 
 async def _upstream_ctx(app: web.Application):
-    """The upstream: the body reader every fill goes through (``kdn.bodyget``, as the fetch client's),
-    an HTTP session for the other requests, the region's membership (a lease and a watch on
-    ``nodes/edge/``) and the filler that plans sources from it."""
-    cfg, edge = app[EDGE_CONFIG], app[EDGE]
-    from kdn.tls import client_context
-
-    ssl = client_context(cfg.ca)
-    connector = aiohttp.TCPConnector(limit=256, limit_per_host=64, ssl=ssl)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    getter = BodyGetter(ssl=ssl, per_host=64)
+    """The region's membership: a lease on this edge's record and a watch on ``nodes/edge/``."""
+    edge = app[EDGE]
+    await edge.membership.start()
     try:
-        edge.membership = Membership(app[REGISTRY], edge.me, ttl=cfg.lease_ttl, admitters=edge.admitters,
-                                     on_unadmitted=edge.m.unadmitted_nodes.inc)
-        edge.filler = Filler(session=session, membership=edge.membership, origin_urls=edge.origin_urls, me=edge.me,
-                             upstream_headers=_upstream_headers(cfg.upstream_token_file), metrics=edge.m,
-                             token_scope=token_scope(cfg), getter=getter,
-                             always_probe_regions=cfg.region_probes == "always",
-                             upper_regions=lambda: edge.policies.upper_regions if edge.policies else frozenset())
-        # Manifest bodies a registry pointer names (origins with --records store), whatever --records says.
-        edge.bodies = OriginRecords(session, edge.origin_urls, edge.filler.headers)
-        app[service.MANIFEST_BODIES] = edge.bodies
-        if cfg.records == "origin":  # records beside the blobs: asked of the owner edge, then the origins
-            membership = edge.membership
-            edge.records.source = OwnerRecords(edge.bodies, membership.owner, cfg.node_id,
-                                               lambda where, n: edge.m.record_reads.labels(where).inc(n))
-        await edge.membership.start()
-        try:
-            yield
-        finally:
-            await edge.membership.close()
+        yield
     finally:
-        getter.close()
-        await session.close()
+        await edge.membership.close()
 
 
 async def _background_ctx(app: web.Application):
@@ -136,14 +101,7 @@ POLICY_WAIT_S = 5.0  # at start, how long the edge waits for its policies before
 
 
 async def _policies_ctx(app: web.Application):
-    cfg, edge = app[EDGE_CONFIG], app[EDGE]
-    operators = None
-    if cfg.operator_keys:
-        from kdn.signing import Verifier
-
-        operators = Verifier.from_file(cfg.operator_keys)
-    edge.policies = PolicyEngine(app[REGISTRY], cfg.region, edge.tiers, warm=edge.warm, manifest_feed=True,
-                                 verifier=operators, bodies=edge.bodies)
+    edge = app[EDGE]
     await edge.policies.start()
     try:
         yield
@@ -162,38 +120,15 @@ async def _views_ctx(app: web.Application):
         # Serve once the policies are applied, so a restarted edge's warm disk tier is not read before its
         # TTLs and pins are known (an entry a TTL expired while the edge was down would be served once more).
         # A registry that does not answer in time does not keep the edge down: it serves, applies them later.
-        policies = edge.policies
-        if policies is not None:
-            try:
-                await policies.wait_applied(lambda p: p.ready, timeout=POLICY_WAIT_S)
-            except TimeoutError:
-                log.warning("serving before the policies are known: the registry did not answer in %.0f s; "
-                            "they apply when it does", POLICY_WAIT_S)
+        try:
+            await edge.policies.wait_applied(lambda p: p.ready, timeout=POLICY_WAIT_S)
+        except TimeoutError:
+            log.warning("serving before the policies are known: the registry did not answer in %.0f s; "
+                        "they apply when it does", POLICY_WAIT_S)
         log.info("edge %s in region %s serving at %s", cfg.node_id, cfg.region, cfg.advertised_url)
         yield
     finally:
         await stop_tasks(watchers, what="registry view")
-
-
-def token_scope(cfg: EdgeConfig) -> TokenScope:
-    """Where the upstream token may go: ``--token-hosts`` (loopback by default),
-    plus the host of a configured ``--origin`` (the operator named it)."""
-    patterns = list(TokenScope(cfg.token_hosts).patterns)
-    if cfg.origin:
-        host = urlsplit(cfg.origin).hostname
-        if host:
-            patterns.append(host)
-    return TokenScope(patterns)
-
-
-def _upstream_headers(path: str | None) -> dict[str, str]:
-    if path is None:
-        token = os.environ.get("KDN_UPSTREAM_TOKEN")
-    else:
-        from kdn.auth import read_token
-
-        token = read_token(path)
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 # --- handlers --------------------------------------------------------------
@@ -355,11 +290,11 @@ async def healthz(request: web.Request) -> web.Response:
     edge = request.app[EDGE]
     return web.json_response({
         "status": "ok", "role": "edge", "node_id": edge.me.node_id, "region": edge.me.region,
-        "ring": edge.membership.ring.nodes if edge.membership else [],
+        "ring": edge.membership.ring.nodes,
         "memory": {"used": edge.memory.used, "budget": edge.memory.budget},
         "disk": {"used": edge.disk.used, "budget": edge.disk.budget} if edge.disk else None,
         "origins": edge.origin_urls(),
-        "upper_tiers": sorted(edge.policies.upper_regions) if edge.policies else [],
+        "upper_tiers": sorted(edge.policies.upper_regions),
     })
 
 

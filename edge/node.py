@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
 
 from kdn.edge.config import EdgeConfig
 from kdn.edge.disk import DiskTier
@@ -26,10 +30,12 @@ from kdn.edge.memory import MemoryTier
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.policies import PolicyEngine
 from kdn.edge.prefetch import ChainIndex, Prefetcher
-from kdn.edge.records import OriginRecords, RecordCache
+from kdn.edge.records import OriginRecords, OwnerRecords, RecordCache
 from kdn.edge.tiers import EntryMeta, Handle, Key, Tier, steady_wall
 
 from kdn.address import Address
+from kdn.auth import TokenScope
+from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, RegistryUnavailable, SourceError
 from kdn.fetch import CACHED_ONLY
@@ -39,6 +45,28 @@ from kdn.registry import NodeRecord, ObjectRecord
 log = logging.getLogger("kdn.edge.app")
 
 PUSH_FILLS = 8  # fills a push keeps going at an edge (a warm: one at a time)
+
+
+def token_scope(cfg: EdgeConfig) -> TokenScope:
+    """Where the upstream token may go: ``--token-hosts`` (loopback by default),
+    plus the host of a configured ``--origin`` (the operator named it)."""
+    patterns = list(TokenScope(cfg.token_hosts).patterns)
+    if cfg.origin:
+        host = urlsplit(cfg.origin).hostname
+        if host:
+            patterns.append(host)
+    return TokenScope(patterns)
+
+
+def upstream_headers(path: str | None) -> dict[str, str]:
+    """The edge's own token for its upstream (``--upstream-token-file``, else ``KDN_UPSTREAM_TOKEN``)."""
+    if path is None:
+        token = os.environ.get("KDN_UPSTREAM_TOKEN")
+    else:
+        from kdn.auth import read_token
+
+        token = read_token(path)
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def key_of(rec: ObjectRecord, encoding: str) -> Key:
@@ -63,9 +91,24 @@ class Loaded:
 
 
 class Edge:
-    """One edge node's parts, wired together (the app holds one)."""
+    """One edge node's parts, wired together (the app holds one). ``await Edge.open(...)`` makes it whole:
+    every part exists from then on (none is None waiting for a start); the app's cleanup contexts start
+    and stop them in order (``app.py``)."""
 
-    def __init__(self, config: EdgeConfig, registry, metrics: EdgeMetrics) -> None:
+    policies: PolicyEngine  # (made last in __init__; the filler reads its upper tiers when it plans)
+
+    @classmethod
+    async def open(cls, config: EdgeConfig, registry, metrics: EdgeMetrics) -> Edge:
+        """An edge of ``config``: its disk tier scanned first (in a thread), then every other part made."""
+        disk = None
+        if config.disk:  # (what the scan evicts, over a smaller budget, is counted; nothing else can be yet)
+            disk = await DiskTier.open(config.disk, config.disk_budget, policy=POLICIES[config.eviction],
+                                       fsync=config.fsync,
+                                       on_evict=lambda key, meta, reason: metrics.evictions.labels(reason).inc())
+        return cls(config, registry, metrics, disk=disk)
+
+    def __init__(self, config: EdgeConfig, registry, metrics: EdgeMetrics, *, disk: DiskTier | None = None) -> None:
+        """Made inside a running event loop (its HTTP session is): use ``Edge.open``, which opens the disk tier."""
         self.config = config
         self.registry = registry
         self.m = metrics
@@ -91,19 +134,45 @@ class Edge:
         self.records = RecordCache(registry, config.records_cache, verifier, metrics.refused_records.inc,
                                    floor_s=config.deny_floor_ms / 1000)
         self.memory = MemoryTier(config.mem_budget, POLICIES[config.eviction], on_evict=self._on_evict)
-        self.disk: DiskTier | None = None
-        self.membership: Membership | None = None
-        self.filler: Filler | None = None
+        self.disk = disk
+        if disk is not None:
+            disk.on_evict = self._on_evict
         self.chains = ChainIndex()
         self.prefetcher = Prefetcher(self.chains, config.prefetch, self._prefetch_one)
-        self.bodies: OriginRecords | None = None  # where manifest bodies are read (set with the upstream)
-        self.policies: PolicyEngine | None = None
+        self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
+        # The upstream: the body reader every fill goes through (kdn.bodyget, as the fetch client's), an HTTP
+        # session for the other requests, the region's membership (a lease and a watch on nodes/edge/, started
+        # by the app) and the filler that plans sources from it.
+        from kdn.tls import client_context
+
+        ssl = client_context(config.ca)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, limit_per_host=64, ssl=ssl),
+                                             auto_decompress=False)
+        self.getter = BodyGetter(ssl=ssl, per_host=64)
+        self.membership = Membership(registry, self.me, ttl=config.lease_ttl, admitters=self.admitters,
+                                     on_unadmitted=metrics.unadmitted_nodes.inc)
+        self.filler = Filler(session=self.session, membership=self.membership, origin_urls=self.origin_urls,
+                             me=self.me, upstream_headers=upstream_headers(config.upstream_token_file), metrics=metrics,
+                             token_scope=token_scope(config), getter=self.getter,
+                             always_probe_regions=config.region_probes == "always",
+                             upper_regions=lambda: self.policies.upper_regions)
+        # Manifest bodies a registry pointer names (origins with --records store), whatever --records says.
+        self.bodies = OriginRecords(self.session, self.origin_urls, self.filler.headers)
+        if config.records == "origin":  # records beside the blobs: asked of the owner edge, then the origins
+            self.records.source = OwnerRecords(self.bodies, self.membership.owner, config.node_id,
+                                               lambda where, n: metrics.record_reads.labels(where).inc(n))
+        operators = None
+        if config.operator_keys:
+            from kdn.signing import Verifier
+
+            operators = Verifier.from_file(config.operator_keys)
+        self.policies = PolicyEngine(registry, config.region, self.tiers, warm=self.warm, manifest_feed=True,
+                                     verifier=operators, bodies=self.bodies)
         self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
         self.flight: SingleFlight[tuple[bytes | bytearray, str]] = SingleFlight()  # one fill per key at a time
         self._background: set[asyncio.Task] = set()
         self._disk_error_logged = float("-inf")
         self._promoting: set[Key] = set()  # disk hits being copied to memory: one copy per key at a time
-        self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
 
     def background(self, coro) -> bool:
         """Run ``coro`` off the response path, holding a reference until it ends. Bounded: when 256 are
@@ -167,18 +236,8 @@ class Edge:
     def holds(self, key: Key) -> bool:
         return any(t.contains(key) for t in self.tiers)
 
-    def _ring(self) -> Membership:
-        if self.membership is None:
-            raise RuntimeError("the edge is not started: no membership yet (its app's cleanup contexts start it)")
-        return self.membership
-
-    def _fills(self) -> Filler:
-        if self.filler is None:
-            raise RuntimeError("the edge is not started: no upstream session yet")
-        return self.filler
-
     def owns(self, address: str) -> bool:
-        owner = self._ring().owner(address)
+        owner = self.membership.owner(address)
         return owner is None or owner.node_id == self.me.node_id
 
     async def load(self, key: Key, rec: ObjectRecord, *, hop: bool = False, tier: bool = False,
@@ -257,7 +316,7 @@ class Edge:
                 return bytes(blob), again.source
             finally:
                 again.release()
-        filled = await self._fills().fetch(key, rec, hop=hop, tier=tier)  # verified against the record's digest
+        filled = await self.filler.fetch(key, rec, hop=hop, tier=tier)  # verified against the record's digest
         made_for = blob_namespace(filled.blob)
         if made_for is not None and made_for != rec.namespace:
             # The origin wrote whose object it is into the blob; a record that says otherwise was relabelled by
@@ -293,7 +352,7 @@ class Edge:
             return "memory"
         if self.disk is not None and self.disk.contains(key):
             return "disk"
-        plan = self._fills().plan(key, rec, hop=False)
+        plan = self.filler.plan(key, rec, hop=False)
         return next((label for label, _, extra in plan if CACHED_ONLY not in extra), "origin")
 
     async def _prefetch_one(self, address: str, encoding: str | None = None) -> None:
@@ -301,10 +360,10 @@ class Edge:
         enc = self.choose_encoding(rec, encoding) if rec is not None else None
         if rec is None or enc is None or self.holds(key := key_of(rec, enc)):
             return
-        owner = self._ring().owner(address)
+        owner = self.membership.owner(address)
         if owner is not None and owner.node_id != self.me.node_id:
             # The owner fills it; this edge only passes the hint on.
-            fills = self._fills()
+            fills = self.filler
             async with fills.session.post(f"{owner.url}/v1/prefetch", json={"addresses": [address], "encoding": enc},
                                           headers=fills.headers(owner.url)) as r:
                 await r.read()

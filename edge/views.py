@@ -41,7 +41,7 @@ async def watch_manifests(edge: Edge) -> None:
             m = Manifest.unpack(value)
         except KDNError:
             return value  # (put() counts and logs it)
-        if m.body is None or edge.bodies is None:
+        if m.body is None:
             return value
         async with fetching:
             full = await edge.bodies.get_manifest_body(m.namespace, m.name, m.body)
@@ -69,8 +69,7 @@ async def watch_manifests(edge: Edge) -> None:
             put(ev.key, ev.value)
         elif ev.kind == "delete":
             edge.chains.remove(ev.key.split("/", 1)[1])
-        if edge.policies is not None:
-            await edge.policies.feed_manifests(ev)
+        await edge.policies.feed_manifests(ev)
 
     await follow(edge.registry, "manifests/", on_event, what="manifest")
 
