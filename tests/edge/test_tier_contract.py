@@ -298,12 +298,13 @@ async def test_concurrent_puts_of_one_key_write_once(make_tier):
 
 
 def test_tiers_import_no_torch():
-    """The edge moves bytes: its tiers must not pull in torch or transformers."""
+    """The edge moves bytes: its tiers, and the whole server (the app, its Edge, the read path), must not pull
+    in torch or transformers."""
     import subprocess
     import sys
 
     code = (
-        "import sys, kdn.edge.memory, kdn.edge.disk, kdn.edge.eviction, kdn.edge.tiers\n"
+        "import sys, kdn.edge.memory, kdn.edge.disk, kdn.edge.eviction, kdn.edge.tiers, kdn.edge.node, kdn.edge.app\n"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
