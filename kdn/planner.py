@@ -34,8 +34,9 @@ the loader reports the bytes that did land by then
 from the one load it spoils. That one load need not run to its deadline:
 once an eighth of it has passed, a load whose own progress (the bytes its
 fetches landed, over the time it has run) says it would end past 1.5x its
-deadline is given up at once (``overruns``): the link's speed is measured
-as well from that eighth, and the request computes ~7/8 of a deadline sooner. A plan that computes everything measures nothing:
+deadline is given up at once (``overruns``; one that has landed nothing, at
+half its deadline): the link's speed is measured as well from that eighth,
+and the request computes ~7/8 of a deadline sooner. A plan that computes everything measures nothing:
 once the last load is ``PROBE_AFTER_S`` old, a plan that would compute all
 still computes all, and asks its caller to fetch the first chunk *off the
 request path* (reason "probe", ``Plan.probe_s``: the probe's own deadline, the
@@ -75,6 +76,7 @@ PROBE_AFTER_S = 30.0  # a plan that computes everything probes one chunk if no l
 PROBE_FLOOR_S = 1.0  # a probe runs at least this long (or to its last byte) before what landed is its measure
 OVERRUN_AFTER = 0.125  # a load is judged by its own progress once this share of its deadline has passed ...
 OVERRUN_MARGIN = 1.5  # ... and given up at once if, at the speed it has moved, it would end past this x its deadline
+STALL_AFTER = 0.5  # a load that has landed nothing yet is given up once this share of its deadline has passed
 
 
 @dataclass(frozen=True)
@@ -291,7 +293,9 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
 def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float) -> bool:
     """Whether a load that has run ``elapsed_s`` of its ``deadline_s`` and landed ``landed`` of its ``total``
     bytes should be given up now: at the speed it has moved so far it would end past ``OVERRUN_MARGIN`` x its
-    deadline (or nothing has landed at all), judged only once ``OVERRUN_AFTER`` of the deadline has passed.
+    deadline, judged only once ``OVERRUN_AFTER`` of the deadline has passed; or it has landed nothing at all
+    by ``STALL_AFTER`` of it (a first byte can wait on a connection or a busy machine: an eighth of a
+    deadline with nothing in it was seen in CI, on a load whose bytes then came).
 
     Why: such a load is given up at its deadline anyway, so every moment spent on it past the point that
     showed it is lost to the request; the first load after a link turned slow paid its whole deadline
@@ -299,7 +303,9 @@ def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float) -> bo
     only understate the speed; the margin and the eighth are there so a slow start alone gives nothing up."""
     if not math.isfinite(deadline_s) or deadline_s <= 0 or elapsed_s < OVERRUN_AFTER * deadline_s or landed >= total:
         return False
-    return landed <= 0 or elapsed_s * total / landed > OVERRUN_MARGIN * deadline_s
+    if landed <= 0:
+        return elapsed_s >= STALL_AFTER * deadline_s
+    return elapsed_s * total / landed > OVERRUN_MARGIN * deadline_s
 
 
 def _deadline(expected_s: float, cap: float, compute_all_s: float = 0.0) -> float:

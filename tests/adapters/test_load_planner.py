@@ -187,7 +187,8 @@ async def test_a_link_gone_slow_spoils_one_load_then_the_prompt_is_computed(lm):
     assert "was given up after" in spoiled.report.plan and spoiled.report.tokens_reused == 0
     deadline = 0.25 * 2.0 * (N_CHUNKS * CHUNK + 3) / 1024  # a quarter of the prefill (kdn.planner._deadline)
     gave_up_ms = float(spoiled.report.plan.split("was given up after ")[1].split(" ms")[0])
-    assert OVERRUN_AFTER * deadline * 1e3 <= gave_up_ms < 0.5 * deadline * 1e3
+    # (an eighth, or half if its first bytes were late: kdn.planner.STALL_AFTER; plus a poll's step)
+    assert OVERRUN_AFTER * deadline * 1e3 <= gave_up_ms < 0.75 * deadline * 1e3
     assert sp.loads == fast + 1 and sp.load_bps <= N_CHUNKS * PARTIAL / (0.9 * OVERRUN_AFTER * deadline)
     assert after.report.plan.startswith("compute: load") and after.report.tokens_reused == 0
     assert torch.equal(after.first_logits, reference(lm, ids, [5, 6, 7], 0).float())

@@ -149,11 +149,12 @@ def test_one_probe_per_stale_period_even_before_it_measures():
 def test_a_load_that_would_overrun_its_deadline_is_given_up_once_an_eighth_of_it_has_passed():
     """``overruns``: judged by the load's own progress (bytes landed over time run), never before an eighth of
     its deadline, and only past the margin (1.5x the deadline at the speed so far)."""
-    from kdn.planner import OVERRUN_AFTER, OVERRUN_MARGIN, overruns
+    from kdn.planner import OVERRUN_AFTER, OVERRUN_MARGIN, STALL_AFTER, overruns
 
     total, d = 100 * MiB, 2.0
-    assert not overruns(OVERRUN_AFTER * d * 0.99, 0, total, d)  # too early to judge, even with nothing landed
-    assert overruns(OVERRUN_AFTER * d, 0, total, d)  # a stalled source: nothing landed in an eighth
+    assert not overruns(OVERRUN_AFTER * d * 0.99, 1, total, d)  # too early to judge, even a trickle
+    assert not overruns(OVERRUN_AFTER * d, 0, total, d)  # nothing yet: a first byte may wait on a busy machine
+    assert overruns(STALL_AFTER * d, 0, total, d)  # a stalled source: nothing landed in half the deadline
     assert overruns(0.25, 1 * MiB, total, d)  # a trickle: 25 s at this speed against a 2 s deadline
     on_time = 0.25 * total / (0.9 * d)  # the speed that ends at 0.9x the deadline, after 0.25 s
     assert not overruns(0.25, int(on_time), total, d)
