@@ -291,10 +291,12 @@ async def delete_manifest(request: web.Request) -> web.Response:
     stored = await app[REGISTRY].get_manifest(ns, name)
     if stored is None or stored.deleted:
         raise web.HTTPNotFound(text=f"no manifest {ns}/{name}")
+    # A push its publish set ends with it, first: a registry that fails here fails the DELETE before the
+    # tombstone, so a retry finds the manifest and ends both (the other order left the policy behind a 404).
+    if await app[REGISTRY].delete_policy(push_policy_name(ns, name)):
+        log.info("manifest %s/%s: its push policy removed", ns, name)
     tombstone = await app[REGISTRY].put_manifest(stored.tombstone())
     log.info("manifest %s/%s deleted (tombstone version %d)", ns, name, tombstone.version)
-    if await app[REGISTRY].delete_policy(push_policy_name(ns, name)):  # a push its publish set ends with it
-        log.info("manifest %s/%s: its push policy removed", ns, name)
     return web.json_response(tombstone.to_dict())
 
 
