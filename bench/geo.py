@@ -243,7 +243,11 @@ class World:
                                  disk=str(self.tmp / f"run{self.run_no}" / nid), disk_budget=256 << 20,
                                  port=port, node_id=nid, url=link.url, token_file=str(self.tokens),
                                  upstream_token_file=str(self.tmp / "edge-token"), prefetch=prefetch,
-                                 lease_ttl=5.0, fsync=False)
+                                 lease_ttl=5.0, fsync=False,
+                                 # Every region is as far from the origin (120 ms): no upper tier would be
+                                 # chosen by latency; without its probes every connection stays emulated
+                                 # (they start before the bound session below replaces the edge's).
+                                 upper_tier="policy")
                 runner = web.AppRunner(create_app(cfg))
                 await runner.setup()
                 await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -26,7 +26,9 @@ checked against its BLAKE3 digest.
 Setups, on fresh worlds: ``pull`` (today's default: an edge misses past the other regions, asked
 cached-only where their recent hit rate pays for the round trip, to the origin), and ``upper`` (``kdn
 policy set shield --upper --region r0``: other regions' misses fill through r0's edge, which fills from
-the origin), and ``push`` (the upper tier, then ``kdn policy set ... --push`` of a manifest naming every
+the origin), ``auto`` (no policy: the edges measure their round trips to the origin, advertise them in
+their node records and choose r0 themselves, edge/upper.py; the seconds until every edge took r0 are
+reported beside it), and ``push`` (the upper tier, then ``kdn policy set ... --push`` of a manifest naming every
 object, before the first request: each region's owner fills through r0 ahead of its readers; the push's
 own time is reported beside it, its bytes counted in the egress). Measured: origin egress (its own ``kdn_origin_bytes_served``) beside its bound (the
 distinct bytes the requests name: a pull CDN sends each object out of the origin at least once), and the
@@ -74,8 +76,11 @@ async def one_run(n: int, setup: str, rows, objects, chains, size: int, args) ->
     near_port, far_port = F.free_port(), F.free_port()
     url_ports = {r: F.free_port() for r in regions}
     with tempfile.TemporaryDirectory(prefix="kdn-upper-") as tmp:
+        # Every setup but ``auto`` keeps the edges from choosing an upper tier by latency (``--upper-tier
+        # policy``): ``pull`` is then today's pull, and a policy names the tier in ``upper`` and ``push``.
+        choose = [] if setup == "auto" else ["--upper-tier", "policy"]
         per_edge = {f"{r}-1": ["--origin", f"http://127.0.0.1:{near_port if r == UPPER else far_port}",
-                               "--url", f"http://127.0.0.1:{url_ports[r]}"] for r in regions}
+                               "--url", f"http://127.0.0.1:{url_ports[r]}", *choose] for r in regions}
         world = F.World(Path(tmp), regions={r: 1 for r in regions}, mem_budget=args.mem_budget,
                         disk_budget=args.disk_budget, lease_ttl="5s", per_edge_args=per_edge)
         links = [LinkEmulator(near_port, "127.0.0.1", world.origin.port, delay_ms=ORIGIN_NEAR[0], mbit=ORIGIN_NEAR[1]),
@@ -95,10 +100,13 @@ async def one_run(n: int, setup: str, rows, objects, chains, size: int, args) ->
                 async with open_registry(world.etcd.registry) as reg:
                     await reg.put_policy(Policy(name="shield", kind="upper", region=UPPER))
                 await _wait_upper(world)
+            if setup == "auto":  # no policy: the edges' measured round trips to the origin choose r0
+                push["chose_s"] = await _wait_upper(world, chosen_by="latency", timeout=60.0)
             if setup == "push":
                 push = await _push(world, list(objects))
             r = await replay(world, regions, rows, chains, digests, size, args)
             r["push_seconds"] = push.get("seconds")
+            r["chose_seconds"] = push.get("chose_s")
             r["origin_egress_mib"] = round(r["origin_egress_mib"] + push.get("egress_mib", 0.0), 1)
             r["egress_over_bound"] = round(r["origin_egress_mib"] / r["distinct_mib"], 2) if r["distinct_mib"] else 0.0
             return r
@@ -133,18 +141,22 @@ async def _push(world, addresses: list[str], timeout: float = 600.0) -> dict:
     return {"seconds": round(time.monotonic() - t0, 1), "egress_mib": egress / 2**20}
 
 
-async def _wait_upper(world, timeout: float = 20.0) -> None:
-    """Until every edge says r0 is its upper tier (/healthz)."""
-    deadline = time.monotonic() + timeout
+async def _wait_upper(world, chosen_by: str = "policy", timeout: float = 20.0) -> float:
+    """Until every edge says r0 is its upper tier, for ``chosen_by``'s reason (/healthz); the seconds it took."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
         for e in world.edges.values():
             while True:
                 async with s.get(f"{e.url}/healthz") as r:
-                    if (await r.json()).get("upper_tiers") == [UPPER]:
+                    h = await r.json()
+                    if h.get("upper_tiers") == [UPPER] and h.get("upper_chosen_by") == chosen_by:
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{e.name} did not take the upper policy in {timeout} s")
+                    raise RuntimeError(f"{e.name} did not take {UPPER} as its upper tier ({chosen_by}) in {timeout} s: "
+                                       f"{h.get('upper_tiers')}, {h.get('upper_chosen_by')}, {h.get('origin_rtt_ms')} ms")
                 await asyncio.sleep(0.1)
+    return round(time.monotonic() - t0, 1)
 
 
 async def replay(world, regions, rows, chains, digests, size, args) -> dict:
@@ -236,6 +248,8 @@ def report(results: dict[str, dict[str, dict]]) -> str:
             src = ", ".join(f"{k} {v:.0%}" for k, v in r["sources"].items())
             if r.get("push_seconds") is not None:
                 setup = f"push ({r['push_seconds']} s before)"
+            elif r.get("chose_seconds") is not None:
+                setup = f"auto (r0 chosen by latency in {r['chose_seconds']} s)"
             lines.append(f"| {n} | {setup} | {r['origin_egress_mib']} | {r['distinct_mib']} | "
                          f"{r['egress_over_bound']}x | {r['object_p50_ms']} / {r['object_p99_ms']} | "
                          f"{r['request_p50_ms']} / {r['request_p99_ms']} | {r['floor_p50_ms']} / {r['floor_p99_ms']} "
@@ -276,12 +290,14 @@ def main() -> int:
     ap.add_argument("--object-kib", type=int, default=64, help="bytes per chunk object, KiB")
     ap.add_argument("--mem-budget", default="256MiB", help="each edge's memory tier (above the working set)")
     ap.add_argument("--disk-budget", default="512MiB", help="each edge's disk tier")
-    ap.add_argument("--setups", type=lambda v: v.split(","), default=["pull", "upper", "push"],
-                    help="which to run, of pull, upper, push (default all three)")
+    ap.add_argument("--setups", type=lambda v: v.split(","), default=["pull", "upper", "auto", "push"],
+                    help="which to run, of pull, upper, auto, push (default all four)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
     R.add_arg(ap)
     args = ap.parse_args()
+    if set(args.setups) - {"pull", "upper", "auto", "push"}:
+        ap.error(f"--setups: unknown {', '.join(sorted(set(args.setups) - {'pull', 'upper', 'auto', 'push'}))}")
     if min(args.regions) < 2:
         ap.error("--regions: each count must be at least 2 (r0 is the upper tier, the others fill through it)")
     out = R.Results("upper_tier", args)

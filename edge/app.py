@@ -76,12 +76,17 @@ async def _edge_ctx(app: web.Application):
 
 
 async def _upstream_ctx(app: web.Application):
-    """The region's membership: a lease on this edge's record and a watch on ``nodes/edge/``."""
+    """The region's membership: a lease on this edge's record and a watch on ``nodes/edge/``; and the
+    round trips to the origins it advertises there (``--upper-tier auto``)."""
     edge = app[EDGE]
     await edge.membership.start()
+    if edge.auto_upper is not None:  # it rewrites this edge's record: after the membership's lease exists
+        edge.auto_upper.start()
     try:
         yield
     finally:
+        if edge.auto_upper is not None:
+            await edge.auto_upper.close()
         await edge.membership.close()
 
 
@@ -294,7 +299,9 @@ async def healthz(request: web.Request) -> web.Response:
         "memory": {"used": edge.memory.used, "budget": edge.memory.budget},
         "disk": {"used": edge.disk.used, "budget": edge.disk.budget} if edge.disk else None,
         "origins": edge.origin_urls(),
-        "upper_tiers": sorted(edge.policies.upper_regions),
+        "upper_tiers": sorted(edge.upper_regions()),
+        "upper_chosen_by": edge.upper_chosen_by,  # "policy", "latency", or null
+        "origin_rtt_ms": edge.auto_upper.rtt_ms if edge.auto_upper is not None else None,
     })
 
 

@@ -57,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--region-probes", choices=("worth", "always"), default="worth",
                    help="ask other regions before the origin only when their recent hit rate pays for a miss's "
                         "round trip (worth, the default: lower latency), or always (less origin egress)")
+    p.add_argument("--upper-tier", choices=("auto", "policy"), default="auto",
+                   help="without an upper policy, fill through the region whose edges measured the shortest "
+                        "round trip to the origins when it is clearly nearer than the rest (auto, the default), "
+                        "or only through a region an upper policy names (policy)")
     p.add_argument("--admission", default=None, metavar="FILE",
                    help="this edge's admission (kdn node admit), carried in its node record for readers that "
                         "require admissions")
@@ -151,6 +155,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "trusted_keys": _readable(args.trusted_keys, "--trusted-keys"),
         "operator_keys": _readable(args.operator_keys, "--operator-keys"),
         "region_probes": args.region_probes,
+        "upper_tier": args.upper_tier,
         "records": args.records,
         "deny_floor_ms": _between(args.deny_floor_ms, 0, 1000, "--deny-floor-ms"),
         "admission": _readable(args.admission, "--admission"),

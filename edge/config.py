@@ -37,6 +37,9 @@ class EdgeConfig(service.NodeConfig):
     region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"
     eviction: str = DEFAULT_POLICY  # both tiers' policy: "arc" (chosen on the traces) or "s3-fifo"
     records: str = "registry"  # where object records are read: the registry, or the origins' stores (edge/records.py)
+    # "auto": without an upper policy, the region the edges' measured round trips to the origins choose
+    # (edge/upper.py); "policy": only an upper policy names an upper tier
+    upper_tier: str = "auto"
     require_admission: bool = False  # leave out peers and origins no --operator-keys key admitted (kdn node admit)
     revoked_admissions: str | None = None  # the operator's revocation list (kdn node revoke), read again on change
 
@@ -45,5 +48,7 @@ class EdgeConfig(service.NodeConfig):
             raise InvalidInput(f"region_probes must be 'worth' or 'always', not {self.region_probes!r}")
         if self.records not in ("registry", "origin"):
             raise InvalidInput(f"records must be 'registry' or 'origin', not {self.records!r}")
+        if self.upper_tier not in ("auto", "policy"):
+            raise InvalidInput(f"upper_tier must be 'auto' or 'policy', not {self.upper_tier!r}")
         if self.eviction not in POLICIES:
             raise InvalidInput(f"eviction must be one of {', '.join(POLICIES)}, not {self.eviction!r}")

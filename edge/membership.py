@@ -22,6 +22,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from kdn.errors import InvalidInput, KDNError, RegistryError
 from kdn.registry import Event, NodeLease, NodeRecord, Registry, follow
@@ -67,6 +68,7 @@ class Membership:
         self.ring = Ring(vnodes=vnodes)
         self.lease: NodeLease | None = None
         self.revision = 0  # registry revision of the view
+        self.generation = 0  # changes of the view (a reader recomputes what it derives from it when this moves)
         self.reregistrations = 0
         self._backoff = backoff
         self._by_key: dict[str, NodeRecord] = {}  # "nodes/edge/{region}/{id}" -> record
@@ -182,6 +184,13 @@ class Membership:
                 # cannot slip in between (one event loop, _notify swaps events).
                 await self._changed.wait()
 
+    async def advertise(self, extra: dict[str, object]) -> None:
+        """Rewrite this edge's node record with ``extra``'s fields added (under its lease; the next
+        re-registration carries them too). Raises ``RegistryError`` when the registry does not take it."""
+        self.me = replace(self.me, extra={**self.me.extra, **extra})
+        if self.lease is not None and not self.lease.done.is_set():
+            await self.registry.update_node(self.me, self.lease)
+
     # background -------------------------------------------------------------
 
     async def _stay_registered(self) -> None:
@@ -228,6 +237,7 @@ class Membership:
         self._rebuild()
 
     def _rebuild(self) -> None:
+        self.generation += 1
         self.nodes = {r.node_id: r for r in _sorted(self._by_key.values())}
         local = {r.node_id: r for r in self._by_key.values() if r.region == self.me.region}
         if local.keys() != self._local.keys():

@@ -80,11 +80,19 @@ class EdgeMetrics:
 
         def upper_tiers() -> float:
             e = edge()
-            p = getattr(e, "policies", None) if e is not None else None
-            return float(len(p.upper_regions)) if p is not None else 0.0
+            regions = getattr(e, "upper_regions", None) if hasattr(e, "policies") else None
+            return float(len(regions())) if regions is not None else 0.0
 
-        Gauge("kdn_edge_upper_tiers", "Regions an upper policy names (none: other regions' fills go to the origin)",
-              registry=reg).set_function(upper_tiers)
+        Gauge("kdn_edge_upper_tiers", "Upper-tier regions, named by a policy or chosen by latency (none: other "
+              "regions' fills go to the origin)", registry=reg).set_function(upper_tiers)
+
+        def origin_rtt() -> float:
+            e = edge()
+            a = getattr(e, "auto_upper", None) if e is not None else None
+            return a.rtt_ms / 1e3 if a is not None and a.rtt_ms is not None else float("nan")
+
+        Gauge("kdn_edge_origin_rtt_seconds", "This edge's least measured round trip to an origin (--upper-tier "
+              "auto; NaN: not measured)", registry=reg).set_function(origin_rtt)
 
         def corrupt() -> float:
             e = edge()

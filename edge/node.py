@@ -32,6 +32,7 @@ from kdn.edge.policies import PolicyEngine
 from kdn.edge.prefetch import ChainIndex, Prefetcher
 from kdn.edge.records import OriginRecords, OwnerRecords, RecordCache
 from kdn.edge.tiers import EntryMeta, Handle, Key, Tier, steady_wall
+from kdn.edge.upper import AutoUpper
 
 from kdn.address import Address
 from kdn.auth import TokenScope
@@ -155,7 +156,13 @@ class Edge:
                              me=self.me, upstream_headers=upstream_headers(config.upstream_token_file), metrics=metrics,
                              token_scope=token_scope(config), getter=self.getter,
                              always_probe_regions=config.region_probes == "always",
-                             upper_regions=lambda: self.policies.upper_regions)
+                             upper_regions=self.upper_regions)
+        # Without an upper policy, the upper tier the edges choose by their measured round trips to the
+        # origins (edge/upper.py); started by the app once the membership is (it rewrites this edge's record).
+        self.auto_upper = (AutoUpper(origin_urls=self.origin_urls, probe=self._probe_origin,
+                                     advertise=self.membership.advertise, regions=self.membership.regions,
+                                     revision=lambda: self.membership.generation)
+                           if config.upper_tier == "auto" else None)
         # Manifest bodies a registry pointer names (origins with --records store), whatever --records says.
         self.bodies = OriginRecords(self.session, self.origin_urls, self.filler.headers)
         if config.records == "origin":  # records beside the blobs: asked of the owner edge, then the origins
@@ -208,6 +215,32 @@ class Edge:
 
     def origin_urls(self) -> list[str]:
         return self._origins
+
+    def upper_regions(self) -> frozenset[str]:
+        """The upper tier every region fills through: the regions ``upper`` policies name, else (with
+        ``--upper-tier auto``) the region the edges' measured round trips to the origins choose, else none."""
+        named = self.policies.upper_regions
+        if named or self.auto_upper is None:
+            return named
+        chosen = self.auto_upper.region
+        return frozenset((chosen,)) if chosen is not None else frozenset()
+
+    @property
+    def upper_chosen_by(self) -> str | None:
+        """Why ``upper_regions`` holds what it does: "policy", "latency", or None (no upper tier)."""
+        if self.policies.upper_regions:
+            return "policy"
+        return "latency" if self.upper_regions() else None
+
+    async def _probe_origin(self, url: str) -> float:
+        """Seconds for one ``GET /healthz`` of the origin at ``url`` (raises when it does not answer 200)."""
+        t0 = time.monotonic()  # (the filler's session: a probe leaves the way a fill does)
+        async with self.filler.session.get(f"{url}/healthz", headers=self.filler.headers(url),
+                                    allow_redirects=False) as r:
+            await r.read()
+            if r.status != 200:
+                raise SourceError(f"origin {url[:80]} /healthz answered {r.status}")
+        return time.monotonic() - t0
 
     # --- eviction accounting -------------------------------------------------
 

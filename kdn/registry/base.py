@@ -85,6 +85,7 @@ class ManifestStore(Protocol):
 
 class Membership(Protocol):
     async def register_node(self, rec: NodeRecord, ttl: float) -> NodeLease: ...
+    async def update_node(self, rec: NodeRecord, lease: NodeLease) -> None: ...
     async def list_nodes(self, role: str | None = None, region: str | None = None) -> list[NodeRecord]: ...
 
 
@@ -461,6 +462,15 @@ class KVRegistry(abc.ABC):
         lease = NodeLease(lease_id, granted, self._refresh, self._revoke)
         self._leases.add(lease)
         return lease
+
+    async def update_node(self, rec: NodeRecord, lease: NodeLease) -> None:
+        """Rewrite a registered node's record (the same role, region and id: its key) under its lease:
+        a node's advertised figures change while it lives (``edge/upper.py``). ``LeaseExpired`` or another
+        ``RegistryError`` when the lease is gone or the registry does not answer."""
+        _expect(rec, NodeRecord)
+        if not isinstance(lease, NodeLease):
+            raise InvalidInput(f"expected a NodeLease, got {type(lease).__name__}")
+        await self._put(self._node_key(rec), rec.pack(), lease=lease.lease_id)
 
     async def list_nodes(self, role: str | None = None, region: str | None = None) -> list[NodeRecord]:
         rel = "nodes/"

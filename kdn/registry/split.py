@@ -154,6 +154,9 @@ class RecordsBeside:
     async def register_node(self, rec: NodeRecord, ttl: float) -> NodeLease:
         return await self.control.register_node(rec, ttl)
 
+    async def update_node(self, rec: NodeRecord, lease: NodeLease) -> None:
+        await self.control.update_node(rec, lease)
+
     async def list_nodes(self, role: str | None = None, region: str | None = None) -> list[NodeRecord]:
         return await self.control.list_nodes(role, region)
 

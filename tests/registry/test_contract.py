@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import pytest
 
-from kdn.errors import InvalidAddress, InvalidInput, LeaseExpired
-from kdn.registry import Manifest, Policy, Registry
+from kdn.errors import InvalidAddress, InvalidInput, LeaseExpired, RegistryError
+from kdn.registry import Manifest, NodeRecord, Policy, Registry
 from registry_helpers import MID, addr, chain, enc, eventually, manifest, model, next_event, node, obj, policy, until
 
 
@@ -182,6 +183,26 @@ async def test_node_present_while_alive_and_gone_right_after_close(registry):
     assert lease.done.is_set()
     assert await registry.list_nodes() == [node("origin-1", role="origin", region="us")]
     await other.close()
+
+
+async def test_a_node_record_is_rewritten_under_its_lease_and_goes_with_it(registry):
+    lease = await registry.register_node(node("edge-1"), ttl=2)
+    watch = registry.watch("nodes/")
+    async with contextlib.aclosing(watch):
+        assert list((await next_event(watch)).items) == ["nodes/edge/eu/edge-1"]
+        moved = dataclasses.replace(node("edge-1"), extra={"origin_rtt_ms": 41.5})
+        await registry.update_node(moved, lease)
+        ev = await next_event(watch)
+        assert (ev.kind, ev.key, NodeRecord.unpack(ev.value)) == ("put", "nodes/edge/eu/edge-1", moved)
+        assert await registry.list_nodes() == [moved]
+        await lease.close()  # the rewritten key is still the lease's: it goes with it
+        ev = await next_event(watch)
+        assert (ev.kind, ev.key) == ("delete", "nodes/edge/eu/edge-1")
+    assert await registry.list_nodes() == []
+    with pytest.raises(RegistryError):  # a lease that is gone takes no record
+        await registry.update_node(moved, lease)
+    with pytest.raises(InvalidInput):
+        await registry.update_node(moved, lease.lease_id)
 
 
 async def test_killed_node_expires_within_ttl(registry):
