@@ -164,11 +164,13 @@ async def _record_from_origins(reg: Registry, address: str) -> ObjectRecord | No
 
 
 def cmd_registry_migrate(args: argparse.Namespace) -> int:
-    """Object records out of the registry, into an origin's store (``--records store``; kdn.registry.split)."""
+    """Object records and whole manifests out of the registry, into an origin's store (``--records store``;
+    kdn.registry.split): the records copied (then deleted with ``--delete``), each manifest moved behind a
+    pointer. Exit 1 when a manifest had to be left whole (signed by another key, or changed meanwhile)."""
     from pathlib import Path
 
     from kdn.registry import EmbeddedRegistry, KVRegistry
-    from kdn.registry.split import RECORDS_FILE, SHARDS, migrate_records
+    from kdn.registry.split import RECORDS_FILE, SHARDS, migrate_manifests, migrate_records
 
     s3 = str(args.store).startswith("s3://")
     store = Path(args.store)
@@ -185,6 +187,12 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
     else:
         where = str(store / RECORDS_FILE)
 
+    signer = None
+    if args.signing_key:
+        from kdn.signing import Signer
+
+        signer = Signer.load(args.signing_key)  # a bad or world-readable key fails here, before any write
+
     async def go(reg: Registry) -> int:
         assert isinstance(reg, KVRegistry)
         records: KVRegistry = (S3Records(args.store, credentials=args.store_credentials) if s3
@@ -195,12 +203,19 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
                     print(f"  {shard + 1}/{SHARDS} shards, {n} records", file=sys.stderr)
 
             copied, kept = await migrate_records(reg, records, delete=args.delete, progress=progress)
+            if not args.objects_only:
+                moved, already, left = await migrate_manifests(reg, records, signer=signer)
         finally:
             await records.close()
         print(f"{copied} object records copied into {where}"
               + (f", {kept} already there (kept)" if kept else "")
               + ("; removed from the registry" if args.delete else "; the registry still holds them (--delete)"))
-        return 0
+        if args.objects_only:
+            return 0
+        print(f"{moved} manifests moved beside them (the registry keeps a pointer per name)"
+              + (f", {already} pointers or tombstones already" if already else "")
+              + (f"; {left} left whole (signed by another key, or changed meanwhile: see above)" if left else ""))
+        return 0 if not left else 1
 
     return run_registry(args, go)
 
@@ -340,14 +355,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publisher keys (ed25519:HEX per line): say whether one of them signed the record")
     registry_arg(p)
     p.set_defaults(func=cmd_registry_show)
-    p = reg.add_parser("migrate", help="move object records out of the registry into an origin's store "
-                                       "(for origins run with --records store; docs/scale.md)")
+    p = reg.add_parser("migrate", help="move object records and whole manifests out of the registry into an "
+                                       "origin's store (for origins run with --records store; docs/scale.md)")
     p.add_argument("--store", required=True, metavar="DIR|s3://BUCKET/PREFIX?endpoint=URL",
                    help="the origin's store: a folder, or its bucket")
     p.add_argument("--store-credentials", default=None, metavar="FILE",
                    help="an s3:// store's keys (INI: aws_access_key_id, aws_secret_access_key); else AWS_* "
                         "in the environment")
     p.add_argument("--delete", action="store_true", help="remove them from the registry once copied")
+    p.add_argument("--objects-only", action="store_true",
+                   help="move object records only; leave whole manifests in the registry (by default each is "
+                        "moved beside the records, and the registry keeps a pointer per name)")
+    p.add_argument("--signing-key", default=None, metavar="FILE",
+                   help="the origin's key (kdn origin keygen): signs the pointers of the manifests it signed; "
+                        "a manifest signed by another key is left whole")
     registry_arg(p)
     p.set_defaults(func=cmd_registry_migrate)
     p = reg.add_parser("ls", help="list registry keys")

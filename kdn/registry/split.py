@@ -240,6 +240,66 @@ async def migrate_records(registry: KVRegistry, records: KVRegistry, *, delete: 
     return copied, kept
 
 
+# A manifest's namespace starts with one of these (kdn.address._NAMESPACE): migrate_manifests reads the
+# manifests in that many ranges, one namespace initial at a time, not all in one answer.
+_INITIALS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+async def migrate_manifests(registry: KVRegistry, records: KVRegistry, *, signer: Signer | None = None,
+                            progress: Callable[[int, int], None] | None = None) -> tuple[int, int, int]:
+    """Move every whole manifest of ``registry`` into ``records``: its body under its digest there, and in
+    the registry, in its place, the pointer ``put_manifest`` would have written (``RecordsBeside``), signed
+    by ``signer``. Returns ``(moved, kept, skipped)``: ``kept`` were pointers or tombstones already (nothing
+    to move), ``skipped`` were left whole (logged): signed by a key that is not ``signer``'s, or changed
+    between the read and the write (a publish won: run again).
+
+    A pointer is only as good as its signature: a manifest its publisher signed is moved only with that
+    key (``signer``; a reader that checks publisher keys would refuse an unsigned pointer), and a manifest
+    signed by no one gets an unsigned pointer. Each move is one compare-and-swap on the manifest's key, so
+    a publish that lands meanwhile is never overwritten. The body is written first: the registry never
+    points at a body that is not stored. Readers then read bodies from the origins (``GET
+    /v1/registry/manifests/NS/NAME?body=DIGEST``, which an origin with ``--records store`` answers from
+    ``records``): switch the origins first.
+    """
+    moved = kept = skipped = 0
+    for i, initial in enumerate(_INITIALS):
+        items, _ = await registry._range(registry._key(f"manifests/{initial}"))
+        for key, value in items:
+            try:
+                m = Manifest.unpack(value)
+            except InvalidInput as e:
+                log.error("registry key %s is not a manifest (%s): left where it is", registry._rel(key)[:80], e)
+                skipped += 1
+                continue
+            if m.deleted or m.body is not None:
+                kept += 1
+                continue
+            if m.sig and (signer is None or not signer.signed_it(m)):
+                log.error("manifest %s/%s v%d is signed by key %s, not by the key given: left whole (pass "
+                          "the key that signed it)", m.namespace, m.name, m.version, str(m.sig.get("key"))[:80])
+                skipped += 1
+                continue
+            body = m.pack()
+            digest = blake3(body).hexdigest()
+            await records._put(records._key(BODIES + digest), body)
+            pointer = m.pointer(digest)
+            if m.sig and signer is not None:
+                pointer = signer.sign(pointer)
+
+            def swap(values: list[bytes | None], old: bytes = value, new: bytes = pointer.pack()) -> Writes:
+                return Writes(puts=[(key, new)], result=True) if values[0] == old else Writes(result=False)
+
+            if await registry._transact([key], swap):
+                moved += 1
+            else:
+                log.warning("manifest %s/%s changed while it was moved: left as it is now (run again)",
+                            m.namespace, m.name)
+                skipped += 1
+        if progress is not None:
+            progress(i, moved + kept + skipped)
+    return moved, kept, skipped
+
+
 async def _same(m: Manifest) -> Manifest:
     return m
 

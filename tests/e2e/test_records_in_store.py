@@ -144,14 +144,25 @@ async def test_migrate_moves_a_registrys_records_into_the_store(request, tmp_pat
         await c.origin.close()
         c.origin = None
 
+        async with open_registry(etcd_url) as reg:
+            whole = await reg.get_manifest("public", m["name"])
+        assert whole.body is None and whole.prefix_tokens  # a whole manifest, token list and all, in etcd
+
         argv = ["registry", "migrate", "--store", store, "--registry", etcd_url, "--delete"]
         assert await asyncio.to_thread(cli.main, argv) == 0
-        assert "3 object records copied" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "3 object records copied" in out and "1 manifests moved" in out
         assert await registry_keys(etcd_url, "objects/") == []
         async with beside() as recs:
             assert [r and r.address for r in await recs.get_objects(addrs)] == addrs
+            async with open_registry(etcd_url) as reg:
+                pointer = await reg.get_manifest("public", m["name"])
+                # What a --records store origin would have written: a pointer, its body beside the records.
+                assert pointer.body is not None and pointer.prefix_tokens == [] and pointer.points_at(whole)
+                assert await RecordsBeside(reg, recs).get_manifest("public", m["name"]) == whole
         assert await asyncio.to_thread(cli.main, argv) == 0  # again: nothing left to move, nothing lost
-        assert "0 object records copied" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "0 object records copied" in out and "0 manifests moved" in out and "1 pointers" in out
 
         await c.start_origin(records="store", store=store)
         await c.start_edge("e1", records="origin")
@@ -160,6 +171,56 @@ async def test_migrate_moves_a_registrys_records_into_the_store(request, tmp_pat
             hit = await client.lookup(m["prefix_tokens"] + [5], m["model_id"])
             assert hit.addresses[:2] == addrs[:2]
             assert len((await client.fetch_prefix(hit)).objects) == len(hit.addresses)
+
+
+async def test_migrate_moves_a_signed_manifest_only_with_its_key_and_never_over_a_newer_publish(tmp_path):
+    from kdn.registry.split import migrate_manifests
+
+    key, other = Signer.generate(tmp_path / "k"), Signer.generate(tmp_path / "other")
+    control, records = EmbeddedRegistry(tmp_path / "control.sqlite3"), EmbeddedRegistry(tmp_path / "records.sqlite3")
+    try:
+        control.signer = key
+        man = Manifest(namespace="public", name="doc", model_id="c" * 64, addresses=["a" * 64], tokens=256,
+                       chunk_tokens=256, prefix_tokens=list(range(256)))
+        signed = await control.put_manifest(man)
+        unsigned = Manifest(namespace="team-b", name="notes", model_id="c" * 64, addresses=["b" * 64], tokens=256,
+                            chunk_tokens=256, prefix_tokens=list(range(256)), version=5)
+        await control._put(control._manifest_key("team-b", "notes"), unsigned.pack())
+        control.signer = None
+
+        # Without the key that signed it (or with another), a signed manifest stays whole; an unsigned one moves.
+        for signer in (None, other):
+            assert await migrate_manifests(control, records, signer=signer) == (1 if signer is None else 0,
+                                                                                  0 if signer is None else 1, 1)
+            assert (await control.get_manifest("public", "doc")) == signed
+        p = await control.get_manifest("team-b", "notes")
+        assert p.body is not None and not p.sig and p.points_at(unsigned)
+
+        # A publish that lands between the body's write and the swap wins: the manifest is left as it is then.
+        newer = dataclasses.replace(man, addresses=["d" * 64])
+        real_put = records._put
+
+        async def put_then_publish(k, v, lease=None):
+            await real_put(k, v, lease)
+            control.signer = key
+            await control.put_manifest(newer)
+            control.signer = None
+
+        records._put = put_then_publish
+        assert await migrate_manifests(control, records, signer=key) == (0, 1, 1)
+        records._put = real_put
+        now = await control.get_manifest("public", "doc")
+        assert now.body is None and now.addresses == ["d" * 64] and now.version > signed.version
+
+        # With its key: moved, its pointer signed by that key, and read back whole through RecordsBeside.
+        assert await migrate_manifests(control, records, signer=key) == (1, 1, 0)
+        p = await control.get_manifest("public", "doc")
+        assert p.body is not None and key.signed_it(p) and p.points_at(now)
+        assert Verifier([key.public]).ok(p) and Verifier([key.public]).ok(now)
+        assert await RecordsBeside(control, records).get_manifest("public", "doc") == now
+    finally:
+        await control.close()
+        await records.close()
 
 
 async def test_records_beside_routes_objects_to_the_store_and_the_rest_to_the_registry(tmp_path):
