@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from kdn.edge.eviction import DEFAULT_POLICY, POLICIES
+from kdn.edge.prefetch import CHAIN_BUDGET
 from kdn.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -39,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "label by label, or CIDRs (e.g. 'origin,edge-*' or '**.kdn.svc.cluster.local'; "
                         "default: loopback and --origin's host)")
     p.add_argument("--prefetch", type=int, default=2, metavar="N", help="chunks fetched ahead of a read (0: off)")
+    p.add_argument("--chain-index", type=int, default=CHAIN_BUDGET, metavar="ADDRESSES",
+                   help="chunk addresses of published manifests kept for prefetch, at most (~170 B each; the "
+                        f"least recently read chains go first; default {CHAIN_BUDGET:,})")
     p.add_argument("--lease-ttl", default="10s", metavar="DURATION", help="membership lease, e.g. 10s")
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
@@ -145,6 +149,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": _port(args.port),
         "prefetch": _at_least(args.prefetch, 0, "--prefetch"),
+        "chain_index": _at_least(args.chain_index, 0, "--chain-index"),
         "lease_ttl": _positive(parse_duration(args.lease_ttl), "--lease-ttl"),
         "token_file": _readable(args.token_file, "--token-file"),
         "upstream_token_file": _readable(args.upstream_token_file, "--upstream-token-file"),

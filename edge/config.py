@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass, field
 
 from kdn.edge.eviction import DEFAULT_POLICY, POLICIES
+from kdn.edge.prefetch import CHAIN_BUDGET
 
 from kdn import service
 from kdn.address import validate_name
@@ -27,6 +28,7 @@ class EdgeConfig(service.NodeConfig):
     # hosts that token may reach, http or https; None = loopback (kdn.auth.TokenScope)
     token_hosts: str | None = None
     prefetch: int = 2
+    chain_index: int = CHAIN_BUDGET  # addresses the prefetch chain index holds at most (edge/prefetch.py)
     records_cache: int = 100_000
     # A "no" (absent, or not yours) takes at least this long, or a recent record read's p99 if longer
     # (edge/records.py): its timing then does not tell another tenant's recently read object from an absent one.
@@ -48,6 +50,8 @@ class EdgeConfig(service.NodeConfig):
             raise InvalidInput(f"region_probes must be 'worth' or 'always', not {self.region_probes!r}")
         if self.records not in ("registry", "origin"):
             raise InvalidInput(f"records must be 'registry' or 'origin', not {self.records!r}")
+        if not (isinstance(self.chain_index, int) and self.chain_index >= 0):
+            raise InvalidInput(f"chain_index must be a whole number of addresses, not {self.chain_index!r}")
         if self.upper_tier not in ("auto", "policy"):
             raise InvalidInput(f"upper_tier must be 'auto' or 'policy', not {self.upper_tier!r}")
         if self.eviction not in POLICIES:

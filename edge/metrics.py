@@ -94,6 +94,17 @@ class EdgeMetrics:
         Gauge("kdn_edge_origin_rtt_seconds", "This edge's least measured round trip to an origin (--upper-tier "
               "auto; NaN: not measured)", registry=reg).set_function(origin_rtt)
 
+        def chain_value(attr: str) -> Callable[[], float]:
+            def read() -> float:
+                c = getattr(edge(), "chains", None)
+                return float(getattr(c, attr, 0)) if c is not None else 0.0
+            return read
+
+        Gauge("kdn_edge_chain_index_addresses", "Chunk addresses the prefetch chain index holds (--chain-index "
+              "bounds it)", registry=reg).set_function(chain_value("addresses"))
+        Gauge("kdn_edge_chain_index_evicted", "Chains the prefetch chain index dropped for room since its last "
+              "snapshot (their reads are not prefetched)", registry=reg).set_function(chain_value("evicted"))
+
         def corrupt() -> float:
             e = edge()
             d = getattr(e, "disk", None) if e is not None else None

@@ -138,7 +138,7 @@ class Edge:
         self.disk = disk
         if disk is not None:
             disk.on_evict = self._on_evict
-        self.chains = ChainIndex()
+        self.chains = ChainIndex(config.chain_index)
         self.prefetcher = Prefetcher(self.chains, config.prefetch, self._prefetch_one)
         self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
         # The upstream: the body reader every fill goes through (kdn.bodyget, as the fetch client's), an HTTP

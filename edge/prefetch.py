@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from kdn.registry import Manifest
@@ -19,21 +20,51 @@ from kdn.registry import Manifest
 log = logging.getLogger(__name__)
 
 
-class ChainIndex:
-    """address -> (chain, position) for every published manifest; kept current by a registry watch."""
+# The chain index's default bound, in addresses: ~170 B each (the address string, its position entry,
+# the chain's list slot), so ~170 MB at the default. A registry of 10^7 manifests of 32 chunks would
+# otherwise be 3.2x10^8 addresses, ~54 GB, in every edge (docs/scale.md).
+CHAIN_BUDGET = 1_000_000
 
-    def __init__(self) -> None:
-        self._chains: dict[str, list[str]] = {}  # "ns/name" -> addresses
+
+class ChainIndex:
+    """address -> (chain, position) for published manifests; kept current by a registry watch.
+
+    Bounded by ``budget`` addresses: past it, the chains read least recently (``following``) are dropped
+    first (``evicted`` counts them); a chain longer than the whole budget is not kept. A dropped chain
+    costs its prefetches only: reads are served as before, and its next publish (or an edge restart)
+    indexes it again."""
+
+    def __init__(self, budget: int = CHAIN_BUDGET) -> None:
+        self.budget = budget
+        self._chains: OrderedDict[str, list[str]] = OrderedDict()  # "ns/name" -> addresses, least recent first
         self._pos: dict[str, tuple[str, int]] = {}  # address -> ("ns/name", index)
+        self.addresses = 0  # held now, over every chain
+        self.evicted = 0  # chains dropped for room (or too long to keep)
+
+    def full(self) -> bool:
+        return self.addresses >= self.budget
 
     def put(self, m: Manifest) -> None:
         self.remove(m.ref)
+        if len(m.addresses) > self.budget:
+            self.evicted += 1
+            return
+        while self._chains and self.addresses + len(m.addresses) > self.budget:
+            self._drop(next(iter(self._chains)))
+            self.evicted += 1
         self._chains[m.ref] = list(m.addresses)
+        self.addresses += len(m.addresses)
         for i, a in enumerate(m.addresses):
             self._pos[a] = (m.ref, i)
 
     def remove(self, ref: str) -> None:
-        for a in self._chains.pop(ref, []):
+        if ref in self._chains:
+            self._drop(ref)
+
+    def _drop(self, ref: str) -> None:
+        chain = self._chains.pop(ref)
+        self.addresses -= len(chain)
+        for a in chain:
             if self._pos.get(a, (None,))[0] == ref:
                 del self._pos[a]
 
@@ -41,6 +72,7 @@ class ChainIndex:
         at = self._pos.get(address)
         if at is None or k <= 0:
             return []
+        self._chains.move_to_end(at[0])  # read now: the last to go
         chain = self._chains[at[0]]
         return chain[at[1] + 1 : at[1] + 1 + k]
 

@@ -27,7 +27,11 @@ async def watch_manifests(edge: Edge) -> None:
         # One unreadable manifest (a newer writer, a bad hand edit) hides itself only: once it failed
         # the whole snapshot, which left prefetch off and re-listed every manifest in a retry loop.
         try:
-            edge.chains.put(Manifest.unpack(value))
+            m = Manifest.unpack(value)
+            if m.body is None and not m.deleted:
+                edge.chains.put(m)
+            else:  # deleted, or a pointer whose body was not read (no room, or no origin had it): no chain
+                edge.chains.remove(m.ref)
         except KDNError as e:
             edge.m.bad_records.labels("manifest").inc()
             if key not in warned and len(warned) < 1024:
@@ -55,13 +59,13 @@ async def watch_manifests(edge: Edge) -> None:
 
     async def on_event(ev) -> None:
         if ev.kind == "snapshot":
-            keys = list(ev.items)
-            ev = dataclasses.replace(ev, items=dict(zip(keys, await asyncio.gather(
-                *(whole(k, ev.items[k]) for k in keys)))))
+            keys = _to_read(ev.items, edge.chains.budget)
+            ev = dataclasses.replace(ev, items={**ev.items, **dict(zip(keys, await asyncio.gather(
+                *(whole(k, ev.items[k]) for k in keys))))})
         elif ev.kind == "put" and ev.value is not None:
             ev = dataclasses.replace(ev, value=await whole(ev.key, ev.value))
         if ev.kind == "snapshot":
-            edge.chains = ChainIndex()
+            edge.chains = ChainIndex(edge.chains.budget)
             edge.prefetcher.index = edge.chains
             for key, value in ev.items.items():
                 put(key, value)
@@ -72,6 +76,32 @@ async def watch_manifests(edge: Edge) -> None:
         await edge.policies.feed_manifests(ev)
 
     await follow(edge.registry, "manifests/", on_event, what="manifest")
+
+
+def _to_read(items: dict[str, bytes], budget: int) -> list[str]:
+    """The pointers of a snapshot whose bodies are read from the origins at start: the newest first, while
+    the chain index has room for them (a pointer says how many tokens its body names). Reading all of them
+    was one origin request per published name at every edge's start (10^7 at internet scale) for chains the
+    index could not hold anyway; a pointer left unread has no chain (no prefetch for it until its next
+    publish), and a policy that names it reads it itself."""
+    pointers: list[tuple[int, str, int]] = []
+    room = budget
+    for key, value in items.items():
+        try:
+            m = Manifest.unpack(value)
+        except KDNError:
+            continue  # (put() counts and logs it)
+        if m.body is not None:
+            pointers.append((m.version, key, -(-m.tokens // max(m.chunk_tokens, 1))))
+        elif not m.deleted:
+            room -= len(m.addresses)
+    out = []
+    for _, key, n in sorted(pointers, reverse=True):
+        if n > room:
+            break
+        out.append(key)
+        room -= n
+    return out
 
 
 EXPIRY_PASS_S = 1.0
