@@ -48,6 +48,7 @@ from aiohttp import web  # noqa: E402
 from blake3 import blake3  # noqa: E402
 
 import faultlib as F  # noqa: E402
+from jobs import publish_and_wait  # noqa: E402  (bench/lib, on the path through faultlib)
 
 TENANT = "tenant-" + os.urandom(12).hex()  # publish,read on "acme" only
 MiB = 1 << 20
@@ -335,17 +336,7 @@ DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "rogue_tls": ["rogue_ht
 
 async def publish_as(w: F.World, token: str, text: str, name: str, namespace: str) -> dict:
     async with aiohttp.ClientSession(w.origin.url, headers=bearer(token)) as s:
-        async with s.post("/v1/publish", json={"name": name, "text": text, "namespace": namespace}) as r:
-            job = await r.json()
-            assert r.status == 202, job
-        for _ in range(600):
-            async with s.get(f"/v1/jobs/{job['job']}") as r:
-                state = await r.json()
-            if state["state"] in ("done", "failed"):
-                break
-            await asyncio.sleep(0.05)
-    assert state["state"] == "done", state
-    return state["manifest"]
+        return await publish_and_wait(s, {"name": name, "text": text, "namespace": namespace}, timeout=30)
 
 
 async def close_world(ctx: Ctx) -> None:

@@ -40,6 +40,7 @@ from blake3 import blake3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from etcd_proc import ETCD_BIN, EtcdProcess  # noqa: E402
+from jobs import publish_and_wait  # noqa: E402
 from ports import free_port  # noqa: E402
 
 PREFIX = "/kdn-faults/"
@@ -254,20 +255,8 @@ class World:
         from kdn.registry import open_registry
 
         async with aiohttp.ClientSession(self.origin.url, headers={"Authorization": f"Bearer {PUBLISH}"}) as s:
-            async with s.post("/v1/publish", json={"name": name, "text": text, "encodings": list(encodings)}) as r:
-                body = await r.json()
-                if r.status != 202:
-                    raise RuntimeError(f"publish: {r.status} {body}")
-            deadline = time.monotonic() + timeout
-            while True:
-                async with s.get(f"/v1/jobs/{body['job']}") as r:
-                    job = await r.json()
-                if job["state"] == "done":
-                    break
-                if job["state"] == "failed" or time.monotonic() > deadline:
-                    raise RuntimeError(f"publish job: {job}")
-                await asyncio.sleep(0.05)
-        manifest = job["manifest"]
+            manifest = await publish_and_wait(s, {"name": name, "text": text, "encodings": list(encodings)},
+                                              timeout=timeout)
         async with open_registry(self.etcd.registry) as reg:
             for a in manifest["addresses"]:
                 rec = await reg.get_object(a)

@@ -322,7 +322,7 @@ async def _kill_mid_publish(w, body_text: str, name: str) -> bool:
     async with aiohttp.ClientSession(w.origin.url, headers=headers) as s:
         async with s.post("/v1/publish", json={"name": name, "text": body_text, "encodings": ["zstd", "raw"]}) as r:
             job = (await r.json())["job"]
-        while True:
+        for _ in range(24_000):  # 2 minutes at most (the poll's own time aside)
             async with s.get(f"/v1/jobs/{job}") as r:
                 state = await r.json()
             progress = state["progress"]
@@ -332,6 +332,7 @@ async def _kill_mid_publish(w, body_text: str, name: str) -> bool:
                 w.origin.kill()
                 return True
             await asyncio.sleep(0.005)
+    raise RuntimeError(f"publish job {job} stored no chunk in 2 minutes: {state}")
 
 
 async def _after(seconds: float, coro) -> None:

@@ -96,6 +96,7 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from etcd_proc import EtcdProcess  # noqa: E402
+from jobs import publish_and_wait  # noqa: E402
 from ports import free_port  # noqa: E402
 from linkemu import LinkEmulator  # noqa: E402
 import results as R  # noqa: E402
@@ -300,18 +301,7 @@ async def publish_docs(world: World, n: int, tokens: int, seed: int) -> list[dic
     async with aiohttp.ClientSession(world.origin_direct, headers={"Authorization": f"Bearer {PUBLISH_TOKEN}"}) as s:
         for d in range(n):
             ids = [rng.randrange(3, 512) for _ in range(tokens)]
-            async with s.post("/v1/publish", json={"name": f"geo-doc-{d}", "namespace": "public", "tokens": ids}) as r:
-                assert r.status == 202, await r.text()
-                job = (await r.json())["job"]
-            while True:
-                async with s.get(f"/v1/jobs/{job}") as r:
-                    j = await r.json()
-                if j["state"] == "done":
-                    out.append(j["manifest"])
-                    break
-                if j["state"] == "failed":
-                    raise RuntimeError(f"publish failed: {j}")
-                await asyncio.sleep(0.05)
+            out.append(await publish_and_wait(s, {"name": f"geo-doc-{d}", "namespace": "public", "tokens": ids}))
     return out
 
 

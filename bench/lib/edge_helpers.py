@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from kdn.origin.app import OriginConfig, create_app as create_origin
 from kdn.registry import ObjectRecord
 from kdn.registry.records import Encoding
 from kdn.service import server_options
+from jobs import publish_and_wait  # bench/lib/jobs.py
 from ports import free_port  # bench/lib/ports.py
 
 PUBLISH = "pub-" + "a" * 28
@@ -139,16 +139,7 @@ async def publish(c: Cluster, text: str, name: str = "doc", namespace: str = "pu
     """Publish through the origin and wait for the job; ``fields`` go into the body (encodings, standalone...)."""
     async with aiohttp.ClientSession(c.origin_url(), headers={"Authorization": f"Bearer {token}"}) as s:
         body = {"name": name, "namespace": namespace, "text": text, **fields}
-        async with s.post("/v1/publish", json=body) as r:
-            assert r.status == 202, await r.text()
-            job_id = (await r.json())["job"]
-        while True:
-            async with s.get(f"/v1/jobs/{job_id}") as r:
-                job = await r.json()
-            if job["state"] == "done":
-                return job["manifest"]
-            assert job["state"] != "failed", job
-            await asyncio.sleep(0.02)
+        return await publish_and_wait(s, body, timeout=120, poll=0.02)
 
 
 async def get(url: str, address: str, token: str | None = None, **params) -> tuple[int, bytes, dict]:

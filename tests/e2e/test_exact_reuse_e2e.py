@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 
 from edge_helpers import EDGE_TOKEN, TENANT_A, TENANT_B, cluster, publish  # noqa: E402
+from jobs import publish_and_wait  # noqa: E402
 
 from kdn.adapters.hf import agenerate, continue_from_cache, load_model, prefill, prompt_tokens  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402
@@ -86,15 +87,7 @@ async def test_smollm2_document_plus_question_reuses_the_whole_document(tmp_path
     async with cluster(tmp_path, etcd_url, edges=("e1", "e2"), model="smollm2-135m") as c:
         async with __import__("aiohttp").ClientSession(c.origin_url(),
                                                      headers={"Authorization": "Bearer " + "pub-" + "a" * 28}) as s:
-            async with s.post("/v1/publish", json={"name": "harbor", "text": text, "template": "chat"}) as r:
-                job_id = (await r.json())["job"]
-            while True:
-                async with s.get(f"/v1/jobs/{job_id}") as r:
-                    job = await r.json()
-                if job["state"] in ("done", "failed"):
-                    break
-        assert job["state"] == "done", job
-        m = job["manifest"]
+            m = await publish_and_wait(s, {"name": "harbor", "text": text, "template": "chat"}, timeout=300)
         async with KDNClient(edges=[("e1", c.edge_url("e1")), ("e2", c.edge_url("e2"))]) as client:
             manifest = await client.manifest("public", "harbor")
             ids = prompt_tokens(lm.tokenizer, manifest, "What is the nightly hotel limit?")

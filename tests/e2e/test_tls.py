@@ -14,6 +14,7 @@ from aiohttp import web
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 
 from edge_helpers import EDGE_TOKEN, PUBLISH, free_port, write_tokens  # noqa: E402
+from jobs import publish_and_wait  # noqa: E402
 from tls_certs import make_ca_and_cert  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
@@ -50,14 +51,7 @@ async def test_https_origin_and_edge_with_verification(tmp_path, etcd_server):
 
         conn = aiohttp.TCPConnector(ssl=client_context(str(ca)))
         async with aiohttp.ClientSession(connector=conn, headers={"Authorization": f"Bearer {PUBLISH}"}) as s:
-            async with s.post(f"{ocfg.advertised_url}/v1/publish", json={"name": "d", "text": "x" * 600}) as r:
-                job = (await r.json())["job"]
-            while True:
-                async with s.get(f"{ocfg.advertised_url}/v1/jobs/{job}") as r:
-                    state = await r.json()
-                if state["state"] == "done":
-                    break
-        m = state["manifest"]
+            m = await publish_and_wait(s, {"name": "d", "text": "x" * 600}, url=ocfg.advertised_url, timeout=60)
         # the edge fills from the HTTPS origin (verifying it with the CA); the client verifies the edge
         async with KDNClient(edges=[ecfg.advertised_url], ca=str(ca)) as client:
             hit = await client.lookup(m["prefix_tokens"], m["model_id"])
