@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from blake3 import blake3
 
 from edge_helpers import cluster, metric, publish
 
@@ -23,7 +24,7 @@ MID = "c" * 64
 
 
 def _addr(tag: str, i: int) -> str:
-    return f"{tag[:1]}{i:063x}"
+    return blake3(f"{tag}/{i}".encode()).hexdigest()
 
 
 def _manifest(name: str, n: int, *, version: int = 1, tag: str | None = None) -> Manifest:
