@@ -14,8 +14,10 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from kdn.registry import Manifest
+if TYPE_CHECKING:  # (a type only: `kdn edge serve --help` reads CHAIN_BUDGET and loads no registry code)
+    from kdn.registry import Manifest
 
 log = logging.getLogger(__name__)
 
