@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +141,15 @@ async def publish(c: Cluster, text: str, name: str = "doc", namespace: str = "pu
     async with aiohttp.ClientSession(c.origin_url(), headers={"Authorization": f"Bearer {token}"}) as s:
         body = {"name": name, "namespace": namespace, "text": text, **fields}
         return await publish_and_wait(s, body, timeout=120, poll=0.02)
+
+
+async def wait_until(pred, timeout: float = 10.0, every: float = 0.01) -> None:
+    """Poll a condition that has no event of its own (cache contents, an index), bounded in time."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(every)
 
 
 async def get(url: str, address: str, token: str | None = None, **params) -> tuple[int, bytes, dict]:

@@ -5,12 +5,10 @@ only while there is room for them."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from blake3 import blake3
 
-from edge_helpers import cluster, metric, publish
+from edge_helpers import cluster, metric, publish, wait_until
 
 from kdn.edge.config import EdgeConfig
 from kdn.edge.prefetch import ChainIndex
@@ -83,14 +81,6 @@ def test_the_bound_is_checked():
 TEXT = ("Each log names the lamp, the oil, the wind and the ships that passed in the night. " * 30)[:1500]
 
 
-async def _until(cond, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "timed out"
-        await asyncio.sleep(0.05)
-
-
 async def test_an_edge_keeps_the_chains_its_budget_holds_and_counts_the_rest(tmp_path, etcd_url):
     async with cluster(tmp_path, etcd_url, edges=()) as c:
         m1 = await publish(c, TEXT)
@@ -100,11 +90,11 @@ async def test_an_edge_keeps_the_chains_its_budget_holds_and_counts_the_rest(tmp
         await c.start_edge("e1", prefetch=2, chain_index=len(a1))
         await c.wait_ring(["e1"])
         edge = c.edge("e1")
-        await _until(lambda: edge.chains.following(a1[0], 1) == a1[1:2])
+        await wait_until(lambda: edge.chains.following(a1[0], 1) == a1[1:2])
         m2 = await publish(c, "A second, shorter log. " + TEXT[:len(TEXT) // 2], name="doc2")
         a2 = m2["addresses"]
         assert 1 <= len(a2) <= len(a1)
-        await _until(lambda: edge.chains.addresses == len(a2) and edge.chains.following(a1[0], 1) == [])
+        await wait_until(lambda: edge.chains.addresses == len(a2) and edge.chains.following(a1[0], 1) == [])
         assert edge.chains.following(a2[0], 1) == a2[1:2]  # the newest kept, doc1 dropped for room
         assert metric(c.edges["e1"], "kdn_edge_chain_index_evicted") == 1
         assert metric(c.edges["e1"], "kdn_edge_chain_index_addresses") == len(a2)

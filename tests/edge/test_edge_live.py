@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from edge_helpers import cluster, get, metric, origin_served, publish  # noqa: E402
+from edge_helpers import cluster, get, metric, origin_served, publish, wait_until  # noqa: E402
 
 from kdn.registry import Policy, open_registry  # noqa: E402
 
@@ -26,7 +26,7 @@ async def test_prefetch_brings_the_next_chunks_before_they_are_asked(tmp_path, e
         m = await publish(c, TEXT)
         a = m["addresses"]
         for e in c.edges:  # every edge learns the chain from the manifest watch
-            await _wait(lambda e=e: c.edge(e).chains.following(a[0], 2) == a[1:3])
+            await wait_until(lambda e=e: c.edge(e).chains.following(a[0], 2) == a[1:3])
         reader = owner(c, a[0])
         assert (await get(c.edge_url(reader), a[0]))[0] == 200
         for e in c.edges:
@@ -50,7 +50,7 @@ async def test_prefetch_fills_the_encoding_the_read_was_of(tmp_path, etcd_url):
         m = await publish(c, TEXT)
         a = m["addresses"]
         for e in c.edges:
-            await _wait(lambda e=e: c.edge(e).chains.following(a[0], 2) == a[1:3])
+            await wait_until(lambda e=e: c.edge(e).chains.following(a[0], 2) == a[1:3])
         reader = owner(c, a[0])
         status, _, headers = await get(c.edge_url(reader), a[0], encoding="raw")
         assert status == 200 and headers["X-KDN-Encoding"] == "raw"
@@ -87,7 +87,7 @@ async def test_warm_and_pin_policies_take_effect_live(tmp_path, etcd_url):
             for a in m["addresses"]:
                 e = c.edge(owner(c, a))
                 await e.policies.wait_applied(lambda p: a in p.pinned_addresses)
-                await _wait(lambda e=e, a=a: e.memory.contains((a, "zstd")))
+                await wait_until(lambda e=e, a=a: e.memory.contains((a, "zstd")))
             assert origin_served(c) == len(m["addresses"])  # warmed once each, by its owner only
             # pinned entries are marked and survive pressure
             for a in m["addresses"]:
@@ -149,15 +149,6 @@ async def test_other_region_is_asked_before_the_origin(tmp_path, etcd_url):
         assert not c.edge("eu1").memory.contains((b, "zstd"))
 
 
-async def _wait(pred, timeout: float = 10.0) -> None:
-    """Poll a condition that has no event of its own (cache contents), bounded in time."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_malformed_manifest_record_hides_only_itself(tmp_path, etcd_url):
     """One unreadable manifest record once failed the prefetch index's whole snapshot: prefetch off for every
     manifest, and every manifest re-listed in a retry loop."""
@@ -169,10 +160,10 @@ async def test_a_malformed_manifest_record_hides_only_itself(tmp_path, etcd_url)
             await c.start_edge("e1", prefetch=2)
             await c.wait_ring(["e1"])
             a = m["addresses"]
-            await _wait(lambda: c.edge("e1").chains.following(a[0], 2) == a[1:3])
+            await wait_until(lambda: c.edge("e1").chains.following(a[0], 2) == a[1:3])
             await reg._put(reg._key("manifests/public/broken2"), b"\xc1")  # noqa: SLF001 - and one that arrives live
             m2 = await publish(c, "Another log entirely: " + TEXT, name="doc2")  # no prefix shared with vol1
-            await _wait(lambda: c.edge("e1").chains.following(m2["addresses"][0], 1) == m2["addresses"][1:2])
+            await wait_until(lambda: c.edge("e1").chains.following(m2["addresses"][0], 1) == m2["addresses"][1:2])
             # each unreadable record counted (again if a re-list sees it again); the live one came before doc2
             assert metric(c.edges["e1"], "kdn_edge_bad_registry_records", kind="manifest") >= 2
     finally:
