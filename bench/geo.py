@@ -363,11 +363,13 @@ class BenchClient(KDNClient):
 
         self.fetch_observer = Tracer()
 
-    async def _fetch_hedged(self, address, encoding, digest, size, *, hedge=True, pooled=None, pieces=None, part=None):
-        """probe_all: ask every source at once, keep the first verified answer (the measured minimum)."""
+    async def _fetch_hedged(self, address, encoding, digest, size, *, hedge=True, pooled=None, pieces=None, part=None,
+                            tally=None):
+        """probe_all: ask every source at once, keep the first verified answer (the measured minimum). (``tally``,
+        the load planner's byte count, is passed on; the probe_all strategy runs without a planner.)"""
         if not self.probe_all:
             return await super()._fetch_hedged(address, encoding, digest, size, hedge=hedge, pooled=pooled,
-                                               pieces=pieces, part=part)
+                                               pieces=pieces, part=part, tally=tally)
         from kdn.errors import DigestMismatch, SourceError
         from kdn.fetch import Route, Want
 
