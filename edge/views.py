@@ -19,58 +19,65 @@ log = logging.getLogger("kdn.edge.app")
 
 async def watch_manifests(edge: Edge) -> None:
     """The edge's one view of ``manifests/``: keeps the chain index (for prefetch) current and hands
-    each event on to the policy engine (pins and warms name manifests)."""
+    each event on to the policy engine (pins and warms name manifests).
+
+    Each record is unpacked once here (a snapshot at an edge's start holds every published name): the
+    choice of pointers to read, the reads and the chain index all take that one ``Manifest``."""
 
     warned: set[str] = set()
 
-    def put(key: str, value: bytes) -> None:
+    def read(key: str, value: bytes) -> Manifest | None:
         # One unreadable manifest (a newer writer, a bad hand edit) hides itself only: once it failed
         # the whole snapshot, which left prefetch off and re-listed every manifest in a retry loop.
         try:
-            m = Manifest.unpack(value)
-            if m.body is None and not m.deleted:
-                edge.chains.put(m)
-            else:  # deleted, or a pointer whose body was not read (no room, or no origin had it): no chain
-                edge.chains.remove(m.ref)
+            return Manifest.unpack(value)
         except KDNError as e:
             edge.m.bad_records.labels("manifest").inc()
             if key not in warned and len(warned) < 1024:
                 warned.add(key)
                 log.warning("skipping unreadable manifest record %s: %s", key, str(e).splitlines()[0][:200])
+            return None
 
-    async def whole(key: str, value: bytes) -> bytes:
-        """A pointer's whole manifest (``Manifest.body``, read from the origins), packed; anything else, or
-        a pointer whose body cannot be read now (no chain for prefetch; policies read it again), as it is."""
-        try:
-            m = Manifest.unpack(value)
-        except KDNError:
-            return value  # (put() counts and logs it)
-        if m.body is None:
-            return value
+    def put(m: Manifest | None) -> None:
+        if m is None:
+            return
+        if m.body is None and not m.deleted:
+            edge.chains.put(m)
+        else:  # deleted, or a pointer whose body was not read (no room, or no origin had it): no chain
+            edge.chains.remove(m.ref)
+
+    async def whole(key: str, m: Manifest) -> Manifest | None:
+        """A pointer's whole manifest (``Manifest.body``, read from the origins); None if it cannot be read
+        now (no chain for prefetch; policies read it again)."""
+        assert m.body is not None
         async with fetching:
             full = await edge.bodies.get_manifest_body(m.namespace, m.name, m.body)
         if full is None or not m.points_at(full):
             log.warning("manifest %s v%d: its body %s could not be read from the origins", key, m.version,
                         m.body[:16])
-            return value
-        return full.pack()
+            return None
+        return full
 
     fetching = asyncio.Semaphore(16)
 
     async def on_event(ev) -> None:
         if ev.kind == "snapshot":
-            keys = _to_read(ev.items, edge.chains.budget)
-            ev = dataclasses.replace(ev, items={**ev.items, **dict(zip(keys, await asyncio.gather(
-                *(whole(k, ev.items[k]) for k in keys))))})
-        elif ev.kind == "put" and ev.value is not None:
-            ev = dataclasses.replace(ev, value=await whole(ev.key, ev.value))
-        if ev.kind == "snapshot":
+            parsed = {k: read(k, v) for k, v in ev.items.items()}
+            pointers = [(k, m) for k in _to_read(parsed, edge.chains.budget) if (m := parsed[k]) is not None]
+            fulls = await asyncio.gather(*(whole(k, m) for k, m in pointers))
+            got = {k: f for (k, _), f in zip(pointers, fulls) if f is not None}
+            parsed.update(got)
+            ev = dataclasses.replace(ev, items={**ev.items, **{k: f.pack() for k, f in got.items()}})
             edge.chains = ChainIndex(edge.chains.budget)
             edge.prefetcher.index = edge.chains
-            for key, value in ev.items.items():
-                put(key, value)
-        elif ev.kind == "put":
-            put(ev.key, ev.value)
+            for m in parsed.values():
+                put(m)
+        elif ev.kind == "put" and ev.value is not None:
+            m = read(ev.key, ev.value)
+            if m is not None and m.body is not None and (full := await whole(ev.key, m)) is not None:
+                m = full
+                ev = dataclasses.replace(ev, value=full.pack())
+            put(m)
         elif ev.kind == "delete":
             edge.chains.remove(ev.key.split("/", 1)[1])
         await edge.policies.feed_manifests(ev)
@@ -78,19 +85,17 @@ async def watch_manifests(edge: Edge) -> None:
     await follow(edge.registry, "manifests/", on_event, what="manifest")
 
 
-def _to_read(items: dict[str, bytes], budget: int) -> list[str]:
-    """The pointers of a snapshot whose bodies are read from the origins at start: the newest first, while
-    the chain index has room for them (a pointer says how many tokens its body names). Reading all of them
-    was one origin request per published name at every edge's start (10^7 at internet scale) for chains the
-    index could not hold anyway; a pointer left unread has no chain (no prefetch for it until its next
-    publish), and a policy that names it reads it itself."""
+def _to_read(items: dict[str, Manifest | None], budget: int) -> list[str]:
+    """The pointers of a snapshot (unpacked; None for an unreadable record) whose bodies are read from the
+    origins at start: the newest first, while the chain index has room for them (a pointer says how many
+    tokens its body names). Reading all of them was one origin request per published name at every edge's
+    start (10^7 at internet scale) for chains the index could not hold anyway; a pointer left unread has no
+    chain (no prefetch for it until its next publish), and a policy that names it reads it itself."""
     pointers: list[tuple[int, str, int]] = []
     room = budget
-    for key, value in items.items():
-        try:
-            m = Manifest.unpack(value)
-        except KDNError:
-            continue  # (put() counts and logs it)
+    for key, m in items.items():
+        if m is None:
+            continue  # (read() counted and logged it)
         if m.body is not None:
             pointers.append((m.version, key, -(-m.tokens // max(m.chunk_tokens, 1))))
         elif not m.deleted:

@@ -57,8 +57,8 @@ def test_a_snapshot_reads_the_newest_pointers_while_the_index_has_room():
     whole = _manifest("w", 3)
     old, mid, new = (_manifest(n, 4, version=v).pointer("0" * 64) for n, v in (("old", 1), ("mid", 2), ("new", 3)))
     tomb = dataclass_tombstone()
-    items = {f"manifests/public/{m.name}": m.pack() for m in (whole, old, mid, new, tomb)}
-    items["manifests/public/broken"] = b"\xc1"
+    items: dict[str, Manifest | None] = {f"manifests/public/{m.name}": m for m in (whole, old, mid, new, tomb)}
+    items["manifests/public/broken"] = None  # unreadable: watch_manifests counts it and reads nothing for it
     # 10 addresses: the whole manifest's 3 leave room for one pointer of 4, the newest.
     assert _to_read(items, 10) == ["manifests/public/new"]
     assert _to_read(items, 11) == ["manifests/public/new", "manifests/public/mid"]
