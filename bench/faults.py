@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 _here = Path(__file__).resolve().parent
-if str(_here) not in sys.path:  # run as a script it is there already; imported by tests/faults, not
-    sys.path.insert(0, str(_here))
+for _p in (_here, _here / "lib"):  # bench/ and bench/lib/ (linkemu); run as a script bench/ is there already,
+    if str(_p) not in sys.path:      # imported by tests/faults it is not
+        sys.path.insert(0, str(_p))
 
 import faultlib as F  # noqa: E402
 from linkemu import LinkEmulator  # noqa: E402

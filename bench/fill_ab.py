@@ -67,8 +67,8 @@ async def _serve(sizes: list[int], portfile: str, delay_ms: float, mbit: float) 
     port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001
     ports = {"direct": port}
     if delay_ms or mbit:
-        sys.path.insert(0, str(HERE))
-        from linkemu import LinkEmulator
+        sys.path.insert(0, str(HERE / "lib"))
+        from linkemu import LinkEmulator  # bench/lib/linkemu.py
 
         link = await LinkEmulator(0, "127.0.0.1", port, delay_ms=delay_ms, mbit=mbit).start()
         ports["link"] = link.port

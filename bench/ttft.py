@@ -27,7 +27,7 @@ repeat, the first token of the prompt ``published + suffix``:
   suffix only;
 - ``disk-cold``: ``disk`` after ``fsync`` + ``posix_fadvise(DONTNEED)`` on every file of that edge's disk
   folder (page-cache residency checked with ``mincore`` before and after, reported);
-- ``remote``: a memory hit on ``edge-far`` (region ``far``), reached through ``bench/linkemu.py`` in its own
+- ``remote``: a memory hit on ``edge-far`` (region ``far``), reached through ``bench/lib/linkemu.py`` in its own
   process (``FAR_DELAY_MS`` one way, ``FAR_MBIT`` per direction per connection);
 - ``cold``: a fresh edge process per repeat (empty tiers; started, not timed, on a copy of the registry
   without the other edges, so every chunk fills from the origin), with a new client.
@@ -107,7 +107,7 @@ def _serve(role: str, cfg_json: str) -> None:
 
 
 async def _serve_link(cfg: dict) -> None:
-    """bench/linkemu.py in its own process (its pacing does not share the bench's event loop or GIL)."""
+    """bench/lib/linkemu.py in its own process (its pacing does not share the bench's event loop or GIL)."""
     from linkemu import LinkEmulator
 
     link = LinkEmulator(cfg["port"], "127.0.0.1", cfg["target_port"], delay_ms=cfg["delay_ms"], mbit=cfg["mbit"])
@@ -302,7 +302,7 @@ async def run_lean(lm, ids, client) -> Sample:
 
 PATHS = ("prefill", "prefill-lean", "memory", "disk", "disk-cold", "remote", "cold")
 HITS = ("memory", "disk", "disk-cold", "remote", "cold")
-# The far region's link (bench/linkemu.py, each direction, per TCP connection): 20 ms one way (a 40 ms round
+# The far region's link (bench/lib/linkemu.py, each direction, per TCP connection): 20 ms one way (a 40 ms round
 # trip, e.g. two regions of one continent) at 1000 Mbit/s.
 FAR_DELAY_MS, FAR_MBIT = 20.0, 1000.0
 

@@ -5,7 +5,7 @@ over 3 and 10 regions, on the Mooncake conversation trace.
     python -P bench/upper_tier.py --regions 3 --requests 120 --json bench/work/upper_tier.json
 
 Every process is real and on 127.0.0.1 (bench/faultlib.World: etcd, an origin, ``N`` regions of one
-edge each, ``kdn edge serve``); the links between them are emulated (bench/linkemu.py: one-way delay,
+edge each, ``kdn edge serve``); the links between them are emulated (bench/lib/linkemu.py: one-way delay,
 bandwidth per flow), chosen so an edge's upstream hops pay them:
 
     r0 -> origin            2.5 ms one way, 1 Gbit/s     (the region next to the origin: the upper tier)
@@ -52,8 +52,9 @@ import aiohttp
 from blake3 import blake3
 
 _here = Path(__file__).resolve().parent
-if str(_here) not in sys.path:
-    sys.path.insert(0, str(_here))
+for _p in (_here, _here / "lib"):  # bench/ and bench/lib/ (linkemu)
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 import faultlib as F  # noqa: E402
 import load as L  # noqa: E402

@@ -4,7 +4,7 @@
 
 On 127.0.0.1, in their own processes: an origin (transformers, bf16, ``zstd``
 and ``raw``) and one edge with a memory tier; in front of the edge a user-space
-link emulator (``bench/linkemu.py``, in a process of its own; no ``tc netem`` here); then one vLLM
+link emulator (``bench/lib/linkemu.py``, in a process of its own; no ``tc netem`` here); then one vLLM
 engine (CPU, bf16, in this process) with ``KDNConnector`` as consumer, the
 load planner on (its default). The context of ``--length`` tokens is
 published once and read once through the engine (filling the edge's memory).

@@ -1,4 +1,4 @@
-"""The user-space link emulator (bench/linkemu.py) and the fetch client's source-selection hook.
+"""The user-space link emulator (bench/lib/linkemu.py) and the fetch client's source-selection hook.
 
 Loopback only, real sockets, each test bounded to a few seconds.
 """
@@ -6,24 +6,17 @@ Loopback only, real sockets, each test bounded to a few seconds.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from linkemu import LinkEmulator  # bench/lib/linkemu.py (tests/conftest.py puts bench/lib on the path)
+
 from kdn.client import KDNClient
 from kdn.errors import InvalidInput
-
-_spec = importlib.util.spec_from_file_location("kdn_bench_linkemu",
-                                               Path(__file__).resolve().parents[2] / "bench" / "linkemu.py")
-linkemu = sys.modules.setdefault("kdn_bench_linkemu", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(linkemu)
-LinkEmulator = linkemu.LinkEmulator
 
 pytestmark = pytest.mark.timeout(60)
 

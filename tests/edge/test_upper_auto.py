@@ -5,14 +5,12 @@ overrides it; ``--upper-tier policy`` turns it off; the figures come from the re
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
 
+import linkemu  # bench/lib/linkemu.py (tests/conftest.py puts bench/lib on the path)
 from edge_helpers import cluster, get, origin_served, publish
 
 from kdn.edge import upper
@@ -21,11 +19,6 @@ from kdn.errors import InvalidInput, RegistryUnavailable
 from kdn.registry import NodeRecord, Policy, open_registry
 
 pytestmark = pytest.mark.timeout(60)
-
-_spec = importlib.util.spec_from_file_location("kdn_bench_linkemu",
-                                               Path(__file__).resolve().parents[2] / "bench" / "linkemu.py")
-linkemu = sys.modules.setdefault("kdn_bench_linkemu", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(linkemu)
 
 TEXT = ("Whichever region sits next to the origin shields it for the others. " * 30)[:1500]
 
