@@ -13,7 +13,7 @@ data dir, stopped by PID). Topology (round-trip times; each one-way delay is hal
     far     far-1, far-2               120 ms / 200 Mbit/s  100 ms / 200 Mbit/s 1 ms / 10 Gbit/s
     origin  origin-1                   120 ms / 200 Mbit/s from every region
 
-Every server (6 edges, the origin) sits behind one ``LinkEmulator`` (bench/linkemu.py) whose profile is
+Every server (6 edges, the origin) sits behind one ``LinkEmulator`` (bench/lib/linkemu.py) whose profile is
 chosen by the connecting socket's source address: region ``i`` binds its outgoing sockets to 127.0.i.1
 (edges: their upstream HTTP session) and 127.0.i.2 (its clients). The edges and the origin advertise the
 emulated URLs (``EdgeConfig.url``, ``OriginConfig.url``, the edges' ``origin``), so every hop pays its
@@ -256,6 +256,10 @@ class World:
                 # The edge's upstream session and body reader (peers, other regions, origin) leave from its
                 # region's address.
                 node.edge.filler.session = node.session
+                # ... and so do its record and manifest-body reads (--records auto asks the origin first).
+                for reads in {id(r): r for r in (node.edge.bodies, getattr(node.edge.records.source, "origins",
+                                                                            None)) if r is not None}.values():
+                    reads.session = node.session
                 node.edge.filler.getter.close()
                 node.edge.filler.getter = BodyGetter(ssl=None, per_host=64, local_addr=edge_ip(region))
                 self.edges[nid] = node

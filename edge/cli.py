@@ -74,9 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--revoked-admissions", default=None, metavar="FILE",
                    help="with --require-admission: admission ids the operator revoked (kdn node revoke), one per "
                         "line; read again when it changes, within 30 s")
-    p.add_argument("--records", choices=("registry", "origin"), default="registry",
-                   help="where object records are read: the registry (the default), or the origins' stores, "
-                        "for origins started with --records store (no registry read on a request's path)")
+    p.add_argument("--records", choices=("auto", "origin", "registry"), default="auto",
+                   help="where object records are read: 'auto' (the default): the origins' stores while any "
+                        "origin is known, the registry for what none has; 'origin': the origins' stores only "
+                        "(no registry read on a request's path); 'registry': the registry only")
     p.add_argument("--deny-floor-ms", type=float, default=2.0, metavar="MS",
                    help="answer a 'no' (an absent object, or another tenant's) no sooner than this, or than "
                         "recent record reads take if longer, so its timing does not tell which (default 2; 0: off)")

@@ -12,6 +12,9 @@ from kdn import service
 from kdn.address import validate_name
 from kdn.errors import InvalidInput
 
+# Where an edge reads object records (edge/records.py): the default first.
+RECORDS_MODES = ("auto", "origin", "registry")
+
 
 @dataclass
 class EdgeConfig(service.NodeConfig):
@@ -38,7 +41,9 @@ class EdgeConfig(service.NodeConfig):
     operator_keys: str | None = None  # operator keys file: policies not signed by one are skipped
     region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"
     eviction: str = DEFAULT_POLICY  # both tiers' policy: "arc" (chosen on the traces) or "s3-fifo"
-    records: str = "registry"  # where object records are read: the registry, or the origins' stores (edge/records.py)
+    # where object records are read: "auto" (the origins while any is known, the registry for what none has),
+    # "origin" (the origins' stores only), or "registry" (edge/records.py)
+    records: str = "auto"
     # "auto": without an upper policy, the region the edges' measured round trips to the origins choose
     # (edge/upper.py); "policy": only an upper policy names an upper tier
     upper_tier: str = "auto"
@@ -48,8 +53,8 @@ class EdgeConfig(service.NodeConfig):
     def __post_init__(self) -> None:
         if self.region_probes not in ("worth", "always"):
             raise InvalidInput(f"region_probes must be 'worth' or 'always', not {self.region_probes!r}")
-        if self.records not in ("registry", "origin"):
-            raise InvalidInput(f"records must be 'registry' or 'origin', not {self.records!r}")
+        if self.records not in RECORDS_MODES:
+            raise InvalidInput(f"records must be one of {', '.join(RECORDS_MODES)}, not {self.records!r}")
         if not (isinstance(self.chain_index, int) and self.chain_index >= 0):
             raise InvalidInput(f"chain_index must be a whole number of addresses, not {self.chain_index!r}")
         if self.upper_tier not in ("auto", "policy"):

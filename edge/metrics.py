@@ -23,7 +23,8 @@ class EdgeMetrics:
         self.prefetch_used = Counter("kdn_edge_prefetch_used", "Prefetched entries later read", registry=reg)
         self.prefetch_wasted = Counter("kdn_edge_prefetch_wasted", "Prefetched entries evicted unread", registry=reg)
         self.record_reads = Counter("kdn_edge_record_reads", "Object records read on a miss of the record cache "
-                                    "(--records origin), by where: the region's owner edge, or the origins",
+                                    "(--records origin or auto), by where: the region's owner edge, the origins, "
+                                    "or (auto) the registry for what no origin had",
                                     ["source"], registry=reg)
         self.warmed = Counter("kdn_edge_warmed", "Entries filled by a warm policy", registry=reg)
         self.pushed = Counter("kdn_edge_pushed_objects", "Objects of a push policy this edge owns, by outcome: "

@@ -165,8 +165,11 @@ class Edge:
                            if config.upper_tier == "auto" else None)
         # Manifest bodies a registry pointer names (origins with --records store), whatever --records says.
         self.bodies = OriginRecords(self.session, self.origin_urls, self.filler.headers)
-        if config.records == "origin":  # records beside the blobs: asked of the owner edge, then the origins
-            self.records.source = OwnerRecords(self.bodies, self.membership.owner, config.node_id,
+        if config.records != "registry":  # records beside the blobs: asked of the owner edge, then the origins
+            origins = self.bodies if config.records == "origin" else OriginRecords(
+                self.session, self.origin_urls, self.filler.headers, fallback=registry,
+                on_fallback=metrics.record_reads.labels("registry").inc)  # auto: the registry for what none has
+            self.records.source = OwnerRecords(origins, self.membership.owner, config.node_id,
                                                lambda where, n: metrics.record_reads.labels(where).inc(n))
         operators = None
         if config.operator_keys:
@@ -398,7 +401,7 @@ class Edge:
             # The owner fills it; this edge only passes the hint on.
             fills = self.filler
             async with fills.session.post(f"{owner.url}/v1/prefetch", json={"addresses": [address], "encoding": enc},
-                                          headers=fills.headers(owner.url)) as r:
+                                          headers=fills.headers(owner.url), allow_redirects=False) as r:
                 await r.read()
             return
         self.m.prefetch_started.inc()

@@ -16,7 +16,7 @@ take the floor, and only a read slower than it still shows.
 
 Where they live (``kdn edge serve --records``):
 
-- ``registry`` (the default): one registry read per miss, batched for a lookup;
+- ``registry``: one registry read per miss, batched for a lookup;
 - ``origin``: the origins' stores, where an origin started with ``--records
   store`` keeps them beside the blobs (``kdn.registry.split``). A miss goes to
   the owner edge of the address (``OwnerRecords``, ``X-KDN-Hop``: its cache
@@ -26,6 +26,14 @@ Where they live (``kdn edge serve --records``):
   token may go; what one origin lacks is asked of the next. A record is believed
   only as far as its signature (with ``--trusted-keys``) and its address allow. No
   object record is read from the registry on a request's path.
+- ``auto`` (the default): as ``origin`` while any origin is known, and then the
+  registry for what no origin has (records a producer without an origin store
+  wrote there: ``kdn.adapters.vllm.save``; an origin still on ``--records
+  registry`` answers from the registry itself); the registry alone while no
+  origin is known or none answers. A record found in the registry is believed
+  as far as one from an origin is (signature and address), no further: an
+  operator who wants no registry read at all, even for an absent record, runs
+  ``origin``.
 """
 
 from __future__ import annotations
@@ -210,11 +218,16 @@ class OriginRecords:
     """Object records from the origins' stores (``POST /v1/records``), for an edge's ``RecordCache``."""
 
     def __init__(self, session: aiohttp.ClientSession, origin_urls: Callable[[], list[str]],
-                 headers: Callable[[str], dict[str, str]], timeout: float = 10.0) -> None:
+                 headers: Callable[[str], dict[str, str]], timeout: float = 10.0, fallback=None,
+                 on_fallback: Callable[[int], None] | None = None) -> None:
         self.session = session
         self.origin_urls = origin_urls
         self.headers = headers
         self.timeout = timeout
+        # ``--records auto``: the registry (get_objects), asked for what no origin has, and for everything while
+        # no origin is known or none answers; ``on_fallback(n)`` counts the records asked of it.
+        self.fallback = fallback
+        self.on_fallback = on_fallback
 
     async def get_object(self, address: str) -> ObjectRecord | None:
         return (await self.get_objects([address]))[0]
@@ -223,6 +236,12 @@ class OriginRecords:
         out: list[ObjectRecord | None] = []
         for i in range(0, len(addresses), MAX_RECORDS):
             out += await self._batch(list(addresses[i:i + MAX_RECORDS]))
+        if self.fallback is not None and (missing := [i for i, rec in enumerate(out) if rec is None]):
+            got = await self.fallback.get_objects([addresses[i] for i in missing])
+            if self.on_fallback is not None:
+                self.on_fallback(len(missing))
+            for i, rec in zip(missing, got):
+                out[i] = rec
         return out
 
     async def _batch(self, addresses: list[str]) -> list[ObjectRecord | None]:
@@ -230,6 +249,8 @@ class OriginRecords:
         the next, and so on; absent only if no origin that answered has it."""
         urls = self.origin_urls()
         if not urls:
+            if self.fallback is not None:
+                return [None] * len(addresses)  # (the registry is asked for all of them)
             raise RegistryUnavailable("no origin to read object records from (--records origin)")
         out: list[ObjectRecord | None] = [None] * len(addresses)
         missing = list(range(len(addresses)))
@@ -247,6 +268,10 @@ class OriginRecords:
             if not missing:
                 break
         if not answered:
+            if self.fallback is not None:
+                log.info("no origin answered for %d object records (%s): asking the registry", len(addresses),
+                         "; ".join(errors)[:300])
+                return out
             raise RegistryUnavailable("no origin answered for object records: " + "; ".join(errors))
         return out
 
@@ -258,6 +283,7 @@ class OriginRecords:
             path = f"{url}/v1/registry/manifests/{quote(namespace, safe='')}/{quote(name, safe='')}"
             try:
                 async with self.session.get(path, params={"body": digest}, headers=self.headers(url),
+                                            allow_redirects=False,  # the edge token is for this host only
                                             timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                     if r.status == 404:
                         continue
@@ -280,6 +306,7 @@ class OriginRecords:
                    ) -> list[ObjectRecord | None]:
         async with self.session.post(url + "/v1/records", json={"addresses": addresses},
                                      headers={**self.headers(url), **(extra or {})},
+                                     allow_redirects=False,  # the edge token is for this host only
                                      timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
             if r.status != 200:
                 raise ValueError(f"HTTP {r.status}")

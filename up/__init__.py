@@ -134,7 +134,8 @@ async def _up(args: argparse.Namespace) -> int:
     _say(f"  origin    loading model {model} ...")
     t0 = time.perf_counter()
     cfg = OriginConfig(model=model, registry=registry, store=str(root / "origin-store"), port=port,
-                       token_file=str(root / "tokens"), node_id="origin-1", signing_key=str(root / "origin.key"))
+                       token_file=str(root / "tokens"), node_id="origin-1", signing_key=str(root / "origin.key"),
+                       records="store")  # object records beside the blobs; the edges read them there (auto)
     app = create_app(cfg)
     runner = web.AppRunner(app, **server_options(app))
     await runner.setup()

@@ -283,3 +283,56 @@ async def test_a_record_miss_goes_through_the_owner_edge_so_the_origins_read_eac
             c.edge("e1").records._lru.clear()
             hit = await client.lookup(m["prefix_tokens"] + [5], m["model_id"])
             assert hit.addresses[:2] == addrs[:2]
+
+
+async def test_auto_the_edge_default_reads_the_origins_first_and_the_registry_for_what_none_has(tmp_path, etcd_url):
+    """``--records auto`` (the edge default): records an origin keeps beside its blobs come from the origin, with
+    no registry read; a record only the registry holds (what a producer without an origin store writes,
+    ``kdn.adapters.vllm.save``) is still found there, believed only as far as its signature; and with no
+    origin answering, the registry alone serves."""
+    from edge_helpers import metric
+
+    key = Signer.generate(tmp_path / "origin.key")
+    (tmp_path / "trusted").write_text(key.public + "\n")
+    async with cluster(tmp_path, etcd_url, edges=("e1",), trusted_keys=str(tmp_path / "trusted"),
+                       origin_kw={"records": "store", "signing_key": str(tmp_path / "origin.key")}) as c:
+        assert c.configs["e1"].records == "auto"  # nobody asked for it
+        m = await publish(c, TEXT)
+        addrs = m["addresses"]
+
+        def reads(source: str) -> float:
+            return metric(c.edges["e1"], "kdn_edge_record_reads", source=source)
+
+        async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
+            hit = await client.lookup(m["prefix_tokens"] + [5], m["model_id"])
+            assert hit.addresses[:2] == addrs[:2]
+            assert len((await client.fetch_prefix(hit)).objects) == len(hit.addresses)
+        assert reads("origin") >= len(hit.addresses) and reads("registry") == 0
+
+        # A signed record the registry alone holds (a producer wrote it there), and a forged one beside it.
+        mine, forged = "1" * 64, "2" * 64
+        async with open_registry(etcd_url) as reg:
+            reg.signer = key
+            await reg.put_objects([dataclasses.replace(c.edge("e1").records._lru[addrs[0]], address=mine, sig={})])
+            reg.signer = None
+            await reg.put_objects([dataclasses.replace(c.edge("e1").records._lru[addrs[0]], address=forged, sig={})])
+        got = await post_records(c.edge_url("e1"), [mine, forged, addrs[1]])
+        assert [g and g["address"] for g in got] == [mine, None, addrs[1]]
+        assert reads("registry") == 2  # the two no origin had (the forged one refused: unsigned)
+
+        # The origin gone: the registry answers alone (an edge that keeps serving what it can).
+        await c.origin.close()
+        c.edge("e1").records._lru.pop(mine)
+        got = await post_records(c.edge_url("e1"), [mine])
+        assert got[0] is not None and got[0]["address"] == mine
+
+
+def test_every_records_mode_the_cli_offers_is_one_the_edge_takes():
+    from kdn.edge.config import RECORDS_MODES, EdgeConfig
+
+    args = cli.build_parser().parse_args(["edge", "serve", "--registry", "file:/x"])
+    assert args.records == EdgeConfig.records == RECORDS_MODES[0] == "auto"
+    for mode in RECORDS_MODES:
+        assert cli.build_parser().parse_args(["edge", "serve", "--records", mode, "--registry", "file:/x"]).records == mode
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["edge", "serve", "--records", "etcd", "--registry", "file:/x"])
