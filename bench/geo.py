@@ -257,9 +257,9 @@ class World:
                 # region's address.
                 node.edge.filler.session = node.session
                 # ... and so do its record and manifest-body reads (--records auto asks the origin first).
-                for reads in {id(r): r for r in (node.edge.bodies, getattr(node.edge.records.source, "origins",
-                                                                            None)) if r is not None}.values():
-                    reads.session = node.session
+                node.edge.bodies.session = node.session
+                if (origins := getattr(node.edge.records.source, "origins", None)) is not None:
+                    origins.session = node.session
                 node.edge.filler.getter.close()
                 node.edge.filler.getter = BodyGetter(ssl=None, per_host=64, local_addr=edge_ip(region))
                 self.edges[nid] = node
