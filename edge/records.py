@@ -33,7 +33,8 @@ Where they live (``kdn edge serve --records``):
   origin is known or none answers. A record found in the registry is believed
   as far as one from an origin is (signature and address), no further: an
   operator who wants no registry read at all, even for an absent record, runs
-  ``origin``.
+  ``origin``. A record the registry lacks while no origin answered is unknown,
+  not absent: the read fails (a 503), never a cached "no".
 """
 
 from __future__ import annotations
@@ -234,23 +235,32 @@ class OriginRecords:
 
     async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
         out: list[ObjectRecord | None] = []
+        unheard = False  # origins are known and none answered for some of these
         for i in range(0, len(addresses), MAX_RECORDS):
-            out += await self._batch(list(addresses[i:i + MAX_RECORDS]))
+            got, heard = await self._batch(list(addresses[i:i + MAX_RECORDS]))
+            out += got
+            unheard = unheard or not heard
         if self.fallback is not None and (missing := [i for i, rec in enumerate(out) if rec is None]):
             got = await self.fallback.get_objects([addresses[i] for i in missing])
             if self.on_fallback is not None:
                 self.on_fallback(len(missing))
             for i, rec in zip(missing, got):
                 out[i] = rec
+            if unheard and any(rec is None for rec in out):
+                # Not in the registry, and the origins that would know did not answer: unknown, not absent
+                # (a "no" would be cached, and a client would compute instead of asking another source).
+                raise RegistryUnavailable("no origin answered for object records, and the registry lacks "
+                                          f"{sum(rec is None for rec in out)} of them")
         return out
 
-    async def _batch(self, addresses: list[str]) -> list[ObjectRecord | None]:
+    async def _batch(self, addresses: list[str]) -> tuple[list[ObjectRecord | None], bool]:
         """Each origin keeps the records of what it published: the ones the first did not have are asked of
-        the next, and so on; absent only if no origin that answered has it."""
+        the next, and so on; absent only if no origin that answered has it. With the records, whether an
+        origin answered (or none is known, so that the registry's word is the last one)."""
         urls = self.origin_urls()
         if not urls:
             if self.fallback is not None:
-                return [None] * len(addresses)  # (the registry is asked for all of them)
+                return [None] * len(addresses), True  # (the registry is asked for all of them)
             raise RegistryUnavailable("no origin to read object records from (--records origin)")
         out: list[ObjectRecord | None] = [None] * len(addresses)
         missing = list(range(len(addresses)))
@@ -271,9 +281,9 @@ class OriginRecords:
             if self.fallback is not None:
                 log.info("no origin answered for %d object records (%s): asking the registry", len(addresses),
                          "; ".join(errors)[:300])
-                return out
+                return out, False
             raise RegistryUnavailable("no origin answered for object records: " + "; ".join(errors))
-        return out
+        return out, True
 
     async def get_manifest_body(self, namespace: str, name: str, digest: str) -> Manifest | None:
         """The whole manifest a registry pointer names (an origin with ``--records store`` keeps it beside its
