@@ -261,9 +261,12 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
     # plays "another host"; they trust the attack's CA, so a rogue https node's certificate verifies.
     # The operator key signs policies; every edge but the control po-1 applies only what it signed.
     Signer.generate(tmp / "operator.key")
-    w = F.World(tmp / "world", regions={"eu": 2}, edge_args=["--trusted-keys", str(tmp / "trusted"),
-                                                             "--token-hosts", "127.0.0.1", "--ca", str(ca),
-                                                             "--operator-keys", str(tmp / "operator.key.pub")])
+    # The origin keeps its object records in the registry (--records registry), where a registry writer reaches
+    # them: the mode the registry-writer attacks (planted digests, relabelled namespaces) are about. Under the
+    # default (--records store) the registry holds no object record to forge.
+    w = F.World(tmp / "world", regions={"eu": 2}, records="registry",
+                edge_args=["--trusted-keys", str(tmp / "trusted"), "--token-hosts", "127.0.0.1", "--ca", str(ca),
+                           "--operator-keys", str(tmp / "operator.key.pub")])
     # 64 KiB pieces: the tiny model's blobs (~130 KB raw a chunk) then have several, as a real model's (SmolLM2:
     # 6 MB a chunk) have at the default 1 MiB.
     w.origin.args += ["--signing-key", str(tmp / "origin.key"), "--piece-bytes", str(ctx.piece_bytes)]

@@ -178,6 +178,7 @@ class World:
     disks: dict[str, Path] = field(default_factory=dict)  # edge name -> its disk folder (default: under root)
     edge_args: list[str] = field(default_factory=list)  # more flags for every edge (e.g. --origin via a link)
     per_edge_args: dict[str, list[str]] = field(default_factory=dict)  # edge name -> flags after those (last wins)
+    records: str = "store"  # the origin's --records: beside its blobs (its default), or "registry"
     etcd: Etcd = field(init=False)
     origin: Node = field(init=False)
     edges: dict[str, Node] = field(init=False, default_factory=dict)
@@ -192,7 +193,8 @@ class World:
         port = free_port()
         self.origin = Node("origin", ["origin", "serve", "--model", self.model, "--registry", self.etcd.registry,
                                       "--store", str(self.root / "origin-store"), "--port", str(port),
-                                      "--node-id", "origin-1", "--token-file", str(self.root / "tokens")],
+                                      "--node-id", "origin-1", "--token-file", str(self.root / "tokens"),
+                                      "--records", self.records],
                            port, self.root / "origin.log")
         for region, n in self.regions.items():
             for i in range(1, n + 1):
@@ -206,6 +208,12 @@ class World:
                     "--token-file", str(self.root / "tokens"), "--upstream-token-file", str(self.root / "edge.token"),
                     *self.edge_args, *self.per_edge_args.get(name, []),
                 ], port, self.root / f"{name}.log")
+
+    def open_records(self):
+        """The origin's object records where it keeps them (``bench/lib/origin_records.py``)."""
+        from origin_records import open_records
+
+        return open_records(self.etcd.registry, self.root / "origin-store" if self.records == "store" else None)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.etcd.start)
@@ -251,13 +259,11 @@ class World:
             await asyncio.sleep(0.1)
 
     async def publish(self, text: str, name: str, encodings: tuple[str, ...] = ("zstd",), timeout: float = 180) -> dict:
-        """Publish through the origin, wait for the job, and record each address's digest from the registry."""
-        from kdn.registry import open_registry
-
+        """Publish through the origin, wait for the job, and record each address's digest from its record."""
         async with aiohttp.ClientSession(self.origin.url, headers={"Authorization": f"Bearer {PUBLISH}"}) as s:
             manifest = await publish_and_wait(s, {"name": name, "text": text, "encodings": list(encodings)},
                                               timeout=timeout)
-        async with open_registry(self.etcd.registry) as reg:
+        async with self.open_records() as reg:
             for a in manifest["addresses"]:
                 rec = await reg.get_object(a)
                 enc = encodings[0]

@@ -861,19 +861,17 @@ async def run_seed(args, seed: int, engine) -> tuple[list[RunResult], SeedSetup]
         _DOC_TOKENS.clear()
         for i, m in enumerate(manifests):
             _DOC_TOKENS[i] = list(m["prefix_tokens"])
-        from kdn.registry import open_registry
+        from kdn.service import REGISTRY
 
-        reg = open_registry(world.registry)
-        try:
-            addrs = [a for m in manifests for a in m["addresses"]]
-            recs = await reg.get_objects(addrs)
-            records = {a: r for a, r in zip(addrs, recs)}
-            for a in list(records):  # tails are listed on their parent's record, not always in the manifest
-                for tail in records[a].tails.values() if hasattr(records[a], "tails") else []:
-                    if tail not in records:
-                        records[tail] = await reg.get_object(tail)
-        finally:
-            await reg.close()
+        assert world.origin_runner is not None
+        reg = world.origin_runner.app[REGISTRY]  # the origin's records, where it keeps them (beside its blobs)
+        addrs = [a for m in manifests for a in m["addresses"]]
+        recs = await reg.get_objects(addrs)
+        records = {a: r for a, r in zip(addrs, recs)}
+        for a in list(records):  # tails are listed on their parent's record, not always in the manifest
+            for tail in records[a].tails.values() if hasattr(records[a], "tails") else []:
+                if tail not in records:
+                    records[tail] = await reg.get_object(tail)
         sizes = [min(e.size for e in r.encodings.values()) for r in records.values()]
         mean = statistics.mean(sizes)
         scale = mean / (args.object_mb * (1 << 20))

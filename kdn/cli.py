@@ -169,13 +169,13 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
     pointer. Exit 1 when a manifest had to be left whole (signed by another key, or changed meanwhile)."""
     from pathlib import Path
 
-    from kdn.registry import EmbeddedRegistry, KVRegistry
+    from kdn.origin.s3store import open_records
+    from kdn.registry import KVRegistry
     from kdn.registry.split import RECORDS_FILE, SHARDS, migrate_manifests, migrate_records
 
     s3 = str(args.store).startswith("s3://")
     store = Path(args.store)
     if s3:
-        from kdn.origin.s3records import S3Records
         from kdn.origin.s3store import RECORDS, parse_s3_url
 
         where = f"{parse_s3_url(args.store).url}/{RECORDS}"  # a bad URL fails here, in one line
@@ -195,8 +195,7 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
 
     async def go(reg: Registry) -> int:
         assert isinstance(reg, KVRegistry)
-        records: KVRegistry = (S3Records(args.store, credentials=args.store_credentials) if s3
-                               else EmbeddedRegistry(store / RECORDS_FILE))
+        records = open_records(args.store, credentials=args.store_credentials)
         try:
             def progress(shard: int, n: int) -> None:
                 if shard % 512 == 511:

@@ -41,7 +41,7 @@ from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_he
 
 from kdn.origin.jobs import Job, JobQueue, QueueFull
 from kdn.origin.publish import Producer, default_encodings, parse_request, push_policy, push_policy_name
-from kdn.origin.s3store import is_s3, open_store, parse_s3_url
+from kdn.origin.s3store import is_s3, open_records, open_store, parse_s3_url
 from kdn.origin.store import ObjectStore
 from kdn.pieces import PIECE_BYTES, check_piece_bytes
 
@@ -69,7 +69,7 @@ class OriginConfig(service.NodeConfig):
     raw_copies: str = "auto"  # a publish naming no encodings stores raw beside zstd: auto|always|never
     piece_bytes: int = PIECE_BYTES  # each record carries its blobs' piece digests at this size (kdn/pieces.py)
     store_credentials: str | None = None  # an s3:// store's keys (INI file; else AWS_* in the environment)
-    records: str = "registry"  # where object records are written: the registry, or "store" (beside the blobs)
+    records: str = "store"  # where object records are written: "store" (beside the blobs), or the "registry"
 
     def __post_init__(self) -> None:
         if self.records not in ("registry", "store"):
@@ -122,19 +122,10 @@ async def _records_ctx(app: web.Application):
     if cfg.records != "store":
         yield
         return
-    from kdn.registry import EmbeddedRegistry
-    from kdn.registry.split import RECORDS_FILE
-
     control = _writer(app)
     if not isinstance(control, KVRegistry):
         raise TypeError(f"--records store splits one registry, not {control!r}")
-    records: KVRegistry
-    if is_s3(cfg.store):
-        from kdn.origin.s3records import S3Records
-
-        records = S3Records(cfg.store, credentials=cfg.store_credentials)
-    else:
-        records = EmbeddedRegistry(Path(cfg.store) / RECORDS_FILE)
+    records = open_records(cfg.store, credentials=cfg.store_credentials)
     app[REGISTRY] = RecordsBeside(control, records)
     log.info("object records in %r (the registry keeps models, manifests, nodes and policies)", records)
     try:

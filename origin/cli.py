@@ -57,10 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission", default=None, metavar="FILE",
                    help="this origin's admission (kdn node admit), carried in its node record for edges that "
                         "require admissions (--require-admission)")
-    p.add_argument("--records", default="registry", choices=["registry", "store"],
-                   help="where object records go: the registry (the default), or the store beside the blobs "
-                        "(records.sqlite3; the registry then keeps models, manifests, nodes and policies only: "
-                        "run edges with --records origin; docs/scale.md)")
+    p.add_argument("--records", default="store", choices=["store", "registry"],
+                   help="where object records go: the store beside the blobs (the default: records.sqlite3 in a "
+                        "folder store, objects under records/ in an s3:// one; the registry then keeps models, "
+                        "manifest pointers, nodes and policies only, and edges on their default --records auto "
+                        "read records here), or the registry (one etcd record per chunk, as before; docs/scale.md)")
     p.set_defaults(func=cmd_serve)
 
     p = origin.add_parser("keygen", help="make an origin signing key (FILE, mode 600) and FILE.pub for consumers")

@@ -18,6 +18,7 @@ from kdn.registry import ObjectRecord
 from kdn.registry.records import Encoding
 from kdn.service import server_options
 from jobs import publish_and_wait  # bench/lib/jobs.py
+from origin_records import open_records  # bench/lib/origin_records.py
 from ports import free_port  # bench/lib/ports.py
 
 PUBLISH = "pub-" + "a" * 28
@@ -69,6 +70,14 @@ class Cluster:
 
     def edge(self, node_id: str):
         return self.edges[node_id].app[EDGE]
+
+    def open_records(self):
+        """The origin's object records where it keeps them: beside its blobs (its default), or the registry."""
+        from kdn.origin.app import CONFIG
+
+        cfg = self.origin.app[CONFIG]
+        return open_records(self.registry, cfg.store if cfg.records == "store" else None,
+                            credentials=cfg.store_credentials)
 
     async def start_origin(self, model: str = "tiny-llama", *, prepare=None, **kw) -> None:
         port = free_port()

@@ -18,6 +18,19 @@ from kdn.client import KDNClient  # noqa: E402
 from kdn.registry import open_registry  # noqa: E402
 from kdn.signing import Signer  # noqa: E402
 
+async def served_manifest(c, namespace: str, name: str):
+    """The manifest as the origin serves it, whole and signed: what an attacker keeps to replay later (under the
+    origin's default the registry holds only a pointer to it; the attacker writes the whole one back)."""
+    import aiohttp
+
+    from kdn.registry import Manifest
+
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{c.origin_url()}/v1/registry/manifests/{namespace}/{name}") as r:
+            assert r.status == 200, await r.text()
+            return Manifest.from_dict(await r.json())
+
+
 OLD = ("The harbour opens at six; boats moor on the east quay. " * 8)[:400]
 NEW = ("The harbour opens at eight; boats moor on the west quay, never the east. " * 8)[:400]
 
@@ -28,7 +41,7 @@ async def test_a_superseded_manifest_replayed_through_the_registry_is_refused(tm
         old = await publish(c, OLD, name="hours")
         writer = open_registry(c.registry)
         try:
-            stale = await writer.get_manifest("public", "hours")  # the attacker keeps the old, signed, manifest
+            stale = await served_manifest(c, "public", "hours")  # the attacker keeps the old, signed, manifest
             new = await publish(c, NEW, name="hours")
             async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
                 got = await client.manifest("public", "hours")
@@ -55,7 +68,7 @@ async def test_a_superseded_manifest_replayed_to_a_new_process_is_refused_with_a
         await publish(c, OLD, name="hours")
         writer = open_registry(c.registry)
         try:
-            stale = await writer.get_manifest("public", "hours")
+            stale = await served_manifest(c, "public", "hours")
             new = await publish(c, NEW, name="hours")
             async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public], manifest_state=state) as first:
                 assert (await first.manifest("public", "hours"))["addresses"] == new["addresses"]
@@ -112,7 +125,7 @@ async def test_a_deleted_name_stays_deleted_for_a_client_that_saw_its_tombstone(
         await publish(c, OLD, name="hours")
         writer = open_registry(c.registry)
         try:
-            stale = await writer.get_manifest("public", "hours")
+            stale = await served_manifest(c, "public", "hours")
             async with aiohttp.ClientSession(c.origin_url()) as s:
                 for token, want in ((None, 401), (TENANT_A, 403), (PUBLISH, 200), (PUBLISH, 404)):
                     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -141,7 +154,7 @@ async def test_a_pinned_manifest_is_the_only_one_a_fresh_client_takes(tmp_path, 
         old = await publish(c, OLD, name="hours")
         writer = open_registry(c.registry)
         try:
-            stale = await writer.get_manifest("public", "hours")
+            stale = await served_manifest(c, "public", "hours")
             pin = manifest_pin(Manifest.from_dict(old))
             assert pin == manifest_pin(stale)  # the job's manifest is the stored one: the pin names it
             new = await publish(c, NEW, name="hours")

@@ -137,7 +137,8 @@ async def test_records_live_beside_the_blobs_and_edges_read_them_there(request, 
 @pytest.mark.parametrize("medium", ["folder", "s3"])
 async def test_migrate_moves_a_registrys_records_into_the_store(request, tmp_path, etcd_url, capsys, medium):
     store, beside = records_store(request, tmp_path, medium)
-    async with cluster(tmp_path, etcd_url, edges=(), origin_kw={"store": store}) as c:
+    # An origin from before the default moved: its records and whole manifests in etcd.
+    async with cluster(tmp_path, etcd_url, edges=(), origin_kw={"store": store, "records": "registry"}) as c:
         m = await publish(c, TEXT)
         addrs = m["addresses"]
         assert sorted(await registry_keys(etcd_url, "objects/")) == sorted(f"objects/{a}" for a in addrs)

@@ -25,7 +25,9 @@ TEXT = ("Acme's quarterly plan: ship the sensor board in March, the firmware in 
 
 
 async def test_a_tenant_object_relabelled_public_in_the_registry_stays_the_tenants(tmp_path, etcd_url):
-    async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
+    # An origin on --records registry: its object records are in the registry, where the writer can reach them
+    # (under the default, --records store, they are beside the blobs and the registry holds none to relabel).
+    async with cluster(tmp_path, etcd_url, edges=("e1",), origin_kw={"records": "registry"}) as c:
         m = await publish(c, TEXT, namespace="acme", token=TENANT_A)
         cached, filled = m["addresses"][:2]
         assert (await get(c.edge_url("e1"), cached, TENANT_A))[0] == 200
@@ -47,7 +49,7 @@ async def test_a_tenant_object_relabelled_public_in_the_registry_stays_the_tenan
         # Restarts: what the origin and the edge knew in memory is gone; they re-read the relabelled records.
         await c.stop_edge("e1")
         await c.origin.close()
-        await c.start_origin()
+        await c.start_origin(records="registry")
         c.configs["e1"] = dataclasses.replace(c.configs["e1"], origin=c.origin_url())  # its disk tier kept
         await c.start_edge("e1")
         for a in (cached, filled):

@@ -32,7 +32,7 @@ def owner_of(c, address: str) -> str:
 
 
 async def digest_of(c, address: str, encoding: str = "zstd") -> str:
-    reg = open_registry(c.registry)
+    reg = c.open_records()
     try:
         return (await reg.get_object(address)).encodings[encoding].digest
     finally:

@@ -11,8 +11,7 @@ from __future__ import annotations
 from blake3 import blake3
 
 from kdn.origin.app import STORE
-from kdn.registry import open_registry
-
+from origin_records import open_records  # bench/lib/origin_records.py
 from origin_helpers import PUBLISH_TOKEN, publish, running_origin
 
 TEXT = ("Sourdough wants a warm kitchen and a patient baker; the starter is fed twice a day. " * 9)[:700]
@@ -23,7 +22,7 @@ async def test_a_rotten_blob_is_dropped_at_start_and_a_republish_repairs_it(tmp_
         job = await publish(session, {"name": "doc", "text": TEXT})
         assert job["state"] == "done"
     address = job["manifest"]["addresses"][1]
-    reg = open_registry(etcd_url)
+    reg = open_records(etcd_url, tmp_path / "store")
     try:
         digest = (await reg.get_object(address)).encodings["zstd"].digest
     finally:
@@ -45,7 +44,7 @@ async def test_a_rotten_blob_is_dropped_at_start_and_a_republish_repairs_it(tmp_
                                headers={"Authorization": f"Bearer {PUBLISH_TOKEN}"}) as r:
             assert r.status == 200
             assert blake3(await r.read()).hexdigest() == digest
-    reg = open_registry(etcd_url)
+    reg = open_records(etcd_url, tmp_path / "store")
     try:
         assert (await reg.get_object(address)).encodings["zstd"].digest == digest  # the record never changed
     finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kdn.registry import open_registry
+from origin_records import open_records  # bench/lib/origin_records.py
 
 from origin_helpers import PUBLISH_TOKEN, READ_ALL, TENANT_TOKEN, auth, publish, running_origin
 
@@ -13,7 +13,7 @@ GOOD = {"name": "doc", "namespace": "public", "text": "hello world " * 30}
 
 async def assert_nothing_changed(tmp_path, etcd_url):
     assert not list((tmp_path / "store").rglob("*.zstd")), "a rejected publish stored objects"
-    reg = open_registry(etcd_url)
+    reg = open_records(etcd_url, tmp_path / "store")
     try:
         assert await reg.list_manifests() == []
         assert [k for k, _ in await reg.list_keys("objects/")] == []

@@ -10,7 +10,7 @@ import torch
 from kdn import address as A
 from kdn.adapters.hf import extract_chunks, load_model, standalone_chunk
 from kdn.objects import decode_object, to_torch
-from kdn.registry import open_registry
+from origin_records import open_records  # bench/lib/origin_records.py
 
 from origin_helpers import PUBLISH_TOKEN, publish, running_origin
 
@@ -22,9 +22,10 @@ def doc_text(n_chars: int, name: str = "sourdough-guide.md") -> str:
     return (DOCS / name).read_text()[:n_chars]
 
 
-async def check_published(session, registry_url, manifest, loaded, tokens, *, encoding="zstd"):
-    """Every manifest address is in the registry and served by the origin; its tensors equal a direct prefill."""
-    reg = open_registry(registry_url)
+async def check_published(session, registry_url, manifest, loaded, tokens, *, store, encoding="zstd"):
+    """Every manifest address has a record (beside the origin's blobs in ``store``) and is served by the origin;
+    its tensors equal a direct prefill."""
+    reg = open_records(registry_url, store)
     try:
         assert manifest["addresses"] == A.prefix_addresses(loaded.model_id, manifest["namespace"], tokens, CHUNK)
         assert (await reg.get_manifest(manifest["namespace"], manifest["name"])).addresses == manifest["addresses"]
@@ -32,7 +33,7 @@ async def check_published(session, registry_url, manifest, loaded, tokens, *, en
         assert len(direct) == len(manifest["addresses"])
         for i, (addr, chunk) in enumerate(zip(manifest["addresses"], direct)):
             rec = await reg.get_object(addr)
-            assert rec is not None, f"chunk {i} has no registry record"
+            assert rec is not None, f"chunk {i} has no object record"
             assert (rec.start, rec.end) == (chunk.start, chunk.end)
             assert rec.parent == (manifest["addresses"][i - 1] if i else None)
             async with session.get(f"/v1/objects/{addr}", headers={"Authorization": f"Bearer {PUBLISH_TOKEN}"}) as r:
@@ -60,7 +61,7 @@ async def test_publish_text_and_find_every_object(tmp_path, etcd_url, model):
         manifest = job["manifest"]
         tokens = loaded.tokenizer.encode(text)
         assert manifest["prefix_tokens"] == tokens and manifest["tokens"] == len(tokens)
-        await check_published(session, etcd_url, manifest, loaded, tokens)
+        await check_published(session, etcd_url, manifest, loaded, tokens, store=tmp_path / "store")
         # blobs are in the store under their addresses: zstd, and raw beside it by default (disk allowing)
         store = tmp_path / "store"
         for a in manifest["addresses"]:
@@ -89,7 +90,7 @@ async def test_raw_copies_never_and_a_named_list_store_only_what_they_say(tmp_pa
     text = doc_text(600)
     async with running_origin(tmp_path, etcd_url, raw_copies="never") as (server, session):
         m = (await publish(session, {"name": "never", "text": text}))["manifest"]
-        reg = open_registry(etcd_url)
+        reg = open_records(etcd_url, tmp_path / "store")
         try:
             assert {tuple((await reg.get_object(a)).encodings) for a in m["addresses"]} == {("zstd",)}
         finally:
@@ -98,7 +99,7 @@ async def test_raw_copies_never_and_a_named_list_store_only_what_they_say(tmp_pa
     async with running_origin(tmp_path / "b", etcd_url) as (server, session):  # auto, but the body names raw only
         m = (await publish(session, {"name": "named", "text": doc_text(600, "harbor-policy.md"),
                                      "encodings": ["raw"]}))["manifest"]
-        reg = open_registry(etcd_url)
+        reg = open_records(etcd_url, tmp_path / "b" / "store")
         try:
             assert {tuple((await reg.get_object(a)).encodings) for a in m["addresses"]} == {("raw",)}
         finally:
@@ -109,7 +110,7 @@ async def test_partial_tail_is_listed_on_its_parent(tmp_path, etcd_url):
     text = doc_text(700)  # 2 full chunks + a 188-token tail
     async with running_origin(tmp_path, etcd_url) as (server, session):
         manifest = (await publish(session, {"name": "tail", "text": text}))["manifest"]
-    reg = open_registry(etcd_url)
+    reg = open_records(etcd_url, tmp_path / "store")
     try:
         parent = await reg.get_object(manifest["addresses"][1])
         assert parent.tails == {700 - 512: manifest["addresses"][2]}
@@ -140,7 +141,8 @@ async def test_extending_a_document_computes_only_the_new_chunks(tmp_path, etcd_
         job = await publish(session, {"name": "long", "text": long})
         assert job["progress"]["computed"] == 3  # chunks 2, 3 and the tail; 0 and 1 came from the store
         # The resumed chunks are bit-identical to an uninterrupted prefill.
-        await check_published(session, etcd_url, job["manifest"], loaded, loaded.tokenizer.encode(long))
+        await check_published(session, etcd_url, job["manifest"], loaded, loaded.tokenizer.encode(long),
+                              store=tmp_path / "store")
 
 
 async def test_standalone_chunks(tmp_path, etcd_url):
@@ -152,7 +154,7 @@ async def test_standalone_chunks(tmp_path, etcd_url):
         m = job["manifest"]
         assert m["addresses"] == []
         assert m["standalone"] == A.standalone_addresses(loaded.model_id, "public", tokens, CHUNK)
-        reg = open_registry(etcd_url)
+        reg = open_records(etcd_url, tmp_path / "store")
         try:
             for i, addr in enumerate(m["standalone"]):
                 rec = await reg.get_object(addr)

@@ -27,4 +27,4 @@ async def test_smollm2_publish_with_chat_template(tmp_path, etcd_url):
         # the published tokens are what the chat template renders for a user turn holding the document
         rendered = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
         assert rendered.startswith(loaded.tokenizer.decode(m["prefix_tokens"]))
-        await check_published(session, etcd_url, m, loaded, m["prefix_tokens"])
+        await check_published(session, etcd_url, m, loaded, m["prefix_tokens"], store=tmp_path / "store")

@@ -9,7 +9,8 @@ from kdn.adapters.hf import ByteTokenizer
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
 from kdn.origin.publish import parse_request
-from kdn.registry import Manifest, open_registry
+from kdn.registry import Manifest
+from origin_records import open_records  # bench/lib/origin_records.py
 from kdn.signing import Signer, Verifier
 
 from origin_helpers import publish, running_origin
@@ -125,7 +126,7 @@ async def test_publish_with_emphasis_stores_a_signed_map(tmp_path, etcd_url):
         async with session.get("/v1/registry/manifests/public/vault") as r:
             assert r.status == 200
             served = await r.json()
-    reg = open_registry(etcd_url)
+    reg = open_records(etcd_url, tmp_path / "store")
     try:
         stored = await reg.get_manifest("public", "vault")
     finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kdn.address import blob_digest
-from kdn.registry import open_registry
+from origin_records import open_records  # bench/lib/origin_records.py
 from ports import free_port  # bench/lib/ports.py
 
 from origin_helpers import PUBLISH_TOKEN, auth, write_tokens
@@ -63,7 +63,7 @@ def http(method: str, url: str, body: dict | None = None) -> dict:
 
 
 async def check_records_point_at_stored_blobs(registry_url: str, store: Path) -> int:
-    reg = open_registry(registry_url)
+    reg = open_records(registry_url, store)  # the records beside the blobs (the origin's default)
     try:
         keys = await reg.list_keys("objects/")
         for key, _ in keys:
@@ -102,7 +102,7 @@ async def test_publish_killed_midway_leaves_no_dangling_record(tmp_path, etcd_ur
 
     recorded = await check_records_point_at_stored_blobs(etcd_url, tmp_path / "store")
     assert recorded >= 2
-    reg = open_registry(etcd_url)
+    reg = open_records(etcd_url, tmp_path / "store")
     try:
         assert await reg.get_manifest("public", "killed") is None, "a manifest was written before all its objects"
     finally:
