@@ -393,8 +393,14 @@ def _namespace_of(app: web.Application, address: str) -> str | None:
 
 async def _adopt(app: web.Application, address: str) -> dict:
     """Blobs an engine saved into this store on its own (``kv_role`` producer with ``registry``), found by
-    their registry record and indexed once their bytes match its digests."""
-    rec = await app[REGISTRY].get_object(address)
+    their registry record and indexed once their bytes match its digests. With records beside the blobs the
+    engine's record is still in the registry (it writes there): asked there too. Only a hint of the digest: a
+    blob is adopted only if it is already in this store and its bytes match, so a planted record adopts
+    nothing that was not there, and the record itself is not taken into the store."""
+    reg = app[REGISTRY]
+    rec = await reg.get_object(address)
+    if rec is None and isinstance(reg, RecordsBeside):
+        rec = await reg.control.get_object(address)
     if rec is None:
         return {}
     for name, enc in rec.encodings.items():
