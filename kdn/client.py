@@ -1,13 +1,12 @@
 """The fetch client an inference server uses: find the longest cached prefix of a prompt and fetch it.
 
-Sources of an object, in the order of preference when nothing is measured
-yet: the owner edge of the client's region (by the same consistent-hash ring
-the edges use), the other edges of the region, other regions' edges, the
-origin. Each source keeps a moving estimate of round-trip time and bandwidth
-(``kdn.estimate``); a fetch goes to the source with the least expected time
-for the object's size, is hedged to the next source when it runs past twice
-its expected time, fails over on error, and is verified against the digest
-the registry promised before anything is decoded. Object bodies are read by
+Its sources (``kdn.sources``: the owner edge of its region first, then the
+region's other edges, other regions' edges, the origin) each keep a moving
+estimate of round-trip time and bandwidth; a fetch goes to the source with the
+least expected time for the object's size, is hedged to the next source when
+it runs past twice its expected time, fails over on error, and is verified
+against the digest its record promised before anything is decoded. Records
+and manifests are believed as far as ``kdn.trust`` allows. Object bodies are read by
 ``kdn.bodyget`` (keep-alive connections of its own, straight into arena
 buffers); lookups, records and manifests go through one aiohttp session.
 
@@ -28,83 +27,46 @@ __all__ = ["FILL_TIERS", "Fetched", "KDNClient", "Lookup", "PrefixStates", "Prob
 import asyncio
 import logging
 import os
-import random
 import ssl as _ssl
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from kdn import address as A
 from kdn.address import validate_digest
+from kdn.bases import Bases
 from kdn.bodyget import BodyGetter, Tally
+from kdn.checked import check_identity, decode_checked
 from kdn.encodings import affordable, parse_budget
-from kdn.errors import DigestMismatch, InvalidInput, KDNError, SourceError
-from kdn.estimate import DECODE, DecodeSpeeds, Estimates
+from kdn.errors import InvalidInput, KDNError, SourceError
+from kdn.estimate import DECODE, DecodeSpeeds
 from kdn.fetch import Fetcher, Fresh, Observer, Route, Want
+from kdn.parts import fetch_tensors
 from kdn.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Source, Tensors, fills
 from kdn.pieces import Pieces
+from kdn.sources import Sources, from_nodes
+from kdn.trust import Trust
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
     from kdn.arena import Arena
-    from kdn.objects import DecodedObject, Layout, ObjectHeader, ObjectView
+    from kdn.objects import DecodedObject, Layout, ObjectView
     from kdn.scatter import Placer
-    from kdn.registry import Membership, NodeRecord
-    from kdn.ring import Ring
+    from kdn.registry import Membership
     from kdn.signing import Verifier
 
     # Publisher keys: a Verifier, key strings (ed25519:<hex>), or a file of them.
     TrustedKeys = Verifier | str | os.PathLike[str] | Iterable[str]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-STRATEGIES = ("latency", "random", "origin-only")  # source selection; "latency" is KDN's own
 MAX_OBJECT_BYTES = 1 << 30
-BASIS_ENCODING = "basis"  # how a model's kvtc basis is stored and served (kind "basis" records)
 
 
 RECENT_FETCHES = 1 << 16  # addresses a client remembers having fetched (KDNClient.warm) ...
 RECENT_S = 600.0  # ... and for how long (an edge's memory tier turns over; after this, not known warm)
-
-
-def _admitters(keys: TrustedKeys | None, revoked: str | os.PathLike[str] | Iterable[str] | None) -> Verifier | None:
-    """The operator keys a reader checks admissions with, and their revocation list (kdn.signing.Admitters)."""
-    if keys is None:
-        if revoked is not None:
-            raise InvalidInput("revoked_admissions is for admitted_by: give both")
-        return None
-    from kdn.signing import KEY_PREFIX, Admitters, Verifier
-
-    if isinstance(keys, Admitters) and revoked is None:
-        return keys
-    if isinstance(keys, Admitters) and (keys.revoked_path is not None or keys.revoked):
-        raise InvalidInput("admitted_by already carries a revocation list: give revoked_admissions there, or "
-                           "plain keys here (one list, not two that could disagree)")
-    if isinstance(keys, Verifier):
-        return Admitters([f"{KEY_PREFIX}{k.public_bytes_raw().hex()}" for k in keys.keys.values()], revoked)
-    if isinstance(keys, str) and keys.startswith(KEY_PREFIX):
-        return Admitters([keys], revoked)
-    if isinstance(keys, (str, os.PathLike)):
-        return Admitters.from_files(keys, revoked)
-    return Admitters(keys, revoked)
-
-
-def _verifier(keys: TrustedKeys | None) -> Verifier | None:
-    if keys is None:
-        return None
-    from kdn.signing import KEY_PREFIX, Verifier
-
-    if isinstance(keys, Verifier):
-        return keys
-    if isinstance(keys, str):
-        return Verifier([keys]) if keys.startswith(KEY_PREFIX) else Verifier.from_file(keys)
-    if isinstance(keys, os.PathLike):
-        return Verifier.from_file(keys)
-    return Verifier(keys)
 
 
 class KDNClient:
@@ -131,48 +93,19 @@ class KDNClient:
         decode_speeds: DecodeSpeeds | None = None,
         manifest_state: str | os.PathLike[str] | None = None,
     ) -> None:
-        if not edges and not origin and not remote_edges:
-            raise InvalidInput("KDNClient needs at least one edge or an origin")
-        # Benchmarks compare source selection: "random" shuffles every ranking (seed ``self.rng``),
-        # "origin-only" never asks an edge. The default, "latency", is the ranking below.
-        if strategy not in STRATEGIES:
-            raise InvalidInput(f"strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
-        if strategy == "origin-only" and not origin:
-            raise InvalidInput("strategy 'origin-only' needs an origin")
-        self.strategy = strategy
-        self.rng = random.Random()
-        # ``edges`` may be URLs or (node_id, URL) pairs; with ids, the client routes each
-        # address to its owner edge first, by the same ring the edges use.
-        pairs = [(e, e) if isinstance(e, str) else (e[0], e[1]) for e in edges]
-        self.sources: list[Source] = (
-            [Source(u.rstrip("/"), "edge", f"edge:{nid if nid != u else i}", 0.001, nid if nid != u else None)
-             for i, (nid, u) in enumerate(pairs)]
-            + [Source(u.rstrip("/"), "region", f"region:{i}", 0.05) for i, u in enumerate(remote_edges)]
-            + ([Source(origin.rstrip("/"), "origin", "origin", 0.1)] if origin else [])
-        )
-        ids = [s.node_id for s in self.sources if s.node_id]
-        self._ring: Ring | None = None
-        if ids:
-            from kdn.ring import Ring
-
-            self._ring = Ring(ids)
+        # Where to fetch from and in what order (kdn.sources); the names below are the same objects, kept
+        # for callers and benchmarks that read or seed them.
+        self.routing = Sources(edges, remote_edges, origin, strategy=strategy)
+        self.sources, self.strategy, self.rng = self.routing.all, self.routing.strategy, self.routing.rng
+        self.estimates, self.control, self._ring = self.routing.estimates, self.routing.control, self.routing.ring
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.hedge = hedge
         if max_hedges < 0:
             raise InvalidInput(f"max_hedges must be >= 0, not {max_hedges}")
         self.max_hedges = max_hedges
-        # Two views of each source: object transfers (what ranks fetches) and control requests (lookup,
-        # registry reads: what ranks those). A lookup's time is mostly the edge's own work (registry
-        # reads, queueing behind fills); fed into the transfer estimate it made a near edge look 50 ms
-        # away and sent the geo bench's clients to another region (docs/benchmarks.md, Geo).
-        self.estimates = Estimates()
-        self.control = Estimates()
         # What decoding each encoding costs on this machine (measured by every decode; the process's own
         # by default), the other half of choosing an encoding beside the link's estimate.
         self.decode_speeds = decode_speeds if decode_speeds is not None else DECODE
-        for s in self.sources:
-            self.estimates[s.url].set_prior(s.prior_rtt)
-            self.control[s.url].set_prior(s.prior_rtt)
         self._sem = asyncio.Semaphore(concurrency)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 5.0))
         self._ssl = ssl
@@ -185,20 +118,12 @@ class KDNClient:
         self._fetcher: Fetcher | None = None
         self._local_addr = local_addr  # bind outgoing connections to this IP (multi-homed hosts, link emulation)
         # Publisher keys (a kdn.signing.Verifier, key strings, or a file of them): with them, a record
-        # whose signature does not verify is a miss -- its digest is never believed.
-        self.verifier = _verifier(trusted_keys)
-        self.rejected_records = 0
+        # whose signature does not verify is a miss -- its digest is never believed (kdn.trust).
+        self.trust = Trust(trusted_keys, manifest_state)
+        self.verifier = self.trust.verifier
         self._fetched: OrderedDict[str, float] = OrderedDict()  # address -> when fetched (warm), bounded
-        # namespace/name -> the highest version this client has taken; with ``manifest_state``, kept in that file
-        # (kdn.versions) so that a new process still refuses what an earlier one saw superseded.
-        self.manifest_versions: dict[str, int] = {}
-        if manifest_state is not None:
-            from kdn.versions import VersionFile
-
-            self.manifest_versions = VersionFile(manifest_state)
         # kvtc bases by address: each fetched once (then shared by every object that names it)
-        self._bases: dict[str, asyncio.Task[Any]] = {}
-        self.bases_fetched = 0
+        self.bases = Bases(self.record, self.fetch)
         # What to count of each attempt of a fetch (``kdn.fetch.Observer``: traces, metrics); None: nothing.
         self.fetch_observer: Observer | None = None
         # Receive buffers reused across loads (``kdn.arena``): a prefix loaded into an engine's cache
@@ -283,7 +208,7 @@ class KDNClient:
 
     async def record(self, address: str) -> dict[str, Any] | None:
         d = await self._json("GET", f"/v1/registry/objects/{A.validate_address(address)}")
-        return self._trusted(d, "object", address)
+        return self.trust.record(d, address)
 
     async def manifest(self, namespace: str, name: str, *, pin: str | None = None) -> dict[str, Any] | None:
         """The manifest of ``namespace/name`` (None if absent or refused). Never an older one than this client
@@ -295,59 +220,17 @@ class KDNClient:
         ``pin`` (``kdn.signing.manifest_pin``, printed by ``kdn publish``) takes exactly that manifest: any
         other one served under the name is refused (None, counted), with keys or without."""
         ref = f"{A.validate_namespace(namespace)}/{A.validate_name(name)}"
-        d = self._trusted(await self._json("GET", f"/v1/registry/manifests/{ref}"), "manifest", ref)
-        if pin is not None and d is not None:
-            from kdn.registry import Manifest
-            from kdn.signing import manifest_pin
+        return self.trust.manifest(await self._json("GET", f"/v1/registry/manifests/{ref}"), ref, pin)
 
-            try:
-                got = manifest_pin(Manifest.from_dict(d))
-            except InvalidInput as e:
-                got = f"unreadable ({e})"
-            if got != A.validate_digest(pin):
-                self.rejected_records += 1
-                log.warning("KDN manifest %s refused: it is not the pinned one (%s, pinned %s)", ref, got[:16],
-                            pin[:16])
-                return None
-        if d is None or self.verifier is None:  # without keys a version is the sender's word: nothing to hold to
-            return None if d is not None and d.get("deleted") else d
-        version = d.get("version", 0)
-        if not (isinstance(version, int) and not isinstance(version, bool) and version >= 0):
-            self.rejected_records += 1
-            log.warning("KDN manifest %s refused: version %r", ref, str(version)[:20])
-            return None
-        seen = self.manifest_versions.get(ref, 0)
-        if version < seen:
-            self.rejected_records += 1
-            log.warning("KDN manifest %s refused: version %d is older than version %d taken before (a replay)",
-                        ref, version, seen)
-            return None
-        self.manifest_versions[ref] = version
-        return None if d.get("deleted") else d  # a signed tombstone: deleted, and older ones refused from now
+    @property
+    def rejected_records(self) -> int:
+        """Records and manifests refused so far (``kdn.trust``)."""
+        return self.trust.rejected
 
-    def _trusted(self, d: dict[str, Any] | None, kind: str, what: str) -> dict[str, Any] | None:
-        """``d`` if no keys are configured or a trusted key signed it (and it says what it was asked for)."""
-        if d is None or self.verifier is None:
-            return d
-        from kdn.registry import Manifest, ObjectRecord
-        from kdn.signing import SignatureError
-
-        try:
-            rec: ObjectRecord | Manifest
-            if kind == "object":
-                rec = ObjectRecord.from_dict(d)
-                got = rec.address
-            else:
-                rec = Manifest.from_dict(d)
-                got = rec.ref
-            self.verifier.check(rec)
-            if got != what:
-                raise SignatureError(f"asked for {what}, got a record of {got}")
-        except (SignatureError, InvalidInput) as e:
-            self.rejected_records += 1
-            log.warning("KDN record refused: %s", e)
-            return None
-        return d
+    @property
+    def manifest_versions(self) -> MutableMapping[str, int]:
+        """``namespace/name`` -> the highest manifest version this client has taken (``kdn.trust``)."""
+        return self.trust.manifest_versions
 
     # --- lookup ----------------------------------------------------------------
 
@@ -405,65 +288,16 @@ class KDNClient:
                             admitted_by: TrustedKeys | None = None,
                             revoked_admissions: str | os.PathLike[str] | Iterable[str] | None = None,
                             **kwargs: Any) -> KDNClient:
-        """Sources from the registry's live nodes: this region's edges, other regions' edges, the origins.
-
-        With a ``token``, nodes it may not reach are left out: a registry writer names these URLs,
-        and the token goes only to ``token_hosts`` (loopback by default; https too: kdn.auth.TokenScope).
-        With ``admitted_by`` (operator keys), so is every node without an admission one of them signed
-        (``kdn node admit``): the writer cannot name a server of its choice at all; and every node whose
-        admission is in ``revoked_admissions`` (a file or a list of ids: ``kdn node revoke``).
-        """
-        edges = await registry.list_nodes(role="edge")
-        origins = await registry.list_nodes(role="origin")
-        operators = _admitters(admitted_by, revoked_admissions)
-        if operators is not None:
-            from kdn.signing import unadmitted
-
-            why = {(n.role, n.region, n.node_id): unadmitted(n, operators) for n in edges + origins}
-
-            def out(n: NodeRecord) -> str | None:
-                return why[(n.role, n.region, n.node_id)]
-
-            left = [f"{n.role} {n.node_id} ({out(n)})" for n in edges + origins if out(n)]
-            if left:
-                log.warning("leaving out %d unadmitted node(s): %s", len(left), "; ".join(left[:5]))
-            edges = [n for n in edges if not out(n)]
-            origins = [n for n in origins if not out(n)]
-        if kwargs.get("token"):
-            from kdn.auth import TokenScope
-
-            scope = TokenScope(token_hosts)
-            dropped = [n.url for n in edges + origins if not scope.allows(n.url)]
-            if dropped:
-                log.warning("leaving out %d node(s) the token may not reach (token_hosts %s): %s",
-                            len(dropped), ",".join(scope.patterns), ", ".join(dropped[:5]))
-            edges = [n for n in edges if scope.allows(n.url)]
-            origins = [n for n in origins if scope.allows(n.url)]
-        mine = [(n.node_id, n.url) for n in edges if n.region == region]
-        remote = [n.url for n in edges if n.region != region]
-        return cls(edges=mine, remote_edges=remote, origin=origins[0].url if origins else None, **kwargs)
+        """Sources from the registry's live nodes (``kdn.sources.from_nodes``): this region's edges, other
+        regions' edges, the origins; with a ``token``, only nodes it may reach (``token_hosts``); with
+        ``admitted_by`` (operator keys), only nodes one of them admitted and did not revoke."""
+        found = await from_nodes(registry, region, token=kwargs.get("token"), token_hosts=token_hosts,
+                                 admitted_by=admitted_by, revoked_admissions=revoked_admissions)
+        return cls(**found, **kwargs)
 
     def _ranked(self, size: int, address: str | None = None, *, control: bool = False) -> list[Source]:
-        """Least expected time first. A non-owner edge of the region fills through the owner, so it
-        costs its own transfer plus the owner's: the owner ranks first while it answers. ``control``:
-        for a lookup or registry read, ranked by those requests' own times."""
-        if self.strategy == "origin-only":
-            return [s for s in self.sources if s.kind == "origin"]
-        if self.strategy == "random":
-            order = list(self.sources)
-            self.rng.shuffle(order)
-            return order
-        est = self.control if control else self.estimates
-        owner = self._ring.owner(address) if (self._ring is not None and address) else None
-        owner_url = next((s.url for s in self.sources if s.node_id == owner), None) if owner else None
-
-        def cost(s: Source) -> float:
-            own = est[s.url].expected(size)
-            if owner_url is not None and s.node_id is not None and s.url != owner_url:
-                own += est[owner_url].expected(size)
-            return own
-
-        return sorted(self.sources, key=cost)
+        """The sources for one request, least expected time first (``kdn.sources.Sources.ranked``)."""
+        return self.routing.ranked(size, address, control=control)
 
     def expected_seconds(self, size: int) -> float:
         """The least expected time to fetch ``size`` bytes from any source (the load planner's link)."""
@@ -482,7 +316,7 @@ class KDNClient:
             if not affordable(name, budget):
                 continue
             size = int(enc["size"])
-            t = min(self.estimates[s.url].expected(size) for s in self.sources) + self.decode_speeds.seconds(name, size)
+            t = self.routing.least_expected(size) + self.decode_speeds.seconds(name, size)
             if t < best_t:
                 best, best_t = name, t
         return best
@@ -613,86 +447,22 @@ class KDNClient:
                                             pieces=pieces, part=(first, end))
 
     async def fetch_tensors(self, address: str, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
-        """Only the named tensors of an object (one layer's ``L3.k`` and ``L3.v``, say), verified: the pieces
-        holding its header, then the pieces that hold those tensors, by range requests. Where the record has
-        no pieces, the whole object is fetched and verified, then cut."""
-        from kdn.objects import head_length, read_layout
-
-        rec = await self.record(address)
-        if rec is None or encoding not in rec["encodings"]:
-            raise SourceError(f"{address} has no {encoding!r} record here")
-        e = rec["encodings"][encoding]
-        size, pieces, want = int(e["size"]), Pieces.of(e), list(names)
-        if pieces is None:
-            f = await self.fetch(address, encoding=encoding)
-            layout = read_layout(f.blob[:head_length(f.blob[:8])], size)
-            return Tensors(layout, {n: memoryview(f.blob)[slice(*_span(layout, n))] for n in want}, size)
-        pb = pieces.piece_bytes
-        head = await self.fetch_part(address, encoding, 0, 1)
-        moved = len(head.blob)
-        hl = head_length(head.blob[:8])
-        if hl > len(head.blob):  # a header longer than a piece: the pieces it spans
-            more = await self.fetch_part(address, encoding, 1, -(-hl // pb))
-            head, moved = replace(head, blob=bytearray(head.blob) + more.blob), moved + len(more.blob)
-        layout = read_layout(head.blob[:hl], size)
-        spans = {n: _span(layout, n) for n in want}
-        if not spans:
-            return Tensors(layout, {}, moved)
-        first, end = min(b for b, _ in spans.values()) // pb, -(-max(e for _, e in spans.values()) // pb)
-        held = -(-len(head.blob) // pb)  # pieces already here with the header
-        data: bytes | bytearray | memoryview = head.blob
-        base = 0
-        if end > held:
-            body = await self.fetch_part(address, encoding, max(first, held), end)
-            moved += len(body.blob)
-            data, base = ((bytearray(head.blob[first * pb:]) + body.blob, first * pb) if first < held
-                          else (body.blob, first * pb))
-        return Tensors(layout, {n: memoryview(data)[b - base:e - base] for n, (b, e) in spans.items()}, moved)
+        """Only the named tensors of an object (one layer's ``L3.k`` and ``L3.v``, say), verified, by range
+        requests where its record has piece digests (``kdn.parts``)."""
+        return await fetch_tensors(self, address, names, encoding=encoding)
 
     async def basis(self, address: str) -> Any:
-        """The kvtc basis (``kdn.kernels.transform.Basis``) at ``address``: fetched once, verified,
-        registered for decoding. Its address is the BLAKE3 of its bytes, and objects name it from inside
-        their verified bytes, so a basis that is not exactly those bytes is refused whatever its record says."""
-        A.validate_address(address)
-        task = self._bases.get(address)
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = self._bases[address] = asyncio.ensure_future(self._load_basis(address))
-        return await asyncio.shield(task)
-
-    async def _load_basis(self, address: str) -> Any:
-        rec = await self.record(address)
-        if rec is None:
-            raise SourceError(f"kvtc basis {address[:16]}... is not in the registry")
-        enc = rec.get("encodings", {}).get(BASIS_ENCODING)
-        if rec.get("kind") != "basis" or not isinstance(enc, dict) or enc.get("digest") != address:
-            raise DigestMismatch(f"the record of {address[:16]}... is not a kvtc basis stored under its own digest")
-        f = await self.fetch(address, encoding=BASIS_ENCODING, digest=address, size=int(enc["size"]))
-        self.bases_fetched += 1
-
-        def load() -> Any:
-            import kdn.kernels  # noqa: F401  (registers the kvtc codec)
-            from kdn.kernels.transform import Basis, register_basis
-
-            basis = Basis.from_bytes(f.blob)
-            register_basis(basis)
-            return basis
-
-        return await asyncio.to_thread(load)
+        """The kvtc basis (``kdn.kernels.transform.Basis``) at ``address``: fetched once, verified, registered
+        for decoding (``kdn.bases``)."""
+        return await self.bases.get(address)
 
     async def prepare(self, f: Fetched, tokens: int | None = None) -> int | None:
-        """Load the kvtc bases a fetched object names; the ``max_decoded`` its decode may use (None: default),
-        for ``tokens`` tokens (default: the span its header claims; a caller that knows the span passes it)."""
-        from kdn.objects import read_header
+        """Load the kvtc bases a fetched object names; the ``max_decoded`` its decode may use (``kdn.bases``)."""
+        return await self.bases.prepare(f, tokens)
 
-        h = read_header(f.blob)
-        addrs = {str(t.params.get("basis")) for t in h.tensors.values() if t.codec == "kvtc"}
-        if not addrs:
-            return None
-        bases = [await self.basis(a) for a in sorted(addrs)]
-        from kdn.kernels.transform import decoded_cap
-
-        n = h.end - h.start if tokens is None else tokens
-        return int(max(decoded_cap(b, n) for b in bases))
+    @property
+    def bases_fetched(self) -> int:
+        return self.bases.fetched
 
     async def fetch_prefix(self, hit: Lookup, *, encoding: str | None = None,
                            quality: str | float | None = None,
@@ -750,7 +520,7 @@ class KDNClient:
                 # A kvtc object: its basis first (fetched once); its decode bounded by the span the lookup
                 # asked for, never by what the object's own header claims.
                 cap = await self.prepare(f, hit.token_counts()[index])
-                return f, await asyncio.to_thread(_decode_checked, f, hit, budget, cap, index, into,
+                return f, await asyncio.to_thread(decode_checked, f, hit, budget, cap, index, into,
                                                   self.decode_speeds)
             finally:
                 if into is not None:  # decoded into the engine's cache: the receive buffer is free again
@@ -767,7 +537,7 @@ class KDNClient:
         from kdn.scatter import Scatter
 
         def place(layout: Layout) -> Mapping[str, Sequence[memoryview]]:
-            _check_identity(layout.header, hit, address)
+            check_identity(layout.header, hit, address)
             return scatter.place(index, layout)
 
         size = int(e["size"])
@@ -783,51 +553,6 @@ class KDNClient:
         f = Fetched(address, "raw", memoryview(b""), f"{body.route.label}/{body.served_by}", body.seconds)
         self.note_read(address)
         return f, body.buffer.layout
-
-
-def _span(layout: Layout, name: str) -> tuple[int, int]:
-    try:
-        return layout.span(name)
-    except KeyError:
-        raise InvalidInput(f"object {layout.header.address[:16]} has no tensor {name[:64]!r}") from None
-
-
-def _check_identity(h: ObjectHeader, hit: Lookup, address: str) -> None:
-    """A verified object is the one the lookup asked for: its address, model and namespace."""
-    if h.model_id != hit.model_id or h.namespace != hit.namespace or h.address != address:
-        raise DigestMismatch(f"object {address} claims model {h.model_id[:12]}/{h.namespace}, "
-                             f"expected {hit.model_id[:12]}/{hit.namespace}")
-
-
-def _decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: int | None = None,
-                    index: int = 0, into: Callable[[int, ObjectView], None] | None = None,
-                    speeds: DecodeSpeeds | None = None) -> DecodedObject:
-    """Check a verified object is the one the lookup asked for, then decode it (or hand it to ``into``)."""
-    from kdn.codecs import codec_names, get_codec
-    from kdn.objects import DecodedObject, ObjectView, decoded_nbytes
-
-    view = ObjectView(f.blob, max_decoded=max_decoded)
-    h = view.header
-    _check_identity(h, hit, f.address)
-    counts = hit.token_counts()
-    start = sum(counts[:index])
-    if (h.start, h.end) != (start, start + counts[index]):
-        raise DigestMismatch(f"object {f.address} claims tokens [{h.start}, {h.end}), the lookup asked for "
-                             f"[{start}, {start + counts[index]})")
-    if not {t.codec for t in h.tensors.values()} <= set(codec_names()):
-        import kdn.kernels  # noqa: F401  (lossy codecs need torch: registered only when used)
-    if budget is None and not all(get_codec(t.codec).lossless for t in h.tensors.values()):
-        # Belt and braces: the digest already pins the bytes to a lossless encoding.
-        raise DigestMismatch(f"object {f.address} holds lossy tensors but lossless was asked for")
-    t0 = time.perf_counter()
-    if into is not None:
-        into(index, view)
-        out = DecodedObject(h, {})
-    else:
-        out = DecodedObject(h, view.decode())
-    if speeds is not None:  # what the decode (into the engine's cache, with ``into``) cost on this machine
-        speeds.observe(h.encoding, decoded_nbytes(h), time.perf_counter() - t0)
-    return out
 
 
 def __getattr__(name: str) -> Any:

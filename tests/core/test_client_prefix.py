@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kdn.kernels  # noqa: F401  (registers the lossy codecs)
-from kdn.client import Fetched, Lookup, _decode_checked
+from kdn.checked import decode_checked
+from kdn.client import Fetched, Lookup
 from kdn.errors import DigestMismatch, ObjectTooLarge
 from kdn.objects import RawTensor, encode_object
 
@@ -52,14 +53,14 @@ def test_into_gets_only_objects_that_passed_every_check():
     def into(i, view):
         handed.append(i)
 
-    obj = _decode_checked(Fetched(a, "zstd", bytearray(blob(a)), "edge", 0.0), hit, None, None, 0, into)
+    obj = decode_checked(Fetched(a, "zstd", bytearray(blob(a)), "edge", 0.0), hit, None, None, 0, into)
     assert handed == [0] and obj.tensors == {} and obj.header.address == a
     # another model's object, a lossy one when lossless was asked, one over its decode bound: never handed on
     with pytest.raises(DigestMismatch, match="claims model"):
-        _decode_checked(Fetched(a, "zstd", bytearray(blob(a, model=OTHER)), "edge", 0.0), hit, None, None, 0, into)
+        decode_checked(Fetched(a, "zstd", bytearray(blob(a, model=OTHER)), "edge", 0.0), hit, None, None, 0, into)
     with pytest.raises(DigestMismatch, match="lossy"):
-        _decode_checked(Fetched(a, "int8", bytearray(blob(a, encoding="int8")), "edge", 0.0), hit, None, None, 0,
+        decode_checked(Fetched(a, "int8", bytearray(blob(a, encoding="int8")), "edge", 0.0), hit, None, None, 0,
                         into)
     with pytest.raises(ObjectTooLarge):
-        _decode_checked(Fetched(a, "zstd", bytearray(blob(a)), "edge", 0.0), hit, None, 1024, 0, into)
+        decode_checked(Fetched(a, "zstd", bytearray(blob(a)), "edge", 0.0), hit, None, 1024, 0, into)
     assert handed == [0]

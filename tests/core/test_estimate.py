@@ -83,9 +83,10 @@ def test_the_same_fast_link_picks_raw_for_a_slow_receiver_and_zstd_for_a_fast_on
 
 
 def test_a_client_times_its_decodes_into_its_speeds():
-    """``_decode_checked`` (every fetch_prefix decode) feeds the client's DecodeSpeeds."""
+    """``decode_checked`` (every fetch_prefix decode) feeds the client's DecodeSpeeds."""
     from kdn import address as A
-    from kdn.client import Fetched, Lookup, _decode_checked
+    from kdn.checked import decode_checked
+    from kdn.client import Fetched, Lookup
     from kdn.estimate import DecodeSpeeds
     from kdn.objects import RawTensor, encode_object
 
@@ -98,5 +99,5 @@ def test_a_client_times_its_decodes_into_its_speeds():
                          tensors={"L0.k": RawTensor("L0.k", "U8", (len(data),), memoryview(data))})
     hit = Lookup(model_id=model, namespace="public", addresses=[addr], tokens=256, chunk_tokens=256)
     speeds = DecodeSpeeds()
-    _decode_checked(Fetched(addr, "zstd", memoryview(blob), "edge", 0.0), hit, None, speeds=speeds)
+    decode_checked(Fetched(addr, "zstd", memoryview(blob), "edge", 0.0), hit, None, speeds=speeds)
     assert speeds.snapshot()["zstd"]["samples"] == 1 and speeds.rate("zstd") > 0

@@ -1,0 +1,168 @@
+"""Where a client fetches from, and which source it asks first (``KDNClient``'s routing).
+
+Sources of an object, in the order of preference when nothing is measured
+yet: the owner edge of the client's region (by the same consistent-hash ring
+the edges use), the other edges of the region, other regions' edges, the
+origin. Each source keeps two moving estimates (``kdn.estimate``): one of
+object transfers, which ranks fetches, and one of control requests (lookups,
+registry reads), which ranks those. A lookup's time is mostly the edge's own
+work (registry reads, queueing behind fills); fed into the transfer estimate
+it made a near edge look 50 ms away and sent the geo bench's clients to
+another region (docs/benchmarks.md, Geo).
+
+``from_nodes`` picks a client's sources out of the registry's live nodes,
+leaving out those its token may not reach and those no operator admitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kdn.errors import InvalidInput
+from kdn.estimate import Estimates
+from kdn.lookup import Source
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry import Membership, NodeRecord
+    from kdn.ring import Ring
+    from kdn.signing import Verifier
+
+    # Publisher or operator keys: a Verifier, key strings (ed25519:<hex>), or a file of them.
+    TrustedKeys = Verifier | str | os.PathLike[str] | Iterable[str]
+
+log = logging.getLogger("kdn.client")
+
+STRATEGIES = ("latency", "random", "origin-only")  # source selection; "latency" is KDN's own
+
+
+class Sources:
+    """A client's sources, their estimates, and the order to ask them in.
+
+    ``edges`` may be URLs or (node_id, URL) pairs; with ids, each address goes
+    to its owner edge first, by the same ring the edges use. ``strategy``:
+    "latency" (KDN's own ranking, below); benchmarks compare "random" (every
+    ranking shuffled, seeded by ``rng``) and "origin-only" (never an edge).
+    """
+
+    def __init__(self, edges: Sequence[str | tuple[str, str]] = (), remote_edges: Sequence[str] = (),
+                 origin: str | None = None, *, strategy: str = "latency") -> None:
+        if not edges and not origin and not remote_edges:
+            raise InvalidInput("KDNClient needs at least one edge or an origin")
+        if strategy not in STRATEGIES:
+            raise InvalidInput(f"strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
+        if strategy == "origin-only" and not origin:
+            raise InvalidInput("strategy 'origin-only' needs an origin")
+        self.strategy = strategy
+        self.rng = random.Random()
+        pairs = [(e, e) if isinstance(e, str) else (e[0], e[1]) for e in edges]
+        self.all: list[Source] = (
+            [Source(u.rstrip("/"), "edge", f"edge:{nid if nid != u else i}", 0.001, nid if nid != u else None)
+             for i, (nid, u) in enumerate(pairs)]
+            + [Source(u.rstrip("/"), "region", f"region:{i}", 0.05) for i, u in enumerate(remote_edges)]
+            + ([Source(origin.rstrip("/"), "origin", "origin", 0.1)] if origin else [])
+        )
+        ids = [s.node_id for s in self.all if s.node_id]
+        self.ring: Ring | None = None
+        if ids:
+            from kdn.ring import Ring
+
+            self.ring = Ring(ids)
+        self.estimates = Estimates()  # object transfers
+        self.control = Estimates()  # lookups and registry reads
+        for s in self.all:
+            self.estimates[s.url].set_prior(s.prior_rtt)
+            self.control[s.url].set_prior(s.prior_rtt)
+
+    def ranked(self, size: int, address: str | None = None, *, control: bool = False) -> list[Source]:
+        """Least expected time first. A non-owner edge of the region fills through the owner, so it
+        costs its own transfer plus the owner's: the owner ranks first while it answers. ``control``:
+        for a lookup or registry read, ranked by those requests' own times."""
+        if self.strategy == "origin-only":
+            return [s for s in self.all if s.kind == "origin"]
+        if self.strategy == "random":
+            order = list(self.all)
+            self.rng.shuffle(order)
+            return order
+        est = self.control if control else self.estimates
+        owner = self.ring.owner(address) if (self.ring is not None and address) else None
+        owner_url = next((s.url for s in self.all if s.node_id == owner), None) if owner else None
+
+        def cost(s: Source) -> float:
+            own = est[s.url].expected(size)
+            if owner_url is not None and s.node_id is not None and s.url != owner_url:
+                own += est[owner_url].expected(size)
+            return own
+
+        return sorted(self.all, key=cost)
+
+    def least_expected(self, size: int) -> float:
+        """The least expected time to move ``size`` bytes from any source, as measured so far."""
+        return min(self.estimates[s.url].expected(size) for s in self.all)
+
+
+def admitters(keys: TrustedKeys | None, revoked: str | os.PathLike[str] | Iterable[str] | None) -> Verifier | None:
+    """The operator keys a reader checks admissions with, and their revocation list (kdn.signing.Admitters)."""
+    if keys is None:
+        if revoked is not None:
+            raise InvalidInput("revoked_admissions is for admitted_by: give both")
+        return None
+    from kdn.signing import KEY_PREFIX, Admitters, Verifier
+
+    if isinstance(keys, Admitters) and revoked is None:
+        return keys
+    if isinstance(keys, Admitters) and (keys.revoked_path is not None or keys.revoked):
+        raise InvalidInput("admitted_by already carries a revocation list: give revoked_admissions there, or "
+                           "plain keys here (one list, not two that could disagree)")
+    if isinstance(keys, Verifier):
+        return Admitters([f"{KEY_PREFIX}{k.public_bytes_raw().hex()}" for k in keys.keys.values()], revoked)
+    if isinstance(keys, str) and keys.startswith(KEY_PREFIX):
+        return Admitters([keys], revoked)
+    if isinstance(keys, (str, os.PathLike)):
+        return Admitters.from_files(keys, revoked)
+    return Admitters(keys, revoked)
+
+
+async def from_nodes(registry: Membership, region: str, *, token: str | None = None,
+                     token_hosts: str | list[str] | None = None, admitted_by: TrustedKeys | None = None,
+                     revoked_admissions: str | os.PathLike[str] | Iterable[str] | None = None) -> dict[str, Any]:
+    """``edges``, ``remote_edges`` and ``origin`` for a client in ``region``, from the registry's live nodes.
+
+    With a ``token``, nodes it may not reach are left out: a registry writer names these URLs,
+    and the token goes only to ``token_hosts`` (loopback by default; https too: kdn.auth.TokenScope).
+    With ``admitted_by`` (operator keys), so is every node without an admission one of them signed
+    (``kdn node admit``): the writer cannot name a server of its choice at all; and every node whose
+    admission is in ``revoked_admissions`` (a file or a list of ids: ``kdn node revoke``).
+    """
+    edges = await registry.list_nodes(role="edge")
+    origins = await registry.list_nodes(role="origin")
+    operators = admitters(admitted_by, revoked_admissions)
+    if operators is not None:
+        from kdn.signing import unadmitted
+
+        why = {(n.role, n.region, n.node_id): unadmitted(n, operators) for n in edges + origins}
+
+        def out(n: NodeRecord) -> str | None:
+            return why[(n.role, n.region, n.node_id)]
+
+        left = [f"{n.role} {n.node_id} ({out(n)})" for n in edges + origins if out(n)]
+        if left:
+            log.warning("leaving out %d unadmitted node(s): %s", len(left), "; ".join(left[:5]))
+        edges = [n for n in edges if not out(n)]
+        origins = [n for n in origins if not out(n)]
+    if token:
+        from kdn.auth import TokenScope
+
+        scope = TokenScope(token_hosts)
+        dropped = [n.url for n in edges + origins if not scope.allows(n.url)]
+        if dropped:
+            log.warning("leaving out %d node(s) the token may not reach (token_hosts %s): %s",
+                        len(dropped), ",".join(scope.patterns), ", ".join(dropped[:5]))
+        edges = [n for n in edges if scope.allows(n.url)]
+        origins = [n for n in origins if scope.allows(n.url)]
+    return {"edges": [(n.node_id, n.url) for n in edges if n.region == region],
+            "remote_edges": [n.url for n in edges if n.region != region],
+            "origin": origins[0].url if origins else None}
