@@ -44,8 +44,8 @@ from kdn.encodings import affordable, parse_budget
 from kdn.errors import InvalidInput, KDNError, SourceError
 from kdn.estimate import DECODE, DecodeSpeeds
 from kdn.fetch import Fetcher, Fresh, Observer, Route, Want
-from kdn.parts import fetch_tensors
 from kdn.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Source, Tensors, fills
+from kdn.parts import fetch_tensors
 from kdn.pieces import Pieces
 from kdn.sources import Sources, from_nodes
 from kdn.trust import Trust
@@ -55,10 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.clie
     from kdn.objects import DecodedObject, Layout, ObjectView
     from kdn.scatter import Placer
     from kdn.registry import Membership
-    from kdn.signing import Verifier
-
-    # Publisher keys: a Verifier, key strings (ed25519:<hex>), or a file of them.
-    TrustedKeys = Verifier | str | os.PathLike[str] | Iterable[str]
+    from kdn.trust import TrustedKeys
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kdn.registry import Membership, NodeRecord
     from kdn.ring import Ring
     from kdn.signing import Verifier
-
-    # Publisher or operator keys: a Verifier, key strings (ed25519:<hex>), or a file of them.
-    TrustedKeys = Verifier | str | os.PathLike[str] | Iterable[str]
+    from kdn.trust import TrustedKeys  # (operator keys take the same forms as publisher keys)
 
 log = logging.getLogger("kdn.client")
 
