@@ -238,6 +238,9 @@ class KVRegistry(abc.ABC):
         self._leases: weakref.WeakSet[NodeLease] = weakref.WeakSet()
         self._closed = False
         self.signer: Signer | None = None  # an origin signs every object record and manifest it writes
+        # The highest manifest version this writer has given: its next is above it, even in the same
+        # millisecond after a planted manifest (not counted) replaced the one it wrote last.
+        self._last_version = 0
 
     # primitives: full keys (prefix included) --------------------------------
 
@@ -412,7 +415,7 @@ class KVRegistry(abc.ABC):
         The version is the publish time in milliseconds, or one more than the stored manifest's where that
         is higher (a clock stepped back): it rises with every publish, also across a delete and a
         re-publish. A signing writer counts only a stored manifest its own key signed (another's version,
-        planted, could otherwise push it anywhere). Two writers publishing one name in the same
+        planted, could otherwise push it anywhere), and never gives a version at or below one it gave before. Two writers publishing one name in the same
         millisecond can end at one version; the later write wins the name, as before.
         """
         manifest = await self.versioned(manifest)
@@ -430,7 +433,9 @@ class KVRegistry(abc.ABC):
             old = None
         if old is not None and self.signer is not None and not self.signer.signed_it(old):
             old = None
-        version = max(manifest.version, int(time.time() * 1000), old.version + 1 if old is not None else 1)
+        version = max(manifest.version, int(time.time() * 1000), old.version + 1 if old is not None else 1,
+                      self._last_version + 1)
+        self._last_version = version
         signed: Manifest = self._signed(dataclasses.replace(manifest, version=version))
         return signed
 
