@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edge"))
 
-from edge_helpers import cluster, get, publish  # noqa: E402
+from edge_helpers import cluster, get, publish, wait_until  # noqa: E402
 
 from kdn import cli  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402
@@ -88,7 +88,8 @@ async def test_records_live_beside_the_blobs_and_edges_read_them_there(request, 
             whole = await client.manifest("public", "doc")
         assert whole is not None and whole["prefix_tokens"] == m["prefix_tokens"] and whole["addresses"] == addrs
         assert whole["version"] == pointer.version and not whole.get("body")
-        assert c.edge("e1").chains.following(addrs[0], 2) == addrs[1:3]  # the edge's prefetch chains read it whole
+        # the edge's prefetch chains read it whole (from its manifest watch: asynchronous to the publish)
+        await wait_until(lambda: c.edge("e1").chains.following(addrs[0], 2) == addrs[1:3])
         async with aiohttp.ClientSession() as s:
             url = f"{c.edge_url('e1')}/v1/registry/manifests/public/doc"
             async with s.get(url, params={"body": "0" * 64}) as r:

@@ -242,8 +242,10 @@ def test_a_stale_speed_is_probed_beside_the_request_that_computes(world):
     back = run()
     planner = ev.stats()["planner"]
     # The probe replaced the slow speed (no moving average from 1 kB/s), and the measurement is fresh: this
-    # plan weighs the link as measured (on this tiny model, computing may still win), it does not probe.
-    assert planner["load_bps"] > 1e6 and planner["counts"].get("probe", 0) == probes, planner
+    # plan weighs the link as measured (on this tiny model, computing may still win), it does not probe. The
+    # bar is twice the slow link's cap, not an absolute speed: one tiny chunk through the Python proxy on a
+    # loaded 2-core CI machine measured under 1 MB/s.
+    assert planner["load_bps"] > 2 * proxy.slow_bps and planner["counts"].get("probe", 0) == probes, planner
     assert back["cached"] in (0, LOADED) and back["tokens"] == ref["tokens"] and back["logprobs"] == ref["logprobs"]
 
 
