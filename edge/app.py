@@ -268,7 +268,10 @@ async def lookup(request: web.Request) -> web.Response:
         where = ["edge"] * len(where)
     if len(where) < len(addrs):  # it stopped at a "no": held like one (an absent record, or another tenant's)
         await edge.records.hold(t0)
-    return web.json_response({"length": len(where), "sources": where})
+    out: dict[str, object] = {"length": len(where), "sources": where}
+    if body.get("records") is True:  # the matched chain's signed records, read above: no second round trip
+        out["records"] = [rec.to_dict() if rec is not None else None for rec in recs[:len(where)]]
+    return web.json_response(out)
 
 
 async def prefetch(request: web.Request) -> web.Response:

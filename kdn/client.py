@@ -244,23 +244,30 @@ class KDNClient:
         full = A.prefix_addresses(A.validate_model_id(model_id), namespace, toks, chunk_tokens, full_chunks_only=True)
         n = 0
         where: list[object] = []
+        inline: list[object] = []
         if full:
-            body = await self._json("POST", "/v1/lookup", {"addresses": full})
+            # The matched chain's records ride with the answer (the edge read them to answer): one round trip
+            # where a lookup of 31 chunks took 32, and the engine's scheduler another 31 (bench/lookup.py).
+            body = await self._json("POST", "/v1/lookup", {"addresses": full, "records": True})
             try:  # an edge's answer is a claim: a number within the chain, or nothing
                 n = max(0, min(int(body["length"]), len(full))) if body else 0
             except (KeyError, TypeError, ValueError):
                 n = 0
             sources = body.get("sources") if body else None
             where = sources if isinstance(sources, list) else []
+            sent = body.get("records") if body else None
+            inline = sent[:n] if isinstance(sent, list) else []
             # Not in the answering edge's tiers: a read fills it (through the owner, or from the origin).
             cold = {a for a, w in zip(full, where) if w not in ("memory", "disk")}
         addrs = full[:n]
         records: list[dict[str, Any]] = []
-        if n and self.verifier is not None:
-            # The edge's "I have n" is a claim; a chunk counts only once its signed record verifies.
-            recs = await asyncio.gather(*(self.record(a) for a in addrs))
-            n = next((i for i, r in enumerate(recs) if r is None), n)
-            addrs, records = addrs[:n], [r for r in recs[:n] if r is not None]  # (none is, below n)
+        if n:
+            # The edge's "I have n" is a claim; with keys a chunk counts only once its signed record verifies.
+            recs = await self._records(addrs, inline)
+            if self.verifier is not None:
+                n = next((i for i, r in enumerate(recs) if r is None), n)
+                addrs, recs = addrs[:n], recs[:n]
+            records = [r for r in recs if r is not None] if None not in recs else []
         covered = n * chunk_tokens
         if n:
             parent = records[-1] if records else await self.record(addrs[-1])
@@ -277,6 +284,24 @@ class KDNClient:
         return Lookup(model_id=model_id, namespace=namespace, addresses=addrs, tokens=covered,
                       chunk_tokens=chunk_tokens, records=records, cold=cold if n else set(),
                       sources=[str(w) for w in where[:n]])
+
+    async def _records(self, addrs: list[A.Address], inline: list[object]) -> list[dict[str, Any] | None]:
+        """The records of ``addrs``, in order: each one sent with the lookup (``inline``) as ``record`` would
+        check it; one the answer lacks (an older edge, an entry that is not this address's record) is read by
+        itself, with keys. Without keys, a missing one stays None (read later by whoever needs it)."""
+        out: list[dict[str, Any] | None] = []
+        ask: list[int] = []
+        for i, a in enumerate(addrs):
+            d = inline[i] if i < len(inline) else None
+            if not (isinstance(d, dict) and d.get("address") == a):
+                out.append(None)
+                ask.append(i)
+            else:
+                out.append(self.trust.record(d, a))  # a refused one stays None: it is never read again
+        if ask and self.verifier is not None:
+            for i, r in zip(ask, await asyncio.gather(*(self.record(addrs[i]) for i in ask))):
+                out[i] = r
+        return out
 
     # --- fetch -----------------------------------------------------------------
 

@@ -446,8 +446,8 @@ async def get_object(request: web.Request) -> web.StreamResponse:
 
 
 async def lookup(request: web.Request) -> web.Response:
-    """Ordered addresses in; how many leading ones this origin holds out."""
-    _, addrs = await service.read_addresses(request)
+    """Ordered addresses in; how many leading ones this origin holds out (and, asked for, their records)."""
+    body, addrs = await service.read_addresses(request)
     allowed = request.app[GRANTS].namespaces(bearer(request), "read")
     store, n = request.app[STORE], 0
     for a in addrs:
@@ -457,7 +457,11 @@ async def lookup(request: web.Request) -> web.Response:
             break
         n += 1
     src = f"origin:{request.app[CONFIG].node_id}"
-    return web.json_response({"length": n, "sources": [src] * n})
+    out: dict[str, object] = {"length": n, "sources": [src] * n}
+    if body.get("records") is True:
+        recs = await service.records_of(request.app).get_objects(list(addrs[:n])) if n else []
+        out["records"] = [r.to_dict() if r is not None and covers(allowed, r.namespace) else None for r in recs]
+    return web.json_response(out)
 
 
 async def healthz(request: web.Request) -> web.Response:

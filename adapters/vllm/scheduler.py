@@ -163,7 +163,9 @@ class SchedulerSide:
         hit = await c.lookup(tokens, self.model_id, self.cfg.namespace, chunk_tokens=self.cfg.chunk_tokens)
         if not hit.addresses:
             return []
-        recs = await asyncio.gather(*(c.record(a) for a in hit.addresses))
+        # The lookup brought the chain's records (checked as ``record`` checks them); older edges do not send them.
+        recs = hit.records if len(hit.records) == len(hit.addresses) else \
+            await asyncio.gather(*(c.record(a) for a in hit.addresses))
         pieces: list[Piece] = []
         pos = 0
         for i, (addr, rec) in enumerate(zip(hit.addresses, recs)):

@@ -41,8 +41,17 @@ def forge(blob: bytes) -> bytes:
 
 
 async def forger(upstream: str) -> TestServer:
-    """An edge that serves forged blobs and records whose digests match them."""
+    """An edge that serves forged blobs and records whose digests match them: read one by one, or sent
+    with a lookup's answer."""
     forged: dict[str, bytes] = {}
+
+    async def forge_record(rec: dict) -> dict:
+        address = rec["address"]
+        async with aiohttp.ClientSession() as s:  # forge the blob now, so the record can match it
+            async with s.get(f"{upstream}/v1/objects/{address}?encoding=zstd") as r:
+                fake = forged.setdefault(address, forge(await r.read()))
+        rec["encodings"] = {"zstd": {"name": "zstd", "size": len(fake), "digest": blake3(fake).hexdigest()}}
+        return rec  # the origin's signature is kept: it no longer covers the fields
 
     async def handle(request: web.Request) -> web.Response:
         async with aiohttp.ClientSession() as s:
@@ -53,30 +62,26 @@ async def forger(upstream: str) -> TestServer:
             body = forged.setdefault(parts[-1], forge(body))
             return web.Response(body=body, headers={"X-KDN-Encoding": "zstd", "X-KDN-Source": "memory"})
         if status == 200 and request.path.startswith("/v1/registry/objects/"):
-            rec = json.loads(body)
-            async with aiohttp.ClientSession() as s:  # forge the blob now, so the record can match it
-                async with s.get(f"{upstream}/v1/objects/{parts[-1]}?encoding=zstd") as r:
-                    fake = forged.setdefault(parts[-1], forge(await r.read()))
-            rec["encodings"] = {"zstd": {"name": "zstd", "size": len(fake), "digest": blake3(fake).hexdigest()}}
-            return web.json_response(rec)  # the origin's signature is kept: it no longer covers the fields
+            return web.json_response(await forge_record(json.loads(body)))
+        return web.Response(body=body, status=status, content_type="application/json")
+
+    async def post(request: web.Request) -> web.Response:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{upstream}{request.rel_url}", data=await request.read(),
+                              headers={"Content-Type": "application/json"}) as r:
+                body, status = await r.read(), r.status
+        if status == 200 and request.path == "/v1/lookup":
+            answer = json.loads(body)
+            answer["records"] = [await forge_record(rec) for rec in answer.get("records") or []]
+            return web.json_response(answer)
         return web.Response(body=body, status=status, content_type="application/json")
 
     app = web.Application()
     app.router.add_route("GET", "/{tail:.*}", handle)
-    app.router.add_route("POST", "/{tail:.*}", _passthrough(upstream))
+    app.router.add_route("POST", "/{tail:.*}", post)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     return server
-
-
-def _passthrough(upstream: str):
-    async def handle(request: web.Request) -> web.Response:
-        async with aiohttp.ClientSession() as s:
-            async with s.post(f"{upstream}{request.rel_url}", data=await request.read(),
-                              headers={"Content-Type": "application/json"}) as r:
-                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
-
-    return handle
 
 
 async def test_forged_record_and_blob_are_refused_with_the_origins_key(tmp_path, etcd_url):
