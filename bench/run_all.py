@@ -109,6 +109,7 @@ RUNS: list[Run] = [
     Run("gpu_check", "gpu_check", ["--device", "cuda"], None, ("gpu",), 3600),
     Run("scale", "scale", [], ["--records", "500"], ("etcd",), 900),
     Run("datapath", "datapath", ["--repeat", "5"], None, ("smollm2", "vllm"), 1800, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    Run("lookup", "lookup", [], ["--model", "tiny-llama", "--lengths", "512", "--repeat", "1"], ("smollm2",), 1200),
     Run("load", "load", ["--json", "bench/work/load.json", "--plot", "docs/img/load.png"],
         ["--duration", "5", "--clients", "8", "--minutes", "0.5"], ("etcd",), 1200),
     Run("load-soak", "load", ["--duration", "600", "--speedup", "2", "--json", "bench/work/soak.json",
