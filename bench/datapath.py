@@ -18,7 +18,7 @@ each encoding, in rotating order per repeat, the same objects (the context's pre
 - ``kdn -> vLLM paged``: the connector's path without the engine: each object fetched into the arena,
   verified, checked, decoded into the load's staging (``adapters/vllm/stage.py``), then per layer one
   write into a CPU paged cache (``[blocks, kv_heads, 128, 2 * head_dim]``) through vLLM's own reshape
-  kernel (``cpu_attn_reshape_and_cache``, ISA ``vec``), as ``wait_for_layer_load`` does.
+  kernel (``cpu_attn_reshape_and_cache``, in the ISA vLLM picks on this CPU), as ``wait_for_layer_load`` does.
 
 Figures: GB/s of KV bytes landed in the cache (the decoded size; for raw it equals the wire bytes) and the
 wire bytes/s, each path's time, and the KDN paths' ratio to the bound. The lookup is not in these times
@@ -120,13 +120,18 @@ class VllmPaged:
         import concurrent.futures
 
         self.stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stage")
+        # The kernel ISA vLLM's CPU backend picks for this cache on this CPU (amx on a Xeon with AMX, vec on
+        # AVX2/AVX-512): what the connector's writes go through inside the engine.
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        self.isa = _get_attn_isa(self.layout[0].kv_dtype, self.bs, d)
 
     def write(self, cache, k, v, slot) -> None:
         import vllm._custom_ops as ops
 
         nb, h, bs, _ = cache.shape
         kc, vc = cache.view(nb, h, bs * 2, -1).chunk(2, dim=2)  # as CPUAttentionBackendImpl.do_kv_cache_update
-        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slot, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slot, self.isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
 
     async def load(self, client, hit) -> None:
         from kdn.adapters.vllm import paged

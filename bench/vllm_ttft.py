@@ -63,6 +63,10 @@ def vllm_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # What vLLM's own multiprocess executor sets for its CPU workers (vllm/utils/ompmultiprocessing.py): Intel
+    # OpenMP's threads spin 5 ms after a parallel region, not its default 200 ms, in which they would hold a
+    # core that the engine's next step (and a KDN load) needs. The in-process engine here does not set it.
+    os.environ.setdefault("KMP_BLOCKTIME", "5")
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     if iomp.exists() and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
         # Intel's OpenMP must be preloaded; restart once with it (LD_PRELOAD is read at exec).
