@@ -115,6 +115,10 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
         out = {"type": kind, "record": rec.to_dict(), **_verdict(args, rec, key)}
         if where != "registry":
             out["from"] = where
+        if kind == "object":
+            from kdn.auth import read_token
+
+            out["regions"] = await _regions_holding(reg, key, read_token(args.token_file), args.token_hosts)
         print(json.dumps(out, indent=2, default=str))
         return 0
 
@@ -141,6 +145,45 @@ def _verdict(args: argparse.Namespace, rec: ObjectRecord | ModelRecord | Manifes
     out: dict[str, object] = {"verified": True, "key": rec.sig.get("key")}
     if isinstance(rec, Manifest):
         out["version"] = rec.version  # (an older signed manifest verifies too: compare with what you expect)
+    return out
+
+
+async def _regions_holding(reg: Registry, address: str, token: str | None,
+                           token_hosts: str | None) -> dict[str, dict[str, str]]:
+    """Per region: the edge that owns ``address`` on that region's ring, and whether it holds it now.
+
+    Asked with a HEAD, which never fills: with a token that reads every namespace (an edge's, an admin's) it
+    names the tier (``memory``, ``disk``) or says ``no``; without one an edge does not tell (what others read
+    lately is cache state). The URLs come from the registry, which a writer can fill with any host: the token
+    goes only to ``token_hosts`` (loopback by default, kdn.auth.TokenScope), the others are asked without it.
+    """
+    import aiohttp
+
+    from kdn.auth import TokenScope
+    from kdn.ring import Ring
+
+    scope = TokenScope(token_hosts)
+    by_region: dict[str, list] = {}
+    for n in await reg.list_nodes(role="edge"):
+        by_region.setdefault(n.region, []).append(n)
+    out: dict[str, dict[str, str]] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for region, nodes in sorted(by_region.items()):
+            owner = Ring(sorted(n.node_id for n in nodes)).owner(address)  # as the region's edges place it
+            node = next(n for n in nodes if n.node_id == owner)
+            auth = {"Authorization": f"Bearer {token}"} if token and scope.allows(node.url) else {}
+            try:
+                async with session.head(f"{node.url}/v1/objects/{address}", headers=auth,
+                                        allow_redirects=False) as r:
+                    tier = r.headers.get("X-KDN-Source", "").split(":")[0]
+                    holds = (tier if r.status == 200 and tier in ("memory", "disk") else
+                             "no" if r.status == 200 and tier == "miss" else
+                             "no record there" if r.status == 404 else
+                             f"unknown (HTTP {r.status})" if r.status != 200 else
+                             "unknown (it tells a token that reads every namespace: --token-file)")
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                holds = f"unknown ({type(e).__name__})"
+            out[region] = {"owner": str(owner), "url": node.url, "holds": holds}
     return out
 
 
@@ -352,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", metavar="ADDRESS|MODEL_ID|NAMESPACE/NAME")
     p.add_argument("--trusted-keys", default=None, metavar="FILE",
                    help="publisher keys (ed25519:HEX per line): say whether one of them signed the record")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="a token that reads every namespace (an edge's or an admin's; else $KDN_TOKEN): each "
+                        "region's owner edge then says whether it holds the object (a HEAD, never a fill)")
+    p.add_argument("--token-hosts", default=None, metavar="PATTERNS",
+                   help="hosts the token may be sent to (comma-separated names, globs or address blocks; "
+                        "default loopback): edge URLs come from the registry")
     registry_arg(p)
     p.set_defaults(func=cmd_registry_show)
     p = reg.add_parser("migrate", help="move object records and whole manifests out of the registry into an "
