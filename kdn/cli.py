@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NoReturn
 from kdn.errors import InvalidInput, KDNError
 
 if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily: `kdn address` needs none of it
-    from kdn.registry import Manifest, ModelRecord, ObjectRecord, Registry
+    from kdn.registry import Manifest, ModelRecord, NodeRecord, ObjectRecord, Registry
 
 # Parts that contribute subcommands: module path -> its `register(subparsers)`.
 # Each module must import nothing heavy at import time.
@@ -163,7 +163,7 @@ async def _regions_holding(reg: Registry, address: str, token: str | None,
     from kdn.ring import Ring
 
     scope = TokenScope(token_hosts)
-    by_region: dict[str, list] = {}
+    by_region: dict[str, list[NodeRecord]] = {}
     for n in await reg.list_nodes(role="edge"):
         by_region.setdefault(n.region, []).append(n)
     out: dict[str, dict[str, str]] = {}
