@@ -554,21 +554,33 @@ class KDNClient:
 
     async def _fetch_placed(self, address: A.Address, e: dict[str, Any], index: int, hit: Lookup,
                             scatter: Placer, tally: Tally | None = None) -> tuple[Fetched, Layout]:
-        """A raw object received straight into the engine's memory (``kdn.scatter``): never hedged, since two
-        bodies would race for the same memory; a failed attempt's bytes are rewritten by the next source's."""
-        from kdn.scatter import Scatter
+        """Chunk ``index`` of ``hit`` received straight into the engine's memory (``fetch_placed``), its
+        header checked against the lookup before a byte is placed."""
 
         def place(layout: Layout) -> Mapping[str, Sequence[memoryview]]:
             check_identity(layout.header, hit, address)
             return scatter.place(index, layout)
 
-        size = int(e["size"])
+        return await self.fetch_placed(address, digest=e["digest"], size=int(e["size"]), pieces=Pieces.of(e),
+                                       place=place, tally=tally)
+
+    async def fetch_placed(self, address: str, *, digest: str, size: int, pieces: Pieces | None,
+                           place: Callable[[Layout], Mapping[str, Sequence[memoryview]]],
+                           tally: Tally | None = None) -> tuple[Fetched, Layout]:
+        """A raw object received straight into the caller's memory (``kdn.scatter``): ``place`` checks the
+        header (raise to refuse it: nothing is placed) and names the runs each tensor's bytes go to. Verified
+        against ``digest`` (and ``pieces``) as the bytes land; the caller uses its memory only once this
+        returns. Never hedged, since two bodies would race for the same memory; a failed attempt's bytes are
+        rewritten by the next source's."""
+        from kdn.scatter import Scatter
+
+        address = A.validate_address(address)
         if size > MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self._timeout.total)
                   for s in self._ranked(size, address)]
         async with self._sem:
-            body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(e["digest"]), Pieces.of(e)),
+            body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(digest), pieces),
                                             routes, hedge=False, alloc=lambda n: Scatter(n, place),
                                             observer=self.fetch_observer, tally=tally)
         assert isinstance(body.buffer, Scatter) and body.buffer.layout is not None

@@ -103,6 +103,15 @@ class Staging:
                 with torch.inference_mode():
                     full[:, a:b, :].copy_(t[:, lo - start:hi - start, :])
 
+    def runs(self, j: int, lo: int, hi: int) -> tuple[list[memoryview], list[memoryview]]:
+        """Layer ``j``'s K and V memory for tokens ``[lo, hi)``, one contiguous run per head (``[hi - lo, D]``
+        of ``[H, tokens, D]``): where a raw object's ``[H, n, D]`` tensors are received in place
+        (``kdn.scatter``), in the order its bytes come."""
+        a, b = lo - self.first, hi - self.first
+        assert 0 <= a <= b <= self.end - self.first, (lo, hi, self.first, self.end)
+        k, v = ([memoryview(lanes[h, a:b, :].data).cast("B") for h in range(lanes.shape[0])] for lanes in self._lanes[j])
+        return k, v
+
     def nbytes_of(self, lo: int, hi: int) -> int:
         """The K/V bytes tokens ``[lo, hi)`` fill here."""
         return max(hi - lo, 0) * self.per_token

@@ -86,3 +86,29 @@ def test_a_release_while_a_piece_is_decoding_waits_for_it():
     with pytest.raises(StagingClosed):
         with st.writing():
             pass
+
+
+def test_a_raw_piece_received_into_the_staging_runs_is_what_decoding_it_gives():
+    """worker._fetch_placed: a raw object's body lands through kdn.scatter straight into ``Staging.runs``;
+    the staging then holds exactly what decoding the same object into it (``put``) holds, for pieces in
+    any order and bodies handed over in small reads."""
+    from kdn.scatter import Scatter
+
+    placed = Staging(Arena(64 << 20), [(H, D), (H, D)], 0, 512, torch.bfloat16)
+    decoded = Staging(Arena(64 << 20), [(H, D), (H, D)], 0, 512, torch.bfloat16)
+    for (s, e), seed in (((256, 512), 5), ((0, 256), 4)):
+        view, _ = obj(s, e, "raw", seed=seed)  # layers 0 and 3; the staging takes them as its layers 0 and 1
+        raw = bytes(view._mv)  # the object's bytes, as an edge sends them
+        sink = Scatter(len(raw), lambda layout, s=s, e=e: {
+            n: r for j, layer in enumerate((0, 3))
+            for n, r in zip((f"L{layer}.k", f"L{layer}.v"), placed.runs(j, s, e))})
+        pos = 0
+        while pos < len(raw):  # as the socket hands the body over: a region at a time, at most 1000 bytes
+            dst = sink.region(pos)[:1000]
+            dst[:] = raw[pos:pos + len(dst)]
+            pos += len(dst)
+        for j, layer in enumerate((0, 3)):
+            decoded.put(j, view, (f"L{layer}.k", f"L{layer}.v"), s, e, s)
+    for j in range(2):
+        assert torch.equal(placed.kv(j)[0], decoded.kv(j)[0]) and torch.equal(placed.kv(j)[1], decoded.kv(j)[1])
+    assert placed.kv(0)[0].abs().sum() > 0

@@ -117,6 +117,9 @@ def test_vllm_made_states_load_bit_exactly(world):
     assert got["logprobs"] == ref["logprobs"], "logprobs after loading differ from vLLM's own prefill"
     tiers = ev.stats()["totals"]["tokens"]
     assert set(tiers) <= {"memory", "disk", "origin", "peer"} and sum(tiers.values()) >= LOADED
+    # Over loopback the client picks the raw copy, which is received straight into the load's staging
+    # (worker._fetch_placed): exact with no decode at all.
+    assert ev.stats()["totals"]["bytes"].get("raw", 0) > 0, ev.stats()["totals"]["bytes"]
 
 
 def test_lying_edge_is_caught_and_recomputed(world):
