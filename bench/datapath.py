@@ -15,8 +15,9 @@ each encoding, in rotating order per repeat, the same objects (the context's pre
   nothing decoded: what verification costs over the bound;
 - ``kdn -> transformers``: ``KDNClient.fetch_prefix(hit, into=CacheBuilder.add)`` with a host arena, then
   ``finish()``: fetched, verified, each object decoded straight into its slice of the per-layer cache;
-- ``kdn -> vLLM paged``: the connector's path without the engine: each object fetched into the arena,
-  verified, checked, decoded into the load's staging (``adapters/vllm/stage.py``), then per layer one
+- ``kdn -> vLLM paged``: the connector's path without the engine: each object verified as it lands, a raw
+  one received straight into the load's staging (``adapters/vllm/stage.py``), a zstd one fetched into the
+  arena and decoded into the staging on one thread, then per layer one
   write into a CPU paged cache (``[blocks, kv_heads, 128, 2 * head_dim]``) through vLLM's own reshape
   kernel (``cpu_attn_reshape_and_cache``, in the ISA vLLM picks on this CPU), as ``wait_for_layer_load`` does.
 
@@ -137,6 +138,7 @@ class VllmPaged:
         from kdn.adapters.vllm import paged
         from kdn.adapters.vllm.stage import Staging
         from kdn.objects import ObjectView
+        from kdn.pieces import Pieces
 
         counts = hit.token_counts()
         end = sum(counts)
@@ -150,6 +152,14 @@ class VllmPaged:
 
         async def one(i: int, rec: dict) -> None:
             e = rec["encodings"][self.encoding]
+            if self.encoding == "raw":  # received straight into the staging, as the worker does (_fetch_placed)
+                def place(layout, s=starts[i], n=counts[i]):
+                    return {name: run for j, sp in enumerate(self.layout)
+                            for name, run in zip((f"L{sp.index}.k", f"L{sp.index}.v"), staging.runs(j, s, s + n))}
+
+                await client.fetch_placed(hit.addresses[i], digest=e["digest"], size=int(e["size"]),
+                                          pieces=Pieces.of(e), place=place)
+                return
             f = await client.fetch(hit.addresses[i], encoding=self.encoding, digest=e["digest"], size=int(e["size"]),
                                    pooled=True)
             try:  # on one thread, as the connector's worker does (adapters/vllm/worker.py, _stager)
