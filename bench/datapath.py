@@ -17,7 +17,7 @@ each encoding, in rotating order per repeat, the same objects (the context's pre
   ``finish()``: fetched, verified, each object decoded straight into its slice of the per-layer cache;
 - ``kdn -> vLLM paged``: the connector's path without the engine: each object verified as it lands, a raw
   one received straight into the load's staging (``adapters/vllm/stage.py``), a zstd one fetched into the
-  arena and decoded into the staging on one thread, then per layer one
+  arena and decoded into the staging by the worker's decode threads (2), then per layer one
   write into a CPU paged cache (``[blocks, kv_heads, 128, 2 * head_dim]``) through vLLM's own reshape
   kernel (``cpu_attn_reshape_and_cache``, in the ISA vLLM picks on this CPU), as ``wait_for_layer_load`` does.
 
@@ -120,7 +120,9 @@ class VllmPaged:
         self.arena = arena
         import concurrent.futures
 
-        self.stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stage")
+        from kdn.adapters.vllm.config import DEFAULT_DECODE_THREADS  # as the worker's stager
+
+        self.stager = concurrent.futures.ThreadPoolExecutor(max_workers=DEFAULT_DECODE_THREADS, thread_name_prefix="bench-stage")
         # The kernel ISA vLLM's CPU backend picks for this cache on this CPU (amx on a Xeon with AMX, vec on
         # AVX2/AVX-512): what the connector's writes go through inside the engine.
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -162,7 +164,7 @@ class VllmPaged:
                 return
             f = await client.fetch(hit.addresses[i], encoding=self.encoding, digest=e["digest"], size=int(e["size"]),
                                    pooled=True)
-            try:  # on one thread, as the connector's worker does (adapters/vllm/worker.py, _stager)
+            try:  # on the decode threads, as the connector's worker does (adapters/vllm/worker.py, _stager)
                 await asyncio.get_running_loop().run_in_executor(self.stager, stage, f, starts[i], counts[i])
             finally:
                 f.release()

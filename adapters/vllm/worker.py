@@ -143,8 +143,10 @@ class WorkerSide:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-load")
-        # One thread decodes arrived objects into the staging: the engine's own threads hold the other cores.
-        self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-stage")
+        # A few threads decode arrived compressed objects into the staging (``decode_threads``, default 2): more
+        # compete with the engine's own threads, which hold the cores during a step. Raw ones need none.
+        self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.decode_threads,
+                                                             thread_name_prefix="kdn-stage")
         # Receive buffers and every load's staging come from one budgeted arena (the client's).
         self.arena = getattr(client, "arena", None) or host_arena(cfg.arena)
         import kdn.kernels  # noqa: F401  (registers the lossy codecs a quality budget may pick)

@@ -19,7 +19,9 @@ def test_a_pinned_encoding_within_the_budget():
 def test_defaults_and_edges_forms():
     c = ConnectorConfig.from_extra({"edges": ["http://127.0.0.1:8701/"]}, consumer=True, producer=False)
     assert c.edges == ("http://127.0.0.1:8701",) and c.namespace == "public" and c.quality == "lossless"
-    assert c.load == "auto" and c.engines is None and c.load_timeout == 10.0
+    assert c.load == "auto" and c.engines is None and c.load_timeout == 10.0 and c.decode_threads == 2
+    assert ConnectorConfig.from_extra({"edges": ["http://x"], "decode_threads": 4}, consumer=True,
+                                      producer=False).decode_threads == 4
     c = ConnectorConfig.from_extra({"edges": {"e1": "http://a:1", "e2": "http://b:2"}}, consumer=True, producer=False)
     assert c.edges == (("e1", "http://a:1"), ("e2", "http://b:2"))
     c = ConnectorConfig.from_extra({"edges": "http://a:1,http://b:2", "engines": "vllm"}, consumer=True,
@@ -41,6 +43,8 @@ def test_defaults_and_edges_forms():
     ({"edges": ["http://x"], "load_timeout": True}, True, False, "load_timeout"),
     ({"edges": ["http://x"], "load": "eager"}, True, False, "'load'"),
     ({"edges": ["http://x"], "chunk_tokens": -1}, True, False, "chunk_tokens"),
+    ({"edges": ["http://x"], "decode_threads": 0}, True, False, "decode_threads"),
+    ({"edges": ["http://x"], "decode_threads": "2"}, True, False, "decode_threads"),
     ({}, False, True, "needs 'store'"),
     ({"store": "/s", "save": "some"}, False, True, "'save'"),
     ({"store": "/s", "encodings": []}, False, True, "encodings"),
