@@ -408,6 +408,13 @@ async def forged_record(ctx: Ctx) -> Row:
             return forged[a]
 
     def liar(resign: bool) -> web.Application:
+        async def forge_record(s: aiohttp.ClientSession, rec: dict) -> dict:
+            fake = await forgery(s, rec["address"])
+            rec["encodings"] = {"zstd": {"name": "zstd", "size": len(fake), "digest": blake3(fake).hexdigest()}}
+            if resign:  # signed again, with the attacker's own key
+                rec = attacker.sign(ObjectRecord.from_dict(rec)).to_dict()
+            return rec  # else the origin's signature is kept: it no longer covers the fields
+
         async def handle(request: web.Request) -> web.StreamResponse:
             a = request.path.rsplit("/", 1)[-1]
             async with aiohttp.ClientSession() as s:
@@ -419,13 +426,13 @@ async def forged_record(ctx: Ctx) -> Row:
                         if r.status != 200:
                             return web.Response(status=r.status, body=await r.read(), content_type="application/json")
                         rec = await r.json()
-                    fake = await forgery(s, a)
-                    rec["encodings"] = {"zstd": {"name": "zstd", "size": len(fake), "digest": blake3(fake).hexdigest()}}
-                    if resign:  # signed again, with the attacker's own key
-                        rec = attacker.sign(ObjectRecord.from_dict(rec)).to_dict()
-                    return web.json_response(rec)  # else the origin's signature is kept: it no longer covers the fields
+                    return web.json_response(await forge_record(s, rec))
                 async with s.request(request.method, upstream + str(request.rel_url), data=await request.read(),
                                      headers={"Content-Type": request.content_type}) as r:
+                    if request.path == "/v1/lookup" and r.status == 200:  # the records sent with the answer too
+                        answer = await r.json()
+                        answer["records"] = [await forge_record(s, rec) for rec in answer.get("records") or []]
+                        return web.json_response(answer)
                     return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
 
         app = web.Application()
@@ -479,8 +486,8 @@ async def forged_record(ctx: Ctx) -> Row:
     wrong = kept["forged_bytes"] + resigned["forged_bytes"]
     ok = (wrong == 0 and kept["true"] == resigned["true"] == 0 and fooled["forged"] == 2 * n
           and honest["true"] == 2 * n and honest["forged"] == 0)
-    return Row("forged_record", f"a fake edge between client and eu-1 rewrites each record's digest to match a forged "
-               f"blob (origin signature kept; or re-signed with the attacker's key); a client looks up "
+    return Row("forged_record", f"a fake edge between client and eu-1 rewrites each record's digest (read alone or sent with "
+               f"a lookup's answer) to match a forged blob (origin signature kept; or re-signed with the attacker's key); a client looks up "
                f"{len(m['prefix_tokens'])} tokens, fetches the prefix, then fetches each of the {n} objects",
                f"client with trusted_keys: {kept['true'] + kept['forged']} + {resigned['true'] + resigned['forged']} "
                f"objects served, {kept['records_refused']} + "

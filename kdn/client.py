@@ -30,6 +30,7 @@ import os
 import ssl as _ssl
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,11 @@ from kdn.parts import fetch_tensors
 from kdn.pieces import Pieces
 from kdn.sources import Sources, from_nodes
 from kdn.trust import Trust
+
+# Threads that decode a prefix's arrived objects into place (zstd planes, lossy codecs). Two, not the event
+# loop's default pool (six here): a zstd load of 8k tokens into the transformers cache took 229/228 ms on two
+# against 285/322 ms on six, alternating in one setup (bench/datapath.py, 2 cores shared with the edge).
+DECODE_THREADS = 2
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
     from kdn.arena import Arena
@@ -89,6 +95,7 @@ class KDNClient:
         arena: Arena | None = None,
         decode_speeds: DecodeSpeeds | None = None,
         manifest_state: str | os.PathLike[str] | None = None,
+        decode_threads: int = DECODE_THREADS,
     ) -> None:
         # Where to fetch from and in what order (kdn.sources); the names below are the same objects, kept
         # for callers and benchmarks that read or seed them.
@@ -103,6 +110,10 @@ class KDNClient:
         # What decoding each encoding costs on this machine (measured by every decode; the process's own
         # by default), the other half of choosing an encoding beside the link's estimate.
         self.decode_speeds = decode_speeds if decode_speeds is not None else DECODE
+        if not (isinstance(decode_threads, int) and 1 <= decode_threads <= 64):
+            raise InvalidInput(f"decode_threads must be an int in [1, 64], not {decode_threads!r}")
+        self._decode_threads = decode_threads
+        self._decoders: ThreadPoolExecutor | None = None
         self._sem = asyncio.Semaphore(concurrency)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 5.0))
         self._ssl = ssl
@@ -158,7 +169,17 @@ class KDNClient:
                                                   timeout=self._timeout, auto_decompress=False)
         return self._session
 
+    @property
+    def decoders(self) -> ThreadPoolExecutor:
+        """The threads a prefix's objects are checked and decoded on as they arrive (``decode_threads``)."""
+        if self._decoders is None:
+            self._decoders = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="kdn-decode")
+        return self._decoders
+
     async def close(self) -> None:
+        if self._decoders is not None:
+            self._decoders.shutdown(wait=False)
+            self._decoders = None
         if self._getter is not None:
             self._getter.close()
             self._getter = None
@@ -542,8 +563,8 @@ class KDNClient:
                 # A kvtc object: its basis first (fetched once); its decode bounded by the span the lookup
                 # asked for, never by what the object's own header claims.
                 cap = await self.prepare(f, hit.token_counts()[index])
-                return f, await asyncio.to_thread(decode_checked, f, hit, budget, cap, index, into,
-                                                  self.decode_speeds)
+                return f, await asyncio.get_running_loop().run_in_executor(
+                    self.decoders, decode_checked, f, hit, budget, cap, index, into, self.decode_speeds)
             finally:
                 if into is not None:  # decoded into the engine's cache: the receive buffer is free again
                     f.release()
