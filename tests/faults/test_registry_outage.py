@@ -51,11 +51,15 @@ async def test_a_publish_in_flight_waits_out_an_etcd_restart(tmp_path):
     try:
         w.etcd.stop()
         publish = asyncio.create_task(w.publish("A log of ships sighted from the north light. " * 60, "during"))
-        await asyncio.sleep(3.0)  # the job computes, and its registry writes fail and are retried
+        # The job computes, and its registry writes fail and are retried: the origin says so in its log.
+        deadline = time.monotonic() + 60
+        while "registry unavailable" not in w.origin.log.read_text():
+            assert not publish.done(), "the publish ended while etcd was down"
+            assert time.monotonic() < deadline, "the publish never reached the registry"
+            await asyncio.sleep(0.05)
         assert not publish.done(), "the publish ended while etcd was down"
         w.etcd.start()
         manifest = await asyncio.wait_for(publish, 60)
         assert manifest["addresses"] and set(manifest["addresses"]) <= set(w.digests)
-        assert "registry unavailable" in w.origin.log.read_text()  # it did wait, and said so
     finally:
         await w.close()

@@ -312,14 +312,16 @@ async def test_cancelling_a_watch_cleans_up(registry):
         async for ev in registry.watch("policies/"):
             got_snapshot.set()
 
+    def subscribed() -> bool:  # the watch past its snapshot, waiting for events: etcd's or the hub's subscription
+        return bool(registry._client._watcher._callbacks if hasattr(registry, "_client") else registry._hub.subs)
+
     task = asyncio.create_task(consume())
     await asyncio.wait_for(got_snapshot.wait(), 5)
-    await asyncio.sleep(0.1)  # let the watch settle into waiting for events
+    await eventually(lambda: asyncio.sleep(0, subscribed()))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    if hasattr(registry, "_client"):  # etcd: the server-side watch was cancelled too
-        await eventually(lambda: asyncio.sleep(0, not registry._client._watcher._callbacks))
+    await eventually(lambda: asyncio.sleep(0, not subscribed()))  # the subscription went with the watch
     # The registry is still fine, and a break also ends a watch.
     await registry.put_policy(policy())
     async with contextlib.aclosing(registry.watch("policies/")) as w:
