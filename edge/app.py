@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from kdn import service
 from kdn.service import connections
-from kdn.address import validate_address
+from kdn.address import Address, validate_address
 from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, SourceError
@@ -139,7 +139,7 @@ async def _views_ctx(app: web.Application):
 # --- handlers --------------------------------------------------------------
 
 
-async def _readable_record(request: web.Request, address: str) -> ObjectRecord:
+async def _readable_record(request: web.Request, address: Address) -> ObjectRecord:
     edge = request.app[EDGE]
     t0 = time.monotonic()
     rec = await edge.records.get(address)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kdn.address import Address
 from kdn.auth import TokenScope
 from kdn.bodyget import BodyGetter
 from kdn.errors import DigestMismatch, SourceError
@@ -247,7 +248,7 @@ class Filler:
                 self._rests.pop(old, None)
                 self._resting.pop(old, None)
 
-    def _owner_in(self, region: str, nodes: list[NodeRecord], address: str) -> NodeRecord | None:
+    def _owner_in(self, region: str, nodes: list[NodeRecord], address: Address) -> NodeRecord | None:
         """The owner of ``address`` in another region's ring (rings cached per membership)."""
         ids = tuple(sorted(n.node_id for n in nodes))
         ring = self._rings.get(region)

@@ -24,6 +24,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from kdn.address import Address
 from kdn.errors import InvalidInput, KDNError, RegistryError
 from kdn.registry import Event, NodeLease, NodeRecord, Registry, follow
 from kdn.registry.follow import stop_tasks
@@ -149,12 +150,12 @@ class Membership:
 
     # queries ----------------------------------------------------------------
 
-    def owner(self, address: str) -> NodeRecord | None:
+    def owner(self, address: Address) -> NodeRecord | None:
         """The edge of my region that owns ``address``; None when the region has none."""
         node_id = self.ring.owner(address)
         return None if node_id is None else self._local[node_id]
 
-    def preference(self, address: str, n: int | None = None) -> list[NodeRecord]:
+    def preference(self, address: Address, n: int | None = None) -> list[NodeRecord]:
         """Edges of my region in the order to try for ``address``: owner first."""
         return [self._local[i] for i in self.ring.preference(address, n)]
 

@@ -72,7 +72,7 @@ def upstream_headers(path: str | None) -> dict[str, str]:
 
 def key_of(rec: ObjectRecord, encoding: str) -> Key:
     """The tier key of ``rec``'s object in ``encoding`` (its address was checked when the record was parsed)."""
-    return Address(rec.address), encoding
+    return rec.address, encoding
 
 
 @dataclass
@@ -272,7 +272,7 @@ class Edge:
     def holds(self, key: Key) -> bool:
         return any(t.contains(key) for t in self.tiers)
 
-    def owns(self, address: str) -> bool:
+    def owns(self, address: Address) -> bool:
         owner = self.membership.owner(address)
         return owner is None or owner.node_id == self.me.node_id
 
@@ -391,7 +391,7 @@ class Edge:
         plan = self.filler.plan(key, rec, hop=False)
         return next((label for label, _, extra in plan if CACHED_ONLY not in extra), "origin")
 
-    async def _prefetch_one(self, address: str, encoding: str | None = None) -> None:
+    async def _prefetch_one(self, address: Address, encoding: str | None = None) -> None:
         rec = await self.records.get(address)
         enc = self.choose_encoding(rec, encoding) if rec is not None else None
         if rec is None or enc is None or self.holds(key := key_of(rec, enc)):
@@ -410,7 +410,7 @@ class Edge:
             loaded.release()
         self.prefetched.add(key)
 
-    async def warm(self, addresses: list[str], namespace: str, *, rate: int | None = None,
+    async def warm(self, addresses: list[Address], namespace: str, *, rate: int | None = None,
                    policy: str | None = None) -> None:
         """Operator 'warm' and 'push' policies: every edge fills the addresses it owns, ahead of demand; a push
         (``policy`` named) at most ``rate`` bytes a second, its progress in ``kdn_edge_push*``. A fill goes

@@ -79,7 +79,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from kdn.address import validate_name
+from kdn.address import Address, validate_name
 from kdn.edge.tiers import EntryMeta, GovernedTier, Key, PolicyState
 from kdn.errors import InvalidInput, KDNError, RegistryUnavailable
 from kdn.registry.follow import follow, stop_tasks
@@ -167,7 +167,7 @@ class _Ttl:
     seconds: float
     namespace: str | None
     manifest: str | None
-    addresses: frozenset[str]  # the manifest's, when it is resolved
+    addresses: frozenset[Address]  # the manifest's, when it is resolved
 
     def matches(self, key: Key, meta: EntryMeta) -> bool:
         if self.namespace is not None and meta.namespace != self.namespace:
@@ -181,7 +181,7 @@ class _Ttl:
 class _Rules:
     """The rule function handed to the tiers; equal rules are not re-applied."""
 
-    pinned: frozenset[str] = frozenset()
+    pinned: frozenset[Address] = frozenset()
     ttls: tuple[_Ttl, ...] = ()
 
     def __call__(self, key: Key, meta: EntryMeta) -> PolicyState:
@@ -192,7 +192,7 @@ class _Rules:
         )
 
 
-def _addresses(m: Manifest) -> tuple[str, ...]:
+def _addresses(m: Manifest) -> tuple[Address, ...]:
     return tuple(dict.fromkeys([*m.addresses, *m.standalone]))  # order kept, duplicates dropped
 
 
@@ -244,12 +244,12 @@ class PolicyEngine:
         # What was applied.
         self._rules: _Rules | None = None
         self._quotas: dict[str, int] | None = None
-        self._warmed: dict[str, tuple[Policy, tuple[str, ...]]] = {}
+        self._warmed: dict[str, tuple[Policy, tuple[Address, ...]]] = {}
         self._warm_tasks: dict[str, asyncio.Task[None]] = {}
         # Public views, replaced whole at each apply so a reader never sees half a change.
         self._policies: dict[str, Policy] = {}
         self._active: dict[str, Policy] = {}
-        self._pinned: frozenset[str] = frozenset()
+        self._pinned: frozenset[Address] = frozenset()
         self._upper: frozenset[str] = frozenset()
         self._unresolved: frozenset[str] = frozenset()
         self._invalid_view: dict[str, str] = {}
@@ -284,7 +284,7 @@ class PolicyEngine:
         return self._upper
 
     @property
-    def pinned_addresses(self) -> frozenset[str]:
+    def pinned_addresses(self) -> frozenset[Address]:
         return self._pinned
 
     @property
@@ -525,7 +525,7 @@ class PolicyEngine:
     def _apply(self) -> None:
         here = {n: p for n, p in self._records.items() if self._here(p)}
         resolved = {ref: m for ref, m in self._manifests.items() if m is not None}
-        pinned: set[str] = set()
+        pinned: set[Address] = set()
         ttls: list[_Ttl] = []
         quotas: dict[str, int] = {}
         for p in here.values():
@@ -588,7 +588,7 @@ class PolicyEngine:
         if task is not None:
             task.cancel()
 
-    async def _run_warm(self, name: str, addresses: list[str], namespace: str, p: Policy) -> None:
+    async def _run_warm(self, name: str, addresses: list[Address], namespace: str, p: Policy) -> None:
         t0 = time.monotonic()
         if self._warm is None:
             return

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (a type only: `kdn edge serve --help` reads CHAIN_BUDGET and loads no registry code)
+    from kdn.address import Address
     from kdn.registry import Manifest
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ class ChainIndex:
 
     def __init__(self, budget: int = CHAIN_BUDGET) -> None:
         self.budget = budget
-        self._chains: OrderedDict[str, list[str]] = OrderedDict()  # "ns/name" -> addresses, least recent first
-        self._pos: dict[str, tuple[str, int]] = {}  # address -> ("ns/name", index)
+        self._chains: OrderedDict[str, list[Address]] = OrderedDict()  # "ns/name" -> addresses, least recent first
+        self._pos: dict[Address, tuple[str, int]] = {}  # address -> ("ns/name", index)
         self.addresses = 0  # held now, over every chain
         self.evicted = 0  # chains dropped for room (or too long to keep)
 
@@ -70,7 +71,7 @@ class ChainIndex:
             if self._pos.get(a, (None,))[0] == ref:
                 del self._pos[a]
 
-    def following(self, address: str, k: int) -> list[str]:
+    def following(self, address: Address, k: int) -> list[Address]:
         at = self._pos.get(address)
         if at is None or k <= 0:
             return []
@@ -89,21 +90,21 @@ class Prefetcher:
     raw copies on a fast last hop would miss on prefetched zstd ones, and the other way round.
     """
 
-    def __init__(self, index: ChainIndex, k: int, fetch: Callable[[str, str | None], Awaitable[None]], *,
+    def __init__(self, index: ChainIndex, k: int, fetch: Callable[[Address, str | None], Awaitable[None]], *,
                  max_pending: int = 64):
         self.index = index
         self.k = k
         self._fetch = fetch
-        self._pending: set[tuple[str, str | None]] = set()
+        self._pending: set[tuple[Address, str | None]] = set()
         self._tasks: set[asyncio.Task] = set()
         self.max_pending = max_pending
         self.dropped = 0
 
-    def after_read(self, address: str, encoding: str | None = None) -> None:
+    def after_read(self, address: Address, encoding: str | None = None) -> None:
         for nxt in self.index.following(address, self.k):
             self.schedule(nxt, encoding)
 
-    def schedule(self, address: str, encoding: str | None = None) -> None:
+    def schedule(self, address: Address, encoding: str | None = None) -> None:
         key = (address, encoding)
         if key in self._pending:
             return
@@ -115,7 +116,7 @@ class Prefetcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, key: tuple[str, str | None]) -> None:
+    async def _run(self, key: tuple[Address, str | None]) -> None:
         try:
             await self._fetch(*key)
         except asyncio.CancelledError:

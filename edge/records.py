@@ -51,6 +51,7 @@ from urllib.parse import quote
 import aiohttp
 from blake3 import blake3
 
+from kdn.address import Address, Digest
 from kdn.errors import InvalidInput, RegistryUnavailable
 from kdn.fetch import HOP
 from kdn.registry import Manifest, NodeRecord, ObjectRecord
@@ -78,12 +79,12 @@ class RecordCache:
         self.size = size
         self.verifier = verifier
         self.on_refused = on_refused
-        self._lru: OrderedDict[str, ObjectRecord] = OrderedDict()
+        self._lru: OrderedDict[Address, ObjectRecord] = OrderedDict()
         # Addresses the registry did not have (or whose record is not trusted), for negative_ttl
         # seconds: a flood of requests for absent addresses costs one registry read each per TTL,
         # not one per request. A record published meanwhile is seen at most that late.
         self.negative_ttl = negative_ttl
-        self._absent: OrderedDict[str, float] = OrderedDict()  # address -> when to ask again
+        self._absent: OrderedDict[Address, float] = OrderedDict()  # address -> when to ask again
         if not 0 <= floor_s <= 1:
             raise InvalidInput(f"the floor of a 'no' must be 0-1000 ms, not {floor_s * 1000:g} ms")
         self.floor_s = floor_s  # 0: a "no" is answered as soon as known (its timing then tells cached from not)
@@ -132,7 +133,7 @@ class RecordCache:
             finally:
                 handle.cancel()
 
-    def _known_absent(self, address: str) -> bool:
+    def _known_absent(self, address: Address) -> bool:
         until = self._absent.get(address)
         if until is None:
             return False
@@ -141,14 +142,14 @@ class RecordCache:
         del self._absent[address]
         return False
 
-    def _note_absent(self, address: str) -> None:
+    def _note_absent(self, address: Address) -> None:
         if self.negative_ttl > 0:
             self._absent[address] = time.monotonic() + self.negative_ttl
             self._absent.move_to_end(address)
             while len(self._absent) > self.size:
                 self._absent.popitem(last=False)
 
-    def _trusted(self, rec: ObjectRecord | None, address: str) -> ObjectRecord | None:
+    def _trusted(self, rec: ObjectRecord | None, address: Address) -> ObjectRecord | None:
         if rec is not None and rec.address != address:  # a record stored under another address: a writer's lie
             log.warning("the registry's record for %s is %s's: treated as absent", address[:16], rec.address[:16])
             if self.on_refused is not None:
@@ -167,12 +168,12 @@ class RecordCache:
         while len(self._lru) > self.size:
             self._lru.popitem(last=False)
 
-    def _source_get(self, addresses: list[str], hop: bool):
+    def _source_get(self, addresses: list[Address], hop: bool):
         if hop and getattr(self.source, "takes_hop", False):
             return self.source.get_objects(addresses, hop=True)
         return self.source.get_objects(addresses)
 
-    async def get(self, address: str, hop: bool = False) -> ObjectRecord | None:
+    async def get(self, address: Address, hop: bool = False) -> ObjectRecord | None:
         rec = self._lru.get(address)
         if rec is None and not self._known_absent(address):
             t0 = time.monotonic()
@@ -185,7 +186,7 @@ class RecordCache:
                 self._note_absent(address)
         return rec
 
-    async def get_many(self, addresses: Sequence[str], hop: bool = False) -> list[ObjectRecord | None]:
+    async def get_many(self, addresses: Sequence[Address], hop: bool = False) -> list[ObjectRecord | None]:
         """``hop``: the caller is an edge of this region asking its owner (``X-KDN-Hop``): misses go to the
         origins, never to another owner (``OwnerRecords``)."""
         missing = list(dict.fromkeys(a for a in addresses if a not in self._lru and not self._known_absent(a)))
@@ -204,12 +205,12 @@ class RecordCache:
     # the names a record source has (kdn.service.RecordSource): the edge serves its records from here
     get_object = get
 
-    async def get_objects(self, addresses: Sequence[str], hop: bool = False) -> list[ObjectRecord | None]:
+    async def get_objects(self, addresses: Sequence[Address], hop: bool = False) -> list[ObjectRecord | None]:
         return await self.get_many(addresses, hop=hop)
 
     takes_hop = True  # kdn.service.post_records passes a hop through
 
-    def forget(self, address: str) -> None:
+    def forget(self, address: Address) -> None:
         """Encodings can be added to a record later: drop it so the next read sees them."""
         self._lru.pop(address, None)
         self._absent.pop(address, None)
@@ -230,10 +231,10 @@ class OriginRecords:
         self.fallback = fallback
         self.on_fallback = on_fallback
 
-    async def get_object(self, address: str) -> ObjectRecord | None:
+    async def get_object(self, address: Address) -> ObjectRecord | None:
         return (await self.get_objects([address]))[0]
 
-    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
+    async def get_objects(self, addresses: Sequence[Address]) -> list[ObjectRecord | None]:
         out: list[ObjectRecord | None] = []
         unheard = False  # origins are known and none answered for some of these
         for i in range(0, len(addresses), MAX_RECORDS):
@@ -253,7 +254,7 @@ class OriginRecords:
                                           f"{sum(rec is None for rec in out)} of them")
         return out
 
-    async def _batch(self, addresses: list[str]) -> tuple[list[ObjectRecord | None], bool]:
+    async def _batch(self, addresses: list[Address]) -> tuple[list[ObjectRecord | None], bool]:
         """Each origin keeps the records of what it published: the ones the first did not have are asked of
         the next, and so on; absent only if no origin that answered has it. With the records, whether an
         origin answered (or none is known, so that the registry's word is the last one)."""
@@ -285,7 +286,7 @@ class OriginRecords:
             raise RegistryUnavailable("no origin answered for object records: " + "; ".join(errors))
         return out, True
 
-    async def get_manifest_body(self, namespace: str, name: str, digest: str) -> Manifest | None:
+    async def get_manifest_body(self, namespace: str, name: str, digest: Digest) -> Manifest | None:
         """The whole manifest a registry pointer names (an origin with ``--records store`` keeps it beside its
         records): asked of each origin in turn, believed only if its packed bytes hash to ``digest``."""
         errors = []
@@ -312,7 +313,7 @@ class OriginRecords:
             log.warning("manifest body %s: %s", digest[:16], "; ".join(errors))
         return None
 
-    async def _ask(self, url: str, addresses: list[str], extra: dict[str, str] | None = None
+    async def _ask(self, url: str, addresses: list[Address], extra: dict[str, str] | None = None
                    ) -> list[ObjectRecord | None]:
         async with self.session.post(url + "/v1/records", json={"addresses": addresses},
                                      headers={**self.headers(url), **(extra or {})},
@@ -348,17 +349,17 @@ class OwnerRecords:
 
     takes_hop = True  # RecordCache passes a hop through (kdn.service.post_records)
 
-    def __init__(self, origins: OriginRecords, owner: Callable[[str], NodeRecord | None], me: str,
+    def __init__(self, origins: OriginRecords, owner: Callable[[Address], NodeRecord | None], me: str,
                  on_read: Callable[[str, int], None] | None = None) -> None:
         self.origins = origins
         self.owner = owner  # address -> the region's owner edge (Membership.owner), None: no ring yet
         self.me = me
         self.on_read = on_read  # (where: "owner" | "origin", how many records) for the metrics
 
-    async def get_object(self, address: str, hop: bool = False) -> ObjectRecord | None:
+    async def get_object(self, address: Address, hop: bool = False) -> ObjectRecord | None:
         return (await self.get_objects([address], hop=hop))[0]
 
-    async def get_objects(self, addresses: Sequence[str], hop: bool = False) -> list[ObjectRecord | None]:
+    async def get_objects(self, addresses: Sequence[Address], hop: bool = False) -> list[ObjectRecord | None]:
         out: list[ObjectRecord | None] = [None] * len(addresses)
         direct: list[int] = []
         by_owner: dict[str, list[int]] = {}
@@ -398,7 +399,7 @@ class OwnerRecords:
         if self.on_read is not None and n:
             self.on_read(where, n)
 
-    async def get_manifest_body(self, namespace: str, name: str, digest: str) -> Manifest | None:
+    async def get_manifest_body(self, namespace: str, name: str, digest: Digest) -> Manifest | None:
         return await self.origins.get_manifest_body(namespace, name, digest)
 
 

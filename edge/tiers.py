@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
-from kdn.address import Address, validate_address, validate_name, validate_namespace
+from kdn.address import Address, Digest, validate_address, validate_name, validate_namespace
 from kdn.errors import InvalidInput
 from kdn.store import validate_encoding
 
@@ -73,7 +73,7 @@ class EntryMeta:
     """What a tier knows about one blob. ``pinned``/``expires_at`` are policy state, set from outside."""
 
     size: int
-    digest: str  # BLAKE3 hex of the blob, as in the registry
+    digest: Digest  # BLAKE3 hex of the blob, as in the registry
     namespace: str
     manifest: str | None = None  # "namespace/name" of the manifest it was published in
     # When the object arrived at this edge, wall-clock seconds (``steady_wall``). A put keeps a value the

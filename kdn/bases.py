@@ -24,22 +24,21 @@ class Bases:
     """The bases a client has loaded, by address. ``record(address)`` reads a (trusted) record;
     ``fetch(address, encoding=, digest=, size=)`` fetches and verifies a body."""
 
-    def __init__(self, record: Callable[[str], Awaitable[dict[str, Any] | None]],
+    def __init__(self, record: Callable[[A.Address], Awaitable[dict[str, Any] | None]],
                  fetch: Callable[..., Awaitable[Fetched]]) -> None:
         self._record, self._fetch = record, fetch
-        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._tasks: dict[A.Address, asyncio.Task[Any]] = {}
         self.fetched = 0
 
-    async def get(self, address: str) -> Any:
+    async def get(self, address: A.Address) -> Any:
         """The basis (``kdn.kernels.transform.Basis``) at ``address``, registered for decoding; one fetch
         however many objects ask at once (a failed one is tried again by the next)."""
-        A.validate_address(address)
         task = self._tasks.get(address)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = self._tasks[address] = asyncio.ensure_future(self._load(address))
         return await asyncio.shield(task)
 
-    async def _load(self, address: str) -> Any:
+    async def _load(self, address: A.Address) -> Any:
         rec = await self._record(address)
         if rec is None:
             raise SourceError(f"kvtc basis {address[:16]}... is not in the registry")
@@ -68,7 +67,7 @@ class Bases:
         addrs = {str(t.params.get("basis")) for t in h.tensors.values() if t.codec == "kvtc"}
         if not addrs:
             return None
-        bases = [await self.get(a) for a in sorted(addrs)]
+        bases = [await self.get(A.validate_address(a)) for a in sorted(addrs)]  # named in the object's header
         from kdn.kernels.transform import decoded_cap
 
         n = h.end - h.start if tokens is None else tokens

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kdn.address import Address
 from kdn.errors import DigestMismatch
 from kdn.estimate import DecodeSpeeds
 from kdn.lookup import Fetched, Lookup
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kdn.objects import DecodedObject, ObjectHeader, ObjectView
 
 
-def check_identity(h: ObjectHeader, hit: Lookup, address: str) -> None:
+def check_identity(h: ObjectHeader, hit: Lookup, address: Address) -> None:
     """A verified object is the one the lookup asked for: its address, model and namespace."""
     if h.model_id != hit.model_id or h.namespace != hit.namespace or h.address != address:
         raise DigestMismatch(f"object {address} claims model {h.model_id[:12]}/{h.namespace}, "

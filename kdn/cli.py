@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NoReturn
 from kdn.errors import InvalidInput, KDNError
 
 if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily: `kdn address` needs none of it
+    from kdn.address import Address
     from kdn.registry import Manifest, ModelRecord, NodeRecord, ObjectRecord, Registry
 
 # Parts that contribute subcommands: module path -> its `register(subparsers)`.
@@ -83,7 +84,7 @@ def run_registry(args: argparse.Namespace, fn: Callable[[Registry], Awaitable[in
 
 
 def cmd_registry_show(args: argparse.Namespace) -> int:
-    from kdn.address import validate_address, validate_name, validate_namespace
+    from kdn.address import validate_address, validate_model_id, validate_name, validate_namespace
 
     if "/" in args.address:  # NAMESPACE/NAME: a manifest
         ns, _, name = args.address.partition("/")
@@ -100,12 +101,13 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
 
         return run_registry(args, manifest)
     key = validate_address(args.address, what="address or model id")
+    mid = validate_model_id(key)  # the same argument, read as a model id: it names either
 
     async def go(reg: Registry) -> int:
         rec: ObjectRecord | ModelRecord | None = await reg.get_object(key)
         kind, where = "object", "registry"
         if rec is None:
-            rec, kind = await reg.get_model(key), "model"
+            rec, kind = await reg.get_model(mid), "model"
         if rec is None:  # an origin with --records store keeps object records beside its blobs: ask it
             rec, where = await _record_from_origins(reg, key), "origin"
             kind = "object"
@@ -148,7 +150,7 @@ def _verdict(args: argparse.Namespace, rec: ObjectRecord | ModelRecord | Manifes
     return out
 
 
-async def _regions_holding(reg: Registry, address: str, token: str | None,
+async def _regions_holding(reg: Registry, address: Address, token: str | None,
                            token_hosts: str | None) -> dict[str, dict[str, str]]:
     """Per region: the edge that owns ``address`` on that region's ring, and whether it holds it now.
 
@@ -187,7 +189,7 @@ async def _regions_holding(reg: Registry, address: str, token: str | None,
     return out
 
 
-async def _record_from_origins(reg: Registry, address: str) -> ObjectRecord | None:
+async def _record_from_origins(reg: Registry, address: Address) -> ObjectRecord | None:
     """An object record from the first live origin (registered in ``reg``) that has it, read as anyone may."""
     import aiohttp
 

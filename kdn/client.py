@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from kdn import address as A
-from kdn.address import validate_digest
+from kdn.address import Address, Digest, ModelId, validate_digest
 from kdn.bases import Bases
 from kdn.bodyget import BodyGetter, Tally
 from kdn.checked import check_identity, decode_checked
@@ -129,7 +129,7 @@ class KDNClient:
         # whose signature does not verify is a miss -- its digest is never believed (kdn.trust).
         self.trust = Trust(trusted_keys, manifest_state)
         self.verifier = self.trust.verifier
-        self._fetched: OrderedDict[str, float] = OrderedDict()  # address -> when fetched (warm), bounded
+        self._fetched: OrderedDict[Address, float] = OrderedDict()  # address -> when fetched (warm), bounded
         # kvtc bases by address: each fetched once (then shared by every object that names it)
         self.bases = Bases(self.record, self.fetch)
         # What to count of each attempt of a fetch (``kdn.fetch.Observer``: traces, metrics); None: nothing.
@@ -224,8 +224,9 @@ class KDNClient:
                 errors.append(f"{s.label}: {type(e).__name__}")
         raise SourceError("no source answered " + path.split("?")[0] + ": " + "; ".join(errors))
 
-    async def record(self, address: str) -> dict[str, Any] | None:
-        d = await self._json("GET", f"/v1/registry/objects/{A.validate_address(address)}")
+    async def record(self, address: Address) -> dict[str, Any] | None:
+        address = A.validate_address(address)
+        d = await self._json("GET", f"/v1/registry/objects/{address}")
         return self.trust.record(d, address)
 
     async def manifest(self, namespace: str, name: str, *, pin: str | None = None) -> dict[str, Any] | None:
@@ -252,7 +253,7 @@ class KDNClient:
 
     # --- lookup ----------------------------------------------------------------
 
-    async def lookup(self, tokens: Iterable[int], model_id: str, namespace: str = "public", *,
+    async def lookup(self, tokens: Iterable[int], model_id: ModelId, namespace: str = "public", *,
                      chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS) -> Lookup:
         """How many leading tokens of ``tokens`` are published: whole chunks, then a partial tail.
 
@@ -262,7 +263,8 @@ class KDNClient:
         all of the text.
         """
         toks = list(tokens)
-        full = A.prefix_addresses(A.validate_model_id(model_id), namespace, toks, chunk_tokens, full_chunks_only=True)
+        model_id = A.validate_model_id(model_id)
+        full = A.prefix_addresses(model_id, namespace, toks, chunk_tokens, full_chunks_only=True)
         n = 0
         where: list[object] = []
         inline: list[object] = []
@@ -338,7 +340,7 @@ class KDNClient:
                                  admitted_by=admitted_by, revoked_admissions=revoked_admissions)
         return cls(**found, **kwargs)
 
-    def _ranked(self, size: int, address: str | None = None, *, control: bool = False) -> list[Source]:
+    def _ranked(self, size: int, address: Address | None = None, *, control: bool = False) -> list[Source]:
         """The sources for one request, least expected time first (``kdn.sources.Sources.ranked``)."""
         return self.routing.ranked(size, address, control=control)
 
@@ -364,7 +366,7 @@ class KDNClient:
                 best, best_t = name, t
         return best
 
-    async def fetch(self, address: str, *, encoding: str | None = None, digest: str | None = None,
+    async def fetch(self, address: Address, *, encoding: str | None = None, digest: Digest | None = None,
                     size: int | None = None, quality: str | float | None = None, cold: bool = False,
                     pooled: bool = False, arena: Arena | None = None, pieces: Pieces | None = None,
                     tally: Tally | None = None) -> Fetched:
@@ -375,7 +377,7 @@ class KDNClient:
         (the record's piece digests, ``kdn.pieces``) verify the body piece by piece as it lands. ``tally``
         (``kdn.bodyget.Tally``) counts the body bytes as they land, also of an attempt that fails or is cut
         short: a load given up at its deadline measures its own link by them (``kdn.planner``)."""
-        A.validate_address(address)
+        address = A.validate_address(address)
         if digest is None or encoding is None or size is None:
             rec = await self.record(address)
             if rec is None:
@@ -394,7 +396,7 @@ class KDNClient:
                                             pooled=(arena or self.arena) if pooled else None, pieces=pieces,
                                             tally=tally)
 
-    async def probe(self, address: str, *, encoding: str, digest: str, size: int, pieces: Pieces | None = None,
+    async def probe(self, address: Address, *, encoding: str, digest: Digest, size: int, pieces: Pieces | None = None,
                     deadline_s: float) -> Probe | None:
         """Time this client's link by fetching one object, verifying it and dropping it: the load planner's
         probe (``Plan.probe_s``), run beside a request that computes instead of inside it. Not hedged (a
@@ -418,7 +420,7 @@ class KDNClient:
         f.release()
         return Probe(len(f.blob), time.perf_counter() - t0, False)
 
-    async def _fetch_hedged(self, address: str, encoding: str, digest: str, size: int, *, hedge: bool = True,
+    async def _fetch_hedged(self, address: Address, encoding: str, digest: Digest, size: int, *, hedge: bool = True,
                             pooled: Arena | None = None, pieces: Pieces | None = None,
                             part: tuple[int, int] | None = None, tally: Tally | None = None) -> Fetched:
         """Through ``kdn.fetch`` (one verified fetch for edges and clients): the best source first, hedged to
@@ -440,7 +442,7 @@ class KDNClient:
         self.note_read(address)
         return Fetched(address, encoding, blob, f"{body.route.label}/{body.served_by}", body.seconds, body.buffer)
 
-    def note_read(self, address: str) -> None:
+    def note_read(self, address: Address) -> None:
         """Remember that this client read ``address`` (or had it read for it: a vLLM scheduler hands its loads
         to a worker with a client of its own): the edge held or filled it, so it is warm there now."""
         self._fetched[address] = time.monotonic()
@@ -448,7 +450,7 @@ class KDNClient:
         while len(self._fetched) > RECENT_FETCHES:
             self._fetched.popitem(last=False)
 
-    def warm(self, address: str, tier: str) -> bool:
+    def warm(self, address: Address, tier: str) -> bool:
         """Whether reading ``address``, which the entry edge's lookup placed in ``tier``, costs only this
         client's link (what the load planners time): the edge said ``memory`` or ``disk``; or it gave the
         coarse answer an anonymous caller gets (``edge``, which hides cache state) and this client fetched
@@ -473,7 +475,7 @@ class KDNClient:
     def failovers(self) -> int:
         return self.fetcher.failovers
 
-    async def fetch_part(self, address: str, encoding: str, first: int, end: int) -> Fetched:
+    async def fetch_part(self, address: Address, encoding: str, first: int, end: int) -> Fetched:
         """Pieces ``[first, end)`` of an object (``kdn.pieces``: 1 MiB each by default) by a range request, each
         verified against the piece digests of its (signed) record: ``blob`` holds the blob's bytes
         ``[first * piece_bytes, ...)``. InvalidInput if the record has no pieces (a blob of one piece, or
@@ -489,15 +491,15 @@ class KDNClient:
             return await self._fetch_hedged(address, encoding, e["digest"], int(e["size"]), hedge=self.hedge,
                                             pieces=pieces, part=(first, end))
 
-    async def fetch_tensors(self, address: str, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
+    async def fetch_tensors(self, address: Address, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
         """Only the named tensors of an object (one layer's ``L3.k`` and ``L3.v``, say), verified, by range
         requests where its record has piece digests (``kdn.parts``)."""
         return await fetch_tensors(self, address, names, encoding=encoding)
 
-    async def basis(self, address: str) -> Any:
+    async def basis(self, address: Address) -> Any:
         """The kvtc basis (``kdn.kernels.transform.Basis``) at ``address``: fetched once, verified, registered
         for decoding (``kdn.bases``)."""
-        return await self.bases.get(address)
+        return await self.bases.get(A.validate_address(address))
 
     async def prepare(self, f: Fetched, tokens: int | None = None) -> int | None:
         """Load the kvtc bases a fetched object names; the ``max_decoded`` its decode may use (``kdn.bases``)."""
@@ -585,7 +587,7 @@ class KDNClient:
         return await self.fetch_placed(address, digest=e["digest"], size=int(e["size"]), pieces=Pieces.of(e),
                                        place=place, tally=tally)
 
-    async def fetch_placed(self, address: str, *, digest: str, size: int, pieces: Pieces | None,
+    async def fetch_placed(self, address: Address, *, digest: Digest, size: int, pieces: Pieces | None,
                            place: Callable[[Layout], Mapping[str, Sequence[memoryview]]],
                            tally: Tally | None = None) -> tuple[Fetched, Layout]:
         """A raw object received straight into the caller's memory (``kdn.scatter``): ``place`` checks the

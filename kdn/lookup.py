@@ -38,7 +38,7 @@ def fills(tier: str) -> bool:
 class Lookup:
     """The longest reusable prefix of a prompt: ``addresses`` cover ``tokens`` leading tokens."""
 
-    model_id: str
+    model_id: A.ModelId
     namespace: str
     addresses: list[A.Address]
     tokens: int
@@ -78,7 +78,7 @@ class Probe:
 
 @dataclass(frozen=True)
 class Fetched:
-    address: str
+    address: A.Address
     encoding: str
     blob: bytearray | memoryview  # the receive buffer, verified (a view of an arena lease when one lent it)
     source: str

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kdn import address as _address
-from kdn.address import canonical_json, validate_address, validate_namespace
+from kdn.address import Address, Digest, ModelId, canonical_json, validate_address, validate_namespace
 from kdn.codecs import DTYPES, Buffer, get_codec, itemsize
 from kdn.errors import (
     CorruptObject,
@@ -79,13 +79,13 @@ class ObjectHeader:
 
     version: int
     kind: str
-    address: str
-    model_id: str
+    address: Address
+    model_id: ModelId
     namespace: str
     start: int
     end: int
     position: int  # position of the first token's KV: == start in a prefix chain, 0 for a standalone chunk
-    parent: str | None
+    parent: Address | None
     encoding: str
     tensors: dict[str, TensorInfo]
 
@@ -126,7 +126,7 @@ class DecodedObject:
     tensors: dict[str, RawTensor]
 
 
-def blob_digest(blob: Buffer) -> str:
+def blob_digest(blob: Buffer) -> Digest:
     """BLAKE3 hex digest of a whole blob: the registry's digest and the HTTP ETag."""
     return _address.blob_digest(blob)
 
@@ -146,13 +146,13 @@ def _stored(t: RawTensor, codec_name: str) -> tuple[str, tuple[int, ...], bytes 
 def encode_object(
     *,
     kind: str,
-    address: str,
-    model_id: str,
+    address: Address,
+    model_id: ModelId,
     namespace: str,
     start: int,
     end: int,
     position: int,
-    parent: str | None,
+    parent: Address | None,
     tensors: Mapping[str, RawTensor],
     encoding: str = "zstd",
     codec_for: Callable[[RawTensor], str] | None = None,
@@ -534,7 +534,7 @@ def _align64(n: int) -> int:
 def decode_object(
     blob: Buffer,
     *,
-    expected_digest: str | None = None,
+    expected_digest: Digest | None = None,
     max_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
     out: bytearray | memoryview | None = None,
     names: Collection[str] | None = None,

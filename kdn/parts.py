@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kdn.address import Address
 from kdn.errors import InvalidInput, SourceError
 from kdn.lookup import Tensors
 from kdn.pieces import Pieces
@@ -29,7 +30,7 @@ def tensor_span(layout: Layout, name: str) -> tuple[int, int]:
         raise InvalidInput(f"object {layout.header.address[:16]} has no tensor {name[:64]!r}") from None
 
 
-async def fetch_tensors(client: KDNClient, address: str, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
+async def fetch_tensors(client: KDNClient, address: Address, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
     """Only the named tensors of an object (one layer's ``L3.k`` and ``L3.v``, say), verified: the pieces
     holding its header, then the pieces that hold those tensors, by range requests. Where the record has
     no pieces, the whole object is fetched and verified, then cut."""

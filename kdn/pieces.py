@@ -33,7 +33,7 @@ from typing import Any
 
 from blake3 import blake3
 
-from kdn.address import Digest, validate_digest
+from kdn.address import Digest, blob_digest, validate_digest
 from kdn.errors import DigestMismatch, InvalidInput
 
 PIECE_BYTES = 1 << 20
@@ -59,7 +59,7 @@ def piece_digests(data: bytes | bytearray | memoryview, piece_bytes: int = PIECE
     view = memoryview(data).cast("B")
     if len(view) <= piece_bytes:
         return ()
-    return tuple(Digest(blake3(view[i:i + piece_bytes]).hexdigest()) for i in range(0, len(view), piece_bytes))
+    return tuple(blob_digest(view[i:i + piece_bytes]) for i in range(0, len(view), piece_bytes))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import xxhash
 from uhashring import HashRing
 
-from kdn.address import validate_address, validate_name
+from kdn.address import Address, validate_address, validate_name
 from kdn.errors import InvalidInput
 
 __all__ = ["Ring"]
@@ -86,12 +86,12 @@ class Ring:
 
     # lookups ----------------------------------------------------------------
 
-    def owner(self, address: str) -> str | None:
+    def owner(self, address: Address) -> str | None:
         """The node that owns ``address``; None when the ring is empty."""
         node: str | None = self._ring.get_node(validate_address(address))  # uhashring is untyped
         return node
 
-    def preference(self, address: str, n: int | None = None) -> list[str]:
+    def preference(self, address: Address, n: int | None = None) -> list[str]:
         """Distinct nodes in the order a request walks them: the owner first, then its fallbacks.
 
         The order is the clockwise walk from the address, so when the owner is

@@ -27,6 +27,7 @@ from kdn.estimate import Estimates
 from kdn.lookup import Source
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kdn.address import Address
     from kdn.registry import Membership, NodeRecord
     from kdn.ring import Ring
     from kdn.signing import Verifier
@@ -75,7 +76,7 @@ class Sources:
             self.estimates[s.url].set_prior(s.prior_rtt)
             self.control[s.url].set_prior(s.prior_rtt)
 
-    def ranked(self, size: int, address: str | None = None, *, control: bool = False) -> list[Source]:
+    def ranked(self, size: int, address: Address | None = None, *, control: bool = False) -> list[Source]:
         """Least expected time first. A non-owner edge of the region fills through the owner, so it
         costs its own transfer plus the owner's: the owner ranks first while it answers. ``control``:
         for a lookup or registry read, ranked by those requests' own times."""

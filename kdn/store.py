@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdn.address import Address, validate_address
+from kdn.address import Address, Digest, validate_address
 from kdn.errors import InvalidInput
 
 # A temp file untouched this long is a crashed writer's (a live one writes to it continuously).
@@ -52,12 +52,12 @@ class BlobDir:
         self.tmp.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
 
-    def path(self, address: str, encoding: str) -> Path:
+    def path(self, address: Address, encoding: str) -> Path:
         a = validate_address(address)
         e = validate_encoding(encoding)
         return self.root / a[:2] / a[2:4] / f"{a}.{e}"
 
-    def put(self, address: str, encoding: str, data: bytes | bytearray | memoryview, *, digest: str | None = None) -> Path:
+    def put(self, address: Address, encoding: str, data: bytes | bytearray | memoryview, *, digest: Digest | None = None) -> Path:
         """Write a blob atomically; an existing blob of the same name is replaced whole.
 
         With ``digest`` (its BLAKE3), the digest is written beside it first (``<blob>.b3``): a reader
@@ -90,7 +90,7 @@ class BlobDir:
             self._fsync_dir(final.parent)
         return final
 
-    def attested(self, address: str, encoding: str) -> str | None:
+    def attested(self, address: Address, encoding: str) -> str | None:
         """The digest written with the blob (``put(..., digest=)``), or None."""
         try:
             text = self.path(address, encoding).with_name(f"{address}.{encoding}.b3").read_text().strip()
@@ -98,19 +98,19 @@ class BlobDir:
             return None
         return text if len(text) == 64 else None
 
-    def read(self, address: str, encoding: str) -> bytes | None:
+    def read(self, address: Address, encoding: str) -> bytes | None:
         try:
             return self.path(address, encoding).read_bytes()
         except FileNotFoundError:
             return None
 
-    def size(self, address: str, encoding: str) -> int | None:
+    def size(self, address: Address, encoding: str) -> int | None:
         try:
             return self.path(address, encoding).stat().st_size
         except FileNotFoundError:
             return None
 
-    def delete(self, address: str, encoding: str) -> bool:
+    def delete(self, address: Address, encoding: str) -> bool:
         p = self.path(address, encoding)
         p.with_name(p.name + ".b3").unlink(missing_ok=True)
         try:

@@ -69,7 +69,7 @@ class Trust:
 
             self.manifest_versions = VersionFile(manifest_state)
 
-    def record(self, d: dict[str, Any] | None, address: str) -> dict[str, Any] | None:
+    def record(self, d: dict[str, Any] | None, address: A.Address) -> dict[str, Any] | None:
         """An object record as sent for ``address``: ``d`` if no keys are configured, or if a trusted key
         signed it and it is ``address``'s. The same bytes verified before (by a key still trusted) are taken
         without a second check."""
@@ -136,6 +136,7 @@ class Trust:
 
         try:
             rec: ObjectRecord | Manifest
+            got: str
             if kind == "object":
                 rec = ObjectRecord.from_dict(d)
                 got = rec.address

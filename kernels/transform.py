@@ -70,7 +70,7 @@ import constriction
 import numpy as np
 import torch
 
-from kdn.address import Address, blob_digest, canonical_json
+from kdn.address import Address, canonical_json, content_address
 from kdn.codecs import Buffer, register_codec
 from kdn.errors import CodecError, InvalidInput
 from kdn.kernels.codecs import _KV_NAME, FLOAT_DTYPES, LossyCodec, Reader, int_param, write_float
@@ -140,8 +140,8 @@ class Basis:
         return b"".join(parts)
 
     @property
-    def address(self) -> str:
-        return blob_digest(self.to_bytes())
+    def address(self) -> Address:
+        return content_address(self.to_bytes())
 
     @classmethod
     def from_bytes(cls, data: Buffer, *, max_bytes: int = DEFAULT_MAX_BASIS_BYTES) -> Basis:
@@ -205,7 +205,7 @@ _BASES_LOCK = threading.Lock()
 
 def register_basis(basis: Basis) -> Address:
     """Make ``basis`` available to :func:`decode_tensor` under its address; returns the address."""
-    addr = Address(basis.address)  # (the BLAKE3 of its bytes: an address by construction)
+    addr = basis.address  # (the BLAKE3 of its bytes: an address by construction)
     with _BASES_LOCK:
         _BASES[addr] = basis
     return addr
@@ -381,10 +381,10 @@ def encode_tensor(basis: Basis, layer: int, kind: str, x: torch.Tensor, position
     return b"".join(parts), params
 
 
-_ADDR_CACHE: dict[int, tuple[Basis, str]] = {}
+_ADDR_CACHE: dict[int, tuple[Basis, Address]] = {}
 
 
-def _address_cached(basis: Basis) -> str:
+def _address_cached(basis: Basis) -> Address:
     hit = _ADDR_CACHE.get(id(basis))
     if hit is None or hit[0] is not basis:
         hit = _ADDR_CACHE[id(basis)] = (basis, basis.address)

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kdn import service
 from kdn.service import connections
-from kdn.address import PUBLIC_NAMESPACE, validate_address, validate_name, validate_namespace
+from kdn.address import PUBLIC_NAMESPACE, Address, validate_address, validate_name, validate_namespace
 from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, RegistryUnavailable
@@ -382,7 +382,7 @@ async def get_job(request: web.Request) -> web.Response:
     return web.json_response(job.to_dict())
 
 
-def _namespace_of(app: web.Application, address: str) -> str | None:
+def _namespace_of(app: web.Application, address: Address) -> str | None:
     """Whose object this is, from what this origin holds: the namespace in the stored blob's own header (a
     kvtc basis, which has none, is public). Never the registry record's: any registry writer can relabel it."""
     ns = app[STORE].namespace(address)
@@ -391,7 +391,7 @@ def _namespace_of(app: web.Application, address: str) -> str | None:
     return ns
 
 
-async def _adopt(app: web.Application, address: str) -> dict:
+async def _adopt(app: web.Application, address: Address) -> dict:
     """Blobs an engine saved into this store on its own (``kv_role`` producer with ``registry``), found by
     their registry record and indexed once their bytes match its digests. With records beside the blobs the
     engine's record is still in the registry (it writes there): asked there too. Only a hint of the digest: a

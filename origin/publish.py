@@ -445,7 +445,8 @@ class Producer:
     def _parent(plan: Plan, i: int) -> Address | None:
         return plan.addresses[i - 1] if i > 0 else None
 
-    def _store(self, addr, spec, kind, s, e, position, parent, tensors) -> None:
+    def _store(self, addr: Address, spec: PublishSpec, kind: str, s: int, e: int, position: int,
+               parent: Address | None, tensors) -> None:
         from kdn.kernels import encode_as
         from kdn.objects import from_torch
 
@@ -459,7 +460,8 @@ class Producer:
                              basis=self.basis)
             self.store.put(addr, enc, blob)
 
-    def _record(self, addr, spec, kind, s, e, parent, *, standalone: bool = False) -> ObjectRecord:
+    def _record(self, addr: Address, spec: PublishSpec, kind: str, s: int, e: int, parent: Address | None, *,
+                standalone: bool = False) -> ObjectRecord:
         encs = {}
         for enc in spec.encodings:
             info = self.store.info(addr, enc)

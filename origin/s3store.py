@@ -194,7 +194,7 @@ class S3ObjectStore(ObjectStore):
         self._s3 = bucket(self.location, self._credentials)
 
     @staticmethod
-    def _key(address: str, encoding: str) -> str:
+    def _key(address: Address, encoding: str) -> str:
         a, e = validate_address(address), validate_encoding(encoding)
         return f"{a[:2]}/{a[2:4]}/{a}.{e}"
 
@@ -243,7 +243,7 @@ class S3ObjectStore(ObjectStore):
             log.warning("object store %s: %d blobs had no info beside them; indexed by their hash", self.where,
                         unattested)
 
-    def _put_meta(self, address: str, encoding: str, info: BlobInfo) -> None:
+    def _put_meta(self, address: Address, encoding: str, info: BlobInfo) -> None:
         import obstore as obs
         from obstore.exceptions import AlreadyExistsError
 
@@ -274,7 +274,7 @@ class S3ObjectStore(ObjectStore):
         self._put_meta(address, encoding, info)
         return info
 
-    def _read(self, address: str, encoding: str) -> bytes | None:
+    def _read(self, address: Address, encoding: str) -> bytes | None:
         import obstore as obs
 
         try:
@@ -282,7 +282,7 @@ class S3ObjectStore(ObjectStore):
         except FileNotFoundError:
             return None
 
-    def delete(self, address: str, encoding: str) -> None:
+    def delete(self, address: Address, encoding: str) -> None:
         """Remove a blob and its info (operators' tooling and tests; publishing never deletes)."""
         import obstore as obs
 

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BlobInfo:
     size: int
-    digest: str
+    digest: Digest
     namespace: str | None = None  # from the blob's own header; None for a blob that is not a KV object
     # Each PIECE_BYTES piece's BLAKE3 (kdn/pieces.py), hashed from the same bytes as ``digest``: at write
     # time, or at a restart only once the digest written beside the blob matched. Never from bytes that
@@ -49,7 +49,7 @@ class BlobInfo:
 
     def encoding(self, name: str) -> Encoding:
         """This blob as an object record states it."""
-        return Encoding(name, self.size, Digest(self.digest), self.piece_bytes if self.pieces else 0, self.pieces)
+        return Encoding(name, self.size, self.digest, self.piece_bytes if self.pieces else 0, self.pieces)
 
 
 def blob_info(data: bytes | memoryview, piece_bytes: int) -> BlobInfo:
@@ -62,7 +62,7 @@ class ObjectStore:
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True, piece_bytes: int = PIECE_BYTES) -> None:
         self.piece_bytes = check_piece_bytes(piece_bytes)  # the piece digests each record carries (kdn/pieces.py)
-        self._index: dict[str, dict[str, BlobInfo]] = {}  # address -> encoding -> info
+        self._index: dict[Address, dict[str, BlobInfo]] = {}  # address -> encoding -> info
         self._lock = threading.Lock()
         self.dropped = 0  # blobs whose bytes no longer matched the digest written with them
         self.where = str(root)
@@ -102,7 +102,7 @@ class ObjectStore:
         self.dir.put(address, encoding, blob, digest=info.digest)  # the digest lands first, beside it
         return info
 
-    def _read(self, address: str, encoding: str) -> bytes | None:
+    def _read(self, address: Address, encoding: str) -> bytes | None:
         return self.dir.read(address, encoding)
 
     def free_fraction(self) -> float:
@@ -118,14 +118,14 @@ class ObjectStore:
     def __len__(self) -> int:
         return sum(len(encs) for encs in self._index.values())
 
-    def info(self, address: str, encoding: str) -> BlobInfo | None:
+    def info(self, address: Address, encoding: str) -> BlobInfo | None:
         return self._index.get(validate_address(address), {}).get(validate_encoding(encoding))
 
-    def encodings(self, address: str) -> dict[str, BlobInfo]:
+    def encodings(self, address: Address) -> dict[str, BlobInfo]:
         with self._lock:
             return dict(self._index.get(validate_address(address), {}))
 
-    def namespace(self, address: str) -> str | None:
+    def namespace(self, address: Address) -> str | None:
         """The namespace this store's blobs of ``address`` carry in their headers; None if it holds none, they
         are not KV objects, or (never written so by an origin) their encodings disagree."""
         names = {i.namespace for i in self.encodings(address).values()}
@@ -134,7 +134,7 @@ class ObjectStore:
             return None
         return names.pop() if names else None
 
-    def has(self, address: str, encoding: str) -> bool:
+    def has(self, address: Address, encoding: str) -> bool:
         return self.info(address, encoding) is not None
 
     def put(self, address: Address, encoding: str, blob: bytes) -> BlobInfo:
@@ -148,7 +148,7 @@ class ObjectStore:
             self._index.setdefault(address, {})[encoding] = info
         return info
 
-    def adopt(self, address: str, encoding: str, digest: str | None = None) -> BlobInfo | None:
+    def adopt(self, address: Address, encoding: str, digest: Digest | None = None) -> BlobInfo | None:
         """Index a blob that another writer put into the folder (an engine saving through its connector).
 
         With ``digest`` (from the object's registry record) a file that does not match is not indexed.
@@ -165,7 +165,7 @@ class ObjectStore:
             self._index.setdefault(address, {})[encoding] = info
         return info
 
-    def get(self, address: str, encoding: str) -> tuple[bytes, BlobInfo] | None:
+    def get(self, address: Address, encoding: str) -> tuple[bytes, BlobInfo] | None:
         """The blob and its info, verified against the indexed digest; None if absent."""
         info = self.info(address, encoding)
         if info is None:
@@ -179,7 +179,7 @@ class ObjectStore:
             raise DigestMismatch(f"stored blob {address}.{encoding} does not match its digest (disk corruption?)")
         return data, info
 
-    async def aget(self, address: str, encoding: str) -> tuple[bytes, BlobInfo] | None:
+    async def aget(self, address: Address, encoding: str) -> tuple[bytes, BlobInfo] | None:
         return await asyncio.to_thread(self.get, address, encoding)
 
     async def aput(self, address: Address, encoding: str, blob: bytes) -> BlobInfo:

@@ -24,7 +24,7 @@ from aiohttp.typedefs import Handler, Middleware
 import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from kdn.address import Address, validate_address, validate_digest, validate_name, validate_namespace
+from kdn.address import Address, Digest, validate_address, validate_digest, validate_name, validate_namespace
 from kdn.auth import AuthError, Grants, may_read
 from kdn.fetch import HOP
 from kdn.errors import (
@@ -48,8 +48,8 @@ REGISTRY = web.AppKey("registry", Registry)
 class RecordSource(Protocol):
     """Where a server reads object records from: its registry, or (an edge) its record cache."""
 
-    async def get_object(self, address: str) -> ObjectRecord | None: ...
-    async def get_objects(self, addresses: list[str]) -> list[ObjectRecord | None]: ...
+    async def get_object(self, address: Address) -> ObjectRecord | None: ...
+    async def get_objects(self, addresses: list[Address]) -> list[ObjectRecord | None]: ...
 
 
 RECORDS = web.AppKey("records", RecordSource)  # absent: the registry
@@ -59,7 +59,7 @@ class ManifestBodies(Protocol):
     """Where a server reads the whole manifest a registry pointer names (``Manifest.body``): an origin's own
     records store, or (an edge) the origins."""
 
-    async def get_manifest_body(self, namespace: str, name: str, digest: str) -> Manifest | None: ...
+    async def get_manifest_body(self, namespace: str, name: str, digest: Digest) -> Manifest | None: ...
 
 
 MANIFEST_BODIES = web.AppKey("manifest_bodies", ManifestBodies)  # absent: pointers are not followed
@@ -242,7 +242,7 @@ async def send_within(request: web.Request, size: int, send: Awaitable[object]) 
 Sent = Literal["sent", "cut", "gone"]
 
 
-def byte_range(request: web.Request, size: int, digest: str) -> tuple[int, int] | None:
+def byte_range(request: web.Request, size: int, digest: Digest) -> tuple[int, int] | None:
     """The one byte range ``[first, end)`` a GET asks for (RFC 9110 §14), or None for the whole body.
 
     A single range only (``bytes=a-b``, ``bytes=a-``, ``bytes=-n``); a header this does not take (several
@@ -560,7 +560,7 @@ async def get_registry_manifest(request: web.Request) -> web.Response:
     return web.json_response(man.to_dict())
 
 
-async def _manifest_body(app: web.Application, namespace: str, name: str, digest: str) -> Manifest | None:
+async def _manifest_body(app: web.Application, namespace: str, name: str, digest: Digest) -> Manifest | None:
     bodies = app.get(MANIFEST_BODIES)
     if bodies is None:
         reg = app[REGISTRY]
@@ -588,7 +588,7 @@ def add_common_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", get_metrics)
 
 
-def object_headers(digest: str, source: str, encoding: str, namespace: str = "public") -> dict[str, str]:
+def object_headers(digest: Digest, source: str, encoding: str, namespace: str = "public") -> dict[str, str]:
     """Headers of an object response: content-addressed blobs never change (RFC 8246 immutable).
 
     Only the ``public`` namespace may sit in shared caches; a tenant's object is ``private`` (a proxy
@@ -606,7 +606,7 @@ def object_headers(digest: str, source: str, encoding: str, namespace: str = "pu
     }
 
 
-def not_modified(request: web.Request, digest: str) -> bool:
+def not_modified(request: web.Request, digest: Digest) -> bool:
     """RFC 9110 §13.1.2: If-None-Match with a matching entity tag → 304."""
     inm = request.headers.get("If-None-Match")
     if not inm:

@@ -342,7 +342,7 @@ class RagReport:
     recompute_share: float = 0.0  # of the reused tokens' layer work, recomputed (check layers included)
     chunks_fetched: int = 0
     chunks_computed: int = 0  # not in the KDN: computed locally, alone
-    missing: list[str] = field(default_factory=list)  # addresses the KDN could not serve
+    missing: list[A.Address] = field(default_factory=list)  # addresses the KDN could not serve
     sources: dict[str, int] = field(default_factory=dict)
     encodings: dict[str, int] = field(default_factory=dict)  # chunks fetched per encoding (the client's pick)
     fetch_ms: float = 0.0  # lookup-free fetch, verify and decode of every chunk, to the last one decoded
@@ -377,7 +377,7 @@ def rag_frame(tokenizer: Any, query: str, system: str | None) -> tuple[str, str]
     return (f"{system}\n\n" if system else ""), f"\n\n{query}\n"
 
 
-async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: Sequence[str], device: Any,
+async def _fetch_chunks(client: Any, mid: A.ModelId, namespace: str, addrs: Sequence[A.Address], device: Any,
                         report: RagReport) -> list[dict | None]:
     """Each address's tensors, or ``None`` where the KDN cannot serve it (a miss is a recompute).
 
@@ -390,14 +390,14 @@ async def _fetch_chunks(client: Any, mid: str, namespace: str, addrs: Sequence[s
         report.missing.extend(addrs)
         return [None] * len(addrs)
 
-    def decode(a: str, blob: bytes, cap: int | None) -> dict:
+    def decode(a: A.Address, blob: bytes, cap: int | None) -> dict:
         obj = decode_object(blob, max_decoded=cap)
         h = obj.header
         if h.address != a or h.model_id != mid or h.namespace != namespace or h.position != 0:
             raise DigestMismatch(f"object {a[:16]}... is not the standalone chunk of this model/namespace")
         return to_torch(obj, device=device)
 
-    async def one(a: str) -> tuple[Any, dict] | None:
+    async def one(a: A.Address) -> tuple[Any, dict] | None:
         try:
             f = await client.fetch(a)
         except SourceError:

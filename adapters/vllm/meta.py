@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kdn.adapters.vllm.compat import KVConnectorMetadata
 from kdn.adapters.vllm.plan import LoadPlan
 from kdn.adapters.vllm.steer import SteerJob
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.address import Address
 
 
 @dataclass(frozen=True)
@@ -21,8 +25,8 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class SaveChunk:
-    address: str
-    parent: str | None
+    address: Address
+    parent: Address | None
     start: int
     end: int
 

@@ -21,22 +21,26 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.address import Address, Digest
 
 
 @dataclass(frozen=True)
 class Piece:
     """One published object of a prefix chain and how to fetch it."""
 
-    address: str
+    address: Address
     start: int  # first token of the chunk, in prompt positions
     end: int
     encoding: str
-    digest: str
+    digest: Digest  # as the record states it (the client checks its form before fetching)
     size: int
     tier: str = ""  # where the entry edge said it would come from (memory, disk, peer:..., origin)
     # The record's piece digests (kdn/pieces.py): the worker verifies the body piece by piece as it lands.
     piece_bytes: int = 0
-    piece_digests: tuple[str, ...] = ()
+    piece_digests: tuple[Digest, ...] = ()
     warm: bool | None = None  # KDNClient.warm: its read costs only this engine's link (None: judge by ``tier``)
 
     def __post_init__(self) -> None:

@@ -17,18 +17,18 @@ import logging
 
 import torch
 
-from kdn.address import Address
+from kdn.address import Address, ModelId
 from kdn.errors import KDNError
 from kdn.store import BlobDir
 
 from kdn.adapters.vllm import compat, paged
-from kdn.adapters.vllm.meta import KDNMetadata, SaveJob
+from kdn.adapters.vllm.meta import KDNMetadata, SaveChunk, SaveJob
 
 log = logging.getLogger("kdn.adapters.vllm")
 
 
 class Saver:
-    def __init__(self, *, cfg, model_id: str, worker, n_layers: int, kind: str, bridge=None, registry=None) -> None:
+    def __init__(self, *, cfg, model_id: ModelId, worker, n_layers: int, kind: str, bridge=None, registry=None) -> None:
         self.cfg = cfg
         self.model_id = model_id
         self.worker = worker  # the WorkerSide: its layer index and attention group
@@ -38,7 +38,7 @@ class Saver:
         self.bridge = bridge
         self.registry = registry
         self.readers: dict[str, paged.Reader] = {}
-        self._held: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (req, address) -> tensors so far
+        self._held: dict[tuple[str, Address], dict[str, torch.Tensor]] = {}  # (req, address) -> tensors so far
 
     def check_layouts(self) -> None:
         """Find, for every attention layer, how to read K/V back; refuse to start if we cannot."""
@@ -87,7 +87,7 @@ class Saver:
                     log.exception("request %s: saving chunk [%d, %d) failed", job.req_id, c.start, c.end)
         return written
 
-    def _write(self, job: SaveJob, c, tensors: dict[str, torch.Tensor]) -> None:
+    def _write(self, job: SaveJob, c: SaveChunk, tensors: dict[str, torch.Tensor]) -> None:
         from kdn.kernels import encode_as
         from kdn.objects import from_torch
 
@@ -99,11 +99,11 @@ class Saver:
                                  tensors=raw)
                 from kdn.address import blob_digest
 
-                self.store.put(Address(c.address), enc, blob, digest=blob_digest(blob))
+                self.store.put(c.address, enc, blob, digest=blob_digest(blob))
         if self.registry is not None:
             self.bridge.run(self._record(job, c), timeout=30)
 
-    async def _record(self, job: SaveJob, c) -> None:
+    async def _record(self, job: SaveJob, c: SaveChunk) -> None:
         from kdn.address import blob_digest
         from kdn.pieces import PIECE_BYTES, piece_digests
         from kdn.registry import Encoding, ObjectRecord

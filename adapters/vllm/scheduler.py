@@ -191,7 +191,7 @@ class SchedulerSide:
             pos = want_end
         return pieces
 
-    def _refuse(self, rec: dict | None, addr: str, start: int, end: int) -> str | None:
+    def _refuse(self, rec: dict | None, addr: A.Address, start: int, end: int) -> str | None:
         """Why a record cannot be used for tokens ``[start, end)`` of this prompt, or None."""
         if rec is None:
             return f"no record for {addr[:16]}"

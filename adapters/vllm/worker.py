@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kdn.address import ModelId
 from kdn.arena import ArenaFull
 from kdn.bodyget import Tally
 from kdn.kernels.pinned import host_arena
@@ -124,7 +125,7 @@ def _release(run: _Running) -> None:
 
 
 class WorkerSide:
-    def __init__(self, *, cfg, model_id: str, groups: list, bridge, client, device: torch.device) -> None:
+    def __init__(self, *, cfg, model_id: ModelId, groups: list, bridge, client, device: torch.device) -> None:
         self.cfg = cfg
         self.model_id = model_id
         self.groups = groups

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from kdn.address import validate_address, validate_model_id, validate_name, validate_namespace
+from kdn.address import Address, ModelId, validate_address, validate_model_id, validate_name, validate_namespace
 from kdn.errors import InvalidInput, RegistryError
 from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
 
@@ -64,16 +64,16 @@ class Event:
 
 class ModelStore(Protocol):
     async def put_model(self, rec: ModelRecord) -> None: ...
-    async def get_model(self, model_id: str) -> ModelRecord | None: ...
+    async def get_model(self, model_id: ModelId) -> ModelRecord | None: ...
     async def list_models(self) -> list[ModelRecord]: ...
 
 
 class ObjectStore(Protocol):
     async def put_objects(self, records: Sequence[ObjectRecord]) -> None: ...
-    async def get_object(self, address: str) -> ObjectRecord | None: ...
-    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]: ...
-    async def add_encoding(self, address: str, enc: Encoding) -> ObjectRecord | None: ...
-    async def add_tail(self, parent: str, length: int, address: str) -> ObjectRecord | None: ...
+    async def get_object(self, address: Address) -> ObjectRecord | None: ...
+    async def get_objects(self, addresses: Sequence[Address]) -> list[ObjectRecord | None]: ...
+    async def add_encoding(self, address: Address, enc: Encoding) -> ObjectRecord | None: ...
+    async def add_tail(self, parent: Address, length: int, address: Address) -> ObjectRecord | None: ...
 
 
 class ManifestStore(Protocol):
@@ -287,10 +287,10 @@ class KVRegistry(abc.ABC):
     def _rel(self, key: str) -> str:
         return key[len(self.prefix) :]
 
-    def _model_key(self, model_id: str) -> str:
+    def _model_key(self, model_id: ModelId) -> str:
         return self._key(f"models/{validate_model_id(model_id)}")
 
-    def _object_key(self, address: str) -> str:
+    def _object_key(self, address: Address) -> str:
         return self._key(f"objects/{validate_address(address)}")
 
     def _manifest_key(self, namespace: str, name: str) -> str:
@@ -318,7 +318,7 @@ class KVRegistry(abc.ABC):
         _expect(rec, ModelRecord)
         await self._put(self._model_key(rec.model_id), self._signed(rec).pack())
 
-    async def get_model(self, model_id: str) -> ModelRecord | None:
+    async def get_model(self, model_id: ModelId) -> ModelRecord | None:
         (v,) = await self._read([self._model_key(model_id)])
         return None if v is None else ModelRecord.unpack(v)
 
@@ -331,19 +331,19 @@ class KVRegistry(abc.ABC):
     async def put_objects(self, records: Sequence[ObjectRecord]) -> None:
         await self._put_objects_then(records, None)
 
-    async def get_object(self, address: str) -> ObjectRecord | None:
+    async def get_object(self, address: Address) -> ObjectRecord | None:
         (v,) = await self._read([self._object_key(address)])
         return _object(v)
 
-    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
+    async def get_objects(self, addresses: Sequence[Address]) -> list[ObjectRecord | None]:
         keys = [self._object_key(a) for a in addresses]
         return [_object(v) for v in await self._read(keys)] if keys else []
 
-    async def add_encoding(self, address: str, enc: Encoding) -> ObjectRecord | None:
+    async def add_encoding(self, address: Address, enc: Encoding) -> ObjectRecord | None:
         _expect(enc, Encoding)
         return await self._update_object(address, lambda rec: rec.with_encoding(enc))
 
-    async def add_tail(self, parent: str, length: int, address: str) -> ObjectRecord | None:
+    async def add_tail(self, parent: Address, length: int, address: Address) -> ObjectRecord | None:
         validate_address(address, what="tail address")
         if not (isinstance(length, int) and not isinstance(length, bool) and length > 0):
             raise InvalidInput(f"tail length must be a positive int, got {length!r}")
@@ -371,7 +371,7 @@ class KVRegistry(abc.ABC):
                     "kept or signed", old.address[:16], self.signer.key_id)
         return None
 
-    async def _update_object(self, address: str, change: Callable[[ObjectRecord], ObjectRecord]) -> ObjectRecord | None:
+    async def _update_object(self, address: Address, change: Callable[[ObjectRecord], ObjectRecord]) -> ObjectRecord | None:
         key = self._object_key(address)
 
         def build(values: list[bytes | None]) -> Writes:
@@ -395,7 +395,7 @@ class KVRegistry(abc.ABC):
         visible before every object it names: the objects are content-addressed
         and may harmlessly appear first.
         """
-        by_addr: dict[str, ObjectRecord] = {}
+        by_addr: dict[Address, ObjectRecord] = {}
         for r in records:
             _expect(r, ObjectRecord)
             by_addr[r.address] = by_addr[r.address].merged(r) if r.address in by_addr else r

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import msgpack
 
-from kdn.address import Digest, validate_address, validate_digest, validate_model_id, validate_name, validate_namespace
+from kdn.address import Address, Digest, ModelId, validate_address, validate_digest, validate_model_id, validate_name, validate_namespace
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
 from kdn.pieces import Pieces
@@ -140,7 +140,7 @@ class _Record:
 
 @dataclass(frozen=True)
 class ModelRecord(_Record):
-    model_id: str
+    model_id: ModelId
     name: str
     architecture: str
     dtype: str
@@ -194,17 +194,17 @@ class Encoding(_Record):
 class ObjectRecord(_Record):
     """One chunk's states: where it sits in a prefix chain and how it is stored."""
 
-    address: str
-    model_id: str
+    address: Address
+    model_id: ModelId
     namespace: str
     kind: str  # "kv" | "ssm" | "hybrid"
     start: int
     end: int
-    parent: str | None
+    parent: Address | None
     standalone: bool
     encodings: dict[str, Encoding]
     origin: str  # node id or URL that produced it
-    tails: dict[int, str] = field(default_factory=dict)  # partial child length -> its address
+    tails: dict[int, Address] = field(default_factory=dict)  # partial child length -> its address
     created: float = field(default_factory=time.time)
     # The engine that computed the states, "transformers 5.19.0" / "vllm 0.32.0" ("" in records from
     # before it was kept). The model id pins the weights, but each engine's kernels round differently.
@@ -259,7 +259,7 @@ class ObjectRecord(_Record):
     def with_encoding(self, enc: Encoding) -> ObjectRecord:
         return dataclasses.replace(self, encodings={**self.encodings, enc.name: enc})
 
-    def with_tail(self, length: int, address: str) -> ObjectRecord:
+    def with_tail(self, length: int, address: Address) -> ObjectRecord:
         return dataclasses.replace(self, tails={**self.tails, length: address})
 
     def merged(self, newer: ObjectRecord) -> ObjectRecord:
@@ -289,13 +289,13 @@ class Manifest(_Record):
 
     namespace: str
     name: str
-    model_id: str
-    addresses: list[str]  # prefix chain, in order
+    model_id: ModelId
+    addresses: list[Address]  # prefix chain, in order
     tokens: int  # total tokens published
     chunk_tokens: int
     prefix_tokens: list[int]  # the token ids published, template prefix included
     template: str | None = None
-    standalone: list[str] = field(default_factory=list)
+    standalone: list[Address] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     head_tokens: int = 0  # leading tokens of prefix_tokens that come from the template / prefix text
     extra: dict[str, Any] = field(default_factory=dict)
@@ -311,7 +311,7 @@ class Manifest(_Record):
     # A pointer (``pointer``): the whole manifest is stored where the object records are (an origin with
     # ``--records store``), under this BLAKE3 of its packed bytes; the registry keeps only the name, version
     # and sizes. None: this is the whole manifest.
-    body: str | None = None
+    body: Digest | None = None
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
@@ -352,7 +352,7 @@ class Manifest(_Record):
         return Manifest(namespace=self.namespace, name=self.name, model_id=self.model_id, addresses=[], tokens=0,
                         chunk_tokens=self.chunk_tokens, prefix_tokens=[], deleted=True)
 
-    def pointer(self, body: str) -> Manifest:
+    def pointer(self, body: Digest) -> Manifest:
         """What the registry keeps of this manifest when its whole (``body``: the BLAKE3 of its ``pack()``) is
         stored beside the object records: name, model, version, sizes; unsigned until its writer signs it."""
         return dataclasses.replace(self, addresses=[], prefix_tokens=[], standalone=[], emphasis=None, head_tokens=0,

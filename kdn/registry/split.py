@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
-from kdn.address import validate_digest
+from kdn.address import Address, Digest, ModelId, blob_digest, validate_digest
 from kdn.errors import InvalidInput
 from kdn.registry.base import KVRegistry, NodeLease, Writes
 from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
@@ -75,16 +75,16 @@ class RecordsBeside:
     async def put_objects(self, records: Sequence[ObjectRecord]) -> None:
         await self.records.put_objects(records)
 
-    async def get_object(self, address: str) -> ObjectRecord | None:
+    async def get_object(self, address: Address) -> ObjectRecord | None:
         return await self.records.get_object(address)
 
-    async def get_objects(self, addresses: Sequence[str]) -> list[ObjectRecord | None]:
+    async def get_objects(self, addresses: Sequence[Address]) -> list[ObjectRecord | None]:
         return await self.records.get_objects(addresses)
 
-    async def add_encoding(self, address: str, enc: Encoding) -> ObjectRecord | None:
+    async def add_encoding(self, address: Address, enc: Encoding) -> ObjectRecord | None:
         return await self.records.add_encoding(address, enc)
 
-    async def add_tail(self, parent: str, length: int, address: str) -> ObjectRecord | None:
+    async def add_tail(self, parent: Address, length: int, address: Address) -> ObjectRecord | None:
         return await self.records.add_tail(parent, length, address)
 
     # manifests: objects first, then the body, then the pointer ---------------------------
@@ -101,7 +101,7 @@ class RecordsBeside:
             await self.control._put(self.control._manifest_key(full.namespace, full.name), full.pack())
             return full
         body = full.pack()
-        digest = blake3(body).hexdigest()
+        digest = blob_digest(body)
         await self.records._put(self.records._key(BODIES + digest), body)
         pointer = self.control._signed(full.pointer(digest))
         await self.control._put(self.control._manifest_key(full.namespace, full.name), pointer.pack())
@@ -113,7 +113,7 @@ class RecordsBeside:
         m = await self.control.get_manifest(namespace, name)
         return await self._whole(m) if m is not None and m.body is not None else m
 
-    async def get_manifest_body(self, digest: str) -> Manifest | None:
+    async def get_manifest_body(self, digest: Digest) -> Manifest | None:
         """A manifest body by its digest (what an edge asks the origin for), checked; None if not stored."""
         (data,) = await self.records._read([self.records._key(BODIES + validate_digest(digest))])
         if data is None:
@@ -145,7 +145,7 @@ class RecordsBeside:
     async def put_model(self, rec: ModelRecord) -> None:
         await self.control.put_model(rec)
 
-    async def get_model(self, model_id: str) -> ModelRecord | None:
+    async def get_model(self, model_id: ModelId) -> ModelRecord | None:
         return await self.control.get_model(model_id)
 
     async def list_models(self) -> list[ModelRecord]:
@@ -280,7 +280,7 @@ async def migrate_manifests(registry: KVRegistry, records: KVRegistry, *, signer
                 skipped += 1
                 continue
             body = m.pack()
-            digest = blake3(body).hexdigest()
+            digest = blob_digest(body)
             await records._put(records._key(BODIES + digest), body)
             pointer = m.pointer(digest)
             if m.sig and signer is not None:
