@@ -119,17 +119,26 @@ async def _views_ctx(app: web.Application):
     both read it) and, without ``--origin``, one of the live origins."""
     cfg, edge = app[EDGE_CONFIG], app[EDGE]
     watchers = [asyncio.create_task(watch_manifests(edge), name="kdn-edge-manifests")]
-    if not cfg.origin:
-        watchers.append(asyncio.create_task(watch_origins(edge), name="kdn-edge-origins"))
+    origins_listed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    origins_listed.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late failure is the watch's
+    if cfg.origin:
+        origins_listed.set_result(None)
+    else:
+        watchers.append(asyncio.create_task(watch_origins(edge, origins_listed), name="kdn-edge-origins"))
     try:
         # Serve once the policies are applied, so a restarted edge's warm disk tier is not read before its
-        # TTLs and pins are known (an entry a TTL expired while the edge was down would be served once more).
+        # TTLs and pins are known (an entry a TTL expired while the edge was down would be served once more),
+        # and once the origins are listed, so that no record read takes the registry's word for theirs.
         # A registry that does not answer in time does not keep the edge down: it serves, applies them later.
         try:
-            await edge.policies.wait_applied(lambda p: p.ready, timeout=POLICY_WAIT_S)
+            async with asyncio.timeout(POLICY_WAIT_S):
+                await edge.policies.wait_applied(lambda p: p.ready)
+                await asyncio.shield(origins_listed)
         except TimeoutError:
-            log.warning("serving before the policies are known: the registry did not answer in %.0f s; "
-                        "they apply when it does", POLICY_WAIT_S)
+            log.warning("serving before the policies and origins are known: the registry did not answer in "
+                        "%.0f s; they apply when it does", POLICY_WAIT_S)
+        except Exception as e:  # noqa: BLE001 -- the origins' first list failed (the watch retries): serve
+            log.warning("serving before the origins are known: %s", e)
         log.info("edge %s in region %s serving at %s", cfg.node_id, cfg.region, cfg.advertised_url)
         yield
     finally:

@@ -133,8 +133,11 @@ def _left_out(edge: Edge, node: NodeRecord, why: str | None) -> bool:
     return True
 
 
-async def watch_origins(edge: Edge) -> None:
-    """Without --origin, the origins are whatever the registry lists as live."""
+async def watch_origins(edge: Edge, ready: asyncio.Future[None] | None = None) -> None:
+    """Without --origin, the origins are whatever the registry lists as live. ``ready`` resolves once the
+    first list is in: until then the edge knows no origin, and under ``--records auto`` would take the
+    registry's word on records that live in the origins' stores (a restarted edge answered 404 for
+    published objects until its first list)."""
 
     async def on_event(ev) -> None:
         nodes = await edge.registry.list_nodes(role="origin")
@@ -156,7 +159,7 @@ async def watch_origins(edge: Edge) -> None:
 
     task = asyncio.create_task(recheck()) if edge.admitters is not None else None
     try:
-        await follow(edge.registry, "nodes/origin/", on_event, what="origin")
+        await follow(edge.registry, "nodes/origin/", on_event, what="origin", ready=ready)
     finally:
         if task is not None:
             task.cancel()

@@ -338,3 +338,28 @@ def test_every_records_mode_the_cli_offers_is_one_the_edge_takes():
         assert cli.build_parser().parse_args(["edge", "serve", "--records", mode, "--registry", "file:/x"]).records == mode
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["edge", "serve", "--records", "etcd", "--registry", "file:/x"])
+
+
+async def test_an_edge_serves_once_it_knows_the_origins(tmp_path, etcd_url, monkeypatch):
+    """An edge without ``--origin`` lists the origins from the registry. Until the list is in it knows none,
+    and ``--records auto`` took the registry's word for records the origins keep beside their blobs: a
+    (re)started edge answered 404 for published objects, and remembered the "no" (bench/faults.py's
+    kill_during_write saw ~100 such reads under load). It serves only once the list is in."""
+    from kdn.registry.etcd import EtcdRegistry
+
+    async with cluster(tmp_path, etcd_url, edges=(), origin_kw={"records": "store"}) as c:
+        m = await publish(c, TEXT)
+        watch = EtcdRegistry.watch
+
+        async def slowed(self, prefix: str = ""):  # the registry answers the origins' list late (a busy etcd)
+            if prefix.startswith("nodes/origin"):
+                await asyncio.sleep(1.0)
+            async for ev in watch(self, prefix):
+                yield ev
+
+        monkeypatch.setattr(EtcdRegistry, "watch", slowed)
+        await c.start_edge("e1", origin=False)
+        assert c.edge("e1").origin_urls() == [c.origin_url().rstrip("/")]
+        for a in m["addresses"]:
+            status, _, _ = await get(c.edge_url("e1"), a)
+            assert status == 200, (a, status)
