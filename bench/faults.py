@@ -55,6 +55,7 @@ class Row:
     p99_ms: float = float("nan")
     notes: dict = field(default_factory=dict)
     expect_failed: int | None = 0  # the goal for `failed`: 0 where a source stays alive
+    failed_why: dict = field(default_factory=dict)  # failed reads by the last answer's reason (not in the table)
 
     @property
     def ok(self) -> bool:
@@ -63,7 +64,7 @@ class Row:
 
 def _row(name: str, what: str, stats, **kw) -> Row:
     return Row(name, what, stats.reads, stats.failed, stats.wrong, p50_ms=stats.pct(0.5) * 1e3,
-               p99_ms=stats.pct(0.99) * 1e3, **kw)
+               p99_ms=stats.pct(0.99) * 1e3, failed_why=dict(stats.statuses), **kw)
 
 
 async def _world(tmp: Path, **kw):

@@ -20,7 +20,7 @@ def check(row) -> None:
     assert row.reads > 100, "the readers hardly read: the scenario proves nothing"
     assert row.wrong == 0, f"{row.scenario}: {row.wrong} wrong bodies served"
     if row.expect_failed is not None:
-        assert row.failed <= row.expect_failed, f"{row.scenario}: {row.failed} failed reads"
+        assert row.failed <= row.expect_failed, f"{row.scenario}: {row.failed} failed reads, why: {row.failed_why}"
 
 
 async def test_owner_killed_mid_fill(tmp_path):
