@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -254,49 +253,12 @@ def _readable(path: str | None, flag: str) -> str | None:
 
 
 def cmd_policy_set(args: argparse.Namespace) -> int:
-    from kdn.edge.policies import validate_policy
-    from kdn.registry.records import Policy
-    from kdn.units import format_duration, format_size, parse_duration, parse_size
+    from kdn.edge.policies import policy_from_options
+    from kdn.units import format_duration, format_size
 
-    fields: dict = {"name": args.name, "region": args.region}
-    extra: dict = {}
-    if (args.to is not None or args.rate is not None) and args.push is None:
-        raise InvalidInput("--to and --rate go with --push")
-    if args.push is not None:
-        if args.region is not None or args.namespace is not None or args.manifest is not None:
-            raise InvalidInput("--push names its manifest and its regions (--to), not --region, --namespace or --manifest")
-        fields.update(kind="push", manifest=args.push)
-        if args.to is not None:
-            from kdn.address import validate_name
-
-            extra["regions"] = sorted({validate_name(r.strip()) for r in args.to.split(",") if r.strip()})
-            if not extra["regions"]:
-                raise InvalidInput("--to names no region")
-        if args.rate is not None:
-            rate = parse_size(args.rate.removesuffix("/s"))
-            if rate <= 0:
-                raise InvalidInput("--rate must be more than zero")
-            extra["rate_bytes"] = rate
-    elif args.pin is not None or args.warm is not None:
-        if args.namespace is not None or args.manifest is not None:
-            raise InvalidInput("--namespace and --manifest go with --ttl or --quota; --pin and --warm name their manifest")
-        fields.update(kind="pin" if args.pin is not None else "warm", manifest=args.pin or args.warm)
-    elif args.upper:
-        if args.region is None:
-            raise InvalidInput("--upper needs --region REGION: the region the others fill through")
-        if args.namespace is not None or args.manifest is not None:
-            raise InvalidInput("--upper holds for every object; it takes no --namespace or --manifest")
-        fields.update(kind="upper")
-    elif args.ttl is not None:
-        fields.update(kind="ttl", ttl_s=parse_duration(args.ttl), namespace=args.namespace, manifest=args.manifest)
-    else:
-        if args.namespace is None:
-            raise InvalidInput("--quota needs --namespace NS")
-        if args.manifest is not None:
-            raise InvalidInput("--quota caps a namespace; it takes no --manifest")
-        fields.update(kind="quota", quota_bytes=parse_size(args.quota), namespace=args.namespace)
-    # set_at makes every `policy set` a new record: set a warm again and edges warm again.
-    p = validate_policy(Policy(**fields, extra={**extra, "set_at": time.time()}))
+    p = policy_from_options(args.name, pin=args.pin, warm=args.warm, push=args.push, ttl=args.ttl, quota=args.quota,
+                            upper=args.upper, to=args.to, rate=args.rate, namespace=args.namespace,
+                            manifest=args.manifest, region=args.region)
     if args.operator_key is not None:
         from kdn.signing import Signer
 
@@ -368,39 +330,14 @@ def cmd_policy_rm(args: argparse.Namespace) -> int:
         signer = Signer.load(args.operator_key)
 
     async def go(reg) -> int:
-        if signer is not None:  # edges with --operator-keys ignore a bare delete: write a signed tombstone
-            from kdn.edge.policies import is_tombstone, set_at, tombstone
-            from kdn.errors import KDNError
-            from kdn.registry.records import Policy
-            from kdn.signing import Verifier
+        from kdn.edge.policies import remove_policy
 
-            # The tombstone is built from the name alone (a registry writer controls what is stored there). The
-            # stored record only orders it: one this key signed, set on a machine whose clock ran ahead,
-            # must not outlive its removal.
-            at = time.time()
-            raw = dict(await reg.list_keys(f"policies/{name}")).get(f"policies/{name}")
-            old = None
-            if raw is not None:
-                try:
-                    old = Policy.unpack(raw)
-                except KDNError:
-                    old = None
-            if old is not None and old.name == name and Verifier([signer.public]).ok(old):
-                if is_tombstone(old):
-                    print(f"kdn: policy {name} is removed already", file=sys.stderr)
-                    return 1
-                at = max(at, set_at(old) + 0.001)
-            elif raw is None:
-                print(f"kdn: note: no policy named {name} in the registry; a signed tombstone is written anyway "
-                      "(edges that still apply one under that name drop it)", file=sys.stderr)
-            await reg.put_policy(signer.sign(tombstone(name, at)))
-            print(f"policy {name} removed (a signed tombstone: edges with --operator-keys drop it)")
-            return 0
-        if not await reg.delete_policy(name):
-            print(f"kdn: no policy named {name}", file=sys.stderr)
-            return 1
-        print(f"policy {name} removed")
-        return 0
+        # With a key, a signed tombstone: edges with --operator-keys ignore a bare delete of a signed policy.
+        done = await remove_policy(reg, name, signer)
+        if done.note:
+            print(done.note, file=sys.stderr)
+        print(done.message, file=sys.stdout if done.done else sys.stderr)
+        return 0 if done.done else 1
 
     return _run(args, go)
 

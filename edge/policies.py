@@ -78,6 +78,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kdn.address import Address, validate_name
 from kdn.edge.tiers import EntryMeta, GovernedTier, Key, PolicyState
@@ -85,7 +86,8 @@ from kdn.errors import InvalidInput, KDNError, RegistryUnavailable
 from kdn.registry.follow import follow, stop_tasks
 from kdn.registry.records import Manifest, Policy
 
-__all__ = ["PolicyEngine", "PolicyStats", "Warm", "is_tombstone", "set_at", "tombstone", "validate_policy"]
+__all__ = ["PolicyEngine", "PolicyStats", "Removal", "Warm", "is_tombstone", "policy_from_options", "remove_policy",
+           "set_at", "tombstone", "validate_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,105 @@ def validate_policy(p: Policy) -> Policy:
         if p.manifest is not None or p.namespace is not None or p.ttl_s is not None or p.quota_bytes is not None:
             raise InvalidInput(f"policy {p.name!r}: an upper policy takes a region only (it holds for every object)")
     return p
+
+
+KINDS_SET = ("pin", "warm", "push", "ttl", "quota", "upper")  # what `kdn policy set` and the console set
+
+
+def policy_from_options(name: str, *, pin: str | None = None, warm: str | None = None, push: str | None = None,
+                        ttl: str | None = None, quota: str | None = None, upper: bool = False, to: str | None = None,
+                        rate: str | None = None, namespace: str | None = None, manifest: str | None = None,
+                        region: str | None = None, at: float | None = None) -> Policy:
+    """The policy ``kdn policy set`` writes for these options (exactly one of pin, warm, push, ttl, quota,
+    upper), checked: the one place options become a record, so the CLI and the operator console
+    (origin/console.py) refuse the same input with the same words. ``at`` stamps ``extra.set_at`` (now by
+    default): every set is a new record, so setting a warm again warms again."""
+    from kdn.units import parse_duration, parse_size
+
+    chosen = [k for k, v in (("pin", pin), ("warm", warm), ("push", push), ("ttl", ttl), ("quota", quota))
+              if v is not None] + (["upper"] if upper else [])
+    if len(chosen) != 1:
+        raise InvalidInput(f"exactly one of --pin, --warm, --push, --ttl, --quota, --upper (got {len(chosen)})")
+    fields: dict[str, Any] = {"name": name, "region": region}
+    extra: dict[str, Any] = {}
+    if (to is not None or rate is not None) and push is None:
+        raise InvalidInput("--to and --rate go with --push")
+    if push is not None:
+        if region is not None or namespace is not None or manifest is not None:
+            raise InvalidInput("--push names its manifest and its regions (--to), not --region, --namespace or --manifest")
+        fields.update(kind="push", manifest=push)
+        if to is not None:
+            extra["regions"] = sorted({validate_name(r.strip()) for r in to.split(",") if r.strip()})
+            if not extra["regions"]:
+                raise InvalidInput("--to names no region")
+        if rate is not None:
+            bytes_a_second = parse_size(rate.removesuffix("/s"))
+            if bytes_a_second <= 0:
+                raise InvalidInput("--rate must be more than zero")
+            extra["rate_bytes"] = bytes_a_second
+    elif pin is not None or warm is not None:
+        if namespace is not None or manifest is not None:
+            raise InvalidInput("--namespace and --manifest go with --ttl or --quota; --pin and --warm name their manifest")
+        fields.update(kind="pin" if pin is not None else "warm", manifest=pin if pin is not None else warm)
+    elif upper:
+        if region is None:
+            raise InvalidInput("--upper needs --region REGION: the region the others fill through")
+        if namespace is not None or manifest is not None:
+            raise InvalidInput("--upper holds for every object; it takes no --namespace or --manifest")
+        fields.update(kind="upper")
+    elif ttl is not None:
+        fields.update(kind="ttl", ttl_s=parse_duration(ttl), namespace=namespace, manifest=manifest)
+    else:
+        assert quota is not None
+        if namespace is None:
+            raise InvalidInput("--quota needs --namespace NS")
+        if manifest is not None:
+            raise InvalidInput("--quota caps a namespace; it takes no --manifest")
+        fields.update(kind="quota", quota_bytes=parse_size(quota), namespace=namespace)
+    return validate_policy(Policy(**fields, extra={**extra, "set_at": time.time() if at is None else at}))
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What ``remove_policy`` did: ``done`` (False: nothing was removed), the outcome line, and a note to show
+    before it (``kdn policy rm`` prints the note and a failure on stderr)."""
+
+    done: bool
+    message: str
+    note: str | None = None
+
+
+async def remove_policy(reg: Any, name: str, signer: Any = None) -> Removal:
+    """Remove the policy ``name`` as ``kdn policy rm`` does: with a ``signer`` (a ``kdn.signing.Signer``), a
+    signed tombstone (edges with --operator-keys ignore a bare delete of a signed policy); without one, delete
+    the record. Shared by the CLI and the operator console."""
+    name = validate_name(name)
+    if signer is None:
+        if not await reg.delete_policy(name):
+            return Removal(False, f"kdn: no policy named {name}")
+        return Removal(True, f"policy {name} removed")
+    from kdn.signing import Verifier
+
+    # The tombstone is built from the name alone (a registry writer controls what is stored there). The stored
+    # record only orders it: one this key signed, set on a machine whose clock ran ahead, must not outlive its
+    # removal.
+    at, note = time.time(), None
+    raw = dict(await reg.list_keys(f"{POLICIES}{name}")).get(f"{POLICIES}{name}")
+    old = None
+    if raw is not None:
+        try:
+            old = Policy.unpack(raw)
+        except KDNError:
+            old = None
+    if old is not None and old.name == name and Verifier([signer.public]).ok(old):
+        if is_tombstone(old):
+            return Removal(False, f"kdn: policy {name} is removed already")
+        at = max(at, set_at(old) + 0.001)
+    elif raw is None:
+        note = (f"kdn: note: no policy named {name} in the registry; a signed tombstone is written anyway "
+                "(edges that still apply one under that name drop it)")
+    await reg.put_policy(signer.sign(tombstone(name, at)))
+    return Removal(True, f"policy {name} removed (a signed tombstone: edges with --operator-keys drop it)", note)
 
 
 @dataclass

@@ -12,6 +12,7 @@ Routes (JSON errors ``{"error", "detail"}`` everywhere):
     POST /v1/lookup                        ordered addresses -> longest stored prefix
     GET  /v1/registry/objects/{address}    GET /v1/registry/manifests/{ns}/{name}
     GET  /healthz                          GET /metrics
+    GET  /console ...                      the operator console (origin/console.py): HTML for a browser
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ class OriginConfig(service.NodeConfig):
     piece_bytes: int = PIECE_BYTES  # each record carries its blobs' piece digests at this size (kdn/pieces.py)
     store_credentials: str | None = None  # an s3:// store's keys (INI file; else AWS_* in the environment)
     records: str = "store"  # where object records are written: "store" (beside the blobs), or the "registry"
+    # Hosts the operator console may send a signed-in user's token to, asking edges what they hold (kdn.auth.
+    # TokenScope; None: loopback): edge URLs come from the registry.
+    token_hosts: str | None = None
 
     def __post_init__(self) -> None:
         if self.records not in ("registry", "store"):
@@ -502,6 +506,9 @@ def create_app(config: OriginConfig) -> web.Application:
     app.router.add_delete("/v1/manifests/{namespace}/{name}", delete_manifest)
     app.router.add_get("/healthz", healthz)
     service.add_common_routes(app)
+    from kdn.origin import console  # (it reads this module's app keys)
+
+    console.add_routes(app)
     return app
 
 

@@ -62,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "folder store, objects under records/ in an s3:// one; the registry then keeps models, "
                         "manifest pointers, nodes and policies only, and edges on their default --records auto "
                         "read records here), or the registry (one etcd record per chunk, as before; docs/scale.md)")
+    p.add_argument("--token-hosts", default=None, metavar="PATTERNS",
+                   help="hosts the operator console (/console) may send a signed-in user's token to when it asks "
+                        "edges what they hold (comma-separated names, globs or address blocks; default loopback)")
     p.set_defaults(func=cmd_serve)
 
     p = origin.add_parser("keygen", help="make an origin signing key (FILE, mode 600) and FILE.pub for consumers")
@@ -108,7 +111,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        engine=args.engine, signing_key=args.signing_key, kvtc_basis=args.kvtc_basis,
                        raw_copies=args.raw_copies, piece_bytes=parse_size(args.piece_bytes),
                        store_credentials=args.store_credentials, records=args.records, admission=args.admission,
-                       max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer)
+                       max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer,
+                       token_hosts=args.token_hosts)
+    if args.token_hosts is not None:
+        from kdn.auth import TokenScope
+
+        TokenScope(args.token_hosts)  # a bad pattern fails here, in one line
     cfg.connection_caps()  # bad caps fail here, in one line
     if args.signing_key:
         from kdn.signing import Signer

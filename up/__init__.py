@@ -183,6 +183,7 @@ async def _up(args: argparse.Namespace) -> int:
     _say(f"  curl -s {edges[0][2]}/metrics | grep kdn_edge_hits")
     _say(f"  kdn ring show eu --registry {registry}")
     _say(f"  kdn policy set pin-harbor --pin public/{SAMPLE.stem} --region eu --registry {registry}")
+    _say(f"  open {origin}/console in a browser; sign in with the token in {root / 'tokens'}")
     try:
         if not args.no_serve:
             _say("\nserving; Ctrl-C stops everything.")
