@@ -100,6 +100,9 @@ RUNS: list[Run] = [
                                    "deviation-kv:15:1,deviation-query:12:1,deviation-query:15:1", "--png", ""],
         None, ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("steer", "steer", [], ["--quick"], ("smollm2",), 3 * 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    # The realistic map: what the origin's model marks under a generic probe question that names no fact.
+    Run("steer-probe", "steer", ["--map", "probe", "--no-headline"], None, ("smollm2",), 3 * 3600,
+        {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("vllm_steer", "vllm_steer", [], ["--quick"], ("vllm", "smollm2"), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers",
                            "edge-mem,edge-disk,dict,dict-copy,nginx-1w,lmcache,redis", "--clients", "raw,kdn",
