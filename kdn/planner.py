@@ -64,11 +64,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 EWMA = 0.3
 LEARN_TOKENS = 256  # a forward of at least this many tokens teaches the prefill model's per-FLOP cost
+K_WINDOW = 8  # the per-FLOP cost is the least of the last this many forwards that teach it
 DEADLINE_SLACK = 2.0  # a load may take this many times its expected time, plus DEADLINE_FLOOR_S, ...
 DEADLINE_FLOOR_S = 0.05
 DEADLINE_OF_PREFILL = 0.25  # ... or this share of the full prefill if longer, before it is abandoned
@@ -97,6 +99,13 @@ class PrefillModel:
     ``flops`` counts the weights' multiply-adds (2 x parameters per token) and attention's (QK and AV:
     4 x layers x attention width per token pair); ``k`` (seconds per FLOP, this engine on this device) and
     ``fixed`` (a forward's launch and Python cost) are learnt from the engine's timed forwards.
+
+    ``k`` is the least of the last ``K_WINDOW`` forwards' costs, not a moving average: a fresh engine's first
+    forwards pay one-time costs (kernels built per shape, caches and pages touched first), and an average
+    starting from them made every prefill look several times dearer than it is, so the planner loaded over a
+    link slower than computing until enough samples had diluted them (a fresh vLLM engine: six loads over a
+    256 KiB/s edge, each slower than the prefill it replaced). The engine's demonstrated speed is what a
+    prefill now costs; an error this way only makes the planner compute where loading would have tied.
     """
 
     params: int
@@ -106,6 +115,7 @@ class PrefillModel:
     fixed: float = 0.0
     samples: int = 0
     fixed_samples: int = 0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=K_WINDOW), repr=False)
 
     def flops(self, n: int, after: int = 0) -> float:
         return 2.0 * self.params * n + 4.0 * self.layers * self.attn_width * n * (after + n / 2)
@@ -117,6 +127,11 @@ class PrefillModel:
         if self.k is None:
             return math.inf
         return self.fixed + self.k * self.flops(n, after)
+
+    def forget(self) -> None:
+        """Unmeasured again (what was learnt of ``k`` no longer holds: another device, a recalibration)."""
+        self.k = None
+        self.recent.clear()
 
     def observe(self, n: int, after: int, seconds: float) -> None:
         """A timed forward of ``n`` tokens after ``after``. Small ones (a suffix, a decode step) are mostly
@@ -137,8 +152,8 @@ class PrefillModel:
             self.fixed = seconds if not self.fixed_samples else self.fixed + EWMA * (seconds - self.fixed)
             self.fixed_samples += 1
             return
-        k = max(seconds - self.fixed, seconds * 0.5) / flops
-        self.k = k if self.k is None else self.k + EWMA * (k - self.k)
+        self.recent.append(max(seconds - self.fixed, seconds * 0.5) / flops)
+        self.k = min(self.recent)
         self.samples += 1
 
 
