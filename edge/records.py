@@ -74,7 +74,7 @@ class RecordCache:
     """
 
     def __init__(self, source, size: int, verifier=None, on_refused=None, negative_ttl: float = 2.0,
-                 floor_s: float = 0.002) -> None:
+                 floor_s: float = 0.002, clock: Callable[[], float] = time.monotonic) -> None:
         self.source = source  # the registry, or (--records origin) the origins' stores: get_object(s)
         self.size = size
         self.verifier = verifier
@@ -84,7 +84,8 @@ class RecordCache:
         # seconds: a flood of requests for absent addresses costs one registry read each per TTL,
         # not one per request. A record published meanwhile is seen at most that late.
         self.negative_ttl = negative_ttl
-        self._absent: OrderedDict[Address, float] = OrderedDict()  # address -> when to ask again
+        self._absent: OrderedDict[Address, float] = OrderedDict()  # address -> when to ask again, by ``clock``
+        self.clock = clock  # (the negative TTL's; tests step it)
         if not 0 <= floor_s <= 1:
             raise InvalidInput(f"the floor of a 'no' must be 0-1000 ms, not {floor_s * 1000:g} ms")
         self.floor_s = floor_s  # 0: a "no" is answered as soon as known (its timing then tells cached from not)
@@ -137,14 +138,14 @@ class RecordCache:
         until = self._absent.get(address)
         if until is None:
             return False
-        if time.monotonic() < until:
+        if self.clock() < until:
             return True
         del self._absent[address]
         return False
 
     def _note_absent(self, address: Address) -> None:
         if self.negative_ttl > 0:
-            self._absent[address] = time.monotonic() + self.negative_ttl
+            self._absent[address] = self.clock() + self.negative_ttl
             self._absent.move_to_end(address)
             while len(self._absent) > self.size:
                 self._absent.popitem(last=False)

@@ -34,7 +34,8 @@ async def test_absent_addresses_cost_one_registry_read_per_ttl(tmp_path):
     async with EmbeddedRegistry(tmp_path / "r.sqlite3") as reg:
         await reg.put_model(model())
         counting = Counting(reg)
-        cache = RecordCache(counting, size=100, negative_ttl=0.3)
+        now = [0.0]
+        cache = RecordCache(counting, size=100, negative_ttl=0.3, clock=lambda: now[0])
         a = addr("one")
         for _ in range(1000):
             assert await cache.get(a) is None
@@ -42,7 +43,9 @@ async def test_absent_addresses_cost_one_registry_read_per_ttl(tmp_path):
         assert counting.reads == 1
         await reg.put_objects([obj("one")])  # published meanwhile: seen once the TTL has passed
         assert await cache.get(a) is None
-        await asyncio.sleep(0.35)
+        now[0] += 0.29
+        assert await cache.get(a) is None and counting.reads == 1  # still within the TTL
+        now[0] += 0.02
         assert (await cache.get(a)).address == a
         assert counting.reads == 2
         for _ in range(10):
