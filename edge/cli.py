@@ -253,7 +253,7 @@ def _readable(path: str | None, flag: str) -> str | None:
 
 
 def cmd_policy_set(args: argparse.Namespace) -> int:
-    from kdn.edge.policies import policy_from_options
+    from kdn.edge.policies import policy_from_options, policy_scope
     from kdn.units import format_duration, format_size
 
     p = policy_from_options(args.name, pin=args.pin, warm=args.warm, push=args.push, ttl=args.ttl, quota=args.quota,
@@ -276,7 +276,7 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
             detail = f"{format_size(p.quota_bytes)} for namespace {p.namespace}"
         elif p.kind == "ttl":
             assert p.ttl_s is not None  # (likewise its time)
-            detail = f"{format_duration(p.ttl_s)} for {_scope(p)}"
+            detail = f"{format_duration(p.ttl_s)} for {policy_scope(p)}"
         elif p.kind == "upper":
             if not await reg.list_nodes("edge", p.region):
                 print(f"kdn: note: no live edge in region {p.region}: until one starts, fills go to the origin",
@@ -308,9 +308,11 @@ def cmd_policy_ls(args: argparse.Namespace) -> int:
         if not rows:
             print("(no policies)", file=sys.stderr)
             return 0
+        from kdn.edge.policies import policy_row
+
         table = [("NAME", "KIND", "REGION", "SCOPE", "SETTING")]
         for name, p, err in rows:
-            table.append(_row(p) if p is not None else (name, "invalid", "-", "-", (err or "")[:80]))
+            table.append(policy_row(p) if p is not None else (name, "invalid", "-", "-", (err or "")[:80]))
         widths = [max(len(r[i]) for r in table) for i in range(4)]
         for r in table:
             print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
@@ -357,34 +359,6 @@ async def _read_policies(reg) -> list[tuple[str, Policy | None, str | None]]:
         except KDNError as e:
             rows.append((name, None, str(e).splitlines()[0]))
     return rows
-
-
-def _row(p) -> tuple[str, str, str, str, str]:
-    from kdn.edge.policies import is_tombstone
-    from kdn.units import format_duration, format_size
-
-    if is_tombstone(p):
-        return p.name, "-", "-", "-", "removed (a signed tombstone)"
-    if p.kind == "push":
-        rate = p.extra.get("rate_bytes")
-        return (p.name, p.kind, ",".join(p.extra.get("regions") or []) or "*", p.manifest,
-                f"at most {format_size(rate)}/s per edge" if rate else "-")
-    if p.kind in ("pin", "warm"):
-        scope, setting = p.manifest, "-"
-    elif p.kind == "ttl":
-        scope, setting = _scope(p), format_duration(p.ttl_s)
-    elif p.kind == "upper":
-        scope, setting = "every object", "the upper tier: other regions fill through it"
-    else:
-        scope, setting = f"namespace {p.namespace}", format_size(p.quota_bytes)
-    return p.name, p.kind, p.region or "*", scope, setting
-
-
-def _scope(p) -> str:
-    parts = [f"namespace {p.namespace}"] if p.namespace else []
-    if p.manifest:
-        parts.append(f"manifest {p.manifest}")
-    return " and ".join(parts) or "everything"
 
 
 def _region(p) -> str:

@@ -85,9 +85,10 @@ from kdn.edge.tiers import EntryMeta, GovernedTier, Key, PolicyState
 from kdn.errors import InvalidInput, KDNError, RegistryUnavailable
 from kdn.registry.follow import follow, stop_tasks
 from kdn.registry.records import Manifest, Policy
+from kdn.units import format_duration, format_size
 
-__all__ = ["PolicyEngine", "PolicyStats", "Removal", "Warm", "is_tombstone", "policy_from_options", "remove_policy",
-           "set_at", "tombstone", "validate_policy"]
+__all__ = ["PolicyEngine", "PolicyStats", "Removal", "Warm", "is_tombstone", "policy_from_options", "policy_row",
+           "policy_scope", "remove_policy", "set_at", "tombstone", "validate_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def policy_from_options(name: str, *, pin: str | None = None, warm: str | None =
                         region: str | None = None, at: float | None = None) -> Policy:
     """The policy ``kdn policy set`` writes for these options (exactly one of pin, warm, push, ttl, quota,
     upper), checked: the one place options become a record, so the CLI and the operator console
-    (origin/console.py) refuse the same input with the same words. ``at`` stamps ``extra.set_at`` (now by
+    (origin/console/forms.py) refuse the same input with the same words. ``at`` stamps ``extra.set_at`` (now by
     default): every set is a new record, so setting a warm again warms again."""
     from kdn.units import parse_duration, parse_size
 
@@ -247,6 +248,37 @@ async def remove_policy(reg: Any, name: str, signer: Any = None) -> Removal:
                 "(edges that still apply one under that name drop it)")
     await reg.put_policy(signer.sign(tombstone(name, at)))
     return Removal(True, f"policy {name} removed (a signed tombstone: edges with --operator-keys drop it)", note)
+
+
+def policy_row(p: Policy) -> tuple[str, str, str, str, str]:
+    """The columns ``kdn policy ls`` prints for a policy an edge would apply (``validate_policy``) or a signed
+    tombstone: name, kind, region (``*``: every one; a push's: the regions it goes to), scope and setting.
+    The operator console shows the same (origin/console/policies.py)."""
+    if is_tombstone(p):
+        return p.name, "-", "-", "-", "removed (a signed tombstone)"
+    if p.kind == "push":
+        rate = p.extra.get("rate_bytes")
+        return (p.name, p.kind, ",".join(p.extra.get("regions") or []) or "*", str(p.manifest),
+                f"at most {format_size(rate)}/s per edge" if rate else "-")
+    if p.kind in ("pin", "warm"):
+        scope, setting = str(p.manifest), "-"
+    elif p.kind == "ttl":
+        assert p.ttl_s is not None  # (validate_policy: a ttl policy has its time)
+        scope, setting = policy_scope(p), format_duration(p.ttl_s)
+    elif p.kind == "upper":
+        scope, setting = "every object", "the upper tier: other regions fill through it"
+    else:
+        assert p.quota_bytes is not None  # (validate_policy: a quota policy has its bytes)
+        scope, setting = f"namespace {p.namespace}", format_size(p.quota_bytes)
+    return p.name, p.kind, p.region or "*", scope, setting
+
+
+def policy_scope(p: Policy) -> str:
+    """What a ttl policy is about, in words: its namespace and/or manifest, or everything."""
+    parts = [f"namespace {p.namespace}"] if p.namespace else []
+    if p.manifest:
+        parts.append(f"manifest {p.manifest}")
+    return " and ".join(parts) or "everything"
 
 
 @dataclass

@@ -22,7 +22,7 @@ from kdn.errors import InvalidInput, KDNError
 
 if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily: `kdn address` needs none of it
     from kdn.address import Address
-    from kdn.registry import Manifest, ModelRecord, NodeRecord, ObjectRecord, Registry
+    from kdn.registry import Manifest, ModelRecord, ObjectRecord, Registry
 
 # Parts that contribute subcommands: module path -> its `register(subparsers)`.
 # Each module must import nothing heavy at import time.
@@ -119,8 +119,9 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
             out["from"] = where
         if kind == "object":
             from kdn.auth import read_token
+            from kdn.holding import regions_holding
 
-            out["regions"] = await _regions_holding(reg, key, read_token(args.token_file), args.token_hosts)
+            out["regions"] = await regions_holding(reg, key, read_token(args.token_file), args.token_hosts)
         print(json.dumps(out, indent=2, default=str))
         return 0
 
@@ -147,45 +148,6 @@ def _verdict(args: argparse.Namespace, rec: ObjectRecord | ModelRecord | Manifes
     out: dict[str, object] = {"verified": True, "key": rec.sig.get("key")}
     if isinstance(rec, Manifest):
         out["version"] = rec.version  # (an older signed manifest verifies too: compare with what you expect)
-    return out
-
-
-async def _regions_holding(reg: Registry, address: Address, token: str | None,
-                           token_hosts: str | None) -> dict[str, dict[str, str]]:
-    """Per region: the edge that owns ``address`` on that region's ring, and whether it holds it now.
-
-    Asked with a HEAD, which never fills: with a token that reads every namespace (an edge's, an admin's) it
-    names the tier (``memory``, ``disk``) or says ``no``; without one an edge does not tell (what others read
-    lately is cache state). The URLs come from the registry, which a writer can fill with any host: the token
-    goes only to ``token_hosts`` (loopback by default, kdn.auth.TokenScope), the others are asked without it.
-    """
-    import aiohttp
-
-    from kdn.auth import TokenScope
-    from kdn.ring import Ring
-
-    scope = TokenScope(token_hosts)
-    by_region: dict[str, list[NodeRecord]] = {}
-    for n in await reg.list_nodes(role="edge"):
-        by_region.setdefault(n.region, []).append(n)
-    out: dict[str, dict[str, str]] = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        for region, nodes in sorted(by_region.items()):
-            owner = Ring(sorted(n.node_id for n in nodes)).owner(address)  # as the region's edges place it
-            node = next(n for n in nodes if n.node_id == owner)
-            auth = {"Authorization": f"Bearer {token}"} if token and scope.allows(node.url) else {}
-            try:
-                async with session.head(f"{node.url}/v1/objects/{address}", headers=auth,
-                                        allow_redirects=False) as r:
-                    tier = r.headers.get("X-KDN-Source", "").split(":")[0]
-                    holds = (tier if r.status == 200 and tier in ("memory", "disk") else
-                             "no" if r.status == 200 and tier == "miss" else
-                             "no record there" if r.status == 404 else
-                             f"unknown (HTTP {r.status})" if r.status != 200 else
-                             "unknown (it tells a token that reads every namespace: --token-file)")
-            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-                holds = f"unknown ({type(e).__name__})"
-            out[region] = {"owner": str(owner), "url": node.url, "holds": holds}
     return out
 
 

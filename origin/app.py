@@ -12,7 +12,7 @@ Routes (JSON errors ``{"error", "detail"}`` everywhere):
     POST /v1/lookup                        ordered addresses -> longest stored prefix
     GET  /v1/registry/objects/{address}    GET /v1/registry/manifests/{ns}/{name}
     GET  /healthz                          GET /metrics
-    GET  /console ...                      the operator console (origin/console.py): HTML for a browser
+    GET  /console ...                      the operator console (origin/console/): HTML for a browser
 """
 
 from __future__ import annotations

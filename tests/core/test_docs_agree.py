@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ["kdn", "kdn/registry", "service", "up", "origin", "edge", "kernels", "adapters/hf", "adapters/vllm"]
+FOLDERS = ["kdn", "kdn/registry", "service", "up", "origin", "origin/console", "edge", "kernels", "adapters/hf",
+           "adapters/vllm"]
 
 
 def layout_rows() -> dict[str, str]:

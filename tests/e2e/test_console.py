@@ -1,4 +1,4 @@
-"""The operator console (#30, origin/console.py) in a real headless Chromium, driven by Playwright.
+"""The operator console (#30, origin/console/) in a real headless Chromium, driven by Playwright.
 
 One etcd, an origin and two edges (eu, us) on loopback, two published documents (one with an emphasis map, one a
 tenant's), and Debian's Chromium (/usr/bin/chromium; Playwright downloads nothing when given its path). Every page

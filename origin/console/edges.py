@@ -1,0 +1,146 @@
+"""What the edges say about a manifest, for its console page: where each region's owner edges hold its chunks now
+(asked with a HEAD, as ``kdn registry show ADDRESS`` asks: kdn/holding.py), and the reads each region's edges
+served by tier (their ``/metrics``: all objects, since an edge counts no manifest). Bounded in edges, bytes and
+time: a page never waits on an edge past ``EDGE_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kdn.address import Address
+from kdn.origin.app import CONFIG
+from kdn.origin.console.pages import e
+from kdn.origin.console.sessions import Viewer
+from kdn.registry import Manifest, NodeRecord
+from kdn.service import REGISTRY
+from kdn.units import format_size
+
+log = logging.getLogger("kdn.origin.console")
+
+MAX_CHECKED = 32  # chunks whose owner edges a manifest's page asks (HEAD), from the first
+EDGE_SECONDS = 5.0  # the most a manifest's page waits for the edges (HEADs and /metrics)
+MAX_EDGES = 64  # edges whose /metrics a manifest's page reads
+MAX_METRICS_BYTES = 4 << 20
+
+
+async def where_cached(app: web.Application, m: Manifest, viewer: Viewer) -> dict[str, dict[str, Any]] | None:
+    """Per region: how many of the manifest's first ``MAX_CHECKED`` chunks their owner edge holds now, asked as
+    ``kdn registry show ADDRESS`` asks (a HEAD, which never fills), with the viewer's token where it may go
+    (``--token-hosts``; an edge tells a token that reads every namespace only). None: the edges took longer than
+    ``EDGE_SECONDS``."""
+    from kdn.holding import regions_holding  # the check `kdn registry show ADDRESS` makes
+
+    reg, hosts = app[REGISTRY], app[CONFIG].token_hosts
+    addresses = m.addresses[:MAX_CHECKED]
+    gate = asyncio.Semaphore(8)
+
+    async def one(address: Address) -> dict[str, dict[str, str]]:
+        async with gate:
+            return await regions_holding(reg, address, viewer.token, hosts)
+
+    try:
+        async with asyncio.timeout(EDGE_SECONDS):
+            per = await asyncio.gather(*(one(a) for a in addresses))
+    except TimeoutError:
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    for i, regions in enumerate(per):
+        for region, r in regions.items():
+            row = out.setdefault(region, {"first": None, "owner": None, "held": 0, "unknown": 0, "checked": 0})
+            if i == 0:
+                row["first"], row["owner"] = r["holds"], r["owner"]
+            row["checked"] += 1
+            row["held"] += r["holds"] in ("memory", "disk")
+            row["unknown"] += r["holds"].startswith("unknown")
+    return out
+
+
+def regions_table(regions: dict[str, dict[str, Any]] | None, chunks: int, viewer: Viewer) -> str:
+    head = "<h2>Where it is cached</h2>"
+    if regions is None:
+        return head + f'<p class="err">The edges did not all answer within {EDGE_SECONDS:g} s.</p>'
+    if not regions:
+        return head + '<p class="note">No live edge in the registry.</p>'
+    rows = []
+    for region, r in sorted(regions.items()):
+        held = f"{r['held']} of {r['checked']}" + (f" ({r['unknown']} unknown)" if r["unknown"] else "")
+        rows.append(f'<tr data-region="{e(region)}"><td>{e(region)}</td><td>{e(r["owner"])}</td>'
+                    f'<td>{e(r["first"])}</td><td class="held">{e(held)}</td></tr>')
+    note = (f" The first {MAX_CHECKED} of its {chunks} chunks were asked." if chunks > MAX_CHECKED else "")
+    if viewer.token is None or "*" not in viewer.reads:
+        note += " An edge tells what it holds only to a token that reads every namespace: here it says unknown."
+    return (head + "<table><thead><tr><th>region</th><th>owner of chunk 0</th><th>chunk 0</th>"
+            "<th>chunks their owner edge holds</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+            f'<p class="note">Each chunk\'s owner edge on its region\'s ring, asked with a HEAD (which never '
+            f"fills).{e(note)}</p>")
+
+
+async def edge_reads(app: web.Application) -> dict[str, dict[str, Any]]:
+    """Per region, summed over its live edges' ``/metrics`` (read without a token, ``EDGE_SECONDS`` at most):
+    reads served by tier, reads no tier held, bytes filled by source. All objects: an edge counts no manifest."""
+    nodes = sorted(await app[REGISTRY].list_nodes(role="edge"), key=lambda n: (n.region, n.node_id))[:MAX_EDGES]
+    out: dict[str, dict[str, Any]] = {}
+    if not nodes:
+        return out
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=EDGE_SECONDS)) as session:
+        scraped = await asyncio.gather(*(_scrape(session, n) for n in nodes))
+    for node, samples in zip(nodes, scraped):
+        row = out.setdefault(node.region, {"edges": 0, "answered": 0, "hits": {}, "misses": {}, "filled": {}})
+        row["edges"] += 1
+        if samples is None:
+            continue
+        row["answered"] += 1
+        for (metric, label), value in samples.items():
+            row[metric][label] = row[metric].get(label, 0.0) + value
+    return out
+
+
+_SAMPLES = {"kdn_edge_hits_total": ("hits", "tier"), "kdn_edge_misses_total": ("misses", "tier"),
+            "kdn_edge_fill_bytes_total": ("filled", "source")}
+
+
+async def _scrape(session: aiohttp.ClientSession, node: NodeRecord) -> dict[tuple[str, str], float] | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with session.get(f"{node.url}/metrics", allow_redirects=False) as r:
+            if r.status != 200:
+                return None
+            text = (await r.content.read(MAX_METRICS_BYTES)).decode("utf-8", "replace")
+        out: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in _SAMPLES:
+                    metric, label = _SAMPLES[s.name]
+                    key = (metric, s.labels.get(label, ""))
+                    out[key] = out.get(key, 0.0) + float(s.value)
+        return out
+    except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+        log.info("console: /metrics of edge %s at %s: %s", node.node_id, node.url, type(err).__name__)
+        return None
+
+
+def reads_table(regions: dict[str, dict[str, Any]]) -> str:
+    head = "<h2>Reads at the edges, by region (all objects)</h2>"
+    if not regions:
+        return head + '<p class="note">No live edge in the registry.</p>'
+    rows = []
+    for region, r in sorted(regions.items()):
+        hits, misses = r["hits"], r["misses"]
+        last = "disk" if "disk" in misses else "memory"  # a read no tier held missed the last one
+        filled = ", ".join(f"{k} {format_size(int(v))}" for k, v in sorted(r["filled"].items()) if v) or "-"
+        rows.append(f'<tr data-region="{e(region)}"><td>{e(region)}</td><td class="n">{r["answered"]} of '
+                    f'{r["edges"]}</td><td class="n">{int(hits.get("memory", 0)):,}</td>'
+                    f'<td class="n">{int(hits.get("disk", 0)):,}</td><td class="n">{int(misses.get(last, 0)):,}</td>'
+                    f"<td>{e(filled)}</td></tr>")
+    return (head + "<table><thead><tr><th>region</th><th>edges answering</th><th>memory hits</th><th>disk hits</th>"
+            "<th>reads no tier held</th><th>bytes filled, by source</th></tr></thead><tbody>" + "".join(rows)
+            + "</tbody></table><p class=\"note\">From each edge's <code>/metrics</code>, since it started; the HEADs "
+            "this page and <code>kdn registry show</code> send count too. Edges count reads per tier, not per "
+            "manifest, and no one measures the time or compute a hit saved yet: neither is shown.</p>")
