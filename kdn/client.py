@@ -41,6 +41,7 @@ from kdn.address import Address, Digest, ModelId, validate_digest
 from kdn.bases import Bases
 from kdn.bodyget import BodyGetter, Tally
 from kdn.checked import check_identity, decode_checked
+from kdn.connections import DECODE_THREADS, Connections
 from kdn.encodings import affordable, parse_budget
 from kdn.errors import InvalidInput, KDNError, SourceError
 from kdn.estimate import DECODE, DecodeSpeeds
@@ -50,11 +51,6 @@ from kdn.parts import fetch_tensors
 from kdn.pieces import Pieces
 from kdn.sources import Sources, from_nodes
 from kdn.trust import Trust
-
-# Threads that decode a prefix's arrived objects into place (zstd planes, lossy codecs). Two, not the event
-# loop's default pool (six here): a zstd load of 8k tokens into the transformers cache took 229/228 ms on two
-# against 285/322 ms on six, alternating in one setup (bench/datapath.py, 2 cores shared with the edge).
-DECODE_THREADS = 2
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
     from kdn.arena import Arena
@@ -102,31 +98,20 @@ class KDNClient:
         self.routing = Sources(edges, remote_edges, origin, strategy=strategy)
         self.sources, self.strategy, self.rng = self.routing.all, self.routing.strategy, self.routing.rng
         self.estimates, self.control, self._ring = self.routing.estimates, self.routing.control, self.routing.ring
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.hedge = hedge
+        # How it reaches them: sessions, the body reader, the verified fetcher, the decode threads (kdn.connections).
+        self.net = Connections(self.estimates, token=token, timeout=timeout, ca=ca, ssl=ssl, local_addr=local_addr,
+                               concurrency=concurrency, decode_threads=decode_threads)
+        self.headers = self.net.headers
         if max_hedges < 0:
             raise InvalidInput(f"max_hedges must be >= 0, not {max_hedges}")
-        self.max_hedges = max_hedges
-        # What decoding each encoding costs on this machine (measured by every decode; the process's own
-        # by default), the other half of choosing an encoding beside the link's estimate.
-        self.decode_speeds = decode_speeds if decode_speeds is not None else DECODE
-        if not (isinstance(decode_threads, int) and 1 <= decode_threads <= 64):
-            raise InvalidInput(f"decode_threads must be an int in [1, 64], not {decode_threads!r}")
-        self._decode_threads = decode_threads
-        self._decoders: ThreadPoolExecutor | None = None
-        self._sem = asyncio.Semaphore(concurrency)
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 5.0))
-        self._ssl = ssl
-        self._ca = ca
-        # "lossless" (the default) or a maximum NLL increase in %: which encodings a fetch may pick.
-        self.quality = quality
+        self.hedge, self.max_hedges = hedge, max_hedges
+        # What it may fetch: "lossless" (the default) or a maximum NLL increase in % picks the encodings, beside
+        # what decoding each costs on this machine (measured by every decode; the process's own by default).
         parse_budget(quality)
-        self._session: aiohttp.ClientSession | None = None
-        self._getter: BodyGetter | None = None
-        self._fetcher: Fetcher | None = None
-        self._local_addr = local_addr  # bind outgoing connections to this IP (multi-homed hosts, link emulation)
-        # Publisher keys (a kdn.signing.Verifier, key strings, or a file of them): with them, a record
-        # whose signature does not verify is a miss -- its digest is never believed (kdn.trust).
+        self.quality = quality
+        self.decode_speeds = decode_speeds if decode_speeds is not None else DECODE
+        # What it believes: publisher keys (a kdn.signing.Verifier, key strings, or a file of them): with them, a
+        # record whose signature does not verify is a miss -- its digest is never believed (kdn.trust).
         self.trust = Trust(trusted_keys, manifest_state)
         self.verifier = self.trust.verifier
         self._fetched: OrderedDict[Address, float] = OrderedDict()  # address -> when fetched (warm), bounded
@@ -142,51 +127,23 @@ class KDNClient:
 
     @property
     def getter(self) -> BodyGetter:
-        """The object-body path: keep-alive connections that read into preallocated buffers."""
-        if self._getter is None:
-            from kdn.tls import client_context
-
-            self._getter = BodyGetter(ssl=self._ssl if self._ssl is not None else client_context(self._ca),
-                                      local_addr=self._local_addr)
-        return self._getter
+        """The object-body path (``kdn.connections``)."""
+        return self.net.getter
 
     @property
     def fetcher(self) -> Fetcher:
-        """Verified fetches (``kdn.fetch``) over ``getter``, measured into ``estimates``."""
-        if self._fetcher is None:
-            self._fetcher = Fetcher(self.getter, self.estimates, timeout=self._timeout.total or 30.0)
-        return self._fetcher
+        return self.net.fetcher
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            from kdn.tls import client_context
-
-            # HTTPS sources are always verified: against ``ca`` / $KDN_CA, else the system CAs.
-            connector = aiohttp.TCPConnector(limit=64, ssl=self._ssl if self._ssl is not None else client_context(self._ca),
-                                             local_addr=(self._local_addr, 0) if self._local_addr else None)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self.headers,
-                                                  timeout=self._timeout, auto_decompress=False)
-        return self._session
+        return self.net.session
 
     @property
     def decoders(self) -> ThreadPoolExecutor:
-        """The threads a prefix's objects are checked and decoded on as they arrive (``decode_threads``)."""
-        if self._decoders is None:
-            self._decoders = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="kdn-decode")
-        return self._decoders
+        return self.net.decoders
 
     async def close(self) -> None:
-        if self._decoders is not None:
-            self._decoders.shutdown(wait=False)
-            self._decoders = None
-        if self._getter is not None:
-            self._getter.close()
-            self._getter = None
-            self._fetcher = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.net.close()
 
     async def __aenter__(self) -> KDNClient:
         return self
@@ -391,7 +348,7 @@ class KDNClient:
             pieces = Pieces.of(encs[encoding])
         if size > MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
-        async with self._sem:
+        async with self.net.limit:
             return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold,
                                             pooled=(arena or self.arena) if pooled else None, pieces=pieces,
                                             tally=tally)
@@ -407,7 +364,7 @@ class KDNClient:
 
         tally, t0 = Tally(), time.perf_counter()
         try:
-            async with self._sem:
+            async with self.net.limit:
                 f = await asyncio.wait_for(
                     self._fetch_hedged(address, encoding, digest, size, hedge=False, pieces=pieces, tally=tally,
                                        pooled=self.arena), deadline_s)
@@ -432,7 +389,7 @@ class KDNClient:
         geo bench saw one cold object fan out to all seven sources, 100 ms apart, each filling it).
         """
         want = Want(A.validate_address(address), encoding, size, validate_digest(digest), pieces, part)
-        routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self._timeout.total)
+        routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self.net.timeout)
                   for s in self._ranked(want.nbytes, address)]
         alloc = pooled.take if pooled is not None else None  # the arena the body lands in, if any
         body = await self.fetcher.fetch(want,
@@ -487,7 +444,7 @@ class KDNClient:
         pieces = Pieces.of(e)
         if pieces is None:
             raise InvalidInput(f"{address}.{encoding} records no piece digests: fetch it whole")
-        async with self._sem:
+        async with self.net.limit:
             return await self._fetch_hedged(address, encoding, e["digest"], int(e["size"]), hedge=self.hedge,
                                             pieces=pieces, part=(first, end))
 
@@ -600,9 +557,9 @@ class KDNClient:
         address = A.validate_address(address)
         if size > MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
-        routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self._timeout.total)
+        routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self.net.timeout)
                   for s in self._ranked(size, address)]
-        async with self._sem:
+        async with self.net.limit:
             body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(digest), pieces),
                                             routes, hedge=False, alloc=lambda n: Scatter(n, place),
                                             observer=self.fetch_observer, tally=tally)

@@ -1,6 +1,6 @@
 """A prefix's objects are decoded on the client's own bounded pool (``decode_threads``), not on the event
 loop's default executor: on two cores, two threads decoded a zstd load faster than the default six
-(``kdn.client.DECODE_THREADS``). The pool is the client's, made once, and ended with it."""
+(``kdn.connections.DECODE_THREADS``). The pool is the client's, made once, and ended with it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edg
 
 from edge_helpers import cluster, publish  # noqa: E402
 
-from kdn.client import DECODE_THREADS, KDNClient  # noqa: E402
+from kdn.client import KDNClient  # noqa: E402
+from kdn.connections import DECODE_THREADS  # noqa: E402
 from kdn.errors import InvalidInput  # noqa: E402
 
 TEXT = ("The bell rope was checked at each watch and its wear noted in the log. " * 30)[:2000]
@@ -32,7 +33,7 @@ async def test_a_prefix_decodes_on_the_clients_own_threads(tmp_path, etcd_url):
                 pool = client.decoders
             assert len(states.fetched) == len(m["addresses"]) and {f.encoding for f in states.fetched} == {"zstd"}
             assert seen and all(name.startswith("kdn-decode") for name in seen) and len(seen) <= n, seen
-            assert client._decoders is None and pool._shutdown  # ended with the client
+            assert not client.net.decoding and pool._shutdown  # ended with the client
 
 
 def test_decode_threads_are_bounded():
