@@ -141,6 +141,7 @@ class Edge:
         self.chains = ChainIndex(config.chain_index)
         self.prefetcher = Prefetcher(self.chains, config.prefetch, self._prefetch_one)
         self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
+        self.origins_listed = bool(self._origins)  # an origin was known once (edge.views.watch_origins)
         # The upstream: the body reader every fill goes through (kdn.bodyget, as the fetch client's), an HTTP
         # session for the other requests, the region's membership (a lease and a watch on nodes/edge/, started
         # by the app) and the filler that plans sources from it.
@@ -168,7 +169,8 @@ class Edge:
         if config.records != "registry":  # records beside the blobs: asked of the owner edge, then the origins
             origins = self.bodies if config.records == "origin" else OriginRecords(
                 self.session, self.origin_urls, self.filler.headers, fallback=registry,
-                on_fallback=metrics.record_reads.labels("registry").inc)  # auto: the registry for what none has
+                on_fallback=metrics.record_reads.labels("registry").inc,  # auto: the registry for what none has
+                ever_listed=lambda: self.origins_listed)
             self.records.source = OwnerRecords(origins, self.membership.owner, config.node_id,
                                                lambda where, n: metrics.record_reads.labels(where).inc(n))
         operators = None

@@ -30,7 +30,8 @@ Where they live (``kdn edge serve --records``):
   registry for what no origin has (records a producer without an origin store
   wrote there: ``kdn.adapters.vllm.save``; an origin still on ``--records
   registry`` answers from the registry itself); the registry alone while no
-  origin is known or none answers. A record found in the registry is believed
+  origin is known or none answers (its "no" final only where no origin was
+  ever listed: a deployment of producers alone). A record found in the registry is believed
   as far as one from an origin is (signature and address), no further: an
   operator who wants no registry read at all, even for an absent record, runs
   ``origin``. A record the registry lacks while no origin answered is unknown,
@@ -222,7 +223,8 @@ class OriginRecords:
 
     def __init__(self, session: aiohttp.ClientSession, origin_urls: Callable[[], list[str]],
                  headers: Callable[[str], dict[str, str]], timeout: float = 10.0, fallback=None,
-                 on_fallback: Callable[[int], None] | None = None) -> None:
+                 on_fallback: Callable[[int], None] | None = None,
+                 ever_listed: Callable[[], bool] | None = None) -> None:
         self.session = session
         self.origin_urls = origin_urls
         self.headers = headers
@@ -231,6 +233,9 @@ class OriginRecords:
         # no origin is known or none answers; ``on_fallback(n)`` counts the records asked of it.
         self.fallback = fallback
         self.on_fallback = on_fallback
+        # Once an origin was listed, an empty list means they are all away (restarting, their leases lapsed),
+        # not that none exists: the registry's "no" is then not the last word on records kept in their stores.
+        self.ever_listed = ever_listed
 
     async def get_object(self, address: Address) -> ObjectRecord | None:
         return (await self.get_objects([address]))[0]
@@ -258,11 +263,12 @@ class OriginRecords:
     async def _batch(self, addresses: list[Address]) -> tuple[list[ObjectRecord | None], bool]:
         """Each origin keeps the records of what it published: the ones the first did not have are asked of
         the next, and so on; absent only if no origin that answered has it. With the records, whether an
-        origin answered (or none is known, so that the registry's word is the last one)."""
+        origin answered (or none is listed and none ever was, so that the registry's word is the last one)."""
         urls = self.origin_urls()
         if not urls:
-            if self.fallback is not None:
-                return [None] * len(addresses), True  # (the registry is asked for all of them)
+            if self.fallback is not None:  # the registry is asked for all of them; its word is the last ...
+                away = self.ever_listed is not None and self.ever_listed()
+                return [None] * len(addresses), not away  # ... only where no origin was ever listed
             raise RegistryUnavailable("no origin to read object records from (--records origin)")
         out: list[ObjectRecord | None] = [None] * len(addresses)
         missing = list(range(len(addresses)))

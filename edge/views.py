@@ -146,6 +146,7 @@ async def watch_origins(edge: Edge, ready: asyncio.Future[None] | None = None) -
 
             nodes = [n for n in nodes if not _left_out(edge, n, unadmitted(n, edge.admitters))]
         edge._origins = [n.url.rstrip("/") for n in sorted(nodes, key=lambda n: n.node_id)]
+        edge.origins_listed = edge.origins_listed or bool(edge._origins)
 
     async def recheck() -> None:  # admissions expire while their origins stay up: read the list again
         from kdn.edge.membership import ADMISSION_RECHECK_S

@@ -322,11 +322,23 @@ async def test_auto_the_edge_default_reads_the_origins_first_and_the_registry_fo
         assert [g and g["address"] for g in got] == [mine, None, addrs[1]]
         assert reads("registry") == 2  # the two no origin had (the forged one refused: unsigned)
 
+        await c.start_edge("e2", "us", origin=False)  # follows the registry's list of origins
+        await wait_until(lambda: bool(c.edge("e2").origin_urls()), timeout=15)
         # The origin gone: the registry answers alone (an edge that keeps serving what it can).
         await c.origin.close()
         c.edge("e1").records._lru.pop(mine)
         got = await post_records(c.edge_url("e1"), [mine])
         assert got[0] is not None and got[0]["address"] == mine
+        # An edge that follows the registry's list of origins (no --origin): once the origin is no longer listed
+        # at all, a record the registry lacks is unknown, not absent: it may sit in the store of an origin that
+        # is restarting (a "no" would be cached, and answered as a 404).
+        e2 = c.edge("e2")
+        await wait_until(lambda: not e2.origin_urls(), timeout=15)
+        got = await post_records(c.edge_url("e2"), [mine])
+        assert got[0] is not None and got[0]["address"] == mine  # the registry's "yes" still counts
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{c.edge_url('e2')}/v1/records", json={"addresses": ["3" * 64]}) as r:
+                assert r.status == 503, await r.text()
 
 
 def test_every_records_mode_the_cli_offers_is_one_the_edge_takes():
