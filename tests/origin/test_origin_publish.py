@@ -145,6 +145,27 @@ async def test_extending_a_document_computes_only_the_new_chunks(tmp_path, etcd_
                               store=tmp_path / "store")
 
 
+async def test_an_edit_recomputes_from_its_chunk_on_and_reuses_the_chunks_before(tmp_path, etcd_url):
+    """A document edited in its middle (#30 item 1a): the chunks before the first changed token keep their
+    addresses, records and blobs; the origin computes from that chunk on, says how many it reused, and the
+    new version's chunks equal a prefill of the new text."""
+    loaded = load_model("tiny-llama")
+    text = doc_text(1400)
+    cut = text.index(" ", 900)  # a word in the middle of the document, well past the first chunk
+    edited = text[:cut] + " (revised: the oven runs hotter than it says)" + text[cut:]
+    async with running_origin(tmp_path, etcd_url) as (server, session):
+        old = await publish(session, {"name": "guide", "text": text})
+        new = await publish(session, {"name": "guide", "text": edited})
+        a, b = old["manifest"], new["manifest"]
+        same = next(i for i, (x, y) in enumerate(zip(a["prefix_tokens"], b["prefix_tokens"])) if x != y)
+        kept = same // CHUNK  # chunks wholly before the first changed token
+        assert 1 <= kept < len(b["addresses"]) - 1
+        assert b["addresses"][:kept] == a["addresses"][:kept] and b["addresses"][kept] != a["addresses"][kept]
+        assert new["progress"]["computed"] == len(b["addresses"]) - kept  # reused the rest, and says so
+        assert new["progress"]["done"] == new["progress"]["total"] == len(b["addresses"])
+        await check_published(session, etcd_url, b, loaded, loaded.tokenizer.encode(edited), store=tmp_path / "store")
+
+
 async def test_standalone_chunks(tmp_path, etcd_url):
     loaded = load_model("tiny-llama")
     text = doc_text(600)
