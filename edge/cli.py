@@ -253,7 +253,7 @@ def _readable(path: str | None, flag: str) -> str | None:
 
 
 def cmd_policy_set(args: argparse.Namespace) -> int:
-    from kdn.edge.policies import policy_from_options, policy_scope
+    from kdn.edge.policy_records import policy_from_options, policy_scope
     from kdn.units import format_duration, format_size
 
     p = policy_from_options(args.name, pin=args.pin, warm=args.warm, push=args.push, ttl=args.ttl, quota=args.quota,
@@ -308,7 +308,7 @@ def cmd_policy_ls(args: argparse.Namespace) -> int:
         if not rows:
             print("(no policies)", file=sys.stderr)
             return 0
-        from kdn.edge.policies import policy_row
+        from kdn.edge.policy_records import policy_row
 
         table = [("NAME", "KIND", "REGION", "SCOPE", "SETTING")]
         for name, p, err in rows:
@@ -332,7 +332,7 @@ def cmd_policy_rm(args: argparse.Namespace) -> int:
         signer = Signer.load(args.operator_key)
 
     async def go(reg) -> int:
-        from kdn.edge.policies import remove_policy
+        from kdn.edge.policy_records import remove_policy
 
         # With a key, a signed tombstone: edges with --operator-keys ignore a bare delete of a signed policy.
         done = await remove_policy(reg, name, signer)
@@ -346,7 +346,7 @@ def cmd_policy_rm(args: argparse.Namespace) -> int:
 
 async def _read_policies(reg) -> list[tuple[str, Policy | None, str | None]]:
     """``(name, policy, None)`` or ``(name, None, why)`` for a record no edge would apply."""
-    from kdn.edge.policies import is_tombstone, validate_policy
+    from kdn.edge.policy_records import is_tombstone, validate_policy
     from kdn.errors import KDNError
     from kdn.registry.records import Policy
 

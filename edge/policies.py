@@ -31,28 +31,16 @@ Operators know what is hot. They say so with records under ``policies/``
 A policy applies here if its ``region`` is None or this edge's region; an
 ``upper`` policy holds for every edge (its region names the tier, not a scope).
 
-What "apply" means: after every change the engine builds one rule function
-and hands it to each tier (``GovernedTier.apply_policy``), which re-rules *every
-entry already cached* at once (pins and unpins take effect immediately; a TTL
-is measured from each entry's ``inserted_at``, so an entry older than a new
-TTL is expired at once, dropped first under pressure or at the next
-``GovernedTier.expire()``) and rules every later insert with it. Quotas replace the
-tiers' quotas as a whole (``set_quotas``): the engine owns them. Rules that
-did not change are not re-applied, so a policy event that changes nothing
-costs no walk over the tiers.
+What "apply" means (the one rule function each tier gets, re-ruling what it holds; quotas replaced whole;
+nothing re-applied that did not change): ``edge/policy_rules.py``.
 
 Manifests that do not exist yet: the engine also watches ``manifests/`` (a
 watch, not a timer). A put of a manifest some policy names resolves it, and
 a delete unresolves it (its pins go, since the addresses are no longer known).
 
-Warm dedup: a warm runs once per (policy record, manifest addresses). A
-manifest re-published with other addresses, or a policy record that changed
-(another manifest, or ``kdn policy set`` run again, which stamps
-``extra.set_at``) warms again; a watch that re-lists after a reconnect or a
-compaction does not. A new warm of a policy cancels its previous one still in
-flight, and removing the policy cancels it too, so the callback must tolerate
-cancellation. A failed warm is logged and counted (``stats.warm_failures``),
-never retried on its own and never fatal.
+Warm dedup (once per policy record and manifest content), cancellation and the counts of warm and push
+runs: ``edge/policy_warms.py``. The records themselves (what each kind needs, ``kdn policy set``'s
+options, signed tombstones, ``kdn policy ls``'s rows): ``edge/policy_records.py``.
 
 Signed policies (an edge with ``--operator-keys``): only a policy one of those
 keys signed applies, and a registry writer without one must not undo it either.
@@ -74,211 +62,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kdn.address import Address, validate_name
-from kdn.edge.tiers import EntryMeta, GovernedTier, Key, PolicyState
+from kdn.edge.policy_records import (
+    KINDS_SET,
+    MAX_PUSH_REGIONS,
+    POLICIES,
+    Removal,
+    is_tombstone,
+    policy_from_options,
+    policy_row,
+    policy_scope,
+    remove_policy,
+    set_at,
+    tombstone,
+    validate_policy,
+)
+from kdn.edge.policy_rules import Rules, rules_for
+from kdn.edge.policy_warms import Warm, WarmRuns
+from kdn.edge.tiers import GovernedTier
 from kdn.errors import InvalidInput, KDNError, RegistryUnavailable
 from kdn.registry.follow import follow, stop_tasks
 from kdn.registry.records import Manifest, Policy
-from kdn.units import format_duration, format_size
 
-__all__ = ["PolicyEngine", "PolicyStats", "Removal", "Warm", "is_tombstone", "policy_from_options", "policy_row",
-           "policy_scope", "remove_policy", "set_at", "tombstone", "validate_policy"]
+# The records' functions and the warm callback's type are re-exported: ``from kdn.edge.policies import X``
+# keeps working for what lived here before edge/policy_records.py and edge/policy_warms.py.
+__all__ = ["KINDS_SET", "MAX_PUSH_REGIONS", "PolicyEngine", "PolicyStats", "Removal", "Warm", "is_tombstone",
+           "policy_from_options", "policy_row", "policy_scope", "remove_policy", "set_at", "tombstone",
+           "validate_policy"]
 
 log = logging.getLogger(__name__)
 
-POLICIES = "policies/"
 MANIFESTS = "manifests/"
-
-Warm = Callable[..., Awaitable[None]]
-"""``warm(addresses, namespace)``: fetch these objects into this edge's tiers now; for a push also
-``rate=`` (bytes a second, or None) and ``policy=`` (its name, for progress)."""
-
-
-MAX_PUSH_REGIONS = 1000
-
-
-def set_at(p: Policy) -> float:
-    """When ``kdn policy set`` (or ``rm``) made ``p``: its ``extra.set_at``, signed with the rest; 0 if none."""
-    at = p.extra.get("set_at")
-    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at) else 0.0
-
-
-def is_tombstone(p: Policy) -> bool:
-    """A signed removal (``kdn policy rm --operator-key``): the policy's fields, ``extra.deleted`` set."""
-    return p.extra.get("deleted") is True
-
-
-def tombstone(name: str, at: float) -> Policy:
-    """What removing the policy ``name`` writes where policies are signed (sign it): the name, ``deleted``
-    and ``set_at``, nothing taken from the record it removes. Built from what the registry holds, it signed
-    whatever a registry writer had put there (another policy's name, a record no edge would take)."""
-    return Policy(name=name, kind="ttl", extra={"deleted": True, "set_at": at})
-
-
-def validate_policy(p: Policy) -> Policy:
-    """The fields each kind needs, beyond what the record itself checks. Used by the CLI too."""
-    if p.kind in ("pin", "warm", "push"):
-        if p.manifest is None:
-            raise InvalidInput(f"policy {p.name!r}: a {p.kind} policy needs a manifest (namespace/name)")
-        if p.kind == "push":
-            regions, rate = p.extra.get("regions", []), p.extra.get("rate_bytes")
-            if p.region is not None:
-                raise InvalidInput(f"policy {p.name!r}: a push names its regions in extra.regions, not region")
-            if not isinstance(regions, list) or len(regions) > MAX_PUSH_REGIONS:
-                raise InvalidInput(f"policy {p.name!r}: extra.regions must be a list of at most "
-                                   f"{MAX_PUSH_REGIONS} region names")
-            for r in regions:
-                validate_name(r)
-            if rate is not None and not (isinstance(rate, int) and not isinstance(rate, bool) and rate > 0):
-                raise InvalidInput(f"policy {p.name!r}: extra.rate_bytes must be a positive int (bytes a second)")
-    elif p.kind == "ttl":
-        if p.ttl_s is None:
-            raise InvalidInput(f"policy {p.name!r}: a ttl policy needs ttl_s")
-    elif p.kind == "quota":
-        if p.namespace is None or p.quota_bytes is None:
-            raise InvalidInput(f"policy {p.name!r}: a quota policy needs a namespace and quota_bytes")
-    elif p.kind == "upper":
-        if p.region is None:
-            raise InvalidInput(f"policy {p.name!r}: an upper policy names the upper tier's region")
-        if p.manifest is not None or p.namespace is not None or p.ttl_s is not None or p.quota_bytes is not None:
-            raise InvalidInput(f"policy {p.name!r}: an upper policy takes a region only (it holds for every object)")
-    return p
-
-
-KINDS_SET = ("pin", "warm", "push", "ttl", "quota", "upper")  # what `kdn policy set` and the console set
-
-
-def policy_from_options(name: str, *, pin: str | None = None, warm: str | None = None, push: str | None = None,
-                        ttl: str | None = None, quota: str | None = None, upper: bool = False, to: str | None = None,
-                        rate: str | None = None, namespace: str | None = None, manifest: str | None = None,
-                        region: str | None = None, at: float | None = None) -> Policy:
-    """The policy ``kdn policy set`` writes for these options (exactly one of pin, warm, push, ttl, quota,
-    upper), checked: the one place options become a record, so the CLI and the operator console
-    (origin/console/forms.py) refuse the same input with the same words. ``at`` stamps ``extra.set_at`` (now by
-    default): every set is a new record, so setting a warm again warms again."""
-    from kdn.units import parse_duration, parse_size
-
-    chosen = [k for k, v in (("pin", pin), ("warm", warm), ("push", push), ("ttl", ttl), ("quota", quota))
-              if v is not None] + (["upper"] if upper else [])
-    if len(chosen) != 1:
-        raise InvalidInput(f"exactly one of --pin, --warm, --push, --ttl, --quota, --upper (got {len(chosen)})")
-    fields: dict[str, Any] = {"name": name, "region": region}
-    extra: dict[str, Any] = {}
-    if (to is not None or rate is not None) and push is None:
-        raise InvalidInput("--to and --rate go with --push")
-    if push is not None:
-        if region is not None or namespace is not None or manifest is not None:
-            raise InvalidInput("--push names its manifest and its regions (--to), not --region, --namespace or --manifest")
-        fields.update(kind="push", manifest=push)
-        if to is not None:
-            extra["regions"] = sorted({validate_name(r.strip()) for r in to.split(",") if r.strip()})
-            if not extra["regions"]:
-                raise InvalidInput("--to names no region")
-        if rate is not None:
-            bytes_a_second = parse_size(rate.removesuffix("/s"))
-            if bytes_a_second <= 0:
-                raise InvalidInput("--rate must be more than zero")
-            extra["rate_bytes"] = bytes_a_second
-    elif pin is not None or warm is not None:
-        if namespace is not None or manifest is not None:
-            raise InvalidInput("--namespace and --manifest go with --ttl or --quota; --pin and --warm name their manifest")
-        fields.update(kind="pin" if pin is not None else "warm", manifest=pin if pin is not None else warm)
-    elif upper:
-        if region is None:
-            raise InvalidInput("--upper needs --region REGION: the region the others fill through")
-        if namespace is not None or manifest is not None:
-            raise InvalidInput("--upper holds for every object; it takes no --namespace or --manifest")
-        fields.update(kind="upper")
-    elif ttl is not None:
-        fields.update(kind="ttl", ttl_s=parse_duration(ttl), namespace=namespace, manifest=manifest)
-    else:
-        assert quota is not None
-        if namespace is None:
-            raise InvalidInput("--quota needs --namespace NS")
-        if manifest is not None:
-            raise InvalidInput("--quota caps a namespace; it takes no --manifest")
-        fields.update(kind="quota", quota_bytes=parse_size(quota), namespace=namespace)
-    return validate_policy(Policy(**fields, extra={**extra, "set_at": time.time() if at is None else at}))
-
-
-@dataclass(frozen=True)
-class Removal:
-    """What ``remove_policy`` did: ``done`` (False: nothing was removed), the outcome line, and a note to show
-    before it (``kdn policy rm`` prints the note and a failure on stderr)."""
-
-    done: bool
-    message: str
-    note: str | None = None
-
-
-async def remove_policy(reg: Any, name: str, signer: Any = None) -> Removal:
-    """Remove the policy ``name`` as ``kdn policy rm`` does: with a ``signer`` (a ``kdn.signing.Signer``), a
-    signed tombstone (edges with --operator-keys ignore a bare delete of a signed policy); without one, delete
-    the record. Shared by the CLI and the operator console."""
-    name = validate_name(name)
-    if signer is None:
-        if not await reg.delete_policy(name):
-            return Removal(False, f"kdn: no policy named {name}")
-        return Removal(True, f"policy {name} removed")
-    from kdn.signing import Verifier
-
-    # The tombstone is built from the name alone (a registry writer controls what is stored there). The stored
-    # record only orders it: one this key signed, set on a machine whose clock ran ahead, must not outlive its
-    # removal.
-    at, note = time.time(), None
-    raw = dict(await reg.list_keys(f"{POLICIES}{name}")).get(f"{POLICIES}{name}")
-    old = None
-    if raw is not None:
-        try:
-            old = Policy.unpack(raw)
-        except KDNError:
-            old = None
-    if old is not None and old.name == name and Verifier([signer.public]).ok(old):
-        if is_tombstone(old):
-            return Removal(False, f"kdn: policy {name} is removed already")
-        at = max(at, set_at(old) + 0.001)
-    elif raw is None:
-        note = (f"kdn: note: no policy named {name} in the registry; a signed tombstone is written anyway "
-                "(edges that still apply one under that name drop it)")
-    await reg.put_policy(signer.sign(tombstone(name, at)))
-    return Removal(True, f"policy {name} removed (a signed tombstone: edges with --operator-keys drop it)", note)
-
-
-def policy_row(p: Policy) -> tuple[str, str, str, str, str]:
-    """The columns ``kdn policy ls`` prints for a policy an edge would apply (``validate_policy``) or a signed
-    tombstone: name, kind, region (``*``: every one; a push's: the regions it goes to), scope and setting.
-    The operator console shows the same (origin/console/policies.py)."""
-    if is_tombstone(p):
-        return p.name, "-", "-", "-", "removed (a signed tombstone)"
-    if p.kind == "push":
-        rate = p.extra.get("rate_bytes")
-        return (p.name, p.kind, ",".join(p.extra.get("regions") or []) or "*", str(p.manifest),
-                f"at most {format_size(rate)}/s per edge" if rate else "-")
-    if p.kind in ("pin", "warm"):
-        scope, setting = str(p.manifest), "-"
-    elif p.kind == "ttl":
-        assert p.ttl_s is not None  # (validate_policy: a ttl policy has its time)
-        scope, setting = policy_scope(p), format_duration(p.ttl_s)
-    elif p.kind == "upper":
-        scope, setting = "every object", "the upper tier: other regions fill through it"
-    else:
-        assert p.quota_bytes is not None  # (validate_policy: a quota policy has its bytes)
-        scope, setting = f"namespace {p.namespace}", format_size(p.quota_bytes)
-    return p.name, p.kind, p.region or "*", scope, setting
-
-
-def policy_scope(p: Policy) -> str:
-    """What a ttl policy is about, in words: its namespace and/or manifest, or everything."""
-    parts = [f"namespace {p.namespace}"] if p.namespace else []
-    if p.manifest:
-        parts.append(f"manifest {p.manifest}")
-    return " and ".join(parts) or "everything"
 
 
 @dataclass
@@ -294,39 +111,6 @@ class PolicyStats:
     resolve_failures: int = 0  # manifest reads that failed (retried)
     watch_errors: int = 0  # watches that broke and were restarted
 
-
-@dataclass(frozen=True)
-class _Ttl:
-    seconds: float
-    namespace: str | None
-    manifest: str | None
-    addresses: frozenset[Address]  # the manifest's, when it is resolved
-
-    def matches(self, key: Key, meta: EntryMeta) -> bool:
-        if self.namespace is not None and meta.namespace != self.namespace:
-            return False
-        if self.manifest is not None and not (key[0] in self.addresses or meta.manifest == self.manifest):
-            return False
-        return True
-
-
-@dataclass(frozen=True)
-class _Rules:
-    """The rule function handed to the tiers; equal rules are not re-applied."""
-
-    pinned: frozenset[Address] = frozenset()
-    ttls: tuple[_Ttl, ...] = ()
-
-    def __call__(self, key: Key, meta: EntryMeta) -> PolicyState:
-        ttl = min((t.seconds for t in self.ttls if t.matches(key, meta)), default=None)
-        return PolicyState(
-            pinned=key[0] in self.pinned,
-            expires_at=None if ttl is None else meta.inserted_at + ttl,
-        )
-
-
-def _addresses(m: Manifest) -> tuple[Address, ...]:
-    return tuple(dict.fromkeys([*m.addresses, *m.standalone]))  # order kept, duplicates dropped
 
 
 class PolicyEngine:
@@ -362,7 +146,6 @@ class PolicyEngine:
         self._manifest_feed = manifest_feed
         self.region = validate_name(region)
         self._tiers = list(tiers)
-        self._warm = warm
         self._retry_s = retry_s
         self._max_retry_s = max_retry_s
         # Registry state, as the watches last told it.
@@ -375,10 +158,8 @@ class PolicyEngine:
         self._manifests: dict[str, Manifest | None] = {}  # refs some policy names -> record (None: not published)
         self._snapshots: set[str] = set()
         # What was applied.
-        self._rules: _Rules | None = None
+        self._rules: Rules | None = None
         self._quotas: dict[str, int] | None = None
-        self._warmed: dict[str, tuple[Policy, tuple[Address, ...]]] = {}
-        self._warm_tasks: dict[str, asyncio.Task[None]] = {}
         # Public views, replaced whole at each apply so a reader never sees half a change.
         self._policies: dict[str, Policy] = {}
         self._active: dict[str, Policy] = {}
@@ -388,6 +169,7 @@ class PolicyEngine:
         self._invalid_view: dict[str, str] = {}
         self._ready = False
         self.stats = PolicyStats()
+        self._warms = WarmRuns(warm, self.stats, self._notify)
         self._queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue(maxsize=256)
         self._tasks: list[asyncio.Task[None]] = []
         self._retry: asyncio.TimerHandle | None = None
@@ -454,8 +236,8 @@ class PolicyEngine:
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
-        await stop_tasks(self._tasks + list(self._warm_tasks.values()), what="policy")
-        self._tasks, self._warm_tasks = [], {}
+        await stop_tasks(self._tasks + self._warms.take_tasks(), what="policy")
+        self._tasks = []
 
     async def __aenter__(self) -> PolicyEngine:
         await self.start()
@@ -658,19 +440,7 @@ class PolicyEngine:
     def _apply(self) -> None:
         here = {n: p for n, p in self._records.items() if self._here(p)}
         resolved = {ref: m for ref, m in self._manifests.items() if m is not None}
-        pinned: set[Address] = set()
-        ttls: list[_Ttl] = []
-        quotas: dict[str, int] = {}
-        for p in here.values():
-            m = resolved.get(p.manifest) if p.manifest is not None else None
-            if p.kind == "pin" and m is not None:
-                pinned.update(_addresses(m))
-            elif p.kind == "ttl" and p.ttl_s is not None:  # (a parsed ttl policy always has one)
-                addrs = frozenset(_addresses(m)) if m is not None else frozenset()
-                ttls.append(_Ttl(float(p.ttl_s), p.namespace, p.manifest, addrs))
-            elif p.kind == "quota" and p.namespace is not None and p.quota_bytes is not None:
-                quotas[p.namespace] = min(quotas.get(p.namespace, p.quota_bytes), p.quota_bytes)
-        rules = _Rules(frozenset(pinned), tuple(sorted(ttls, key=lambda t: (t.seconds, t.namespace or "", t.manifest or ""))))
+        rules, quotas = rules_for(here.values(), resolved)
         changed = False
         if quotas != self._quotas:
             for t in self._tiers:
@@ -682,7 +452,7 @@ class PolicyEngine:
             self._rules, changed = rules, True
         if changed:
             self.stats.applies += 1
-        self._start_warms(here, resolved)
+        self._warms.update(here, resolved)
         kinds: dict[str, int] = {}
         for p in here.values():
             kinds[p.kind] = kinds.get(p.kind, 0) + 1
@@ -694,54 +464,6 @@ class PolicyEngine:
         self._invalid_view = dict(self._invalid)
         self._ready = self._snapshots >= {POLICIES, MANIFESTS}
         self._notify()
-
-    def _start_warms(self, here: dict[str, Policy], resolved: dict[str, Manifest]) -> None:
-        warms = {n: p for n, p in here.items() if p.kind in ("warm", "push")}
-        for name in list(self._warmed):
-            if name not in warms:  # removed, or no longer for this region
-                del self._warmed[name]
-                self._cancel_warm(name)
-        if self._warm is None:
-            return
-        for name, p in sorted(warms.items()):
-            m = resolved.get(p.manifest) if p.manifest is not None else None
-            if m is None:
-                continue  # not published yet: warms when it is
-            addrs = _addresses(m)
-            if self._warmed.get(name) == (p, addrs):
-                continue  # this record, this content: warmed already
-            self._warmed[name] = (p, addrs)
-            self._cancel_warm(name)
-            self.stats.warm_runs += 1
-            self._warm_tasks[name] = asyncio.create_task(self._run_warm(name, list(addrs), m.namespace, p),
-                                                         name=f"kdn-warm-{name}")
-
-    def _cancel_warm(self, name: str) -> None:
-        task = self._warm_tasks.pop(name, None)
-        if task is not None:
-            task.cancel()
-
-    async def _run_warm(self, name: str, addresses: list[Address], namespace: str, p: Policy) -> None:
-        t0 = time.monotonic()
-        if self._warm is None:
-            return
-        try:
-            if p.kind == "push":
-                await self._warm(addresses, namespace, rate=p.extra.get("rate_bytes"), policy=name)
-            else:
-                await self._warm(addresses, namespace)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a failed warm costs a later miss, never the engine
-            self.stats.warm_failures += 1
-            log.warning("warm %s (%d objects of %s) failed: %s", name, len(addresses), namespace, _line(e))
-        else:
-            self.stats.warm_done += 1
-            log.info("warm %s: %d objects of %s in %.2fs", name, len(addresses), namespace, time.monotonic() - t0)
-        finally:
-            if self._warm_tasks.get(name) is asyncio.current_task():
-                del self._warm_tasks[name]
-            self._notify()
 
 
 def _line(e: BaseException) -> str:

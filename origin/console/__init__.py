@@ -6,7 +6,7 @@ store, and the policies that apply to it. A manifest's page adds where it is cac
 edge of each chunk, asked with a HEAD, which never fills: the check ``kdn registry show ADDRESS`` makes), the
 reads each region's edges served by tier (their ``/metrics``: all objects, not this one's), its text with the
 emphasis map marked over it, and forms that set and remove its pin, warm, push and TTL policies, through the
-same function as ``kdn policy set`` (``kdn.edge.policies.policy_from_options``).
+same function as ``kdn policy set`` (``kdn.edge.policy_records.policy_from_options``).
 
 Why this shape: server-rendered HTML from the origin's own aiohttp app, plain string templates with
 ``html.escape`` on every value, and one small inline script (it shows the fields the chosen policy kind takes).

@@ -1,6 +1,6 @@
 """The console's forms, each a POST: sign-in (a token from the origin's token file, for a session cookie),
 sign-out, and setting or removing a policy of a manifest or a namespace as ``kdn policy set`` and ``rm`` do
-(``kdn.edge.policies.policy_from_options`` and ``remove_policy``). A form that changes something needs a session,
+(``kdn.edge.policy_records.policy_from_options`` and ``remove_policy``). A form that changes something needs a session,
 a same-site ``Origin`` and the session's CSRF token (``posted``), and admin on the namespaces it is about.
 """
 
@@ -131,7 +131,7 @@ async def policies(request: web.Request) -> web.Response:
 
 async def _set(reg: Registry, viewer: Viewer, form: dict[str, str], manifest: str | None, scope_ns: str,
                signer: Any) -> str:
-    from kdn.edge.policies import policy_from_options
+    from kdn.edge.policy_records import policy_from_options
 
     kind = form.get("kind", "")
     allowed = MANIFEST_KINDS if manifest is not None else NAMESPACE_KINDS
@@ -159,7 +159,7 @@ async def _set(reg: Registry, viewer: Viewer, form: dict[str, str], manifest: st
 
 
 async def _remove(reg: Registry, viewer: Viewer, form: dict[str, str], signer: Any) -> str:
-    from kdn.edge.policies import remove_policy
+    from kdn.edge.policy_records import remove_policy
 
     name = validate_name(form.get("name", ""))
     taken, old = await policy_named(reg, name)

@@ -68,7 +68,7 @@ async def manifest_page(request: web.Request) -> web.Response:
 
 
 def _policies_section(viewer: Viewer, ns: str, name: str, policies: list[Policy]) -> str:
-    from kdn.edge.policies import policy_row  # the columns `kdn policy ls` prints
+    from kdn.edge.policy_records import policy_row  # the columns `kdn policy ls` prints
 
     parts = ["<h2>Policies</h2>"]
     if policies:
