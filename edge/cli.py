@@ -18,10 +18,24 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kdn.cli import registry_arg
+    _register_edge(sub)
+    _register_policy(sub)
+    _register_ring(sub)
 
+
+def _register_edge(sub: argparse._SubParsersAction) -> None:
     edge = sub.add_parser("edge", help="run an edge node").add_subparsers(dest="edge_command", required=True)
     p = edge.add_parser("serve", help="cache and serve objects next to an inference server")
+    _serve_node_args(p)
+    _serve_connection_args(p)
+    _serve_behaviour_args(p)
+    p.set_defaults(func=cmd_edge_serve)
+
+
+def _serve_node_args(p: argparse.ArgumentParser) -> None:
+    """`kdn edge serve`: where the edge runs, what it caches, whose tokens it takes and shows, prefetch, lease."""
+    from kdn.cli import registry_arg
+
     p.add_argument("--region", default="local", help="region this edge serves (default: local)")
     registry_arg(p)
     p.add_argument("--origin", default=None, metavar="URL", help="origin URL (default: the origins in the registry)")
@@ -43,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="chunk addresses of published manifests kept for prefetch, at most (~170 B each; the "
                         f"least recently read chains go first; default {CHAIN_BUDGET:,})")
     p.add_argument("--lease-ttl", default="10s", metavar="DURATION", help="membership lease, e.g. 10s")
+
+
+def _serve_connection_args(p: argparse.ArgumentParser) -> None:
+    """`kdn edge serve`: TLS, connection caps, and the CA and keys it trusts."""
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     p.add_argument("--max-connections", type=int, default=None, metavar="N",
@@ -55,6 +73,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--operator-keys", default=None, metavar="FILE",
                    help="operator keys (ed25519:HEX per line): policies they did not sign are skipped "
                         "(`kdn policy set --operator-key`)")
+
+
+def _serve_behaviour_args(p: argparse.ArgumentParser) -> None:
+    """`kdn edge serve`: eviction, where it fills from, admissions, where records are read, the deny floor."""
     p.add_argument("--eviction", choices=tuple(POLICIES), default=DEFAULT_POLICY,
                    help="the tiers' eviction policy (default: arc, chosen on the Mooncake traces: docs/benchmarks.md)")
     p.add_argument("--region-probes", choices=("worth", "always"), default="worth",
@@ -80,7 +102,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deny-floor-ms", type=float, default=2.0, metavar="MS",
                    help="answer a 'no' (an absent object, or another tenant's) no sooner than this, or than "
                         "recent record reads take if longer, so its timing does not tell which (default 2; 0: off)")
-    p.set_defaults(func=cmd_edge_serve)
+
+
+def _register_policy(sub: argparse._SubParsersAction) -> None:
+    from kdn.cli import registry_arg
 
     policy = sub.add_parser("policy", help="operator policies: pin, warm, push, ttl, quota, upper tier").add_subparsers(
         dest="policy_command", required=True
@@ -126,6 +151,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     registry_arg(p)
     p.set_defaults(func=cmd_policy_rm)
 
+
+def _register_ring(sub: argparse._SubParsersAction) -> None:
+    from kdn.cli import registry_arg
+
     ring = sub.add_parser("ring", help="the consistent-hash ring of a region").add_subparsers(
         dest="ring_command", required=True
     )
@@ -140,8 +169,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_edge_serve(args: argparse.Namespace) -> int:
+    kw = _serve_kwargs(args)
+    from kdn.edge import clockhook
+
+    clockhook.install_from_env()  # a test hook (off unless its variable is set): before the tiers are imported
+    from kdn.edge.app import run  # aiohttp and the tiers: only when serving
+    from kdn.edge.config import EdgeConfig
+
+    config = EdgeConfig(**kw)
+    config.connection_caps()  # bad caps fail here, in one line
+    run(config)
+    return 0
+
+
+def _serve_kwargs(args: argparse.Namespace) -> dict:
+    """``EdgeConfig``'s arguments from `kdn edge serve`'s, each checked: a bad one fails here, in one line."""
     from kdn.address import validate_name
-    from kdn.units import parse_duration, parse_size
+    from kdn.units import parse_duration
 
     kw: dict = {
         "region": validate_name(args.region),
@@ -170,6 +214,13 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         "max_connections": args.max_connections,
         "max_connections_per_peer": args.max_connections_per_peer,
     }
+    _check_keys_and_tls(args, kw)
+    kw.update(_serve_options(args))
+    return kw
+
+
+def _check_keys_and_tls(args: argparse.Namespace, kw: dict) -> None:
+    """The key files load, the token's host patterns parse, and TLS has both its files."""
     for flag in ("trusted_keys", "operator_keys"):
         if kw[flag]:
             from kdn.signing import Verifier
@@ -181,6 +232,14 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         TokenScope(args.token_hosts)  # a bad pattern fails here, in one line
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidInput("--tls-cert and --tls-key go together")
+
+
+def _serve_options(args: argparse.Namespace) -> dict:
+    """The arguments given only where their flags are (else ``EdgeConfig``'s defaults), checked."""
+    from kdn.address import validate_name
+    from kdn.units import parse_size
+
+    kw: dict = {}
     if args.origin is not None:
         kw["origin"] = _http_url(args.origin, "--origin")
     if args.url is not None:
@@ -195,17 +254,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
         if args.disk is None:
             raise InvalidInput("--disk-budget needs --disk DIR")
         kw["disk_budget"] = _positive(parse_size(args.disk_budget), "--disk-budget")
-
-    from kdn.edge import clockhook
-
-    clockhook.install_from_env()  # a test hook (off unless its variable is set): before the tiers are imported
-    from kdn.edge.app import run  # aiohttp and the tiers: only when serving
-    from kdn.edge.config import EdgeConfig
-
-    config = EdgeConfig(**kw)
-    config.connection_caps()  # bad caps fail here, in one line
-    run(config)
-    return 0
+    return kw
 
 
 def _port(n: int) -> int:

@@ -13,10 +13,26 @@ from kdn.errors import InvalidInput, KDNError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kdn.cli import registry_arg
+    _register_origin(sub)
+    _register_publish(sub)
 
+
+def _register_origin(sub: argparse._SubParsersAction) -> None:
     origin = sub.add_parser("origin", help="run an origin node").add_subparsers(dest="origin_command", required=True)
     p = origin.add_parser("serve", help="serve publish requests and the objects they produce")
+    _serve_node_args(p)
+    _serve_service_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = origin.add_parser("keygen", help="make an origin signing key (FILE, mode 600) and FILE.pub for consumers")
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.set_defaults(func=cmd_keygen)
+
+
+def _serve_node_args(p: argparse.ArgumentParser) -> None:
+    """`kdn origin serve`: the model and what computes it, the registry, the store, where it listens, its key."""
+    from kdn.cli import registry_arg
+
     p.add_argument("--model", default="tiny-llama",
                    help="tiny-llama, tiny-bamba, ..., smollm2-135m, a transformers folder or a .gguf file")
     registry_arg(p)
@@ -38,6 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Ed25519 key (kdn origin keygen) that signs every object record and manifest")
     p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                    help="what computes the states: transformers (default) or vLLM (pip install 'kdn[vllm]')")
+
+
+def _serve_service_args(p: argparse.ArgumentParser) -> None:
+    """`kdn origin serve`: TLS, connection caps, what a publish stores, its admission, where records go, and
+    the hosts the console may send a token to."""
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     p.add_argument("--max-connections", type=int, default=None, metavar="N",
@@ -65,12 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-hosts", default=None, metavar="PATTERNS",
                    help="hosts the operator console (/console) may send a signed-in user's token to when it asks "
                         "edges what they hold (comma-separated names, globs or address blocks; default loopback)")
-    p.set_defaults(func=cmd_serve)
 
-    p = origin.add_parser("keygen", help="make an origin signing key (FILE, mode 600) and FILE.pub for consumers")
-    p.add_argument("--out", required=True, metavar="FILE")
-    p.set_defaults(func=cmd_keygen)
 
+def _register_publish(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("publish", help="publish documents through an origin")
     p.add_argument("files", nargs="+", metavar="FILE", help="text files ('-' for stdin)")
     p.add_argument("--origin", default=os.environ.get("KDN_ORIGIN", "http://127.0.0.1:8000"))
