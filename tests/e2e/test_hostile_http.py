@@ -483,7 +483,7 @@ async def test_an_unparsable_request_is_one_warning_line_not_a_traceback(tmp_pat
 
     async with cluster(tmp_path, etcd_url, edges=("e1",)) as c:
         caplog.set_level(logging.DEBUG, logger="aiohttp.server")
-        service._MALFORMED.reset()  # noqa: SLF001  (other tests in this process may have used this minute)
+        service.MALFORMED_REQUESTS.reset()  # (other tests in this process may have used this minute)
         for server in (c.edges["e1"], c.origin):
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             try:
