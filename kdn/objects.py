@@ -12,9 +12,9 @@ A tensor whose codec is ``raw`` is stored as itself; any other codec stores a
 container. The KDN header (``__metadata__["kdn"]``) records, per tensor, the
 decoded dtype and shape, the codec and its parameters; see ``docs/format.md``.
 
-This module has its own small reader and writer, so verifying and serving an
-object needs no torch, and decoding a ``raw`` object is zero-copy over the
-blob. Only :func:`to_torch` and :func:`from_torch` import torch, inside.
+This module has its own small writer, and its reader (the header and layout, parsed and validated, are
+``kdn/layout.py``'s, re-exported here), so verifying and serving an object needs no torch, and decoding a
+``raw`` object is zero-copy over the blob. Only :func:`to_torch` and :func:`from_torch` import torch, inside.
 """
 
 from __future__ import annotations
@@ -22,76 +22,54 @@ from __future__ import annotations
 import json
 import math
 import struct
-import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kdn import address as _address
-from kdn.address import Address, Digest, ModelId, canonical_json, validate_address, validate_namespace
+from kdn.address import Address, Digest, ModelId, canonical_json
 from kdn.codecs import DTYPES, Buffer, get_codec, itemsize
-from kdn.errors import (
-    CorruptObject,
-    DigestMismatch,
-    InvalidAddress,
-    InvalidInput,
-    ObjectFormatError,
-    ObjectTooLarge,
-    TensorMismatch,
-    TruncatedObject,
-    UnsupportedVersion,
+from kdn.errors import CorruptObject, DigestMismatch, InvalidInput, ObjectTooLarge, TensorMismatch
+from kdn.layout import (
+    DEFAULT_MAX_OBJECT_BYTES,
+    FORMAT_VERSION,
+    KDN_KEY,
+    KINDS,
+    MAX_HEADER_BYTES,
+    MAX_NDIM,
+    META_KEY,
+    SHAPE_RULE,
+    Layout,
+    ObjectHeader,
+    TensorInfo,
+    as_view,
+    blob_namespace,
+    check_header_fields,
+    check_tensor_name,
+    head_length,
+    layout_of,
+    read_header,
+    read_layout,
+    shape_ok,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-FORMAT_VERSION = 1
-KINDS = frozenset({"kv", "ssm", "hybrid"})
-MAX_HEADER_BYTES = 1 << 20
-DEFAULT_MAX_OBJECT_BYTES = 1 << 30
+# What kdn.layout holds is re-exported: ``from kdn.objects import X`` is the object format's one import.
+__all__ = ["DEFAULT_MAX_OBJECT_BYTES", "FORMAT_VERSION", "KINDS", "MAX_EXPANSION", "MAX_HEADER_BYTES", "MAX_NDIM",
+           "MIN_DECODED_CAP", "DecodedObject", "Layout", "ObjectHeader", "ObjectView", "RawTensor", "TensorInfo",
+           "blob_digest", "blob_namespace", "decode_object", "decoded_nbytes", "encode_object", "from_torch",
+           "head_length", "read_header", "read_layout", "to_torch", "torch_dtype"]
+
 # Decoding is bounded before anything is allocated: by the caller's limit (an engine knows the exact
 # size its model's chunk decodes to), else by MAX_EXPANSION x the blob's own size, with a floor for
 # small objects. Legitimate codecs expand 1-5x (zstd ~1.45x, int4 ~3.5x, cachegen ~4.6x); a 17 KB
 # zstd object that claimed 512 MiB of zeros once decoded in full.
 MAX_EXPANSION = 16
 MIN_DECODED_CAP = 16 << 20
-_META_KEY = "__metadata__"
-_KDN_KEY = "kdn"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What the KDN header says about one tensor: its decoded dtype and shape, and how it is encoded."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    codec: str
-    params: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ObjectHeader:
-    """The KDN header of an object (``__metadata__["kdn"]``)."""
-
-    version: int
-    kind: str
-    address: Address
-    model_id: ModelId
-    namespace: str
-    start: int
-    end: int
-    position: int  # position of the first token's KV: == start in a prefix chain, 0 for a standalone chunk
-    parent: Address | None
-    encoding: str
-    tensors: dict[str, TensorInfo]
-
-    @property
-    def n_tokens(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -108,8 +86,8 @@ class RawTensor:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidInput(f"tensor {self.name!r}: unknown dtype {str(self.dtype)[:20]!r}")
         shape = tuple(self.shape)
-        if not _shape_ok(shape):
-            raise InvalidInput(f"tensor {self.name!r}: shape {str(list(shape))[:60]} is not {_SHAPE_RULE}")
+        if not shape_ok(shape):
+            raise InvalidInput(f"tensor {self.name!r}: shape {str(list(shape))[:60]} is not {SHAPE_RULE}")
         mv = self.data if isinstance(self.data, memoryview) else memoryview(self.data)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
@@ -177,20 +155,10 @@ def encode_object(
         tensors={},
     )
     try:
-        _check_header_fields(header)
+        check_header_fields(header)
     except CorruptObject as e:
         raise InvalidInput(str(e)) from None
-    entries = []
-    infos: dict[str, dict[str, Any]] = {}
-    for name in sorted(tensors):
-        t = tensors[name]
-        if not isinstance(t, RawTensor):
-            raise InvalidInput(f"tensor {str(name)[:64]!r}: expected a RawTensor, got {type(t).__name__}")
-        _check_name(name, InvalidInput)
-        codec_name = codec_for(t) if codec_for is not None else encoding
-        dtype, shape, data, params = _stored(t, codec_name)
-        infos[name] = {"dtype": t.dtype, "shape": list(t.shape), "codec": codec_name, "params": params}
-        entries.append((itemsize(dtype), name, dtype, shape, data))
+    entries, infos = _stored_tensors(tensors, encoding, codec_for)
     kdn = {
         "v": FORMAT_VERSION,
         "kind": kind,
@@ -204,10 +172,35 @@ def encode_object(
         "encoding": encoding,
         "tensors": infos,
     }
+    return _container(kdn, entries)
+
+
+_Entry = tuple[int, str, str, tuple[int, ...], bytes | memoryview]  # (item size, name, stored dtype, shape, bytes)
+
+
+def _stored_tensors(tensors: Mapping[str, RawTensor], encoding: str, codec_for: Callable[[RawTensor], str] | None
+                    ) -> tuple[list[_Entry], dict[str, dict[str, Any]]]:
+    """Each tensor encoded (in name order): its container entry, and what the KDN header says of it."""
+    entries: list[_Entry] = []
+    infos: dict[str, dict[str, Any]] = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not isinstance(t, RawTensor):
+            raise InvalidInput(f"tensor {str(name)[:64]!r}: expected a RawTensor, got {type(t).__name__}")
+        check_tensor_name(name, InvalidInput)
+        codec_name = codec_for(t) if codec_for is not None else encoding
+        dtype, shape, data, params = _stored(t, codec_name)
+        infos[name] = {"dtype": t.dtype, "shape": list(t.shape), "codec": codec_name, "params": params}
+        entries.append((itemsize(dtype), name, dtype, shape, data))
+    return entries, infos
+
+
+def _container(kdn: dict[str, Any], entries: list[_Entry]) -> bytes:
+    """The safetensors blob of the KDN header ``kdn`` and the tensors' ``entries``."""
     # Widest dtype first (as safetensors itself does): the data section starts
     # 8-byte aligned, so every tensor then starts aligned to its item size.
     entries.sort(key=lambda e: (-e[0], e[1]))
-    meta: dict[str, Any] = {_META_KEY: {_KDN_KEY: canonical_json(kdn)}}
+    meta: dict[str, Any] = {META_KEY: {KDN_KEY: canonical_json(kdn)}}
     offset = 0
     for _, name, dtype, shape, data in entries:
         meta[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
@@ -220,306 +213,7 @@ def encode_object(
     return b"".join([struct.pack("<Q", len(head)), head, *(e[-1] for e in entries)])
 
 
-# --- reader ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where an object's tensors lie: its validated header and each tensor's byte range."""
-
-    header: ObjectHeader
-    data_start: int  # offset of the data section in the blob
-    offsets: dict[str, tuple[int, int]]  # name -> [begin, end) within the data section
-
-    def span(self, name: str) -> tuple[int, int]:
-        """Tensor ``name``'s ``[begin, end)`` in the blob (absolute offsets)."""
-        b, e = self.offsets[name]
-        return self.data_start + b, self.data_start + e
-
-
-_Layout = Layout
-
-
-def _check_name(name: object, exc: type[Exception]) -> None:
-    if not isinstance(name, str) or not name or name == _META_KEY or len(name) > 256:
-        raise exc(f"invalid tensor name {str(name)[:64]!r}")
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-MAX_NDIM = 64  # numpy's own limit
-_SHAPE_RULE = f"a list of at most {MAX_NDIM} non-negative ints whose non-zero dims multiply to < 2**63"
-
-
-def _shape_ok(shape: object) -> bool:
-    """``_SHAPE_RULE``: what numpy and torch can hold. A zero-size [0, 2**64] or [0, 10**4000] overflowed
-    them (and the decoded-size message), and a 100k-dim shape made every message that names it 300 KB."""
-    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
-        return False
-    n = 1
-    for d in shape:
-        if not _is_int(d) or d < 0:
-            return False
-        n *= d or 1
-        if n >> 63:
-            return False
-    return True
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        dup = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
-        raise CorruptObject(f"duplicate JSON key {dup[:64]!r} in header")
-    return d
-
-
-def _loads(text: bytes | str, what: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
-    except CorruptObject:
-        raise
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise CorruptObject(f"{what} is not valid JSON: {str(e)[:120]}") from None
-    if not isinstance(obj, dict):
-        raise CorruptObject(f"{what} is a JSON {type(obj).__name__}, expected an object")
-    return obj
-
-
-def _check_header_fields(h: ObjectHeader) -> None:
-    """Field checks shared by the writer (as InvalidInput) and the reader (as CorruptObject)."""
-    if not isinstance(h.kind, str) or h.kind not in KINDS:
-        raise CorruptObject(f"kind {str(h.kind)[:20]!r} is not one of {sorted(KINDS)}")
-    try:
-        validate_address(h.address, what="address")
-        validate_address(h.model_id, what="model_id")
-        if h.parent is not None:
-            validate_address(h.parent, what="parent")
-    except InvalidAddress as e:
-        raise CorruptObject(str(e)) from None
-    try:
-        validate_namespace(h.namespace)
-    except InvalidInput as e:
-        raise CorruptObject(str(e)) from None
-    for name in ("start", "end", "position"):
-        v = getattr(h, name)
-        if not _is_int(v) or not 0 <= v < 1 << 63:  # int64, as token positions are; and short in messages
-            raise CorruptObject(f"{name} {str(v)[:20]!r} is not a non-negative int below 2**63")
-    if h.end < h.start:
-        raise CorruptObject(f"end {h.end} < start {h.start}")
-    if not isinstance(h.encoding, str) or not h.encoding or len(h.encoding) > 32:
-        raise CorruptObject(f"encoding {str(h.encoding)[:40]!r} is not a short non-empty string")
-
-
-def _parse_kdn(meta: object) -> ObjectHeader:
-    if meta is None:
-        raise CorruptObject("header has no __metadata__: not a KDN object")
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise CorruptObject("__metadata__ must map strings to strings")
-    if _KDN_KEY not in meta:
-        raise CorruptObject(f"__metadata__ has no {_KDN_KEY!r} entry: not a KDN object")
-    k = _loads(meta[_KDN_KEY], "KDN header")
-    v = k.get("v")
-    if not _is_int(v):
-        raise CorruptObject(f"KDN header field 'v' is {str(v)[:20]!r}, expected an int")
-    if v != FORMAT_VERSION:
-        raise UnsupportedVersion(f"KDN format version {str(v)[:20]}; this code reads version {FORMAT_VERSION}")
-    want = {"v", "kind", "address", "model_id", "namespace", "start", "end", "position", "parent", "encoding", "tensors"}
-    missing, extra = want - k.keys(), k.keys() - want
-    if missing or extra:
-        raise CorruptObject(f"KDN header fields: missing {sorted(missing)}, unexpected {sorted(extra)[:8]}")
-    raw_tensors = k["tensors"]
-    if not isinstance(raw_tensors, dict):
-        raise CorruptObject("KDN header field 'tensors' is not an object")
-    infos: dict[str, TensorInfo] = {}
-    for name, t in raw_tensors.items():
-        _check_name(name, CorruptObject)
-        if not isinstance(t, dict) or set(t) != {"dtype", "shape", "codec", "params"}:
-            raise CorruptObject(f"KDN tensor {name[:64]!r}: expected fields dtype, shape, codec, params")
-        dtype, shape, codec, params = t["dtype"], t["shape"], t["codec"], t["params"]
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise CorruptObject(f"KDN tensor {name[:64]!r}: unknown dtype {str(dtype)[:20]!r}")
-        if not isinstance(shape, list) or not _shape_ok(shape):
-            raise CorruptObject(f"KDN tensor {name[:64]!r}: shape {str(shape)[:40]} is not {_SHAPE_RULE}")
-        if not isinstance(codec, str) or not codec or len(codec) > 32:
-            raise CorruptObject(f"KDN tensor {name[:64]!r}: codec {str(codec)[:40]!r} is not a short string")
-        if not isinstance(params, dict):
-            raise CorruptObject(f"KDN tensor {name[:64]!r}: params is not an object")
-        infos[name] = TensorInfo(name, dtype, tuple(shape), codec, params)
-    h = ObjectHeader(
-        version=v,
-        kind=k["kind"],
-        address=k["address"],
-        model_id=k["model_id"],
-        namespace=k["namespace"],
-        start=k["start"],
-        end=k["end"],
-        position=k["position"],
-        parent=k["parent"],
-        encoding=k["encoding"],
-        tensors=infos,
-    )
-    _check_header_fields(h)
-    return h
-
-
-def _as_view(blob: Buffer) -> memoryview:
-    mv = blob if isinstance(blob, memoryview) else memoryview(blob)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-def head_length(first8: Buffer) -> int:
-    """The length of the blob's head (8 + header) from its first 8 bytes; ObjectTooLarge past the limit."""
-    (n,) = struct.unpack_from("<Q", _as_view(first8), 0)
-    if n > MAX_HEADER_BYTES:
-        raise ObjectTooLarge(f"header length {n} exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
-    return 8 + int(n)
-
-
-def read_layout(head: Buffer, size: int, *, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> Layout:
-    """The layout of a blob of ``size`` bytes from its head alone (its first ``head_length`` bytes), fully
-    validated as :func:`read_header` does: what a receiver needs to place the tensors before they arrive."""
-    return _layout(_as_view(head), max_bytes, size=size)
-
-
-def _layout(mv: memoryview, max_bytes: int, size: int | None = None) -> _Layout:
-    size = len(mv) if size is None else size
-    if size > max_bytes:
-        raise ObjectTooLarge(f"blob of {size} bytes exceeds max_bytes={max_bytes}")
-    if size < 8:
-        raise TruncatedObject(f"blob of {size} bytes is shorter than the 8-byte header length")
-    (n,) = struct.unpack_from("<Q", mv, 0)
-    if n > MAX_HEADER_BYTES:
-        raise ObjectTooLarge(f"header length {n} exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
-    if size < 8 + n:
-        raise TruncatedObject(f"blob of {size} bytes ends inside its {n}-byte header")
-    text = bytes(mv[8 : 8 + n])
-    known = _LAYOUTS.get(text, size)
-    if known is not None:
-        return known
-    layout = _validate(text, size)
-    _LAYOUTS.put(text, size, layout)
-    return layout
-
-
-def _validate(text: bytes, size: int) -> _Layout:
-    """Parse and check the header JSON ``text`` of a blob of ``size`` bytes (``_layout``'s uncached part)."""
-    n = len(text)
-    top = _loads(text, "safetensors header")
-    header = _parse_kdn(top.pop(_META_KEY, None))
-    data_len = size - 8 - n
-
-    offsets: dict[str, tuple[int, int]] = {}
-    for name, e in top.items():
-        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise CorruptObject(f"tensor entry {name[:64]!r}: expected fields dtype, shape, data_offsets")
-        off = e["data_offsets"]
-        if not (isinstance(off, list) and len(off) == 2 and all(_is_int(o) for o in off) and 0 <= off[0] <= off[1] < 1 << 64):
-            raise CorruptObject(f"tensor {name[:64]!r}: data_offsets {str(off)[:60]} are not [begin, end] with 0 <= begin <= end < 2**64")
-        if not isinstance(e["dtype"], str) or e["dtype"] not in DTYPES:
-            raise CorruptObject(f"tensor {name[:64]!r}: unknown stored dtype {str(e['dtype'])[:20]!r}")
-        if not isinstance(e["shape"], list) or not _shape_ok(e["shape"]):
-            raise CorruptObject(f"tensor {name[:64]!r}: stored shape {str(e['shape'])[:40]} is not {_SHAPE_RULE}")
-        offsets[name] = (off[0], off[1])
-
-    if offsets.keys() != header.tensors.keys():
-        only_st = sorted(offsets.keys() - header.tensors.keys())[:4]
-        only_kdn = sorted(header.tensors.keys() - offsets.keys())[:4]
-        raise CorruptObject(f"tensor names differ: stored only {only_st}, KDN header only {only_kdn}")
-
-    # Offsets must tile [0, total) with no gap and no overlap (safetensors' own rule).
-    pos = 0
-    for name, (b, e) in sorted(offsets.items(), key=lambda kv: kv[1]):
-        if b != pos:
-            what = "overlap" if b < pos else "gap"
-            raise CorruptObject(f"tensor {name[:64]!r}: data_offsets [{b}, {e}] {what} at byte {pos} of the data")
-        pos = e
-    if pos > data_len:
-        raise TruncatedObject(f"blob ends {pos - data_len} bytes before its tensor data ({pos} bytes) does")
-    if pos < data_len:
-        raise CorruptObject(f"data section has {data_len - pos} bytes that no tensor covers")
-
-    for name, (b, e) in offsets.items():
-        st = top[name]
-        info = header.tensors[name]
-        stored_len = math.prod(st["shape"]) * itemsize(st["dtype"])
-        if stored_len != e - b:
-            raise TensorMismatch(
-                f"tensor {name[:64]!r}: stored {st['dtype']}{st['shape']} is {stored_len} bytes, data_offsets span {e - b}"
-            )
-        if info.codec == "raw":
-            if st["dtype"] != info.dtype or tuple(st["shape"]) != info.shape:
-                raise TensorMismatch(
-                    f"tensor {name[:64]!r}: stored as {st['dtype']}{st['shape']}, header says raw {info.dtype}{list(info.shape)}"
-                )
-        elif st["dtype"] != "U8" or len(st["shape"]) != 1:
-            raise TensorMismatch(
-                f"tensor {name[:64]!r}: codec {info.codec!r} needs a 1-D U8 tensor, stored as {st['dtype']}{st['shape']}"
-            )
-    return _Layout(header, 8 + n, offsets)
-
-
-class _LayoutCache:
-    """Validated layouts by header text and blob size, least recently used dropped past ``max_bytes`` of keys.
-
-    Checking a header field by field costs ~1 ms of Python for a 30-layer model's ~10 KB header (60
-    tensors), on whatever thread reads the object: 32 ms of an 8k-token SmolLM2 load, on the event loop's
-    thread when a raw object is received in place (``kdn.scatter``). The same objects are read again and
-    again (that is what a cache of them is for), with byte-identical headers, and parsing is a pure
-    function of (header text, blob size): the second read of a header takes the layout the first one
-    checked. Only layouts that passed every check are kept; ``Layout`` and what it holds are never
-    mutated by a reader. Thread-safe.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[tuple[bytes, int], _Layout] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, text: bytes, size: int) -> _Layout | None:
-        with self._lock:
-            got = self._items.get((text, size))
-            if got is not None:
-                self._items.move_to_end((text, size))
-            return got
-
-    def put(self, text: bytes, size: int, layout: _Layout) -> None:
-        if len(text) > self.max_bytes // 16:  # a huge header is not worth most of the budget
-            return
-        with self._lock:
-            if (text, size) in self._items:
-                return
-            self._items[(text, size)] = layout
-            self._bytes += len(text)
-            while self._bytes > self.max_bytes:
-                (old, _), _ = self._items.popitem(last=False)
-                self._bytes -= len(old)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
-
-
-_LAYOUTS = _LayoutCache(8 << 20)  # ~800 headers of a 30-layer model
-
-
-def read_header(blob: Buffer, *, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> ObjectHeader:
-    """Parse and fully validate an object's structure without decoding its payload (no torch)."""
-    return _layout(_as_view(blob), max_bytes).header
-
-
-def blob_namespace(blob: Buffer) -> str | None:
-    """The namespace written into a blob's own header by whoever made it; None for a blob that is not a KV
-    object (a kvtc basis). Who may read a blob is decided from this where the blob's maker is trusted."""
-    mv = _as_view(blob)
-    try:
-        return _layout(mv, max(len(mv), 8)).header.namespace
-    except (ObjectFormatError, InvalidInput):
-        return None
+# --- reader (the header and layout: kdn/layout.py) ----------------------------
 
 
 def decoded_nbytes(header: ObjectHeader) -> int:
@@ -553,7 +247,7 @@ def decode_object(
     (``ObjectTooLarge``). A codec that finds its payload corrupt raises
     :class:`kdn.errors.CodecError`.
     """
-    mv = _as_view(blob)
+    mv = as_view(blob)
     if len(mv) > max_bytes:
         raise ObjectTooLarge(f"blob of {len(mv)} bytes exceeds max_bytes={max_bytes}")
     if expected_digest is not None:
@@ -574,8 +268,8 @@ class ObjectView:
 
     def __init__(self, blob: Buffer, *, max_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
                  max_decoded: int | None = None) -> None:
-        self._mv = _as_view(blob)
-        self._layout = _layout(self._mv, max_bytes)
+        self._mv = as_view(blob)
+        self._layout = layout_of(self._mv, max_bytes)
         need = decoded_nbytes(self._layout.header)
         cap = max_decoded if max_decoded is not None else min(max_bytes, max(MIN_DECODED_CAP, MAX_EXPANSION * len(self._mv)))
         if need > cap:
@@ -601,7 +295,7 @@ class ObjectView:
         layout, mv = self._layout, self._mv
         buf = None
         if out is not None:
-            buf = _as_view(out)
+            buf = as_view(out)
             need = decoded_nbytes(layout.header)
             if buf.readonly or len(buf) < need:
                 raise InvalidInput(f"decode buffer must be writable and >= {need} bytes, got {len(buf)}")
@@ -623,7 +317,7 @@ class ObjectView:
                 pos += _align64(want)
             else:
                 data = codec.decode(payload, info.dtype, info.shape, info.params)
-            dv = _as_view(data)
+            dv = as_view(data)
             if len(dv) != want:
                 raise TensorMismatch(f"tensor {name[:64]!r}: codec {info.codec!r} decoded {len(dv)} bytes, expected {want}")
             tensors[name] = RawTensor(name, info.dtype, info.shape, dv)

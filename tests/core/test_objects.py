@@ -546,12 +546,12 @@ def test_a_zstd_bomb_is_refused_before_it_is_decoded():
 
 
 def test_a_header_read_twice_is_validated_once_and_a_bad_one_every_time(monkeypatch):
-    from kdn import objects
+    from kdn import layout
 
     calls = []
-    validate = objects._validate
-    monkeypatch.setattr(objects, "_validate", lambda text, size: calls.append(size) or validate(text, size))
-    monkeypatch.setattr(objects, "_LAYOUTS", objects._LayoutCache(1 << 20))
+    validate = layout._validate
+    monkeypatch.setattr(layout, "_validate", lambda text, size: calls.append(size) or validate(text, size))
+    monkeypatch.setattr(layout, "_LAYOUTS", layout._LayoutCache(1 << 20))
     blob = blob_of("raw")
     first, again = read_header(blob), read_header(bytearray(blob))
     assert first is again and calls == [len(blob)]  # the second read is the first's layout
@@ -570,7 +570,7 @@ def test_a_header_read_twice_is_validated_once_and_a_bad_one_every_time(monkeypa
 
 
 def test_the_layout_cache_is_bounded_by_its_key_bytes():
-    from kdn.objects import _LayoutCache, _validate
+    from kdn.layout import _LayoutCache, _validate
 
     blobs = [blob_of("raw", start=256 * i, end=256 * (i + 1), position=256 * i) for i in range(1, 40)]
     n = struct.unpack_from("<Q", blobs[0])[0]
