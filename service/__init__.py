@@ -23,7 +23,7 @@ from __future__ import annotations
 import prometheus_client
 
 from .config import Deadlines, NodeConfig
-from .inputs import MAX_JSON_BODY, MAX_LOOKUP_ADDRESSES, bearer, read_addresses, read_json
+from .inputs import MAX_JSON_BODY, MAX_LOOKUP_ADDRESSES, bearer, read_addresses, read_body, read_json
 from .keys import (
     DEADLINES,
     GRANTS,
@@ -86,6 +86,7 @@ __all__ = [
     "quiet_malformed_requests",
     "ranged",
     "read_addresses",
+    "read_body",
     "read_json",
     "records_of",
     "registry_ctx",

@@ -33,11 +33,12 @@ def bearer(request: web.Request) -> str | None:
     return value
 
 
-async def read_json(request: web.Request, limit: int = MAX_JSON_BODY) -> dict[str, Any]:
-    """The request's JSON object body, bounded: 413 past ``limit``, 400 if not a JSON object."""
+async def read_body(request: web.Request, limit: int, what: str = "body") -> bytearray:
+    """The request's body, bounded: 413 past ``limit`` bytes (by its Content-Length, before a byte is read, or
+    as it arrives), 408 if it has not all arrived within the deadline for bodies (counted in the metrics)."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length,
-                                            text=f"body larger than {limit} bytes")
+                                            text=f"{what} larger than {limit} bytes")
     seconds = (request.app.get(DEADLINES) or Deadlines()).body
     body = bytearray()
     try:
@@ -46,12 +47,18 @@ async def read_json(request: web.Request, limit: int = MAX_JSON_BODY) -> dict[st
                 body += chunk
                 if len(body) > limit:
                     raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body),
-                                                        text=f"body larger than {limit} bytes")
+                                                        text=f"{what} larger than {limit} bytes")
     except TimeoutError:
         if HTTP_METRICS in request.app:
             request.app[HTTP_METRICS]["body"].inc()
         raise web.HTTPRequestTimeout(text=f"body not received within {seconds:g} s",
                                      headers={"Connection": "close"}) from None
+    return body
+
+
+async def read_json(request: web.Request, limit: int = MAX_JSON_BODY) -> dict[str, Any]:
+    """The request's JSON object body, bounded: 413 past ``limit``, 400 if not a JSON object."""
+    body = await read_body(request, limit)
     try:
         data = json.loads(body)
     except RecursionError:  # nesting deeper than the parser's stack: not a body any route takes

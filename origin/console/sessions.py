@@ -6,7 +6,6 @@ the token posted once to the sign-in form. See the package's docstring (origin/c
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 import secrets
@@ -19,7 +18,7 @@ from urllib.parse import parse_qsl, urlsplit
 from aiohttp import web
 
 from kdn.auth import Grant
-from kdn.service import DEADLINES, GRANTS, Deadlines
+from kdn.service import GRANTS, read_body
 
 PREFIX = "/console"
 COOKIE = "kdn_console"
@@ -136,21 +135,7 @@ async def read_form(request: web.Request) -> dict[str, str]:
     ``MAX_FORM_BYTES``, 400 if it is not UTF-8 form fields (a field given twice: the last one)."""
     if request.content_type != "application/x-www-form-urlencoded":
         raise web.HTTPUnsupportedMediaType(text="a console form is application/x-www-form-urlencoded")
-    if request.content_length is not None and request.content_length > MAX_FORM_BYTES:
-        raise web.HTTPRequestEntityTooLarge(max_size=MAX_FORM_BYTES, actual_size=request.content_length,
-                                            text=f"form larger than {MAX_FORM_BYTES} bytes")
-    seconds = (request.app.get(DEADLINES) or Deadlines()).body
-    body = bytearray()
-    try:
-        async with asyncio.timeout(seconds):
-            async for chunk in request.content.iter_chunked(1 << 14):
-                body += chunk
-                if len(body) > MAX_FORM_BYTES:
-                    raise web.HTTPRequestEntityTooLarge(max_size=MAX_FORM_BYTES, actual_size=len(body),
-                                                        text=f"form larger than {MAX_FORM_BYTES} bytes")
-    except TimeoutError:
-        raise web.HTTPRequestTimeout(text=f"body not received within {seconds:g} s",
-                                     headers={"Connection": "close"}) from None
+    body = await read_body(request, MAX_FORM_BYTES, "form")
     try:
         fields = parse_qsl(body.decode("ascii"), keep_blank_values=True, strict_parsing=bool(body),
                            encoding="utf-8", errors="strict", max_num_fields=MAX_FORM_FIELDS)
