@@ -58,6 +58,21 @@ def test_core_import_stays_light(tmp_path):
     assert loaded == []
 
 
+def test_the_edge_server_does_not_load_model_libraries(tmp_path):
+    """An edge moves bytes: it runs on a host without torch (a cache node next to engines, not an engine), so
+    nothing on its import path may pull torch or transformers in."""
+    loaded = run_python(
+        """
+        import json, sys
+        import kdn.edge.app, kdn.edge.node, kdn.edge.cli, kdn.edge.policies
+        kdn.edge.app.create_app
+        print(json.dumps(sorted(m for m in ("torch", "transformers") if m in sys.modules)))
+        """,
+        tmp_path,
+    )
+    assert loaded == []
+
+
 def test_the_core_folder_holds_no_server_code():
     """Server plumbing lives in service/ (kdn.service), beside origin/ and edge/ that use it, not in the core."""
     offenders = [str(p.relative_to(CHECKOUT)) for p in sorted((CHECKOUT / "kdn").rglob("*.py"))
