@@ -343,7 +343,9 @@ def main() -> None:
         res.write()
         return
     res.set_headline(
-        "attention steering from the manifest's emphasis map, needle in the middle",
+        "attention steering from the manifest's emphasis map, needle in the middle" + (
+            " (the operator's map: it marks the answer's sentence, an oracle)" if args.map == "operator" else
+            " (the origin's probe map: no question known)"),
         f"accuracy {acc[('full', False)]:.3f} -> {acc[('full', True)]:.3f} (full prefill), blend + steering "
         f"{acc[('blend', True)]:.3f}; unrelated-continuation NLL {nll_inc * 100:+.2f}%; the targets are "
         + ("met" if met else "**not met**" + (f" (the NLL-within-1% one; accuracy +{lift:.3f} and blend + steering "
