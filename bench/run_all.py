@@ -99,6 +99,8 @@ RUNS: list[Run] = [
     Run("blend-heldout", "blend", ["--seeds", "11,13", "--configs",
                                    "deviation-kv:15:1,deviation-query:12:1,deviation-query:15:1", "--png", ""],
         None, ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    # Reuse across edits (issue #30 1b): an edited document read from its old version's published states.
+    Run("edits", "edits", [], ["--quick"], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("steer", "steer", [], ["--quick"], ("smollm2",), 3 * 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     # The realistic map: what the origin's model marks under a generic probe question that names no fact.
     Run("steer-probe", "steer", ["--map", "probe", "--no-headline"], None, ("smollm2",), 3 * 3600,

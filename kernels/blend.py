@@ -111,13 +111,16 @@ def query_weighted(deviation: torch.Tensor, attention: torch.Tensor) -> torch.Te
 
 def compose(chunks: Sequence[Mapping[str, torch.Tensor] | None], lengths: Sequence[int], rope: Any,
             layers: Sequence[int], *, kv_shape: tuple[int, int], dtype: torch.dtype,
-            device: torch.device | str = "cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            device: torch.device | str = "cpu",
+            starts: Sequence[int] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Concatenate standalone chunks into one context: per layer K ``[1, H, S, D]`` (shifted) and V.
 
     ``chunks[j]`` holds ``L{i}.k`` / ``L{i}.v`` ``[H, lengths[j], D]`` computed at
     positions ``0..lengths[j]-1``, or is ``None`` for a segment computed fresh
     (zeros here: the driver overwrites them). Chunk ``j`` lands at offset
-    ``sum(lengths[:j])``; its keys are rotated there.
+    ``sum(lengths[:j])``; its keys are rotated there. ``starts[j]`` (default 0): the position chunk ``j``'s
+    first token was computed at (a slice of a prefix chain, ``kdn.adapters.hf.edits``): its keys turn by
+    ``offset - starts[j]``, none when the slice lands where it was computed.
 
     Every layer's K (and V) is a view of one ``[layers, 1, H, S, D]`` tensor, and a
     chunk's keys are shifted for all layers in one in-place ``rope_shift``, in the
@@ -133,7 +136,8 @@ def compose(chunks: Sequence[Mapping[str, torch.Tensor] | None], lengths: Sequen
     K = torch.empty(len(layers), 1, H, S, D, dtype=dtype, device=device)  # [layers, 1, H, S, D]
     V = torch.empty_like(K)
     off = 0
-    for chunk, n in zip(chunks, lengths):
+    for j0, (chunk, n) in enumerate(zip(chunks, lengths)):
+        delta = off - (starts[j0] if starts is not None else 0)
         if chunk is None:
             K[:, :, :, off:off + n] = 0
             V[:, :, :, off:off + n] = 0
@@ -144,13 +148,13 @@ def compose(chunks: Sequence[Mapping[str, torch.Tensor] | None], lengths: Sequen
                 assert tuple(k.shape) == (H, n, D) and tuple(v.shape) == (H, n, D), (k.shape, (H, n, D))
                 V[j, 0, :, off:off + n] = v
             dst = K[:, 0, :, off:off + n]  # [layers, H, n, D]
-            if off and torch.promote_types(ks[0].dtype, dtype) != dtype:
+            if delta and torch.promote_types(ks[0].dtype, dtype) != dtype:
                 # Rotating after a narrowing cast would round twice: rotate the chunk's own values, then cast.
-                dst[:] = rope_shift(torch.stack(ks).to(device), off, r)
+                dst[:] = rope_shift(torch.stack(ks).to(device), delta, r)
             else:
                 for j, k in enumerate(ks):
                     dst[j] = k
-                if off:
-                    rope_shift(dst, off, r, out=dst)  # every layer in one call, in place
+                if delta:
+                    rope_shift(dst, delta, r, out=dst)  # every layer in one call, in place
         off += n
     return list(K.unbind(0)), list(V.unbind(0))

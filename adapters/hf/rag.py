@@ -88,10 +88,18 @@ SELECTIONS = ("deviation", "deviation-kv", "deviation-query", "chunk-start")
 
 @dataclass
 class Segment:
-    """A run of tokens in the composed context: ``kv`` holds its standalone states, or ``None`` (compute fresh)."""
+    """A run of tokens in the composed context: ``kv`` holds its standalone states, or ``None`` (compute fresh).
+
+    ``at``: the position ``kv``'s first token was computed at (0 for a standalone chunk; a slice of a
+    prefix chain keeps its own, ``kdn.adapters.hf.edits``): its keys turn by (place - ``at``).
+    ``exact``: ``kv`` holds the true states of these tokens at this place (the unchanged prefix of an
+    edited document): never checked nor recomputed, except by ``recompute_ratio=1``, which runs everything.
+    """
 
     ids: Sequence[int]
     kv: Mapping[str, torch.Tensor] | None = None
+    at: int = 0
+    exact: bool = False
 
 
 @dataclass
@@ -100,10 +108,11 @@ class Blend:
     keys: list[torch.Tensor]  # per layer [1, kv_heads, S, head_dim], as the cache should hold them
     values: list[torch.Tensor]
     n_tokens: int
-    n_reused: int  # tokens whose KV came from standalone chunks
+    n_reused: int  # tokens whose KV came from standalone chunks (or shifted slices), ``exact`` ones not counted
     recomputed: torch.Tensor  # indices of reused tokens recomputed in the deep layers (ascending)
     layer_tokens: float = 0.0  # (reused token, layer) pairs recomputed, check layers included
     n_layers: int = 1
+    n_exact: int = 0  # tokens of ``exact`` segments: loaded as they are, not checked (all run at ratio 1)
 
     @property
     def recompute_share(self) -> float:
@@ -214,12 +223,13 @@ def kv_share(layer: Any) -> float:
 
 
 def chunk_start_tokens(segments: Sequence[Segment], ratio: float) -> list[int]:
-    """Context indices of the first ``n_select(n, ratio)`` tokens of each reused segment (ascending)."""
+    """Context indices of the first ``n_select(n, ratio)`` tokens of each reused segment (ascending);
+    ``exact`` segments only at ratio 1 (every token)."""
     out: list[int] = []
     off = 0
     for s in segments:
         n = len(s.ids)
-        if s.kv is not None:
+        if s.kv is not None and (not s.exact or ratio == 1.0):
             out += range(off, off + n_select(n, ratio))
         off += n
     return out
@@ -251,14 +261,20 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
     ids = torch.tensor([t for s in segments for t in s.ids], dtype=torch.long, device=dev)  # [S]
     S = ids.numel()
     fresh = torch.cat([torch.full((n,), s.kv is None, dtype=torch.bool) for s, n in zip(segments, lengths)]).to(dev)
+    exact = torch.cat([torch.full((n,), s.kv is not None and s.exact, dtype=torch.bool)
+                       for s, n in zip(segments, lengths)]).to(dev)
     if not bool(fresh[S - n_logits:].all()):
         raise InvalidInput(f"the last {n_logits} tokens must be fresh (a query) to have logits")
-    reused_idx = (~fresh).nonzero().flatten()  # [R]
+    reused_idx = (~fresh & ~exact).nonzero().flatten()  # [R]
     fresh_idx = fresh.nonzero().flatten()
+    # The tokens the check layers run: all but the exact ones; ``row`` maps a position to its row among them.
+    live = (~exact).nonzero().flatten()
+    row = torch.full((S,), -1, dtype=torch.long, device=dev)
+    row[live] = torch.arange(live.numel(), device=dev)
     attn0 = layers[0].self_attn
     H = model.config.num_key_value_heads
     Ks, Vs = compose([s.kv for s in segments], lengths, rope_of(model), range(len(layers)),
-                     kv_shape=(H, attn0.head_dim), dtype=dtype, device=dev)
+                     kv_shape=(H, attn0.head_dim), dtype=dtype, device=dev, starts=[s.at for s in segments])
     embed = inner.embed_tokens
 
     def cos_sin(idx: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,13 +287,13 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
                                   dtype=torch.long, device=dev)
             start, idx = 0, torch.sort(torch.cat((chosen, fresh_idx))).values
             h = embed(ids[idx])[None]  # [1, s, hidden]
-            layer_tokens: float = int(chosen.numel()) * L
+            layer_tokens: float = int((~exact[chosen]).sum()) * L  # exact tokens (ratio 1) are not reused ones
         else:
             # "deviation": layers 0..check_layer in full; "deviation-kv": layers 0..check_layer-1 in full and
             # only the K/V projections of the check layer (what the deviation needs).
             full_layers = check_layer + 1 if selection == "deviation" else check_layer
-            idx = torch.arange(S, device=dev)
-            h = embed(ids)[None]  # [1, S, hidden]
+            idx = live
+            h = embed(ids[idx])[None]  # [1, s, hidden]
             cos, sin = cos_sin(idx, h)
             # The composed K/V of the reused tokens at the check layer, kept before the layers below rewrite it.
             comp_k, comp_v = Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx]
@@ -285,14 +301,21 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
                 h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i], steer)
             if selection != "deviation":
                 x = layers[check_layer].input_layernorm(h)
-                Ks[check_layer], Vs[check_layer] = _kv(layers[check_layer], x, cos, sin)
+                k, v = _kv(layers[check_layer], x, cos, sin)
+                if live.numel() == S:
+                    Ks[check_layer], Vs[check_layer] = k, v
+                else:  # the exact tokens' rows stay as loaded
+                    Ks[check_layer].index_copy_(2, live, k)
+                    Vs[check_layer].index_copy_(2, live, v)
             # Deviation of the reused tokens at the check layer: true (just computed) vs composed.
             d = kv_deviation(Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx],
                              comp_k, comp_v)  # [R]
             if selection == "deviation-query" and reused_idx.numel():
                 # The query: the fresh tokens after the last reused one; how much it reads each token.
                 qpos = torch.arange(int(reused_idx[-1]) + 1, S, device=dev)
-                q = _q(layers[check_layer], x[:, qpos], cos[:, qpos], sin[:, qpos])
+                qpos = qpos[~exact[qpos]]
+                qr = row[qpos]
+                q = _q(layers[check_layer], x[:, qr], cos[:, qr], sin[:, qr])
                 attn = layers[check_layer].self_attn
                 # Steered, the question reads the emphasised tokens more: weigh them as the steered model will.
                 bias = steer.bias(attn.layer_idx, qpos, S, q.shape[1], q.dtype, dev) if steer is not None else None
@@ -300,7 +323,7 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
                 d = query_weighted(d, a[reused_idx])
             chosen = reused_idx[select_tokens(d, recompute_ratio)]
             idx = torch.sort(torch.cat((chosen, fresh_idx))).values  # [s]
-            h = h.index_select(1, idx)
+            h = h.index_select(1, row[idx])
             start = full_layers
             R = int(reused_idx.numel())
             layer_tokens = R * start + int(chosen.numel()) * (L - start)
@@ -313,7 +336,7 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
         assert bool((idx[-n_logits:] == torch.arange(S - n_logits, S, device=dev)).all())
         logits = model.lm_head(inner.norm(h[:, -n_logits:]))[0]  # [n_logits, vocab]
     return Blend(logits=logits, keys=Ks, values=Vs, n_tokens=S, n_reused=int(reused_idx.numel()),
-                 recomputed=recomputed, layer_tokens=layer_tokens, n_layers=L)
+                 recomputed=recomputed, layer_tokens=layer_tokens, n_layers=L, n_exact=int(exact.sum()))
 
 
 def full_prefill(model: Any, ids: Sequence[int], *, n_logits: int = 1) -> Blend:
