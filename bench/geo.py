@@ -510,8 +510,10 @@ def make_client(world: World, region: str, strategy: str, seed: int, records: di
     else:
         c = BenchClient(**kw, strategy=strategy, hedge=strategy != "origin-only")
     c.rng.seed(seed)
-    c._local_addr = client_ip(region)  # leave from my region: the link emulator picks the link by source address
-    c._session = bound_session(client_ip(region), headers=c.headers, timeout=c._timeout)
+    net = c.net  # (kdn.connections: made on first use, so rebinding them here is before any request)
+    net._local_addr = client_ip(region)  # leave from my region: the link emulator picks the link by source address
+    net._session = bound_session(client_ip(region), headers=c.headers,
+                                 timeout=aiohttp.ClientTimeout(total=net.timeout, sock_connect=min(net.timeout, 5.0)))
     c.label_region = {s.label: (world.origin_link.url == s.url and "origin")
                       or next(n.region for n in world.edges.values() if n.url == s.url) for s in c.sources}
     return c
