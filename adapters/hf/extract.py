@@ -107,10 +107,12 @@ def _as_ids(model: Any, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
     return ids.to(model.device)
 
 
-def _forward(model: Any, cache: Any, ids: torch.Tensor, first_position: int, *, logits: bool) -> Any:
+def _forward(model: Any, cache: Any, ids: torch.Tensor, first_position: int, *, logits: bool,
+             keep: int | None = None) -> Any:
     # Explicit position_ids: Bamba (and others) do not offset positions by the cache length.
     pos = torch.arange(first_position, first_position + ids.numel(), device=ids.device)[None]  # [1, n]
-    kw = {} if logits else {"logits_to_keep": 1}  # skip the vocab projection of all but one token
+    keep = keep if logits else 1  # skip the vocab projection of all but the tokens whose logits are wanted
+    kw = {} if keep is None else {"logits_to_keep": keep}
     # ``past_key_values=``: transformers 5.24 renamed it ``cache=`` (keeping the old name), but the 5.19
     # that vLLM pins only knows the old one and would silently start from an empty cache of its own.
     return model(input_ids=ids[None], position_ids=pos, past_key_values=cache, use_cache=True, **kw)

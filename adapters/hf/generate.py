@@ -249,7 +249,7 @@ def _run_steered(model, tokenizer, ids, builder: CacheBuilder | None, report, ma
         if cache is None:
             cache = new_cache(model)
         t0 = time.perf_counter()
-        logits = continue_from_cache(model, cache, n, ids[n:])  # [len(ids) - n, vocab]
+        logits = continue_from_cache(model, cache, n, ids[n:], last=1)  # [1, vocab]: what the request uses
         report.prefill_ms = (time.perf_counter() - t0) * 1e3
         first_logits = logits[-1].float()
         out: list[int] = []

@@ -99,7 +99,7 @@ def reference(lm, ids, suffix, loaded_chunks):
             from kdn.adapters.hf.extract import new_cache
 
             cache = new_cache(lm.model)
-        return continue_from_cache(lm.model, cache, n, ids[n:] + suffix)[-1]
+        return continue_from_cache(lm.model, cache, n, ids[n:] + suffix, last=1)[-1]  # as agenerate computes it
 
 
 def calibrate(lm, seconds_for_1024: float) -> None:
