@@ -179,17 +179,7 @@ async def run(args, res: R.Results, log) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kdn-edits-"))
     procs: list = []
     try:
-        (tmp / "tokens").write_text(T.PUBLISH_TOKEN + " admin *\n")
-        registry = f"file:{tmp / 'registry.sqlite3'}"
-        origin = T.start("origin", "origin", dict(model=args.model, dtype=args.dtype, registry=registry,
-                                                  store=str(tmp / "origin-store"), host="127.0.0.1",
-                                                  port=T.free_port(), token_file=str(tmp / "tokens"),
-                                                  node_id="origin-1", fsync=False), tmp)
-        procs.append(origin)
-        edge = T.start("edge-mem", "edge", dict(region="mem", registry=registry, origin=origin.url, mem_budget=1 << 30,
-                                                disk=None, host="127.0.0.1", port=T.free_port(), node_id="edge-mem",
-                                                prefetch=0, lease_ttl=10.0, fsync=False), tmp)
-        procs.append(edge)
+        origin, edge = T.origin_and_memory_edge(tmp, args.model, args.dtype, procs)
         torch.manual_seed(0)
         lm = load_model(args.model, dtype=getattr(torch, args.dtype))
         model, tok = lm.model, lm.tokenizer

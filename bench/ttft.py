@@ -143,6 +143,23 @@ class Proc:
                 self.popen.wait(10)
 
 
+def origin_and_memory_edge(tmp: Path, model: str, dtype: str, procs: list) -> tuple[Proc, Proc]:
+    """A token file and a file registry under ``tmp``, an origin of ``model`` and one edge whose memory tier
+    holds everything (1 GiB), as processes on 127.0.0.1; each is appended to ``procs`` once started (the
+    caller stops them). What bench/blend.py and bench/edits.py read their chunks through."""
+    (tmp / "tokens").write_text(PUBLISH_TOKEN + " admin *\n")
+    registry = f"file:{tmp / 'registry.sqlite3'}"
+    origin = start("origin", "origin", dict(model=model, dtype=dtype, registry=registry,
+                                            store=str(tmp / "origin-store"), host="127.0.0.1", port=free_port(),
+                                            token_file=str(tmp / "tokens"), node_id="origin-1", fsync=False), tmp)
+    procs.append(origin)
+    edge = start("edge-mem", "edge", dict(region="mem", registry=registry, origin=origin.url, mem_budget=1 << 30,
+                                          disk=None, host="127.0.0.1", port=free_port(), node_id="edge-mem",
+                                          prefetch=0, lease_ttl=10.0, fsync=False), tmp)
+    procs.append(edge)
+    return origin, edge
+
+
 def start(name: str, role: str, cfg: dict, tmp: Path) -> Proc:
     log = tmp / f"{name}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
