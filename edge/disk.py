@@ -49,7 +49,8 @@ import msgpack
 from blake3 import blake3
 
 from kdn.edge.eviction import ARC, PolicyFactory
-from kdn.edge.tiers import EntryMeta, EvictCallback, _BaseTier, _Entry, _HandleBase, steady_wall
+from kdn.edge.tierbase import Entry, HandleBase, TierBase
+from kdn.edge.tiers import EntryMeta, EvictCallback, steady_wall
 from kdn.errors import InvalidInput
 from kdn.store import BlobDir, StoredBlob
 
@@ -67,13 +68,13 @@ def _sidecar(blob: Path) -> Path:
     return blob.with_name(blob.name + _SUFFIX)
 
 
-class DiskHandle(_HandleBase):
+class DiskHandle(HandleBase):
     """A pinned read: serve ``path`` with sendfile, or ``await read()`` for the bytes.
 
     The file is not deleted or replaced before ``release()``.
     """
 
-    def __init__(self, tier: DiskTier, e: _Entry) -> None:
+    def __init__(self, tier: DiskTier, e: Entry) -> None:
         super().__init__(tier, e)
         self._file: Path = e.payload
         self.path = self._file
@@ -82,7 +83,7 @@ class DiskHandle(_HandleBase):
         return await asyncio.to_thread(self._file.read_bytes)
 
 
-class DiskTier(_BaseTier):
+class DiskTier(TierBase):
     """``DiskTier(root, budget_bytes, policy=ARC)``: see ``kdn.edge.tiers`` for the contract.
 
     The constructor scans ``root`` (blocking); from a running event loop use
@@ -114,7 +115,7 @@ class DiskTier(_BaseTier):
 
     # --- start-up ----------------------------------------------------------
 
-    def _scan(self) -> list[_Entry]:
+    def _scan(self) -> list[Entry]:
         found = []
         now, latest = self._clock(), 0.0
         for b in self.blobs.scan():  # also deletes temp files a crash left behind
@@ -131,7 +132,7 @@ class DiskTier(_BaseTier):
                 # for as long as the step. Count it as arrived long ago: a TTL drops it, nothing else cares.
                 meta = replace(meta, inserted_at=LONG_AGO)
                 self.scan_future += 1
-            found.append((b.mtime, _Entry((b.address, b.encoding), meta, b.path, verified=False)))
+            found.append((b.mtime, Entry((b.address, b.encoding), meta, b.path, verified=False)))
         if self.scan_future:
             log.warning("disk tier %s: %d entries were stamped up to %.0f s in the future (the clock went back "
                         "while the edge was down): treated as arrived long ago, so a TTL policy drops them",
@@ -162,10 +163,10 @@ class DiskTier(_BaseTier):
 
     # --- hooks -------------------------------------------------------------
 
-    async def _write(self, e: _Entry, blob: bytes | bytearray | memoryview) -> Path:
+    async def _write(self, e: Entry, blob: bytes | bytearray | memoryview) -> Path:
         return await asyncio.to_thread(self._write_sync, e, blob)
 
-    def _write_sync(self, e: _Entry, blob: bytes | bytearray | memoryview) -> Path:
+    def _write_sync(self, e: Entry, blob: bytes | bytearray | memoryview) -> Path:
         address, encoding = e.key
         final = self.blobs.path(address, encoding)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -205,16 +206,16 @@ class DiskTier(_BaseTier):
             # The sidecar's rename must be durable before the blob's: fsync the folder now.
             BlobDir._fsync_dir(path.parent)
 
-    def _free(self, e: _Entry) -> None:
+    def _free(self, e: Entry) -> None:
         # Blob first, sidecar second: a blob is never left without its metadata.
         path: Path = e.payload
         path.unlink(missing_ok=True)
         _sidecar(path).unlink(missing_ok=True)
 
-    async def _check(self, e: _Entry) -> bool:
+    async def _check(self, e: Entry) -> bool:
         return await asyncio.to_thread(_digest_matches, e.payload, e.meta)
 
-    def _handle(self, e: _Entry) -> DiskHandle:
+    def _handle(self, e: Entry) -> DiskHandle:
         return DiskHandle(self, e)
 
 

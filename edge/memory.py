@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from kdn.edge.tiers import EntryMeta, Key, _BaseTier, _Entry, _HandleBase
+from kdn.edge.tierbase import Entry, HandleBase, TierBase
+from kdn.edge.tiers import EntryMeta, Key
 
 
-class MemoryHandle(_HandleBase):
+class MemoryHandle(HandleBase):
     """A pinned read: ``data`` is a read-only view of the cached bytes (no copy).
 
     The view stays valid after ``release()`` (Python keeps the bytes alive), but
     the tier no longer counts them: release only once the bytes are sent.
     """
 
-    def __init__(self, tier: MemoryTier, e: _Entry) -> None:
+    def __init__(self, tier: MemoryTier, e: Entry) -> None:
         super().__init__(tier, e)
         self._view = memoryview(e.payload).toreadonly()
         self.data = self._view
@@ -21,12 +22,12 @@ class MemoryHandle(_HandleBase):
         return self._view
 
 
-class MemoryTier(_BaseTier):
+class MemoryTier(TierBase):
     """``MemoryTier(budget_bytes, policy=ARC)``: see ``kdn.edge.tiers`` for the contract."""
 
     name = "memory"
 
-    async def _write(self, e: _Entry, blob: bytes | bytearray | memoryview) -> bytes | bytearray:
+    async def _write(self, e: Entry, blob: bytes | bytearray | memoryview) -> bytes | bytearray:
         # bytes(b) of an exact bytes object is b itself, and a bytearray is taken over as it is (a fill's
         # fresh buffer: its maker hands it on and never changes it); a view is copied once, because its
         # owner may reuse the buffer after put() returns.
@@ -34,10 +35,10 @@ class MemoryTier(_BaseTier):
             return blob
         return bytes(blob)
 
-    def _free(self, e: _Entry) -> None:
+    def _free(self, e: Entry) -> None:
         e.payload = None
 
-    def _handle(self, e: _Entry) -> MemoryHandle:
+    def _handle(self, e: Entry) -> MemoryHandle:
         return MemoryHandle(self, e)
 
 
