@@ -21,7 +21,9 @@ extra: the kvtc basis's address, the origin's URL); objects -- address, model id
 token span, parent, standalone, every encoding's size and digest (and its piece digests, kdn/pieces.py), tails,
 origin, engine; manifests -- namespace, name, model id, addresses, token
 counts, the published token ids, template, standalone addresses, the emphasis map (when there is
-one; its absence is signed too, since the payload then differs from one with a map). Not signed:
+one; its absence is signed too, since the payload then differs from one with a map); base relations
+(``BaseRelation``: a variant model reads a base model's states) -- variant, base, layer count, the layer plan,
+metric, budget, what was measured, name. Not signed:
 ``created`` (no consumer decides anything by it) and the signature itself.
 """
 
@@ -42,9 +44,10 @@ from kdn.errors import InvalidInput, KDNError
 if TYPE_CHECKING:  # pragma: no cover - imported where used: kdn.registry and cryptography load lazily
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-    from kdn.registry.records import Admission, Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+    from kdn.registry.records import (Admission, BaseRelation, Encoding, Manifest, ModelRecord, NodeRecord,
+                                      ObjectRecord, Policy)
 
-    Signable = TypeVar("Signable", bound=ObjectRecord | Manifest | Policy | Admission | ModelRecord)
+    Signable = TypeVar("Signable", bound=ObjectRecord | Manifest | Policy | Admission | ModelRecord | BaseRelation)
 
 KEY_PREFIX = "ed25519:"
 
@@ -53,10 +56,10 @@ class SignatureError(KDNError):
     """A record is unsigned, signed by a key nobody trusts here, or its signature does not match."""
 
 
-def payload(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord) -> bytes:
-    """The canonical bytes signed for an ``ObjectRecord``, a ``Manifest``, a ``ModelRecord``, or (an
-    operator's) a ``Policy`` or a node's ``Admission``."""
-    from kdn.registry.records import Admission, Manifest, ModelRecord, ObjectRecord, Policy
+def payload(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord | BaseRelation) -> bytes:
+    """The canonical bytes signed for an ``ObjectRecord``, a ``Manifest``, a ``ModelRecord``, a publisher's
+    ``BaseRelation``, or (an operator's) a ``Policy`` or a node's ``Admission``."""
+    from kdn.registry.records import Admission, BaseRelation, Manifest, ModelRecord, ObjectRecord, Policy
 
     if isinstance(rec, ObjectRecord):
         body = {
@@ -90,6 +93,10 @@ def payload(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord) -> 
         body = {"t": "kdn/model-record/v1", "model_id": rec.model_id, "name": rec.name,
                 "architecture": rec.architecture, "dtype": rec.dtype, "chunk_tokens": rec.chunk_tokens,
                 "config": rec.config, "extra": rec.extra}
+    elif isinstance(rec, BaseRelation):  # every field but ``created``
+        body = {"t": "kdn/base-relation/v1", "variant": rec.variant, "base": rec.base, "layers": rec.layers,
+                "recompute": rec.recompute, "metric": rec.metric, "budget": rec.budget, "measured": rec.measured,
+                "name": rec.name}
     elif isinstance(rec, Admission):
         body = {"t": "kdn/node-admission/v1", "role": rec.role, "region": rec.region, "node_id": rec.node_id,
                 "url": rec.url, "expires": rec.expires}
@@ -297,7 +304,7 @@ class Verifier:
             raise SignatureError(f"record {_name(rec)}: the signature does not match its fields") from None
         return rec
 
-    def ok(self, rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord) -> bool:
+    def ok(self, rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord | BaseRelation) -> bool:
         try:
             self.check(rec)
             return True
@@ -305,8 +312,9 @@ class Verifier:
             return False
 
 
-def _name(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord) -> str:
+def _name(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord | BaseRelation) -> str:
     return str(getattr(rec, "address", None) or getattr(rec, "node_id", None) or getattr(rec, "model_id", None)
+               or getattr(rec, "variant", None)
                or f"{getattr(rec, 'namespace', '?')}/{getattr(rec, 'name', '?')}")[:32]
 
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import msgpack
 
-from kdn.address import Address, Digest, ModelId, validate_address, validate_digest, validate_model_id, validate_name, validate_namespace
+from kdn.address import Address, Digest, ModelId, canonical_json, validate_address, validate_digest, validate_model_id, validate_name, validate_namespace
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
 from kdn.pieces import Pieces
@@ -157,6 +157,57 @@ class ModelRecord(_Record):
         _check_dict("ModelRecord", "config", self.config)
         _check_dict("ModelRecord", "extra", self.extra)
         _check_sig("ModelRecord", self.sig)
+
+
+MAX_RELATION_LAYERS = 4096
+
+
+@dataclass(frozen=True)
+class BaseRelation(_Record):
+    """A publisher's word that model ``variant`` derives from model ``base`` (a fine-tune, a merged LoRA), and
+    how the variant reads the base's states: it recomputes layers ``recompute`` of its ``layers`` itself (its
+    layer plan, measured once for the pair: ``kdn.adapters.hf.variants``) and takes the base's K/V for the rest,
+    within ``budget`` of ``metric`` (``nll%``: continuation NLL increase in %; ``kl``: nats a token) measured on
+    the plan's samples (``measured``). Signed (kdn/signing.py); a consumer uses it only where it asked to."""
+
+    variant: ModelId
+    base: ModelId
+    layers: int  # the models' decoder layers (the same architecture on both sides)
+    recompute: list[int]  # ascending layer indices the variant recomputes; the others take the base's K/V
+    metric: str  # "nll%" | "kl"
+    budget: float  # the quality budget the plan was picked for, in ``metric``'s unit
+    measured: dict[str, Any] = field(default_factory=dict)  # what the measurement found (small, numbers)
+    name: str = ""  # a label for people ("smollm2-135m+handbook")
+    created: float = field(default_factory=time.time)
+    sig: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate_model_id(self.variant)
+        validate_model_id(self.base)
+        _require(self.variant != self.base, "BaseRelation: a model is not its own variant")
+        _require(_is_int(self.layers) and 0 < self.layers <= MAX_RELATION_LAYERS,
+                 f"BaseRelation.layers must be an int in 1..{MAX_RELATION_LAYERS}")
+        r = self.recompute
+        _require(isinstance(r, list) and all(_is_int(i) and 0 <= i < self.layers for i in r)
+                 and all(a < b for a, b in zip(r, r[1:])),
+                 "BaseRelation.recompute must be ascending, distinct layer indices below layers")
+        _require(self.metric in ("nll%", "kl"), f"BaseRelation.metric must be 'nll%' or 'kl', got {self.metric!r}")
+        _require(_is_number(self.budget) and self.budget >= 0, "BaseRelation.budget must be a number >= 0")
+        _check_dict("BaseRelation", "measured", self.measured)
+        try:  # signed as canonical JSON: finite numbers, strings, lists and maps only
+            size = len(canonical_json(self.measured))
+        except (TypeError, ValueError):
+            raise InvalidInput("BaseRelation.measured must hold JSON values (finite numbers)") from None
+        _require(size <= 4096, "BaseRelation.measured is over 4 KiB")
+        _require(isinstance(self.name, str) and len(self.name) <= 128, "BaseRelation.name must be a short string")
+        _require(_is_number(self.created), "BaseRelation.created must be a number")
+        _check_sig("BaseRelation", self.sig)
+
+    @property
+    def depth(self) -> int | None:
+        """k when the plan is the first k layers (what a consumer without the base's hidden states can run:
+        layers [0, k) recomputed from the embeddings); None for any other set."""
+        return len(self.recompute) if self.recompute == list(range(len(self.recompute))) else None
 
 
 @dataclass(frozen=True)
