@@ -8,13 +8,13 @@ from kdn.registry.base import (
     ManifestStore,
     Membership,
     ModelStore,
-    NodeLease,
     ObjectStore,
     PolicyStore,
     Registry,
     Watchable,
 )
 from kdn.registry.embedded import EmbeddedRegistry
+from kdn.registry.lease import NodeLease
 from kdn.registry.follow import follow
 from kdn.registry.etcd import EtcdRegistry
 from kdn.registry.records import Admission, Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy

@@ -36,7 +36,8 @@ from blake3 import blake3
 
 from kdn.address import Address, Digest, ModelId, blob_digest, validate_digest
 from kdn.errors import InvalidInput
-from kdn.registry.base import KVRegistry, NodeLease, Writes
+from kdn.registry.base import KVRegistry, Writes
+from kdn.registry.lease import NodeLease
 from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
 
 if TYPE_CHECKING:  # pragma: no cover
