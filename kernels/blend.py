@@ -5,7 +5,7 @@ computed on their own, in any order. Their keys sit at the wrong positions
 (fixed by a RoPE shift, ``compose``) and lack the cross-attention to the
 chunks before them (fixed by recomputing the few tokens whose KV deviates
 most, ``select_tokens``). The layer-by-layer driver that uses these lives with
-the engine adapter (``kdn.adapters.hf.rag``).
+the engine adapter (``kdn.adapters.hf.blend``).
 """
 
 from __future__ import annotations

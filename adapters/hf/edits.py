@@ -43,7 +43,7 @@ from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
 from kdn.template import encode_text
 
 from kdn.adapters.hf.generate import _pick, decode_loop, model_id, prompt_tokens
-from kdn.adapters.hf.rag import SELECTIONS, Blend, Segment, _check_model, blend_cache, blend_prefill
+from kdn.adapters.hf.blend import SELECTIONS, Blend, Segment, blend_cache, blend_prefill, check_model
 
 DEFAULT_MIN_RUN = 16  # a shorter matching run is computed fresh: its states carry too much of the old context
 MAX_ALIGN_TOKENS = 16384  # old + new tokens between the common prefix and suffix that difflib is run over
@@ -297,7 +297,7 @@ async def edit_prefill(model: Any, tokenizer: Any, old_manifest: Mapping[str, An
     another model's manifest, ``InvalidInput`` when the versions share no run of ``min_run`` tokens.
     """
     t_start = time.perf_counter()
-    _check_model(model)
+    check_model(model)
     if selection not in SELECTIONS:
         raise InvalidInput(f"selection must be one of {list(SELECTIONS)}, got {selection!r}")
     mid = model_id(model, tokenizer)

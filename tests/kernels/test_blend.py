@@ -112,7 +112,7 @@ def test_compose_is_each_chunk_shifted_alone_then_cast(src, dst):
 
 
 def test_partial_recompute_groups_queries_by_position_band():
-    from kdn.adapters.hf.rag import _groups
+    from kdn.adapters.hf.blend import _groups
 
     # queries spread over the context: one group per band of S/8 positions that holds any
     assert _groups(torch.tensor([0, 1, 130, 131, 520, 1023]), 1024) == [(0, 2), (2, 4), (4, 5), (5, 6)]
