@@ -101,6 +101,8 @@ RUNS: list[Run] = [
         None, ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     # Reuse across edits (issue #30 1b): an edited document read from its old version's published states.
     Run("edits", "edits", [], ["--quick"], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    # Reuse across fine-tunes (issue #30 part 2): a variant fine-tuned here reads the base's states, per layer plan.
+    Run("finetune", "finetune", [], ["--quick"], ("smollm2",), 1800, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("steer", "steer", [], ["--quick"], ("smollm2",), 3 * 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     # The realistic map: what the origin's model marks under a generic probe question that names no fact.
     Run("steer-probe", "steer", ["--map", "probe", "--no-headline"], None, ("smollm2",), 3 * 3600,
