@@ -21,11 +21,8 @@ import asyncio
 import functools
 import logging
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -35,61 +32,23 @@ from kdn.service import connections
 from kdn.address import PUBLIC_NAMESPACE, Address, validate_address, validate_name, validate_namespace
 from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
-from kdn.errors import InvalidInput, RegistryUnavailable
-from kdn.registry import KVRegistry, Manifest, ModelRecord, NodeRecord, ObjectRecord
+from kdn.errors import InvalidInput
+from kdn.registry import KVRegistry, ModelRecord, NodeRecord, ObjectRecord
 from kdn.registry.split import RecordsBeside
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
-from kdn.origin.jobs import Job, JobQueue, QueueFull
-from kdn.origin.publish import Producer, default_encodings, parse_request, push_policy, push_policy_name
+from kdn.origin import console
+from kdn.origin.config import BASES, CONFIG, EXECUTOR, JOBS, LOADED, M, PRODUCER, STORE, TOKENIZER
+from kdn.origin.config import OriginConfig as OriginConfig  # (re-exported: callers import it from here)
+from kdn.origin.jobs import JobQueue, QueueFull
+from kdn.origin.publish_job import run_publish, writer
+from kdn.origin.publish import Producer, default_encodings, parse_request, push_policy_name
 from kdn.origin.s3store import is_s3, open_records, open_store, parse_s3_url
 from kdn.origin.store import ObjectStore
-from kdn.pieces import PIECE_BYTES, check_piece_bytes
+from kdn.pieces import check_piece_bytes
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass
-class OriginConfig(service.NodeConfig):
-    """An origin (``kdn origin serve``): the shared node settings plus the model and its store."""
-
-    port: int = 8000
-    node_id: str = field(default_factory=lambda: validate_name(socket.gethostname().split(".")[0][:60] or "origin"))
-    model: str = "tiny-llama"
-    store: str = "kdn-origin-store"
-    region: str = "origin"
-    dtype: str | None = None
-    max_body_bytes: int = 16 << 20
-    max_pending_jobs: int = 16
-    cache_dir: str | None = None
-    engine: str = "hf"  # what computes the states: "hf" (transformers) or "vllm"
-    signing_key: str | None = None  # Ed25519 key (kdn origin keygen): every record and manifest is signed
-    max_context: int = 32768  # with the vllm engine: the longest document it is sized for
-    kvtc_basis: str | None = None  # a kvtc basis file (kdn.adapters.hf.transform_fit): enables kvtc-B encodings
-    raw_copies: str = "auto"  # a publish naming no encodings stores raw beside zstd: auto|always|never
-    piece_bytes: int = PIECE_BYTES  # each record carries its blobs' piece digests at this size (kdn/pieces.py)
-    store_credentials: str | None = None  # an s3:// store's keys (INI file; else AWS_* in the environment)
-    records: str = "store"  # where object records are written: "store" (beside the blobs), or the "registry"
-    # Hosts the operator console may send a signed-in user's token to, asking edges what they hold (kdn.auth.
-    # TokenScope; None: loopback): edge URLs come from the registry.
-    token_hosts: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.records not in ("registry", "store"):
-            raise InvalidInput(f"records must be 'registry' or 'store', not {self.records!r}")
-
-
-CONFIG = web.AppKey("config", OriginConfig)
-STORE = web.AppKey("store", ObjectStore)
-# The loaded model (kdn.adapters.hf.models.LoadedModel: its module imports torch, so not imported here).
-LOADED: web.AppKey[Any] = web.AppKey("loaded")
-PRODUCER = web.AppKey("producer", Producer)
-JOBS = web.AppKey("jobs", JobQueue)
-EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
-TOKENIZER = web.AppKey("tokenizer", ThreadPoolExecutor)
-BASES = web.AppKey("bases", set)  # addresses of the kvtc bases this origin publishes (model-level objects)
-M = web.AppKey("origin_metrics", dict)
 
 
 def _metrics(reg: CollectorRegistry) -> dict:
@@ -109,15 +68,6 @@ def _metrics(reg: CollectorRegistry) -> dict:
 # --- resources -------------------------------------------------------------
 
 
-def _writer(app: web.Application) -> KVRegistry | RecordsBeside:
-    """The origin's registry as the writer it is (``kdn.registry.open``'s, or split by ``--records store``):
-    the one that signs what it writes."""
-    reg = app[REGISTRY]
-    if not isinstance(reg, (KVRegistry, RecordsBeside)):
-        raise TypeError(f"an origin writes through a KVRegistry, not {type(reg).__name__}")
-    return reg
-
-
 async def _records_ctx(app: web.Application):
     """With ``--records store``: object records beside the blobs (a file in a folder store, small objects in
     an s3:// one), the rest in the registry (``kdn.registry.split``). Everything the origin writes or reads
@@ -126,7 +76,7 @@ async def _records_ctx(app: web.Application):
     if cfg.records != "store":
         yield
         return
-    control = _writer(app)
+    control = writer(app)
     if not isinstance(control, KVRegistry):
         raise TypeError(f"--records store splits one registry, not {control!r}")
     records = open_records(cfg.store, credentials=cfg.store_credentials)
@@ -143,7 +93,7 @@ async def _model_ctx(app: web.Application):
     if cfg.signing_key:
         from kdn.signing import Signer
 
-        signer = _writer(app).signer = Signer.load(cfg.signing_key)
+        signer = writer(app).signer = Signer.load(cfg.signing_key)
         log.info("origin signs its records with key %s", signer.key_id)
     # One thread owns the model: torch state (inference mode, the model itself) is not shared.
     app[EXECUTOR] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-model")
@@ -270,7 +220,7 @@ async def publish(request: web.Request) -> web.Response:
         return json_error(400, "invalid_input", f"encoding {kvtc[0]} needs a kvtc basis for this model, and this "
                           "origin has none (kdn origin serve --kvtc-basis FILE)")
     try:
-        job = app[JOBS].submit(spec.name, spec.namespace, lambda job: _run_publish(app, spec, job))
+        job = app[JOBS].submit(spec.name, spec.namespace, lambda job: run_publish(app, spec, job))
     except QueueFull as e:
         return json_error(503, "busy", str(e))
     return web.json_response({"job": job.id, "url": f"/v1/jobs/{job.id}", **job.to_dict()}, status=202)
@@ -293,89 +243,6 @@ async def delete_manifest(request: web.Request) -> web.Response:
     tombstone = await app[REGISTRY].put_manifest(stored.tombstone())
     log.info("manifest %s/%s deleted (tombstone version %d)", ns, name, tombstone.version)
     return web.json_response(tombstone.to_dict())
-
-
-async def _run_publish(app: web.Application, spec, job: Job) -> dict:
-    try:
-        manifest = await _publish_steps(app, spec, job)
-    except BaseException:
-        app[M]["jobs"].labels("failed").inc()
-        raise
-    app[M]["jobs"].labels("done").inc()
-    return manifest
-
-
-async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
-    producer, reg, m = app[PRODUCER], app[REGISTRY], app[M]
-    loop = asyncio.get_running_loop()
-    plan = await loop.run_in_executor(app[EXECUTOR], producer.plan, spec)
-    job.chunks_total = (len(plan.spans) if spec.prefix else 0) + (len(plan.spans) if spec.standalone else 0)
-    steps = producer.produce(spec, plan)
-    with m["publish_seconds"].time():
-        while True:
-            # Each step (one chunk's forward pass and fsynced blob) runs on the model thread.
-            step = await loop.run_in_executor(app[EXECUTOR], next, steps, None)
-            if step is None:
-                break
-            await _retrying(lambda: reg.put_objects(step.records), job)  # blobs first, then their records
-            job.chunks_done += 1
-            job.chunks_computed += step.computed
-            m["chunks_computed" if step.computed else "chunks_reused"].inc()
-        emphasis = await loop.run_in_executor(app[EXECUTOR], producer.derive_emphasis, spec)  # probes: a forward each
-        manifest = Manifest(namespace=spec.namespace, name=spec.name, model_id=producer.loaded.model_id,
-                            addresses=[*plan.addresses], tokens=len(spec.tokens), chunk_tokens=producer.chunk_tokens,
-                            prefix_tokens=spec.tokens, template=spec.template, standalone=[*plan.standalone],
-                            head_tokens=spec.head_tokens,
-                            emphasis=None if emphasis is None else emphasis.to_dict())
-        manifest = await _retrying(lambda: reg.put_manifest(manifest), job)  # every object it names is recorded by now
-        if plan.tail is not None:
-            parent, length = plan.tail
-            await _retrying(lambda: reg.add_tail(parent, length, plan.addresses[-1]), job)
-        await _set_push(app, spec, job)
-    m["store_objects"].set(len(app[STORE]))
-    m["store_bytes"].set(app[STORE].total_bytes)
-    return manifest.to_dict()
-
-
-async def _set_push(app: web.Application, spec, job: Job) -> None:
-    """The push a publish asked for (``push``), once its manifest is written: a push policy the edges of the
-    named regions act on (edge/policies.py), signed with the origin's key where it has one (edges started with
-    --operator-keys apply it only if that key is among theirs); ``push: false`` ends it."""
-    if spec.push is None:
-        return
-    reg = _writer(app)
-    if spec.push is False:
-        name = push_policy_name(spec.namespace, spec.name)
-        if await _retrying(lambda: reg.delete_policy(name), job):
-            log.info("publish %s/%s: push policy %s removed", spec.namespace, spec.name, name)
-        return
-    p = push_policy(spec)
-    if reg.signer is not None:
-        p = reg.signer.sign(p)
-    await _retrying(lambda: reg.put_policy(p), job)
-    log.info("publish %s/%s: push policy %s set (%s)", spec.namespace, spec.name, p.name,
-             ", ".join(spec.push) if spec.push else "every region")
-
-
-REGISTRY_RETRY_S = 60.0  # how long a publish job waits out a registry outage before it fails
-
-
-async def _retrying(write, job: Job, limit: float = REGISTRY_RETRY_S):
-    """A registry write, retried with backoff while the registry is unreachable (an etcd restart, a
-    leader election): the job's computed chunks are not thrown away for an outage of seconds. Writes
-    are idempotent (records merge, a manifest is replaced whole), so a retry after a lost answer is
-    safe. Other errors, and an outage longer than ``limit``, fail the job."""
-    loop = asyncio.get_running_loop()
-    deadline, delay = loop.time() + limit, 0.2
-    while True:
-        try:
-            return await write()
-        except RegistryUnavailable as e:
-            if loop.time() + delay > deadline:
-                raise
-            log.warning("publish job %s: registry unavailable (%s); retrying in %.1f s", job.id, e, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
 
 async def get_job(request: web.Request) -> web.Response:
@@ -506,8 +373,6 @@ def create_app(config: OriginConfig) -> web.Application:
     app.router.add_delete("/v1/manifests/{namespace}/{name}", delete_manifest)
     app.router.add_get("/healthz", healthz)
     service.add_common_routes(app)
-    from kdn.origin import console  # (it reads this module's app keys)
-
     console.add_routes(app)
     return app
 

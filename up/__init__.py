@@ -237,7 +237,7 @@ async def _ask(origin_app: web.Application, edges: list[_Edge], manifest: dict[s
                trusted: str) -> None:
     from kdn.adapters.hf import agenerate, prompt_tokens
     from kdn.client import KDNClient
-    from kdn.origin.app import LOADED
+    from kdn.origin.config import LOADED
 
     lm = origin_app[LOADED]  # the origin's model, idle now that the publish is done
     _say(f"\nasking: {question!r}")

@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from kdn.address import Address
-from kdn.origin.app import CONFIG
+from kdn.origin.config import CONFIG
 from kdn.origin.console.pages import e
 from kdn.origin.console.sessions import Viewer
 from kdn.registry import Manifest, NodeRecord

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from kdn.auth import ANY, covers
-from kdn.origin.app import LOADED, STORE
+from kdn.origin.config import LOADED, STORE
 from kdn.origin.console.pages import e, manifest_url, page, sign_in_page
 from kdn.origin.console.policies import NAMESPACE_KINDS, applies, policy_badge, read_policies, scopes_of
 from kdn.origin.console.sessions import COOKIE, PREFIX, SESSIONS, Viewer, viewer_of

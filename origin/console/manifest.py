@@ -13,7 +13,7 @@ from kdn.address import validate_name, validate_namespace
 from kdn.auth import covers
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
-from kdn.origin.app import LOADED, TOKENIZER
+from kdn.origin.config import LOADED, TOKENIZER
 from kdn.origin.console.edges import edge_reads, reads_table, regions_table, where_cached
 from kdn.origin.console.listing import stored_sizes
 from kdn.origin.console.pages import e, error_page, page, sign_in_page

@@ -1,0 +1,114 @@
+"""A publish job's steps, run by the job queue: each chunk produced on the model thread and its records
+written (blobs first), then the manifest, the tail, and the push the publish asked for; registry writes
+retried through an outage of up to ``REGISTRY_RETRY_S``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from kdn.errors import RegistryUnavailable
+from kdn.registry import KVRegistry, Manifest
+from kdn.registry.split import RecordsBeside
+from kdn.service import REGISTRY
+
+from kdn.origin.config import EXECUTOR, M, PRODUCER, STORE
+from kdn.origin.jobs import Job
+from kdn.origin.publish import push_policy, push_policy_name
+
+log = logging.getLogger(__name__)
+
+
+def writer(app: web.Application) -> KVRegistry | RecordsBeside:
+    """The origin's registry as the writer it is (``kdn.registry.open``'s, or split by ``--records store``):
+    the one that signs what it writes."""
+    reg = app[REGISTRY]
+    if not isinstance(reg, (KVRegistry, RecordsBeside)):
+        raise TypeError(f"an origin writes through a KVRegistry, not {type(reg).__name__}")
+    return reg
+
+
+
+async def run_publish(app: web.Application, spec, job: Job) -> dict:
+    try:
+        manifest = await _publish_steps(app, spec, job)
+    except BaseException:
+        app[M]["jobs"].labels("failed").inc()
+        raise
+    app[M]["jobs"].labels("done").inc()
+    return manifest
+
+
+async def _publish_steps(app: web.Application, spec, job: Job) -> dict:
+    producer, reg, m = app[PRODUCER], app[REGISTRY], app[M]
+    loop = asyncio.get_running_loop()
+    plan = await loop.run_in_executor(app[EXECUTOR], producer.plan, spec)
+    job.chunks_total = (len(plan.spans) if spec.prefix else 0) + (len(plan.spans) if spec.standalone else 0)
+    steps = producer.produce(spec, plan)
+    with m["publish_seconds"].time():
+        while True:
+            # Each step (one chunk's forward pass and fsynced blob) runs on the model thread.
+            step = await loop.run_in_executor(app[EXECUTOR], next, steps, None)
+            if step is None:
+                break
+            await _retrying(lambda: reg.put_objects(step.records), job)  # blobs first, then their records
+            job.chunks_done += 1
+            job.chunks_computed += step.computed
+            m["chunks_computed" if step.computed else "chunks_reused"].inc()
+        emphasis = await loop.run_in_executor(app[EXECUTOR], producer.derive_emphasis, spec)  # probes: a forward each
+        manifest = Manifest(namespace=spec.namespace, name=spec.name, model_id=producer.loaded.model_id,
+                            addresses=[*plan.addresses], tokens=len(spec.tokens), chunk_tokens=producer.chunk_tokens,
+                            prefix_tokens=spec.tokens, template=spec.template, standalone=[*plan.standalone],
+                            head_tokens=spec.head_tokens,
+                            emphasis=None if emphasis is None else emphasis.to_dict())
+        manifest = await _retrying(lambda: reg.put_manifest(manifest), job)  # every object it names is recorded by now
+        if plan.tail is not None:
+            parent, length = plan.tail
+            await _retrying(lambda: reg.add_tail(parent, length, plan.addresses[-1]), job)
+        await _set_push(app, spec, job)
+    m["store_objects"].set(len(app[STORE]))
+    m["store_bytes"].set(app[STORE].total_bytes)
+    return manifest.to_dict()
+
+
+async def _set_push(app: web.Application, spec, job: Job) -> None:
+    """The push a publish asked for (``push``), once its manifest is written: a push policy the edges of the
+    named regions act on (edge/policies.py), signed with the origin's key where it has one (edges started with
+    --operator-keys apply it only if that key is among theirs); ``push: false`` ends it."""
+    if spec.push is None:
+        return
+    reg = writer(app)
+    if spec.push is False:
+        name = push_policy_name(spec.namespace, spec.name)
+        if await _retrying(lambda: reg.delete_policy(name), job):
+            log.info("publish %s/%s: push policy %s removed", spec.namespace, spec.name, name)
+        return
+    p = push_policy(spec)
+    if reg.signer is not None:
+        p = reg.signer.sign(p)
+    await _retrying(lambda: reg.put_policy(p), job)
+    log.info("publish %s/%s: push policy %s set (%s)", spec.namespace, spec.name, p.name,
+             ", ".join(spec.push) if spec.push else "every region")
+
+
+REGISTRY_RETRY_S = 60.0  # how long a publish job waits out a registry outage before it fails
+
+
+async def _retrying(write, job: Job, limit: float = REGISTRY_RETRY_S):
+    """A registry write, retried with backoff while the registry is unreachable (an etcd restart, a
+    leader election): the job's computed chunks are not thrown away for an outage of seconds. Writes
+    are idempotent (records merge, a manifest is replaced whole), so a retry after a lost answer is
+    safe. Other errors, and an outage longer than ``limit``, fail the job."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + limit, 0.2
+    while True:
+        try:
+            return await write()
+        except RegistryUnavailable as e:
+            if loop.time() + delay > deadline:
+                raise
+            log.warning("publish job %s: registry unavailable (%s); retrying in %.1f s", job.id, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
