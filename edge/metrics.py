@@ -10,6 +10,9 @@ FILL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 class EdgeMetrics:
+    """What the edge's code counts as it goes; the gauges read off the edge when scraped are
+    ``scrape_gauges``'s."""
+
     def __init__(self, reg: CollectorRegistry, edge: Callable[[], object]) -> None:
         self.hits = Counter("kdn_edge_hits", "Object reads served from a tier", ["tier"], registry=reg)
         self.misses = Counter("kdn_edge_misses", "Object reads a tier could not serve", ["tier"], registry=reg)
@@ -58,58 +61,63 @@ class EdgeMetrics:
         self.aborted = Counter("kdn_edge_aborted_responses", "Responses cut short by the client hanging up",
                                registry=reg)
         self.in_flight = Gauge("kdn_edge_fills_in_flight", "Fills in progress", registry=reg)
+        scrape_gauges(reg, edge)
 
-        def tier_value(tier: str, attr: str) -> Callable[[], float]:
-            def read() -> float:
-                e = edge()
-                t = getattr(e, tier, None) if e is not None else None
-                return float(getattr(t, attr, 0)) if t is not None else 0.0
-            return read
 
-        used = Gauge("kdn_edge_tier_bytes", "Bytes held per tier", ["tier"], registry=reg)
-        budget = Gauge("kdn_edge_tier_budget_bytes", "Byte budget per tier", ["tier"], registry=reg)
-        for tier in ("memory", "disk"):
-            used.labels(tier).set_function(tier_value(tier, "used"))
-            budget.labels(tier).set_function(tier_value(tier, "budget"))
+def scrape_gauges(reg: CollectorRegistry, edge: Callable[[], object]) -> None:
+    """Gauges read off the edge (``edge()``; None before it is up) each time ``/metrics`` is scraped."""
 
-        def ring_members() -> float:
+    def tier_value(tier: str, attr: str) -> Callable[[], float]:
+        def read() -> float:
             e = edge()
-            m = getattr(e, "membership", None) if e is not None else None
-            return float(len(m.ring)) if m is not None else 0.0
+            t = getattr(e, tier, None) if e is not None else None
+            return float(getattr(t, attr, 0)) if t is not None else 0.0
+        return read
 
-        Gauge("kdn_edge_ring_members", "Live edges in this edge's region", registry=reg).set_function(ring_members)
+    used = Gauge("kdn_edge_tier_bytes", "Bytes held per tier", ["tier"], registry=reg)
+    budget = Gauge("kdn_edge_tier_budget_bytes", "Byte budget per tier", ["tier"], registry=reg)
+    for tier in ("memory", "disk"):
+        used.labels(tier).set_function(tier_value(tier, "used"))
+        budget.labels(tier).set_function(tier_value(tier, "budget"))
 
-        def upper_tiers() -> float:
-            e = edge()
-            regions = getattr(e, "upper_regions", None) if hasattr(e, "policies") else None
-            return float(len(regions())) if regions is not None else 0.0
+    def ring_members() -> float:
+        e = edge()
+        m = getattr(e, "membership", None) if e is not None else None
+        return float(len(m.ring)) if m is not None else 0.0
 
-        Gauge("kdn_edge_upper_tiers", "Upper-tier regions, named by a policy or chosen by latency (none: other "
-              "regions' fills go to the origin)", registry=reg).set_function(upper_tiers)
+    Gauge("kdn_edge_ring_members", "Live edges in this edge's region", registry=reg).set_function(ring_members)
 
-        def origin_rtt() -> float:
-            e = edge()
-            a = getattr(e, "auto_upper", None) if e is not None else None
-            return a.rtt_ms / 1e3 if a is not None and a.rtt_ms is not None else float("nan")
+    def upper_tiers() -> float:
+        e = edge()
+        regions = getattr(e, "upper_regions", None) if hasattr(e, "policies") else None
+        return float(len(regions())) if regions is not None else 0.0
 
-        Gauge("kdn_edge_origin_rtt_seconds", "This edge's least measured round trip to an origin (--upper-tier "
-              "auto; NaN: not measured)", registry=reg).set_function(origin_rtt)
+    Gauge("kdn_edge_upper_tiers", "Upper-tier regions, named by a policy or chosen by latency (none: other "
+          "regions' fills go to the origin)", registry=reg).set_function(upper_tiers)
 
-        def chain_value(attr: str) -> Callable[[], float]:
-            def read() -> float:
-                c = getattr(edge(), "chains", None)
-                return float(getattr(c, attr, 0)) if c is not None else 0.0
-            return read
+    def origin_rtt() -> float:
+        e = edge()
+        a = getattr(e, "auto_upper", None) if e is not None else None
+        return a.rtt_ms / 1e3 if a is not None and a.rtt_ms is not None else float("nan")
 
-        Gauge("kdn_edge_chain_index_addresses", "Chunk addresses the prefetch chain index holds (--chain-index "
-              "bounds it)", registry=reg).set_function(chain_value("addresses"))
-        Gauge("kdn_edge_chain_index_evicted", "Chains the prefetch chain index dropped for room since its last "
-              "snapshot (their reads are not prefetched)", registry=reg).set_function(chain_value("evicted"))
+    Gauge("kdn_edge_origin_rtt_seconds", "This edge's least measured round trip to an origin (--upper-tier "
+          "auto; NaN: not measured)", registry=reg).set_function(origin_rtt)
 
-        def corrupt() -> float:
-            e = edge()
-            d = getattr(e, "disk", None) if e is not None else None
-            return float(d.stats.corrupt) if d is not None else 0.0
+    def chain_value(attr: str) -> Callable[[], float]:
+        def read() -> float:
+            c = getattr(edge(), "chains", None)
+            return float(getattr(c, attr, 0)) if c is not None else 0.0
+        return read
 
-        Gauge("kdn_edge_disk_corrupt", "Disk entries dropped because their digest did not match",
-              registry=reg).set_function(corrupt)
+    Gauge("kdn_edge_chain_index_addresses", "Chunk addresses the prefetch chain index holds (--chain-index "
+          "bounds it)", registry=reg).set_function(chain_value("addresses"))
+    Gauge("kdn_edge_chain_index_evicted", "Chains the prefetch chain index dropped for room since its last "
+          "snapshot (their reads are not prefetched)", registry=reg).set_function(chain_value("evicted"))
+
+    def corrupt() -> float:
+        e = edge()
+        d = getattr(e, "disk", None) if e is not None else None
+        return float(d.stats.corrupt) if d is not None else 0.0
+
+    Gauge("kdn_edge_disk_corrupt", "Disk entries dropped because their digest did not match",
+          registry=reg).set_function(corrupt)
