@@ -91,6 +91,20 @@ class Loaded:
             self.handle = None
 
 
+def _admitters(config: EdgeConfig):
+    """With --require-admission: peers and origins from the registry count only if an operator admitted
+    them (kdn.signing.unadmitted); a registry writer cannot point this edge at a server of its choice."""
+    if config.revoked_admissions and not config.require_admission:
+        raise InvalidInput("--revoked-admissions is for --require-admission: give both")
+    if not config.require_admission:
+        return None
+    from kdn.signing import Admitters
+
+    if not config.operator_keys:
+        raise InvalidInput("--require-admission checks admissions with --operator-keys: give both")
+    return Admitters.from_files(config.operator_keys, config.revoked_admissions)
+
+
 class Edge:
     """One edge node's parts, wired together (the app holds one). ``await Edge.open(...)`` makes it whole:
     every part exists from then on (none is None waiting for a start); the app's cleanup contexts start
@@ -115,18 +129,8 @@ class Edge:
         self.m = metrics
         self.me = NodeRecord(role="edge", region=config.region, node_id=config.node_id, url=config.advertised_url,
                              extra=config.record_extra("edge", config.region))
-        # With --require-admission: peers and origins from the registry count only if an operator admitted
-        # them (kdn.signing.unadmitted); a registry writer cannot point this edge at a server of its choice.
-        self.admitters = None
+        self.admitters = _admitters(config)
         self.left_out: set[tuple[str, str, str]] = set()  # origins left out, logged once each
-        if config.revoked_admissions and not config.require_admission:
-            raise InvalidInput("--revoked-admissions is for --require-admission: give both")
-        if config.require_admission:
-            from kdn.signing import Admitters
-
-            if not config.operator_keys:
-                raise InvalidInput("--require-admission checks admissions with --operator-keys: give both")
-            self.admitters = Admitters.from_files(config.operator_keys, config.revoked_admissions)
         verifier = None
         if config.trusted_keys:
             from kdn.signing import Verifier
@@ -142,9 +146,24 @@ class Edge:
         self.prefetcher = Prefetcher(self.chains, config.prefetch, self._prefetch_one)
         self._origins: list[str] = [config.origin.rstrip("/")] if config.origin else []
         self.origins_listed = bool(self._origins)  # an origin was known once (edge.views.watch_origins)
-        # The upstream: the body reader every fill goes through (kdn.bodyget, as the fetch client's), an HTTP
-        # session for the other requests, the region's membership (a lease and a watch on nodes/edge/, started
-        # by the app) and the filler that plans sources from it.
+        self._connect_upstream(config, registry, metrics)
+        operators = None
+        if config.operator_keys:
+            from kdn.signing import Verifier
+
+            operators = Verifier.from_file(config.operator_keys)
+        self.policies = PolicyEngine(registry, config.region, self.tiers, warm=self.warm, manifest_feed=True,
+                                     verifier=operators, bodies=self.bodies)
+        self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
+        self.flight: SingleFlight[tuple[bytes | bytearray, str]] = SingleFlight()  # one fill per key at a time
+        self._background: set[asyncio.Task] = set()
+        self._disk_error_logged = float("-inf")
+        self._promoting: set[Key] = set()  # disk hits being copied to memory: one copy per key at a time
+
+    def _connect_upstream(self, config: EdgeConfig, registry, metrics: EdgeMetrics) -> None:
+        """The upstream: the body reader every fill goes through (kdn.bodyget, as the fetch client's), an HTTP
+        session for the other requests, the region's membership (a lease and a watch on nodes/edge/, started
+        by the app) and the filler that plans sources from it."""
         from kdn.tls import client_context
 
         ssl = client_context(config.ca)
@@ -173,18 +192,6 @@ class Edge:
                 ever_listed=lambda: self.origins_listed)
             self.records.source = OwnerRecords(origins, self.membership.owner, config.node_id,
                                                lambda where, n: metrics.record_reads.labels(where).inc(n))
-        operators = None
-        if config.operator_keys:
-            from kdn.signing import Verifier
-
-            operators = Verifier.from_file(config.operator_keys)
-        self.policies = PolicyEngine(registry, config.region, self.tiers, warm=self.warm, manifest_feed=True,
-                                     verifier=operators, bodies=self.bodies)
-        self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
-        self.flight: SingleFlight[tuple[bytes | bytearray, str]] = SingleFlight()  # one fill per key at a time
-        self._background: set[asyncio.Task] = set()
-        self._disk_error_logged = float("-inf")
-        self._promoting: set[Key] = set()  # disk hits being copied to memory: one copy per key at a time
 
     def background(self, coro) -> bool:
         """Run ``coro`` off the response path, holding a reference until it ends. Bounded: when 256 are
