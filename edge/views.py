@@ -23,66 +23,77 @@ async def watch_manifests(edge: Edge) -> None:
 
     Each record is unpacked once here (a snapshot at an edge's start holds every published name): the
     choice of pointers to read, the reads and the chain index all take that one ``Manifest``."""
+    await follow(edge.registry, "manifests/", _ManifestView(edge).on_event, what="manifest")
 
-    warned: set[str] = set()
 
-    def read(key: str, value: bytes) -> Manifest | None:
+class _ManifestView:
+    """``watch_manifests``'s state: the unreadable records warned of, and the pointer bodies read at once."""
+
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+        self.warned: set[str] = set()
+        self.fetching = asyncio.Semaphore(16)
+
+    def read(self, key: str, value: bytes) -> Manifest | None:
         # One unreadable manifest (a newer writer, a bad hand edit) hides itself only: once it failed
         # the whole snapshot, which left prefetch off and re-listed every manifest in a retry loop.
         try:
             return Manifest.unpack(value)
         except KDNError as e:
-            edge.m.bad_records.labels("manifest").inc()
-            if key not in warned and len(warned) < 1024:
-                warned.add(key)
+            self.edge.m.bad_records.labels("manifest").inc()
+            if key not in self.warned and len(self.warned) < 1024:
+                self.warned.add(key)
                 log.warning("skipping unreadable manifest record %s: %s", key, str(e).splitlines()[0][:200])
             return None
 
-    def put(m: Manifest | None) -> None:
+    def put(self, m: Manifest | None) -> None:
         if m is None:
             return
         if m.body is None and not m.deleted:
-            edge.chains.put(m)
+            self.edge.chains.put(m)
         else:  # deleted, or a pointer whose body was not read (no room, or no origin had it): no chain
-            edge.chains.remove(m.ref)
+            self.edge.chains.remove(m.ref)
 
-    async def whole(key: str, m: Manifest) -> Manifest | None:
+    async def whole(self, key: str, m: Manifest) -> Manifest | None:
         """A pointer's whole manifest (``Manifest.body``, read from the origins); None if it cannot be read
         now (no chain for prefetch; policies read it again)."""
         assert m.body is not None
-        async with fetching:
-            full = await edge.bodies.get_manifest_body(m.namespace, m.name, m.body)
+        async with self.fetching:
+            full = await self.edge.bodies.get_manifest_body(m.namespace, m.name, m.body)
         if full is None or not m.points_at(full):
             log.warning("manifest %s v%d: its body %s could not be read from the origins", key, m.version,
                         m.body[:16])
             return None
         return full
 
-    fetching = asyncio.Semaphore(16)
+    async def snapshot(self, ev):
+        """A new chain index from a snapshot; the event as the policy engine gets it: pointers replaced by
+        the bodies read (the newest first, while the index has room)."""
+        edge = self.edge
+        parsed = {k: self.read(k, v) for k, v in ev.items.items()}
+        pointers = [(k, m) for k in _to_read(parsed, edge.chains.budget) if (m := parsed[k]) is not None]
+        fulls = await asyncio.gather(*(self.whole(k, m) for k, m in pointers))
+        got = {k: f for (k, _), f in zip(pointers, fulls) if f is not None}
+        parsed.update(got)
+        ev = dataclasses.replace(ev, items={**ev.items, **{k: f.pack() for k, f in got.items()}})
+        edge.chains = ChainIndex(edge.chains.budget)
+        edge.prefetcher.index = edge.chains
+        for m in parsed.values():
+            self.put(m)
+        return ev
 
-    async def on_event(ev) -> None:
+    async def on_event(self, ev) -> None:
         if ev.kind == "snapshot":
-            parsed = {k: read(k, v) for k, v in ev.items.items()}
-            pointers = [(k, m) for k in _to_read(parsed, edge.chains.budget) if (m := parsed[k]) is not None]
-            fulls = await asyncio.gather(*(whole(k, m) for k, m in pointers))
-            got = {k: f for (k, _), f in zip(pointers, fulls) if f is not None}
-            parsed.update(got)
-            ev = dataclasses.replace(ev, items={**ev.items, **{k: f.pack() for k, f in got.items()}})
-            edge.chains = ChainIndex(edge.chains.budget)
-            edge.prefetcher.index = edge.chains
-            for m in parsed.values():
-                put(m)
+            ev = await self.snapshot(ev)
         elif ev.kind == "put" and ev.value is not None:
-            m = read(ev.key, ev.value)
-            if m is not None and m.body is not None and (full := await whole(ev.key, m)) is not None:
+            m = self.read(ev.key, ev.value)
+            if m is not None and m.body is not None and (full := await self.whole(ev.key, m)) is not None:
                 m = full
                 ev = dataclasses.replace(ev, value=full.pack())
-            put(m)
+            self.put(m)
         elif ev.kind == "delete":
-            edge.chains.remove(ev.key.split("/", 1)[1])
-        await edge.policies.feed_manifests(ev)
-
-    await follow(edge.registry, "manifests/", on_event, what="manifest")
+            self.edge.chains.remove(ev.key.split("/", 1)[1])
+        await self.edge.policies.feed_manifests(ev)
 
 
 def _to_read(items: dict[str, Manifest | None], budget: int) -> list[str]:
