@@ -154,67 +154,76 @@ class _Conn(asyncio.BufferedProtocol):
         if self.done is None or self.done.done():
             self._fail(BodyError("data outside a response"))
             return
-        if self.resp is not None:
-            if self.got >= self.resp.length:
-                self._fail(BodyError("body longer than Content-Length"))
-                return
-            if self._bouncing and not self._place(self._last[:n]):
-                return
+        ok = self._body_updated(n) if self.resp is not None else self._head_updated(n, self.done)
+        if ok and self.resp is not None and self.got >= self.resp.length and not self.done.done():
+            self.done.set_result(self.resp)
+
+    def _body_updated(self, n: int) -> bool:
+        """``n`` body bytes landed in the region handed out last; False if the body stops here."""
+        assert self.resp is not None
+        if self.got >= self.resp.length:
+            self._fail(BodyError("body longer than Content-Length"))
+            return False
+        if self._bouncing and not self._place(self._last[:n]):
+            return False
+        if self.hasher is not None:
+            try:
+                self.hasher.update(self._last[:n])
+            except Exception as e:  # noqa: BLE001 -- a verifier that refuses a piece: the body stops here
+                self._fail(e)
+                return False
+        self.got += n
+        if self.tally is not None:
+            self.tally.bytes += n
+        return True
+
+    def _head_updated(self, n: int, done: asyncio.Future[Response]) -> bool:
+        """``n`` more bytes of the head block; once it is whole, the response parsed and the body bytes that
+        came in with it placed. False while the head is incomplete, and if the response ends here."""
+        self.hn += n
+        end = self.head.find(b"\r\n\r\n", 0, self.hn)
+        if end < 0:
+            if self.hn >= MAX_HEADER:
+                self._fail(BodyError("response header block too large"))
+            return False
+        try:
+            self.resp = _parse(bytes(self.head[:end]))
+        except (ValueError, IndexError) as e:
+            self._fail(BodyError(f"bad response head: {e}"))
+            return False
+        if self.resp.status not in BODY_STATUSES:
+            done.set_result(self.resp)  # the caller reports the status; the connection is dropped
+            return False
+        if self.resp.length > self.body.size:
+            self._fail(BodyError(f"Content-Length {self.resp.length} exceeds the {self.body.size} bytes expected"))
+            return False
+        extra = self.hn - (end + 4)
+        if extra > self.resp.length:
+            self._fail(BodyError("body longer than Content-Length"))
+            return False
+        pos = end + 4  # body bytes that came in with the head: placed region by region
+        while self.got < extra:
+            try:
+                region = self.body.region(self.got)[:extra - self.got]
+            except Exception as e:  # noqa: BLE001 -- as in get_buffer
+                self._fail(BodyError(f"body refused: {str(e)[:200]}"))
+                return False
+            k = len(region)
+            if not k:
+                self._fail(BodyError("the sink has no room for the body"))
+                return False
+            region[:] = self.hview[pos:pos + k]
             if self.hasher is not None:
                 try:
-                    self.hasher.update(self._last[:n])
-                except Exception as e:  # noqa: BLE001 -- a verifier that refuses a piece: the body stops here
+                    self.hasher.update(region)
+                except Exception as e:  # noqa: BLE001 -- as above
                     self._fail(e)
-                    return
-            self.got += n
+                    return False
+            self.got += k
+            pos += k
             if self.tally is not None:
-                self.tally.bytes += n
-        else:
-            self.hn += n
-            end = self.head.find(b"\r\n\r\n", 0, self.hn)
-            if end < 0:
-                if self.hn >= MAX_HEADER:
-                    self._fail(BodyError("response header block too large"))
-                return
-            try:
-                self.resp = _parse(bytes(self.head[:end]))
-            except (ValueError, IndexError) as e:
-                self._fail(BodyError(f"bad response head: {e}"))
-                return
-            if self.resp.status not in BODY_STATUSES:
-                self.done.set_result(self.resp)  # the caller reports the status; the connection is dropped
-                return
-            if self.resp.length > self.body.size:
-                self._fail(BodyError(f"Content-Length {self.resp.length} exceeds the {self.body.size} bytes expected"))
-                return
-            extra = self.hn - (end + 4)
-            if extra > self.resp.length:
-                self._fail(BodyError("body longer than Content-Length"))
-                return
-            pos = end + 4  # body bytes that came in with the head: placed region by region
-            while self.got < extra:
-                try:
-                    region = self.body.region(self.got)[:extra - self.got]
-                except Exception as e:  # noqa: BLE001 -- as in get_buffer
-                    self._fail(BodyError(f"body refused: {str(e)[:200]}"))
-                    return
-                k = len(region)
-                if not k:
-                    self._fail(BodyError("the sink has no room for the body"))
-                    return
-                region[:] = self.hview[pos:pos + k]
-                if self.hasher is not None:
-                    try:
-                        self.hasher.update(region)
-                    except Exception as e:  # noqa: BLE001 -- as above
-                        self._fail(e)
-                        return
-                self.got += k
-                pos += k
-                if self.tally is not None:
-                    self.tally.bytes += k
-        if self.resp is not None and self.got >= self.resp.length and not self.done.done():
-            self.done.set_result(self.resp)
+                self.tally.bytes += k
+        return True
 
     def _place(self, data: memoryview) -> bool:
         """Copy bytes read into the bounce buffer out to the sink's runs (before they are hashed: a sink may
