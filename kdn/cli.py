@@ -354,6 +354,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_address)
 
+    _add_registry(sub)
+    _add_node(sub)
+
+    for name in _PARTS:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # that part is not built yet
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def _add_registry(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """``kdn registry show|migrate|ls|nodes``."""
     reg = sub.add_parser("registry", help="query the registry").add_subparsers(dest="registry_command", required=True)
     p = reg.add_parser("show", help="show the record of an object address, a model id, or a manifest NAMESPACE/NAME")
     p.add_argument("address", metavar="ADDRESS|MODEL_ID|NAMESPACE/NAME")
@@ -387,6 +403,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="", help="relative key prefix, e.g. objects/ or manifests/public/")
     registry_arg(p)
     p.set_defaults(func=cmd_registry_ls)
+    p = reg.add_parser("nodes", help="list live nodes")
+    p.add_argument("--role", default=None)
+    p.add_argument("--region", default=None)
+    registry_arg(p)
+    p.set_defaults(func=cmd_registry_nodes)
+
+
+def _add_node(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """``kdn node admit|revoke``: operator-signed node admissions."""
     node = sub.add_parser("node", help="node admissions (operator-signed)").add_subparsers(
         dest="node_command", required=True)
     p = node.add_parser("admit", help="sign a node's admission with an operator key: readers that require "
@@ -405,21 +430,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", action="append", default=[], help="an admission id (64 hex; repeatable)")
     p.add_argument("--list", required=True, metavar="FILE", help="the revocation list (created if absent)")
     p.set_defaults(func=cmd_node_revoke)
-    p = reg.add_parser("nodes", help="list live nodes")
-    p.add_argument("--role", default=None)
-    p.add_argument("--region", default=None)
-    registry_arg(p)
-    p.set_defaults(func=cmd_registry_nodes)
-
-    for name in _PARTS:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # that part is not built yet
-                continue
-            raise
-        mod.register(sub)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
