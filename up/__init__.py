@@ -107,61 +107,19 @@ def _say(msg: str) -> None:
 
 
 async def _up(args: argparse.Namespace) -> int:
-    import aiohttp
-    from aiohttp import web
-
-    from kdn.origin.app import OriginConfig, create_app
-    from kdn.origin.cli import publish_documents
-    from kdn.service import server_options
-
     model = args.model or default_model()
-    root = Path(args.dir or tempfile.mkdtemp(prefix="kdn-up-"))
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if root.stat().st_mode & 0o077:
-        # Tokens, the signing key, the registry and every blob live here: no other user may enter it.
-        root.chmod(0o700)
+    root = _state_dir(args.dir)
     token = secrets.token_hex(16)
     _secret(root / "tokens", f"{token} admin *\n")
     registry = f"file:{root / 'registry.sqlite3'}"
     port, *edge_ports = ports(args.port)
-    from kdn.signing import Signer
-
-    # The origin signs every record; the edges and the client below trust only its key.
-    signer = Signer.generate(root / "origin.key") if not (root / "origin.key").exists() else Signer.load(root / "origin.key")
-    (root / "trusted-keys").write_text(signer.public + "\n")
+    _origin_key(root)
     _say(f"kdn up: state in {root}")
     _say(f"  registry  {registry}  (embedded)")
-    _say(f"  origin    loading model {model} ...")
-    t0 = time.perf_counter()
-    cfg = OriginConfig(model=model, registry=registry, store=str(root / "origin-store"), port=port,
-                       token_file=str(root / "tokens"), node_id="origin-1", signing_key=str(root / "origin.key"),
-                       records="store")  # object records beside the blobs; the edges read them there (auto)
-    app = create_app(cfg)
-    runner = web.AppRunner(app, **server_options(app))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
+    runner = await _start_origin(root, model, registry, port)
     origin = f"http://127.0.0.1:{port}"
-    _say(f"  origin    {origin}  ready in {time.perf_counter() - t0:.1f} s")
     try:
-        text = SAMPLE.read_text()
-        if model.startswith("tiny-"):
-            text = text[:3000]  # tiny models read bytes: keep it within their context
-        _say(f"\npublishing {SAMPLE.name} as public/{SAMPLE.stem} ...")
-        t0 = time.perf_counter()
-        common = {"template": "chat"} if model == "smollm2-135m" else {}
-        from kdn.errors import KDNError
-
-        try:
-            (m,) = await publish_documents(origin, token, [(SAMPLE.stem, text)], common, timeout=600, progress=False)
-        except KDNError as e:
-            raise SystemExit(f"kdn up: {e}") from None
-        _say(f"published {m['tokens']} tokens as {len(m['addresses'])} chunks in {time.perf_counter() - t0:.1f} s"
-             f" (model {m['model_id'][:16]}...)")
-        first = m["addresses"][0]
-        async with aiohttp.ClientSession(origin, headers={"Authorization": f"Bearer {token}"}) as s, \
-                s.head(f"/v1/objects/{first}") as r:
-            _say(f"  chunk 0: {first}\n           {r.headers['Content-Length']} bytes, ETag {r.headers['ETag'][:20]}...")
+        m = await _publish_sample(origin, token, model)
     except BaseException:
         await runner.cleanup()
         raise
@@ -175,6 +133,81 @@ async def _up(args: argparse.Namespace) -> int:
             await started.cleanup()
         raise
 
+    _next_steps(root, registry, origin, m["addresses"][0], edges)
+    try:
+        if not args.no_serve:
+            _say("\nserving; Ctrl-C stops everything.")
+            await asyncio.Event().wait()
+    finally:
+        for started in reversed(runners):
+            await started.cleanup()
+    return 0
+
+
+def _state_dir(folder: str | None) -> Path:
+    root = Path(folder or tempfile.mkdtemp(prefix="kdn-up-"))
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if root.stat().st_mode & 0o077:
+        # Tokens, the signing key, the registry and every blob live here: no other user may enter it.
+        root.chmod(0o700)
+    return root
+
+
+def _origin_key(root: Path) -> None:
+    """The origin signs every record; the edges and the client below trust only its key."""
+    from kdn.signing import Signer
+
+    signer = Signer.generate(root / "origin.key") if not (root / "origin.key").exists() else Signer.load(root / "origin.key")
+    (root / "trusted-keys").write_text(signer.public + "\n")
+
+
+async def _start_origin(root: Path, model: str, registry: str, port: int) -> web.AppRunner:
+    from aiohttp import web
+
+    from kdn.origin.app import OriginConfig, create_app
+    from kdn.service import server_options
+
+    _say(f"  origin    loading model {model} ...")
+    t0 = time.perf_counter()
+    cfg = OriginConfig(model=model, registry=registry, store=str(root / "origin-store"), port=port,
+                       token_file=str(root / "tokens"), node_id="origin-1", signing_key=str(root / "origin.key"),
+                       records="store")  # object records beside the blobs; the edges read them there (auto)
+    app = create_app(cfg)
+    runner = web.AppRunner(app, **server_options(app))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    _say(f"  origin    http://127.0.0.1:{port}  ready in {time.perf_counter() - t0:.1f} s")
+    return runner
+
+
+async def _publish_sample(origin: str, token: str, model: str) -> dict[str, Any]:
+    """The sample document published through the origin; its manifest."""
+    import aiohttp
+
+    from kdn.errors import KDNError
+    from kdn.origin.cli import publish_documents
+
+    text = SAMPLE.read_text()
+    if model.startswith("tiny-"):
+        text = text[:3000]  # tiny models read bytes: keep it within their context
+    _say(f"\npublishing {SAMPLE.name} as public/{SAMPLE.stem} ...")
+    t0 = time.perf_counter()
+    common = {"template": "chat"} if model == "smollm2-135m" else {}
+    try:
+        (m,) = await publish_documents(origin, token, [(SAMPLE.stem, text)], common, timeout=600, progress=False)
+    except KDNError as e:
+        raise SystemExit(f"kdn up: {e}") from None
+    _say(f"published {m['tokens']} tokens as {len(m['addresses'])} chunks in {time.perf_counter() - t0:.1f} s"
+         f" (model {m['model_id'][:16]}...)")
+    first = m["addresses"][0]
+    async with aiohttp.ClientSession(origin, headers={"Authorization": f"Bearer {token}"}) as s, \
+            s.head(f"/v1/objects/{first}") as r:
+        _say(f"  chunk 0: {first}\n           {r.headers['Content-Length']} bytes, ETag {r.headers['ETag'][:20]}...")
+    return m
+
+
+def _next_steps(root: Path, registry: str, origin: str, first: str, edges: list[_Edge]) -> None:
     _say("\nnext, in another shell:")
     _say(f"  kdn registry show {first} --registry {registry}")
     _say(f"  kdn registry ls --prefix manifests/ --registry {registry}")
@@ -184,14 +217,6 @@ async def _up(args: argparse.Namespace) -> int:
     _say(f"  kdn ring show eu --registry {registry}")
     _say(f"  kdn policy set pin-harbor --pin public/{SAMPLE.stem} --region eu --registry {registry}")
     _say(f"  open {origin}/console in a browser; sign in with the token in {root / 'tokens'}")
-    try:
-        if not args.no_serve:
-            _say("\nserving; Ctrl-C stops everything.")
-            await asyncio.Event().wait()
-    finally:
-        for started in reversed(runners):
-            await started.cleanup()
-    return 0
 
 
 async def _start_edges(root: Path, registry: str, origin: str, token: str, ports: list[int],
