@@ -46,6 +46,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work"
@@ -171,6 +172,7 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker
+        sched = scheduler_side(llm)
 
         def first_token(ids: list[int], load: bool, salt: str) -> tuple[float, int, int]:
             sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
@@ -184,6 +186,7 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
             ids = doc[:L] + q
             first_token(ids, True, secrets.token_hex(4))  # fills the edge's memory tier from the origin
             samples: dict[str, list[tuple[float, int, int]]] = {p: [] for p in PATHS}
+            seen = {k: len(v) for k, v in phases_of(worker, sched).items()}  # the fill's load is not a hit's
             for r in range(repeat):
                 for path in PATHS[r % 3:] + PATHS[:r % 3]:
                     salt = secrets.token_hex(4)
@@ -194,12 +197,47 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
                     log(f"[{name} L={L}] rep {r + 1} {path:9s} {smp[0]:9.1f} ms, {smp[1]} tokens reused")
             before = dict(worker.totals.data["bytes"])
             rows.append(summarize(name, L, suffix, samples, dict(worker.totals.data["tokens"])))
+            rows[-1]["phases_ms"] = {k: [s * 1e3 for s in v[seen.get(k, 0):]] for k, v in phases_of(worker, sched).items()}
             rows[-1]["bytes_by_encoding_so_far"] = before
     finally:
         for p in reversed(procs):
             p.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def scheduler_side(llm: Any) -> Any:
+    """The connector's scheduler side in this in-process engine (None where vLLM keeps it elsewhere)."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    conn = getattr(getattr(core, "scheduler", None), "connector", None)
+    return getattr(conn, "sched", None)
+
+
+def phases_of(worker: Any, sched: Any) -> dict[str, list[float]]:
+    """Every load's seconds per phase so far (adapters/vllm/stats.py ``PHASES``): lookup from the scheduler's
+    side, the rest from the worker's."""
+    out = {k: list(v) for k, v in worker.totals.data.get("phases", {}).items()}
+    if sched is not None:
+        out["lookup"] = list(sched.totals.data.get("phases", {}).get("lookup", []))
+    return out
+
+
+def phase_table(rows: list[dict]) -> str:
+    """Where a KDN hit's time goes (medians over the hits), beside the local hit that moves nothing."""
+    def med(r: dict, k: str) -> float:
+        v = r.get("phases_ms", {}).get(k, [])
+        return statistics.median(v) if v else float("nan")
+
+    out = ["| model | context | KDN hit ms | local hit ms | lookup ms | fetch ms (first request to last piece staged) "
+           "| of which the forward waited ms | layer writes ms | rest ms (KDN hit - local hit - lookup - wait - writes) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        P = r["paths"]
+        kdn, local = P["kdn-hit"]["median"], P["local-hit"]["median"]
+        lk, fe, st, wr = (med(r, k) for k in ("lookup", "fetch", "stall", "write"))
+        out.append(f"| {r['model']} | {r['length']:,} | {kdn:,.0f} | {local:,.0f} | {lk:.1f} | {fe:.0f} | {st:.0f} "
+                   f"| {wr:.0f} | {kdn - local - lk - st - wr:.0f} |")
+    return "\n".join(out)
 
 
 def summarize(name: str, L: int, suffix: int, samples: dict, tiers: dict) -> dict:
@@ -328,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Command: python -P bench/vllm_ttft.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     print()
     res.table("main", table(rows))
+    if all("phases_ms" in r for r in rows):
+        res.table("phases", phase_table(rows))
     if not args.no_headline:
         headline(res, rows)
     res.extra["rows"] = rows

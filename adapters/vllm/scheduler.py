@@ -85,6 +85,7 @@ class SchedulerSide:
     _steers: dict[str, SteerSpec | None] = field(default_factory=dict)  # per request seen: its plan, or None
     _decided: dict[str, tuple[int, int, LoadPlan | None]] = field(default_factory=dict)  # (computed, tokens, cut)
     _stats: KDNStats = field(default_factory=KDNStats)  # the planner's choices since vLLM last took them
+    totals: KDNStats = field(default_factory=KDNStats)  # lookups' times since start (benches, health reports)
     _probes: list[concurrent.futures.Future] = field(default_factory=list)  # the planner's, on the wire
     lookups_failed: int = 0
     steer_refused: int = 0  # steered requests run unsteered (a bad plan, no salt, steering off)
@@ -119,6 +120,8 @@ class SchedulerSide:
                 self.lookups_failed += 1
             else:
                 lk.pieces = lk.future.result()
+                for stats in (self._stats, self.totals):
+                    stats.phase("lookup", time.monotonic() - lk.started)
         num_tokens = request.num_tokens
         st = self._steer_for(request)
         if st is not None:  # the KDN's K/V past the question's start are unsteered: load up to it at most

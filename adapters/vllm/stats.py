@@ -11,6 +11,10 @@ turns them into ``kdn_vllm_*`` series on vLLM's own ``/metrics``:
 - ``kdn_vllm_loaded_bytes_total{encoding}``: object bytes fetched for those loads, by encoding
   (``zstd``, ``raw``, a lossy one within the ``quality`` budget);
 - ``kdn_vllm_load_seconds``: one request's load, fetch to last layer written;
+- ``kdn_vllm_load_phase_seconds{phase}``: where a load's time goes: ``lookup`` (the chain's records, before
+  the step: scheduler side), ``fetch`` (first request to last piece staged), ``stall`` (of that, the time
+  the forward waited at its first attention layer: the fetch not hidden behind anything), ``write`` (the
+  layers' backend writes into the paged cache, inside the forward);
 - ``kdn_vllm_saved_chunks_total``: chunks a producer wrote to its store;
 - ``kdn_vllm_plans_total{outcome}``: the load planner's choices (scheduler side): ``load`` (all the
   hit), ``load_part``, ``compute`` (faster than loading), ``probe`` (computed, while one chunk is fetched
@@ -33,7 +37,10 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 def _empty() -> dict[str, Any]:
     return {"loads": 0, "tokens": {}, "bytes": {}, "failures": {}, "seconds": [], "saved": 0, "samples": [],
-            "plans": {}, "plan_tokens": {}}
+            "plans": {}, "plan_tokens": {}, "phases": {}}
+
+
+PHASES = ("lookup", "fetch", "stall", "write")
 
 
 @dataclass
@@ -49,7 +56,8 @@ class KDNStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (d["loads"] or d["failures"] or d["saved"] or d.get("samples") or d.get("plans"))
+        return not (d["loads"] or d["failures"] or d["saved"] or d.get("samples") or d.get("plans")
+                    or any(d.get("phases", {}).values()))
 
     def loaded(self, tier: str, tokens: int) -> None:
         self.data["tokens"][tier] = self.data["tokens"].get(tier, 0) + tokens
@@ -68,6 +76,12 @@ class KDNStats(KVConnectorStats):
         samples.append([int(nbytes), float(seconds), int(abandoned)])
         del samples[:-256]
 
+    def phase(self, name: str, seconds: float) -> None:
+        """One load's time in ``name`` (one of ``PHASES``), kept bounded between log intervals."""
+        secs = self.data.setdefault("phases", {}).setdefault(name, [])
+        secs.append(float(seconds))
+        del secs[:-1024]
+
     def planned(self, outcome: str, loaded: int, computed: int) -> None:
         plans, toks = self.data.setdefault("plans", {}), self.data.setdefault("plan_tokens", {})
         plans[outcome] = plans.get(outcome, 0) + 1
@@ -81,6 +95,10 @@ class KDNStats(KVConnectorStats):
         d["saved"] += o.get("saved", 0)
         d["seconds"] = (d["seconds"] + list(o.get("seconds", [])))[-4096:]  # bounded between log intervals
         d["samples"] = (d.setdefault("samples", []) + list(o.get("samples", [])))[-256:]
+        for name, secs in o.get("phases", {}).items():
+            mine_s = d.setdefault("phases", {}).setdefault(name, [])
+            mine_s.extend(secs)
+            del mine_s[:-1024]
         for key in ("tokens", "bytes", "failures", "plans", "plan_tokens"):
             mine = d.setdefault(key, {})
             for k, v in o.get(key, {}).items():
@@ -113,6 +131,9 @@ class KDNPromMetrics(KVConnectorPromMetrics):
                                            documentation="KDN loads given up (the engine recomputed), by reason")
         self._seconds = self._histogram_cls(name="kdn_vllm_load_seconds", labelnames=labelnames, buckets=_BUCKETS,
                                             documentation="Time to load one request's prefix from the KDN")
+        self._phases = self._histogram_cls(name="kdn_vllm_load_phase_seconds", labelnames=labelnames + ["phase"],
+                                           buckets=_BUCKETS,
+                                           documentation="Where KDN loads' time goes: lookup, fetch, stall, write")
         self._saved = self._counter_cls(name="kdn_vllm_saved_chunks", labelnames=labelnames,
                                         documentation="Chunks a KDN producer wrote to its store")
         self._plans = self._counter_cls(name="kdn_vllm_plans", labelnames=labelnames + ["outcome"],
@@ -131,6 +152,9 @@ class KDNPromMetrics(KVConnectorPromMetrics):
             self._failures.labels(*labels, reason).inc(n)
         for s in d.get("seconds", []):
             self._seconds.labels(*labels).observe(s)
+        for phase, secs in d.get("phases", {}).items():
+            for s in secs:
+                self._phases.labels(*labels, phase).observe(s)
         if d.get("saved"):
             self._saved.labels(*labels).inc(d["saved"])
         for outcome, n in d.get("plans", {}).items():

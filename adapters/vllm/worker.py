@@ -101,6 +101,8 @@ class _Running:
     started: float = field(default_factory=time.perf_counter)
     tally: Tally = field(default_factory=Tally)  # the body bytes its own fetches landed (a give-up's measure)
     ready: float = 0.0  # when its last piece was staged (or it was given up)
+    stall: float = 0.0  # seconds the forward waited for its pieces (at the first attention layer)
+    write: float = 0.0  # seconds of its layers' backend writes
 
     def __post_init__(self) -> None:
         if self.upto < 0:
@@ -321,11 +323,15 @@ class WorkerSide:
             return
         for run in self._running:
             if run.staged is None:
+                t0 = time.perf_counter()
                 self._collect(run)
+                run.stall = time.perf_counter() - t0
             # Tokens before a failed piece are still loaded: vLLM keeps the blocks before the first
             # bad one, so every layer must hold them.
             if run.upto > run.job.plan.first:
+                t0 = time.perf_counter()
                 self._write_layer(run, layer)
+                run.write += time.perf_counter() - t0
 
     def _collect(self, run: _Running) -> None:
         """Wait for a load's pieces to be staged (what is left of its deadline), up to the first that fails."""
@@ -424,6 +430,9 @@ class WorkerSide:
             for st in (self.stats, self.totals):
                 st.data["loads"] += 1
                 st.data["seconds"].append(seconds)
+                st.phase("fetch", run.ready - run.started)
+                st.phase("stall", run.stall)
+                st.phase("write", run.write)
                 for i, _, lo, hi in run.spans():
                     if i < len(staged):
                         st.loaded(staged[i].source, hi - lo)

@@ -70,6 +70,11 @@ def test_second_fresh_server_loads_what_the_first_saved(tmp_path):
         # the load planner's choice (a fresh engine has timed no prefill yet: it loads, and says so)
         assert metric(url2, "kdn_vllm_plans_total", 'outcome="load"') == 1
         assert metric(url2, "kdn_vllm_planned_tokens_total", 'how="loaded"') == 896
+        # where the load's time went: one lookup, one fetch (the forward waited for part of it), one write pass
+        for phase in ("lookup", "fetch", "stall", "write"):
+            assert metric(url2, "kdn_vllm_load_phase_seconds_count", f'phase="{phase}"') == 1, phase
+        assert 0 < metric(url2, "kdn_vllm_load_phase_seconds_sum", 'phase="stall"') \
+            <= metric(url2, "kdn_vllm_load_phase_seconds_sum", 'phase="fetch"')
         # and vLLM's own count of cached prompt tokens by source: a fill from the origin has no nearer name
         assert metric(url2, "vllm:prompt_tokens_cached_by_source_total", 'source="external_unspecified"') == 896
         assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
