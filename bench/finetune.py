@@ -8,7 +8,7 @@ orbital-mechanics, sourdough-guide), its weights cached under bench/work/finetun
 
 1. the layer plan, measured once (``kdn.adapters.hf.variants.measure_pair``) on one window of each training
    document: the continuation NLL when the variant reads layers [k, L) from the base, for every k; each
-   ``--budgets`` value (NLL increase in %) picks a depth, the relation is signed (a throwaway publisher key);
+   ``--budgets`` value (NLL increase in %, on those windows) picks a depth, the relation is signed (a throwaway publisher key);
 2. the base publishes the held-out document (harbor-policy, first ``--paragraphs`` paragraphs, chat template)
    through a real origin (its own process, an embedded registry), read from one edge's memory tier over HTTP
    on 127.0.0.1;
@@ -260,9 +260,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--seq", type=int, default=256, help="tokens a training window")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budgets", default="1,3,10", help="NLL budgets of the plans, percent")
+    ap.add_argument("--budgets", default="0.5,1,2,3", help="NLL budgets of the plans, percent")
     ap.add_argument("--plan-docs", type=int, default=3)
-    ap.add_argument("--plan-context", type=int, default=384)
+    ap.add_argument("--plan-context", type=int, default=256)
     ap.add_argument("--plan-cont", type=int, default=64)
     ap.add_argument("--paragraphs", type=int, default=33, help="of the held-out document, published")
     ap.add_argument("--continuation", type=int, default=128)
