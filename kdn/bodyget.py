@@ -53,7 +53,9 @@ class _Flat:
 class Hasher(Protocol):
     """What ``get`` feeds body segments to (``blake3()``, a ``hashlib`` object, a ``kdn.pieces`` verifier).
     An exception from ``update`` (a piece that does not match) ends the request with that exception, and
-    drops the connection: no more of a refused body is read."""
+    drops the connection: no more of a refused body is read. One with a true ``stable_input`` attribute
+    (``kdn.pieces.OffThread``, which hashes later on another thread) is given views of the bytes where they
+    stay (the sink's runs), never of the bounce buffer."""
 
     def update(self, data: memoryview, /) -> object: ...
 
@@ -164,11 +166,16 @@ class _Conn(asyncio.BufferedProtocol):
         if self.got >= self.resp.length:
             self._fail(BodyError("body longer than Content-Length"))
             return False
-        if self._bouncing and not self._place(self._last[:n]):
+        placed: list[memoryview] = []
+        if self._bouncing and not self._place(self._last[:n], placed):
             return False
         if self.hasher is not None:
             try:
-                self.hasher.update(self._last[:n])
+                if placed and getattr(self.hasher, "stable_input", False):
+                    for run in placed:  # a hasher on another thread reads the bytes where they stay, not
+                        self.hasher.update(run)  # in the bounce buffer the next read overwrites
+                else:
+                    self.hasher.update(self._last[:n])
             except Exception as e:  # noqa: BLE001 -- a verifier that refuses a piece: the body stops here
                 self._fail(e)
                 return False
@@ -225,9 +232,10 @@ class _Conn(asyncio.BufferedProtocol):
                 self.tally.bytes += k
         return True
 
-    def _place(self, data: memoryview) -> bool:
+    def _place(self, data: memoryview, placed: list[memoryview]) -> bool:
         """Copy bytes read into the bounce buffer out to the sink's runs (before they are hashed: a sink may
-        act on a verified prefix at once). False: the sink refused them (the request failed)."""
+        act on a verified prefix at once), each run written appended to ``placed``. False: the sink refused
+        them (the request failed)."""
         pos, n = 0, len(data)
         while pos < n:
             try:
@@ -240,6 +248,7 @@ class _Conn(asyncio.BufferedProtocol):
                 self._fail(BodyError("the sink has no room for the body"))
                 return False
             dst[:] = data[pos:pos + k]
+            placed.append(dst)
             pos += k
         return True
 

@@ -41,7 +41,7 @@ from kdn.address import Address, Digest, ModelId, validate_digest
 from kdn.bases import Bases
 from kdn.bodyget import BodyGetter, Tally
 from kdn.checked import check_identity, decode_checked
-from kdn.connections import DECODE_THREADS, Connections
+from kdn.connections import DECODE_THREADS, HASH_THREADS, Connections
 from kdn.encodings import affordable, parse_budget
 from kdn.errors import InvalidInput, KDNError, SourceError
 from kdn.estimate import DECODE, DecodeSpeeds
@@ -92,6 +92,7 @@ class KDNClient:
         decode_speeds: DecodeSpeeds | None = None,
         manifest_state: str | os.PathLike[str] | None = None,
         decode_threads: int = DECODE_THREADS,
+        hash_threads: int = HASH_THREADS,
     ) -> None:
         # Where to fetch from and in what order (kdn.sources); the names below are the same objects, kept
         # for callers and benchmarks that read or seed them.
@@ -100,7 +101,7 @@ class KDNClient:
         self.estimates, self.control, self._ring = self.routing.estimates, self.routing.control, self.routing.ring
         # How it reaches them: sessions, the body reader, the verified fetcher, the decode threads (kdn.connections).
         self.net = Connections(self.estimates, token=token, timeout=timeout, ca=ca, ssl=ssl, local_addr=local_addr,
-                               concurrency=concurrency, decode_threads=decode_threads)
+                               concurrency=concurrency, decode_threads=decode_threads, hash_threads=hash_threads)
         self.headers = self.net.headers
         if max_hedges < 0:
             raise InvalidInput(f"max_hedges must be >= 0, not {max_hedges}")

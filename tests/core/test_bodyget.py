@@ -163,7 +163,7 @@ async def test_a_sink_of_small_runs_gets_every_byte_in_its_place_and_the_hasher_
 
     copied = []
     place = bodyget._Conn._place
-    monkeypatch.setattr(bodyget._Conn, "_place", lambda self, data: copied.append(len(data)) or place(self, data))
+    monkeypatch.setattr(bodyget._Conn, "_place", lambda self, data, placed: copied.append(len(data)) or place(self, data, placed))
     handler, _ = good()
     server, url = await serve(handler)
     g = BodyGetter(ssl=None)
@@ -203,10 +203,10 @@ async def test_a_small_run_sink_that_refuses_mid_body_fails_the_request():
 
         place = bodyget._Conn._place
 
-        def placing(self, data):
+        def placing(self, data, placed):
             Refusing.placing = True
             try:
-                return place(self, data)
+                return place(self, data, placed)
             finally:
                 Refusing.placing = False
 

@@ -204,3 +204,73 @@ async def test_pieces_that_do_not_match_the_digest_fail_the_fetch_not_the_reader
 def test_the_minimum_piece_size_bounds_a_record_s_digest_list():
     with pytest.raises(InvalidInput):
         Pieces.checked(100 * MIN_PIECE_BYTES, MIN_PIECE_BYTES // 2, ["ab" * 32] * 200)
+
+
+def test_a_verifier_off_the_thread_hashes_in_order_and_names_the_wrong_piece():
+    """``OffThread``: batches hashed on a pool's threads in the order given, the result the inline one's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kdn.pieces import OffThread
+
+    async def feed(blob: bytes, pool: ThreadPoolExecutor) -> OffThread:
+        v = OffThread(PieceVerifier(len(blob), Pieces(PIECE_BYTES, piece_digests(BLOB))), pool, batch=200_000)
+        for i in range(0, len(blob), 32_768):  # 32 KB runs, as a scattered body's
+            v.update(memoryview(blob)[i:i + 32_768])
+        await v.settle()
+        return v
+
+    with ThreadPoolExecutor(2) as pool:  # two threads: order must still hold across batches
+        assert asyncio.run(feed(BLOB, pool)).verified()
+        bad = bytearray(BLOB)
+        bad[5 * MiB + 7] ^= 1
+        v = asyncio.run(feed(bytes(bad), pool))
+        with pytest.raises(DigestMismatch, match="piece 5"):
+            v.verified()
+        with pytest.raises(DigestMismatch):  # and any later byte given is refused at once
+            v.update(memoryview(BLOB)[:10])
+
+
+@pytest.mark.parametrize("sink", ["flat", "runs"])
+async def test_fetches_hashed_off_the_thread_deliver_only_intact_bodies(source, sink):
+    """A Fetcher with a hash pool: a good body lands intact (flat, or scattered through the bounce buffer,
+    whose hashing must read the placed runs); a lie early stops the transfer within a few pieces and the
+    next source serves; a lie in the last byte fails the fetch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kdn.fetch import Buffer
+
+    class Runs:  # a kdn.bodyget Sink of 32 KB runs in one bytearray: read through the bounce buffer
+        def __init__(self, n: int) -> None:
+            self.size, self.data = n, bytearray(n)
+
+        def region(self, offset: int) -> memoryview:
+            end = min(self.size, (offset // 32_768 + 1) * 32_768)
+            return memoryview(self.data)[offset:end]
+
+        @property
+        def view(self) -> memoryview:
+            return memoryview(self.data)
+
+        def release(self) -> None:
+            pass
+
+    def alloc(n: int) -> Buffer:
+        return Fresh(n) if sink == "flat" else Runs(n)  # type: ignore[return-value]
+
+    getter = BodyGetter(ssl=None)
+    with ThreadPoolExecutor(1) as pool:
+        fetcher = Fetcher(getter, Estimates(), timeout=10.0, hash_pool=pool)
+        good = await source("ok", [])
+        body = await fetcher.fetch(want(), [Route("origin", good, "origin")], alloc=alloc)
+        assert bytes(body.blob) == BLOB
+        liar_sent: list[int] = []
+        liar = await source("lie-early", liar_sent)
+        body = await fetcher.fetch(want(), [Route("edge:liar", liar, "edge"), Route("origin", good, "origin")],
+                                   alloc=alloc)
+        assert bytes(body.blob) == BLOB and fetcher.failovers == 1
+        await asyncio.sleep(0.05)
+        assert liar_sent[0] < 6 * MiB, liar_sent  # a batch later than inline, still far from the 8 MiB
+        late = await source("lie-late", [])
+        with pytest.raises(DigestMismatch):
+            await fetcher.fetch(want(pieces=False), [Route("edge:liar", late, "edge")], alloc=alloc)
+    getter.close()
