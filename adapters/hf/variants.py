@@ -21,6 +21,9 @@ for most layers and recompute the few where the two diverge most. What this modu
   k/L of a prefill's layer work, and it needs no loaded byte, so it runs while the base's chunks arrive.
   DroidSpeak recomputes any contiguous group [a, b) from the sender's hidden states entering layer a (its
   "E cache"), which the origin does not publish: a plan that is not a first-k set is refused here.
+- **DroidSpeak's groups, measured only** (``measure_groups``): a group [a, b) recomputed from the base's hidden
+  states entering layer a (``hidden_entering``, ``recompute_group``), the base's K/V elsewhere: what publishing
+  those hidden states would buy, for the benchmark; nothing loads such a plan.
 - **the load path** (``agenerate_variant``): only with ``accept_base=relation``, signed by a key the caller
   (or the client) trusts and naming this very model as the variant; then the base's chunks are looked up and
   loaded through the client as ``agenerate`` loads its own (``fetch_prefix`` into a ``CacheBuilder``), layers
@@ -74,21 +77,63 @@ def recompute_layers(model: Any, ids: Sequence[int], k: int) -> list[tuple[torch
         raise InvalidInput(f"depth {k} is outside 0..{len(layers)}")
     if k == 0 or not ids:
         return []
-    cache = new_cache(model)
 
     def stop(*_: Any) -> None:
         raise _Stop
 
-    hook = layers[k].register_forward_pre_hook(stop) if k < len(layers) else None
+    cache = _run_hooked(model, ids, {k: stop} if k < len(layers) else {})
+    return [(cache.layers[i].keys, cache.layers[i].values) for i in range(k)]
+
+
+def _run_hooked(model: Any, ids: Sequence[int], hooks: dict[int, Any]) -> Any:
+    """One forward over ``ids`` from position 0 with forward pre-hooks on decoder layers (index -> hook; one may
+    raise ``_Stop``); the cache it filled."""
+    layers = decoder_layers(model)
+    cache = new_cache(model)
+    handles = [layers[i].register_forward_pre_hook(h) for i, h in hooks.items()]
     try:
         with torch.inference_mode():
             _forward(model, cache, torch.as_tensor(list(ids), device=next(model.parameters()).device), 0, logits=False)
     except _Stop:
         pass
     finally:
-        if hook is not None:
-            hook.remove()
-    return [(cache.layers[i].keys, cache.layers[i].values) for i in range(k)]
+        for h in handles:
+            h.remove()
+    return cache
+
+
+def hidden_entering(model: Any, ids: Sequence[int], layer: int) -> torch.Tensor:
+    """The hidden states ``[1, n, hidden]`` entering decoder layer ``layer`` over ``ids`` (what DroidSpeak sends
+    as its "E cache"); the forward stops there."""
+    if not 0 <= layer < len(decoder_layers(model)):
+        raise InvalidInput(f"layer {layer} is outside 0..{len(decoder_layers(model)) - 1}")
+    got: list[torch.Tensor] = []
+
+    def grab(_: Any, args: tuple) -> None:
+        got.append(args[0])
+        raise _Stop
+
+    _run_hooked(model, ids, {layer: grab})
+    return got[0]
+
+
+def recompute_group(model: Any, ids: Sequence[int], a: int, b: int,
+                    entering: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The K/V of layers ``[a, b)`` of ``model`` over ``ids`` run from ``entering`` (the hidden states entering
+    layer a, another model's: ``hidden_entering``) instead of its own. A measurement: layers [0, a) still run
+    here and are thrown away; a consumer given those hidden states would start at layer a."""
+    L = len(decoder_layers(model))
+    if not 0 <= a < b <= L:
+        raise InvalidInput(f"group [{a}, {b}) is not within 0..{L}")
+
+    def swap(_: Any, args: tuple) -> tuple:
+        return (entering, *args[1:])
+
+    def stop(*_: Any) -> None:
+        raise _Stop
+
+    cache = _run_hooked(model, ids, {a: swap, **({b: stop} if b < L else {})})
+    return [(cache.layers[i].keys, cache.layers[i].values) for i in range(a, b)]
 
 
 def cache_of(model: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -148,10 +193,6 @@ def _scores(model: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], n: int,
     return nll, kl, lp
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30)).item()
-
-
 def _measure_one(base: Any, variant: Any, ctx: Sequence[int], cont: Sequence[int]) -> dict[str, Any]:
     L = len(decoder_layers(variant))
     own, other = recompute_layers(variant, ctx, L), recompute_layers(base, ctx, L)
@@ -206,6 +247,26 @@ def measure_pair(base: Any, variant: Any, samples: Sequence[tuple[Sequence[int],
         swap_dnll=[mean([pct(r, "swap_nll", i) for r in runs]) for i in range(L)],
         swap_kl=[mean([r["swap_kl"][i] for r in runs]) for i in range(L)],
         div_k=[div("dk", i) for i in range(L)], div_v=[div("dv", i) for i in range(L)])
+
+
+def measure_groups(base: Any, variant: Any, samples: Sequence[tuple[Sequence[int], Sequence[int]]],
+                   groups: Sequence[tuple[int, int]]) -> dict[tuple[int, int], tuple[float, float]]:
+    """DroidSpeak's plans, for comparison (nothing here can load them): per group ``(a, b)``, the mean NLL
+    increase in % and KL (as ``measure_pair``'s) when the variant recomputes layers [a, b) from the base's hidden
+    states entering layer a and takes the base's K/V in every other layer."""
+    L = len(decoder_layers(variant))
+    got: dict[tuple[int, int], list[tuple[float, float]]] = {g: [] for g in groups}
+    for ctx, cont in samples:
+        own, other = recompute_layers(variant, ctx, L), recompute_layers(base, ctx, L)
+        nll_own, _, own_lp = _scores(variant, own, len(ctx), cont, None)
+        entering: dict[int, torch.Tensor] = {}
+        for a, b in groups:
+            if a not in entering:
+                entering[a] = hidden_entering(base, ctx, a)
+            kv = list(other[:a]) + recompute_group(variant, ctx, a, b, entering[a]) + list(other[b:])
+            nll, kl, _ = _scores(variant, kv, len(ctx), cont, own_lp)
+            got[(a, b)].append(((nll - nll_own) / nll_own * 100, kl))
+    return {g: (sum(d for d, _ in r) / len(r), sum(k for _, k in r) / len(r)) for g, r in got.items()}
 
 
 def pick_depth(m: PairMeasurement, budget: float, metric: str = "nll%") -> int:

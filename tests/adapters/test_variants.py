@@ -19,8 +19,8 @@ from kdn.adapters.hf import ByteTokenizer, continue_from_cache, extract_chunks, 
 from kdn.adapters.hf.cache import build_cache
 from kdn.adapters.hf.extract import new_cache
 from kdn.adapters.hf.generate import Generation, model_id
-from kdn.adapters.hf.variants import (VariantGeneration, agenerate_variant, measure_pair, pick_depth,
-                                      recompute_layers, relation_for)
+from kdn.adapters.hf.variants import (VariantGeneration, agenerate_variant, hidden_entering, measure_groups,
+                                      measure_pair, pick_depth, recompute_group, recompute_layers, relation_for)
 from kdn.client import KDNClient
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.objects import encode_object, from_torch
@@ -117,7 +117,27 @@ def test_recompute_layers_stops_before_layer_k_with_the_full_forwards_states():
         recompute_layers(var, ids, LAYERS + 1)
 
 
-# --- the signed relation ----------------------------------------------------------------------------------------
+def test_droidspeak_groups_run_from_the_hidden_states_entering_them():
+    base, var, _ = pair()
+    ids = SAMPLES[0][0]
+    with torch.inference_mode():
+        hs = var(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    assert torch.allclose(hidden_entering(var, ids, 2), hs[2], atol=1e-6, rtol=0)
+    # a group run from the model's own hidden states is its own K/V
+    own = recompute_layers(var, ids, LAYERS)
+    for (k, v), (k2, v2) in zip(recompute_group(var, ids, 1, 3, hidden_entering(var, ids, 1)), own[1:3]):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    with pytest.raises(InvalidInput):
+        recompute_group(var, ids, 2, 2, hs[2])
+    # only attention moved: the base's embeddings are the variant's, so group [0, 2) is the first-2 plan, and
+    # group [0, L) the variant itself; recomputing the untouched layers instead leaves the damage in place
+    m = measure_pair(base, var, SAMPLES)
+    g = measure_groups(base, var, SAMPLES, [(0, 2), (2, 4), (0, LAYERS)])
+    assert g[(0, 2)][1] == pytest.approx(m.kl[2], rel=1e-9) and g[(0, LAYERS)] == (0.0, 0.0)
+    assert g[(2, 4)][1] > 10 * g[(0, 2)][1]
+
+
+# --- the signed relation ---# --- the signed relation ----------------------------------------------------------------------------------------
 
 
 def relation(**kw) -> BaseRelation:
