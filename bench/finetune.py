@@ -17,7 +17,11 @@ orbital-mechanics, sourdough-guide), its weights cached under bench/work/finetun
    document's questions (``questions.json``) greedy answers (the first token and ``--gen`` tokens the same as
    the variant's own; the answer in them) and the time to the first token (``agenerate_variant``: lookup,
    fetch of the base's chunks, layers [0, k) recomputed beside the fetch, the question) against the variant's
-   own one-shot prefill of the same prompt (``logits_to_keep=1``), medians over the questions.
+   own one-shot prefill of the same prompt (``logits_to_keep=1``), medians over the questions;
+4. beside each budget's first-k plan, DroidSpeak's: the fewest layers of a contiguous group [a, b) (widths
+   ``--group-widths``) recomputed from the base's hidden states entering layer a, within the budget on the
+   plan's windows (``measure_groups``), and its continuation NLL and answers on the held-out document, computed
+   here: no object holds those hidden states, so nothing can load such a plan and it has no TTFT.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ from blake3 import blake3  # noqa: E402
 from kdn.adapters.hf import load_model, prefill, prompt_tokens  # noqa: E402
 from kdn.adapters.hf.cache import continue_from_cache  # noqa: E402
 from kdn.adapters.hf.generate import decode_loop, model_id  # noqa: E402
-from kdn.adapters.hf.variants import (agenerate_variant, cache_of, measure_pair, recompute_layers,  # noqa: E402
-                                      relation_for)
+from kdn.adapters.hf.variants import (agenerate_variant, cache_of, hidden_entering, measure_groups,  # noqa: E402
+                                      measure_pair, pick_depth, recompute_group, recompute_layers, relation_for)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (python -P leaves it out)
 import edits as E  # noqa: E402  (publish, lean, nll_of)
@@ -111,21 +115,67 @@ def eval_text(tok, args) -> tuple[str, list[int]]:
     return text, E.encode(tok, "\n\n".join(paras[args.paragraphs:]))[:args.continuation]
 
 
-def continuation_nll(base, var, ctx: list[int], cont: list[int], k: int) -> float:
-    """The variant reading ``cont`` after ``ctx`` with layers [0, k) its own, [k, L) the base's K/V as the origin
-    computed them (256-token chunks)."""
+def base_states(base, ctx: list[int]) -> list:
+    """The base's K/V of ``ctx`` per layer as the origin computed them (256-token chunks)."""
     with torch.inference_mode():
         b = prefill(base, ctx, chunk_tokens=256)
-        kv = [(b.layers[i].keys, b.layers[i].values) for i in range(len(b.layers))]
-        kv[:k] = recompute_layers(var, ctx, k)
-        logits = continue_from_cache(var, cache_of(var, kv), len(ctx), cont)
-    return E.nll_of(logits, cont)
+    return [(b.layers[i].keys, b.layers[i].values) for i in range(len(b.layers))]
+
+
+def continuation_nll(var, kv: list, ctx: list[int], cont: list[int]) -> float:
+    """The variant reading ``cont`` after ``ctx`` from a cache of ``kv`` (every layer)."""
+    return E.nll_of(continue_from_cache(var, cache_of(var, kv), len(ctx), cont), cont)
+
+
+def mixed(var, base_kv: list, ctx: list[int], k: int) -> list:
+    """Layers [0, k) the variant's own over ``ctx``, [k, L) the base's."""
+    return recompute_layers(var, ctx, k) + base_kv[k:]
+
+
+def questions() -> list[dict]:
+    return [q for q in json.loads((DOCS / "questions.json").read_text()) if q["doc"] == EVAL_DOC]
+
+
+def group_rows(base, var, tok, samples, m, args, base_kv, man, cont, per, log) -> list[str]:
+    """DroidSpeak's group plans beside the first-k ones, per budget: the fewest layers [a, b) (of the measured
+    groups) that the variant recomputes from the base's hidden states entering layer a, the base's K/V elsewhere,
+    within the budget on the plan's windows; then on the held-out document, computed here (nothing loads them)."""
+    L, ctx = m.layers, man["prefix_tokens"]
+    groups = [(a, a + w) for w in args.group_widths if w < L for a in range(0, L - w + 1, 2)]
+    t0 = time.perf_counter()
+    g = measure_groups(base, var, samples, groups)
+    log(f"{len(groups)} groups measured in {time.perf_counter() - t0:.0f} s; best per width: " + ", ".join(
+        f"{w}: [{a},{a + w}) {g[(a, a + w)][0]:+.1f}%" for w in args.group_widths if w < L
+        for a in [min((x for x, y in groups if y - x == w), key=lambda x: g[(x, x + w)][0])]))
+    own_nll = continuation_nll(var, recompute_layers(var, ctx, L), ctx, cont)
+    qs, rows = questions()[:args.questions], []
+    for b in args.budgets:
+        k = pick_depth(m, b)
+        ok = sorted((hi - lo, d, (lo, hi)) for (lo, hi), (d, _) in g.items() if d <= b)
+        first = f"| +{b:g}% | {k} of {L} | {m.dnll[k]:+.1f}% "
+        if not ok:
+            rows.append(first + f"| none of the {len(groups)} | - | - | - | - | - |")
+            continue
+        w, d, (lo, hi) = ok[0]
+        kv = base_kv[:lo] + recompute_group(var, ctx, lo, hi, hidden_entering(base, ctx, lo)) + base_kv[hi:]
+        dn = (continuation_nll(var, kv, ctx, cont) - own_nll) / own_nll * 100
+        same = firsts = 0
+        for q, own in zip(qs, per["own prefill"]["ids"]):
+            ids = prompt_tokens(tok, man, q["question"])
+            cache = cache_of(var, kv)
+            nxt = int(torch.argmax(continue_from_cache(var, cache, len(ctx), ids[len(ctx):], last=1)[-1]))
+            with torch.inference_mode():
+                out = decode_loop(var, cache, nxt, len(ids), args.gen, tok.eos_token_id)
+            same, firsts = same + (out == own), firsts + (out[:1] == own[:1])
+        rows.append(first + f"| [{lo}, {hi}) | {w} of {L} | {d:+.1f}% | {dn:+.1f}% | {firsts}/{len(qs)} "
+                    f"| {same}/{len(qs)} |")
+    return rows
 
 
 async def answers(args, var, tok, client, man, plans, trusted, log) -> dict[str, dict]:
     """Per plan: TTFT and greedy tokens per question; the variant's own one-shot prefill is the reference."""
     loop = asyncio.get_running_loop()
-    qs = [q for q in json.loads((DOCS / "questions.json").read_text()) if q["doc"] == EVAL_DOC][:args.questions]
+    qs = questions()[:args.questions]
     names = ["own prefill"] + list(plans)
     per: dict[str, dict] = {p: {"ttft": [], "ids": []} for p in names}
     for qi, q in enumerate(qs):
@@ -203,9 +253,13 @@ async def run(args, res: R.Results, log) -> None:
             E.lean(var, man["prefix_tokens"][:256])  # torch's first forwards pay one-off costs
             log(f"{EVAL_DOC}: {len(man['prefix_tokens'])} tokens published by the base, {len(man['addresses'])} chunks")
             ctx = man["prefix_tokens"]
-            nll = {p: continuation_nll(base, var, ctx, cont, len(r.recompute)) for p, r in plans.items()}
+            base_kv = base_states(base, ctx)
+            nll = {p: continuation_nll(var, mixed(var, base_kv, ctx, len(r.recompute)), ctx, cont)
+                   for p, r in plans.items()}
             per = await answers(args, var, tok, client, man, plans, Verifier([signer.public]), log)
+        groups = group_rows(base, var, tok, plan_samples(tok, args), m, args, base_kv, man, cont, per, log)
         tables(args, res, m, plans, nll, per, len(ctx), log)
+        group_table(args, res, m, groups)
     finally:
         for p in reversed(procs):
             p.stop()
@@ -253,6 +307,18 @@ def tables(args, res, m, plans, nll, per, n_ctx, log) -> None:
                              "plans": {p: len(r.recompute) for p, r in plans.items()}}
 
 
+def group_table(args, res, m, rows) -> None:
+    hidden = "hidden states entering layer a"
+    t = [f"Per budget (NLL on the plan's windows): the first-k plan the load path runs, and the cheapest of DroidSpeak's "
+         f"contiguous groups [a, b) of width {', '.join(str(w) for w in args.group_widths)} (a even) within it, "
+         f"recomputed from the base's {hidden} (not published: computed here, no TTFT); its held-out rows as in "
+         f"the main table (continuation NLL against the variant's own prefill, greedy answers against its own)", "",
+         "| budget | first-k plan: layers recomputed | its NLL on the windows | group plan | layers recomputed "
+         "| its NLL on the windows | held-out continuation NLL vs own | first token as own | answer as own |",
+         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", *rows]
+    res.table("groups", "\n".join(t), "Reuse across fine-tunes: first-k plans and DroidSpeak's groups")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -268,13 +334,16 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--gen", type=int, default=16, help="greedy tokens per answer")
+    ap.add_argument("--group-widths", default="2,4,8", help="widths of the DroidSpeak groups measured")
     ap.add_argument("--quick", action="store_true", help="2 steps, one short plan sample, 6 paragraphs, 1 question")
     R.add_arg(ap)
     args = ap.parse_args()
     if args.quick:
         args.steps, args.seq, args.plan_docs, args.plan_context, args.plan_cont = 2, 64, 1, 96, 16
         args.paragraphs, args.continuation, args.questions, args.gen, args.budgets = 6, 32, 1, 4, "5"
+        args.group_widths = "8"
     args.budgets = [float(x) for x in str(args.budgets).split(",")]
+    args.group_widths = [int(x) for x in str(args.group_widths).split(",")]
     res = R.Results("finetune", args)
     t0 = time.perf_counter()
 

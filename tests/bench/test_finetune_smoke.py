@@ -30,5 +30,7 @@ def test_a_quick_finetune_run_compares_the_plans_with_the_variants_own_prefill(t
     assert rows[1][1] == f"0 of {L}" and rows[-1][1] == f"{L} of {L}"
     # every layer recomputed: the variant's own reading of the context (the NLL of a one-shot prefill)
     assert rows[-1][4] == rows[0][4] and rows[-1][5] == "+0.0%"
+    groups = next(t for t in d["tables"] if t["id"] == "groups")["markdown"]
+    assert any(line.startswith("| +5% | ") for line in groups.splitlines()), groups
     layers = next(t for t in d["tables"] if t["id"] == "layers")["markdown"]
     assert len([x for x in layers.splitlines() if x.startswith("| ") and x[2].isdigit()]) == L
