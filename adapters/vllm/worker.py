@@ -103,6 +103,7 @@ class _Running:
     ready: float = 0.0  # when its last piece was staged (or it was given up)
     stall: float = 0.0  # seconds the forward waited for its pieces (at the first attention layer)
     write: float = 0.0  # seconds of its layers' backend writes
+    moved: int = -1  # a complete load's wire bytes: the planner's sample, taken once its writes are timed too
 
     def __post_init__(self) -> None:
         if self.upto < 0:
@@ -370,11 +371,14 @@ class WorkerSide:
             # then (not other loads' bytes: several in one step share the link, and each counts its own
             # share, as a load that completes does). (A cold load timed the entry edge's upstream, not this
             # engine's link.)
-            given_up = run.error is not None
-            moved = run.tally.bytes if given_up else sum(p.size for p in run.job.plan.pieces)
-            with self._lock:
-                for st in (self.stats, self.totals):
-                    st.sampled(moved, run.ready - run.started, abandoned=given_up)
+            # A complete load's sample waits for its writes (end of the forward, ``_account``): what the
+            # planner weighs against a prefill is the load into the cache, writes and all, not the fetch.
+            if run.error is None:
+                run.moved = sum(p.size for p in run.job.plan.pieces)
+            else:
+                with self._lock:
+                    for st in (self.stats, self.totals):
+                        st.sampled(run.tally.bytes, run.ready - run.started, abandoned=True)
 
     @staticmethod
     def _wait_piece(run: _Running, fut: concurrent.futures.Future, deadline: float, step: float, total: int,
@@ -433,6 +437,8 @@ class WorkerSide:
                 st.phase("fetch", run.ready - run.started)
                 st.phase("stall", run.stall)
                 st.phase("write", run.write)
+                if run.moved >= 0:
+                    st.sampled(run.moved, run.ready - run.started + run.write)
                 for i, _, lo, hi in run.spans():
                     if i < len(staged):
                         st.loaded(staged[i].source, hi - lo)
@@ -472,10 +478,12 @@ class WorkerSide:
             if run.error is None:
                 self._collect(run)
             if run.error is None:  # a background load is all or nothing
+                t0 = time.perf_counter()
                 for layer in self._order:
                     self._write_layer(run, layer)
                 if self.states:
                     self._write_states(run)
+                run.write = time.perf_counter() - t0
         except LoadFailed as e:
             self._fail(run, e)
         except Exception as e:  # noqa: BLE001 -- never leave vLLM waiting on a request: report it failed

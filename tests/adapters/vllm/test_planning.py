@@ -236,15 +236,20 @@ def test_the_worker_reports_a_given_up_load_by_its_own_tally_not_the_bytes_it_me
         run.fetches = [concurrent.futures.Future() for _ in pieces]
         if done:
             for f in run.fetches:
-                f.set_result(SimpleNamespace())
+                f.set_result(SimpleNamespace(source="memory", encoding="raw", nbytes=4 * MiB))
         run.tally.bytes = 300_000  # what its fetches landed so far
         return run
 
     w._collect(run_of(0.05, done=False))  # nothing arrives: given up at its 50 ms deadline
-    w._collect(run_of(10.0, done=True))
-    (gave_up_bytes, took, abandoned), (done_bytes, _, done_abandoned) = w.totals.data["samples"]
+    done = run_of(10.0, done=True)
+    w._collect(done)
+    assert len(w.totals.data["samples"]) == 1  # a complete load is sampled once its writes are timed too
+    done.write = 0.25  # its layers' writes into the paged cache, inside the forward
+    w._account(done)
+    (gave_up_bytes, took, abandoned), (done_bytes, done_took, done_abandoned) = w.totals.data["samples"]
     assert (gave_up_bytes, abandoned) == (300_000, 1) and 0.005 < took < 1.0
     assert (done_bytes, done_abandoned) == (8 * MiB, 0)
+    assert done_took == done.ready - done.started + 0.25  # the planner weighs the load writes and all
 
 
 def _bare_worker(load_timeout: float = 10.0):
