@@ -8,7 +8,9 @@ it runs past twice its expected time, fails over on error, and is verified
 against the digest its record promised before anything is decoded. Records
 and manifests are believed as far as ``kdn.trust`` allows. Object bodies are read by
 ``kdn.bodyget`` (keep-alive connections of its own, straight into arena
-buffers); lookups, records and manifests go through one aiohttp session.
+buffers); lookups, records and manifests go through one aiohttp session. How a lookup finds the
+longest published prefix is ``kdn.find``; how a prefix's objects are fetched and decoded or placed into an
+engine's cache is ``kdn.prefix``.
 
     async with KDNClient(edges=["http://127.0.0.1:8100"], token=...) as c:
         hit = await c.lookup(tokens, model_id, namespace="public")
@@ -40,21 +42,22 @@ from kdn import address as A
 from kdn.address import Address, Digest, ModelId, validate_digest
 from kdn.bases import Bases
 from kdn.bodyget import BodyGetter, Tally
-from kdn.checked import check_identity, decode_checked
 from kdn.connections import DECODE_THREADS, HASH_THREADS, Connections
 from kdn.encodings import affordable, parse_budget
 from kdn.errors import InvalidInput, KDNError, SourceError
 from kdn.estimate import DECODE, DecodeSpeeds
 from kdn.fetch import Fetcher, Fresh, Observer, Route, Want
+from kdn.find import find_prefix
 from kdn.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Source, Tensors, fills
 from kdn.parts import fetch_tensors
 from kdn.pieces import Pieces
+from kdn.prefix import fetch_prefix
 from kdn.sources import Sources, from_nodes
 from kdn.trust import Trust
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
     from kdn.arena import Arena
-    from kdn.objects import DecodedObject, Layout, ObjectView
+    from kdn.objects import Layout, ObjectView
     from kdn.scatter import Placer
     from kdn.registry import Membership
     from kdn.trust import TrustedKeys
@@ -213,76 +216,11 @@ class KDNClient:
 
     async def lookup(self, tokens: Iterable[int], model_id: ModelId, namespace: str = "public", *,
                      chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS) -> Lookup:
-        """How many leading tokens of ``tokens`` are published: whole chunks, then a partial tail.
-
-        Whole chunks are found with one ``/v1/lookup``; past them, the last
-        matched chunk's record lists its partial tails (length -> address), so a
-        prompt that continues past a published text (text + question) reuses
-        all of the text.
-        """
-        toks = list(tokens)
-        model_id = A.validate_model_id(model_id)
-        full = A.prefix_addresses(model_id, namespace, toks, chunk_tokens, full_chunks_only=True)
-        n = 0
-        where: list[object] = []
-        inline: list[object] = []
-        if full:
-            # The matched chain's records ride with the answer (the edge read them to answer): one round trip
-            # where a lookup of 31 chunks took 32, and the engine's scheduler another 31 (bench/lookup.py).
-            body = await self._json("POST", "/v1/lookup", {"addresses": full, "records": True})
-            try:  # an edge's answer is a claim: a number within the chain, or nothing
-                n = max(0, min(int(body["length"]), len(full))) if body else 0
-            except (KeyError, TypeError, ValueError):
-                n = 0
-            sources = body.get("sources") if body else None
-            where = sources if isinstance(sources, list) else []
-            sent = body.get("records") if body else None
-            inline = sent[:n] if isinstance(sent, list) else []
-            # Not in the answering edge's tiers: a read fills it (through the owner, or from the origin).
-            cold = {a for a, w in zip(full, where) if w not in ("memory", "disk")}
-        addrs = full[:n]
-        records: list[dict[str, Any]] = []
-        if n:
-            # The edge's "I have n" is a claim; with keys a chunk counts only once its signed record verifies.
-            recs = await self._records(addrs, inline)
-            if self.verifier is not None:
-                n = next((i for i, r in enumerate(recs) if r is None), n)
-                addrs, recs = addrs[:n], recs[:n]
-            records = [r for r in recs if r is not None] if None not in recs else []
-        covered = n * chunk_tokens
-        if n:
-            parent = records[-1] if records else await self.record(addrs[-1])
-            tails = {int(k): v for k, v in (parent or {}).get("tails", {}).items()}
-            for length in sorted(tails, reverse=True):
-                if covered + length <= len(toks):
-                    cand = A.next_address(addrs[-1], toks[covered:covered + length])
-                    tail = await self.record(cand) if cand == tails[length] else None
-                    if tail is not None:
-                        addrs.append(cand)
-                        records += [tail] if records else []
-                        covered += length
-                        break
-        return Lookup(model_id=model_id, namespace=namespace, addresses=addrs, tokens=covered,
-                      chunk_tokens=chunk_tokens, records=records, cold=cold if n else set(),
-                      sources=[str(w) for w in where[:n]])
-
-    async def _records(self, addrs: list[A.Address], inline: list[object]) -> list[dict[str, Any] | None]:
-        """The records of ``addrs``, in order: each one sent with the lookup (``inline``) as ``record`` would
-        check it; one the answer lacks (an older edge, an entry that is not this address's record) is read by
-        itself, with keys. Without keys, a missing one stays None (read later by whoever needs it)."""
-        out: list[dict[str, Any] | None] = []
-        ask: list[int] = []
-        for i, a in enumerate(addrs):
-            d = inline[i] if i < len(inline) else None
-            if not (isinstance(d, dict) and d.get("address") == a):
-                out.append(None)
-                ask.append(i)
-            else:
-                out.append(self.trust.record(d, a))  # a refused one stays None: it is never read again
-        if ask and self.verifier is not None:
-            for i, r in zip(ask, await asyncio.gather(*(self.record(addrs[i]) for i in ask))):
-                out[i] = r
-        return out
+        """How many leading tokens of ``tokens`` are published: whole chunks, then a partial tail
+        (``kdn.find``: one ``/v1/lookup``, the chain's records riding with it, believed as ``kdn.trust`` allows;
+        a prompt that continues past a published text reuses all of the text)."""
+        return await find_prefix(self._json, self.record, self.trust, list(tokens), model_id, namespace,
+                                 chunk_tokens)
 
     # --- fetch -----------------------------------------------------------------
 
@@ -472,7 +410,7 @@ class KDNClient:
                            into: Callable[[int, ObjectView], None] | None = None,
                            arena: Arena | None = None, scatter: Placer | None = None,
                            tally: Tally | None = None) -> PrefixStates:
-        """Fetch, verify and decode every object of a lookup; objects stay in chain order.
+        """Fetch, verify and decode every object of a lookup; objects stay in chain order (``kdn.prefix``).
 
         A pipeline per object: each is decoded (off the event loop) as soon as it
         has arrived and been verified, while the others are still on the wire.
@@ -492,58 +430,8 @@ class KDNClient:
         while in cache, ``kdn.bodyget``); its ``fetched[i].blob`` is empty. ``tally``: every body byte of the
         prefix counted as it lands (``fetch``).
         """
-        from kdn.objects import DecodedObject
-
-        budget = parse_budget(self.quality if quality is None else quality)
-        pool = arena if arena is not None else self.arena
-        t0 = time.perf_counter()
-        arrived: list[float] = []
-
-        known = dict(zip(hit.addresses, hit.records))  # verified by the lookup: no second record read
-
-        async def one(index: int, address: A.Address) -> tuple[Fetched, DecodedObject]:
-            rec = known.get(address) or await self.record(address)
-            if rec is None:
-                raise SourceError(f"{address} is not in the registry")
-            enc = encoding or self.choose_encoding(rec["encodings"], quality)
-            if enc is None or enc not in rec["encodings"]:
-                raise SourceError(f"{address} has no encoding {enc!r} within quality {quality or self.quality!r}"
-                                  f" (it has {sorted(rec['encodings'])})")
-            e = rec["encodings"][enc]
-            if scatter is not None and enc == "raw" and scatter.placeable(index):
-                f, layout = await self._fetch_placed(address, e, index, hit, scatter, tally)
-                arrived.append(time.perf_counter())
-                scatter.placed(index, layout)
-                return f, DecodedObject(layout.header, {})
-            f = await self.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
-                                 cold=address in hit.cold, pooled=into is not None, arena=pool, pieces=Pieces.of(e),
-                                 tally=tally)
-            arrived.append(time.perf_counter())
-            try:
-                # A kvtc object: its basis first (fetched once); its decode bounded by the span the lookup
-                # asked for, never by what the object's own header claims.
-                cap = await self.prepare(f, hit.token_counts()[index])
-                return f, await asyncio.get_running_loop().run_in_executor(
-                    self.decoders, decode_checked, f, hit, budget, cap, index, into, self.decode_speeds)
-            finally:
-                if into is not None:  # decoded into the engine's cache: the receive buffer is free again
-                    f.release()
-
-        done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
-        t_last = max(arrived, default=t0)
-        return PrefixStates(hit, [o for _, o in done], [f for f, _ in done], t_last - t0, time.perf_counter() - t_last)
-
-    async def _fetch_placed(self, address: A.Address, e: dict[str, Any], index: int, hit: Lookup,
-                            scatter: Placer, tally: Tally | None = None) -> tuple[Fetched, Layout]:
-        """Chunk ``index`` of ``hit`` received straight into the engine's memory (``fetch_placed``), its
-        header checked against the lookup before a byte is placed."""
-
-        def place(layout: Layout) -> Mapping[str, Sequence[memoryview]]:
-            check_identity(layout.header, hit, address)
-            return scatter.place(index, layout)
-
-        return await self.fetch_placed(address, digest=e["digest"], size=int(e["size"]), pieces=Pieces.of(e),
-                                       place=place, tally=tally)
+        return await fetch_prefix(self, hit, encoding=encoding, quality=quality, into=into, arena=arena,
+                                  scatter=scatter, tally=tally)
 
     async def fetch_placed(self, address: Address, *, digest: Digest, size: int, pieces: Pieces | None,
                            place: Callable[[Layout], Mapping[str, Sequence[memoryview]]],

@@ -1,0 +1,100 @@
+"""A lookup's objects fetched, verified and decoded, or placed straight into an engine's cache
+(``KDNClient.fetch_prefix``).
+
+A pipeline per object: each is decoded (off the event loop, on the client's decode threads) as soon as it has
+arrived and been verified, while the others are still on the wire. Each object's encoding is the one its
+record names that the client's quality budget allows at the least expected time (``choose_encoding``); a
+kvtc object's basis is fetched first (``kdn.bases``), and every object is checked against the lookup before
+anything is handed on (``kdn.checked``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kdn.address import Address
+from kdn.checked import check_identity, decode_checked
+from kdn.encodings import parse_budget
+from kdn.errors import SourceError
+from kdn.lookup import Fetched, Lookup, PrefixStates
+from kdn.pieces import Pieces
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.arena import Arena
+    from kdn.bodyget import Tally
+    from kdn.client import KDNClient
+    from kdn.objects import DecodedObject, Layout, ObjectView
+    from kdn.scatter import Placer
+
+
+async def fetch_prefix(client: KDNClient, hit: Lookup, *, encoding: str | None = None,
+                       quality: str | float | None = None, into: Callable[[int, ObjectView], None] | None = None,
+                       arena: Arena | None = None, scatter: Placer | None = None,
+                       tally: Tally | None = None) -> PrefixStates:
+    """Every object of ``hit``, in chain order (``KDNClient.fetch_prefix``, which says what each argument
+    does): ``fetch_s`` is the time to the last byte, ``decode_s`` what decoding added after it."""
+    t0 = time.perf_counter()
+    arrived: list[float] = []
+    one = _Object(client, hit, encoding, quality, into, arena, scatter, tally, arrived)
+    done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
+    t_last = max(arrived, default=t0)
+    return PrefixStates(hit, [o for _, o in done], [f for f, _ in done], t_last - t0, time.perf_counter() - t_last)
+
+
+class _Object:
+    """One object of a prefix: its record, its encoding, then fetched and decoded (or placed)."""
+
+    def __init__(self, client: KDNClient, hit: Lookup, encoding: str | None, quality: str | float | None,
+                 into: Callable[[int, ObjectView], None] | None, arena: Arena | None, scatter: Placer | None,
+                 tally: Tally | None, arrived: list[float]) -> None:
+        self.client, self.hit, self.encoding, self.quality = client, hit, encoding, quality
+        self.into, self.scatter, self.tally, self.arrived = into, scatter, tally, arrived
+        self.budget = parse_budget(client.quality if quality is None else quality)
+        self.pool = arena if arena is not None else client.arena
+        self.known = dict(zip(hit.addresses, hit.records))  # verified by the lookup: no second record read
+
+    async def __call__(self, index: int, address: Address) -> tuple[Fetched, DecodedObject]:
+        from kdn.objects import DecodedObject
+
+        c, hit = self.client, self.hit
+        rec = self.known.get(address) or await c.record(address)
+        if rec is None:
+            raise SourceError(f"{address} is not in the registry")
+        enc = self.encoding or c.choose_encoding(rec["encodings"], self.quality)
+        if enc is None or enc not in rec["encodings"]:
+            raise SourceError(f"{address} has no encoding {enc!r} within quality {self.quality or c.quality!r}"
+                              f" (it has {sorted(rec['encodings'])})")
+        e = rec["encodings"][enc]
+        if self.scatter is not None and enc == "raw" and self.scatter.placeable(index):
+            f, layout = await _fetch_placed(c, address, e, index, hit, self.scatter, self.tally)
+            self.arrived.append(time.perf_counter())
+            self.scatter.placed(index, layout)
+            return f, DecodedObject(layout.header, {})
+        f = await c.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]), cold=address in hit.cold,
+                          pooled=self.into is not None, arena=self.pool, pieces=Pieces.of(e), tally=self.tally)
+        self.arrived.append(time.perf_counter())
+        try:
+            # A kvtc object: its basis first (fetched once); its decode bounded by the span the lookup
+            # asked for, never by what the object's own header claims.
+            cap = await c.prepare(f, hit.token_counts()[index])
+            return f, await asyncio.get_running_loop().run_in_executor(
+                c.decoders, decode_checked, f, hit, self.budget, cap, index, self.into, c.decode_speeds)
+        finally:
+            if self.into is not None:  # decoded into the engine's cache: the receive buffer is free again
+                f.release()
+
+
+async def _fetch_placed(client: KDNClient, address: Address, e: dict[str, Any], index: int, hit: Lookup,
+                        scatter: Placer, tally: Tally | None = None) -> tuple[Fetched, Layout]:
+    """Chunk ``index`` of ``hit`` received straight into the engine's memory (``fetch_placed``), its
+    header checked against the lookup before a byte is placed."""
+
+    def place(layout: Layout) -> Mapping[str, Sequence[memoryview]]:
+        check_identity(layout.header, hit, address)
+        return scatter.place(index, layout)
+
+    return await client.fetch_placed(address, digest=e["digest"], size=int(e["size"]), pieces=Pieces.of(e),
+                                     place=place, tally=tally)
