@@ -281,28 +281,35 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
                 best = (t, h, k)
     t, h, k = best
     if k == 0:
-        t_all = load_s(0, n)
-        why = f"load {t_all * 1e3:.0f} ms + suffix > prefill {compute_all * 1e3:.0f} ms"
-        if probe and speeds.stale(now):
-            # Computing everything measures nothing: fetch one chunk beside the request, so that a link that
-            # recovered is seen. One probe per PROBE_AFTER_S, whether or not it measures (requests before its
-            # answer compute). Off the request path, since inside it a probe over a link still slow cost that
-            # request the chunk's transfer: 1.33x a prefill in vLLM, bench/vllm_plan.py at ec527af.
-            # The probe is cut once it took as long as computing the whole prompt (a link that slow loses
-            # anyway, and what landed by then is its measure), but never before PROBE_FLOOR_S: off the request
-            # path a longer probe costs nothing, and one cut at a GPU's 20 ms prefill would time mostly its
-            # connection's setup, and keep a recovered link looking slow.
-            speeds.last_probe = time.monotonic() if now is None else now
-            return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf,
-                        f"probe: compute, and fetch one chunk off the request path to re-measure the link, "
-                        f"the last load measured is stale ({why})", t_all,
-                        probe_s=min(max_deadline_s, max(PROBE_FLOOR_S, compute_all)))
-        return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "compute: " + why, t_all)
+        return _compute_all(total_tokens, compute_all, load_s(0, n), speeds, probe=probe, now=now,
+                            max_deadline_s=max_deadline_s)
     tl = load_s(h, k)
     what = (f"load {k - h} of {n} chunks" + (f", computing the first {h} meanwhile" if h else "")
             + f": {t * 1e3:.1f} ms vs prefill {compute_all * 1e3:.1f} ms")
     return Plan(h, k, starts[k] - starts[h], total_tokens, t, compute_all,
                 _deadline(tl, max_deadline_s, compute_all), what, tl)
+
+
+def _compute_all(total_tokens: int, compute_all: float, t_all: float, speeds: Speeds, *, probe: bool,
+                 now: float | None, max_deadline_s: float) -> Plan:
+    """The plan that computes everything (loading all would take ``t_all``), with a probe of the link where
+    the last load measured is stale."""
+    why = f"load {t_all * 1e3:.0f} ms + suffix > prefill {compute_all * 1e3:.0f} ms"
+    if probe and speeds.stale(now):
+        # Computing everything measures nothing: fetch one chunk beside the request, so that a link that
+        # recovered is seen. One probe per PROBE_AFTER_S, whether or not it measures (requests before its
+        # answer compute). Off the request path, since inside it a probe over a link still slow cost that
+        # request the chunk's transfer: 1.33x a prefill in vLLM, bench/vllm_plan.py at ec527af.
+        # The probe is cut once it took as long as computing the whole prompt (a link that slow loses
+        # anyway, and what landed by then is its measure), but never before PROBE_FLOOR_S: off the request
+        # path a longer probe costs nothing, and one cut at a GPU's 20 ms prefill would time mostly its
+        # connection's setup, and keep a recovered link looking slow.
+        speeds.last_probe = time.monotonic() if now is None else now
+        return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf,
+                    f"probe: compute, and fetch one chunk off the request path to re-measure the link, "
+                    f"the last load measured is stale ({why})", t_all,
+                    probe_s=min(max_deadline_s, max(PROBE_FLOOR_S, compute_all)))
+    return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "compute: " + why, t_all)
 
 
 def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float) -> bool:
