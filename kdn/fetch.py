@@ -181,90 +181,31 @@ class Fetcher:
                     tally: Tally | None = None) -> Body:
         """The first verified body from ``plan``'s sources, in order (hedged if asked); ``tally`` counts every
         body byte of every attempt as it lands."""
-        obs = observer or _Quiet()
-        make = alloc or self.alloc
-        errors: list[str] = []
-        lies = 0
-        pending: dict[asyncio.Task[Body | None], Route] = {}
-        started: dict[asyncio.Task[Body | None], float] = {}
-        i = hedged = 0
-
-        def launch() -> None:
-            nonlocal i
-            route = plan[i]
-            i += 1
-            task = asyncio.ensure_future(self._attempt(want, route, make, tally))
-            pending[task], started[task] = route, time.perf_counter()
-
-        def losers_took_at_least() -> None:
-            """A hedge cancelled because another request won took at least as long as it ran: past its
-            expected time, that is a measurement (a lower bound). Without it a hedge target that always
-            loses is never measured: a hedge kept going to a region edge behind a slowed link while the
-            origin, 30 ms away, was never tried (bench/faults.py slow_region_link). Not the leading
-            request (it is hedged only when slow, so a sample taken when it loses is biased upward), and
-            not an edge of the client's own region: its slow answer is mostly a fill shared through the
-            owner, which says nothing about its link (measured so, it sent the geo bench's clients away
-            from their near edges: p50 33 -> 130 ms in a seed)."""
-            now = time.perf_counter()
-            for task, route in pending.items():
-                if task is leading or route.kind in ("edge", "peer"):
-                    continue
-                est = self.estimates[route.url]
-                if now - started[task] > est.expected(want.nbytes):
-                    est.observe(want.nbytes, now - started[task])
-
+        race = _Race(self, want, plan, alloc or self.alloc, tally, observer or _Quiet())
         if not plan:
             raise SourceError(f"no source for {want.address}.{want.encoding}")
-        launch()
-        leading = next(iter(pending))
+        race.launch()
+        hedged = 0
         try:
-            while pending:
-                first = next(iter(pending.values()))
+            while race.pending:
+                first = next(iter(race.pending.values()))
                 budget = max(2 * self.estimates[first.url].expected(want.nbytes), MIN_HEDGE_S)
-                can_hedge = hedge and hedged < max_hedges and i < len(plan)
-                done, _ = await asyncio.wait(pending, timeout=budget if can_hedge else None,
+                can_hedge = hedge and hedged < max_hedges and race.launched < len(plan)
+                done, _ = await asyncio.wait(race.pending, timeout=budget if can_hedge else None,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     self.hedges += 1
                     hedged += 1
-                    launch()
+                    race.launch()
                     continue
                 for task in done:
-                    route = pending.pop(task)
-                    t = time.perf_counter() - started[task]
-                    try:
-                        body = task.result()
-                    except (SourceError, DigestMismatch) as e:
-                        self.failovers += 1
-                        self.estimates[route.url].fail()
-                        errors.append(f"{route.label}: {e}")
-                        lies += isinstance(e, DigestMismatch)
-                        obs.failed(route, e)
-                        continue
-                    if body is None:  # a cached-only ask that missed: a round trip, measured as one
-                        self.estimates[route.url].observe(0, t)
-                        obs.missed(route, t)
-                        continue
-                    # An upper tier's full fill counts too: it is what every miss costs an edge below it.
-                    if body.served_by.split(":", 1)[0] in ("memory", "disk") or route.kind in ("origin", "upper"):
-                        self.estimates[route.url].observe(want.nbytes, body.seconds)
-                    losers_took_at_least()
-                    obs.delivered(route, body)
-                    return body
-                if not pending and i < len(plan):
-                    launch()
-            if errors and lies == len(errors):  # every source that answered sent bytes that are not the object
-                raise DigestMismatch(f"no source delivered {want.address} intact: " + "; ".join(errors))
-            raise SourceError(f"no source delivered {want.address}.{want.encoding}: "
-                              + ("; ".join(errors) or "none holds it"))
+                    if (body := race.settle(task)) is not None:
+                        return body
+                if not race.pending and race.launched < len(plan):
+                    race.launch()
+            raise race.failure()
         finally:
-            for task in pending:
-                task.cancel()
-            if pending:  # a cancelled attempt releases its own buffer (below); wait so none outlives us
-                await asyncio.wait(pending)
-            for task in pending:  # two bodies can arrive in one wake-up: the one not returned is handed back
-                if not task.cancelled() and task.exception() is None and (late := task.result()) is not None:
-                    late.buffer.release()
+            await race.close()
 
     async def _attempt(self, want: Want, route: Route, make: Callable[[int], Buffer],
                        tally: Tally | None = None) -> Body | None:
@@ -321,3 +262,86 @@ class Fetcher:
                 if off is not None:
                     off.stop()
                 buf.release()
+
+
+class _Race:
+    """One fetch's attempts: started in the plan's order (the next one when the leading runs late or one
+    fails), each settled as it finishes, the first verified body the winner."""
+
+    def __init__(self, fetcher: Fetcher, want: Want, plan: Sequence[Route], make: Callable[[int], Buffer],
+                 tally: Tally | None, obs: Observer) -> None:
+        self.fetcher, self.want, self.plan, self.make, self.tally, self.obs = fetcher, want, plan, make, tally, obs
+        self.pending: dict[asyncio.Task[Body | None], Route] = {}
+        self.started: dict[asyncio.Task[Body | None], float] = {}
+        self.leading: asyncio.Task[Body | None] | None = None
+        self.launched = 0
+        self.errors: list[str] = []
+        self.lies = 0
+
+    def launch(self) -> None:
+        route = self.plan[self.launched]
+        self.launched += 1
+        task = asyncio.ensure_future(self.fetcher._attempt(self.want, route, self.make, self.tally))
+        self.pending[task], self.started[task] = route, time.perf_counter()
+        if self.leading is None:
+            self.leading = task
+
+    def settle(self, task: asyncio.Task[Body | None]) -> Body | None:
+        """A finished attempt: its body if it was verified (its link measured), None if it failed or missed."""
+        route, estimates = self.pending.pop(task), self.fetcher.estimates
+        t = time.perf_counter() - self.started[task]
+        try:
+            body = task.result()
+        except (SourceError, DigestMismatch) as e:
+            self.fetcher.failovers += 1
+            estimates[route.url].fail()
+            self.errors.append(f"{route.label}: {e}")
+            self.lies += isinstance(e, DigestMismatch)
+            self.obs.failed(route, e)
+            return None
+        if body is None:  # a cached-only ask that missed: a round trip, measured as one
+            estimates[route.url].observe(0, t)
+            self.obs.missed(route, t)
+            return None
+        # An upper tier's full fill counts too: it is what every miss costs an edge below it.
+        if body.served_by.split(":", 1)[0] in ("memory", "disk") or route.kind in ("origin", "upper"):
+            estimates[route.url].observe(self.want.nbytes, body.seconds)
+        self.losers_took_at_least()
+        self.obs.delivered(route, body)
+        return body
+
+    def losers_took_at_least(self) -> None:
+        """A hedge cancelled because another request won took at least as long as it ran: past its
+        expected time, that is a measurement (a lower bound). Without it a hedge target that always
+        loses is never measured: a hedge kept going to a region edge behind a slowed link while the
+        origin, 30 ms away, was never tried (bench/faults.py slow_region_link). Not the leading
+        request (it is hedged only when slow, so a sample taken when it loses is biased upward), and
+        not an edge of the client's own region: its slow answer is mostly a fill shared through the
+        owner, which says nothing about its link (measured so, it sent the geo bench's clients away
+        from their near edges: p50 33 -> 130 ms in a seed)."""
+        now, nbytes = time.perf_counter(), self.want.nbytes
+        for task, route in self.pending.items():
+            if task is self.leading or route.kind in ("edge", "peer"):
+                continue
+            est = self.fetcher.estimates[route.url]
+            if now - self.started[task] > est.expected(nbytes):
+                est.observe(nbytes, now - self.started[task])
+
+    def failure(self) -> Exception:
+        """What to raise when no source delivered."""
+        want = self.want
+        if self.errors and self.lies == len(self.errors):  # every source that answered sent bytes that are not it
+            return DigestMismatch(f"no source delivered {want.address} intact: " + "; ".join(self.errors))
+        return SourceError(f"no source delivered {want.address}.{want.encoding}: "
+                           + ("; ".join(self.errors) or "none holds it"))
+
+    async def close(self) -> None:
+        """The attempts still running cancelled, and waited for, so none outlives the fetch."""
+        pending = self.pending
+        for task in pending:
+            task.cancel()
+        if pending:  # a cancelled attempt releases its own buffer (_attempt); wait so none outlives us
+            await asyncio.wait(pending)
+        for task in pending:  # two bodies can arrive in one wake-up: the one not returned is handed back
+            if not task.cancelled() and task.exception() is None and (late := task.result()) is not None:
+                late.buffer.release()
