@@ -334,7 +334,7 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--gen", type=int, default=16, help="greedy tokens per answer")
-    ap.add_argument("--group-widths", default="2,4,8", help="widths of the DroidSpeak groups measured")
+    ap.add_argument("--group-widths", default="2,4,8,12,16", help="widths of the DroidSpeak groups measured")
     ap.add_argument("--quick", action="store_true", help="2 steps, one short plan sample, 6 paragraphs, 1 question")
     R.add_arg(ap)
     args = ap.parse_args()
