@@ -111,81 +111,109 @@ class ConnectorConfig:
         unknown = sorted(set(extra) - _KEYS)
         if unknown:
             raise InvalidInput(f"unknown KDN connector setting(s) {unknown}; known: {sorted(_KEYS)}")
-        kw: dict[str, Any] = {}
-        if "edges" in extra:
-            kw["edges"] = _edges(extra["edges"])
-        for key in ("registry", "region", "origin", "token_file", "ca", "store", "trusted_keys", "signing_key",
-                    "token_hosts", "admitted_by", "revoked_admissions"):
-            if extra.get(key) is not None:
-                kw[key] = _string(key, extra[key])
-        if "token_hosts" in kw:
-            from kdn.auth import TokenScope
-
-            TokenScope(kw["token_hosts"])  # a bad pattern fails at engine start
-        if "region" in kw:
-            validate_name(kw["region"])
-        if "namespace" in extra:
-            kw["namespace"] = validate_namespace(extra["namespace"])
-        if "quality" in extra:
-            parse_budget(extra["quality"])  # raises on a bad budget
-            kw["quality"] = extra["quality"]
-        if extra.get("encoding") is not None:
-            enc = _string("encoding", extra["encoding"])
-            if not affordable(enc, parse_budget(kw.get("quality", "lossless"))):
-                raise InvalidInput(f"KDN connector setting 'encoding': {enc[:32]!r} is unknown or costs more than "
-                                   f"'quality' ({kw.get('quality', 'lossless')!r}) allows")
-            kw["encoding"] = enc
-        for key in ("load_timeout", "lookup_timeout"):
-            if key in extra:
-                v = extra[key]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
-                    raise InvalidInput(f"KDN connector setting {key!r} must be seconds in (0, 3600], got {v!r}")
-                kw[key] = float(v)
-        if "load" in extra:
-            kw["load"] = _choice("load", extra["load"], LOAD_MODES)
-        if "save" in extra:
-            kw["save"] = _choice("save", extra["save"], SAVE_MODES)
-        if extra.get("engines") is not None:
-            kw["engines"] = tuple(_string("engines", e) for e in _list("engines", extra["engines"]))
-        if "encodings" in extra:
-            encs = tuple(_string("encodings", e) for e in _list("encodings", extra["encodings"]))
-            if not encs:
-                raise InvalidInput("KDN connector setting 'encodings' must not be empty")
-            kw["encodings"] = encs
-        if "node_id" in extra:
-            kw["node_id"] = validate_name(extra["node_id"])
-        if "chunk_tokens" in extra:
-            v = extra["chunk_tokens"]
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise InvalidInput(f"KDN connector setting 'chunk_tokens' must be a positive int, got {v!r}")
-            kw["chunk_tokens"] = v
-        for key in ("steer", "plan"):
-            if key in extra:
-                if not isinstance(extra[key], bool):
-                    raise InvalidInput(f"KDN connector setting {key!r} must be true or false, got {str(extra[key])[:20]!r}")
-                kw[key] = extra[key]
-        if "decode_threads" in extra:
-            v = extra["decode_threads"]
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
-                raise InvalidInput(f"KDN connector setting 'decode_threads' must be an int in [1, 64], got {str(v)[:20]!r}")
-            kw["decode_threads"] = v
-        if "arena" in extra:
-            from kdn.units import parse_size
-
-            v = extra["arena"]
-            try:
-                kw["arena"] = parse_size(v) if not isinstance(v, bool) else -1
-            except (InvalidInput, TypeError, ValueError):
-                kw["arena"] = -1
-            if kw["arena"] <= 0:
-                raise InvalidInput(f"KDN connector setting 'arena' must be a positive size (bytes or '2GiB'), "
-                                   f"got {str(v)[:30]!r}")
+        kw = {**_where(extra), **_what(extra), **_how(extra), **_sizes(extra)}  # (each key validated in this order)
         cfg = cls(**kw)
         if consumer and not cfg.can_look_up:
             raise InvalidInput("the KDN connector needs 'edges', 'origin', or 'registry' with 'region' to load from")
         if producer and not cfg.store:
             raise InvalidInput("a KDN producer (kv_role kv_producer / kv_both) needs 'store': the origin's store folder")
         return cfg
+
+
+def _where(extra: dict[str, Any]) -> dict[str, Any]:
+    """Where to load from and with what credentials: the sources, the registry, the region, the namespace."""
+    kw: dict[str, Any] = {}
+    if "edges" in extra:
+        kw["edges"] = _edges(extra["edges"])
+    for key in ("registry", "region", "origin", "token_file", "ca", "store", "trusted_keys", "signing_key",
+                "token_hosts", "admitted_by", "revoked_admissions"):
+        if extra.get(key) is not None:
+            kw[key] = _string(key, extra[key])
+    if "token_hosts" in kw:
+        from kdn.auth import TokenScope
+
+        TokenScope(kw["token_hosts"])  # a bad pattern fails at engine start
+    if "region" in kw:
+        validate_name(kw["region"])
+    if "namespace" in extra:
+        kw["namespace"] = validate_namespace(extra["namespace"])
+    return kw
+
+
+def _what(extra: dict[str, Any]) -> dict[str, Any]:
+    """What may be loaded: the quality budget, and an encoding within it."""
+    kw: dict[str, Any] = {}
+    if "quality" in extra:
+        parse_budget(extra["quality"])  # raises on a bad budget
+        kw["quality"] = extra["quality"]
+    if extra.get("encoding") is not None:
+        enc = _string("encoding", extra["encoding"])
+        if not affordable(enc, parse_budget(kw.get("quality", "lossless"))):
+            raise InvalidInput(f"KDN connector setting 'encoding': {enc[:32]!r} is unknown or costs more than "
+                               f"'quality' ({kw.get('quality', 'lossless')!r}) allows")
+        kw["encoding"] = enc
+    return kw
+
+
+def _how(extra: dict[str, Any]) -> dict[str, Any]:
+    """How loads and saves run: deadlines, modes, accepted producers, stored encodings, the node's name."""
+    kw: dict[str, Any] = {}
+    for key in ("load_timeout", "lookup_timeout"):
+        if key in extra:
+            v = extra[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
+                raise InvalidInput(f"KDN connector setting {key!r} must be seconds in (0, 3600], got {v!r}")
+            kw[key] = float(v)
+    if "load" in extra:
+        kw["load"] = _choice("load", extra["load"], LOAD_MODES)
+    if "save" in extra:
+        kw["save"] = _choice("save", extra["save"], SAVE_MODES)
+    if extra.get("engines") is not None:
+        kw["engines"] = tuple(_string("engines", e) for e in _list("engines", extra["engines"]))
+    if "encodings" in extra:
+        encs = tuple(_string("encodings", e) for e in _list("encodings", extra["encodings"]))
+        if not encs:
+            raise InvalidInput("KDN connector setting 'encodings' must not be empty")
+        kw["encodings"] = encs
+    if "node_id" in extra:
+        kw["node_id"] = validate_name(extra["node_id"])
+    return kw
+
+
+def _sizes(extra: dict[str, Any]) -> dict[str, Any]:
+    """Sizes and switches: chunk length, steering and planning, decode threads, the arena's bytes."""
+    kw: dict[str, Any] = {}
+    if "chunk_tokens" in extra:
+        v = extra["chunk_tokens"]
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise InvalidInput(f"KDN connector setting 'chunk_tokens' must be a positive int, got {v!r}")
+        kw["chunk_tokens"] = v
+    for key in ("steer", "plan"):
+        if key in extra:
+            if not isinstance(extra[key], bool):
+                raise InvalidInput(f"KDN connector setting {key!r} must be true or false, got {str(extra[key])[:20]!r}")
+            kw[key] = extra[key]
+    if "decode_threads" in extra:
+        v = extra["decode_threads"]
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+            raise InvalidInput(f"KDN connector setting 'decode_threads' must be an int in [1, 64], got {str(v)[:20]!r}")
+        kw["decode_threads"] = v
+    if "arena" in extra:
+        kw["arena"] = _arena(extra["arena"])
+    return kw
+
+
+def _arena(v: Any) -> int:
+    from kdn.units import parse_size
+
+    try:
+        n = parse_size(v) if not isinstance(v, bool) else -1
+    except (InvalidInput, TypeError, ValueError):
+        n = -1
+    if n <= 0:
+        raise InvalidInput(f"KDN connector setting 'arena' must be a positive size (bytes or '2GiB'), "
+                           f"got {str(v)[:30]!r}")
+    return n
 
 
 def _string(key: str, v: object) -> str:
