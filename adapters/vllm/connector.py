@@ -42,27 +42,13 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         self.cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config, consumer=self.consume,
                                               producer=self.produce)
         self.groups = compat.groups(kv_cache_config)
-        mamba = tuple(g.id for g in self.groups if g.kind == "mamba")
-        self.hybrid = bool(mamba)
-        if self.hybrid and self.cfg.load == "sync":
-            raise InvalidInput("hybrid models load between steps ('load': 'async' or 'auto'): vLLM takes no "
-                               "block-level load errors with several KV cache groups")
-        if self.hybrid and self.consume and compat.mamba_mode(vllm_config) != "align":
-            log.warning("KDN: a hybrid model loads states only with prefix caching on (mamba_cache_mode 'align'); "
-                        "this engine will not load from the KDN")
-            self.consume = False
-        if self.consume and tc.kv_load_failure_policy != "recompute":
-            log.warning("KDN: kv_load_failure_policy is %r: a failed load fails its request; set it to "
-                        "'recompute' to have vLLM compute what could not be loaded", tc.kv_load_failure_policy)
+        self.hybrid = any(g.kind == "mamba" for g in self.groups)
+        self._check_loads(vllm_config, tc)
         path, dtype = compat.model_source(vllm_config)
         self.model_id = model_id_for(path, dtype)
         hf = vllm_config.model_config.hf_config
         n_layers = int(hf.num_hidden_layers)
-        if self.cfg.steer and int(vllm_config.parallel_config.tensor_parallel_size) > 1:
-            raise InvalidInput("attention steering ('steer': true) runs with tensor_parallel_size 1 only")
-        if self.cfg.steer and getattr(vllm_config, "speculative_config", None) is not None:
-            # Drafts make the scheduler's token counts optimistic, and a drafter's layers would read the plan too.
-            raise InvalidInput("attention steering ('steer': true) does not run with speculative decoding")
+        self._check_steer(vllm_config)
         self.bridge = LoopThread(f"kdn-{role.name.lower()}") if self.consume or (self.produce and self.cfg.registry) else None
         self.client = self.bridge.run(_make_client(self.cfg), timeout=30) if self.consume and self.bridge else None
         self.registry: Any = None
@@ -73,49 +59,77 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if attn is None:
             raise InvalidInput("the KDN connector needs a model with attention layers")
         if role == compat.KVConnectorRole.SCHEDULER:
-            from kdn.adapters.vllm.planning import Planner, prefill_model
-            from kdn.adapters.vllm.scheduler import SchedulerSide
-            from kdn.planner import Speeds
-
-            planner = None
-            if self.client is not None:  # it times every step, so that plans are made on measured speeds
-                planner = Planner(Speeds(prefill_model(hf)), link=self.client.expected_seconds,
-                                  max_deadline_s=self.cfg.load_timeout)
-            self.sched = SchedulerSide(cfg=self.cfg, model_id=self.model_id, block_size=attn.block_size,
-                                       hybrid=self.hybrid, consume=self.consume, produce=self.produce,
-                                       background=self.hybrid or self.cfg.load == "async", bridge=self.bridge,
-                                       client=self.client, mamba_groups=mamba,
-                                       mamba_mode=compat.mamba_mode(vllm_config),
-                                       steer=self.cfg.steer, n_layers=n_layers,
-                                       n_heads=int(hf.num_attention_heads), planner=planner)
+            self.sched = self._scheduler_side(vllm_config, hf, n_layers, attn.block_size)
         else:
-            from kdn.adapters.vllm.worker import WorkerSide
-
-            self.worker = WorkerSide(cfg=self.cfg, model_id=self.model_id, groups=self.groups, bridge=self.bridge,
-                                     client=self.client, device=torch.device(vllm_config.device_config.device))
-            self.worker.register(compat.forward_layers(vllm_config))
-            self.steerer = None
-            if self.cfg.steer:
-                from kdn.adapters.vllm.steer import Steerer
-
-                # vLLM binds each step's metadata before the forward, so the wrapped layers read it then.
-                where = {n: (g.id, g.block_size) for g in self.groups for n in g.layers}
-                self.steerer = Steerer(self.worker.attn, where, lambda: getattr(self._connector_metadata, "steers", None))
-            if self.produce:
-                from kdn.adapters.vllm.save import Saver
-
-                if self.cfg.registry:
-                    from kdn.registry import open_registry
-
-                    self.registry = open_registry(self.cfg.registry)
-                    if self.cfg.signing_key:
-                        from kdn.signing import Signer
-
-                        self.registry.signer = Signer.load(self.cfg.signing_key)
-                self.saver = Saver(cfg=self.cfg, model_id=self.model_id, worker=self.worker, n_layers=n_layers,
-                                   kind="hybrid" if self.hybrid else "kv", bridge=self.bridge, registry=self.registry)
+            self._worker_sides(vllm_config, n_layers)
         log.info("KDN connector (%s, %s) for model %s: %s", role.name.lower(), tc.kv_role, self.model_id[:16],
                  "hybrid, loads between steps" if self.hybrid else "attention only")
+
+    def _check_loads(self, vllm_config: Any, tc: Any) -> None:
+        """Refuse a load mode this model cannot run; stop consuming where vLLM cannot take states; warn where a
+        failed load would fail its request."""
+        if self.hybrid and self.cfg.load == "sync":
+            raise InvalidInput("hybrid models load between steps ('load': 'async' or 'auto'): vLLM takes no "
+                               "block-level load errors with several KV cache groups")
+        if self.hybrid and self.consume and compat.mamba_mode(vllm_config) != "align":
+            log.warning("KDN: a hybrid model loads states only with prefix caching on (mamba_cache_mode 'align'); "
+                        "this engine will not load from the KDN")
+            self.consume = False
+        if self.consume and tc.kv_load_failure_policy != "recompute":
+            log.warning("KDN: kv_load_failure_policy is %r: a failed load fails its request; set it to "
+                        "'recompute' to have vLLM compute what could not be loaded", tc.kv_load_failure_policy)
+
+    def _check_steer(self, vllm_config: Any) -> None:
+        if self.cfg.steer and int(vllm_config.parallel_config.tensor_parallel_size) > 1:
+            raise InvalidInput("attention steering ('steer': true) runs with tensor_parallel_size 1 only")
+        if self.cfg.steer and getattr(vllm_config, "speculative_config", None) is not None:
+            # Drafts make the scheduler's token counts optimistic, and a drafter's layers would read the plan too.
+            raise InvalidInput("attention steering ('steer': true) does not run with speculative decoding")
+
+    def _scheduler_side(self, vllm_config: Any, hf: Any, n_layers: int, block_size: int) -> SchedulerSide:
+        from kdn.adapters.vllm.planning import Planner, prefill_model
+        from kdn.adapters.vllm.scheduler import SchedulerSide
+        from kdn.planner import Speeds
+
+        planner = None
+        if self.client is not None:  # it times every step, so that plans are made on measured speeds
+            planner = Planner(Speeds(prefill_model(hf)), link=self.client.expected_seconds,
+                              max_deadline_s=self.cfg.load_timeout)
+        return SchedulerSide(cfg=self.cfg, model_id=self.model_id, block_size=block_size,
+                             hybrid=self.hybrid, consume=self.consume, produce=self.produce,
+                             background=self.hybrid or self.cfg.load == "async", bridge=self.bridge,
+                             client=self.client, mamba_groups=tuple(g.id for g in self.groups if g.kind == "mamba"),
+                             mamba_mode=compat.mamba_mode(vllm_config),
+                             steer=self.cfg.steer, n_layers=n_layers,
+                             n_heads=int(hf.num_attention_heads), planner=planner)
+
+    def _worker_sides(self, vllm_config: Any, n_layers: int) -> None:
+        """The worker role's loader (``self.worker``), its steerer, and with a producer's role its saver."""
+        from kdn.adapters.vllm.worker import WorkerSide
+
+        self.worker = WorkerSide(cfg=self.cfg, model_id=self.model_id, groups=self.groups, bridge=self.bridge,
+                                 client=self.client, device=torch.device(vllm_config.device_config.device))
+        self.worker.register(compat.forward_layers(vllm_config))
+        self.steerer = None
+        if self.cfg.steer:
+            from kdn.adapters.vllm.steer import Steerer
+
+            # vLLM binds each step's metadata before the forward, so the wrapped layers read it then.
+            where = {n: (g.id, g.block_size) for g in self.groups for n in g.layers}
+            self.steerer = Steerer(self.worker.attn, where, lambda: getattr(self._connector_metadata, "steers", None))
+        if self.produce:
+            from kdn.adapters.vllm.save import Saver
+
+            if self.cfg.registry:
+                from kdn.registry import open_registry
+
+                self.registry = open_registry(self.cfg.registry)
+                if self.cfg.signing_key:
+                    from kdn.signing import Signer
+
+                    self.registry.signer = Signer.load(self.cfg.signing_key)
+            self.saver = Saver(cfg=self.cfg, model_id=self.model_id, worker=self.worker, n_layers=n_layers,
+                               kind="hybrid" if self.hybrid else "kv", bridge=self.bridge, registry=self.registry)
 
     def _worker(self) -> WorkerSide:
         """The worker role's side: vLLM calls worker methods on the worker's connector only."""
