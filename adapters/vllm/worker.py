@@ -4,7 +4,8 @@ Every object of a load is fetched into a reused arena buffer, verified against
 the digest of its record, its header checked against what the plan expects
 (address, model, namespace, span, tensor shapes), and then at once decoded into
 the load's per-layer staging (``stage.py``) while the other objects are still
-on the wire; its receive buffer goes back to the arena. Two ways to write, chosen
+on the wire; its receive buffer goes back to the arena (that piece path is
+``fetching.py``; this module starts it, waits for it, writes and accounts). Two ways to write, chosen
 per model by the connector (``load`` setting):
 
 - **inside the forward** (attention-only models, the default): ``start_load_kv``
@@ -26,7 +27,6 @@ per model by the connector (``load`` setting):
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import math
@@ -42,50 +42,16 @@ from kdn.arena import ArenaFull
 from kdn.bodyget import Tally
 from kdn.kernels.pinned import host_arena
 from kdn.errors import DigestMismatch, KDNError, SourceError
-from kdn.pieces import Pieces
 from kdn.planner import OVERRUN_AFTER, overruns
 
 from kdn.adapters.vllm import compat, paged
+from kdn.adapters.vllm.fetching import AttnLayer, LoadFailed, PieceLoader, Staged, StateLayer
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob
 from kdn.adapters.vllm.plan import Piece, blocks_of
-from kdn.adapters.vllm.stage import Staging, StagingClosed
+from kdn.adapters.vllm.stage import Staging
 from kdn.adapters.vllm.stats import KDNStats
 
 log = logging.getLogger("kdn.adapters.vllm")
-
-
-class LoadFailed(KDNError):
-    def __init__(self, reason: str, piece: Piece | None, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.piece = piece
-
-
-@dataclass(frozen=True)
-class AttnLayer:
-    name: str
-    index: int  # transformers' layer index: names L{index}.k / .v in objects
-    module: Any
-    kv_heads: int
-    head_dim: int
-
-
-@dataclass(frozen=True)
-class StateLayer:
-    name: str
-    index: int
-    group: int
-    module: Any
-
-
-@dataclass
-class _Staged:
-    """What one piece left behind once decoded into the staging: where it came from, and its states."""
-
-    source: str
-    encoding: str
-    nbytes: int
-    states: dict[str, torch.Tensor] = field(default_factory=dict)  # the last piece of a hybrid load
 
 
 @dataclass
@@ -94,8 +60,8 @@ class _Running:
 
     job: LoadJob
     staging: Staging | None = None
-    fetches: list[concurrent.futures.Future] = field(default_factory=list)  # -> _Staged, in plan order
-    staged: list[_Staged] | None = None  # the pieces that arrived intact, in plan order (a prefix)
+    fetches: list[concurrent.futures.Future] = field(default_factory=list)  # -> Staged, in plan order
+    staged: list[Staged] | None = None  # the pieces that arrived intact, in plan order (a prefix)
     error: LoadFailed | None = None
     upto: int = -1  # tokens [plan.first, upto) are still being written; a failure lowers it
     started: float = field(default_factory=time.perf_counter)
@@ -112,12 +78,6 @@ class _Running:
     def spans(self) -> list[tuple[int, Piece, int, int]]:
         """``(i, piece, lo, hi)`` of the pieces that still write tokens."""
         return [(i, p, lo, min(hi, self.upto)) for i, (p, lo, hi) in enumerate(self.job.plan.spans()) if lo < self.upto]
-
-
-def _torch_dtype(st_dtype: str) -> torch.dtype:
-    from kdn.objects import torch_dtype
-
-    return torch_dtype(st_dtype)
 
 
 def _release(run: _Running) -> None:
@@ -169,14 +129,9 @@ class WorkerSide:
                                                    "loads gated-delta-net states only")
                     self.states.append(StateLayer(name, idx, g.id, mod))
         self._order = sorted(self.attn.values(), key=lambda a: a.index)  # staging order: the forward's
-        self._kv_names = {f"L{a.index}.{x}" for a in self._order for x in ("k", "v")}
         self._index = {a.name: j for j, a in enumerate(self._order)}
-
-    def _max_decoded(self, n_tokens: int) -> int:
-        """The most an object of ``n_tokens`` for this model can decode to (fp32 at worst, aligned)."""
-        per_token = sum(2 * a.kv_heads * a.head_dim * 4 for a in self.attn.values())
-        states = sum(4 * t.numel() // max(t.shape[0], 1) for s in self.states for t in s.module.kv_cache)
-        return per_token * n_tokens + 2 * states + 64 * (2 * len(self.attn) + 2 * len(self.states))
+        self.pieces = PieceLoader(client=self.client, model_id=self.model_id, namespace=self.cfg.namespace,
+                                  stager=self._stager, attn=self.attn, order=self._order, states=self.states)
 
     # --- load --------------------------------------------------------------------------------
 
@@ -197,126 +152,8 @@ class WorkerSide:
         except ArenaFull as e:  # every buffer is in use by other loads: this one recomputes
             self._fail(run, LoadFailed("arena", None, str(e)))
             return run
-        run.fetches = [self.bridge.submit(self._fetch_and_stage(run, i, p)) for i, p in enumerate(job.plan.pieces)]
+        run.fetches = [self.bridge.submit(self.pieces.fetch_and_stage(run, i, p)) for i, p in enumerate(job.plan.pieces)]
         return run
-
-    async def _fetch_and_stage(self, run: _Running, i: int, p: Piece) -> _Staged:
-        """Piece ``i``: fetched into an arena buffer, verified, checked, decoded into the staging (a worker
-        thread, while other pieces are still on the wire); the buffer goes back at once. A kvtc object's
-        model basis is fetched, verified and registered first (once per basis). A raw piece is received
-        straight into its place instead (``_fetch_placed``)."""
-        if self._placeable(run, i, p):
-            return await self._fetch_placed(run, i, p)
-        f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size, pooled=True,
-                                    pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests), tally=run.tally)
-        try:
-            cap = await self.client.prepare(f, p.end - p.start)
-        except BaseException:
-            f.release()
-            raise
-        # The decode cannot be stopped once started: if this load is cancelled (a timeout), the thread
-        # runs on, and its receive buffer goes back only when it is done reading it.
-        work = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self._stager, self._stage, run, i, p,
-                                                                                f, cap))
-        work.add_done_callback(lambda _: f.release())
-        return await asyncio.shield(work)
-
-    def _placeable(self, run: _Running, i: int, p: Piece) -> bool:
-        """A raw piece wholly inside the load, whose states are not kept (only a hybrid load's last piece has
-        them): its K/V bytes are the staging's as they are."""
-        plan = run.job.plan
-        return (p.encoding == "raw" and run.staging is not None and plan.first <= p.start and p.end <= plan.end
-                and not (self.states and i == len(plan.pieces) - 1))
-
-    async def _fetch_placed(self, run: _Running, i: int, p: Piece) -> _Staged:
-        """Piece ``i`` received straight into its place in the staging (``kdn.scatter``): no receive buffer and
-        no copy after it, the bytes verified as they land (the worker uses the staging only for pieces whose
-        fetch returned). Its header is checked before a byte is placed; a refusal keeps its reason.
-
-        Measured (bench/datapath.py, SmolLM2 at 8k tokens): the copy from the receive buffer into the staging
-        was a second pass over every byte on the one stager thread, ~28 ms of CPU beside the receive."""
-        staging = run.staging
-        if staging is None:
-            raise LoadFailed("decode", p, "the load ended before this piece arrived")
-        refused: list[LoadFailed] = []
-
-        def place(layout: Any) -> dict[str, list[memoryview]]:
-            h = layout.header
-            try:
-                self._check_header(h, p)
-                bad = next((n for n, t in h.tensors.items() if n in self._kv_names and
-                            (t.codec != "raw" or _torch_dtype(t.dtype) != staging.dtype)), None)
-                if bad is not None:
-                    raise LoadFailed("mismatch", p, f"{bad} is not raw {staging.dtype}: it cannot land in place")
-            except LoadFailed as e:
-                refused.append(e)
-                raise
-            runs: dict[str, list[memoryview]] = {}
-            for j, a in enumerate(self._order):
-                runs[f"L{a.index}.k"], runs[f"L{a.index}.v"] = staging.runs(j, p.start, p.end)
-            return runs
-
-        try:
-            with staging.writing():  # held until the last byte has landed: a given-up load's memory waits for it
-                f, _ = await self.client.fetch_placed(
-                    p.address, digest=p.digest, size=p.size, tally=run.tally, place=place,
-                    pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests))
-        except StagingClosed as e:
-            raise LoadFailed("decode", p, str(e)) from None
-        except KDNError:
-            if refused:  # every source sent a header this load cannot take: say why, not "missing"
-                raise refused[-1] from None
-            raise
-        return _Staged(f.source.split("/")[-1].split(":")[0], f.encoding, p.size)
-
-    def _check_header(self, h: Any, p: Piece) -> None:
-        """An object's header is the piece's (address, model, namespace, span) with this model's K/V shapes."""
-        bad = next((f"L{a.index}.{x}" for a in self.attn.values() for x in ("k", "v")
-                    if getattr(h.tensors.get(f"L{a.index}.{x}"), "shape", None) != (a.kv_heads, p.end - p.start,
-                                                                                   a.head_dim)), None)
-        if bad is not None:
-            raise LoadFailed("mismatch", p, f"{bad} is missing or not this model's shape")
-        if (h.address, h.model_id, h.namespace, h.start, h.end) != (p.address, self.model_id, self.cfg.namespace,
-                                                                    p.start, p.end):
-            raise LoadFailed("mismatch", p, f"object {h.address[:16]} [{h.start}, {h.end}) of "
-                             f"{h.model_id[:12]}/{h.namespace} is not the one asked for")
-
-    def _stage(self, run: _Running, i: int, p: Piece, f: Any, cap: int | None) -> _Staged:
-        """Open and check one verified object, then decode its K/V (and, for the last piece of a hybrid
-        load, its states) into place. Raises ``LoadFailed``; bytes from the network never fail the step."""
-        staging = run.staging
-        if staging is None:
-            raise LoadFailed("decode", p, "the load ended before this piece arrived")
-        try:
-            with staging.writing():
-                return self._stage_into(staging, run, i, p, f, cap)
-        except StagingClosed as e:
-            raise LoadFailed("decode", p, str(e)) from None
-
-    def _stage_into(self, staging: Staging, run: _Running, i: int, p: Piece, f: Any, cap: int | None) -> _Staged:
-        from kdn.objects import ObjectView, to_torch
-
-        try:
-            # Bounded before a byte is decoded: at most what this model's chunk of that length holds.
-            view = ObjectView(f.blob, max_decoded=max(self._max_decoded(p.end - p.start), cap or 0))
-        except KDNError as e:
-            raise LoadFailed("decode", p, str(e)) from None
-        self._check_header(view.header, p)
-        lo, hi = max(p.start, run.job.plan.first), min(p.end, run.job.plan.end)
-        out = _Staged(f.source.split("/")[-1].split(":")[0], f.encoding, len(f.blob))
-        try:
-            t0 = time.perf_counter()
-            for j, a in enumerate(self._order):
-                staging.put(j, view, (f"L{a.index}.k", f"L{a.index}.v"), lo, hi, p.start)
-            # What decoding this encoding into the staging costs here: the scheduler's choice of encoding
-            # reads it (the same process's ``DecodeSpeeds`` when the two share one).
-            self.client.decode_speeds.observe(f.encoding, staging.nbytes_of(lo, hi), time.perf_counter() - t0)
-            if self.states and i == len(run.job.plan.pieces) - 1:
-                names = [n for st in self.states for n in (f"L{st.index}.conv", f"L{st.index}.ssm")]
-                out.states = {k: t.clone() for k, t in to_torch(view.decode(names)).items()}  # the blob goes back
-        except Exception as e:  # noqa: BLE001 -- a codec or shape error in bytes that came over the network
-            raise LoadFailed("decode", p, f"{type(e).__name__}: {e}") from None
-        return out
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.attn.get(layer_name)
@@ -382,7 +219,7 @@ class WorkerSide:
 
     @staticmethod
     def _wait_piece(run: _Running, fut: concurrent.futures.Future, deadline: float, step: float, total: int,
-                    limit: float) -> _Staged:
+                    limit: float) -> Staged:
         """One piece's result, by ``deadline``; every ``step`` s the load's progress is judged, and a load
         that would overrun its deadline is given up now (``TimeoutError`` saying so)."""
         while True:

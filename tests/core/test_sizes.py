@@ -23,7 +23,6 @@ EXCEPTIONS: dict[str, str] = {
     "origin/publish.py": _PARALLEL,
     "origin/publish.py::parse_request": _PARALLEL,
     "adapters/hf/generate.py::agenerate": _PARALLEL,
-    "adapters/vllm/worker.py": _PARALLEL,
 }
 
 

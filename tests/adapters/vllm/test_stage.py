@@ -89,7 +89,7 @@ def test_a_release_while_a_piece_is_decoding_waits_for_it():
 
 
 def test_a_raw_piece_received_into_the_staging_runs_is_what_decoding_it_gives():
-    """worker._fetch_placed: a raw object's body lands through kdn.scatter straight into ``Staging.runs``;
+    """fetching.PieceLoader._fetch_placed: a raw object's body lands through kdn.scatter straight into ``Staging.runs``;
     the staging then holds exactly what decoding the same object into it (``put``) holds, for pieces in
     any order and bodies handed over in small reads."""
     from kdn.scatter import Scatter

@@ -1,0 +1,214 @@
+"""One piece of a load: fetched, verified, checked against the plan, then decoded (or received) into the load's
+staging (``stage.py``) while the other pieces are still on the wire. The worker side (``worker.py``) starts a
+load's pieces here and waits for them, writes what they staged into vLLM's cache, and keeps the accounts.
+
+A piece is fetched into a reused arena buffer and verified against the digest of its record, its header
+checked against what the plan expects (address, model, namespace, span, tensor shapes), and decoded into the
+staging on a few threads of its own; its receive buffer goes back to the arena at once. A raw piece wholly
+inside the load is received straight into its place instead (``kdn.scatter``). Every failure is a
+``LoadFailed`` with its reason: bytes from the network never fail the engine's step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kdn.address import ModelId
+from kdn.bodyget import Tally
+from kdn.errors import KDNError
+from kdn.pieces import Pieces
+
+from kdn.adapters.vllm.meta import LoadJob
+from kdn.adapters.vllm.plan import Piece
+from kdn.adapters.vllm.stage import Staging, StagingClosed
+
+
+class LoadFailed(KDNError):
+    def __init__(self, reason: str, piece: Piece | None, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.piece = piece
+
+
+@dataclass(frozen=True)
+class AttnLayer:
+    name: str
+    index: int  # transformers' layer index: names L{index}.k / .v in objects
+    module: Any
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class StateLayer:
+    name: str
+    index: int
+    group: int
+    module: Any
+
+
+@dataclass
+class Staged:
+    """What one piece left behind once decoded into the staging: where it came from, and its states."""
+
+    source: str
+    encoding: str
+    nbytes: int
+    states: dict[str, torch.Tensor] = field(default_factory=dict)  # the last piece of a hybrid load
+
+
+class Loading(Protocol):
+    """What a piece needs of its load (``worker``'s running load): the staging it lands in (None once the
+    load ended), the tally its body bytes are counted in, and the job with its plan."""
+
+    staging: Staging | None
+    tally: Tally
+    job: LoadJob
+
+
+def _torch_dtype(st_dtype: str) -> torch.dtype:
+    from kdn.objects import torch_dtype
+
+    return torch_dtype(st_dtype)
+
+
+
+class PieceLoader:
+    """The piece path of one worker: its client, its model's layers (as ``WorkerSide.register`` indexed them),
+    and the threads that decode arrived compressed pieces into the staging."""
+
+    def __init__(self, *, client: Any, model_id: ModelId, namespace: str, stager: concurrent.futures.Executor,
+                 attn: dict[str, AttnLayer], order: list[AttnLayer], states: list[StateLayer]) -> None:
+        self.client, self.model_id, self.namespace, self.stager = client, model_id, namespace, stager
+        self.attn, self.order, self.states = attn, order, states  # order: the staging's, the forward's
+        self.kv_names = {f"L{a.index}.{x}" for a in order for x in ("k", "v")}
+
+    def max_decoded(self, n_tokens: int) -> int:
+        """The most an object of ``n_tokens`` for this model can decode to (fp32 at worst, aligned)."""
+        per_token = sum(2 * a.kv_heads * a.head_dim * 4 for a in self.attn.values())
+        states = sum(4 * t.numel() // max(t.shape[0], 1) for s in self.states for t in s.module.kv_cache)
+        return per_token * n_tokens + 2 * states + 64 * (2 * len(self.attn) + 2 * len(self.states))
+
+    async def fetch_and_stage(self, run: Loading, i: int, p: Piece) -> Staged:
+        """Piece ``i``: fetched into an arena buffer, verified, checked, decoded into the staging (a worker
+        thread, while other pieces are still on the wire); the buffer goes back at once. A kvtc object's
+        model basis is fetched, verified and registered first (once per basis). A raw piece is received
+        straight into its place instead (``_fetch_placed``)."""
+        if self._placeable(run, i, p):
+            return await self._fetch_placed(run, i, p)
+        f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size, pooled=True,
+                                    pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests), tally=run.tally)
+        try:
+            cap = await self.client.prepare(f, p.end - p.start)
+        except BaseException:
+            f.release()
+            raise
+        # The decode cannot be stopped once started: if this load is cancelled (a timeout), the thread
+        # runs on, and its receive buffer goes back only when it is done reading it.
+        work = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self.stager, self._stage, run, i, p,
+                                                                                f, cap))
+        work.add_done_callback(lambda _: f.release())
+        return await asyncio.shield(work)
+
+    def _placeable(self, run: Loading, i: int, p: Piece) -> bool:
+        """A raw piece wholly inside the load, whose states are not kept (only a hybrid load's last piece has
+        them): its K/V bytes are the staging's as they are."""
+        plan = run.job.plan
+        return (p.encoding == "raw" and run.staging is not None and plan.first <= p.start and p.end <= plan.end
+                and not (self.states and i == len(plan.pieces) - 1))
+
+    async def _fetch_placed(self, run: Loading, i: int, p: Piece) -> Staged:
+        """Piece ``i`` received straight into its place in the staging (``kdn.scatter``): no receive buffer and
+        no copy after it, the bytes verified as they land (the worker uses the staging only for pieces whose
+        fetch returned). Its header is checked before a byte is placed; a refusal keeps its reason.
+
+        Measured (bench/datapath.py, SmolLM2 at 8k tokens): the copy from the receive buffer into the staging
+        was a second pass over every byte on the one stager thread, ~28 ms of CPU beside the receive."""
+        staging = run.staging
+        if staging is None:
+            raise LoadFailed("decode", p, "the load ended before this piece arrived")
+        refused: list[LoadFailed] = []
+
+        def place(layout: Any) -> dict[str, list[memoryview]]:
+            h = layout.header
+            try:
+                self._check_header(h, p)
+                bad = next((n for n, t in h.tensors.items() if n in self.kv_names and
+                            (t.codec != "raw" or _torch_dtype(t.dtype) != staging.dtype)), None)
+                if bad is not None:
+                    raise LoadFailed("mismatch", p, f"{bad} is not raw {staging.dtype}: it cannot land in place")
+            except LoadFailed as e:
+                refused.append(e)
+                raise
+            runs: dict[str, list[memoryview]] = {}
+            for j, a in enumerate(self.order):
+                runs[f"L{a.index}.k"], runs[f"L{a.index}.v"] = staging.runs(j, p.start, p.end)
+            return runs
+
+        try:
+            with staging.writing():  # held until the last byte has landed: a given-up load's memory waits for it
+                f, _ = await self.client.fetch_placed(
+                    p.address, digest=p.digest, size=p.size, tally=run.tally, place=place,
+                    pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests))
+        except StagingClosed as e:
+            raise LoadFailed("decode", p, str(e)) from None
+        except KDNError:
+            if refused:  # every source sent a header this load cannot take: say why, not "missing"
+                raise refused[-1] from None
+            raise
+        return Staged(f.source.split("/")[-1].split(":")[0], f.encoding, p.size)
+
+    def _check_header(self, h: Any, p: Piece) -> None:
+        """An object's header is the piece's (address, model, namespace, span) with this model's K/V shapes."""
+        bad = next((f"L{a.index}.{x}" for a in self.attn.values() for x in ("k", "v")
+                    if getattr(h.tensors.get(f"L{a.index}.{x}"), "shape", None) != (a.kv_heads, p.end - p.start,
+                                                                                   a.head_dim)), None)
+        if bad is not None:
+            raise LoadFailed("mismatch", p, f"{bad} is missing or not this model's shape")
+        if (h.address, h.model_id, h.namespace, h.start, h.end) != (p.address, self.model_id, self.namespace,
+                                                                    p.start, p.end):
+            raise LoadFailed("mismatch", p, f"object {h.address[:16]} [{h.start}, {h.end}) of "
+                             f"{h.model_id[:12]}/{h.namespace} is not the one asked for")
+
+    def _stage(self, run: Loading, i: int, p: Piece, f: Any, cap: int | None) -> Staged:
+        """Open and check one verified object, then decode its K/V (and, for the last piece of a hybrid
+        load, its states) into place. Raises ``LoadFailed``; bytes from the network never fail the step."""
+        staging = run.staging
+        if staging is None:
+            raise LoadFailed("decode", p, "the load ended before this piece arrived")
+        try:
+            with staging.writing():
+                return self._stage_into(staging, run, i, p, f, cap)
+        except StagingClosed as e:
+            raise LoadFailed("decode", p, str(e)) from None
+
+    def _stage_into(self, staging: Staging, run: Loading, i: int, p: Piece, f: Any, cap: int | None) -> Staged:
+        from kdn.objects import ObjectView, to_torch
+
+        try:
+            # Bounded before a byte is decoded: at most what this model's chunk of that length holds.
+            view = ObjectView(f.blob, max_decoded=max(self.max_decoded(p.end - p.start), cap or 0))
+        except KDNError as e:
+            raise LoadFailed("decode", p, str(e)) from None
+        self._check_header(view.header, p)
+        lo, hi = max(p.start, run.job.plan.first), min(p.end, run.job.plan.end)
+        out = Staged(f.source.split("/")[-1].split(":")[0], f.encoding, len(f.blob))
+        try:
+            t0 = time.perf_counter()
+            for j, a in enumerate(self.order):
+                staging.put(j, view, (f"L{a.index}.k", f"L{a.index}.v"), lo, hi, p.start)
+            # What decoding this encoding into the staging costs here: the scheduler's choice of encoding
+            # reads it (the same process's ``DecodeSpeeds`` when the two share one).
+            self.client.decode_speeds.observe(f.encoding, staging.nbytes_of(lo, hi), time.perf_counter() - t0)
+            if self.states and i == len(run.job.plan.pieces) - 1:
+                names = [n for st in self.states for n in (f"L{st.index}.conv", f"L{st.index}.ssm")]
+                out.states = {k: t.clone() for k, t in to_torch(view.decode(names)).items()}  # the blob goes back
+        except Exception as e:  # noqa: BLE001 -- a codec or shape error in bytes that came over the network
+            raise LoadFailed("decode", p, f"{type(e).__name__}: {e}") from None
+        return out
