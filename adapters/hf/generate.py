@@ -147,77 +147,97 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
         raise ModelMismatch(f"states of model {model_id_[:16]}... cannot be loaded into this model ({real_id[:16]}...)")
     report = Report(tokens_total=len(ids))
     st = _steer_plan(model, emphasis, steer, steer_alpha, steer_heads, len(ids))
-
-    builder, upto = None, None
-    loop = asyncio.get_running_loop()
     speeds = speeds_of(model)
+    builder, upto = None, None
     if use_cache:
-        t0 = time.perf_counter()
-        hit = await client.lookup(ids, real_id, namespace, chunk_tokens=chunk_tokens)
-        report.lookup_ms = (time.perf_counter() - t0) * 1e3
-        if hit.tokens >= len(ids) and hit.chunks:
-            # Everything is cached, but the next token needs the last position's logits: attention KV
-            # is cut back one token after loading; a Mamba state cannot be, so its last chunk is not fetched.
-            layout = await loop.run_in_executor(None, layer_layout, model)
-            if kind_of(layout) != "kv":
-                hit = hit.head(hit.chunks - 1)
-        decision, chunks = None, []
-        if hit.tokens:
-            chunks = await loop.run_in_executor(None, chunks_of, hit, client, model)
-        warm = hit.tokens > 0 and client.warm_hit(hit)  # (before the fetch: it makes them warm)
-        if hit.tokens and plan:
-            # Load only what is faster to load than to compute (kdn.planner, on this engine's measured speeds).
-            decision = make_plan(chunks, len(ids), link=client.expected_seconds, speeds=speeds,
-                                 max_deadline_s=load_deadline, probe=warm)
-            if not warm and decision.loads_anything:  # the entry edge may fill these first: its upstream's time
-                decision = replace(decision, deadline_s=load_deadline)  # is not the client's to estimate
-            report.plan = decision.reason
-            if decision.probe_s:  # computes it all; the link is timed beside this request, not inside it
-                start_probe(hit, client, speeds, decision.probe_s)
-            if decision.load < hit.chunks:
-                hit = hit.head(decision.load)
-        if hit.tokens:
-            # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder); the
-            # receive buffers and the cache's memory come from a reused arena (no first-touch page faults).
-            pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
-            builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(),
-                                                                         arena=pool))
-            t0, tally = time.perf_counter(), Tally()
-            fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder,
-                                                              tally=tally))
-            try:
-                # A warm load is also given up before its deadline once its progress shows it would overrun it.
-                states = await await_load(fetch, tally=tally, total=sum(c.nbytes for c in chunks[:hit.chunks]),
-                                          deadline_s=decision.deadline_s if decision else None,
-                                          judged=warm, started=t0)
-            except TimeoutError as late:
-                # Past its deadline the load becomes a recompute: what arrived is used, the rest computed.
-                fetch.cancel()
-                await asyncio.gather(fetch, return_exceptions=True)
-                assert decision is not None  # (no deadline without a plan)
-                if warm:  # what did land by then is the link's speed: the next plan knows it turned slow
-                    speeds.observe_load(tally.bytes, time.perf_counter() - t0, abandoned=True)
-                layout = await loop.run_in_executor(None, layer_layout, model)
-                upto = builder.added_prefix() if kind_of(layout) == "kv" else 0
-                why = str(late) or f"ran past its {decision.deadline_s * 1e3:.0f} ms deadline"
-                report.plan += f"; the load {why}: {upto} of {hit.chunks} chunks used, the rest computed"
-                if not upto:
-                    builder = None
-            else:
-                report.fetch_ms, report.sources = states.fetch_s * 1e3, states.sources
-                report.decode_ms = states.decode_s * 1e3  # decoding runs as objects arrive: what came after
-                for obj in states.objects:
-                    if obj.header.model_id != real_id:
-                        raise ModelMismatch(f"object {obj.header.address[:16]}... was produced by model "
-                                            f"{obj.header.model_id[:16]}..., not this one ({real_id[:16]}...)")
-                if warm:  # a load the edge had to fill measures the edge's upstream, not this loader
-                    speeds.observe_load(sum(c.nbytes for c in chunks[:hit.chunks]), time.perf_counter() - t0)
-
-    gen = await loop.run_in_executor(None, _run, model, tokenizer, ids, builder, report, max_new_tokens, do_sample,
-                                     temperature, eos_token_id, t_start, st, upto)
+        builder, upto = await _load(model, ids, client, real_id, report, speeds, namespace=namespace,
+                                    chunk_tokens=chunk_tokens, plan=plan, load_deadline=load_deadline, arena=arena)
+    gen = await asyncio.get_running_loop().run_in_executor(None, _run, model, tokenizer, ids, builder, report,
+                                                           max_new_tokens, do_sample, temperature, eos_token_id,
+                                                           t_start, st, upto)
     # This engine's prefill speed, for the next plan: the tokens it computed, after those it loaded.
     speeds.observe_prefill(report.tokens_total - report.tokens_reused, report.tokens_reused, report.prefill_ms / 1e3)
     return gen
+
+
+async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, report: Report, speeds: Any, *,
+                namespace: str, chunk_tokens: int, plan: bool, load_deadline: float,
+                arena: Arena | None) -> tuple[CacheBuilder | None, int | None]:
+    """The longest cached prefix of ``ids`` looked up, what to load of it planned, and that loaded into a
+    ``CacheBuilder``: (the builder, or None when nothing is loaded; the chunks of it to use, None for all)."""
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    hit = await client.lookup(ids, real_id, namespace, chunk_tokens=chunk_tokens)
+    report.lookup_ms = (time.perf_counter() - t0) * 1e3
+    if hit.tokens >= len(ids) and hit.chunks:
+        # Everything is cached, but the next token needs the last position's logits: attention KV
+        # is cut back one token after loading; a Mamba state cannot be, so its last chunk is not fetched.
+        layout = await loop.run_in_executor(None, layer_layout, model)
+        if kind_of(layout) != "kv":
+            hit = hit.head(hit.chunks - 1)
+    decision, chunks = None, []
+    if hit.tokens:
+        chunks = await loop.run_in_executor(None, chunks_of, hit, client, model)
+    warm = hit.tokens > 0 and client.warm_hit(hit)  # (before the fetch: it makes them warm)
+    if hit.tokens and plan:
+        hit, decision = _plan_load(hit, chunks, len(ids), client, speeds, load_deadline, warm, report)
+    if not hit.tokens:
+        return None, None
+    return await _fetch_into(model, client, hit, chunks, decision, warm, real_id, report, speeds, arena)
+
+
+def _plan_load(hit: Any, chunks: list, n_ids: int, client: Any, speeds: Any, load_deadline: float, warm: bool,
+               report: Report) -> tuple[Any, Any]:
+    """Load only what is faster to load than to compute (``kdn.planner``, on this engine's measured speeds):
+    the lookup cut to what is loaded, and the decision."""
+    decision = make_plan(chunks, n_ids, link=client.expected_seconds, speeds=speeds,
+                         max_deadline_s=load_deadline, probe=warm)
+    if not warm and decision.loads_anything:  # the entry edge may fill these first: its upstream's time
+        decision = replace(decision, deadline_s=load_deadline)  # is not the client's to estimate
+    report.plan = decision.reason
+    if decision.probe_s:  # computes it all; the link is timed beside this request, not inside it
+        start_probe(hit, client, speeds, decision.probe_s)
+    if decision.load < hit.chunks:
+        hit = hit.head(decision.load)
+    return hit, decision
+
+
+async def _fetch_into(model: Any, client: Any, hit: Any, chunks: list, decision: Any, warm: bool, real_id: ModelId,
+                      report: Report, speeds: Any, arena: Arena | None) -> tuple[CacheBuilder | None, int | None]:
+    """The planned prefix fetched into a new ``CacheBuilder``, within the plan's deadline: past it, what arrived
+    is used and the rest computed. (The builder, or None if nothing arrived in time; the chunks to use.)"""
+    loop = asyncio.get_running_loop()
+    # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder); the
+    # receive buffers and the cache's memory come from a reused arena (no first-touch page faults).
+    pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
+    builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(), arena=pool))
+    t0, tally = time.perf_counter(), Tally()
+    fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder, tally=tally))
+    try:
+        # A warm load is also given up before its deadline once its progress shows it would overrun it.
+        states = await await_load(fetch, tally=tally, total=sum(c.nbytes for c in chunks[:hit.chunks]),
+                                  deadline_s=decision.deadline_s if decision else None, judged=warm, started=t0)
+    except TimeoutError as late:
+        # Past its deadline the load becomes a recompute: what arrived is used, the rest computed.
+        fetch.cancel()
+        await asyncio.gather(fetch, return_exceptions=True)
+        assert decision is not None  # (no deadline without a plan)
+        if warm:  # what did land by then is the link's speed: the next plan knows it turned slow
+            speeds.observe_load(tally.bytes, time.perf_counter() - t0, abandoned=True)
+        layout = await loop.run_in_executor(None, layer_layout, model)
+        upto = builder.added_prefix() if kind_of(layout) == "kv" else 0
+        why = str(late) or f"ran past its {decision.deadline_s * 1e3:.0f} ms deadline"
+        report.plan += f"; the load {why}: {upto} of {hit.chunks} chunks used, the rest computed"
+        return (builder if upto else None), upto
+    report.fetch_ms, report.sources = states.fetch_s * 1e3, states.sources
+    report.decode_ms = states.decode_s * 1e3  # decoding runs as objects arrive: what came after
+    for obj in states.objects:
+        if obj.header.model_id != real_id:
+            raise ModelMismatch(f"object {obj.header.address[:16]}... was produced by model "
+                                f"{obj.header.model_id[:16]}..., not this one ({real_id[:16]}...)")
+    if warm:  # a load the edge had to fill measures the edge's upstream, not this loader
+        speeds.observe_load(sum(c.nbytes for c in chunks[:hit.chunks]), time.perf_counter() - t0)
+    return builder, None
 
 
 def _steer_plan(model, emphasis, steer, alpha, heads, n_ids):

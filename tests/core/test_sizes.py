@@ -22,7 +22,6 @@ EXCEPTIONS: dict[str, str] = {
     "kdn/registry/records.py": _PARALLEL,
     "origin/publish.py": _PARALLEL,
     "origin/publish.py::parse_request": _PARALLEL,
-    "adapters/hf/generate.py::agenerate": _PARALLEL,
 }
 
 
