@@ -262,32 +262,12 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int,
     if not (prefix or standalone):
         raise InvalidInput("nothing to publish: 'prefix' and 'standalone' are both false")
     push, push_rate = _parse_push(body.get("push"), body.get("push_rate"))
-    encodings = body.get("encodings", list(default_encodings))
-    if not isinstance(encodings, list) or not encodings or len(encodings) > 4:
-        raise InvalidInput("'encodings' must be a list of 1-4 encoding names")
-    for enc in encodings:
-        validate_encoding(enc)
-        if enc not in ("raw", "zstd"):
-            from kdn.kernels import encoding_plan
-
-            encoding_plan(enc, n_layers=1_000)  # raises InvalidInput for an unknown encoding
-
+    encodings = _parse_encodings(body.get("encodings", list(default_encodings)))
     # The template's frame with its control tokens; the publisher's prefix text as text (never control ids)
     frame = head_text(tokenizer, template, None, system)
     head_ids = (encode_frame(tokenizer, frame) if frame else []) + (encode_text(tokenizer, prefix_text)
                                                                     if prefix_text else [])
-    if text is not None:
-        if not isinstance(text, str):
-            raise InvalidInput("'text' must be a string")
-        if not text.strip():
-            raise InvalidInput("'text' is empty")
-        doc_ids = encode_text(tokenizer, text)
-    else:
-        if not isinstance(ids, list) or not ids:
-            raise InvalidInput("'tokens' must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
-            raise InvalidInput(f"'tokens' must be integers in [0, {vocab_size})")
-        doc_ids = ids
+    doc_ids = _document_tokens(text, ids, tokenizer=tokenizer, vocab_size=vocab_size)
     tokens = head_ids + doc_ids
     if len(tokens) > max_tokens:
         raise InvalidInput(f"document is {len(tokens)} tokens; this model's context is {max_tokens}")
@@ -309,6 +289,35 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int,
         push=push,
         push_rate=push_rate,
     )
+
+
+def _parse_encodings(encodings: object) -> list[str]:
+    """A publish body's ``encodings``: 1-4 names, each one this origin can encode. Raises InvalidInput."""
+    if not isinstance(encodings, list) or not encodings or len(encodings) > 4:
+        raise InvalidInput("'encodings' must be a list of 1-4 encoding names")
+    for enc in encodings:
+        validate_encoding(enc)
+        if enc not in ("raw", "zstd"):
+            from kdn.kernels import encoding_plan
+
+            encoding_plan(enc, n_layers=1_000)  # raises InvalidInput for an unknown encoding
+    return encodings
+
+
+def _document_tokens(text: object, ids: object, *, tokenizer, vocab_size: int) -> list[int]:
+    """The document's tokens: ``text`` tokenized as text (never control ids), or ``tokens`` as given, checked
+    against the vocabulary. Raises InvalidInput."""
+    if text is not None:
+        if not isinstance(text, str):
+            raise InvalidInput("'text' must be a string")
+        if not text.strip():
+            raise InvalidInput("'text' is empty")
+        return encode_text(tokenizer, text)
+    if not isinstance(ids, list) or not ids:
+        raise InvalidInput("'tokens' must be a non-empty list of token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise InvalidInput(f"'tokens' must be integers in [0, {vocab_size})")
+    return ids
 
 
 # ``--raw-copies auto``: a raw copy beside zstd while the store's file system keeps this share free.
