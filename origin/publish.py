@@ -15,6 +15,7 @@ resumes from a cache rebuilt from them.
 
 The model work (``Producer.produce``) is a generator advanced on one
 dedicated thread; registry writes happen on the event loop between steps.
+A body's ``emphasis`` (texts, spans, probe questions) is parsed by ``publish_emphasis.py``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ from typing import TYPE_CHECKING
 
 from kdn import address as A
 from kdn.address import Address
-from kdn.emphasis import DEFAULT_ALPHA, MAX_SPANS, EmphasisMap, merge_spans
+from kdn.emphasis import EmphasisMap, merge_spans
 from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry import ObjectRecord, Policy
 from kdn.store import validate_encoding
 from kdn.template import chat_frame, encode_frame, encode_text
 
+from kdn.origin.publish_emphasis import emphasis_spans_of_texts as emphasis_spans_of_texts  # (importable here too)
+from kdn.origin.publish_emphasis import parse_emphasis
+from kdn.origin.publish_emphasis import token_char_ends as token_char_ends  # (importable here too)
 from kdn.origin.store import ObjectStore
 
 if TYPE_CHECKING:  # (torch and the kernels load with the model, not with this module)
@@ -95,114 +99,6 @@ def _parse_push(push: object, rate: object) -> tuple[tuple[str, ...] | None | bo
     if not (isinstance(push, list) and 0 < len(push) <= MAX_PUSH_REGIONS):
         raise InvalidInput(f"'push' must be true (every region), false, or a list of 1-{MAX_PUSH_REGIONS} region names")
     return tuple(sorted({A.validate_name(r) for r in push})), rate
-
-
-MAX_EMPHASIS_TEXTS = 64
-MAX_EMPHASIS_TEXT_CHARS = 4096
-MAX_PROBES = 4
-MAX_PROBE_CHARS = 512
-_EMPHASIS_KEYS = frozenset({"texts", "spans", "probes", "alpha", "heads", "default_on"})
-
-
-def token_char_ends(tokenizer, text: str, ids: list[int]) -> list[int] | None:
-    """Each token's end offset in ``text`` (characters), when the tokenizer can say; else None.
-
-    A fast HF tokenizer gives offsets directly (checked against ``ids``); the byte tokenizer of the tiny
-    models maps one token to one UTF-8 byte.
-    """
-    try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        offs = enc.get("offset_mapping") if hasattr(enc, "get") else None
-        if offs is not None and list(enc["input_ids"]) == list(ids):
-            return [int(e) for _, e in offs]
-    except (TypeError, ValueError, NotImplementedError):
-        pass
-    if getattr(tokenizer, "name", None) == "kdn-bytes-v1" and len(text.encode("utf-8")) == len(ids):
-        ends, n = [], 0
-        for ch in text:  # a character's bytes all end where the character does
-            n_b = len(ch.encode("utf-8"))
-            ends += [n + 1] * n_b
-            n += 1
-        return ends
-    return None
-
-
-def emphasis_spans_of_texts(tokenizer, doc: str, doc_ids: list[int], texts: list[str]) -> list[tuple[int, int]]:
-    """Token spans (document coordinates) of every occurrence of each text in ``doc``."""
-    import bisect
-
-    ends = token_char_ends(tokenizer, doc, doc_ids)
-    if ends is None:
-        raise InvalidInput("this model's tokenizer gives no token offsets: mark emphasis with 'spans' (token ranges)")
-    spans = []
-    for t in texts:
-        at, found = doc.find(t), False
-        while at >= 0:
-            found = True
-            first = bisect.bisect_right(ends, at)  # the first token ending after the text starts
-            last = bisect.bisect_left(ends, at + len(t))  # the token holding the text's last character
-            spans.append((first, min(last + 1, len(doc_ids))))
-            if len(spans) > MAX_SPANS:
-                raise InvalidInput(f"emphasis: the marked texts occur more than {MAX_SPANS} times")
-            at = doc.find(t, at + len(t))
-        if not found:
-            raise InvalidInput(f"emphasis text {t[:40]!r} does not occur in the document")
-    return spans
-
-
-def parse_emphasis(value: object, *, tokenizer, doc: str | None, doc_ids: list[int], head: int,
-                   template: str | None = None) -> tuple[EmphasisMap, list[list[int]]]:
-    """The publish body's ``emphasis`` field -> a map in published-token positions, and probe tokens.
-
-    ``{"texts": [...]}`` marks each occurrence of each text (needs ``text`` in the body); ``{"spans":
-    [[s, e], ...]}`` marks token ranges counted from the document's first token (the template head is
-    not counted); ``{"probes": [question, ...]}`` asks the origin's model which tokens those questions
-    attend to (``Producer.derive_emphasis``, at publish); ``alpha``, ``heads``, ``default_on`` as in
-    ``kdn.emphasis``. Probes come back as the tokens that follow the published ones, as
-    ``kdn.adapters.hf.prompt_tokens`` would append them.
-    """
-    if not isinstance(value, dict) or not value:
-        raise InvalidInput("'emphasis' must be a map with 'texts', 'spans' and/or 'probes'")
-    unknown = [k for k in value if k not in _EMPHASIS_KEYS]
-    if unknown:
-        raise InvalidInput(f"'emphasis' has unknown field(s) {[str(k)[:20] for k in unknown[:3]]}; "
-                           f"it takes {sorted(_EMPHASIS_KEYS)}")
-    texts, spans, probes = value.get("texts", []), value.get("spans", []), value.get("probes", [])
-    if not isinstance(texts, list) or len(texts) > MAX_EMPHASIS_TEXTS or not all(
-            isinstance(t, str) and 0 < len(t) <= MAX_EMPHASIS_TEXT_CHARS and t.strip() for t in texts):
-        raise InvalidInput(f"'emphasis.texts' must be a list of at most {MAX_EMPHASIS_TEXTS} non-empty strings "
-                           f"of at most {MAX_EMPHASIS_TEXT_CHARS} characters")
-    if not isinstance(probes, list) or len(probes) > MAX_PROBES or not all(
-            isinstance(t, str) and 0 < len(t) <= MAX_PROBE_CHARS and t.strip() for t in probes):
-        raise InvalidInput(f"'emphasis.probes' must be a list of at most {MAX_PROBES} non-empty strings "
-                           f"of at most {MAX_PROBE_CHARS} characters")
-    if not isinstance(spans, list) or len(spans) > MAX_SPANS:
-        raise InvalidInput(f"'emphasis.spans' must be a list of at most {MAX_SPANS} [start, end) pairs")
-    if not texts and not spans and not probes:
-        raise InvalidInput("'emphasis' marks nothing: give 'texts', 'spans' or 'probes'")
-    n = len(doc_ids)
-    marked: list[tuple[int, int]] = []
-    for p in spans:
-        if not (isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
-                and 0 <= p[0] < p[1] <= n):
-            raise InvalidInput(f"'emphasis.spans' entries must be [start, end) with 0 <= start < end <= {n} "
-                               f"(document tokens), got {str(p)[:40]}")
-        marked.append((p[0], p[1]))
-    if texts:
-        if doc is None:
-            raise InvalidInput("'emphasis.texts' needs the document as 'text'; with 'tokens' mark 'spans'")
-        marked += emphasis_spans_of_texts(tokenizer, doc, doc_ids, texts)
-    wire = {"spans": [list(s) for s in merge_spans([(s + head, e + head) for s, e in marked], head, head + n)],
-            "region": [head, head + n], "alpha": value.get("alpha", DEFAULT_ALPHA),
-            "heads": value.get("heads", []), "default_on": value.get("default_on", False),
-            "source": "operator" if not probes else ("mixed" if marked else "probe")}
-    emap = EmphasisMap.from_dict(wire, n_tokens=head + n)
-    probe_ids = []
-    if probes:
-        from kdn.adapters.hf.generate import prompt_tokens
-
-        probe_ids = [prompt_tokens(tokenizer, {"prefix_tokens": [], "template": template}, q) for q in probes]
-    return emap, probe_ids
 
 
 @dataclass
