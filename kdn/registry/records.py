@@ -5,7 +5,8 @@ Each record is a frozen dataclass stored as msgpack of a plain dict
 it does not know (a newer writer may add some) and strict about fields it needs
 (a missing one raises ``InvalidInput`` naming it). Every identifier that ends up
 in a registry key is validated when the record is built, so a record that exists
-is a record that can be stored.
+is a record that can be stored. What every record shares (the round trips, the
+field checks) is ``fields.py``.
 """
 
 from __future__ import annotations
@@ -14,39 +15,19 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeGuard, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
-import msgpack
 
 from kdn.address import Address, Digest, ModelId, canonical_json, validate_address, validate_digest, validate_model_id, validate_name, validate_namespace
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
 from kdn.pieces import Pieces
+from kdn.registry.fields import Record, check_dict, check_sig, check_str, is_int, is_number, require
 
 # "basis": a model-level object (a kvtc basis, kdn/kernels/transform.py) stored and served like a chunk
 OBJECT_KINDS = frozenset({"kv", "ssm", "hybrid", "basis"})
 POLICY_KINDS = frozenset({"pin", "warm", "push", "ttl", "quota", "upper"})
-
-R = TypeVar("R", bound="_Record")
-
-
-def _require(ok: bool, what: str) -> None:
-    if not ok:
-        raise InvalidInput(what)
-
-
-def _is_int(v: object) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: object) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
-
-
-def _check_str(rec: str, name: str, v: object, *, optional: bool = False) -> None:
-    _require(isinstance(v, str) or (optional and v is None), f"{rec}.{name} must be a string, got {type(v).__name__}")
-
 
 MAX_URL_LEN = 512
 
@@ -58,33 +39,23 @@ def validate_node_url(url: object) -> str:
     follow them: no userinfo (``http://user@evil`` reads like a host), no query
     or fragment, no whitespace or control characters, a bounded length.
     """
-    _require(isinstance(url, str), f"node URL must be a string, got {type(url).__name__}")
+    require(isinstance(url, str), f"node URL must be a string, got {type(url).__name__}")
     assert isinstance(url, str)
-    _require(0 < len(url) <= MAX_URL_LEN, f"node URL must be 1..{MAX_URL_LEN} characters")
-    _require(url.isprintable() and not any(c.isspace() for c in url), f"node URL {url[:80]!r} has spaces or control characters")
+    require(0 < len(url) <= MAX_URL_LEN, f"node URL must be 1..{MAX_URL_LEN} characters")
+    require(url.isprintable() and not any(c.isspace() for c in url), f"node URL {url[:80]!r} has spaces or control characters")
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as e:
         raise InvalidInput(f"node URL {url[:80]!r}: {e}") from None
-    _require(parts.scheme in ("http", "https"), f"node URL {url[:80]!r} must be http:// or https://")
-    _require(bool(parts.hostname), f"node URL {url[:80]!r} has no host")
-    _require(parts.username is None and parts.password is None and "@" not in parts.netloc,
+    require(parts.scheme in ("http", "https"), f"node URL {url[:80]!r} must be http:// or https://")
+    require(bool(parts.hostname), f"node URL {url[:80]!r} has no host")
+    require(parts.username is None and parts.password is None and "@" not in parts.netloc,
              f"node URL {url[:80]!r} must not carry a user or password")
-    _require(not parts.query and not parts.fragment and "?" not in url and "#" not in url,
+    require(not parts.query and not parts.fragment and "?" not in url and "#" not in url,
              f"node URL {url[:80]!r} must not carry a query or fragment")
-    _require(port is None or port > 0, f"node URL {url[:80]!r} has port 0")
+    require(port is None or port > 0, f"node URL {url[:80]!r} has port 0")
     return url
-
-
-def _check_dict(rec: str, name: str, v: object) -> None:
-    _require(isinstance(v, dict), f"{rec}.{name} must be a map, got {type(v).__name__}")
-
-
-def _check_sig(rec: str, sig: object) -> None:
-    _require(isinstance(sig, dict) and len(sig) <= 4 and all(isinstance(k, str) and isinstance(v, str) and len(v) <= 256
-                                                             for k, v in sig.items()),
-             f"{rec}.sig must be a small map of strings")
 
 
 def validate_manifest_ref(value: object) -> str:
@@ -97,49 +68,8 @@ def validate_manifest_ref(value: object) -> str:
     return value
 
 
-class _Record:
-    """Dict and msgpack round trips shared by every record dataclass."""
-
-    # Every subclass is a dataclass: this tells the type checker so (``asdict``, ``fields``).
-    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def _fields_from(cls, d: object) -> dict[str, Any]:
-        """The known fields of ``d``; unknown ones are dropped, missing required ones raise."""
-        if not isinstance(d, dict):
-            raise InvalidInput(f"{cls.__name__} record must be a map, got {type(d).__name__}")
-        out: dict[str, Any] = {}
-        missing = []
-        for f in dataclasses.fields(cls):
-            if f.name in d:
-                out[f.name] = d[f.name]
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                missing.append(f.name)
-        if missing:
-            raise InvalidInput(f"{cls.__name__} record lacks required field(s): {', '.join(missing)}")
-        return out
-
-    @classmethod
-    def from_dict(cls: type[R], d: object) -> R:
-        return cls(**cls._fields_from(d))
-
-    def pack(self) -> bytes:
-        return msgpack.packb(self.to_dict(), use_bin_type=True)
-
-    @classmethod
-    def unpack(cls: type[R], data: bytes) -> R:
-        try:
-            d = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        except Exception as e:  # msgpack raises several unrelated types for bad input
-            raise InvalidInput(f"{cls.__name__} record is not valid msgpack: {e}") from None
-        return cls.from_dict(d)
-
-
 @dataclass(frozen=True)
-class ModelRecord(_Record):
+class ModelRecord(Record):
     model_id: ModelId
     name: str
     architecture: str
@@ -152,18 +82,18 @@ class ModelRecord(_Record):
     def __post_init__(self) -> None:
         validate_model_id(self.model_id)
         for n in ("name", "architecture", "dtype"):
-            _check_str("ModelRecord", n, getattr(self, n))
-        _require(_is_int(self.chunk_tokens) and self.chunk_tokens > 0, "ModelRecord.chunk_tokens must be a positive int")
-        _check_dict("ModelRecord", "config", self.config)
-        _check_dict("ModelRecord", "extra", self.extra)
-        _check_sig("ModelRecord", self.sig)
+            check_str("ModelRecord", n, getattr(self, n))
+        require(is_int(self.chunk_tokens) and self.chunk_tokens > 0, "ModelRecord.chunk_tokens must be a positive int")
+        check_dict("ModelRecord", "config", self.config)
+        check_dict("ModelRecord", "extra", self.extra)
+        check_sig("ModelRecord", self.sig)
 
 
 MAX_RELATION_LAYERS = 4096
 
 
 @dataclass(frozen=True)
-class BaseRelation(_Record):
+class BaseRelation(Record):
     """A publisher's word that model ``variant`` derives from model ``base`` (a fine-tune, a merged LoRA), and
     how the variant reads the base's states: it recomputes layers ``recompute`` of its ``layers`` itself (its
     layer plan, measured once for the pair: ``kdn.adapters.hf.variants``) and takes the base's K/V for the rest,
@@ -184,24 +114,24 @@ class BaseRelation(_Record):
     def __post_init__(self) -> None:
         validate_model_id(self.variant)
         validate_model_id(self.base)
-        _require(self.variant != self.base, "BaseRelation: a model is not its own variant")
-        _require(_is_int(self.layers) and 0 < self.layers <= MAX_RELATION_LAYERS,
+        require(self.variant != self.base, "BaseRelation: a model is not its own variant")
+        require(is_int(self.layers) and 0 < self.layers <= MAX_RELATION_LAYERS,
                  f"BaseRelation.layers must be an int in 1..{MAX_RELATION_LAYERS}")
         r = self.recompute
-        _require(isinstance(r, list) and all(_is_int(i) and 0 <= i < self.layers for i in r)
+        require(isinstance(r, list) and all(is_int(i) and 0 <= i < self.layers for i in r)
                  and all(a < b for a, b in zip(r, r[1:])),
                  "BaseRelation.recompute must be ascending, distinct layer indices below layers")
-        _require(self.metric in ("nll%", "kl"), f"BaseRelation.metric must be 'nll%' or 'kl', got {self.metric!r}")
-        _require(_is_number(self.budget) and self.budget >= 0, "BaseRelation.budget must be a number >= 0")
-        _check_dict("BaseRelation", "measured", self.measured)
+        require(self.metric in ("nll%", "kl"), f"BaseRelation.metric must be 'nll%' or 'kl', got {self.metric!r}")
+        require(is_number(self.budget) and self.budget >= 0, "BaseRelation.budget must be a number >= 0")
+        check_dict("BaseRelation", "measured", self.measured)
         try:  # signed as canonical JSON: finite numbers, strings, lists and maps only
             size = len(canonical_json(self.measured))
         except (TypeError, ValueError):
             raise InvalidInput("BaseRelation.measured must hold JSON values (finite numbers)") from None
-        _require(size <= 4096, "BaseRelation.measured is over 4 KiB")
-        _require(isinstance(self.name, str) and len(self.name) <= 128, "BaseRelation.name must be a short string")
-        _require(_is_number(self.created), "BaseRelation.created must be a number")
-        _check_sig("BaseRelation", self.sig)
+        require(size <= 4096, "BaseRelation.measured is over 4 KiB")
+        require(isinstance(self.name, str) and len(self.name) <= 128, "BaseRelation.name must be a short string")
+        require(is_number(self.created), "BaseRelation.created must be a number")
+        check_sig("BaseRelation", self.sig)
 
     @property
     def depth(self) -> int | None:
@@ -211,7 +141,7 @@ class BaseRelation(_Record):
 
 
 @dataclass(frozen=True)
-class Encoding(_Record):
+class Encoding(Record):
     """One stored encoding of an object (``raw``, ``zstd-planes``, ``int8``...)."""
 
     name: str
@@ -223,8 +153,8 @@ class Encoding(_Record):
     pieces: tuple[Digest, ...] = ()
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.name, str) and bool(self.name), "Encoding.name must be a non-empty string")
-        _require(_is_int(self.size) and self.size >= 0, "Encoding.size must be a non-negative int")
+        require(isinstance(self.name, str) and bool(self.name), "Encoding.name must be a non-empty string")
+        require(is_int(self.size) and self.size >= 0, "Encoding.size must be a non-negative int")
         validate_digest(self.digest)
         checked = Pieces.checked(self.size, self.piece_bytes, self.pieces)  # raises InvalidInput if inconsistent
         object.__setattr__(self, "pieces", checked.digests if checked else ())  # a list from msgpack: a tuple
@@ -242,7 +172,7 @@ class Encoding(_Record):
 
 
 @dataclass(frozen=True)
-class ObjectRecord(_Record):
+class ObjectRecord(Record):
     """One chunk's states: where it sits in a prefix chain and how it is stored."""
 
     address: Address
@@ -266,25 +196,25 @@ class ObjectRecord(_Record):
         validate_address(self.address)
         validate_model_id(self.model_id)
         validate_namespace(self.namespace)
-        _require(self.kind in OBJECT_KINDS, f"ObjectRecord.kind must be one of {sorted(OBJECT_KINDS)}, got {self.kind!r}")
-        _require(
-            _is_int(self.start) and _is_int(self.end) and 0 <= self.start < self.end,
+        require(self.kind in OBJECT_KINDS, f"ObjectRecord.kind must be one of {sorted(OBJECT_KINDS)}, got {self.kind!r}")
+        require(
+            is_int(self.start) and is_int(self.end) and 0 <= self.start < self.end,
             f"ObjectRecord span must be ints with 0 <= start < end, got [{self.start!r}, {self.end!r})",
         )
         if self.parent is not None:
             validate_address(self.parent, what="parent address")
-        _require(isinstance(self.standalone, bool), "ObjectRecord.standalone must be a bool")
-        _check_dict("ObjectRecord", "encodings", self.encodings)
+        require(isinstance(self.standalone, bool), "ObjectRecord.standalone must be a bool")
+        check_dict("ObjectRecord", "encodings", self.encodings)
         for k, enc in self.encodings.items():
-            _require(isinstance(enc, Encoding) and enc.name == k, f"ObjectRecord.encodings[{k!r}] must be an Encoding named {k!r}")
-        _check_str("ObjectRecord", "origin", self.origin)
-        _check_dict("ObjectRecord", "tails", self.tails)
+            require(isinstance(enc, Encoding) and enc.name == k, f"ObjectRecord.encodings[{k!r}] must be an Encoding named {k!r}")
+        check_str("ObjectRecord", "origin", self.origin)
+        check_dict("ObjectRecord", "tails", self.tails)
         for length, addr in self.tails.items():
-            _require(_is_int(length) and length > 0, f"ObjectRecord.tails key must be a positive int, got {length!r}")
+            require(is_int(length) and length > 0, f"ObjectRecord.tails key must be a positive int, got {length!r}")
             validate_address(addr, what="tail address")
-        _require(_is_number(self.created), "ObjectRecord.created must be a number")
-        _require(isinstance(self.engine, str) and len(self.engine) <= 64, "ObjectRecord.engine must be a short string")
-        _check_sig("ObjectRecord", self.sig)
+        require(is_number(self.created), "ObjectRecord.created must be a number")
+        require(isinstance(self.engine, str) and len(self.engine) <= 64, "ObjectRecord.engine must be a short string")
+        check_sig("ObjectRecord", self.sig)
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -295,12 +225,12 @@ class ObjectRecord(_Record):
 
     @classmethod
     def from_dict(cls, d: object) -> ObjectRecord:
-        f = cls._fields_from(d)
+        f = cls.fields_from(d)
         encs = f["encodings"]
-        _check_dict("ObjectRecord", "encodings", encs)
+        check_dict("ObjectRecord", "encodings", encs)
         f["encodings"] = {k: v if isinstance(v, Encoding) else Encoding.from_dict(v) for k, v in encs.items()}
         tails = f.get("tails", {})
-        _check_dict("ObjectRecord", "tails", tails)
+        check_dict("ObjectRecord", "tails", tails)
         try:
             f["tails"] = {int(k): v for k, v in tails.items()}
         except ValueError:
@@ -335,7 +265,7 @@ class ObjectRecord(_Record):
 
 
 @dataclass(frozen=True)
-class Manifest(_Record):
+class Manifest(Record):
     """One published item: its prefix chain, in order, and the exact tokens it covers."""
 
     namespace: str
@@ -367,36 +297,36 @@ class Manifest(_Record):
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
         validate_name(self.name)
-        _require(isinstance(self.deleted, bool), "Manifest.deleted must be a bool")
-        _require(not self.deleted or not (self.addresses or self.prefix_tokens or self.standalone or self.tokens),
+        require(isinstance(self.deleted, bool), "Manifest.deleted must be a bool")
+        require(not self.deleted or not (self.addresses or self.prefix_tokens or self.standalone or self.tokens),
                  "a deleted Manifest (a tombstone) names no objects and no tokens")
-        _require(_is_int(self.version) and 0 <= self.version < 1 << 63, "Manifest.version must be an int >= 0")
+        require(is_int(self.version) and 0 <= self.version < 1 << 63, "Manifest.version must be an int >= 0")
         if self.body is not None:
             validate_digest(self.body)
-            _require(not (self.addresses or self.prefix_tokens or self.standalone or self.emphasis or self.head_tokens),
+            require(not (self.addresses or self.prefix_tokens or self.standalone or self.emphasis or self.head_tokens),
                      "a Manifest pointer (body) carries no objects, tokens or map: they are in its body")
         if self.emphasis is not None:
             EmphasisMap.from_dict(self.emphasis, n_tokens=len(self.prefix_tokens)
                                   if isinstance(self.prefix_tokens, list) else 0)
-        _require(_is_int(self.head_tokens) and 0 <= self.head_tokens <= len(self.prefix_tokens),
+        require(is_int(self.head_tokens) and 0 <= self.head_tokens <= len(self.prefix_tokens),
                  "Manifest.head_tokens must be an int within prefix_tokens")
-        _require(isinstance(self.extra, dict), "Manifest.extra must be a map")
-        _check_sig("Manifest", self.sig)
+        require(isinstance(self.extra, dict), "Manifest.extra must be a map")
+        check_sig("Manifest", self.sig)
         validate_model_id(self.model_id)
-        _require(isinstance(self.addresses, list), "Manifest.addresses must be a list")
+        require(isinstance(self.addresses, list), "Manifest.addresses must be a list")
         for a in self.addresses:
             validate_address(a)
-        _require(_is_int(self.tokens) and self.tokens >= 0, "Manifest.tokens must be a non-negative int")
-        _require(_is_int(self.chunk_tokens) and self.chunk_tokens > 0, "Manifest.chunk_tokens must be a positive int")
-        _require(
-            isinstance(self.prefix_tokens, list) and all(_is_int(t) and t >= 0 for t in self.prefix_tokens),
+        require(is_int(self.tokens) and self.tokens >= 0, "Manifest.tokens must be a non-negative int")
+        require(is_int(self.chunk_tokens) and self.chunk_tokens > 0, "Manifest.chunk_tokens must be a positive int")
+        require(
+            isinstance(self.prefix_tokens, list) and all(is_int(t) and t >= 0 for t in self.prefix_tokens),
             "Manifest.prefix_tokens must be a list of non-negative ints",
         )
-        _check_str("Manifest", "template", self.template, optional=True)
-        _require(isinstance(self.standalone, list), "Manifest.standalone must be a list")
+        check_str("Manifest", "template", self.template, optional=True)
+        require(isinstance(self.standalone, list), "Manifest.standalone must be a list")
         for a in self.standalone:
             validate_address(a, what="standalone address")
-        _require(_is_number(self.created), "Manifest.created must be a number")
+        require(is_number(self.created), "Manifest.created must be a number")
 
     def tombstone(self) -> Manifest:
         """What deleting this name records: the same name and model, nothing in it (versioned when stored)."""
@@ -428,7 +358,7 @@ class Manifest(_Record):
 
 
 @dataclass(frozen=True)
-class NodeRecord(_Record):
+class NodeRecord(Record):
     role: str  # "origin" | "edge" | ...
     region: str
     node_id: str
@@ -437,20 +367,20 @@ class NodeRecord(_Record):
 
     def __post_init__(self) -> None:
         _check_node_names("NodeRecord", self)
-        _check_dict("NodeRecord", "extra", self.extra)
+        check_dict("NodeRecord", "extra", self.extra)
 
 
 def _check_node_names(rec: str, node: NodeRecord | Admission) -> None:
     """A node's role, region and id are names, its URL a node URL (a node record and its admission)."""
     for n in ("role", "region", "node_id"):
         v = getattr(node, n)
-        _check_str(rec, n, v)
+        check_str(rec, n, v)
         validate_name(v)
     validate_node_url(node.url)
 
 
 @dataclass(frozen=True)
-class Admission(_Record):
+class Admission(Record):
     """An operator's word that a node may serve: its role, region, id and URL, until ``expires``.
 
     Made by ``kdn node admit`` (signed by an operator key, kdn/signing.py); a node started with
@@ -469,10 +399,10 @@ class Admission(_Record):
 
     def __post_init__(self) -> None:
         _check_node_names("Admission", self)
-        _require(isinstance(self.expires, (int, float)) and not isinstance(self.expires, bool)
+        require(isinstance(self.expires, (int, float)) and not isinstance(self.expires, bool)
                  and math.isfinite(self.expires) and self.expires > 0,
                  f"Admission.expires must be a positive, finite Unix time, got {self.expires!r}")
-        _check_sig("Admission", self.sig)
+        check_sig("Admission", self.sig)
 
     def names(self, node: NodeRecord) -> bool:
         """Whether this admits exactly ``node`` (its role, region, id and URL)."""
@@ -481,7 +411,7 @@ class Admission(_Record):
 
 
 @dataclass(frozen=True)
-class Policy(_Record):
+class Policy(Record):
     """An operator rule (pin, warm, ttl, quota), scoped by region, manifest and/or namespace; or the choice
     of the upper tier (``upper``: ``region`` names the region every other region fills through)."""
 
@@ -499,17 +429,17 @@ class Policy(_Record):
 
     def __post_init__(self) -> None:
         validate_name(self.name)
-        _require(self.kind in POLICY_KINDS, f"Policy.kind must be one of {sorted(POLICY_KINDS)}, got {self.kind!r}")
+        require(self.kind in POLICY_KINDS, f"Policy.kind must be one of {sorted(POLICY_KINDS)}, got {self.kind!r}")
         if self.region is not None:
             validate_name(self.region)
         if self.manifest is not None:
             validate_manifest_ref(self.manifest)
         if self.namespace is not None:
             validate_namespace(self.namespace)
-        _require(self.ttl_s is None or (_is_number(self.ttl_s) and self.ttl_s >= 0), "Policy.ttl_s must be a number >= 0")
-        _require(
-            self.quota_bytes is None or (_is_int(self.quota_bytes) and self.quota_bytes >= 0),
+        require(self.ttl_s is None or (is_number(self.ttl_s) and self.ttl_s >= 0), "Policy.ttl_s must be a number >= 0")
+        require(
+            self.quota_bytes is None or (is_int(self.quota_bytes) and self.quota_bytes >= 0),
             "Policy.quota_bytes must be an int >= 0",
         )
-        _check_dict("Policy", "extra", self.extra)
-        _check_sig("Policy", self.sig)
+        check_dict("Policy", "extra", self.extra)
+        check_sig("Policy", self.sig)
