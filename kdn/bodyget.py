@@ -169,13 +169,18 @@ class _Conn(asyncio.BufferedProtocol):
         placed: list[memoryview] = []
         if self._bouncing and not self._place(self._last[:n], placed):
             return False
+        # A hasher on another thread reads the bytes where they stay, not in the bounce buffer the next read
+        # overwrites; one on this thread reads them while they are still in cache.
+        stays = bool(placed) and getattr(self.hasher, "stable_input", False)
+        return self._landed(placed if stays else [self._last[:n]], n)
+
+    def _landed(self, runs: list[memoryview], n: int) -> bool:
+        """``n`` body bytes are in place (``runs``, in order): hashed and counted. False if the hasher refused
+        them (a piece that does not match): the body stops here."""
         if self.hasher is not None:
             try:
-                if placed and getattr(self.hasher, "stable_input", False):
-                    for run in placed:  # a hasher on another thread reads the bytes where they stay, not
-                        self.hasher.update(run)  # in the bounce buffer the next read overwrites
-                else:
-                    self.hasher.update(self._last[:n])
+                for run in runs:
+                    self.hasher.update(run)
             except Exception as e:  # noqa: BLE001 -- a verifier that refuses a piece: the body stops here
                 self._fail(e)
                 return False
@@ -208,29 +213,8 @@ class _Conn(asyncio.BufferedProtocol):
         if extra > self.resp.length:
             self._fail(BodyError("body longer than Content-Length"))
             return False
-        pos = end + 4  # body bytes that came in with the head: placed region by region
-        while self.got < extra:
-            try:
-                region = self.body.region(self.got)[:extra - self.got]
-            except Exception as e:  # noqa: BLE001 -- as in get_buffer
-                self._fail(BodyError(f"body refused: {str(e)[:200]}"))
-                return False
-            k = len(region)
-            if not k:
-                self._fail(BodyError("the sink has no room for the body"))
-                return False
-            region[:] = self.hview[pos:pos + k]
-            if self.hasher is not None:
-                try:
-                    self.hasher.update(region)
-                except Exception as e:  # noqa: BLE001 -- as above
-                    self._fail(e)
-                    return False
-            self.got += k
-            pos += k
-            if self.tally is not None:
-                self.tally.bytes += k
-        return True
+        placed: list[memoryview] = []  # body bytes that came in with the head: placed region by region
+        return self._place(self.hview[end + 4:end + 4 + extra], placed) and self._landed(placed, extra)
 
     def _place(self, data: memoryview, placed: list[memoryview]) -> bool:
         """Copy bytes read into the bounce buffer out to the sink's runs (before they are hashed: a sink may

@@ -178,7 +178,8 @@ async def test_a_sink_of_small_runs_gets_every_byte_in_its_place_and_the_hasher_
         copied.clear()
         flat = bytearray(len(BODY))
         await g.get(url + "/o", memoryview(flat), {}, 5)
-        assert flat == BODY and copied == []  # one buffer: never through the bounce
+        # one buffer: never through the bounce (only the body bytes that came in with the head are copied out)
+        assert flat == BODY and sum(copied) <= bodyget.MAX_HEADER
     finally:
         g.close()
         server.close()
