@@ -10,7 +10,8 @@ are each a ``cleanup_ctx`` resource, started in order and stopped in reverse.
 The settings are ``config.py``'s ``EdgeConfig``.
 
 Routes:
-    GET|HEAD /v1/objects/{address}[?encoding=]   the blob (HEAD: is it here, no fill)
+    GET|HEAD /v1/objects/{address}[?encoding=]   the blob (HEAD: is it here, no fill; to a caller told the
+                                                 tier, ``X-KDN-Reads``: each tier's whole reads of its copy)
     POST /v1/lookup                              ordered addresses -> longest available prefix, where each is
     POST /v1/prefetch                            (edge to edge) fill these in the background
     GET  /v1/registry/objects/{address}          GET /v1/registry/manifests/{ns}/{name}
@@ -35,6 +36,7 @@ from kdn.auth import Grant, Grants, covers, may_read
 from kdn.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, SourceError
 from kdn.fetch import CACHED_ONLY, HOP, TIER
+from kdn.holding import READS_HEADER
 from kdn.registry import ObjectRecord
 from kdn.registry.follow import stop_tasks
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
@@ -192,11 +194,16 @@ async def get_object(request: web.Request) -> web.StreamResponse:
     try:
         if loaded.handle is not None:
             edge._note_read(key)
+            if not head and rng is None:
+                loaded.handle.count_read()  # a whole read answered from this tier (the console's hits)
         if not head:
             edge.prefetcher.after_read(address, encoding)
-        # An anonymous HEAD learns whether it can read the object, not which tier holds it.
-        source = loaded.source if (peer or bearer(request) or not head) else "edge"
+        # An anonymous HEAD learns whether it can read the object, not which tier holds it, nor its reads.
+        tells = peer or bool(bearer(request))
+        source = loaded.source if (tells or not head) else "edge"
         headers = object_headers(digest, source, encoding, rec.namespace)
+        if head and tells:
+            headers[READS_HEADER] = ", ".join(f"{t}={n}" for t, n in edge.reads(key).items())
         if loaded.path is not None:
             return await _send_file(request, loaded.path, loaded.size, headers, head=head, metrics=edge.m, rng=rng)
         if loaded.data is None:

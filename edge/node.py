@@ -281,6 +281,10 @@ class Edge:
     def holds(self, key: Key) -> bool:
         return any(t.contains(key) for t in self.tiers)
 
+    def reads(self, key: Key) -> dict[str, int]:
+        """Per tier holding ``key``: the whole reads it answered from its copy since it arrived there."""
+        return {t.name: n for t in self.tiers if (n := t.reads(key)) is not None}
+
     def owns(self, address: Address) -> bool:
         owner = self.membership.owner(address)
         return owner is None or owner.node_id == self.me.node_id

@@ -45,6 +45,9 @@ class Entry:
     gone: bool = False  # freed: no accounting left
     verified: bool = True
     verifying: asyncio.Future[bool] | None = None
+    # Whole reads this tier answered from this entry (``HandleBase.count_read``): the operator console's
+    # per-manifest hits. Bounded as the entry is; an eviction (or a restart) starts it again at 0.
+    reads: int = 0
 
     @property
     def protected(self) -> bool:
@@ -180,6 +183,10 @@ class TierBase:
 
     def keys(self) -> list[Key]:
         return list(self._index)
+
+    def reads(self, key: Key) -> int | None:
+        """The whole reads answered from ``key``'s entry since it arrived in this tier; None if not held."""
+        return self._index[key].reads if self.contains(key) else None
 
     def entries(self) -> list[tuple[Key, EntryMeta]]:
         return [(k, e.meta) for k, e in self._index.items()]
@@ -381,6 +388,10 @@ class HandleBase:
         self.key, self.meta, self.size = e.key, e.meta, e.meta.size
         self._tier: TierBase | None = tier
         self._e = e
+
+    def count_read(self) -> None:
+        """One whole read answered from this entry (a GET; not a HEAD, a range or a fill's re-check)."""
+        self._e.reads += 1
 
     def release(self) -> None:
         if self._tier is not None:

@@ -7,21 +7,45 @@ never fills. Imports nothing heavy until it runs (aiohttp, the ring).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily
     from kdn.address import Address
     from kdn.registry import NodeRecord, Registry
 
 
+READS_HEADER = "X-KDN-Reads"
+"""An edge's HEAD of an object it holds, to a caller it tells the tier: the whole reads each tier answered from
+its copy since it arrived there, ``memory=3, disk=1`` (edge/app.py)."""
+READS_TIERS = ("memory", "disk")
+MAX_READS_DIGITS = 12  # a count of more digits is junk, not a count: ignored (so a sum stays bounded)
+
+
+def parse_reads(value: object) -> dict[str, int]:
+    """``READS_HEADER``'s value, as the network gave it: each ``tier=count`` of a known tier with a count of
+    at most ``MAX_READS_DIGITS`` ASCII digits, the first per tier. Anything else (a sign, junk, a huge
+    number, an unknown tier, an over-long value) is left out: an empty answer, never an error."""
+    out: dict[str, int] = {}
+    if not isinstance(value, str) or len(value) > 128:
+        return out
+    for item in value.split(","):
+        tier, eq, n = item.partition("=")
+        tier, n = tier.strip(), n.strip()
+        if eq and tier in READS_TIERS and tier not in out and n.isascii() and n.isdigit() \
+                and len(n) <= MAX_READS_DIGITS:
+            out[tier] = int(n)
+    return out
+
+
 async def regions_holding(reg: Registry, address: Address, token: str | None,
-                          token_hosts: str | None) -> dict[str, dict[str, str]]:
+                          token_hosts: str | None) -> dict[str, dict[str, Any]]:
     """Per region: the edge that owns ``address`` on that region's ring, and whether it holds it now.
 
     Asked with a HEAD, which never fills: with a token that reads every namespace (an edge's, an admin's) it
     names the tier (``memory``, ``disk``) or says ``no``; without one an edge does not tell (what others read
-    lately is cache state). The URLs come from the registry, which a writer can fill with any host: the token
-    goes only to ``token_hosts`` (loopback by default, kdn.auth.TokenScope), the others are asked without it.
+    lately is cache state), and with the tier the reads each tier answered from its copy (``reads``:
+    ``{tier: n}``, ``parse_reads``; empty where it does not tell). The URLs come from the registry, which a
+    writer can fill with any host: the token goes only to ``token_hosts`` (loopback by default, kdn.auth.TokenScope), the others are asked without it.
     """
     import aiohttp
 
@@ -32,7 +56,7 @@ async def regions_holding(reg: Registry, address: Address, token: str | None,
     by_region: dict[str, list[NodeRecord]] = {}
     for n in await reg.list_nodes(role="edge"):
         by_region.setdefault(n.region, []).append(n)
-    out: dict[str, dict[str, str]] = {}
+    out: dict[str, dict[str, Any]] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         for region, nodes in sorted(by_region.items()):
             owner = Ring(sorted(n.node_id for n in nodes)).owner(address)  # as the region's edges place it
@@ -42,12 +66,13 @@ async def regions_holding(reg: Registry, address: Address, token: str | None,
                 async with session.head(f"{node.url}/v1/objects/{address}", headers=auth,
                                         allow_redirects=False) as r:
                     tier = r.headers.get("X-KDN-Source", "").split(":")[0]
+                    reads = parse_reads(r.headers.get(READS_HEADER)) if r.status == 200 else {}
                     holds = (tier if r.status == 200 and tier in ("memory", "disk") else
                              "no" if r.status == 200 and tier == "miss" else
                              "no record there" if r.status == 404 else
                              f"unknown (HTTP {r.status})" if r.status != 200 else
                              "unknown (it tells a token that reads every namespace: --token-file)")
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-                holds = f"unknown ({type(e).__name__})"
-            out[region] = {"owner": str(owner), "url": node.url, "holds": holds}
+                holds, reads = f"unknown ({type(e).__name__})", {}
+            out[region] = {"owner": str(owner), "url": node.url, "holds": holds, "reads": reads}
     return out

@@ -323,3 +323,23 @@ async def test_a_copy_keeps_its_arrival_time_so_a_ttl_counts_from_arrival(make_t
     assert got[key(0)].inserted_at == arrived and got[key(1)].inserted_at == clock.now
     assert await tier.expire(clock.now + 3) == 1  # the copy's TTL ran from its arrival, 8 s ago
     assert not tier.contains(key(0)) and tier.contains(key(1))
+
+
+async def test_an_entry_counts_its_whole_reads_and_an_eviction_starts_it_again(make_tier):
+    """The console's per-manifest hits: each entry counts the reads a handle says it answered whole; acquiring
+    alone (a HEAD, a fill's re-check) counts nothing; the count leaves with the entry (here by its TTL)."""
+    tier, clock = make_tier(1000)
+    assert await put(tier, 1, 400, expires_at=clock.now + 60)
+    assert tier.reads(key(1)) == 0 and tier.reads(key(9)) is None
+    for n in (1, 2):
+        with await tier.acquire(key(1)) as h:
+            h.count_read()
+        assert tier.reads(key(1)) == n
+    with await tier.acquire(key(1)):
+        pass
+    assert tier.reads(key(1)) == 2
+    clock.now += 61
+    assert tier.reads(key(1)) is None  # past its TTL: not served, so no count either
+    assert await tier.expire() == 1 and tier.stats.evictions["ttl"] == 1
+    assert await put(tier, 1, 400)
+    assert tier.reads(key(1)) == 0
