@@ -38,12 +38,13 @@ from kdn.registry.split import RecordsBeside
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 
 from kdn.origin import console
-from kdn.origin.config import BASES, CONFIG, EXECUTOR, JOBS, LOADED, M, PRODUCER, STORE, TOKENIZER
+from kdn.origin.config import BASES, CONFIG, EXECUTOR, JOBS, LOADED, M, PRODUCER, SPEED, STORE, TOKENIZER
 from kdn.origin.config import OriginConfig as OriginConfig  # (re-exported: callers import it from here)
 from kdn.origin.jobs import JobQueue, QueueFull
 from kdn.origin.publish_job import run_publish, writer
 from kdn.origin.publish import Producer, default_encodings, parse_request, push_policy_name
 from kdn.origin.s3store import is_s3, open_records, open_store, parse_s3_url
+from kdn.origin.speed import PublishSpeed, prefill_model_of
 from kdn.origin.store import ObjectStore
 from kdn.pieces import check_piece_bytes
 
@@ -105,6 +106,7 @@ async def _model_ctx(app: web.Application):
     loop = asyncio.get_running_loop()
     loaded = await loop.run_in_executor(app[EXECUTOR], lambda: load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir))
     app[LOADED] = loaded
+    app[SPEED] = PublishSpeed(prefill_model_of(loaded.model.config))
     app[STORE] = await asyncio.to_thread(open_store, cfg.store, fsync=cfg.fsync, piece_bytes=cfg.piece_bytes,
                                          credentials=cfg.store_credentials)
     if cfg.engine == "vllm":

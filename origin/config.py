@@ -18,6 +18,7 @@ from kdn.pieces import PIECE_BYTES
 
 from kdn.origin.jobs import JobQueue
 from kdn.origin.publish import Producer
+from kdn.origin.speed import PublishSpeed
 from kdn.origin.store import ObjectStore
 
 
@@ -61,3 +62,4 @@ EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
 TOKENIZER = web.AppKey("tokenizer", ThreadPoolExecutor)
 BASES = web.AppKey("bases", set)  # addresses of the kvtc bases this origin publishes (model-level objects)
 M = web.AppKey("origin_metrics", dict)
+SPEED = web.AppKey("publish_speed", PublishSpeed)  # its measured prefill speed (speed.py): the console's time saved
