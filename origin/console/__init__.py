@@ -3,8 +3,10 @@
 The people who know which knowledge is hot are often not the ones at a shell. ``GET /console`` lists what is
 published, by namespace: each manifest's model, chunks, tokens, the bytes its objects take in this origin's
 store, and the policies that apply to it. A manifest's page adds where it is cached now (each region's owner
-edge of each chunk, asked with a HEAD, which never fills: the check ``kdn registry show ADDRESS`` makes), the
-reads each region's edges served by tier (their ``/metrics``: all objects, not this one's), its text with the
+edge of each chunk, asked with a HEAD, which never fills: the check ``kdn registry show ADDRESS`` makes), its
+own reads there by tier (each edge counts the reads of each object it caches, and tells them on that HEAD) with
+the tokens they served and the prefill compute and time they saved, the reads each region's edges served by tier
+(their ``/metrics``: all objects), its text with the
 emphasis map marked over it, and forms that set and remove its pin, warm, push and TTL policies, through the
 same function as ``kdn policy set`` (``kdn.edge.policy_records.policy_from_options``).
 
@@ -26,7 +28,8 @@ with: its console shows what an anonymous API caller reads (``public``), read-on
 One module per concern: ``sessions.py`` (who is looking: sessions, the request's viewer, bounded form reads),
 ``pages.py`` (the HTML frame, its script, style and headers, the sign-in and error pages), ``policies.py`` (the
 policies a page shows and who may change them), ``listing.py`` (``GET /console``), ``manifest.py`` (a manifest's
-page) over ``edges.py`` (what the edges say: where it is cached, reads by tier), and ``forms.py`` (sign-in,
+page) over ``edges.py`` (what the edges say: where it is cached, reads by tier) and ``saved.py`` (its reads and
+what they saved), and ``forms.py`` (sign-in,
 sign-out, setting and removing policies).
 """
 

@@ -1,6 +1,7 @@
 """What the edges say about a manifest, for its console page: where each region's owner edges hold its chunks now
-(asked with a HEAD, as ``kdn registry show ADDRESS`` asks: kdn/holding.py), and the reads each region's edges
-served by tier (their ``/metrics``: all objects, since an edge counts no manifest). Bounded in edges, bytes and
+(asked with a HEAD, as ``kdn registry show ADDRESS`` asks: kdn/holding.py, which also answers the reads the edge
+answered from its copy of each chunk: saved.py sums them), and the reads each region's edges served by tier (their
+``/metrics``: all objects). Bounded in edges, bytes and
 time: a page never waits on an edge past ``EDGE_SECONDS``.
 """
 
@@ -32,15 +33,16 @@ MAX_METRICS_BYTES = 4 << 20
 async def where_cached(app: web.Application, m: Manifest, viewer: Viewer) -> dict[str, dict[str, Any]] | None:
     """Per region: how many of the manifest's first ``MAX_CHECKED`` chunks their owner edge holds now, asked as
     ``kdn registry show ADDRESS`` asks (a HEAD, which never fills), with the viewer's token where it may go
-    (``--token-hosts``; an edge tells a token that reads every namespace only). None: the edges took longer than
-    ``EDGE_SECONDS``."""
+    (``--token-hosts``; an edge tells a token that reads every namespace only), and the reads those edges
+    answered from their copies (``reads`` by tier; ``chunk_reads``: chunk index -> reads, for saved.py). None:
+    the edges took longer than ``EDGE_SECONDS``."""
     from kdn.holding import regions_holding  # the check `kdn registry show ADDRESS` makes
 
     reg, hosts = app[REGISTRY], app[CONFIG].token_hosts
     addresses = m.addresses[:MAX_CHECKED]
     gate = asyncio.Semaphore(8)
 
-    async def one(address: Address) -> dict[str, dict[str, str]]:
+    async def one(address: Address) -> dict[str, dict[str, Any]]:
         async with gate:
             return await regions_holding(reg, address, viewer.token, hosts)
 
@@ -52,12 +54,17 @@ async def where_cached(app: web.Application, m: Manifest, viewer: Viewer) -> dic
     out: dict[str, dict[str, Any]] = {}
     for i, regions in enumerate(per):
         for region, r in regions.items():
-            row = out.setdefault(region, {"first": None, "owner": None, "held": 0, "unknown": 0, "checked": 0})
+            row = out.setdefault(region, {"first": None, "owner": None, "held": 0, "unknown": 0, "checked": 0,
+                                          "reads": {}, "chunk_reads": {}})
             if i == 0:
                 row["first"], row["owner"] = r["holds"], r["owner"]
             row["checked"] += 1
             row["held"] += r["holds"] in ("memory", "disk")
             row["unknown"] += r["holds"].startswith("unknown")
+            for tier, n in r.get("reads", {}).items():  # (parse_reads: known tiers, bounded counts)
+                row["reads"][tier] = row["reads"].get(tier, 0) + n
+            if r.get("reads"):
+                row["chunk_reads"][i] = sum(r["reads"].values())
     return out
 
 
@@ -142,5 +149,5 @@ def reads_table(regions: dict[str, dict[str, Any]]) -> str:
     return (head + "<table><thead><tr><th>region</th><th>edges answering</th><th>memory hits</th><th>disk hits</th>"
             "<th>reads no tier held</th><th>bytes filled, by source</th></tr></thead><tbody>" + "".join(rows)
             + "</tbody></table><p class=\"note\">From each edge's <code>/metrics</code>, since it started; the HEADs "
-            "this page and <code>kdn registry show</code> send count too. Edges count reads per tier, not per "
-            "manifest, and no one measures the time or compute a hit saved yet: neither is shown.</p>")
+            "this page and <code>kdn registry show</code> send count too. Every object each edge served, not this "
+            "manifest's: its own reads are in the table above.</p>")

@@ -1,5 +1,6 @@
-"""A manifest's console page: what it is, where it is cached and what the edges read (edges.py), the policies
-that apply to it with a form to set and remove them, and its text with its emphasis map marked.
+"""A manifest's console page: what it is, where it is cached and what the edges read (edges.py), its own reads
+and what they saved (saved.py), the policies that apply to it with a form to set and remove them, and its text
+with its emphasis map marked.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from kdn.address import validate_name, validate_namespace
 from kdn.auth import covers
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
-from kdn.origin.config import LOADED, TOKENIZER
+from kdn.origin.config import LOADED, SPEED, TOKENIZER
 from kdn.origin.console.edges import edge_reads, reads_table, regions_table, where_cached
 from kdn.origin.console.listing import stored_sizes
 from kdn.origin.console.pages import e, error_page, page, sign_in_page
 from kdn.origin.console.policies import MANIFEST_KINDS, applies, may_edit, read_policies
+from kdn.origin.console.saved import savings_table
 from kdn.origin.console.sessions import COOKIE, PREFIX, SESSIONS, Viewer, viewer_of
 from kdn.registry import Manifest, Policy
 from kdn.service import REGISTRY
@@ -61,6 +63,8 @@ async def manifest_page(request: web.Request) -> web.Response:
         f"<tr><th>version</th><td>{m.version} (published {e(published)} UTC), {e(signed)}</td></tr>"
         "</tbody></table>")
     parts.append(regions_table(regions, len(m.addresses), viewer))
+    # This origin's prefill shape and speed apply to its own model's manifests only.
+    parts.append(savings_table(regions, m, app.get(SPEED) if m.model_id == loaded.model_id else None))
     parts.append(reads_table(hits))
     parts.append(_policies_section(viewer, ns, name, policies))
     parts.append(_text_section(m, text))

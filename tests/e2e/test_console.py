@@ -5,8 +5,9 @@ tenant's), and Debian's Chromium (/usr/bin/chromium; Playwright downloads nothin
 loads from 127.0.0.1 only: each browser context refuses and records any other host, and a test fails if one was
 asked (the console works offline). Checked: an unsigned visitor gets the sign-in form and nothing else, and cannot
 POST; an admin sees the listing with its sizes and the text with its emphasis; a read token sees but cannot edit
-(no form, and a crafted POST is a 403); a policy set through the console's form takes effect at an edge; and a
-screenshot of the listing (``KDN_CONSOLE_SCREENSHOT=1`` writes docs/img/console.png).
+(no form, and a crafted POST is a 403); a policy set through the console's form takes effect at an edge; a
+manifest's reads through an edge show on its page with the tokens they served and the compute and time they saved,
+to an admin and a read token; and a screenshot of the listing (``KDN_CONSOLE_SCREENSHOT=1`` writes docs/img/console.png).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import pytest_asyncio
-from edge_helpers import EDGE_TOKEN, PUBLISH, TENANT_A, cluster, publish, wait_until
+from edge_helpers import EDGE_TOKEN, PUBLISH, TENANT_A, cluster, get, publish, wait_until
 
 from kdn.origin.app import STORE
 from kdn.units import format_size
@@ -336,3 +337,48 @@ async def test_an_origin_without_a_token_file_shows_public_read_only(env, tmp_pa
                 assert r.status == 403
     finally:
         await server.close()
+
+
+async def test_a_manifests_page_shows_its_reads_and_what_they_saved(env):
+    """A client reads harbor's chunks through the eu edge, three times each (the first fills from us, then two
+    hits): the page shows each region's reads of them by tier, the tokens they served and the prefill they saved (the
+    origin's model's FLOPs, and the time at the speed it measured on its own publishes), to an admin and to a
+    read-only token alike."""
+    from kdn.address import chunk_spans
+    from kdn.origin.config import SPEED
+    from kdn.origin.console.saved import format_flops
+    from kdn.origin.speed import chunk_flops
+
+    m, eu = env.harbor, env.c.edge("e1")
+    for a in m["addresses"]:
+        for _ in range(3):
+            status, _, _ = await get(env.c.edge_url("e1"), a)
+            assert status == 200
+        assert eu.reads((a, "zstd"))["memory"] == 2, eu.reads((a, "zstd"))
+    n = len(m["addresses"])
+    speed = env.c.origin.app[SPEED]
+    assert speed.chunks >= n and speed.flops_per_s  # the publishes above were timed
+    spans = chunk_spans(m["tokens"], m["chunk_tokens"])
+    flops = sum(2 * chunk_flops(speed.prefill, s, t) for s, t in spans)
+    for token in (PUBLISH, EDGE_TOKEN):  # admin, then read-only
+        ctx = await context(env)
+        try:
+            page = await sign_in(ctx, token)
+            await page.goto("/console/manifests/public/harbor")
+            row = page.locator('table.saved tr[data-region="eu"]')
+            assert await row.locator("td.memory").inner_text() == f"{2 * n:,}"
+            assert await row.locator("td.disk").inner_text() == "0"
+            assert await row.locator("td.tokens").inner_text() == f"{2 * m['tokens']:,}"
+            assert await row.locator("td.flops").inner_text() == format_flops(flops)
+            took = await row.locator("td.seconds").inner_text()
+            assert took not in ("-", "not measured yet") and took[0].isdigit(), took
+            # us holds every chunk (pushed there earlier): the eu edge's first read of each filled from it (another
+            # region before the origin), a whole read its copy answered. So three reads of each, all counted.
+            us = page.locator('table.saved tr[data-region="us"]')
+            us_reads = [int(x) for x in await us.locator("td.memory, td.disk").all_inner_texts()]
+            assert sum(us_reads) == n and await us.locator("td.tokens").inner_text() == f"{m['tokens']:,}", us_reads
+            note = await page.locator("table.saved + p.note").inner_text()
+            assert "Reads since each edge cached the chunk" in note and "at the origin's speed" in note, note
+            assert not ctx.errors, ctx.errors
+        finally:
+            await ctx.close()
