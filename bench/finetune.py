@@ -178,17 +178,21 @@ async def answers(args, var, tok, client, man, plans, trusted, log) -> dict[str,
     qs = questions()[:args.questions]
     names = ["own prefill"] + list(plans)
     per: dict[str, dict] = {p: {"ttft": [], "ids": []} for p in names}
+
+    async def one(p: str, ids: list[int], gen: int) -> tuple[float, list[int]]:
+        if p == "own prefill":
+            first, dt, cache = await loop.run_in_executor(None, E.lean, var, ids)
+            return dt, await loop.run_in_executor(None, lambda: decode_loop(var, cache, first, len(ids), gen,
+                                                                           tok.eos_token_id))
+        g = await agenerate_variant(var, tok, ids, client, accept_base=plans[p], trusted=trusted, max_new_tokens=gen)
+        return g.report.ttft_ms / 1e3, g.ids
+
     for qi, q in enumerate(qs):
         ids = prompt_tokens(tok, man, q["question"])
         for p in names[qi % len(names):] + names[:qi % len(names)]:
-            if p == "own prefill":
-                first, dt, cache = await loop.run_in_executor(None, E.lean, var, ids)
-                out = await loop.run_in_executor(None, lambda: decode_loop(var, cache, first, len(ids), args.gen,
-                                                                          tok.eos_token_id))
-            else:
-                g = await agenerate_variant(var, tok, ids, client, accept_base=plans[p], trusted=trusted,
-                                            max_new_tokens=args.gen)
-                dt, out = g.report.ttft_ms / 1e3, g.ids
+            dt, out = await one(p, ids, args.gen)
+            for _ in range(args.repeat - 1):  # timing only: the least of the tries (others share the cores)
+                dt = min(dt, (await one(p, ids, 1))[0])
             per[p]["ttft"].append(dt)
             per[p]["ids"].append(out)
         log(f"  q{qi + 1}: own {tok.decode(per['own prefill']['ids'][-1], skip_special_tokens=True)[:60]!r}")
@@ -291,7 +295,7 @@ def tables(args, res, m, plans, nll, per, n_ctx, log) -> None:
             f"(lr {args.lr:g}, {args.seq}-token windows) on {', '.join(TRAIN_DOCS)}. Plan measured on {m.samples} "
             f"window(s) of those ({args.plan_context} + {args.plan_cont} tokens); evaluated on the held-out document: "
             f"continuation of {args.continuation} tokens, {per['own prefill']['n']} questions, greedy, {args.gen} "
-            f"tokens", ""]
+            f"tokens; TTFT per question and path the least of {args.repeat} tries", ""]
     main = head + [
         "| plan | layers recomputed | NLL on the plan's samples (mean) | (worst) | continuation NLL/token | vs own "
         "prefill | first token as own | answer as own | answered | TTFT ms (median) | speedup vs own prefill "
@@ -329,7 +333,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--seq", type=int, default=256, help="tokens a training window")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budgets", default="0.5,1,2,3", help="NLL budgets of the plans, percent")
+    ap.add_argument("--budgets", default="0.5,1,3", help="NLL budgets of the plans, percent")
     ap.add_argument("--plan-docs", type=int, default=3)
     ap.add_argument("--plan-context", type=int, default=256)
     ap.add_argument("--plan-cont", type=int, default=64)
@@ -337,14 +341,15 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--gen", type=int, default=16, help="greedy tokens per answer")
-    ap.add_argument("--group-widths", default="2,4,8,12,16", help="widths of the DroidSpeak groups measured")
+    ap.add_argument("--group-widths", default="4,8,12,16", help="widths of the DroidSpeak groups measured")
+    ap.add_argument("--repeat", type=int, default=2, help="TTFT tries per question and path, the least kept")
     ap.add_argument("--quick", action="store_true", help="2 steps, one short plan sample, 6 paragraphs, 1 question")
     R.add_arg(ap)
     args = ap.parse_args()
     if args.quick:
         args.steps, args.seq, args.plan_docs, args.plan_context, args.plan_cont = 2, 64, 1, 96, 16
         args.paragraphs, args.continuation, args.questions, args.gen, args.budgets = 6, 32, 1, 4, "5"
-        args.group_widths = "8"
+        args.group_widths, args.repeat = "8", 1
     args.budgets = [float(x) for x in str(args.budgets).split(",")]
     args.group_widths = [int(x) for x in str(args.group_widths).split(",")]
     res = R.Results("finetune", args)
