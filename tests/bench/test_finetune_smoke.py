@@ -5,6 +5,7 @@ that breaks fails here instead of in the next benchmark session."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,8 @@ def test_a_quick_finetune_run_compares_the_plans_with_the_variants_own_prefill(t
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.loads(out.read_text())
     main = next(t for t in d["tables"] if t["id"] == "main")["markdown"]
-    rows = [line.split(" | ") for line in main.splitlines() if line.startswith("| ") and " of " in line]
+    rows = [r for r in (line.split(" | ") for line in main.splitlines() if line.startswith("| "))
+            if len(r) > 1 and re.fullmatch(r"\d+ of \d+", r[1])]
     names = [r[0].lstrip("| ") for r in rows]
     assert names[0].startswith("variant's own full prefill") and names[1].startswith("every layer from the base")
     assert names[-1] == "every layer recomputed"
