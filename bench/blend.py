@@ -452,14 +452,7 @@ def main() -> None:
         args.questions = min(args.questions, 4)
     args.configs = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
     args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
-    res = R.Results("blend", args)
-    t0 = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"{time.perf_counter() - t0:7.1f}s {msg}", flush=True)
-
-    asyncio.run(run(args, res, log))
-    res.write()
+    R.run_logged("blend", args, run)
 
 
 if __name__ == "__main__":

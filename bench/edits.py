@@ -347,14 +347,7 @@ def main() -> None:
     if args.quick:
         args.edits, args.ratios, args.continuation, args.questions = QUICK_EDITS, "15", 32, 1
     args.ratios = [float(x) / 100 for x in str(args.ratios).split(",")]
-    res = R.Results("edits", args)
-    t0 = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"{time.perf_counter() - t0:7.1f}s {msg}", flush=True)
-
-    asyncio.run(run(args, res, log))
-    res.write()
+    R.run_logged("edits", args, run)
 
 
 if __name__ == "__main__":

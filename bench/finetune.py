@@ -352,14 +352,7 @@ def main() -> None:
         args.group_widths, args.repeat = "8", 1
     args.budgets = [float(x) for x in str(args.budgets).split(",")]
     args.group_widths = [int(x) for x in str(args.group_widths).split(",")]
-    res = R.Results("finetune", args)
-    t0 = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"{time.perf_counter() - t0:7.1f}s {msg}", flush=True)
-
-    asyncio.run(run(args, res, log))
-    res.write()
+    R.run_logged("finetune", args, run)
 
 
 if __name__ == "__main__":

@@ -227,3 +227,19 @@ def cell_in(markdown: str, cell: str) -> bool:
             if any(cell in c.replace("**", "") or cell in c for c in line.strip().strip("|").split("|")):
                 return True
     return False
+
+
+def run_logged(name: str, args: argparse.Namespace, run: Any) -> Results:
+    """A bench's ``main`` tail: ``run(args, res, log)`` (a coroutine function) on a fresh event loop, where ``log``
+    prints each line after the seconds since the start; then the results written. Returns them."""
+    import asyncio
+
+    res = Results(name, args)
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"{time.perf_counter() - t0:7.1f}s {msg}", flush=True)
+
+    asyncio.run(run(args, res, log))
+    res.write()
+    return res
