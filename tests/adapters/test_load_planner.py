@@ -2,8 +2,8 @@
 stalls becomes a recompute within its deadline (sooner once its progress shows it would overrun that) --
 with the same logits as computing (tiny-llama, fp32).
 
-The source is a stand-in edge on loopback (aiohttp): lookup, records and objects from memory, and objects
-from chunk ``stall_from`` on that never arrive.
+The source is a stand-in edge on loopback (``stand_in_edge.py``): lookup, records and objects from memory, and
+objects from chunk ``stall_from`` on that never arrive.
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ import time
 
 import pytest
 import torch
-from aiohttp import web
 from aiohttp.test_utils import TestServer
-from blake3 import blake3
 
-from kdn import address as A
-from kdn.adapters.hf import agenerate, continue_from_cache, extract_chunks, load_model, prefill
+from kdn.adapters.hf import agenerate, continue_from_cache, load_model, prefill
 from kdn.adapters.hf.generate import model_id
 from kdn.adapters.hf.plan import speeds_of
 from kdn.client import KDNClient
-from kdn.objects import encode_object, from_torch
 from kdn.planner import OVERRUN_AFTER
+
+import stand_in_edge  # tests/adapters/stand_in_edge.py
 
 CHUNK = 256
 N_CHUNKS = 4
@@ -38,56 +36,12 @@ def lm():
 def published(lm):
     ids = [int(x) for x in torch.randint(3, 200, (N_CHUNKS * CHUNK,), generator=torch.Generator().manual_seed(9))]
     mid = model_id(lm.model, lm.tokenizer)
-    addrs = A.prefix_addresses(mid, "public", ids, CHUNK)
-    with torch.inference_mode():
-        chunks = list(extract_chunks(lm.model, ids, chunk_tokens=CHUNK))
-    blobs, records = {}, {}
-    for c, a in zip(chunks, addrs):
-        blob = encode_object(kind=c.kind, address=a, model_id=mid, namespace="public", start=c.start, end=c.end,
-                             position=c.start, parent=addrs[c.index - 1] if c.index else None,
-                             tensors=from_torch(c.tensors), encoding="raw")
-        blobs[a] = blob
-        records[a] = {"address": a, "model_id": mid, "namespace": "public", "kind": c.kind, "start": c.start,
-                      "end": c.end, "parent": None, "standalone": False, "origin": "test", "tails": {},
-                      "encodings": {"raw": {"name": "raw", "size": len(blob), "digest": blake3(blob).hexdigest()}}}
+    addrs, blobs, records = stand_in_edge.published(lm.model, mid, ids, CHUNK)
     return ids, mid, addrs, blobs, records
 
 
 async def edge(addrs, blobs, records, stall_from: int | None = None) -> TestServer:
-    release = asyncio.Event()
-    slow = {"on": False}  # once on: each object sends its first PARTIAL bytes, then nothing (a link gone slow)
-
-    async def lookup(request):
-        asked = (await request.json())["addresses"]
-        n = next((i for i, a in enumerate(asked) if a not in blobs), len(asked))
-        return web.json_response({"length": n, "sources": ["memory"] * n})
-
-    async def record(request):
-        rec = records.get(request.match_info["address"])
-        return web.json_response(rec) if rec else web.json_response({"error": "not_found"}, status=404)
-
-    async def obj(request):
-        a = request.match_info["address"]
-        if stall_from is not None and addrs.index(a) >= stall_from:
-            await release.wait()  # a stalled source: never answers (until the test ends)
-        if slow["on"]:
-            r = web.StreamResponse(headers={"X-KDN-Encoding": "raw", "X-KDN-Source": "memory"})
-            r.content_length = len(blobs[a])
-            await r.prepare(request)
-            await r.write(blobs[a][:PARTIAL])
-            await release.wait()
-            return r
-        return web.Response(body=blobs[a], headers={"X-KDN-Encoding": "raw", "X-KDN-Source": "memory"})
-
-    app = web.Application()
-    app.router.add_post("/v1/lookup", lookup)
-    app.router.add_get("/v1/registry/objects/{address}", record)
-    app.router.add_get("/v1/objects/{address}", obj)
-    server = TestServer(app, host="127.0.0.1")
-    server.release = release
-    server.slow = slow
-    await server.start_server()
-    return server
+    return await stand_in_edge.serve(addrs, blobs, records, stall_from=stall_from, partial=PARTIAL)
 
 
 def reference(lm, ids, suffix, loaded_chunks):

@@ -10,11 +10,8 @@ import dataclasses
 
 import pytest
 import torch
-from aiohttp import web
 from aiohttp.test_utils import TestServer
-from blake3 import blake3
 
-from kdn import address as A
 from kdn.adapters.hf import ByteTokenizer, continue_from_cache, extract_chunks, prefill
 from kdn.adapters.hf.cache import build_cache
 from kdn.adapters.hf.extract import new_cache
@@ -23,9 +20,10 @@ from kdn.adapters.hf.variants import (VariantGeneration, agenerate_variant, hidd
                                       measure_pair, pick_depth, recompute_group, recompute_layers, relation_for)
 from kdn.client import KDNClient
 from kdn.errors import InvalidInput, ModelMismatch
-from kdn.objects import encode_object, from_torch
 from kdn.registry.records import BaseRelation
 from kdn.signing import SignatureError, Signer, Verifier
+
+import stand_in_edge  # tests/adapters/stand_in_edge.py
 
 C = 64  # chunk tokens
 LAYERS = 4
@@ -187,46 +185,11 @@ def test_a_relation_names_its_plan_depth():
 
 def published(model, tok, ids):
     """The objects and records an origin of ``model`` would publish for ``ids`` (chunks of C)."""
-    mid = model_id(model, tok)
-    addrs = A.prefix_addresses(mid, "public", ids, C)
-    blobs, records = {}, {}
-    for c, a in zip(extract_chunks(model, ids, chunk_tokens=C), addrs):
-        blob = encode_object(kind=c.kind, address=a, model_id=mid, namespace="public", start=c.start, end=c.end,
-                             position=c.start, parent=addrs[c.index - 1] if c.index else None,
-                             tensors=from_torch(c.tensors), encoding="raw")
-        blobs[a] = blob
-        records[a] = {"address": a, "model_id": mid, "namespace": "public", "kind": c.kind, "start": c.start,
-                      "end": c.end, "parent": None, "standalone": False, "origin": "test", "tails": {},
-                      "encodings": {"raw": {"name": "raw", "size": len(blob), "digest": blake3(blob).hexdigest()}}}
-    return blobs, records
+    return stand_in_edge.published(model, model_id(model, tok), ids, C)
 
 
-async def edge(blobs, records) -> TestServer:
-    seen: list[str] = []
-
-    async def lookup(request):
-        seen.append("lookup")
-        asked = (await request.json())["addresses"]
-        n = next((i for i, a in enumerate(asked) if a not in blobs), len(asked))
-        return web.json_response({"length": n, "sources": ["memory"] * n})
-
-    async def record(request):
-        rec = records.get(request.match_info["address"])
-        return web.json_response(rec) if rec else web.json_response({"error": "not_found"}, status=404)
-
-    async def obj(request):
-        seen.append("object")
-        return web.Response(body=blobs[request.match_info["address"]],
-                            headers={"X-KDN-Encoding": "raw", "X-KDN-Source": "memory"})
-
-    app = web.Application()
-    app.router.add_post("/v1/lookup", lookup)
-    app.router.add_get("/v1/registry/objects/{address}", record)
-    app.router.add_get("/v1/objects/{address}", obj)
-    server = TestServer(app, host="127.0.0.1")
-    server.seen = seen
-    await server.start_server()
-    return server
+async def edge(addrs, blobs, records) -> TestServer:
+    return await stand_in_edge.serve(addrs, blobs, records)
 
 
 DOC = toks(30, 3 * C)  # three whole chunks, published by the base
