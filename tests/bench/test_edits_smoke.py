@@ -4,24 +4,16 @@ in the next benchmark session."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from quick_run import quick_tables  # tests/bench/quick_run.py
 
 
 @pytest.mark.timeout(600)
 def test_a_quick_edits_run_compares_the_three_paths(tmp_path):
-    out = tmp_path / "edits.json"
-    p = subprocess.run([sys.executable, "-P", str(ROOT / "bench" / "edits.py"), "--quick", "--results", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=580)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    d = json.loads(out.read_text())
-    main = next(t for t in d["tables"] if t["id"] == "main")["markdown"]
+    tables = quick_tables("edits", tmp_path)
+    main = tables["main"]
     rows = [line for line in main.splitlines() if line.startswith("| harbor-policy | sentence | middle |")]
     assert [r.split(" | ")[3] for r in rows] == ["full prefill", "exact reuse", "approximate 15%"], main
     exact, approx = rows[1].split(" | ")[4], rows[2].split(" | ")[4]
@@ -31,4 +23,4 @@ def test_a_quick_edits_run_compares_the_three_paths(tmp_path):
     assert n_exact[0] % 256 == 0 and n_exact[1] == 0 and n_exact[2] > 0
     assert n_approx[0] >= n_exact[0] and n_approx[1] > 0 and n_approx[2] < n_exact[2]
     assert sum(n_exact) == sum(n_approx)
-    assert any(t["id"] == "summary" for t in d["tables"])
+    assert "summary" in tables
