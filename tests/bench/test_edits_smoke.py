@@ -4,7 +4,6 @@ in the next benchmark session."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from quick_run import quick_tables  # tests/bench/quick_run.py
