@@ -1,4 +1,4 @@
-"""The registry: models, objects, manifests, nodes and policies, on etcd or in one SQLite file."""
+"""The registry: models, base relations, objects, manifests, nodes and policies, on etcd or in one SQLite file."""
 
 from kdn.registry.base import (
     DEFAULT_PREFIX,
@@ -17,11 +17,13 @@ from kdn.registry.embedded import EmbeddedRegistry
 from kdn.registry.lease import NodeLease
 from kdn.registry.follow import follow
 from kdn.registry.etcd import EtcdRegistry
-from kdn.registry.records import Admission, Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+from kdn.registry.records import Admission, BaseRelation, Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+from kdn.registry.relations import RelationStore, find_relation
 from kdn.registry.url import default_registry_path, open_registry
 
 __all__ = [
     "Admission",
+    "BaseRelation",
     "DEFAULT_PREFIX",
     "Compactable",
     "EmbeddedRegistry",
@@ -41,8 +43,10 @@ __all__ = [
     "Policy",
     "PolicyStore",
     "Registry",
+    "RelationStore",
     "Watchable",
     "default_registry_path",
+    "find_relation",
     "follow",
     "open_registry",
 ]

@@ -10,6 +10,7 @@ etcd and the embedded SQLite registries each provide only those primitives.
 Keys live under one prefix (default ``/kdn/``)::
 
     models/{model_id}
+    relations/{variant_model_id}         (kdn.registry.relations: a publisher-signed BaseRelation)
     objects/{address}
     manifests/{namespace}/{name}
     nodes/{role}/{region}/{node_id}      (bound to a lease)
@@ -34,6 +35,7 @@ from kdn.address import Address, ModelId, validate_address, validate_model_id, v
 from kdn.errors import InvalidInput
 from kdn.registry.lease import NodeLease, bounded
 from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+from kdn.registry.relations import RelationRecords, RelationStore
 
 if TYPE_CHECKING:  # pragma: no cover - kdn.signing loads cryptography, which only an origin needs
     from kdn.signing import Signable, Signer
@@ -101,7 +103,7 @@ class Watchable(Protocol):
 
 
 @runtime_checkable
-class Registry(ModelStore, ObjectStore, ManifestStore, Membership, PolicyStore, Watchable, Protocol):
+class Registry(ModelStore, RelationStore, ObjectStore, ManifestStore, Membership, PolicyStore, Watchable, Protocol):
     """Everything KDN keeps in its registry. Misses are ``None``, never exceptions."""
 
     async def close(self) -> None: ...
@@ -140,7 +142,7 @@ def _object(v: bytes | None) -> ObjectRecord | None:
     return None if v is None else ObjectRecord.unpack(v)
 
 
-class KVRegistry(abc.ABC):
+class KVRegistry(RelationRecords, abc.ABC):
     """The record-level registry over key-value primitives; subclasses provide those."""
 
     #: Most keys one transaction may touch (etcd's --max-txn-ops is 128); None: no limit.

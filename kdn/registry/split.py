@@ -38,7 +38,7 @@ from kdn.address import Address, Digest, ModelId, blob_digest, validate_digest
 from kdn.errors import InvalidInput
 from kdn.registry.base import KVRegistry, Writes
 from kdn.registry.lease import NodeLease
-from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+from kdn.registry.records import BaseRelation, Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.registry.base import Event
@@ -151,6 +151,15 @@ class RecordsBeside:
 
     async def list_models(self) -> list[ModelRecord]:
         return await self.control.list_models()
+
+    async def put_relation(self, rec: BaseRelation) -> None:
+        await self.control.put_relation(rec)
+
+    async def get_relation(self, variant: ModelId) -> BaseRelation | None:
+        return await self.control.get_relation(variant)
+
+    async def list_relations(self) -> list[BaseRelation]:
+        return await self.control.list_relations()
 
     async def register_node(self, rec: NodeRecord, ttl: float) -> NodeLease:
         return await self.control.register_node(rec, ttl)

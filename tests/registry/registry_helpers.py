@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 from blake3 import blake3
 
-from kdn.registry import Encoding, Event, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
+from kdn.registry import BaseRelation, Encoding, Event, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
 
 
 def addr(seed: str) -> str:
@@ -19,6 +19,14 @@ MID = addr("model")
 
 def model(name: str = "tiny") -> ModelRecord:
     return ModelRecord(MID, name, "LlamaForCausalLM", "bfloat16", 256, {"layers": 2, "rope": {"theta": 1e4}}, {"note": "t"})
+
+
+def relation(variant: str = MID, base: str | None = None, **kw) -> BaseRelation:
+    """A variant ``variant`` reading base ``base``'s states, recomputing its first 2 of 8 layers."""
+    d = dict(variant=variant, base=base or addr("base"), layers=8, recompute=[0, 1], metric="nll%", budget=5.0,
+             measured={"nll%": [3.1, 1.2], "samples": 4}, name="tiny+sft", created=1700000000.0)
+    d.update(kw)
+    return BaseRelation(**d)
 
 
 def enc(name: str = "raw", data: bytes = b"blob") -> Encoding:

@@ -11,8 +11,10 @@ import time
 import pytest
 
 from kdn.errors import InvalidAddress, InvalidInput, LeaseExpired, RegistryError
-from kdn.registry import Manifest, NodeRecord, Policy, Registry
-from registry_helpers import MID, addr, chain, enc, eventually, manifest, model, next_event, node, obj, policy, until
+from kdn.registry import Manifest, NodeRecord, Policy, Registry, find_relation
+from kdn.signing import Signer, Verifier
+from registry_helpers import (MID, addr, chain, enc, eventually, manifest, model, next_event, node, obj, policy,
+                              relation, until)
 
 
 @pytest.fixture(params=["embedded", "etcd", "etcd-secured"])
@@ -34,6 +36,59 @@ async def test_model_round_trip(registry):
     await registry.put_model(model())
     assert await registry.get_model(MID) == model()
     assert await registry.list_models() == [model()]
+
+
+async def test_relation_round_trip_beside_the_models(registry):
+    other = addr("variant-2")
+    assert await registry.get_relation(MID) is None
+    assert await registry.list_relations() == []
+    await registry.put_relation(relation())
+    await registry.put_relation(relation(other, recompute=[0, 1, 2]))
+    assert await registry.get_relation(MID) == relation()
+    assert await registry.get_relation(other) == relation(other, recompute=[0, 1, 2])
+    assert sorted(await registry.list_relations(), key=lambda r: r.variant) == sorted(
+        [relation(), relation(other, recompute=[0, 1, 2])], key=lambda r: r.variant)
+    await registry.put_relation(relation(budget=1.0))  # one per variant: the latest put wins
+    assert (await registry.get_relation(MID)).budget == 1.0
+    assert await registry.get_model(MID) is None  # a relation is not a model record
+    assert [k for k, _ in await registry.list_keys("relations/")] == sorted([f"relations/{MID}", f"relations/{other}"])
+    with pytest.raises(InvalidInput):
+        await registry.put_relation(model())  # type: ignore[arg-type]
+    with pytest.raises(InvalidAddress):
+        await registry.get_relation("not-a-model")
+
+
+async def test_a_junk_or_misplaced_relation_is_refused_on_read_and_hides_only_itself(registry):
+    good, junk, moved = addr("good"), addr("junk"), addr("moved")
+    await registry.put_relation(relation(good))
+    await registry._put(registry._key(f"relations/{junk}"), b"\x93not a relation")
+    await registry._put(registry._key(f"relations/{moved}"), relation(good, budget=99.0).pack())  # another's
+    assert await registry.get_relation(junk) is None
+    assert await registry.get_relation(moved) is None
+    assert await registry.list_relations() == [relation(good)]
+
+
+async def test_find_relation_returns_only_what_a_trusted_key_signed(registry, tmp_path):
+    publisher, stranger = Signer.generate(tmp_path / "pub.key"), Signer.generate(tmp_path / "other.key")
+    trusted = Verifier([publisher.public])
+    signed, foreign, unsigned = addr("signed"), addr("foreign"), addr("unsigned")
+    await registry.put_relation(publisher.sign(relation(signed)))
+    await registry.put_relation(stranger.sign(relation(foreign)))
+    await registry.put_relation(relation(unsigned))
+    assert await find_relation(registry, signed, trusted) == publisher.sign(relation(signed))
+    assert await find_relation(registry, foreign, trusted) is None
+    assert await find_relation(registry, unsigned, trusted) is None
+    assert await find_relation(registry, addr("absent"), trusted) is None
+    forged = dataclasses.replace(publisher.sign(relation(addr("forged"))), recompute=[0])  # changed after signing
+    await registry.put_relation(forged)
+    assert await find_relation(registry, forged.variant, trusted) is None
+
+    class Client:  # what a KDNClient made with trusted_keys holds
+        verifier = trusted
+
+    assert await find_relation(registry, signed, Client()) == publisher.sign(relation(signed))
+    with pytest.raises(InvalidInput, match="trusted"):
+        await find_relation(registry, signed, None)
 
 
 async def test_object_round_trip_and_batch_get(registry):
