@@ -1,4 +1,5 @@
-"""`kdn origin serve` and `kdn publish`. Imports nothing heavy until a command runs."""
+"""`kdn origin serve`, `kdn publish` and (``relation_cli``) `kdn relation`. Imports nothing heavy until a command
+runs."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from kdn.errors import InvalidInput, KDNError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kdn.origin import relation_cli
+
     _register_origin(sub)
     _register_publish(sub)
+    relation_cli.register(sub)
 
 
 def _register_origin(sub: argparse._SubParsersAction) -> None:

@@ -1,4 +1,5 @@
-"""The `kdn` console script, run for real in subprocesses: address, registry show|ls|nodes, bad input."""
+"""The `kdn` console script, run for real in subprocesses: address, registry show|ls|nodes, relation
+sign|put|show|list, bad input."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 from blake3 import blake3
 
 from kdn import address as A
-from kdn.registry import EmbeddedRegistry, Encoding, EtcdRegistry, ModelRecord, NodeRecord, ObjectRecord
+from kdn.registry import (BaseRelation, EmbeddedRegistry, Encoding, EtcdRegistry, ModelRecord, NodeRecord, ObjectRecord,
+                          find_relation)
+from kdn.signing import Verifier
 
 MID = blake3(b"cli-test-model").hexdigest()
 KDN_SCRIPT = Path(sys.executable).with_name("kdn")
@@ -249,6 +252,49 @@ async def test_registry_show_on_etcd(cli, etcd_server):
     assert r.returncode == 1 and "not in the registry" in r.stderr
 
 
+# --- kdn relation ----------------------------------------------------------------
+
+
+def _relation() -> BaseRelation:
+    return BaseRelation(variant=MID, base=_addr("base-model"), layers=8, recompute=[0, 1], metric="nll%",
+                        budget=5.0, measured={"nll%": [2.0, 0.5]}, name="tiny+sft")
+
+
+def _keygen(cli: Cli, name: str) -> Path:
+    assert cli.run("origin", "keygen", "--out", name).returncode == 0
+    return cli.cwd / name
+
+
+async def test_relation_sign_put_show_list_then_found_by_a_consumer(cli, reg_path):
+    key, other = _keygen(cli, "pub.key"), _keygen(cli, "other.key")
+    (cli.cwd / "rel.msgpack").write_bytes(_relation().pack())
+    r = cli.run("relation", "put", "rel.msgpack")
+    assert "unsigned" in assert_one_line_error(r)  # no consumer takes an unsigned relation
+    assert "untrusted" in assert_one_line_error(
+        cli.run("relation", "put", "rel.msgpack", "--signing-key", str(other), "--trusted-keys", f"{key}.pub"))
+    assert cli.run("relation", "sign", "rel.msgpack", "--signing-key", str(key)).returncode == 0
+    r = cli.run("relation", "put", "rel.msgpack", "--trusted-keys", f"{key}.pub")
+    assert r.returncode == 0 and f"relations/{MID}" in r.stdout, r.stderr
+    r = cli.run("relation", "show", MID, "--trusted-keys", f"{key}.pub")
+    assert r.returncode == 0, r.stderr
+    out, signed = json.loads(r.stdout), BaseRelation.unpack((cli.cwd / "rel.msgpack").read_bytes())
+    assert out["type"] == "relation" and out["verified"] is True and signed.sig
+    assert BaseRelation.from_dict(out["record"]) == signed
+    assert json.loads(cli.run("relation", "show", MID, "--trusted-keys", f"{other}.pub").stdout)["verified"] is False
+    r = cli.run("relation", "list", "--trusted-keys", f"{key}.pub")
+    assert r.stdout.splitlines() == [f"{MID}\tbase {_addr('base-model')}\trecomputes layers [0, 2) of 8\t"
+                                     "nll% <= 5\ttiny+sft\tverified"]
+    async with EmbeddedRegistry(reg_path) as reg:  # what a consumer reads: only under a key it trusts
+        assert await find_relation(reg, MID, Verifier.from_file(f"{key}.pub")) == signed
+        assert await find_relation(reg, MID, Verifier.from_file(f"{other}.pub")) is None
+
+
+def test_relation_show_of_an_absent_variant_exits_1(cli):
+    r = cli.run("relation", "show", MID)
+    assert r.returncode == 1 and "no relation" in r.stderr
+    assert cli.run("relation", "list").stdout == ""
+
+
 # --- bad input: one line, status 2 -----------------------------------------------
 
 
@@ -273,6 +319,8 @@ async def test_registry_show_on_etcd(cli, etcd_server):
         (["registry", "nodes", "--role", "bad/role"], "invalid name"),
         (["address", "--tokens", "1"], "the following arguments are required: --model-id"),
         (["registry"], "required"),
+        (["relation", "show", "not-a-model"], "invalid model id"),
+        (["relation", "put", "no-such-file"], "cannot read relation"),
         ([], "required"),
         (["no-such-command"], "invalid choice"),
     ],
