@@ -1,8 +1,10 @@
 """Reuse across fine-tunes of one base model (opt-in, approximate): a variant reads its base's published states.
 
-    rel = verifier.check(BaseRelation.unpack(blob))        # signed by the publisher: variant V derives from base B
     async with KDNClient(edges=["http://127.0.0.1:8100"], trusted_keys="keys.txt") as client:
-        out = await agenerate_variant(variant, tokenizer, ids, client, accept_base=rel)
+        async with open_registry(url) as reg:                  # the publisher put it: kdn relation put
+            rel = await find_relation(reg, model_id(variant, tokenizer), client)  # None unless trusted-signed
+        # (or from a file the publisher ships: rel = verifier.check(BaseRelation.unpack(blob)))
+        out = await agenerate_variant(variant, tokenizer, ids, client, accept_base=rel)  # opting in: your call
         print(out.text, out.report.line())
 
 A state is bound to exact weights by its model id, so each fine-tune of a base recomputes the knowledge the

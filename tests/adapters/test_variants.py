@@ -20,6 +20,7 @@ from kdn.adapters.hf.variants import (VariantGeneration, agenerate_variant, hidd
                                       measure_pair, pick_depth, recompute_group, recompute_layers, relation_for)
 from kdn.client import KDNClient
 from kdn.errors import InvalidInput, ModelMismatch
+from kdn.registry import EmbeddedRegistry, find_relation
 from kdn.registry.records import BaseRelation
 from kdn.signing import SignatureError, Signer, Verifier
 
@@ -232,6 +233,22 @@ async def test_an_opted_in_variant_loads_the_base_and_recomputes_its_plans_layer
     # closer to the variant's own reading than taking every layer from the base
     own = continue_from_cache(w["var"], new_cache(w["var"]), 0, DOC + QUESTION, last=1)[-1]
     assert (out.first_logits - own).abs().max() < (expected(w, 0) - own).abs().max()
+
+
+async def test_a_relation_found_in_the_registry_is_loaded_only_once_passed_on(world, tmp_path):
+    """Publisher: put the signed relation in the registry. Consumer: find it under its trusted keys, then opt in."""
+    w = world
+    async with EmbeddedRegistry(tmp_path / "registry.sqlite3") as reg:
+        await reg.put_relation(w["rel"])
+        assert await find_relation(reg, w["rel"].variant, Verifier([Signer.generate(tmp_path / "o.key").public])) is None
+        found = await find_relation(reg, w["rel"].variant, w["trusted"])
+    assert found == w["rel"]
+    out = await agenerate_variant(w["var"], w["tok"], DOC + QUESTION, w["client"], chunk_tokens=C, max_new_tokens=1)
+    assert "object" not in w["server"].seen  # found is not accepted: without accept_base, no base state
+    out = await agenerate_variant(w["var"], w["tok"], DOC + QUESTION, w["client"], accept_base=found,
+                                  trusted=w["trusted"], chunk_tokens=C, max_new_tokens=1)
+    assert (out.report.tokens_from_base, out.report.layers_recomputed) == (len(DOC), 2)
+    assert torch.equal(out.first_logits, expected(w, 2))
 
 
 async def test_a_plan_of_every_layer_uses_no_base_state_and_is_the_variants_own_prefill(world):
