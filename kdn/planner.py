@@ -167,17 +167,22 @@ class Speeds:
     last_load: float | None = None  # time.monotonic() of the last load measured
     last_probe: float | None = None  # ... and of the last probe planned (one per PROBE_AFTER_S at most)
 
-    def observe_load(self, nbytes: int, seconds: float, now: float | None = None, *, abandoned: bool = False) -> None:
+    def observe_load(self, nbytes: int, seconds: float, now: float | None = None, *, abandoned: bool = False,
+                     probe: bool = False) -> None:
         """A load of ``nbytes`` that took ``seconds``. One ``abandoned`` at its deadline is reported with the
         bytes that did land in the time it was given (the load's own ``kdn.bodyget.Tally``): the link's
         own speed while it ran, taken at once rather than by a moving average's step, so that the next
         plan computes if that speed loses to the prefill: a link that turned slow costs one load, not one
         per doubling of the deadline (bench/vllm_plan.py: three, before). No byte at all (a stalled
-        source) counts as one, a speed that makes every load lose until the probe."""
+        source) counts as one, a speed that makes every load lose until the probe. A ``probe``'s measurement
+        replaces the estimate too: the probe was planned because the last load's speed went stale, and
+        planning it marked the link as just probed, so without this it would be blended into the stale speed
+        (an engine whose prefill is fast then kept computing over a link that had recovered:
+        bench/vllm_plan.py at af77008 on AMX, 14 -> 45 MB/s from a 116 MB/s probe)."""
         if seconds <= 0 or (nbytes <= 0 and not abandoned):
             return
         bps = max(nbytes, 1) / seconds
-        if self.load_bps is None or self.stale(now):  # a stale estimate is not blended with: a probe resets it
+        if self.load_bps is None or probe or self.stale(now):  # a stale estimate is not blended with
             self.load_bps = bps
         elif abandoned:
             self.load_bps = min(self.load_bps, bps)

@@ -120,7 +120,7 @@ def start_probe(hit: Any, client: Any, speeds: Speeds, deadline_s: float,
             log.debug("probe of %s measured nothing: %s", address[:16], err)
             return
         if got is not None:
-            speeds.observe_load(got.nbytes, got.seconds, abandoned=got.abandoned)
+            speeds.observe_load(got.nbytes, got.seconds, abandoned=got.abandoned, probe=True)
 
     task = asyncio.ensure_future(run())
     PROBES.add(task)

@@ -389,7 +389,7 @@ class SchedulerSide:
                 log.warning("KDN probe failed: %s", f.exception())
             got = None if f.cancelled() or f.exception() is not None else f.result()
             if got is not None:
-                self.planner.speeds.observe_load(got.nbytes, got.seconds, abandoned=got.abandoned)
+                self.planner.speeds.observe_load(got.nbytes, got.seconds, abandoned=got.abandoned, probe=True)
 
     def take_stats(self) -> KDNStats | None:
         if self._stats.is_empty():

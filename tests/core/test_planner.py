@@ -131,6 +131,22 @@ def test_a_stale_speed_is_replaced_by_the_next_measurement_not_blended():
     assert s.load_bps == pytest.approx((32 << 20) / 0.01)
 
 
+def test_the_probe_a_plan_asked_for_replaces_the_stale_speed():
+    """The real order: a stale speed makes a plan ask for a probe (which marks the link as just probed), then the
+    probe lands. Its speed must replace the stale one, not be blended into it: blended, a 50x faster link read
+    as 15x and an engine with a fast prefill kept computing after the link recovered."""
+    s = Speeds(llama8b())
+    s.observe_load(1 << 30, 10.0, now=0.0)  # slow when last measured: ~107 MB/s
+    assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0).outcome == "probe"
+    s.observe_load(32 << 20, 0.01, now=100.2, probe=True)  # the probe lands: 3.4 GB/s
+    assert s.load_bps == pytest.approx((32 << 20) / 0.01)
+    s2 = Speeds(llama8b())  # the same landing as a load, not a probe: blended (what the probe must not be)
+    s2.observe_load(1 << 30, 10.0, now=0.0)
+    plan(chunks(), 8192 + 16, link=link(1), speeds=s2, now=100.0)
+    s2.observe_load(32 << 20, 0.01, now=100.2)
+    assert s2.load_bps < 0.5 * (32 << 20) / 0.01
+
+
 def test_one_probe_per_stale_period_even_before_it_measures():
     """Requests planned while a probe is on the wire compute: a stale speed costs one chunk per period."""
     s = Speeds(llama8b())
