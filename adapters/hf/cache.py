@@ -22,12 +22,15 @@ import numpy as np
 import torch
 
 from kdn.codecs import itemsize
-from kdn.errors import ModelMismatch
+from kdn.errors import InvalidInput, ModelMismatch
 from kdn.adapters.hf.extract import LayerSpec, _forward, layer_layout, new_cache
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.arena import Arena
     from kdn.objects import Layout, ObjectHeader, ObjectView
+
+
+MAX_ROOM = 1 << 16  # tokens of room a CacheBuilder may reserve after its prefix (past it, layers concatenate)
 
 
 def _expect(cond: bool, msg: str) -> None:
@@ -101,27 +104,37 @@ def build_cache(
 
 
 def _assemble(model: Any, layout: list[LayerSpec], kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-              last: Mapping[str, torch.Tensor], device: torch.device | str | None, dtype: torch.dtype | None) -> Any:
+              last: Mapping[str, torch.Tensor], device: torch.device | str | None, dtype: torch.dtype | None,
+              full: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
     """A fresh cache holding ``kv`` (per attention layer, ``[1, kv_heads, S, head_dim]``) and the
-    conv/recurrent states in ``last``, on ``device`` (default: the model's) in the model's dtypes."""
+    conv/recurrent states in ``last``, on ``device`` (default: the model's) in the model's dtypes. Where
+    ``full`` gives a layer's storage with room after its ``S`` tokens (``kv`` a prefix view of it), a plain
+    attention layer writes new tokens there (``room.RoomLayer``) instead of concatenating."""
     from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    from kdn.adapters.hf import room
 
     cache = new_cache(model)
     _expect(len(cache.layers) == len(layout), f"cache has {len(cache.layers)} layers, probe saw {len(layout)}")
     if not kv and not last:
         return cache
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    for spec, layer in zip(layout, cache.layers):
+    for position, (spec, layer) in enumerate(zip(layout, cache.layers)):
         if spec.kv:
             assert isinstance(layer, DynamicLayer)
             kd = dtype or spec.kv_dtype
             k, v = kv[spec.index]
             k = k.to(device=device, dtype=kd)  # a no-op when the builder already made them so
             v = v.to(device=device, dtype=kd)
-            # Set the documented fields rather than `update`, whose cat onto an
-            # empty tensor would copy the whole prefix KV a second time.
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
+            fk, fv = full[spec.index] if full and spec.index in full else (None, None)
+            if (fk is not None and fv is not None and type(layer) is DynamicLayer
+                    and k.data_ptr() == fk.data_ptr() and v.data_ptr() == fv.data_ptr()):
+                room.install(cache, position, fk, fv, k.shape[-2])
+            else:
+                # Set the documented fields rather than `update`, whose cat onto an
+                # empty tensor would copy the whole prefix KV a second time.
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
         if spec.states:
             assert isinstance(layer, LinearAttentionCacheLayerMixin)
             for st in spec.states:
@@ -153,11 +166,16 @@ class CacheBuilder:
     the cache; the last chunk's conv/recurrent states (decoded within the
     object's decode bound) are checked before they are kept. An object whose
     dtype differs from the model's is decoded and converted into place.
-    :meth:`finish` returns what ``build_cache`` would.
+    :meth:`finish` returns what ``build_cache`` would; with ``room``, its plain
+    attention layers write the next tokens in place (``room.RoomLayer``).
     """
 
     def __init__(self, model: Any, token_counts: Sequence[int], *, arena: Arena | None = None,
-                 device: torch.device | str | None = None, staged: bool | None = None) -> None:
+                 device: torch.device | str | None = None, staged: bool | None = None, room: int = 0) -> None:
+        """``room``: tokens of room after the prefix in each attention layer's K/V (the suffix and the tokens
+        to generate), written in place by the finished cache (``room.RoomLayer``), not concatenated."""
+        if not (isinstance(room, int) and 0 <= room <= MAX_ROOM):
+            raise InvalidInput(f"room must be 0..{MAX_ROOM} tokens, got {str(room)[:40]}")
         self.model = model
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # On a GPU each chunk's K/V cross to the device in one copy and are placed there (``_add_staged``);
@@ -176,11 +194,16 @@ class CacheBuilder:
         self.tokens = sum(self.counts)
         self._kv_names = {f"L{s.index}.{x}" for s in self.layout if s.kv for x in ("k", "v")}
         self._state_names = {st.name for s in self.layout for st in s.states}
-        # [1, kv_heads, S, head_dim] per attention layer: on the host (from the arena), or on the device.
-        self.kv = (_kv_tensors(self.layout, self.tokens, arena) if not self.staged else
-                   {s.index: (torch.empty((1, s.kv[0], self.tokens, s.kv[1]), dtype=s.kv_dtype, device=self.device),
-                              torch.empty((1, s.kv[0], self.tokens, s.kv[1]), dtype=s.kv_dtype, device=self.device))
-                    for s in self.layout if s.kv and s.kv_dtype is not None})
+        # [1, kv_heads, S + room, head_dim] per attention layer: on the host (from the arena), or on the
+        # device, where layers of one shape share one tensor in the objects' own tensor order (``_stack``);
+        # ``kv`` holds their first S tokens.
+        self.device_copies = 0  # copies issued onto and on the device (staged path): two per chunk when stacked
+        self._order = sorted(self._kv_names)  # the order an object stores K/V tensors in (kdn.objects)
+        if not self.staged:
+            self.full = _kv_tensors(self.layout, self.tokens + room, arena)
+        else:
+            self._stack, self.full = _device_tensors(self.layout, self._order, self.tokens + room, self.device)
+        self.kv = {i: (k[:, :, :self.tokens], v[:, :, :self.tokens]) for i, (k, v) in self.full.items()}
         # The same memory as numpy arrays of unsigned lanes ([kv_heads, S, head_dim]): slicing these per
         # tensor costs far less than slicing the torch tensors.
         self._lanes = {i: (_lanes(k[0]), _lanes(v[0])) for i, (k, v) in self.kv.items()} if not self.staged else {}
@@ -221,7 +244,7 @@ class CacheBuilder:
         h = view.header
         n = self._check(index, h)
         off = self.offsets[index]
-        if self.staged:
+        if self.staged and self._order:
             self._add_staged(view, n, off)
         for s in self.layout if not self.staged else ():
             if not s.kv:
@@ -240,43 +263,37 @@ class CacheBuilder:
         self._added.add(index)
 
     def _add_staged(self, view: ObjectView, n: int, off: int) -> None:
-        """One chunk's K/V onto the device: one host-to-device copy of the region holding them, then each
-        tensor placed in its slice there (device-side copies). Raw tensors are copied from the received
-        bytes as they are (page-locked when the body came from a pinned arena: a DMA at the link's speed);
-        other codecs are decoded on the host first, into one staging buffer."""
-        import numpy as np
-
-        names = [(s, x, f"L{s.index}.{x}") for s in self.layout if s.kv for x in ("k", "v")]
+        """One chunk's K/V onto the device: one host-to-device copy of the region holding them, then one
+        device-side copy placing every layer's slice (``_stack``: the region is the objects' K/V tensors back
+        to back, in the stack's order). Raw tensors are copied from the received bytes as they are
+        (page-locked when the body came from a pinned arena: a DMA at the link's speed); other codecs are
+        decoded on the host first, into one staging buffer in that order. A region that does not have that
+        shape (a hybrid's last chunk, whose states sit between its K/V) is placed tensor by tensor."""
         h = view.header
         lease = None
-        if all(h.tensors[nm].codec == "raw" for _, _, nm in names):
-            spans = {nm: view.layout.span(nm) for _, _, nm in names}
+        if all(h.tensors[nm].codec == "raw" for nm in self._order):
+            spans = {nm: view.layout.span(nm) for nm in self._order}
             lo, hi = min(b for b, _ in spans.values()), max(e for _, e in spans.values())
             host = torch.frombuffer(view.buffer[lo:hi], dtype=torch.uint8)
             where = {nm: (b - lo, e - lo) for nm, (b, e) in spans.items()}
         else:  # decoded on the host, tensor after tensor, into one buffer
-            sizes = {nm: math.prod(h.tensors[nm].shape) * itemsize(h.tensors[nm].dtype) for _, _, nm in names}
-            total = sum(sizes.values())
-            lease = self._arena.take(total) if self._arena is not None else None
-            buf = lease.view if lease is not None else memoryview(bytearray(total))
-            where, pos = {}, 0
-            for _, _, nm in names:
-                info = h.tensors[nm]
-                lane = np.dtype(f"<u{itemsize(info.dtype)}")
-                view.decode_into(nm, np.frombuffer(buf[pos:pos + sizes[nm]], dtype=lane).reshape(info.shape))
-                where[nm] = (pos, pos + sizes[nm])
-                pos += sizes[nm]
-            host = torch.frombuffer(buf, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+            host, where, lease = self._decode_staging(view)
+        dt = {h.tensors[nm].dtype for nm in self._order}
+        size = math.prod(h.tensors[self._order[0]].shape) * itemsize(h.tensors[self._order[0]].dtype)
+        stacked = (self._stack is not None and len(dt) == 1
+                   and all(where[nm] == (p * size, (p + 1) * size) for p, nm in enumerate(self._order)))
         t0 = time.perf_counter()
         try:
             with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                 dev = host.to(self.device, non_blocking=True)  # [region bytes] on the device: one copy
-                for s, x, nm in names:
-                    a, b = where[nm]
-                    full = self.kv[s.index][0 if x == "k" else 1]
-                    heads, dim = cast(tuple[int, int], s.kv)  # (names holds attention layers only)
-                    full[0, :, off:off + n, :].copy_(dev[a:b].view(_torch_dtype(h.tensors[nm].dtype))
-                                                     .view(heads, n, dim))  # placed on the device
+                if stacked:
+                    assert self._stack is not None
+                    _, heads, _, dim = self._stack.shape
+                    src = dev[:len(self._order) * size].view(_torch_dtype(dt.pop())).view(len(self._order), heads, n, dim)
+                    self._stack[:, :, off:off + n, :].copy_(src)  # every layer's K and V placed: one copy
+                    copies = 2
+                else:
+                    copies = 1 + self._place_each(dev, where, h, n, off)
                 if self._stream is not None:
                     done = torch.cuda.Event()
                     done.record(self._stream)
@@ -287,6 +304,40 @@ class CacheBuilder:
         with self._stats:
             self.h2d_bytes += host.numel()
             self.h2d_seconds += time.perf_counter() - t0
+            self.device_copies += copies
+
+    def _decode_staging(self, view: ObjectView) -> tuple[torch.Tensor, dict[str, tuple[int, int]], Any]:
+        """A compressed chunk's K/V decoded on the host into one buffer (from the arena when there is one),
+        in the stack's order: the buffer as bytes, each tensor's span in it, and the lease to hand back."""
+        import numpy as np
+
+        h = view.header
+        sizes = {nm: math.prod(h.tensors[nm].shape) * itemsize(h.tensors[nm].dtype) for nm in self._order}
+        total = sum(sizes.values())
+        lease = self._arena.take(total) if self._arena is not None else None
+        buf = lease.view if lease is not None else memoryview(bytearray(total))
+        where, pos = {}, 0
+        for nm in self._order:
+            info = h.tensors[nm]
+            lane = np.dtype(f"<u{itemsize(info.dtype)}")
+            view.decode_into(nm, np.frombuffer(buf[pos:pos + sizes[nm]], dtype=lane).reshape(info.shape))
+            where[nm] = (pos, pos + sizes[nm])
+            pos += sizes[nm]
+        host = torch.frombuffer(buf, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+        return host, where, lease
+
+    def _place_each(self, dev: torch.Tensor, where: Mapping[str, tuple[int, int]], h: ObjectHeader, n: int,
+                    off: int) -> int:
+        """Each K/V tensor of a chunk's region (on the device) copied into its layer's slice; the copies made."""
+        for s in self.layout:
+            if not s.kv:
+                continue
+            heads, dim = s.kv
+            for x, full in zip(("k", "v"), self.kv[s.index]):
+                a, b = where[f"L{s.index}.{x}"]
+                full[0, :, off:off + n, :].copy_(dev[a:b].view(_torch_dtype(h.tensors[f"L{s.index}.{x}"].dtype))
+                                                 .view(heads, n, dim))
+        return 2 * len(self.kv)
 
     # --- a raw object received straight into its place (kdn.scatter.Placer) ---
 
@@ -340,11 +391,27 @@ class CacheBuilder:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         device = device if device is not None else (self.device if self.staged else None)
         if k == len(self.counts):
-            return _assemble(self.model, self.layout, self.kv, self.last, device, None), self.tokens
+            return _assemble(self.model, self.layout, self.kv, self.last, device, None, self.full), self.tokens
         _expect(not self._state_names, "a hybrid model's cache cannot stop before the chunk whose states it holds")
         t = self.offsets[k]
         kv = {i: (a[:, :, :t, :], b[:, :, :t, :]) for i, (a, b) in self.kv.items()}  # [1, H, t, D] views
-        return _assemble(self.model, self.layout, kv, {}, device, None), t
+        return _assemble(self.model, self.layout, kv, {}, device, None, self.full), t
+
+
+def _device_tensors(layout: list[LayerSpec], order: Sequence[str], tokens: int, device: torch.device
+                    ) -> tuple[torch.Tensor | None, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Each attention layer's ``[1, kv_heads, tokens, head_dim]`` K and V on the device. When every layer
+    has one shape and dtype they are slices of one ``[2 x layers, kv_heads, tokens, head_dim]`` stack, in
+    ``order`` (the order an object stores them in): a chunk's K/V region is then placed by one copy."""
+    specs = [s for s in layout if s.kv and s.kv_dtype is not None]
+    if len({(s.kv, s.kv_dtype) for s in specs}) != 1:
+        return None, {s.index: (torch.empty((1, s.kv[0], tokens, s.kv[1]), dtype=s.kv_dtype, device=device),
+                                torch.empty((1, s.kv[0], tokens, s.kv[1]), dtype=s.kv_dtype, device=device))
+                      for s in specs if s.kv is not None}
+    heads, dim = cast(tuple[int, int], specs[0].kv)
+    stack = torch.empty((len(order), heads, tokens, dim), dtype=specs[0].kv_dtype, device=device)
+    slot = {nm: p for p, nm in enumerate(order)}
+    return stack, {s.index: (stack[slot[f"L{s.index}.k"]][None], stack[slot[f"L{s.index}.v"]][None]) for s in specs}
 
 
 def _kv_tensors(layout: list[LayerSpec], tokens: int, arena: Arena | None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -352,8 +419,9 @@ def _kv_tensors(layout: list[LayerSpec], tokens: int, arena: Arena | None) -> di
 
     Fresh memory pays for every page on first touch: for SmolLM2 at 8k tokens (189 MB) writing into fresh
     tensors took 70-84 ms against 17-26 ms reused, here. From an arena, the tensors are views of one
-    buffer; the lease goes back when the last of them is garbage (the engine's cache dropped them: a
-    DynamicCache replaces them with a concatenation at its first new token), never while a view lives.
+    buffer; the lease goes back when the last of them is garbage (the engine's cache dropped them: at the
+    end of the generation, or at its first new token past the builder's room, where the layer concatenates
+    into fresh memory), never while a view lives.
     """
     specs = [(s.index, s.kv, s.kv_dtype) for s in layout if s.kv and s.kv_dtype is not None]
     if arena is None:

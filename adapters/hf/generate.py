@@ -35,7 +35,7 @@ from kdn.errors import InvalidInput, ModelMismatch
 from kdn.planner import plan as make_plan
 from kdn.template import chat_frame, encode_frame, encode_text
 
-from kdn.adapters.hf.cache import CacheBuilder, continue_from_cache
+from kdn.adapters.hf.cache import MAX_ROOM, CacheBuilder, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
 from kdn.adapters.hf.plan import await_load, chunks_of, speeds_of, start_probe
@@ -151,7 +151,8 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
     builder, upto = None, None
     if use_cache:
         builder, upto = await _load(model, ids, client, real_id, report, speeds, namespace=namespace,
-                                    chunk_tokens=chunk_tokens, plan=plan, load_deadline=load_deadline, arena=arena)
+                                    chunk_tokens=chunk_tokens, plan=plan, load_deadline=load_deadline, arena=arena,
+                                    new_tokens=max_new_tokens)
     gen = await asyncio.get_running_loop().run_in_executor(None, _run, model, tokenizer, ids, builder, report,
                                                            max_new_tokens, do_sample, temperature, eos_token_id,
                                                            t_start, st, upto)
@@ -162,7 +163,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
 
 async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, report: Report, speeds: Any, *,
                 namespace: str, chunk_tokens: int, plan: bool, load_deadline: float,
-                arena: Arena | None) -> tuple[CacheBuilder | None, int | None]:
+                arena: Arena | None, new_tokens: int = 0) -> tuple[CacheBuilder | None, int | None]:
     """The longest cached prefix of ``ids`` looked up, what to load of it planned, and that loaded into a
     ``CacheBuilder``: (the builder, or None when nothing is loaded; the chunks of it to use, None for all)."""
     loop = asyncio.get_running_loop()
@@ -183,7 +184,10 @@ async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, repor
         hit, decision = _plan_load(hit, chunks, len(ids), client, speeds, load_deadline, warm, report)
     if not hit.tokens:
         return None, None
-    return await _fetch_into(model, client, hit, chunks, decision, warm, real_id, report, speeds, arena)
+    # The rest of the prompt and the tokens to generate are written into room after the loaded prefix, not
+    # concatenated onto it (``room.RoomLayer``: one copy of the whole prefix less per step).
+    room = min(MAX_ROOM, max(0, len(ids) - hit.tokens) + max(0, new_tokens))
+    return await _fetch_into(model, client, hit, chunks, decision, warm, real_id, report, speeds, arena, room)
 
 
 def _plan_load(hit: Any, chunks: list, n_ids: int, client: Any, speeds: Any, load_deadline: float, warm: bool,
@@ -203,14 +207,16 @@ def _plan_load(hit: Any, chunks: list, n_ids: int, client: Any, speeds: Any, loa
 
 
 async def _fetch_into(model: Any, client: Any, hit: Any, chunks: list, decision: Any, warm: bool, real_id: ModelId,
-                      report: Report, speeds: Any, arena: Arena | None) -> tuple[CacheBuilder | None, int | None]:
+                      report: Report, speeds: Any, arena: Arena | None, room: int = 0
+                      ) -> tuple[CacheBuilder | None, int | None]:
     """The planned prefix fetched into a new ``CacheBuilder``, within the plan's deadline: past it, what arrived
     is used and the rest computed. (The builder, or None if nothing arrived in time; the chunks to use.)"""
     loop = asyncio.get_running_loop()
     # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder); the
     # receive buffers and the cache's memory come from a reused arena (no first-touch page faults).
     pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
-    builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(), arena=pool))
+    builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(), arena=pool,
+                                                                 room=room))
     t0, tally = time.perf_counter(), Tally()
     fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder, tally=tally))
     try:

@@ -1,4 +1,4 @@
-"""The loader's device path (CacheBuilder onto a device: one copy per chunk, then placed there): exact.
+"""The loader's device path (CacheBuilder onto a device: one copy per chunk, then one placing it): exact.
 
 On the CPU the staged path runs with the CPU as its "device" (the copies are plain tensor copies), in
 every run; on CUDA, where there is one, the same checks run against the device's own chunked prefill, with
@@ -44,5 +44,6 @@ def test_a_staged_load_onto_the_device_continues_bit_identically(device, family,
         lease.release()  # the chunk is on the device: the buffer is free at once
     cache, n = builder.finish()
     assert n == 3 * CHUNK and builder.h2d_bytes > 0
+    assert builder.device_copies == 2 * len(chunks)  # per chunk: one onto the device, one placing every layer
     got = continue_from_cache(model, cache, n, ids[3 * CHUNK:])
     assert torch.equal(got, own)
