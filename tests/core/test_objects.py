@@ -37,6 +37,7 @@ from kdn.objects import (
     decode_object,
     encode_object,
     from_torch,
+    one_transfer,
     read_header,
     to_torch,
 )
@@ -199,6 +200,20 @@ def test_decoded_object_or_mapping_both_go_to_torch():
     assert isinstance(obj, DecodedObject)
     a, b = to_torch(obj), to_torch(obj.tensors)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("encoding", ["raw", "zstd"])
+def test_one_transfer_lands_every_tensor_from_one_buffer(encoding):
+    # What to_torch does for a device: one host buffer, one copy, a view per tensor (run on the CPU here).
+    tensors = {**hybrid_tensors(), "empty": torch.empty(0, 3, dtype=torch.bfloat16),
+               "odd": torch.arange(7, dtype=torch.int8)}  # 7 bytes: the next tensor must still be aligned
+    obj = decode_object(encode_object(**fields(), tensors=from_torch(tensors), encoding=encoding))
+    want, got = to_torch(obj), one_transfer(obj.tensors, torch.device("cpu"))
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    bases = {got[k].untyped_storage().data_ptr() for k in got}
+    assert len(bases) == 1  # every tensor a view of the one copied buffer
 
 
 def test_encode_rejects_bad_input():
