@@ -26,6 +26,8 @@ def test_the_gpu_script_runs_on_the_cpu(tmp_path):
     assert d["exactness"] and all(r.get("bit_identical") for r in d["exactness"]), d["exactness"]
     paths = {r["path"] for r in d["ttft"]}
     assert paths == {"prefill-lean", "host-raw", "host-zstd", "edge-raw", "planner"}
+    raw_row = next(r for r in d["ttft"] if r["path"] == "host-raw")
+    assert raw_row["copies_per_chunk"] == 2  # one copy onto the device, one placing every layer: never per tensor
     planner = next(r for r in d["ttft"] if r["path"] == "planner")
     assert planner["choice"] in ("load", "compute") or planner["choice"].startswith("load ")
     res = json.loads(out.read_text())
