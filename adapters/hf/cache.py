@@ -177,6 +177,7 @@ class CacheBuilder:
         if not (isinstance(room, int) and 0 <= room <= MAX_ROOM):
             raise InvalidInput(f"room must be 0..{MAX_ROOM} tokens, got {str(room)[:40]}")
         self.model = model
+        self.room = room
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # On a GPU each chunk's K/V cross to the device in one copy and are placed there (``_add_staged``);
         # on the CPU they are decoded straight into place. ``staged=True`` runs the device path on the CPU
@@ -391,11 +392,12 @@ class CacheBuilder:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         device = device if device is not None else (self.device if self.staged else None)
         if k == len(self.counts):
-            return _assemble(self.model, self.layout, self.kv, self.last, device, None, self.full), self.tokens
+            full = self.full if self.room else None  # without room the first new token concatenates anyway
+            return _assemble(self.model, self.layout, self.kv, self.last, device, None, full), self.tokens
         _expect(not self._state_names, "a hybrid model's cache cannot stop before the chunk whose states it holds")
         t = self.offsets[k]
         kv = {i: (a[:, :, :t, :], b[:, :, :t, :]) for i, (a, b) in self.kv.items()}  # [1, H, t, D] views
-        return _assemble(self.model, self.layout, kv, {}, device, None, self.full), t
+        return _assemble(self.model, self.layout, kv, {}, device, None, self.full), t  # (the chunks not loaded are room too)
 
 
 def _device_tensors(layout: list[LayerSpec], order: Sequence[str], tokens: int, device: torch.device

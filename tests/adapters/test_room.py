@@ -50,6 +50,28 @@ def test_the_suffix_lands_in_the_room_and_decoding_past_it_stays_exact(spec, enc
     assert all(layer.capacity == 0 for _, layer in rooms)
 
 
+def test_a_load_cut_short_computes_the_rest_into_the_slots_it_did_not_load():
+    model, ids, chunks, blobs = setup("tiny-llama", "raw")
+    builder = CacheBuilder(model, [c.end - c.start for c in chunks], room=9)
+    for i in (0, 1):  # the third chunk never arrived
+        builder.add(i, ObjectView(blobs[i]))
+    cache, t = builder.finish(upto=2)
+    ref, _ = build_cache(model, [c.tensors for c in chunks[:2]])
+    rest = ids[t:3 * C + 9]  # the chunk not loaded, and the suffix: 41 tokens into 32 + 9 of room
+    assert torch.equal(continue_from_cache(model, cache, t, rest), continue_from_cache(model, ref, t, rest))
+    layer = next(x for x in cache.layers if isinstance(x, RoomLayer))
+    assert layer.capacity == 3 * C + 9 and layer.keys.data_ptr() == layer._full[0].data_ptr()
+
+
+def test_without_room_the_cache_is_transformers_own():
+    model, _, chunks, blobs = setup("tiny-llama", "raw")
+    builder = CacheBuilder(model, [c.end - c.start for c in chunks])
+    for i, blob in enumerate(blobs):
+        builder.add(i, ObjectView(blob))
+    cache, _ = builder.finish()
+    assert not any(isinstance(x, RoomLayer) for x in cache.layers)
+
+
 def test_a_crop_keeps_writing_in_place_and_a_new_tensor_ends_the_room():
     full_k, full_v = torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4)
     layer = RoomLayer(full_k, full_v, 6)
