@@ -62,6 +62,7 @@ class Staging:
         self._lock = threading.Lock()
         self._writers = 0
         self._closed = False
+        self._reads: list[Any] = []  # device copies still reading this memory (CUDA events): waited for on release
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -121,6 +122,29 @@ class Staging:
         n = (self.end if upto is None else upto) - self.first
         return self.k[j][:, :n].transpose(0, 1), self.v[j][:, :n].transpose(0, 1)
 
+    def kv_on(self, j: int, device: torch.device, dtype: torch.dtype, upto: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``j``'s K and V for tokens ``[first, upto)`` as a backend's cache write takes them, ``[n, H, D]``.
+
+        On the CPU: views of the staging (vLLM's CPU kernels read strides; no copy at all). On another device:
+        each of the layer's ``[H, tokens, D]`` blocks copied over whole (one DMA from page-locked memory),
+        then reordered there into a contiguous ``[n, H, D]``: a GPU's ``reshape_and_cache`` reads each
+        token's ``H x D`` values as one row, and would misread a strided view. Each copy is recorded, and
+        :meth:`release` waits for it before the memory goes back to the arena (the next load would
+        otherwise overwrite bytes a copy has yet to read).
+        """
+        if device.type == "cpu":
+            k, v = self.kv(j, upto)
+            return k.to(dtype=dtype), v.to(dtype=dtype)  # (no copy when the staging is the cache's dtype)
+        n = (self.end if upto is None else upto) - self.first
+        k, v = (t.to(device=device, non_blocking=True)[:, :n].transpose(0, 1).to(dtype=dtype).contiguous()
+                for t in (self.k[j], self.v[j]))
+        if device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            self._reads.append(done)
+        return k, v
+
     def release(self) -> None:
         """Close the staging; its memory goes back to the arena once no writer is inside (``writing``).
         Nothing may read ``k`` / ``v`` after."""
@@ -133,6 +157,9 @@ class Staging:
             self._free()
 
     def _free(self) -> None:
+        for done in self._reads:  # copies onto a device still reading this memory
+            done.synchronize()
+        self._reads.clear()
         lease, self.lease = self.lease, None
         if lease is not None:
             lease.release()

@@ -288,9 +288,8 @@ class WorkerSide:
         """Layer ``layer``'s staged tokens ``[plan.first, upto)``: one backend write (on a GPU, one copy first)."""
         assert run.staging is not None
         cache = layer.module.kv_cache
-        k, v = run.staging.kv(self._index[layer.name], run.upto)  # [n, H, D] views of the staging
-        k = k.to(device=cache.device, dtype=cache.dtype, non_blocking=True)  # CPU: no copy; GPU: one per layer
-        v = v.to(device=cache.device, dtype=cache.dtype, non_blocking=True)
+        # [n, H, D]: on the CPU views of the staging; on a GPU one copy of each over, then made contiguous
+        k, v = run.staging.kv_on(self._index[layer.name], cache.device, cache.dtype, run.upto)
         assert self.attn_group is not None
         slot = paged.slots(run.job.block_ids[self.attn_group], run.job.plan.first, run.upto, self.block_size,
                            cache.device)

@@ -112,3 +112,24 @@ def test_a_raw_piece_received_into_the_staging_runs_is_what_decoding_it_gives():
     for j in range(2):
         assert torch.equal(placed.kv(j)[0], decoded.kv(j)[0]) and torch.equal(placed.kv(j)[1], decoded.kv(j)[1])
     assert placed.kv(0)[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("upto", [None, 400])
+def test_what_a_device_backend_is_given_is_contiguous_and_a_cpu_one_gets_views(upto):
+    """A GPU's reshape_and_cache reads each token's H x D values as one row: a strided [n, H, D] view of the
+    [H, n, D] staging would be misread there, so off the CPU each layer goes over whole and is reordered
+    into a contiguous tensor (shown on the meta device: shapes and strides, no GPU here). On the CPU the
+    backend gets views of the staging, no copy."""
+    arena = Arena(64 << 20)
+    st = Staging(arena, [(H, D), (H, D)], 128, 600, torch.bfloat16)
+    view, t = obj(0, 700, "raw")
+    st.put(1, view, ("L3.k", "L3.v"), 128, 600, 0)
+    n = (600 if upto is None else upto) - 128
+    k, v = st.kv_on(1, torch.device("cpu"), torch.bfloat16, upto)
+    assert k.data_ptr() == st.k[1].data_ptr() and torch.equal(k, t["L3.k"][:, 128:128 + n].transpose(0, 1))
+    assert torch.equal(v, t["L3.v"][:, 128:128 + n].transpose(0, 1))
+    k, v = st.kv_on(1, torch.device("meta"), torch.float16, upto)
+    for x in (k, v):
+        assert x.device.type == "meta" and x.shape == (n, H, D) and x.is_contiguous() and x.dtype == torch.float16
+    st.release()
+    assert arena.in_use == 0
