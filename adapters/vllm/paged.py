@@ -127,15 +127,18 @@ def cpu_reader(index: torch.Tensor) -> Reader:
     bs = index.shape[1]
 
     def read(cache: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        nb, h, _, d2 = cache.shape
-        region = bs * d2
+        # Indexed as [blocks, H, bs, 2D], never flattened: a GPU backend's per-layer view of the cache is
+        # strided (vLLM's default physical layout puts heads outside blocks), and reshape(-1) would copy the
+        # whole layer for every read.
+        _, h, _, d2 = cache.shape
         idx = index.to(cache.device)
         b, o = slot // bs, slot % bs  # [n]
-        base = (b * h)[:, None] * region + torch.arange(h, device=cache.device)[None, :] * region  # [n, H]
-        flat = cache.reshape(-1)
-        k = flat[base[:, :, None] + idx[0, o][:, None, :]]  # [n, H, D]
-        v = flat[base[:, :, None] + idx[1, o][:, None, :]]
-        return k, v
+        heads = torch.arange(h, device=cache.device)[None, :, None]
+        out = []
+        for x in (0, 1):  # K, V: each value's learned place in its block, as (row, column) of [bs, 2D]
+            at = idx[x, o][:, None, :]  # [n, 1, D]
+            out.append(cache[b[:, None, None], heads, at // d2, at % d2])  # [n, H, D]
+        return out[0], out[1]
 
     return read
 

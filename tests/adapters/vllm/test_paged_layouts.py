@@ -149,3 +149,30 @@ def test_a_backend_that_loses_values_is_refused_at_start():
     layer = Layer("mystery", lossy)
     with pytest.raises(LayoutUnknown, match="isa mystery"):
         find_reader(layer, torch.zeros(2, 1, 32, 128, dtype=torch.bfloat16), 1, 64)
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_the_learned_reader_reads_a_strided_cache_as_a_gpu_backend_holds_it(isa):
+    """A GPU backend's per-layer cache is a strided view (vLLM's default physical order puts the heads
+    outside the blocks), and its write kernel honours the strides. The reader indexes the logical
+    ``[blocks, H, bs, 2D]`` cache, so it reads such a view exactly. (It used to flatten the cache first,
+    which for a strided view is a copy of the whole layer at every read: right values, GPU memory wasted.)"""
+    dtype, bs, d, h, nb = torch.bfloat16, 32, 64, 3, 4
+    idx = REFERENCE[isa](bs, d)
+
+    def strided_writer(cache, k, v, slot):  # by logical index, as a stride-honouring kernel does
+        for i, s in enumerate(slot.tolist()):
+            for x, t in ((0, k), (1, v)):
+                p = idx[x, s % bs]
+                cache[s // bs, :, p // (2 * d), p % (2 * d)] = t[i]
+
+    layer = Layer(isa, strided_writer)
+    _, read = find_reader(layer, torch.zeros(nb, h, bs, 2 * d, dtype=dtype), h, d)
+    physical = torch.zeros(nb, bs, h, 2 * d, dtype=dtype)  # heads inside the block's token rows
+    cache = physical.permute(0, 2, 1, 3)  # the logical [blocks, H, bs, 2D] view: not contiguous
+    assert not cache.is_contiguous()
+    k, v = _kv(2 * bs + 5, h, d, dtype, seed=6)
+    slot = torch.randperm(nb * bs, generator=torch.Generator().manual_seed(7))[: 2 * bs + 5]
+    strided_writer(cache, k, v, slot)
+    rk, rv = read(cache, slot)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
