@@ -141,7 +141,7 @@ class Staging:
                 for t in (self.k[j], self.v[j]))
         if device.type == "cuda":
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(device))
             self._reads.append(done)
         return k, v
 
@@ -157,12 +157,33 @@ class Staging:
             self._free()
 
     def _free(self) -> None:
-        for done in self._reads:  # copies onto a device still reading this memory
-            done.synchronize()
+        if any(not done.query() for done in self._reads):  # copies onto a device still read this memory:
+            with _LATER_LOCK:  # handed back by ``reap`` once they have (waiting here would stall the
+                _LATER.append(self)  # thread that released it: the forward's, at the end of a step)
+            return
         self._reads.clear()
         lease, self.lease = self.lease, None
         if lease is not None:
             lease.release()
+
+
+_LATER: list[Staging] = []  # released stagings whose device copies had not finished reading them
+_LATER_LOCK = threading.Lock()
+
+
+def reap(wait: bool = False) -> int:
+    """Hand back the memory of released stagings whose device copies have finished (with ``wait``, after
+    waiting for them: an arena out of room); how many went back."""
+    with _LATER_LOCK:
+        waiting = list(_LATER)
+        _LATER.clear()
+    for st in waiting:
+        if wait:
+            for done in st._reads:
+                done.synchronize()
+        st._free()  # (one still being read goes back on the list)
+    with _LATER_LOCK:
+        return len(waiting) - len(_LATER)
 
 
 def _lanes(t: torch.Tensor) -> np.ndarray:

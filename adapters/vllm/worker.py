@@ -48,7 +48,7 @@ from kdn.adapters.vllm import compat, paged
 from kdn.adapters.vllm.fetching import AttnLayer, LoadFailed, PieceLoader, Staged, StateLayer
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob
 from kdn.adapters.vllm.plan import Piece, blocks_of
-from kdn.adapters.vllm.stage import Staging
+from kdn.adapters.vllm.stage import Staging, reap
 from kdn.adapters.vllm.stats import KDNStats
 
 log = logging.getLogger("kdn.adapters.vllm")
@@ -70,6 +70,7 @@ class _Running:
     stall: float = 0.0  # seconds the forward waited for its pieces (at the first attention layer)
     write: float = 0.0  # seconds of its layers' backend writes
     moved: int = -1  # a complete load's wire bytes: the planner's sample, taken once its writes are timed too
+    slots: tuple[int, torch.Tensor] | None = None  # (upto, its cache slots on the device): see _slots
 
     def __post_init__(self) -> None:
         if self.upto < 0:
@@ -146,9 +147,16 @@ class WorkerSide:
         """A load with its staging taken from the arena and every fetch started (each stages its piece)."""
         run = _Running(job)
         cache = next(iter(self.attn.values())).module.kv_cache if self.attn else None
+        dims = [(a.kv_heads, a.head_dim) for a in self._order]
+        dtype = cache.dtype if cache is not None else torch.bfloat16
+        reap()  # earlier loads' staging whose device copies have finished since
         try:
-            run.staging = Staging(self.arena, [(a.kv_heads, a.head_dim) for a in self._order],
-                                  job.plan.first, job.plan.end, cache.dtype if cache is not None else torch.bfloat16)
+            try:
+                run.staging = Staging(self.arena, dims, job.plan.first, job.plan.end, dtype)
+            except ArenaFull:
+                if not reap(wait=True):  # nothing was waiting on a device copy: the arena is simply full
+                    raise
+                run.staging = Staging(self.arena, dims, job.plan.first, job.plan.end, dtype)
         except ArenaFull as e:  # every buffer is in use by other loads: this one recomputes
             self._fail(run, LoadFailed("arena", None, str(e)))
             return run
@@ -290,10 +298,16 @@ class WorkerSide:
         cache = layer.module.kv_cache
         # [n, H, D]: on the CPU views of the staging; on a GPU one copy of each over, then made contiguous
         k, v = run.staging.kv_on(self._index[layer.name], cache.device, cache.dtype, run.upto)
-        assert self.attn_group is not None
-        slot = paged.slots(run.job.block_ids[self.attn_group], run.job.plan.first, run.upto, self.block_size,
-                           cache.device)
-        paged.write(layer.module, cache, k, v, slot)
+        paged.write(layer.module, cache, k, v, self._slots(run, cache.device))
+
+    def _slots(self, run: _Running, device: torch.device) -> torch.Tensor:
+        """The load's cache slots on ``device``: made once per load, not once per layer (on a GPU each copy
+        of them over waits for the device)."""
+        if run.slots is None or run.slots[0] != run.upto:
+            assert self.attn_group is not None
+            run.slots = (run.upto, paged.slots(run.job.block_ids[self.attn_group], run.job.plan.first, run.upto,
+                                               self.block_size, device))
+        return run.slots[1]
 
     def _write_states(self, run: _Running) -> None:
         """The conv and recurrent state at the load point, into each state layer's block for it."""
@@ -309,6 +323,8 @@ class WorkerSide:
     # --- background loads (hybrid) -----------------------------------------------------------
 
     def _load_in_background(self, job: LoadJob) -> None:
+        if self.device.type == "cuda":  # a new thread starts on device 0, not on this worker's rank's device
+            torch.cuda.set_device(self.device)
         run = self._begin(job)
         try:
             if run.error is None:

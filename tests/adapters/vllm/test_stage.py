@@ -133,3 +133,35 @@ def test_what_a_device_backend_is_given_is_contiguous_and_a_cpu_one_gets_views(u
         assert x.device.type == "meta" and x.shape == (n, H, D) and x.is_contiguous() and x.dtype == torch.float16
     st.release()
     assert arena.in_use == 0
+
+
+class _Copy:
+    """Stands in for a CUDA event recorded after a copy out of the staging (no GPU here): done or not."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_a_staging_still_read_by_a_device_copy_goes_back_only_once_the_copy_is_done():
+    from kdn.adapters.vllm import stage
+
+    arena = Arena(64 << 20)
+    st = Staging(arena, [(H, D)], 0, 256, torch.bfloat16)
+    copy = _Copy()
+    st._reads.append(copy)
+    st.release()  # the end of the step: returns at once, the memory is still the copy's
+    assert arena.in_use > 0 and stage.reap() == 0 and arena.in_use > 0 and not copy.waited
+    copy.done = True
+    assert stage.reap() == 1 and arena.in_use == 0  # the next step hands it back
+    st2 = Staging(arena, [(H, D)], 0, 256, torch.bfloat16)
+    late = _Copy()
+    st2._reads.append(late)
+    st2.release()
+    assert stage.reap(wait=True) == 1 and late.waited and arena.in_use == 0  # an arena out of room waits for it
