@@ -120,6 +120,14 @@ class ConnectorConfig:
         return cfg
 
 
+def check_cache_dtype(cache_dtype: str) -> None:
+    """Refuse, at start, a consumer whose KV cache holds quantized values (``kv_cache_dtype`` fp8*): KDN objects
+    hold the model's own bf16/fp16/fp32 K/V, and casting them into fp8 storage by value would corrupt them."""
+    if str(cache_dtype).startswith("fp8"):
+        raise InvalidInput(f"KDN loads bf16/fp16/fp32 K/V; this engine's KV cache is {str(cache_dtype)[:20]} "
+                           "(kv_cache_dtype): leave it at 'auto' to load from the KDN")
+
+
 def _where(extra: dict[str, Any]) -> dict[str, Any]:
     """Where to load from and with what credentials: the sources, the registry, the region, the namespace."""
     kw: dict[str, Any] = {}

@@ -19,7 +19,7 @@ from kdn.errors import InvalidInput
 
 from kdn.adapters.vllm import compat
 from kdn.adapters.vllm.bridge import LoopThread
-from kdn.adapters.vllm.config import ConnectorConfig
+from kdn.adapters.vllm.config import ConnectorConfig, check_cache_dtype
 from kdn.adapters.vllm.identity import model_id_for
 from kdn.adapters.vllm.meta import KDNMetadata
 from kdn.adapters.vllm.stats import KDNPromMetrics, KDNStats
@@ -75,6 +75,8 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             log.warning("KDN: a hybrid model loads states only with prefix caching on (mamba_cache_mode 'align'); "
                         "this engine will not load from the KDN")
             self.consume = False
+        if self.consume:
+            check_cache_dtype(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
         if self.consume and tc.kv_load_failure_policy != "recompute":
             log.warning("KDN: kv_load_failure_policy is %r: a failed load fails its request; set it to "
                         "'recompute' to have vLLM compute what could not be loaded", tc.kv_load_failure_policy)
@@ -226,8 +228,9 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         # Loads inside the forward wait in each attention layer (wait_for_layer_load): a captured
         # CUDA graph would skip those waits on replay. Background loads never wait there. Steering
         # recomputes rows in Python after each attention kernel: a captured full graph would skip that too.
+        # A producer saves inside the forward (save_kv_layer), which a captured full graph would skip too.
         extra = extra_config or {}
-        return extra.get("load", "auto") != "async" or bool(extra.get("steer"))
+        return extra.get("load", "auto") != "async" or bool(extra.get("steer")) or bool(extra.get("store"))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -72,3 +72,25 @@ def test_every_setting_is_in_the_readme():
     first_cells = re.findall(r"^\|([^|]*)\|", readme, flags=re.M)
     rows = {name for cell in first_cells for name in re.findall(r"`([a-z_]+)`", cell)}
     assert _KEYS - rows == set()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_a_consumer_with_a_quantized_cache_is_refused_at_start(dtype):
+    from kdn.adapters.vllm.config import check_cache_dtype
+
+    with pytest.raises(InvalidInput, match="kv_cache_dtype"):
+        check_cache_dtype(dtype)
+    for fine in ("auto", "bfloat16", "float16", "float32"):
+        check_cache_dtype(fine)
+
+
+@pytest.mark.parametrize("extra, piecewise", [
+    ({}, True),  # loads inside the forward wait in each layer
+    ({"load": "async"}, False),
+    ({"load": "async", "steer": True}, True),
+    ({"load": "async", "store": "/srv/kdn"}, True),  # a producer saves inside the forward: never a full graph
+])
+def test_full_cuda_graphs_only_where_nothing_runs_inside_the_forward(extra, piecewise):
+    from kdn.adapters.vllm import KDNConnector
+
+    assert KDNConnector.requires_piecewise_for_cudagraph(extra) is piecewise
