@@ -276,6 +276,7 @@ class Sample:
     wire_bytes: int = 0
     encodings: list = field(default_factory=list)
     first_token: int = -1
+    plan: str = ""  # the load planner's choice and reason (Report.plan)
 
 
 async def run_hit(lm, ids, client) -> Sample:
@@ -290,7 +291,8 @@ async def run_hit(lm, ids, client) -> Sample:
                   build_ms=r.decode_ms - (st.decode_s * 1e3 if st else 0.0), prefill_ms=r.prefill_ms,
                   tokens_reused=r.tokens_reused, sources=dict(r.sources),
                   wire_bytes=sum(len(f.blob) for f in st.fetched) if st else 0,
-                  encodings=sorted({f.encoding for f in st.fetched}) if st else [], first_token=g.ids[0])
+                  encodings=sorted({f.encoding for f in st.fetched}) if st else [], first_token=g.ids[0],
+                  plan=r.plan)
 
 
 async def run_prefill(lm, ids, client) -> Sample:
@@ -542,8 +544,8 @@ async def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, l
                             samples[path].append(smp)
                             log(f"[{name} L={L}] rep {r + 1}/{repeat} {path:12s} ttft {smp.ttft_ms:9.1f} ms"
                                 + (f"  (lookup {smp.lookup_ms:.1f}, fetch {smp.fetch_ms:.1f}, codec {smp.codec_ms:.1f}, "
-                                   f"build {smp.build_ms:.1f}, suffix prefill {smp.prefill_ms:.1f}; {smp.sources})"
-                                   if path in HITS else "")
+                                   f"build {smp.build_ms:.1f}, suffix prefill {smp.prefill_ms:.1f}; {smp.sources}; "
+                                   f"plan: {smp.plan[:160]})" if path in HITS else "")
                                 + (f"  page cache: {drops[-1]}" if path == "disk-cold" else ""))
                     row = summarize(name, lm, L, suffix, pub_s, samples)
                     row["page_cache_drops"] = list(drops)
