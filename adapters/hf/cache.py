@@ -14,15 +14,15 @@ import functools
 import math
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kdn.codecs import itemsize
-from kdn.errors import InvalidInput, ModelMismatch
+from kdn.errors import InvalidInput, KDNError, ModelMismatch
+from kdn.adapters.hf import kvmem
 from kdn.adapters.hf.extract import LayerSpec, _forward, layer_layout, new_cache
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -186,8 +186,10 @@ class CacheBuilder:
         self.h2d_bytes = 0  # bytes copied to the device, and the seconds those copies took (staged path)
         self.h2d_seconds = 0.0
         self._arena = arena
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream = kvmem.side_stream(self.device) if self.device.type == "cuda" else None
         self._stats = threading.Lock()
+        self._cv = threading.Condition()  # adds in flight (worker threads), and whether more may come
+        self._busy, self._closed = 0, False
         self.layout = layer_layout(model)
         self.counts = [int(n) for n in token_counts]
         _expect(all(n > 0 for n in self.counts), f"chunk token counts must be positive, got {self.counts[:8]}")
@@ -201,13 +203,15 @@ class CacheBuilder:
         self.device_copies = 0  # copies issued onto and on the device (staged path): two per chunk when stacked
         self._order = sorted(self._kv_names)  # the order an object stores K/V tensors in (kdn.objects)
         if not self.staged:
-            self.full = _kv_tensors(self.layout, self.tokens + room, arena)
+            self.full = kvmem.kv_tensors(self.layout, self.tokens + room, arena)
         else:
-            self._stack, self.full = _device_tensors(self.layout, self._order, self.tokens + room, self.device)
+            self._stack, self.full = kvmem.device_tensors(self.layout, self._order, self.tokens + room, self.device)
         self.kv = {i: (k[:, :, :self.tokens], v[:, :, :self.tokens]) for i, (k, v) in self.full.items()}
+        if self._stream is not None:  # the copies on the side stream write memory allocated on this one
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         # The same memory as numpy arrays of unsigned lanes ([kv_heads, S, head_dim]): slicing these per
         # tensor costs far less than slicing the torch tensors.
-        self._lanes = {i: (_lanes(k[0]), _lanes(v[0])) for i, (k, v) in self.kv.items()} if not self.staged else {}
+        self._lanes = {i: (kvmem.lanes(k[0]), kvmem.lanes(v[0])) for i, (k, v) in self.kv.items()} if not self.staged else {}
         # Each head's [S, head_dim] run as flat bytes, for ``place``: slicing a memoryview per head of a chunk
         # costs a fraction of making one from a numpy slice (5,760 of them at 8k tokens for SmolLM2).
         self._heads = {i: tuple([memoryview(h).cast("B") for h in lanes] for lanes in pair)
@@ -238,8 +242,34 @@ class CacheBuilder:
                         f"chunk {index} L{s.index}.{x} has shape {list(info.shape)}; this model wants [{s.kv[0]}, {n}, {s.kv[1]}]")
         return n
 
+    @contextlib.contextmanager
+    def _writing(self) -> Any:
+        """An add in flight: refused once the builder is closed; ``close`` waits for those inside."""
+        with self._cv:
+            if self._closed:
+                raise KDNError("the load was given up: no more chunks are added to its cache")
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy -= 1
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        """No more chunks: later adds are refused, and those in flight are waited for. (A load given up at its
+        deadline cannot stop the worker threads still decoding its chunks; one that wrote later would write
+        into slots the cache now uses for the tokens computed instead, or read a buffer handed back.)"""
+        with self._cv:
+            self._closed = True
+            self._cv.wait_for(lambda: self._busy == 0)
+
     def add(self, index: int, view: ObjectView) -> None:
         """Decode chunk ``index``'s object into its place (checked first: names, shapes, token count)."""
+        with self._writing():
+            self._add(index, view)
+
+    def _add(self, index: int, view: ObjectView) -> None:
         from kdn.objects import to_torch
 
         h = view.header
@@ -257,7 +287,8 @@ class CacheBuilder:
                 else:  # decode, then convert into place
                     full[0, :, off:off + n, :].copy_(to_torch(view.decode([name]))[name])
         if index == len(self.counts) - 1 and self._state_names:
-            self.last = to_torch(view.decode(sorted(self._state_names)))
+            # Copied out: a raw object's tensors alias its receive buffer, handed back when this returns.
+            self.last = {k: t.clone() for k, t in to_torch(view.decode(sorted(self._state_names))).items()}
             for st in (st for spec in self.layout for st in spec.states):
                 t = self.last[st.name]
                 _expect(tuple(t.shape) == st.shape, f"{st.name} has shape {tuple(t.shape)}; this model wants {list(st.shape)}")
@@ -310,7 +341,6 @@ class CacheBuilder:
     def _decode_staging(self, view: ObjectView) -> tuple[torch.Tensor, dict[str, tuple[int, int]], Any]:
         """A compressed chunk's K/V decoded on the host into one buffer (from the arena when there is one),
         in the stack's order: the buffer as bytes, each tensor's span in it, and the lease to hand back."""
-        import numpy as np
 
         h = view.header
         sizes = {nm: math.prod(h.tensors[nm].shape) * itemsize(h.tensors[nm].dtype) for nm in self._order}
@@ -352,6 +382,8 @@ class CacheBuilder:
         """The memory runs chunk ``index``'s K/V bytes go to: per tensor ``[H, n, D]``, one run per head
         (``[n, D]``, contiguous in the ``[1, H, S, D]`` cache). Raw tensors of the cache's dtype only."""
         h = layout.header
+        with self._cv:
+            _expect(not self._closed, "the load was given up: no more chunks are received into its cache")
         n = self._check(index, h)
         off = self.offsets[index]
         runs: dict[str, list[memoryview]] = {}
@@ -385,6 +417,7 @@ class CacheBuilder:
         """The cache and its token count, once every chunk has been added; with ``upto``, of the first
         ``upto`` chunks only (a load cut short at its deadline: attention K/V only, since a hybrid model's
         states are those of the last chunk)."""
+        self.close()  # (a load cut short: its late adds are waited for, and refused from here on)
         k = len(self.counts) if upto is None else upto
         missing = sorted(set(range(k)) - self._added)
         _expect(not missing, f"chunks {missing[:8]} of the prefix were never added")
@@ -400,65 +433,11 @@ class CacheBuilder:
         return _assemble(self.model, self.layout, kv, {}, device, None, self.full), t  # (the chunks not loaded are room too)
 
 
-def _device_tensors(layout: list[LayerSpec], order: Sequence[str], tokens: int, device: torch.device
-                    ) -> tuple[torch.Tensor | None, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """Each attention layer's ``[1, kv_heads, tokens, head_dim]`` K and V on the device. When every layer
-    has one shape and dtype they are slices of one ``[2 x layers, kv_heads, tokens, head_dim]`` stack, in
-    ``order`` (the order an object stores them in): a chunk's K/V region is then placed by one copy."""
-    specs = [s for s in layout if s.kv and s.kv_dtype is not None]
-    if len({(s.kv, s.kv_dtype) for s in specs}) != 1:
-        return None, {s.index: (torch.empty((1, s.kv[0], tokens, s.kv[1]), dtype=s.kv_dtype, device=device),
-                                torch.empty((1, s.kv[0], tokens, s.kv[1]), dtype=s.kv_dtype, device=device))
-                      for s in specs if s.kv is not None}
-    heads, dim = cast(tuple[int, int], specs[0].kv)
-    stack = torch.empty((len(order), heads, tokens, dim), dtype=specs[0].kv_dtype, device=device)
-    slot = {nm: p for p, nm in enumerate(order)}
-    return stack, {s.index: (stack[slot[f"L{s.index}.k"]][None], stack[slot[f"L{s.index}.v"]][None]) for s in specs}
-
-
-def _kv_tensors(layout: list[LayerSpec], tokens: int, arena: Arena | None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Each attention layer's ``[1, kv_heads, tokens, head_dim]`` K and V, fresh or in one arena lease.
-
-    Fresh memory pays for every page on first touch: for SmolLM2 at 8k tokens (189 MB) writing into fresh
-    tensors took 70-84 ms against 17-26 ms reused, here. From an arena, the tensors are views of one
-    buffer; the lease goes back when the last of them is garbage (the engine's cache dropped them: at the
-    end of the generation, or at its first new token past the builder's room, where the layer concatenates
-    into fresh memory), never while a view lives.
-    """
-    specs = [(s.index, s.kv, s.kv_dtype) for s in layout if s.kv and s.kv_dtype is not None]
-    if arena is None:
-        return {i: (torch.empty((1, kv[0], tokens, kv[1]), dtype=dt), torch.empty((1, kv[0], tokens, kv[1]), dtype=dt))
-                for i, kv, dt in specs}
-    sizes = [kv[0] * tokens * kv[1] * torch.empty(0, dtype=dt).element_size() for _, kv, dt in specs]
-    lease = arena.take(2 * sum(sizes))
-    # torch keeps the numpy array its storage was made from alive until the storage dies (every view of it,
-    # however derived); the array's finalizer hands the lease back then. (A finalizer on the base tensor
-    # would fire at once: views hold the storage, not the tensor object.)
-    owner = np.frombuffer(lease.view, dtype=np.uint8)
-    weakref.finalize(owner, lease.release)
-    base = torch.from_numpy(owner)
-    del owner
-    out, off = {}, 0
-    for (i, kv, dt), size in zip(specs, sizes):
-        pair = []
-        for _ in range(2):
-            pair.append(base[off:off + size].view(dt).view(1, kv[0], tokens, kv[1]))
-            off += size
-        out[i] = (pair[0], pair[1])
-    return out
-
-
 @functools.cache
 def _torch_dtype(st_dtype: str) -> torch.dtype:
     from kdn.objects import torch_dtype
 
     return torch_dtype(st_dtype)
-
-
-def _lanes(t: torch.Tensor) -> Any:
-    """A numpy view of ``t``'s memory as unsigned integers of its item size (any strides; numpy has no bf16)."""
-    lane = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[t.element_size()]
-    return t.view(lane).numpy()
 
 
 def continue_from_cache(model: Any, cache: Any, n_cached: int, suffix_ids: list[int] | torch.Tensor, *,

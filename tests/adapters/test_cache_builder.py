@@ -116,3 +116,34 @@ def test_a_hybrid_needs_the_states_in_its_last_chunk():
     b.add(0, ObjectView(kv_only[0]))  # an earlier chunk may leave its superseded states out
     with pytest.raises(ModelMismatch, match="lacks"):
         b.add(3, ObjectView(kv_only[3]))
+
+
+def test_a_hybrid_s_last_states_do_not_alias_the_receive_buffer():
+    """A raw object's tensors alias its body, and the client hands the body's buffer back when ``add``
+    returns: the states the builder keeps from the last chunk must be its own copy."""
+    lm = tiny("tiny-bamba")
+    blobs = blobs_of(lm.model, encoding="raw")
+    builder = CacheBuilder(lm.model, counts(blobs))
+    bufs = [bytearray(b) for b in blobs]
+    for i, buf in enumerate(bufs):
+        builder.add(i, ObjectView(buf))
+    kept = {k: t.clone() for k, t in builder.last.items()}
+    bufs[-1][:] = bytes(len(bufs[-1]))  # the buffer reused by the next fetch
+    assert kept and all(torch.equal(builder.last[k], t) for k, t in kept.items())
+
+
+def test_a_closed_builder_refuses_late_chunks():
+    """A load given up at its deadline closes its builder: a worker thread's late add is refused (it would
+    write into slots the cache now uses for the tokens computed instead), and finish closes it too."""
+    from kdn.errors import KDNError
+
+    lm = tiny("tiny-llama")
+    blobs = blobs_of(lm.model, encoding="raw")
+    builder = CacheBuilder(lm.model, counts(blobs))
+    builder.add(0, ObjectView(blobs[0]))
+    cache, t = builder.finish(upto=1)
+    assert t == C
+    with pytest.raises(KDNError, match="given up"):
+        builder.add(1, ObjectView(blobs[1]))
+    with pytest.raises(ModelMismatch, match="given up"):
+        builder.place(2, ObjectView(blobs[2]).layout)
