@@ -6,6 +6,10 @@ spent on one run (about 8 minutes on an H200 with the defaults below).
                                  [--lengths 2048,8192,32768] [--repeat 3] [--results out.json]
     python -P bench/gpu_check.py --device cpu --quick      # the dry run the tests make (tiny shapes)
 
+On a lent machine, keep what a cut-off run measured (each row is printed as it is measured):
+
+    python -P bench/gpu_check.py --device cuda --results $OUT/gpu_check.json --json $OUT/raw.json 2>&1 | tee $OUT/log.txt
+
 1. **Exactness on the device.** For each tiny family (attention and hybrids) in fp32 and bf16, on the
    device: compute the chunk states (``extract_chunks``), write them as KDN objects (zstd and raw),
    load them with the engine's loader (``CacheBuilder`` onto the device) and continue; the logits must
@@ -21,7 +25,9 @@ spent on one run (about 8 minutes on an H200 with the defaults below).
      from its store; the edge's memory tier is warmed first): ``KDNClient.fetch_prefix`` into the
      device's ``CacheBuilder``, fetch and verification included;
    - ``planner``: what ``kdn.planner`` picks for the edge path from this run's measured speeds (the
-     lean prefill timed here, the edge path's bytes/s), and its time: the chosen path's.
+     lean prefill timed here, the edge path's bytes/s), and its time: the chosen path's. It is fed this
+     run's own medians, so it shows the choice given exact speeds (whether the planner's model picks the
+     faster path), not how well an engine's live estimates forecast them (``bench/vllm_plan.py`` does).
    The table gives each path's median (min-max), its speed against the lean prefill, the effective
    host-to-device GB/s of ``host-raw`` (copied bytes / time in the copies), and the planner's choice.
 3. **Host-to-device copy** of pageable and pinned buffers, 64 MiB to 1 GiB: the bound.
