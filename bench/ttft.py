@@ -528,7 +528,8 @@ async def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, l
                     for path, c in clients.items():
                         first = await run_hit(lm, ids, c)
                         again = await run_hit(lm, ids, c)
-                        log(f"[{name} L={L}] warm {path}: first from {first.sources}, then {again.sources}")
+                        log(f"[{name} L={L}] warm {path}: first from {first.sources} ({first.ttft_ms:.0f} ms; "
+                            f"{first.plan[:120]}), then {again.sources} ({again.ttft_ms:.0f} ms; {again.plan[:120]})")
                     samples: dict[str, list[Sample]] = {p: [] for p in paths}
                     drops.clear()
                     cold_mem.clear()

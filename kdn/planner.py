@@ -79,6 +79,7 @@ PROBE_FLOOR_S = 1.0  # a probe runs at least this long (or to its last byte) bef
 OVERRUN_AFTER = 0.125  # a load is judged by its own progress once this share of its deadline has passed ...
 OVERRUN_MARGIN = 1.5  # ... and given up at once if, at the speed it has moved, it would end past this x its deadline
 STALL_AFTER = 0.5  # a load that has landed nothing yet is given up once this share of its deadline has passed
+OVERRUN_MIN_BYTES = 1 << 20  # ... by its speed before half its deadline only once it has landed this much (or an eighth)
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,11 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
     this link (the edge must fill it first).
     """
     n = len(chunks)
+    # A stale measured speed is re-measured by a probe off the request path where one can be made; where
+    # not (the hit is cold: the edge must fill it first, and a probe would time the edge's upstream), it is
+    # not used: the plan goes by the link's estimate, and the load measures the speed again. Otherwise one
+    # load given up on a slow link made this engine compute every new document from then on.
+    measured = speeds.load_bps if (probe or not speeds.stale(now)) else None
     starts = [0]
     for c in chunks:
         starts.append(starts[-1] + c.tokens)
@@ -270,8 +276,8 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
         if b <= 0:
             return 0.0
         t = link(b)
-        if speeds.load_bps:
-            t = max(t, b / speeds.load_bps)
+        if measured:
+            t = max(t, b / measured)
         return t
 
     if not math.isfinite(compute_all):  # never timed a prefill: load everything (and learn from the suffix)
@@ -327,11 +333,17 @@ def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float) -> bo
     Why: such a load is given up at its deadline anyway, so every moment spent on it past the point that
     showed it is lost to the request; the first load after a link turned slow paid its whole deadline
     (1.34x a prefill in bench/vllm_plan.py). The average since the start, first byte's wait included, can
-    only understate the speed; the margin and the eighth are there so a slow start alone gives nothing up."""
+    only understate the speed; the margin and the eighth are there so a slow start alone gives nothing up.
+    Nor is a speed judged, before half the deadline, on less than ``OVERRUN_MIN_BYTES`` (or an eighth of the
+    load): a connection's first round trips are TCP's slow start, not its speed (bench/ttft.py: a 7.8 MB load
+    over a 1 Gbit/s link with a 20 ms delay had landed 256 KiB 65 ms in and was given up; the whole load
+    takes ~90 ms)."""
     if not math.isfinite(deadline_s) or deadline_s <= 0 or elapsed_s < OVERRUN_AFTER * deadline_s or landed >= total:
         return False
     if landed <= 0:
         return elapsed_s >= STALL_AFTER * deadline_s
+    if landed < min(OVERRUN_MIN_BYTES, total // 8) and elapsed_s < STALL_AFTER * deadline_s:
+        return False  # (from half its deadline on, a load is judged by whatever it has landed)
     return elapsed_s * total / landed > OVERRUN_MARGIN * deadline_s
 
 

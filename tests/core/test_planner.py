@@ -180,3 +180,24 @@ def test_a_load_that_would_overrun_its_deadline_is_given_up_once_an_eighth_of_it
     assert not overruns(0.5, int(edge) + 1, total, d) and overruns(0.5, int(edge) - 1, total, d)
     assert not overruns(1.9, total, total, d)  # everything landed: nothing to give up
     assert not overruns(5.0, 0, total, math.inf)  # no deadline (no planner): never judged
+    # TCP's slow start over a link with a 20 ms delay: 256 KiB of a 7.8 MB load 65 ms in, of a 672 ms deadline
+    # (bench/ttft.py's far edge; the whole load takes ~90 ms). Not judged on so few bytes before half the
+    # deadline; at half of it, what has landed is its speed.
+    assert not overruns(0.065, 256 << 10, 7_800_000, 0.672)
+    assert overruns(0.336, 256 << 10, 7_800_000, 0.672)
+
+
+def test_a_stale_speed_a_probe_cannot_re_measure_is_not_used():
+    """One load given up on a slow link sets the measured speed low. A warm hit re-measures it by a probe
+    beside a request that computes; a cold one cannot (the edge must fill first: a probe would time the
+    edge's upstream), so once stale the speed is not used and the plan goes by the link's estimate: before,
+    such an engine computed every new document from then on (bench/ttft.py)."""
+    s = Speeds(PrefillModel(params=135e6, layers=30, attn_width=576))
+    s.prefill.observe(2048, 0, 1.0)
+    s.observe_load(256 << 10, 0.065, now=100.0, abandoned=True)  # ~4 MB/s
+    fast = link(1e9)  # the link's own estimate: fast
+    assert not plan(chunks(), 8192 + 16, link=fast, speeds=s, now=110.0, probe=False).loads_anything  # fresh
+    late = 100.0 + PROBE_AFTER_S + 1
+    assert plan(chunks(), 8192 + 16, link=fast, speeds=s, now=late, probe=False).loads_anything  # cold, stale
+    warm = plan(chunks(), 8192 + 16, link=fast, speeds=s, now=late, probe=True)  # warm, stale: probed instead
+    assert not warm.loads_anything and warm.probe_s > 0

@@ -267,8 +267,8 @@ def _bare_worker(load_timeout: float = 10.0):
 
 def test_a_load_too_slow_for_its_deadline_is_given_up_by_its_progress_not_at_the_deadline():
     """``WorkerSide._collect`` with ``kdn.planner.overruns``: a planned warm load whose fetches have landed a
-    trickle is given up once an eighth of its deadline has passed (its progress says it would end far past
-    the deadline), and says so; a cold one (the entry edge fills first: its first bytes wait for that fill)
+    trickle is given up at half its deadline (its progress says it would end far past the deadline; before
+    that, a trickle under 1 MiB may be TCP's slow start, not the link's speed), and says so; a cold one (the entry edge fills first: its first bytes wait for that fill)
     and one without the planner's deadline (``load_timeout`` alone) wait to the end of their bound."""
     import concurrent.futures
 
@@ -294,7 +294,7 @@ def test_a_load_too_slow_for_its_deadline_is_given_up_by_its_progress_not_at_the
         assert run.error is not None and run.error.reason == "timeout", name
         if name == "warm":
             assert "given up after" in str(run.error) and "65,536 of 8,388,608 B landed" in str(run.error)
-    assert 0.2 <= timed["warm"] < 1.0  # an eighth of 2 s (and a step of the poll), not the 2 s
+    assert 0.95 <= timed["warm"] < 1.4  # half of 2 s (and a step of the poll), not the 2 s
     assert timed["cold"] >= 0.39 and timed["no planner"] >= 0.39  # each ran to its bound
 
 
