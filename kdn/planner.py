@@ -79,7 +79,7 @@ PROBE_FLOOR_S = 1.0  # a probe runs at least this long (or to its last byte) bef
 OVERRUN_AFTER = 0.125  # a load is judged by its own progress once this share of its deadline has passed ...
 OVERRUN_MARGIN = 1.5  # ... and given up at once if, at the speed it has moved, it would end past this x its deadline
 STALL_AFTER = 0.5  # a load that has landed nothing yet is given up once this share of its deadline has passed
-OVERRUN_MIN_BYTES = 1 << 20  # ... by its speed before half its deadline only once it has landed this much (or an eighth)
+OVERRUN_MIN_SHARE = 0.125  # ... by its speed before half its deadline only once it has landed this share of its bytes
 
 
 @dataclass(frozen=True)
@@ -334,15 +334,16 @@ def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float) -> bo
     showed it is lost to the request; the first load after a link turned slow paid its whole deadline
     (1.34x a prefill in bench/vllm_plan.py). The average since the start, first byte's wait included, can
     only understate the speed; the margin and the eighth are there so a slow start alone gives nothing up.
-    Nor is a speed judged, before half the deadline, on less than ``OVERRUN_MIN_BYTES`` (or an eighth of the
-    load): a connection's first round trips are TCP's slow start, not its speed (bench/ttft.py: a 7.8 MB load
-    over a 1 Gbit/s link with a 20 ms delay had landed 256 KiB 65 ms in and was given up; the whole load
-    takes ~90 ms)."""
+    Nor is a speed judged, before half the deadline, on less than ``OVERRUN_MIN_SHARE`` of the load's bytes:
+    its first moments are a connection's setup and TCP's slow start, not its speed (bench/ttft.py: a 7.8 MB
+    load over a 1 Gbit/s link with a 20 ms delay had landed 256 KiB 65 ms in and was given up, where the
+    whole load takes ~90 ms; bench/vllm_plan.py: a 47 MB load over a fast loopback link, 3 MB 30 ms into
+    its 208 ms deadline)."""
     if not math.isfinite(deadline_s) or deadline_s <= 0 or elapsed_s < OVERRUN_AFTER * deadline_s or landed >= total:
         return False
     if landed <= 0:
         return elapsed_s >= STALL_AFTER * deadline_s
-    if landed < min(OVERRUN_MIN_BYTES, total // 8) and elapsed_s < STALL_AFTER * deadline_s:
+    if landed < OVERRUN_MIN_SHARE * total and elapsed_s < STALL_AFTER * deadline_s:
         return False  # (from half its deadline on, a load is judged by whatever it has landed)
     return elapsed_s * total / landed > OVERRUN_MARGIN * deadline_s
 
