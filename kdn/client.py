@@ -241,8 +241,9 @@ class KDNClient:
         return self.routing.ranked(size, address, control=control)
 
     def expected_seconds(self, size: int) -> float:
-        """The least expected time to fetch ``size`` bytes from any source (the load planner's link)."""
-        return min(self.estimates[s.url].expected(size) for s in self._ranked(size))
+        """The least expected time to fetch ``size`` bytes from any source, as a load moves them (many objects
+        at once, ``SourceEstimate.expected_load``): the load planner's link."""
+        return min(self.estimates[s.url].expected_load(size) for s in self._ranked(size))
 
     def choose_encoding(self, encodings: dict[str, dict[str, Any]], quality: str | float | None = None) -> str | None:
         """The encoding with the least expected fetch + decode time within the quality budget.

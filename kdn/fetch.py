@@ -44,7 +44,7 @@ from urllib.parse import quote
 from kdn.address import Address, Digest
 from kdn.bodyget import BodyError, BodyGetter, Sink, Tally
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
-from kdn.estimate import Estimates
+from kdn.estimate import Company, Estimates, Mark
 from kdn.pieces import BodyVerifier, OffThread, Pieces, PieceVerifier, piece_span, verifier
 
 CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
@@ -168,6 +168,7 @@ class Fetcher:
         # threads beside the receive (kdn.pieces.OffThread), where a core is free to do it.
         self.hash_pool = hash_pool
         self.estimates = estimates
+        self.company = Company()  # transfers in flight per source: a load's samples measure the source's speed
         self.timeout = timeout
         self.alloc = alloc
         # The caller's own credentials for a URL, decided when a request is actually sent (an edge
@@ -273,6 +274,7 @@ class _Race:
         self.fetcher, self.want, self.plan, self.make, self.tally, self.obs = fetcher, want, plan, make, tally, obs
         self.pending: dict[asyncio.Task[Body | None], Route] = {}
         self.started: dict[asyncio.Task[Body | None], float] = {}
+        self.marks: dict[asyncio.Task[Body | None], Mark] = {}
         self.leading: asyncio.Task[Body | None] | None = None
         self.launched = 0
         self.errors: list[str] = []
@@ -283,6 +285,9 @@ class _Race:
         self.launched += 1
         task = asyncio.ensure_future(self.fetcher._attempt(self.want, route, self.make, self.tally))
         self.pending[task], self.started[task] = route, time.perf_counter()
+        mark = self.fetcher.company.start(route.url)
+        self.marks[task] = mark
+        task.add_done_callback(lambda _: self.fetcher.company.end(mark))  # (cancelled ones too)
         if self.leading is None:
             self.leading = task
 
@@ -305,7 +310,7 @@ class _Race:
             return None
         # An upper tier's full fill counts too: it is what every miss costs an edge below it.
         if body.served_by.split(":", 1)[0] in ("memory", "disk") or route.kind in ("origin", "upper"):
-            estimates[route.url].observe(self.want.nbytes, body.seconds)
+            estimates[route.url].observe(self.want.nbytes, body.seconds, self.fetcher.company.end(self.marks[task]))
         self.losers_took_at_least()
         self.obs.delivered(route, body)
         return body

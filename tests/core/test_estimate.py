@@ -101,3 +101,33 @@ def test_a_client_times_its_decodes_into_its_speeds():
     speeds = DecodeSpeeds()
     decode_checked(Fetched(addr, "zstd", memoryview(blob), "edge", 0.0), hit, None, speeds=speeds)
     assert speeds.snapshot()["zstd"]["samples"] == 1 and speeds.rate("zstd") > 0
+
+
+def test_company_is_the_average_number_in_flight_while_a_transfer_ran(monkeypatch):
+    t = [0.0]
+    monkeypatch.setattr(estimate.time, "perf_counter", lambda: t[0])
+    c = estimate.Company()
+    a = c.start("s")  # alone for 1 s, then with b for 1 s: 1.5 on average
+    t[0] = 1.0
+    b = c.start("s")
+    other = c.start("elsewhere")  # another source is not company
+    t[0] = 2.0
+    assert c.end(a) == 1.5 and c.end(a) == 1.5  # (counted once)
+    t[0] = 4.0
+    assert abs(c.end(b) - 4 / 3) < 1e-9  # 1 s with a, 2 s alone
+    assert c.end(other) == 1.0 and c._n == {"s": 0, "elsewhere": 0}
+
+
+def test_a_load_of_transfers_side_by_side_is_expected_at_their_sum(monkeypatch):
+    """Eight transfers at once each saw an eighth of the link: one object is expected at that share (ranking,
+    hedging), a load of many at the sum (the planner's link). Stale, both fall back to the prior."""
+    clock = Clock()
+    monkeypatch.setattr(estimate.time, "monotonic", clock)
+    e = SourceEstimate()
+    e.set_prior(0.02)  # rtt 20 ms
+    e.observe(8 << 20, 0.02 + 0.5, company=8.0)  # 8 MiB in 0.5 s of transfer beside 7 others
+    assert abs(e.bandwidth - (8 << 20) / 0.5) < 1 and abs(e.aggregate - 8 * (8 << 20) / 0.5) < 1
+    assert e.expected(64 << 20) > 7 * e.expected_load(64 << 20) / 1.2
+    assert e.expected_load(1000) <= e.expected(1000)
+    clock.t += e.stale_after + 1
+    assert e.expected_load(64 << 20) == e.expected(64 << 20)

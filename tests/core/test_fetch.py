@@ -161,3 +161,14 @@ async def test_the_client_fetches_through_it(servers):
         with pytest.raises(SourceError, match="asked for zstd, got raw"):
             await client.fetch(ADDR, encoding="zstd", digest=WANT.digest, size=WANT.size)
         assert client.failovers == 1
+
+
+async def test_fetches_side_by_side_measure_the_source_s_speed_not_their_share(servers, fetcher):
+    """Eight fetches at once from one source: each sample is scaled by the company it had, so the load
+    planner's estimate (``expected_load``) is near the source's speed, not one transfer's share of it."""
+    url = await servers("ok", delay=0.05)
+    route = Route("edge", url, "edge", {})
+    await asyncio.gather(*(fetcher.fetch(WANT, [route]) for _ in range(8)))
+    est = fetcher.estimates[url]
+    assert est.aggregate is not None and est.aggregate > 3 * est.bandwidth
+    assert fetcher.company._n[url] == 0  # every transfer's company ended
