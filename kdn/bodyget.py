@@ -15,6 +15,7 @@ context, a bounded header block, and a deadline per request.
 from __future__ import annotations
 
 import asyncio
+import time
 import ssl as _ssl
 from collections import defaultdict
 from dataclasses import dataclass
@@ -79,10 +80,11 @@ class Tally:
     or given up: what a load cut short at its deadline did move (``kdn.planner`` learns the link from it).
     A hedge's second body counts too."""
 
-    __slots__ = ("bytes",)
+    __slots__ = ("bytes", "first")
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.first: float | None = None  # when its first body byte landed (time.perf_counter)
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -186,6 +188,8 @@ class _Conn(asyncio.BufferedProtocol):
                 return False
         self.got += n
         if self.tally is not None:
+            if self.tally.first is None:
+                self.tally.first = time.perf_counter()
             self.tally.bytes += n
         return True
 

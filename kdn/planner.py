@@ -323,7 +323,7 @@ def _compute_all(total_tokens: int, compute_all: float, t_all: float, speeds: Sp
     return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "compute: " + why, t_all)
 
 
-def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float) -> bool:
+def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float, first_s: float | None = None) -> bool:
     """Whether a load that has run ``elapsed_s`` of its ``deadline_s`` and landed ``landed`` of its ``total``
     bytes should be given up now: at the speed it has moved so far it would end past ``OVERRUN_MARGIN`` x its
     deadline, judged only once ``OVERRUN_AFTER`` of the deadline has passed; or it has landed nothing at all
@@ -334,7 +334,9 @@ def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float) -> bo
     showed it is lost to the request; the first load after a link turned slow paid its whole deadline
     (1.34x a prefill in bench/vllm_plan.py). The average since the start, first byte's wait included, can
     only understate the speed; the margin and the eighth are there so a slow start alone gives nothing up.
-    Nor is a speed judged, before half the deadline, on less than ``OVERRUN_MIN_SHARE`` of the load's bytes:
+    With ``first_s`` (seconds from the start to the first byte) the speed is taken from that byte on: the
+    wait for it is a round trip, paid once. Nor is a speed judged, before half the deadline, on less than
+    ``OVERRUN_MIN_SHARE`` of the load's bytes:
     its first moments are a connection's setup and TCP's slow start, not its speed (bench/ttft.py: a 7.8 MB
     load over a 1 Gbit/s link with a 20 ms delay had landed 256 KiB 65 ms in and was given up, where the
     whole load takes ~90 ms; bench/vllm_plan.py: a 47 MB load over a fast loopback link, 3 MB 30 ms into
@@ -345,7 +347,10 @@ def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float) -> bo
         return elapsed_s >= STALL_AFTER * deadline_s
     if landed < OVERRUN_MIN_SHARE * total and elapsed_s < STALL_AFTER * deadline_s:
         return False  # (from half its deadline on, a load is judged by whatever it has landed)
-    return elapsed_s * total / landed > OVERRUN_MARGIN * deadline_s
+    # ``first_s``: when its first byte landed. The wait for it (a round trip, a connection) is paid once,
+    # not once per byte: the speed is what landed since.
+    wait = first_s if first_s is not None and 0 <= first_s < elapsed_s else 0.0
+    return wait + (elapsed_s - wait) * total / landed > OVERRUN_MARGIN * deadline_s
 
 
 def _deadline(expected_s: float, cap: float, compute_all_s: float = 0.0) -> float:

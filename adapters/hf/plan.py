@@ -63,7 +63,8 @@ async def await_load(fetch: asyncio.Future, *, tally: Tally, total: int, deadlin
         if done:
             return fetch.result()
         ran = time.perf_counter() - started
-        if ran < deadline_s and overruns(ran, tally.bytes, total, deadline_s):
+        first = tally.first - started if tally.first is not None else None
+        if ran < deadline_s and overruns(ran, tally.bytes, total, deadline_s, first):
             raise TimeoutError(f"was given up after {ran * 1e3:.0f} ms, {tally.bytes:,} of {total:,} B landed: "
                                f"too slow to end within its {deadline_s * 1e3:.0f} ms deadline")
 

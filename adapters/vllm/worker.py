@@ -239,7 +239,8 @@ class WorkerSide:
                 if now >= deadline:
                     raise
                 ran = now - run.started
-                if overruns(ran, run.tally.bytes, total, limit):
+                first = run.tally.first - run.started if run.tally.first is not None else None
+                if overruns(ran, run.tally.bytes, total, limit, first):
                     raise concurrent.futures.TimeoutError(
                         f"given up after {ran * 1e3:.0f} ms: {run.tally.bytes:,} of {total:,} B landed, too slow "
                         f"to end within its {limit * 1e3:.0f} ms deadline") from None

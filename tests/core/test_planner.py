@@ -174,6 +174,10 @@ def test_a_load_that_would_overrun_its_deadline_is_given_up_once_an_eighth_of_it
     assert not overruns(0.25, 1 * MiB, total, d)  # a trickle, but too little landed to judge a speed yet ...
     assert overruns(1.0, 1 * MiB, total, d)  # ... until half the deadline: 100 s at this speed against 2 s
     assert not overruns(0.03, 3_012_846, 47_265_888, 0.208)  # a fast link's first 30 ms (bench/vllm_plan.py)
+    # The wait for the first byte (a 40 ms round trip) is paid once, not per byte (bench/ttft.py's far link):
+    assert overruns(0.063, 4_126_227, 32_536_963, 0.298)  # judged from the start: 500 ms projected
+    assert not overruns(0.063, 4_126_227, 32_536_963, 0.298, first_s=0.045)  # from its first byte: 187 ms
+    assert overruns(1.0, 1 * MiB, total, d, first_s=0.4)  # a trickle after a late first byte is still one
     on_time = 0.25 * total / (0.9 * d)  # the speed that ends at 0.9x the deadline, after 0.25 s
     assert not overruns(0.25, int(on_time), total, d)
     slow_start = int(0.65 * on_time)  # 0.65x that landed (the first byte waited): still within the margin
