@@ -43,7 +43,8 @@ class SourceEstimate:
     prior_rtt: float | None = None
     prior_bandwidth: float | None = None
     last_sample: float = 0.0
-    aggregate: float | None = None  # bytes/second of the source's transfers together (a load's speed)
+    aggregate: float | None = None  # bytes/second of the source's transfers together (a load's speed) ...
+    aggregate_at: float = 0.0  # ... and when it was last sampled
     _penalty: float = field(default=0.0, repr=False)
 
     def set_prior(self, rtt: float, bandwidth: float | None = None) -> None:
@@ -52,9 +53,10 @@ class SourceEstimate:
             self.bandwidth = bandwidth
         self.prior_bandwidth = self.bandwidth
 
-    def observe(self, size: int, seconds: float, company: float = 1.0) -> None:
+    def observe(self, size: int, seconds: float, company: float | None = None) -> None:
         """A transfer of ``size`` bytes in ``seconds``; ``company``: the transfers from this source in flight
-        beside it, on average over its time, itself included (``Company``)."""
+        beside it, on average over its time, itself included (``Company``); None (unknown: a lower bound
+        taken from a hedge still running) leaves the aggregate as it is."""
         self.last_sample = time.monotonic()
         seconds = max(seconds, 1e-6)
         a = self.alpha if self.samples else 1.0
@@ -64,8 +66,11 @@ class SourceEstimate:
             # Attribute the RTT to latency and the rest to bandwidth.
             transfer = max(seconds - self.rtt, seconds * 0.1)
             self.bandwidth += a * (size / transfer - self.bandwidth)
-            together = size * max(company, 1.0) / transfer
-            self.aggregate = together if self.aggregate is None else self.aggregate + a * (together - self.aggregate)
+            if company is not None:
+                together = size * max(company, 1.0) / transfer
+                self.aggregate = together if self.aggregate is None else (
+                    self.aggregate + self.alpha * (together - self.aggregate))
+                self.aggregate_at = self.last_sample
         self.samples += 1
         self._penalty = 0.0
 
@@ -89,7 +94,7 @@ class SourceEstimate:
         """Expected seconds to move ``size`` bytes as a load does, many transfers at once: at the aggregate
         bandwidth measured (never below one transfer's); stale or unmeasured, as ``expected``."""
         single = self.expected(size)
-        if self.aggregate is None or time.monotonic() - self.last_sample > self.stale_after:
+        if self.aggregate is None or time.monotonic() - self.aggregate_at > self.stale_after:
             return single
         return min(single, self.expected(0) + size / max(self.aggregate, self.bandwidth, 1.0))
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kdn.address import ModelId
-from kdn.arena import Arena
+from kdn.arena import Arena, ArenaFull
 from kdn.bodyget import Tally
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
@@ -76,6 +76,7 @@ class Generation:
 
 _ARENA: list[Arena] = []
 DEFAULT_ARENA_BYTES = 4 << 30
+ROOM_FOR_NEW_TOKENS = 1024  # generated tokens a load reserves room for (past them, the cache concatenates)
 
 
 def default_arena() -> Arena:
@@ -186,7 +187,7 @@ async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, repor
         return None, None
     # The rest of the prompt and the tokens to generate are written into room after the loaded prefix, not
     # concatenated onto it (``room.RoomLayer``: one copy of the whole prefix less per step).
-    room = min(MAX_ROOM, max(0, len(ids) - hit.tokens) + max(0, new_tokens))
+    room = min(MAX_ROOM, max(0, len(ids) - hit.tokens) + min(max(0, new_tokens), ROOM_FOR_NEW_TOKENS))
     return await _fetch_into(model, client, hit, chunks, decision, warm, real_id, report, speeds, arena, room)
 
 
@@ -215,8 +216,12 @@ async def _fetch_into(model: Any, client: Any, hit: Any, chunks: list, decision:
     # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder); the
     # receive buffers and the cache's memory come from a reused arena (no first-touch page faults).
     pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
-    builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(), arena=pool,
-                                                                 room=room))
+    try:
+        builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(),
+                                                                     arena=pool, room=room))
+    except ArenaFull:  # no room for the room: the prefix alone (the first new token then concatenates)
+        builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(),
+                                                                     arena=pool))
     t0, tally = time.perf_counter(), Tally()
     fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder, tally=tally))
     try:
@@ -224,14 +229,17 @@ async def _fetch_into(model: Any, client: Any, hit: Any, chunks: list, decision:
         states = await await_load(fetch, tally=tally, total=sum(c.nbytes for c in chunks[:hit.chunks]),
                                   deadline_s=decision.deadline_s if decision else None, judged=warm, started=t0)
     except TimeoutError as late:
-        # Past its deadline the load becomes a recompute: what arrived is used, the rest computed.
+        # Past its deadline the load becomes a recompute: what arrived is used, the rest computed. What
+        # arrived is counted before the fetch is cancelled: a chunk still being added when it is (its receive
+        # buffer handed back under it) is not used, and its slots are recomputed.
+        arrived = builder.added_prefix()
         fetch.cancel()
         await asyncio.gather(fetch, return_exceptions=True)
         assert decision is not None  # (no deadline without a plan)
         if warm:  # what did land by then is the link's speed: the next plan knows it turned slow
             speeds.observe_load(tally.bytes, time.perf_counter() - t0, abandoned=True)
         layout = await loop.run_in_executor(None, layer_layout, model)
-        upto = builder.added_prefix() if kind_of(layout) == "kv" else 0
+        upto = arrived if kind_of(layout) == "kv" else 0
         why = str(late) or f"ran past its {decision.deadline_s * 1e3:.0f} ms deadline"
         report.plan += f"; the load {why}: {upto} of {hit.chunks} chunks used, the rest computed"
         return (builder if upto else None), upto

@@ -95,6 +95,8 @@ class WorkerSide:
         self.groups = groups
         self.bridge = bridge
         self.client = client
+        if device.type == "cuda" and device.index is None:  # vLLM names "cuda": this rank's is the current one
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.attn: dict[str, AttnLayer] = {}
         self.states: list[StateLayer] = []
@@ -324,10 +326,10 @@ class WorkerSide:
     # --- background loads (hybrid) -----------------------------------------------------------
 
     def _load_in_background(self, job: LoadJob) -> None:
-        if self.device.type == "cuda":  # a new thread starts on device 0, not on this worker's rank's device
-            torch.cuda.set_device(self.device)
         run = self._begin(job)
         try:
+            if self.device.type == "cuda":  # a new thread starts on device 0, not on this worker's rank's device
+                torch.cuda.set_device(self.device)
             if run.error is None:
                 self._collect(run)
             if run.error is None:  # a background load is all or nothing
