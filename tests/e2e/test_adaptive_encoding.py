@@ -29,7 +29,7 @@ def freeze_link(client: KDNClient, url: str, bandwidth: float) -> None:
     """Pin the client's estimate of a link (the test is about the choice, not the measurement)."""
     est = client.estimates[url]
     est.bandwidth, est.rtt = bandwidth, 0.001
-    est.observe = lambda size, seconds: None
+    est.observe = lambda size, seconds, company=None: None
 
 
 def lossless_only(states) -> bool:
