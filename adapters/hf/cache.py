@@ -341,7 +341,6 @@ class CacheBuilder:
     def _decode_staging(self, view: ObjectView) -> tuple[torch.Tensor, dict[str, tuple[int, int]], Any]:
         """A compressed chunk's K/V decoded on the host into one buffer (from the arena when there is one),
         in the stack's order: the buffer as bytes, each tensor's span in it, and the lease to hand back."""
-
         h = view.header
         sizes = {nm: math.prod(h.tensors[nm].shape) * itemsize(h.tensors[nm].dtype) for nm in self._order}
         total = sum(sizes.values())

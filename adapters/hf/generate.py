@@ -216,12 +216,11 @@ async def _fetch_into(model: Any, client: Any, hit: Any, chunks: list, decision:
     # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder); the
     # receive buffers and the cache's memory come from a reused arena (no first-touch page faults).
     pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
+    make = functools.partial(CacheBuilder, model, hit.token_counts(), arena=pool)
     try:
-        builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(),
-                                                                     arena=pool, room=room))
+        builder = await loop.run_in_executor(None, functools.partial(make, room=room))
     except ArenaFull:  # no room for the room: the prefix alone (the first new token then concatenates)
-        builder = await loop.run_in_executor(None, functools.partial(CacheBuilder, model, hit.token_counts(),
-                                                                     arena=pool))
+        builder = await loop.run_in_executor(None, make)
     t0, tally = time.perf_counter(), Tally()
     fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder, tally=tally))
     try:
