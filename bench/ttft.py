@@ -257,8 +257,17 @@ def _client_class():
 
         async def fetch_prefix(self, hit, **kw):
             st = await super().fetch_prefix(hit, **kw)
-            self.last = st
+            self.last, self.records = st, dict(zip(hit.addresses, hit.records))
             return st
+
+        def wire_bytes(self) -> int:
+            """The last prefix's bytes on the wire: a body received straight into the cache keeps no blob, so
+            its size is its record's."""
+            out = 0
+            for f in self.last.fetched if self.last else ():
+                rec = self.records.get(f.address)
+                out += len(f.blob) or (int(rec["encodings"][f.encoding]["size"]) if rec else 0)
+            return out
 
     return TimedClient
 
@@ -290,7 +299,7 @@ async def run_hit(lm, ids, client) -> Sample:
                   codec_ms=st.decode_s * 1e3 if st else 0.0,
                   build_ms=r.decode_ms - (st.decode_s * 1e3 if st else 0.0), prefill_ms=r.prefill_ms,
                   tokens_reused=r.tokens_reused, sources=dict(r.sources),
-                  wire_bytes=sum(len(f.blob) for f in st.fetched) if st else 0,
+                  wire_bytes=client.wire_bytes(),
                   encodings=sorted({f.encoding for f in st.fetched}) if st else [], first_token=g.ids[0],
                   plan=r.plan)
 
