@@ -38,7 +38,6 @@ class EdgeConfig(service.NodeConfig):
     deny_floor_ms: float = 2.0
     ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
     trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
-    operator_keys: str | None = None  # operator keys file: policies not signed by one are skipped
     region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"
     eviction: str = DEFAULT_POLICY  # both tiers' policy: "arc" (chosen on the traces) or "s3-fifo"
     # where object records are read: "auto" (the origins while any is known, the registry for what none has),
@@ -47,8 +46,6 @@ class EdgeConfig(service.NodeConfig):
     # "auto": without an upper policy, the region the edges' measured round trips to the origins choose
     # (edge/upper.py); "policy": only an upper policy names an upper tier
     upper_tier: str = "auto"
-    require_admission: bool = False  # leave out peers and origins no --operator-keys key admitted (kdn node admit)
-    revoked_admissions: str | None = None  # the operator's revocation list (kdn node revoke), read again on change
 
     def __post_init__(self) -> None:
         if self.region_probes not in ("worth", "always"):

@@ -38,7 +38,7 @@ from kdn.address import Address
 from kdn.auth import TokenScope
 from kdn.bodyget import BodyGetter
 from kdn.encodings import LOSSLESS_PREFERENCE
-from kdn.errors import InvalidInput, RegistryUnavailable, SourceError
+from kdn.errors import RegistryUnavailable, SourceError
 from kdn.fetch import CACHED_ONLY
 from kdn.objects import blob_namespace
 from kdn.registry import NodeRecord, ObjectRecord
@@ -91,20 +91,6 @@ class Loaded:
             self.handle = None
 
 
-def _admitters(config: EdgeConfig):
-    """With --require-admission: peers and origins from the registry count only if an operator admitted
-    them (kdn.signing.unadmitted); a registry writer cannot point this edge at a server of its choice."""
-    if config.revoked_admissions and not config.require_admission:
-        raise InvalidInput("--revoked-admissions is for --require-admission: give both")
-    if not config.require_admission:
-        return None
-    from kdn.signing import Admitters
-
-    if not config.operator_keys:
-        raise InvalidInput("--require-admission checks admissions with --operator-keys: give both")
-    return Admitters.from_files(config.operator_keys, config.revoked_admissions)
-
-
 class Edge:
     """One edge node's parts, wired together (the app holds one). ``await Edge.open(...)`` makes it whole:
     every part exists from then on (none is None waiting for a start); the app's cleanup contexts start
@@ -129,7 +115,7 @@ class Edge:
         self.m = metrics
         self.me = NodeRecord(role="edge", region=config.region, node_id=config.node_id, url=config.advertised_url,
                              extra=config.record_extra("edge", config.region))
-        self.admitters = _admitters(config)
+        self.admitters = config.admitters()
         self.left_out: set[tuple[str, str, str]] = set()  # origins left out, logged once each
         verifier = None
         if config.trusted_keys:

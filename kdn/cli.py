@@ -117,11 +117,15 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
         out = {"type": kind, "record": rec.to_dict(), **_verdict(args, rec, key)}
         if where != "registry":
             out["from"] = where
-        if kind == "object":
+        from kdn.registry import ObjectRecord
+
+        if isinstance(rec, ObjectRecord):
             from kdn.auth import read_token
             from kdn.holding import regions_holding
 
-            out["regions"] = await regions_holding(reg, key, read_token(args.token_file), args.token_hosts)
+            out["regions"] = await regions_holding(await reg.list_nodes(role="edge"), key,
+                                                   read_token(args.token_file), args.token_hosts,
+                                                   sorted(rec.encodings))
         print(json.dumps(out, indent=2, default=str))
         return 0
 

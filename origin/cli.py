@@ -87,9 +87,20 @@ def _serve_service_args(p: argparse.ArgumentParser) -> None:
                         "folder store, objects under records/ in an s3:// one; the registry then keeps models, "
                         "manifest pointers, nodes and policies only, and edges on their default --records auto "
                         "read records here), or the registry (one etcd record per chunk, as before; docs/scale.md)")
+    p.add_argument("--probe-token-file", default=None, metavar="FILE",
+                   help="the token the operator console (/console) shows edges when it asks what they hold (grant it "
+                        "`read *` in the edges' token files and nothing here); without it the console says unknown. "
+                        "It never sends a signed-in user's own token")
     p.add_argument("--token-hosts", default=None, metavar="PATTERNS",
-                   help="hosts the operator console (/console) may send a signed-in user's token to when it asks "
-                        "edges what they hold (comma-separated names, globs or address blocks; default loopback)")
+                   help="hosts the probe token may be sent to (comma-separated names, globs or address blocks; "
+                        "default loopback): edge URLs come from the registry")
+    p.add_argument("--operator-keys", default=None, metavar="FILE",
+                   help="operator keys: with --require-admission the console asks and scrapes only edges one of "
+                        "them admitted (kdn node admit)")
+    p.add_argument("--require-admission", action="store_true",
+                   help="the console asks only edges an --operator-keys key admitted; the others show as unknown")
+    p.add_argument("--revoked-admissions", default=None, metavar="FILE",
+                   help="with --require-admission: admission ids the operator revoked (kdn node revoke)")
 
 
 def _register_publish(sub: argparse._SubParsersAction) -> None:
@@ -134,7 +145,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        raw_copies=args.raw_copies, piece_bytes=parse_size(args.piece_bytes),
                        store_credentials=args.store_credentials, records=args.records, admission=args.admission,
                        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer,
-                       token_hosts=args.token_hosts)
+                       token_hosts=args.token_hosts, probe_token_file=args.probe_token_file,
+                       operator_keys=args.operator_keys, require_admission=args.require_admission,
+                       revoked_admissions=args.revoked_admissions)
+    cfg.admitters()  # a key or revocation file that does not load fails here, in one line
+    if args.probe_token_file:
+        from kdn.auth import read_token
+
+        read_token(args.probe_token_file)  # an unreadable or empty file fails here, in one line
     if args.token_hosts is not None:
         from kdn.auth import TokenScope
 

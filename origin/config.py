@@ -43,8 +43,10 @@ class OriginConfig(service.NodeConfig):
     piece_bytes: int = PIECE_BYTES  # each record carries its blobs' piece digests at this size (kdn/pieces.py)
     store_credentials: str | None = None  # an s3:// store's keys (INI file; else AWS_* in the environment)
     records: str = "store"  # where object records are written: "store" (beside the blobs), or the "registry"
-    # Hosts the operator console may send a signed-in user's token to, asking edges what they hold (kdn.auth.
-    # TokenScope; None: loopback): edge URLs come from the registry.
+    # The token the operator console shows edges when it asks what they hold (a file; `read *` at the edges,
+    # nothing at the origin). None: the console does not ask, and says unknown. A viewer's own token never leaves.
+    probe_token_file: str | None = None
+    # Hosts the probe token may be sent to (kdn.auth.TokenScope; None: loopback): edge URLs come from the registry.
     token_hosts: str | None = None
 
     def __post_init__(self) -> None:

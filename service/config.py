@@ -53,6 +53,11 @@ class NodeConfig:
     max_connections: int | None = None  # None: from the descriptor limit (service/connections.py)
     max_connections_per_peer: int | None = None  # None: half of max_connections
     admission: str | None = None  # an operator's signed admission of this node (kdn node admit): in its record
+    # Operator keys file: an edge skips policies none of them signed; with require_admission, nodes in the
+    # registry count only if one of them admitted it (kdn node admit), less the revoked_admissions list.
+    operator_keys: str | None = None
+    require_admission: bool = False  # leave out nodes no --operator-keys key admitted
+    revoked_admissions: str | None = None  # the operator's revocation list (kdn node revoke), read again on change
 
     def connection_caps(self) -> Any:
         """The ``ConnectionCaps`` this node serves under, fitted to this process's descriptor limit."""
@@ -60,6 +65,20 @@ class NodeConfig:
 
         return ConnectionCaps.for_limit(descriptor_limit(), total=self.max_connections,
                                         per_peer=self.max_connections_per_peer)
+
+    def admitters(self) -> Any:
+        """With ``require_admission``: the operator keys and revocation list that admit the nodes this one
+        talks to (kdn.signing.Admitters), so a registry writer cannot point it at a server of its choice;
+        else None."""
+        if self.revoked_admissions and not self.require_admission:
+            raise InvalidInput("--revoked-admissions is for --require-admission: give both")
+        if not self.require_admission:
+            return None
+        if not self.operator_keys:
+            raise InvalidInput("--require-admission checks admissions with --operator-keys: give both")
+        from kdn.signing import Admitters
+
+        return Admitters.from_files(self.operator_keys, self.revoked_admissions)
 
     @property
     def advertised_url(self) -> str:

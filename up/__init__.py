@@ -110,7 +110,12 @@ async def _up(args: argparse.Namespace) -> int:
     model = args.model or default_model()
     root = _state_dir(args.dir)
     token = secrets.token_hex(16)
-    _secret(root / "tokens", f"{token} admin *\n")
+    edge_token, probe_token = secrets.token_hex(16), secrets.token_hex(16)
+    # The operator's token; the edges' own (read *: what they show each other and the origin); the origin's probe
+    # token (read *: what its console shows edges when it asks what they hold, never a viewer's own token).
+    _secret(root / "tokens", f"{token} admin *\n{edge_token} read *\n{probe_token} read *\n")
+    _secret(root / "edge-token", f"{edge_token}\n")
+    _secret(root / "probe-token", f"{probe_token}\n")
     registry = f"file:{root / 'registry.sqlite3'}"
     port, *edge_ports = ports(args.port)
     _origin_key(root)
@@ -126,7 +131,7 @@ async def _up(args: argparse.Namespace) -> int:
 
     runners = [runner]
     try:
-        edges = await _start_edges(root, registry, origin, token, edge_ports, runners)
+        edges = await _start_edges(root, registry, origin, edge_ports, runners)
         await _ask(runner.app, edges, m, token, args.question, str(root / "trusted-keys"))
     except BaseException:
         for started in reversed(runners):
@@ -171,7 +176,8 @@ async def _start_origin(root: Path, model: str, registry: str, port: int) -> web
     t0 = time.perf_counter()
     cfg = OriginConfig(model=model, registry=registry, store=str(root / "origin-store"), port=port,
                        token_file=str(root / "tokens"), node_id="origin-1", signing_key=str(root / "origin.key"),
-                       records="store")  # object records beside the blobs; the edges read them there (auto)
+                       records="store",  # object records beside the blobs; the edges read them there (auto)
+                       probe_token_file=str(root / "probe-token"))
     app = create_app(cfg)
     runner = web.AppRunner(app, **server_options(app))
     await runner.setup()
@@ -219,7 +225,7 @@ def _next_steps(root: Path, registry: str, origin: str, first: str, edges: list[
     _say(f"  open {origin}/console in a browser; sign in with the token in {root / 'tokens'}")
 
 
-async def _start_edges(root: Path, registry: str, origin: str, token: str, ports: list[int],
+async def _start_edges(root: Path, registry: str, origin: str, ports: list[int],
                        runners: list[web.AppRunner]) -> list[_Edge]:
     import aiohttp
     from aiohttp import web
@@ -229,7 +235,6 @@ async def _start_edges(root: Path, registry: str, origin: str, token: str, ports
     from kdn.errors import KDNError
     from kdn.service import server_options
 
-    _secret(root / "edge-token", f"{token}\n")
     edges: list[_Edge] = []
     for p, (region, node) in zip(ports, [("eu", "eu-1"), ("eu", "eu-2"), ("us", "us-1"), ("us", "us-2")]):
         cfg = EdgeConfig(region=region, registry=registry, origin=origin, mem_budget=512 << 20,

@@ -95,7 +95,7 @@ class Cluster:
                          **kw) -> None:
         cfg = self.configs.get(node_id)
         if cfg is None:
-            port = free_port()
+            port = kw.pop("port", None) or free_port()  # (a test that signs the edge's URL first picks its port)
             upstream = origin if isinstance(origin, str) else (self.origin_url() if origin else None)
             cfg = EdgeConfig(region=region, registry=self.registry, origin=upstream,
                              mem_budget=mem_budget, disk=str(self.tmp / f"disk-{node_id}"), disk_budget=disk_budget,

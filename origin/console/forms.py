@@ -43,7 +43,7 @@ async def login(request: web.Request) -> web.Response:
         grant = None
     if grant is None:
         return sign_in_page(request, 401, "unknown token")
-    sid, _ = request.app[SESSIONS].open(grant, token)
+    sid, _ = request.app[SESSIONS].open(grant)
     log.info("console: signed in (%s on %s)", ",".join(sorted(grant.roles)), ",".join(sorted(grant.namespaces)))
     resp = see_other(PREFIX)
     resp.set_cookie(COOKIE, sid, max_age=SESSION_SECONDS, path=PREFIX, httponly=True, samesite="Strict",

@@ -42,7 +42,7 @@ async def manifest_page(request: web.Request) -> web.Response:
     if m is None or m.deleted:
         return error_page(viewer, 404, f"no manifest {ns}/{name} that this token reads")
     policies = [p for p in await read_policies(app[REGISTRY]) if applies(p, ns, name)]
-    regions, hits, text = await asyncio.gather(where_cached(app, m, viewer), edge_reads(app), _text(app, m))
+    regions, hits, text = await asyncio.gather(where_cached(app, m), edge_reads(app), _text(app, m))
     sizes = stored_sizes(app, m)
     loaded = app[LOADED]
     done = app[SESSIONS].take_flash(request.cookies.get(COOKIE))
@@ -62,7 +62,7 @@ async def manifest_page(request: web.Request) -> web.Response:
         f'<tr><th>stored here</th><td class="stored">{e(stored)}</td></tr>'
         f"<tr><th>version</th><td>{m.version} (published {e(published)} UTC), {e(signed)}</td></tr>"
         "</tbody></table>")
-    parts.append(regions_table(regions, len(m.addresses), viewer))
+    parts.append(regions_table(regions, len(m.addresses)))
     # This origin's prefill shape and speed apply to its own model's manifests only.
     parts.append(savings_table(regions, m, app.get(SPEED) if m.model_id == loaded.model_id else None))
     parts.append(reads_table(hits))

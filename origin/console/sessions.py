@@ -30,11 +30,11 @@ MAX_FORM_FIELDS = 32
 
 @dataclass(frozen=True)
 class Viewer:
-    """Who is looking: a signed-in session's grant (and its token, which asks edges what they hold), or, on an
-    origin without a token file, the anonymous grant (``open``: nothing to sign in with, nothing to edit)."""
+    """Who is looking: a signed-in session's grant, or, on an origin without a token file, the anonymous grant
+    (``open``: nothing to sign in with, nothing to edit). Never its token: the console keeps none, and asks the
+    edges with the origin's own probe token (edges.py)."""
 
     grant: Grant
-    token: str | None
     csrf: str
     expires: float
     open: bool = False
@@ -71,14 +71,14 @@ class Sessions:
         key, _ = self._by_digest.popitem(last=False)
         self._flash.pop(key, None)
 
-    def open(self, grant: Grant, token: str) -> tuple[str, Viewer]:
+    def open(self, grant: Grant) -> tuple[str, Viewer]:
         now = self.clock()
         while self._by_digest and next(iter(self._by_digest.values())).expires <= now:
             self._drop_oldest()  # (in sign-in order, so in expiry order)
         while len(self._by_digest) >= self.limit:
             self._drop_oldest()
         sid = secrets.token_urlsafe(32)
-        viewer = Viewer(grant, token, secrets.token_urlsafe(32), now + self.seconds)
+        viewer = Viewer(grant, secrets.token_urlsafe(32), now + self.seconds)
         self._by_digest[_digest(sid)] = viewer
         return sid, viewer
 
@@ -116,7 +116,7 @@ def viewer_of(request: web.Request) -> Viewer | None:
     grant's."""
     grants = request.app[GRANTS]
     if grants.empty:
-        return Viewer(grants.anonymous or Grant(frozenset(), frozenset()), None, "", math.inf, open=True)
+        return Viewer(grants.anonymous or Grant(frozenset(), frozenset()), "", math.inf, open=True)
     return request.app[SESSIONS].get(request.cookies.get(COOKIE))
 
 

@@ -74,7 +74,9 @@ async def chromium():
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env(tmp_path_factory, etcd_server):
     registry = f"{etcd_server.replace('http://', 'etcd://')}/console-{secrets.token_hex(4)}/"
-    async with cluster(tmp_path_factory.mktemp("console"), registry, edges=()) as c:
+    tmp = tmp_path_factory.mktemp("console")
+    (tmp / "probe-token").write_text(EDGE_TOKEN + "\n")  # the origin's own token for asking edges (read * there)
+    async with cluster(tmp, registry, edges=(), origin_kw={"probe_token_file": str(tmp / "probe-token")}) as c:
         await c.start_edge("e1", "eu")
         await c.start_edge("u1", "us")
         await c.wait_ring(["e1"], "eu")
