@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from kdn import address as A
-from kdn.codecs import get_codec
+from kdn.format import address as A
+from kdn.format.codecs import get_codec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (python -P leaves it out)
 import results as R  # noqa: E402
@@ -73,7 +73,7 @@ def real_kv(n_tokens: int) -> dict[str, "np.ndarray"]:
     import torch
 
     from kdn.adapters.hf import load_model
-    from kdn.objects import from_torch
+    from kdn.format.objects import from_torch
 
     lm = load_model("smollm2-135m")
     ids = lm.tokenizer.encode(DOC.read_text())[:n_tokens]

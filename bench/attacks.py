@@ -243,7 +243,7 @@ N_STORE_BLOBS = 3000  # blobs put into the origin's store before it starts (inde
 
 
 async def start_world(ctx: Ctx, names: list[str]) -> None:
-    from kdn.signing import Signer
+    from kdn.registry.signing import Signer
 
     from kdn.origin.store import ObjectStore
 
@@ -367,7 +367,7 @@ def forge_blob(real: bytes, rng: random.Random) -> bytes:
     """A well-formed object for the same address with other K/V: what a lying edge serves."""
     import numpy as np
 
-    from kdn.objects import RawTensor, decode_object, encode_object
+    from kdn.format.objects import RawTensor, decode_object, encode_object
 
     obj = decode_object(real)
     h = obj.header
@@ -392,7 +392,7 @@ async def forged_record(ctx: Ctx) -> Row:
     from kdn.client import KDNClient
     from kdn.errors import DigestMismatch, SourceError
     from kdn.registry import ObjectRecord
-    from kdn.signing import Signer
+    from kdn.registry.signing import Signer
 
     w, m = ctx.world, ctx.docs["main"]
     upstream = w.edges["eu-1"].url
@@ -619,9 +619,9 @@ async def undone_policy(ctx: Ctx) -> Row:
     then removes it at eu-1."""
     import dataclasses
 
-    from kdn.edge.policies import tombstone
+    from kdn.registry.policy_records import tombstone
     from kdn.registry import Policy, open_registry
-    from kdn.signing import Signer
+    from kdn.registry.signing import Signer
 
     w, a = ctx.world, ctx.docs["tenant"]["addresses"][0]
     target, control = w.edges["eu-1"], ctx.extra["po-1"]
@@ -797,7 +797,7 @@ async def planted_digest(ctx: Ctx) -> Row:
     from kdn.client import KDNClient
     from kdn.errors import DigestMismatch, SourceError
     from kdn.registry import Encoding, ObjectRecord, open_registry
-    from kdn.signing import Verifier
+    from kdn.registry.signing import Verifier
 
     w, m = ctx.world, ctx.docs["planted"]
     verifier = Verifier([ctx.public_key])
@@ -992,7 +992,7 @@ def zstd_bomb(address: str, claimed: int = 512 * MiB) -> bytes:
     """A zstd object whose one tensor claims ``claimed`` bytes of BF16 zeros: a few KB on the wire."""
     import zstandard
 
-    from kdn.objects import RawTensor, encode_object
+    from kdn.format.objects import RawTensor, encode_object
 
     base = encode_object(kind="kv", address=address, model_id=MODEL_ID, namespace="public", start=0, end=256,
                          position=0, parent=None, tensors={"L0.k": RawTensor("L0.k", "BF16", (1, 1024, 1), bytes(2048))},
@@ -1016,7 +1016,7 @@ def cachegen_bomb(address: str, claimed: int = 128 * MiB) -> bytes:
     import numpy as np
 
     import kdn.kernels  # noqa: F401  (registers the lossy codecs)
-    from kdn.objects import RawTensor, encode_object
+    from kdn.format.objects import RawTensor, encode_object
 
     x = np.random.default_rng(0).standard_normal(4 * 8).astype("<f2").tobytes()
     base = encode_object(kind="kv", address=address, model_id=MODEL_ID, namespace="public", start=0, end=256,
@@ -1028,7 +1028,7 @@ def cachegen_bomb(address: str, claimed: int = 128 * MiB) -> bytes:
 
 
 async def bomb(ctx: Ctx, name: str, encoding: str, make: Callable[[str], bytes], claimed: int) -> Row:
-    from kdn.address import prefix_addresses
+    from kdn.format.address import prefix_addresses
 
     address = prefix_addresses(MODEL_ID, "public", BOMB_TOKENS, 256)[0]
     blob = await asyncio.to_thread(make, address)
@@ -1099,7 +1099,7 @@ def victim_main(url: str, encoding: str, control: bool) -> None:
     with contextlib.suppress(ImportError):
         import kdn.kernels  # noqa: F401  (an engine has torch loaded; the lossy codecs need it)
     from kdn.client import KDNClient
-    from kdn.objects import decode_object
+    from kdn.format.objects import decode_object
 
     def peak() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB

@@ -136,7 +136,7 @@ def hf_side(folder: str, dtype: str, edge: str, prompts: list[list[int]], new: i
     from kdn.adapters.hf import build_cache, continue_from_cache, load_model, prefill
     from kdn.adapters.hf.generate import decode_loop
     from kdn.client import KDNClient
-    from kdn.objects import to_torch
+    from kdn.format.objects import to_torch
 
     lm = load_model(folder, dtype=dtype)
 

@@ -139,8 +139,8 @@ class VllmPaged:
     async def load(self, client, hit) -> None:
         from kdn.adapters.vllm import paged
         from kdn.adapters.vllm.stage import Staging
-        from kdn.objects import ObjectView
-        from kdn.pieces import Pieces
+        from kdn.format.objects import ObjectView
+        from kdn.format.pieces import Pieces
 
         counts = hit.token_counts()
         end = sum(counts)
@@ -351,14 +351,14 @@ def main() -> int:
                     + " (the table needs all; a subset is for profiling)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "work" / "datapath.json"))
     ap.add_argument("--hash-threads", type=int, default=None,
-                    help="the client's hash_threads (kdn.connections; default: the client's own)")
+                    help="the client's hash_threads (kdn.client.connections; default: the client's own)")
     R.add_arg(ap)
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.encodings = [e for e in args.encodings.split(",") if e]
     args.paths = [p for p in args.paths.split(",") if p]
     if args.hash_threads is None:
-        from kdn.connections import HASH_THREADS
+        from kdn.client.connections import HASH_THREADS
 
         args.hash_threads = HASH_THREADS
     res = R.Results("datapath", args)

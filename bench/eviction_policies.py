@@ -25,7 +25,7 @@ class ChainAwarePolicy(EvictionPolicy, Protocol):
 
     ``parent`` is the key of the chunk just before this one in its prefix chain
     (None for a chain's first chunk, or when the caller does not know): an
-    object's header names its parent address (``kdn.objects``), so a tier could
+    object's header names its parent address (``kdn.format.objects``), so a tier could
     pass ``(header.parent, encoding)``. The tiers do not yet (``EntryMeta``
     carries no parent): a tier that calls the plain ``on_insert(key, size)``
     gets the policy's parent-blind behaviour.

@@ -351,7 +351,7 @@ async def slow_region_link(tmp: Path, quick: bool) -> Row:
     memory and advertises its URL through a link (10 ms each way, 400 Mbit/s), so a-1's cached-only
     probes and the clients' direct asks both pay it; the origin sits behind its own link (30 ms,
     100 Mbit/s). Clients are ``KDNClient``s with a-1 as their edge, b-1 as a remote edge and the origin:
-    ranked, hedged at 2x the expected time, failing over on error (kdn/client.py)."""
+    ranked, hedged at 2x the expected time, failing over on error (kdn/client/client.py)."""
     from kdn.client import KDNClient
 
     phase_s = 3.0 if quick else 10.0

@@ -1,4 +1,4 @@
-"""A/B: the edge's upstream fill reader, aiohttp (what the edge used) vs ``kdn.bodyget`` (what the client uses).
+"""A/B: the edge's upstream fill reader, aiohttp (what the edge used) vs ``kdn.wire.bodyget`` (what the client uses).
 
 Issue #14 asked for one HTTP stack for edge fills and the client, decided by an A/B on the link emulator.
 Both readers GET one object body and verify it against its BLAKE3 digest, as ``Filler.fetch`` does:
@@ -105,7 +105,7 @@ async def read_bodyget(getter, url: str, size: int, digest: str) -> None:
 async def run_cell(base: str, size: int, digest: str, conc: int, n: int, rounds: int) -> dict[str, list[float]]:
     import aiohttp
 
-    from kdn.bodyget import BodyGetter
+    from kdn.wire.bodyget import BodyGetter
 
     url = f"{base}/v1/objects/{size}"
     out: dict[str, list[float]] = {"aiohttp": [], "bodyget": []}

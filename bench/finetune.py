@@ -225,7 +225,7 @@ async def run(args, res: R.Results, log) -> None:
     import aiohttp
 
     from kdn.client import KDNClient
-    from kdn.signing import Signer, Verifier
+    from kdn.registry.signing import Signer, Verifier
 
     tmp = Path(tempfile.mkdtemp(prefix="kdn-finetune-"))
     procs: list = []

@@ -84,7 +84,7 @@ INTERESTING_BYTES = [0x00, 0x01, 0x7F, 0x80, 0xFF, 0x20, 0x22, 0x2C, 0x5B, 0x5D,
 
 def _tensors(rng: np.random.Generator, n: int, odd: bool) -> dict:
     """Small KV-shaped tensors ([kv_heads, n, head_dim]) plus non-KV states, as RawTensors."""
-    from kdn.objects import RawTensor
+    from kdn.format.objects import RawTensor
 
     def rt(name: str, dtype: str, shape: tuple[int, ...]) -> RawTensor:
         x = rng.standard_normal(int(np.prod(shape)), dtype=np.float32)
@@ -116,10 +116,10 @@ def _tensors(rng: np.random.Generator, n: int, odd: bool) -> dict:
 
 def object_seeds(seed: int) -> list[bytes]:
     """Valid blobs: every object-level encoding, and one object per registered codec."""
-    from kdn.codecs import codec_names
+    from kdn.format.codecs import codec_names
     from kdn.kernels import encode_as
     from kdn.kernels.codecs import FLOAT_DTYPES
-    from kdn.objects import encode_object
+    from kdn.format.objects import encode_object
 
     rng = np.random.default_rng(seed)
     fields = dict(kind="kv", address=ADDR, model_id=MODEL, namespace="public", start=32, end=64, position=32,
@@ -139,7 +139,7 @@ def object_seeds(seed: int) -> list[bytes]:
 def encodes_alone(name: str) -> bool:
     """Whether a codec encodes from bytes, dtype and shape alone: kvtc does not (it needs a basis, the layer
     and the positions), so it is fuzzed from hostile payloads only, not from valid objects of its own."""
-    from kdn.codecs import get_codec
+    from kdn.format.codecs import get_codec
     from kdn.errors import CodecError
 
     try:
@@ -159,7 +159,7 @@ class CodecSeed:
 
 def codec_seeds(name: str, seed: int) -> list[CodecSeed]:
     """Valid encodings of small random tensors by codec ``name`` itself."""
-    from kdn.codecs import get_codec, itemsize
+    from kdn.format.codecs import get_codec, itemsize
 
     codec = get_codec(name)
     rng = np.random.default_rng(seed)
@@ -376,7 +376,7 @@ def _mutate_object(r: random.Random, blob: bytes, seeds: list[bytes]) -> bytes:
     elif op == 1:  # decoded dtype
         info["dtype"] = r.choice(DTYPES) if r.random() < 0.8 else rand_json(r)
     elif op == 2:  # codec name
-        from kdn.codecs import codec_names
+        from kdn.format.codecs import codec_names
         info["codec"] = r.choice(codec_names()) if r.random() < 0.8 else rand_json(r)
     elif op in (3, 4):  # codec params
         info["params"] = mutate_params(r, info.get("params"))
@@ -482,8 +482,8 @@ def make_object_input(r: random.Random, seeds: list[bytes]) -> ObjectInput:
 
 def check_object(inp: ObjectInput) -> None:
     """Decode one object through the public entry points; a success must respect every bound."""
-    from kdn.codecs import nbytes
-    from kdn.objects import (
+    from kdn.format.codecs import nbytes
+    from kdn.format.objects import (
         MAX_EXPANSION,
         MIN_DECODED_CAP,
         ObjectView,
@@ -534,7 +534,7 @@ class CodecInput:
 
 
 def make_codec_input(r: random.Random, seeds: list[CodecSeed], lossy: bool, max_bytes: int) -> CodecInput:
-    from kdn.codecs import nbytes
+    from kdn.format.codecs import nbytes
 
     s = r.choice(seeds)
     payload, dtype, shape, params = s.payload, s.dtype, s.shape, json.loads(json.dumps(s.params))
@@ -560,7 +560,7 @@ def make_codec_input(r: random.Random, seeds: list[CodecSeed], lossy: bool, max_
 
 def check_codec(name: str, inp: CodecInput) -> None:
     """Decode one payload; a success must be exactly ``nbytes(dtype, shape)`` bytes (written to ``out`` if given)."""
-    from kdn.codecs import get_codec, nbytes
+    from kdn.format.codecs import get_codec, nbytes
 
     want = nbytes(inp.dtype, inp.shape)
     out = None if inp.out == "none" else bytearray(want)
@@ -654,7 +654,7 @@ def _setup(seed: int) -> list[bytes]:
 
 def _builder(target: str, seed: int, max_codec_bytes: int):
     """(make input from a Random, check it, the exceptions that are refusals) for ``target``."""
-    from kdn.codecs import get_codec
+    from kdn.format.codecs import get_codec
     from kdn.errors import CodecError, ObjectFormatError
 
     if target == OBJECT_TARGET:
@@ -769,7 +769,7 @@ def main() -> None:
     max_codec = int(args.max_codec_mib * (1 << 20))
 
     _setup(args.seed)
-    from kdn.codecs import codec_names
+    from kdn.format.codecs import codec_names
 
     known = [OBJECT_TARGET, *codec_names()]
     targets = [t for t in args.targets.split(",") if t] or known

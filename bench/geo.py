@@ -101,7 +101,7 @@ from ports import free_port  # noqa: E402
 from linkemu import LinkEmulator  # noqa: E402
 import results as R  # noqa: E402
 
-from kdn.bodyget import BodyGetter  # noqa: E402
+from kdn.wire.bodyget import BodyGetter  # noqa: E402
 from kdn.client import Fetched, KDNClient  # noqa: E402
 
 REGIONS = ("near", "mid", "far")
@@ -113,7 +113,7 @@ MBIT = {("near", "near"): 10_000, ("mid", "mid"): 10_000, ("far", "far"): 10_000
 ORIGIN_RTT_MS, ORIGIN_MBIT = 120, 200
 PUBLISH_TOKEN = "geo-publisher-" + "p" * 20
 EDGE_TOKEN = "geo-edge-" + "e" * 23
-# ("latency-hit-only", an experiment of earlier runs, is what kdn.fetch does for every caller now: a body a
+# ("latency-hit-only", an experiment of earlier runs, is what kdn.wire.fetch does for every caller now: a body a
 # source had to fill never updates that source's estimate.)
 STRATEGIES = ("oracle", "oracle-hedged", "latency", "static-nearest", "random", "origin-only", "oracle-probe")
 DEFAULT_STRATEGIES = ("oracle", "oracle-hedged", "latency", "static-nearest", "random", "origin-only")
@@ -352,7 +352,7 @@ class BenchClient(KDNClient):
         self.trace: list | None = None  # --trace: every ranking and transfer, with the estimates behind it
 
     def _trace_fetches(self) -> None:
-        """--trace: every transfer (through kdn.fetch's observer), beside the rankings below."""
+        """--trace: every transfer (through kdn.wire.fetch's observer), beside the rankings below."""
         trace = self.trace
         assert trace is not None
 
@@ -378,7 +378,7 @@ class BenchClient(KDNClient):
             return await super()._fetch_hedged(address, encoding, digest, size, hedge=hedge, pooled=pooled,
                                                pieces=pieces, part=part, tally=tally)
         from kdn.errors import DigestMismatch, SourceError
-        from kdn.fetch import Route, Want
+        from kdn.wire.fetch import Route, Want
 
         want = Want(address, encoding, size, digest, pieces, part)
         tasks = [asyncio.create_task(self.fetcher.fetch(want, [Route(s.label, s.url, s.kind, self.headers)]))
@@ -510,7 +510,7 @@ def make_client(world: World, region: str, strategy: str, seed: int, records: di
     else:
         c = BenchClient(**kw, strategy=strategy, hedge=strategy != "origin-only")
     c.rng.seed(seed)
-    net = c.net  # (kdn.connections: made on first use, so rebinding them here is before any request)
+    net = c.net  # (kdn.client.connections: made on first use, so rebinding them here is before any request)
     net._local_addr = client_ip(region)  # leave from my region: the link emulator picks the link by source address
     net._session = bound_session(client_ip(region), headers=c.headers,
                                  timeout=aiohttp.ClientTimeout(total=net.timeout, sock_connect=min(net.timeout, 5.0)))

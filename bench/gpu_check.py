@@ -48,9 +48,9 @@ from pathlib import Path
 
 import torch
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.adapters.hf import CacheBuilder, build_cache, continue_from_cache, extract_chunks, load_model, prefill
-from kdn.objects import ObjectView, decode_object, encode_object, from_torch, to_torch
+from kdn.format.objects import ObjectView, decode_object, encode_object, from_torch, to_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results as R  # noqa: E402

@@ -60,7 +60,7 @@ def blob_of(address: str, size: int, parent: str | None = None, start: int = 0) 
     """A KV object as an origin writes it (its header names its namespace, which the origin serves it by),
     holding one tensor of ``size`` bytes derived from the address: a bare run of bytes is served by no
     origin."""
-    from kdn.objects import RawTensor, encode_object
+    from kdn.format.objects import RawTensor, encode_object
 
     data = blake3(bytes.fromhex(address)).digest(length=size)
     return encode_object(kind="kv", address=address, model_id="0" * 64, namespace="public", start=start,
@@ -88,7 +88,7 @@ def chains(trace: list[dict]) -> tuple[dict[str, tuple[str | None, int]], list[l
 async def populate(world, objects: dict[str, tuple[str | None, int]], size: int) -> dict[str, tuple[str, int]]:
     """Blobs into the origin's store (before it starts), records into the registry (after). Each blob's
     digest and length out."""
-    from kdn.store import BlobDir
+    from kdn.format.store import BlobDir
 
     store = BlobDir(world.root / "origin-store", fsync=False)
     digests = {}

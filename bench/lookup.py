@@ -15,7 +15,7 @@ order per repeat, with the origin's public key trusted by the client:
   scheduler then added (``adapters/vllm/scheduler.py`` read every record again);
 - ``inline``: ``KDNClient.lookup`` now: the records come with the lookup's answer (``"records": true``) and
   the scheduler takes them from the lookup; each is checked against the publisher keys, or recognised as the
-  exact bytes this client verified before (``kdn/trust.py``: a hot chain, read by every request);
+  exact bytes this client verified before (``kdn/client/trust.py``: a hot chain, read by every request);
   ``inline-first`` is the same with nothing remembered (the first reader of a chain).
 
 Times are per lookup, ms, median (worst) of the repeats; the ratio is to the bound of the same run.
@@ -42,9 +42,9 @@ PATHS = ("bound", "per-record", "per-record-vllm", "inline-first", "inline")
 
 
 async def per_record(client, full: list[str], twice: bool) -> int:
-    """The lookup as the client did it before this change (kdn/client.py at 26935e4), and, with ``twice``, the
+    """The lookup as the client did it before this change (kdn/client/client.py at 26935e4), and, with ``twice``, the
     vLLM scheduler's second reading of every record. Chunks whose record verified."""
-    client.trust._verified.clear()  # no record was remembered before (kdn/trust.py's memo came after)
+    client.trust._verified.clear()  # no record was remembered before (kdn/client/trust.py's memo came after)
     body = await client._json("POST", "/v1/lookup", {"addresses": full})
     n = int(body["length"]) if body else 0
     recs = await asyncio.gather(*(client.record(a) for a in full[:n]))
@@ -57,11 +57,11 @@ async def per_record(client, full: list[str], twice: bool) -> int:
 async def run(args) -> list[dict]:
     import aiohttp
 
-    from kdn import address as A
+    from kdn.format import address as A
     from kdn.adapters.hf import load_model
     from kdn.adapters.hf.generate import model_id as engine_model_id
     from kdn.client import KDNClient
-    from kdn.signing import Signer
+    from kdn.registry.signing import Signer
 
     spec = T.model_spec(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="kdn-lookup-"))

@@ -35,8 +35,8 @@ import kdn.kernels  # noqa: F401  (registers the lossy codecs)
 from kdn.adapters.hf import models as hf_models
 from kdn.adapters.hf.cache import build_cache, continue_from_cache
 from kdn.adapters.hf.extract import extract_chunks
-from kdn.kernels.codecs import encoding_plan
-from kdn.objects import decode_object, encode_object, from_torch, to_torch
+from kdn.kernels.encodings import encoding_plan
+from kdn.format.objects import decode_object, encode_object, from_torch, to_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (python -P leaves it out)
 import results as R  # noqa: E402

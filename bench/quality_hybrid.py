@@ -44,8 +44,8 @@ import torch
 import kdn.kernels  # noqa: F401  (registers the lossy codecs)
 from kdn.adapters.hf import models as hf_models
 from kdn.adapters.hf.extract import extract_chunks
-from kdn.kernels.codecs import LOSSLESS_STATE_CODEC
-from kdn.objects import decode_object, read_header, to_torch
+from kdn.kernels.encodings import LOSSLESS_STATE_CODEC
+from kdn.format.objects import decode_object, read_header, to_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (python -P leaves it out)
 import results as R  # noqa: E402

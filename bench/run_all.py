@@ -279,7 +279,7 @@ def _imports(path: Path, text: str) -> list[Path]:
         if mod != "kdn" and not mod.startswith("kdn."):
             continue
         out += _module_files(mod)
-        for n in names:  # ``from kdn import address``: a submodule, if it is one
+        for n in names:  # ``from kdn.format import address``: a submodule, if it is one
             out += _module_files(f"{mod}.{n}") if n != "*" else []
     return out
 

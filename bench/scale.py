@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the one thro
 import results as R  # noqa: E402
 from etcd_proc import EtcdProcess  # noqa: E402
 
-from kdn.pieces import PIECE_BYTES  # noqa: E402
+from kdn.format.pieces import PIECE_BYTES  # noqa: E402
 from kdn.registry import Encoding, EtcdRegistry, Manifest, NodeRecord, ObjectRecord  # noqa: E402
 from kdn.ring import Ring  # noqa: E402
-from kdn.signing import Signer  # noqa: E402
+from kdn.registry.signing import Signer  # noqa: E402
 
 GiB = 1 << 30
 TARGET = {"objects": 10**9, "manifests": 10**7, "regions": 100, "edges": 10**4, "lookups_s": 10**5,

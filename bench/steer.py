@@ -46,7 +46,7 @@ from kdn.adapters.hf import build_cache, extract_chunks, load_model, prompt_toke
 from kdn.adapters.hf.extract import _forward, new_cache
 from kdn.adapters.hf.rag import Segment, blend_cache, blend_prefill
 from kdn.adapters.hf.steer import Steer, attention_to, derive_emphasis, head_scores, plan, steering
-from kdn.address import chunk_spans
+from kdn.format.address import chunk_spans
 from kdn.emphasis import EmphasisMap
 from kdn.origin.publish import parse_request, token_char_ends
 

@@ -31,16 +31,16 @@ from prometheus_client import CollectorRegistry
 
 from kdn import service
 from kdn.service import connections
-from kdn.address import Address, validate_address
+from kdn.format.address import Address, validate_address
 from kdn.auth import Grant, Grants, covers, may_read
-from kdn.encodings import LOSSLESS_PREFERENCE
+from kdn.format.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import InvalidInput, SourceError
-from kdn.fetch import CACHED_ONLY, HOP, TIER
-from kdn.holding import READS_HEADER
+from kdn.wire.fetch import CACHED_ONLY, HOP, TIER
+from kdn.client.holding import READS_HEADER
 from kdn.registry import ObjectRecord
 from kdn.registry.follow import stop_tasks
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, object_headers, read_json
-from kdn.store import validate_encoding
+from kdn.format.store import validate_encoding
 
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.tiers import Key

@@ -34,7 +34,7 @@ def _register_edge(sub: argparse._SubParsersAction) -> None:
 
 def _serve_node_args(p: argparse.ArgumentParser) -> None:
     """`kdn edge serve`: where the edge runs, what it caches, whose tokens it takes and shows, prefetch, lease."""
-    from kdn.cli import registry_arg
+    from kdn.registry.url import registry_arg
 
     p.add_argument("--region", default="local", help="region this edge serves (default: local)")
     registry_arg(p)
@@ -105,7 +105,7 @@ def _serve_behaviour_args(p: argparse.ArgumentParser) -> None:
 
 
 def _register_policy(sub: argparse._SubParsersAction) -> None:
-    from kdn.cli import registry_arg
+    from kdn.registry.url import registry_arg
 
     policy = sub.add_parser("policy", help="operator policies: pin, warm, push, ttl, quota, upper tier").add_subparsers(
         dest="policy_command", required=True
@@ -153,7 +153,7 @@ def _register_policy(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_ring(sub: argparse._SubParsersAction) -> None:
-    from kdn.cli import registry_arg
+    from kdn.registry.url import registry_arg
 
     ring = sub.add_parser("ring", help="the consistent-hash ring of a region").add_subparsers(
         dest="ring_command", required=True
@@ -184,7 +184,7 @@ def cmd_edge_serve(args: argparse.Namespace) -> int:
 
 def _serve_kwargs(args: argparse.Namespace) -> dict:
     """``EdgeConfig``'s arguments from `kdn edge serve`'s, each checked: a bad one fails here, in one line."""
-    from kdn.address import validate_name
+    from kdn.format.address import validate_name
     from kdn.units import parse_duration
 
     kw: dict = {
@@ -223,7 +223,7 @@ def _check_keys_and_tls(args: argparse.Namespace, kw: dict) -> None:
     """The key files load, the token's host patterns parse, and TLS has both its files."""
     for flag in ("trusted_keys", "operator_keys"):
         if kw[flag]:
-            from kdn.signing import Verifier
+            from kdn.registry.signing import Verifier
 
             Verifier.from_file(kw[flag])  # a bad key file fails here, in one line
     if args.token_hosts is not None:
@@ -236,7 +236,7 @@ def _check_keys_and_tls(args: argparse.Namespace, kw: dict) -> None:
 
 def _serve_options(args: argparse.Namespace) -> dict:
     """The arguments given only where their flags are (else ``EdgeConfig``'s defaults), checked."""
-    from kdn.address import validate_name
+    from kdn.format.address import validate_name
     from kdn.units import parse_size
 
     kw: dict = {}
@@ -302,14 +302,14 @@ def _readable(path: str | None, flag: str) -> str | None:
 
 
 def cmd_policy_set(args: argparse.Namespace) -> int:
-    from kdn.edge.policy_records import policy_from_options, policy_scope
+    from kdn.registry.policy_records import policy_from_options, policy_scope
     from kdn.units import format_duration, format_size
 
     p = policy_from_options(args.name, pin=args.pin, warm=args.warm, push=args.push, ttl=args.ttl, quota=args.quota,
                             upper=args.upper, to=args.to, rate=args.rate, namespace=args.namespace,
                             manifest=args.manifest, region=args.region)
     if args.operator_key is not None:
-        from kdn.signing import Signer
+        from kdn.registry.signing import Signer
 
         p = Signer.load(args.operator_key).sign(p)
 
@@ -357,7 +357,7 @@ def cmd_policy_ls(args: argparse.Namespace) -> int:
         if not rows:
             print("(no policies)", file=sys.stderr)
             return 0
-        from kdn.edge.policy_records import policy_row
+        from kdn.registry.policy_records import policy_row
 
         table = [("NAME", "KIND", "REGION", "SCOPE", "SETTING")]
         for name, p, err in rows:
@@ -371,17 +371,17 @@ def cmd_policy_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_rm(args: argparse.Namespace) -> int:
-    from kdn.address import validate_name
+    from kdn.format.address import validate_name
 
     name = validate_name(args.name)
     signer = None
     if args.operator_key is not None:
-        from kdn.signing import Signer
+        from kdn.registry.signing import Signer
 
         signer = Signer.load(args.operator_key)
 
     async def go(reg) -> int:
-        from kdn.edge.policy_records import remove_policy
+        from kdn.registry.policy_records import remove_policy
 
         # With a key, a signed tombstone: edges with --operator-keys ignore a bare delete of a signed policy.
         done = await remove_policy(reg, name, signer)
@@ -395,7 +395,7 @@ def cmd_policy_rm(args: argparse.Namespace) -> int:
 
 async def _read_policies(reg) -> list[tuple[str, Policy | None, str | None]]:
     """``(name, policy, None)`` or ``(name, None, why)`` for a record no edge would apply."""
-    from kdn.edge.policy_records import is_tombstone, validate_policy
+    from kdn.registry.policy_records import is_tombstone, validate_policy
     from kdn.errors import KDNError
     from kdn.registry.records import Policy
 
@@ -418,7 +418,7 @@ def _region(p) -> str:
 
 
 def cmd_ring_show(args: argparse.Namespace) -> int:
-    from kdn.address import validate_name
+    from kdn.format.address import validate_name
 
     region = validate_name(args.region)
 
@@ -443,6 +443,6 @@ def cmd_ring_show(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, fn: Callable[[object], Awaitable[int]]) -> int:
-    from kdn.cli import run_registry
+    from kdn.registry.url import run_registry
 
     return run_registry(args, fn)

@@ -9,7 +9,7 @@ from kdn.edge.eviction import DEFAULT_POLICY, POLICIES
 from kdn.edge.prefetch import CHAIN_BUDGET
 
 from kdn import service
-from kdn.address import validate_name
+from kdn.format.address import validate_name
 from kdn.errors import InvalidInput
 
 # Where an edge reads object records (edge/records.py): the default first.

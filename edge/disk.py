@@ -52,7 +52,7 @@ from kdn.edge.eviction import ARC, PolicyFactory
 from kdn.edge.tierbase import Entry, HandleBase, TierBase
 from kdn.edge.tiers import EntryMeta, EvictCallback, steady_wall
 from kdn.errors import InvalidInput
-from kdn.store import BlobDir, StoredBlob
+from kdn.format.store import BlobDir, StoredBlob
 
 log = logging.getLogger("kdn.edge.disk")
 

@@ -21,7 +21,7 @@ rests like a region (the breaker below) and the origin is asked instead.
 
 Every body received is checked against the registry digest before it is
 cached or served; a mismatch is counted, never served, and the next source is
-tried. Bodies arrive through ``kdn.bodyget``, the fetch client's reader: into
+tried. Bodies arrive through ``kdn.wire.bodyget``, the fetch client's reader: into
 one preallocated buffer, hashed as they land (bench/fill_ab.py: 0.97-7.5x the
 aiohttp reader the edge used before, median 1.06x; 2.3x with many 16 MiB
 objects in flight over a 20 ms link). A source error is counted and falls back, never fatal (groupcache's
@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kdn.address import Address
+from kdn.format.address import Address
 from kdn.auth import TokenScope
-from kdn.bodyget import BodyGetter
+from kdn.wire.bodyget import BodyGetter
 from kdn.errors import DigestMismatch, SourceError
-from kdn.estimate import Estimates
-from kdn.fetch import CACHED_ONLY, HOP, TIER, Body, Fetcher, Fresh, Route, Want
+from kdn.wire.estimate import Estimates
+from kdn.wire.fetch import CACHED_ONLY, HOP, TIER, Body, Fetcher, Fresh, Route, Want
 from kdn.registry import NodeRecord, ObjectRecord
 from kdn.ring import Ring
 
@@ -79,7 +79,7 @@ PROBE_HIT_STALE_S = 30.0
 # region made a cold fill over 10 regions wait for up to 9 of them (bench/upper_tier.py).
 PROBE_MAX_REGIONS = 2
 # A fill through the upper tier is two transfers in a row (upper <- origin, then me <- upper): it may take
-# 4x its measured time (kdn.fetch measures an upper tier's full fills), at least UPPER_MIN_S, at most the
+# 4x its measured time (kdn.wire.fetch measures an upper tier's full fills), at least UPPER_MIN_S, at most the
 # fill timeout; past it, or after a failure, the origin is asked, and an upper tier that keeps failing
 # rests like a region (the breaker; an origin error the upper tier passes on counts against it too).
 UPPER_MIN_S = 10.0
@@ -258,7 +258,7 @@ class Filler:
         return next((n for n in nodes if n.node_id == owner), None)
 
     async def fetch(self, key: Key, rec: ObjectRecord, *, hop: bool, tier: bool = False) -> Filled:
-        """The first source of the plan that delivers the blob intact (``kdn.fetch``: length and digest
+        """The first source of the plan that delivers the blob intact (``kdn.wire.fetch``: length and digest
         checked as the bytes land; a lying or broken source is counted and the next one tried)."""
         address, encoding = key
         enc = rec.encodings[encoding]
@@ -274,7 +274,7 @@ class Filler:
         return Filled(body.buffer.data, body.route.label)
 
     def _timeout_for(self, kind: str, base: str, size: int) -> float:
-        if kind == "upper":  # its estimate is of its full fills (kdn.fetch): both hops
+        if kind == "upper":  # its estimate is of its full fills (kdn.wire.fetch): both hops
             return min(self.timeout, max(UPPER_MIN_S, 4 * self.estimates[base].expected(size)))
         if kind != "region":
             return self.timeout

@@ -24,7 +24,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from kdn.address import Address
+from kdn.format.address import Address
 from kdn.errors import InvalidInput, KDNError, RegistryError
 from kdn.registry import Event, NodeLease, NodeRecord, Registry, follow
 from kdn.registry.follow import stop_tasks
@@ -77,8 +77,8 @@ class Membership:
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
-        # kdn.signing.Verifier of the operator keys (--require-admission): another node's record counts only
-        # with an admission one of them signed that names it (kdn.signing.unadmitted); this edge's own always.
+        # kdn.registry.signing.Verifier of the operator keys (--require-admission): another node's record counts only
+        # with an admission one of them signed that names it (kdn.registry.signing.unadmitted); this edge's own always.
         self.admitters = admitters
         self.unadmitted = 0  # node records left out for that (tests)
         self.on_unadmitted = on_unadmitted  # the edge's counter
@@ -259,7 +259,7 @@ class Membership:
             log.warning("edge %s: ignoring node record %r that names %s/%s", self.me.node_id, key, rec.region, rec.node_id)
             return None
         if self.admitters is not None and not self._is_me(rec):
-            from kdn.signing import unadmitted
+            from kdn.registry.signing import unadmitted
 
             why = unadmitted(rec, self.admitters)
             if why is not None:
@@ -279,11 +279,11 @@ class Membership:
 
     async def _recheck_admissions(self) -> None:
         """Admissions expire while their nodes stay up (a lease's keepalive rewrites nothing): drop those."""
-        from kdn.signing import unadmitted
+        from kdn.registry.signing import unadmitted
 
         while True:
             await asyncio.sleep(self.recheck_s)
-            if hasattr(self.admitters, "refresh"):  # an operator's revocation list (kdn.signing.Admitters)
+            if hasattr(self.admitters, "refresh"):  # an operator's revocation list (kdn.registry.signing.Admitters)
                 self.admitters.refresh()
             expired = [k for k, r in self._by_key.items()
                        if not self._is_me(r) and unadmitted(r, self.admitters) is not None]

@@ -34,13 +34,13 @@ from kdn.edge.records import OriginRecords, OwnerRecords, RecordCache
 from kdn.edge.tiers import EntryMeta, Handle, Key, Tier, steady_wall
 from kdn.edge.upper import AutoUpper
 
-from kdn.address import Address
+from kdn.format.address import Address
 from kdn.auth import TokenScope
-from kdn.bodyget import BodyGetter
-from kdn.encodings import LOSSLESS_PREFERENCE
+from kdn.wire.bodyget import BodyGetter
+from kdn.format.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import RegistryUnavailable, SourceError
-from kdn.fetch import CACHED_ONLY
-from kdn.objects import blob_namespace
+from kdn.wire.fetch import CACHED_ONLY
+from kdn.format.objects import blob_namespace
 from kdn.registry import NodeRecord, ObjectRecord
 
 log = logging.getLogger("kdn.edge.app")
@@ -119,7 +119,7 @@ class Edge:
         self.left_out: set[tuple[str, str, str]] = set()  # origins left out, logged once each
         verifier = None
         if config.trusted_keys:
-            from kdn.signing import Verifier
+            from kdn.registry.signing import Verifier
 
             verifier = Verifier.from_file(config.trusted_keys)
         self.records = RecordCache(registry, config.records_cache, verifier, metrics.refused_records.inc,
@@ -135,7 +135,7 @@ class Edge:
         self._connect_upstream(config, registry, metrics)
         operators = None
         if config.operator_keys:
-            from kdn.signing import Verifier
+            from kdn.registry.signing import Verifier
 
             operators = Verifier.from_file(config.operator_keys)
         self.policies = PolicyEngine(registry, config.region, self.tiers, warm=self.warm, manifest_feed=True,
@@ -147,7 +147,7 @@ class Edge:
         self._promoting: set[Key] = set()  # disk hits being copied to memory: one copy per key at a time
 
     def _connect_upstream(self, config: EdgeConfig, registry, metrics: EdgeMetrics) -> None:
-        """The upstream: the body reader every fill goes through (kdn.bodyget, as the fetch client's), an HTTP
+        """The upstream: the body reader every fill goes through (kdn.wire.bodyget, as the fetch client's), an HTTP
         session for the other requests, the region's membership (a lease and a watch on nodes/edge/, started
         by the app) and the filler that plans sources from it."""
         from kdn.tls import client_context

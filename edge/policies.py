@@ -40,7 +40,7 @@ a delete unresolves it (its pins go, since the addresses are no longer known).
 
 Warm dedup (once per policy record and manifest content), cancellation and the counts of warm and push
 runs: ``edge/policy_warms.py``. The records themselves (what each kind needs, ``kdn policy set``'s
-options, signed tombstones, ``kdn policy ls``'s rows): ``edge/policy_records.py``.
+options, signed tombstones, ``kdn policy ls``'s rows): ``kdn/registry/policy_records.py``.
 
 Signed policies (an edge with ``--operator-keys``): only a policy one of those
 keys signed applies, and a registry writer without one must not undo it either.
@@ -63,54 +63,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-from kdn.address import Address, validate_name
-from kdn.edge.policy_records import (
-    KINDS_SET,
-    MAX_PUSH_REGIONS,
-    POLICIES,
-    Removal,
-    is_tombstone,
-    policy_from_options,
-    policy_row,
-    policy_scope,
-    remove_policy,
-    set_at,
-    tombstone,
-    validate_policy,
-)
+from kdn.format.address import Address, validate_name
+from kdn.registry.policy_records import POLICIES, is_tombstone, set_at, validate_policy
 from kdn.edge.policy_rules import Rules, rules_for
-from kdn.edge.policy_warms import Warm, WarmRuns
+from kdn.edge.policy_warms import PolicyStats, Warm, WarmRuns
 from kdn.edge.tiers import GovernedTier
 from kdn.errors import InvalidInput, KDNError, RegistryUnavailable
 from kdn.registry.follow import follow, stop_tasks
 from kdn.registry.records import Manifest, Policy
 
-# The records' functions and the warm callback's type are re-exported: ``from kdn.edge.policies import X``
-# keeps working for what lived here before edge/policy_records.py and edge/policy_warms.py.
-__all__ = ["KINDS_SET", "MAX_PUSH_REGIONS", "PolicyEngine", "PolicyStats", "Removal", "Warm", "is_tombstone",
-           "policy_from_options", "policy_row", "policy_scope", "remove_policy", "set_at", "tombstone",
-           "validate_policy"]
-
 log = logging.getLogger(__name__)
 
 MANIFESTS = "manifests/"
-
-
-@dataclass
-class PolicyStats:
-    """Counters for ``/metrics`` and tests."""
-
-    applies: int = 0  # rule changes handed to the tiers
-    active: dict[str, int] = field(default_factory=dict)  # policies in force here, by kind
-    invalid: int = 0  # invalid records seen (each put of one counts)
-    warm_runs: int = 0  # warm callbacks started
-    warm_done: int = 0  # ... that returned
-    warm_failures: int = 0  # ... that raised
-    resolve_failures: int = 0  # manifest reads that failed (retried)
-    watch_errors: int = 0  # watches that broke and were restarted
-
 
 
 class PolicyEngine:
@@ -140,7 +105,7 @@ class PolicyEngine:
         # Where the whole manifest a registry pointer names is read (``Manifest.body``: an origin with
         # ``--records store``): ``get_manifest_body(namespace, name, digest)``; None: pointers name nothing.
         self._bodies = bodies
-        # kdn.signing.Verifier of the operator keys (--operator-keys): a policy none of them signed is skipped,
+        # kdn.registry.signing.Verifier of the operator keys (--operator-keys): a policy none of them signed is skipped,
         # so a registry writer without an operator key can neither pin nor expire what it likes.
         self._verifier = verifier
         self._manifest_feed = manifest_feed

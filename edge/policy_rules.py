@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kdn.address import Address
+from kdn.format.address import Address
 from kdn.edge.tiers import EntryMeta, Key, PolicyState
 from kdn.registry.records import Manifest, Policy
 

@@ -19,22 +19,33 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-from kdn.address import Address
+from kdn.format.address import Address
 from kdn.edge.policy_rules import manifest_addresses
 from kdn.registry.records import Manifest, Policy
 
-if TYPE_CHECKING:
-    from kdn.edge.policies import PolicyStats
-
-__all__ = ["Warm", "WarmRuns"]
+__all__ = ["PolicyStats", "Warm", "WarmRuns"]
 
 log = logging.getLogger("kdn.edge.policies")  # (the engine's log, as before the runs had their own module)
 
 Warm = Callable[..., Awaitable[None]]
 """``warm(addresses, namespace)``: fetch these objects into this edge's tiers now; for a push also
 ``rate=`` (bytes a second, or None) and ``policy=`` (its name, for progress)."""
+
+
+@dataclass
+class PolicyStats:
+    """Counters for ``/metrics`` and tests."""
+
+    applies: int = 0  # rule changes handed to the tiers
+    active: dict[str, int] = field(default_factory=dict)  # policies in force here, by kind
+    invalid: int = 0  # invalid records seen (each put of one counts)
+    warm_runs: int = 0  # warm callbacks started
+    warm_done: int = 0  # ... that returned
+    warm_failures: int = 0  # ... that raised
+    resolve_failures: int = 0  # manifest reads that failed (retried)
+    watch_errors: int = 0  # watches that broke and were restarted
 
 
 class WarmRuns:

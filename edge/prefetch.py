@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (a type only: `kdn edge serve --help` reads CHAIN_BUDGET and loads no registry code)
-    from kdn.address import Address
+    from kdn.format.address import Address
     from kdn.registry import Manifest
 
 log = logging.getLogger(__name__)

@@ -52,9 +52,9 @@ from urllib.parse import quote
 import aiohttp
 from blake3 import blake3
 
-from kdn.address import Address, Digest
+from kdn.format.address import Address, Digest
 from kdn.errors import InvalidInput, RegistryUnavailable
-from kdn.fetch import HOP
+from kdn.wire.fetch import HOP
 from kdn.registry import Manifest, NodeRecord, ObjectRecord
 from kdn.service import MAX_RECORDS
 

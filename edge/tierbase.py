@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
-from kdn.address import validate_namespace
+from kdn.format.address import validate_namespace
 from kdn.errors import InvalidInput
 
 from kdn.edge.eviction import ARC, EvictionPolicy, PolicyFactory

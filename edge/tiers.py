@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from kdn.address import Address, Digest, validate_address, validate_name, validate_namespace
+from kdn.format.address import Address, Digest, validate_address, validate_name, validate_namespace
 from kdn.errors import InvalidInput
-from kdn.store import validate_encoding
+from kdn.format.store import validate_encoding
 
 
 _WALL0, _MONO0 = time.time(), time.monotonic()

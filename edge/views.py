@@ -153,7 +153,7 @@ async def watch_origins(edge: Edge, ready: asyncio.Future[None] | None = None) -
     async def on_event(ev) -> None:
         nodes = await edge.registry.list_nodes(role="origin")
         if edge.admitters is not None:
-            from kdn.signing import unadmitted
+            from kdn.registry.signing import unadmitted
 
             nodes = [n for n in nodes if not _left_out(edge, n, unadmitted(n, edge.admitters))]
         edge._origins = [n.url.rstrip("/") for n in sorted(nodes, key=lambda n: n.node_id)]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kdn.address import PUBLIC_NAMESPACE, validate_namespace
+from kdn.format.address import PUBLIC_NAMESPACE, validate_namespace
 from kdn.errors import InvalidInput, KDNError
 
 ROLES = frozenset({"read", "publish", "admin"})

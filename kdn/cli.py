@@ -10,18 +10,18 @@ Bad input prints one line, ``kdn: error: ...``, and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import sys
 from pathlib import Path
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from kdn.errors import InvalidInput, KDNError
+from kdn.registry.url import registry_arg, run_registry
 
 if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily: `kdn address` needs none of it
-    from kdn.address import Address
+    from kdn.format.address import Address
     from kdn.registry import Manifest, ModelRecord, ObjectRecord, Registry
 
 # Parts that contribute subcommands: module path -> its `register(subparsers)`.
@@ -34,15 +34,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kdn: error: {message}\n")
 
 
-def registry_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--registry",
-        default=None,
-        metavar="URL",
-        help="etcd://host:port[/prefix], etcds://[user@]host:port[/prefix]?ca=&cert=&key=&password_file= (TLS, credentials) or file:PATH (default: $KDN_REGISTRY, else an embedded file in the user data dir)",
-    )
-
-
 def _parse_tokens(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
@@ -51,7 +42,7 @@ def _parse_tokens(text: str) -> list[int]:
 
 
 def cmd_address(args: argparse.Namespace) -> int:
-    from kdn import address as A
+    from kdn.format import address as A
 
     tokens = _parse_tokens(args.tokens)
     if not tokens:
@@ -69,22 +60,8 @@ def cmd_address(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_registry(args: argparse.Namespace, fn: Callable[[Registry], Awaitable[int]]) -> int:
-    """Open the registry named by ``--registry``, run ``fn(registry)``, close it (parts' commands use this too)."""
-    from kdn.registry import open_registry
-
-    async def go() -> int:
-        reg = open_registry(args.registry)
-        try:
-            return await fn(reg)
-        finally:
-            await reg.close()
-
-    return asyncio.run(go())
-
-
 def cmd_registry_show(args: argparse.Namespace) -> int:
-    from kdn.address import validate_address, validate_model_id, validate_name, validate_namespace
+    from kdn.format.address import validate_address, validate_model_id, validate_name, validate_namespace
 
     if "/" in args.address:  # NAMESPACE/NAME: a manifest
         ns, _, name = args.address.partition("/")
@@ -121,7 +98,7 @@ def cmd_registry_show(args: argparse.Namespace) -> int:
 
         if isinstance(rec, ObjectRecord):
             from kdn.auth import read_token
-            from kdn.holding import regions_holding
+            from kdn.client.holding import regions_holding
 
             out["regions"] = await regions_holding(await reg.list_nodes(role="edge"), key,
                                                    read_token(args.token_file), args.token_hosts,
@@ -139,7 +116,7 @@ def _verdict(args: argparse.Namespace, rec: ObjectRecord | ModelRecord | Manifes
     if not args.trusted_keys:
         return {}
     from kdn.registry import Manifest, ModelRecord, ObjectRecord
-    from kdn.signing import SignatureError, Verifier
+    from kdn.registry.signing import SignatureError, Verifier
 
     about = (rec.address if isinstance(rec, ObjectRecord) else rec.model_id if isinstance(rec, ModelRecord)
              else rec.ref)
@@ -180,7 +157,7 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
     pointer. Exit 1 when a manifest had to be left whole (signed by another key, or changed meanwhile)."""
     from pathlib import Path
 
-    from kdn.origin.s3store import open_records
+    from kdn.origin.s3records import open_records
     from kdn.registry import KVRegistry
     from kdn.registry.split import RECORDS_FILE, SHARDS, migrate_manifests, migrate_records
 
@@ -200,7 +177,7 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
 
     signer = None
     if args.signing_key:
-        from kdn.signing import Signer
+        from kdn.registry.signing import Signer
 
         signer = Signer.load(args.signing_key)  # a bad or world-readable key fails here, before any write
 
@@ -231,13 +208,13 @@ def cmd_registry_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_node_admit(args: argparse.Namespace) -> int:
-    """An operator's signed admission of one node (``--admission FILE`` on that node; kdn.signing)."""
+    """An operator's signed admission of one node (``--admission FILE`` on that node; kdn.registry.signing)."""
     import time
     from pathlib import Path
 
     from kdn.registry import Admission
     from kdn.registry.records import validate_node_url
-    from kdn.signing import Signer
+    from kdn.registry.signing import Signer
     from kdn.units import parse_duration
 
     days = parse_duration(args.valid) / 86400
@@ -261,7 +238,7 @@ def cmd_node_revoke(args: argparse.Namespace) -> int:
     import os
 
     from kdn.registry import Admission
-    from kdn.signing import parse_admission_ids, admission_id
+    from kdn.registry.signing import parse_admission_ids, admission_id
 
     ids = []
     for f in args.admission:
@@ -295,7 +272,7 @@ def _revoke_locked(path: Path, ids: list[tuple[str, str]]) -> int:
     import tempfile
     import time
 
-    from kdn.signing import parse_admission_ids
+    from kdn.registry.signing import parse_admission_ids
 
     try:
         old = path.read_text() if path.exists() else ""

@@ -3,7 +3,7 @@
 An origin computes one per published item at publish time -- from spans an operator marks
 (``kdn publish --emphasize TEXT``, ``"emphasis"`` in ``POST /v1/publish``) or from the model's own
 attention under probe questions -- and stores it in the manifest's ``emphasis`` field, which the
-manifest's signature covers (``kdn.signing.payload``). An engine adapter may then steer attention
+manifest's signature covers (``kdn.registry.signing.payload``). An engine adapter may then steer attention
 toward those tokens (``kdn.adapters.hf.steer``: PASTA-style, a bias of ``log(alpha)`` on the
 attention of selected heads to the other tokens of ``region``), on loaded KV, without recomputing it.
 

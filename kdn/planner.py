@@ -6,7 +6,7 @@ thousand tokens takes tens of milliseconds, and a slow link or decoder can
 lose to it. So each request is planned from measured speeds, not assumed ones:
 
 - **the link**: the chosen source's expected time for ``n`` bytes
-  (``kdn.estimate``: round trip + n / bandwidth), supplied by the caller;
+  (``kdn.wire.estimate``: round trip + n / bandwidth), supplied by the caller;
 - **the loader**: bytes/s from the wire into the engine's cache (fetch,
   verify, decode, write), a moving estimate of this engine's own loads
   (``Speeds.observe_load``); its prior is the link's;
@@ -171,7 +171,7 @@ class Speeds:
     def observe_load(self, nbytes: int, seconds: float, now: float | None = None, *, abandoned: bool = False,
                      probe: bool = False) -> None:
         """A load of ``nbytes`` that took ``seconds``. One ``abandoned`` at its deadline is reported with the
-        bytes that did land in the time it was given (the load's own ``kdn.bodyget.Tally``): the link's
+        bytes that did land in the time it was given (the load's own ``kdn.wire.bodyget.Tally``): the link's
         own speed while it ran, taken at once rather than by a moving average's step, so that the next
         plan computes if that speed loses to the prefill: a link that turned slow costs one load, not one
         per doubling of the deadline (bench/vllm_plan.py: three, before). No byte at all (a stalled

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import xxhash
 from uhashring import HashRing
 
-from kdn.address import Address, validate_address, validate_name
+from kdn.format.address import Address, validate_address, validate_name
 from kdn.errors import InvalidInput
 
 __all__ = ["Ring"]

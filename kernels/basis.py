@@ -7,7 +7,7 @@ canonical JSON header (model id, n_layers, kv_heads, head_dim, the RoPE
 ``inv_freq`` count, sink tokens, ``alpha`` per layer and kind) || float64
 ``inv_freq`` || per layer, K then V: float32 mean, scale, var ``[C]`` and
 basis ``[C, C]``. Its address is the BLAKE3 of those bytes
-(:func:`kdn.address.blob_digest`), as for any blob.
+(:func:`kdn.format.address.blob_digest`), as for any blob.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kdn.address import Address, canonical_json, content_address
-from kdn.codecs import Buffer
+from kdn.format.address import Address, canonical_json, content_address
+from kdn.format.codecs import Buffer
 from kdn.errors import CodecError
 from kdn.kernels.codecs import Reader, int_param
 

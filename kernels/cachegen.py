@@ -19,7 +19,7 @@ Design (``cachegen-B`` for B in 2..8, one registered codec per bit width):
    bits each.
 4. Bits per layer: CacheGen gives shallow layers more bits. The layer index
    is known to the plan, not to the codec (a codec sees bytes and a shape), so
-   :func:`kdn.kernels.codecs.encoding_plan` picks the codec *name* per tensor
+   :func:`kdn.kernels.encodings.encoding_plan` picks the codec *name* per tensor
    from ``L{i}`` -- ``cachegen-6-5-4`` means 6 bits for the first third of the
    layers, 5 for the middle and 4 for the last -- and each name records its
    bits in ``params``, so decode needs only the header.
@@ -40,7 +40,7 @@ import constriction
 import numpy as np
 import torch
 
-from kdn.codecs import register_codec
+from kdn.format.codecs import register_codec
 from kdn.errors import CodecError
 from kdn.kernels.codecs import LossyCodec, Reader, int_param, reduce_axis, tensor_of
 from kdn.kernels.quant import delta_dequantize, delta_quantize, qmax_of

@@ -1,4 +1,4 @@
-"""Host memory a device copies from at the link's speed: page-locked buffers for ``kdn.arena``.
+"""Host memory a device copies from at the link's speed: page-locked buffers for ``kdn.wire.arena``.
 
 A pageable buffer crosses PCIe through a bounce buffer at a fraction of the
 link (7-8 GB/s against 52-55 GB/s pinned, measured on an H200 host); a
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kdn.arena import Arena
+from kdn.wire.arena import Arena
 
 
 def pinned(n: int) -> memoryview:

@@ -63,8 +63,8 @@ import constriction
 import numpy as np
 import torch
 
-from kdn.address import Address
-from kdn.codecs import Buffer, register_codec
+from kdn.format.address import Address
+from kdn.format.codecs import Buffer, register_codec
 from kdn.errors import CodecError, InvalidInput
 from kdn.kernels.codecs import _KV_NAME, FLOAT_DTYPES, LossyCodec, Reader, int_param, write_float
 
@@ -368,7 +368,7 @@ class TransformCodec(LossyCodec):
     A codec's ``encode`` sees bytes, dtype and shape only, while kvtc also needs
     the layer, kind, position, basis and budget: objects are written by
     :func:`encode_kvtc_object`, which codes each K/V tensor first and hands the
-    results to :func:`kdn.objects.encode_object` through this codec.
+    results to :func:`kdn.format.objects.encode_object` through this codec.
     """
 
     name = "kvtc"
@@ -396,13 +396,13 @@ class TransformCodec(LossyCodec):
 
 def encode_kvtc_object(basis: Basis, theta: float, *, tensors: dict[str, torch.Tensor], position: int,
                        encoding: str = "kvtc", rho: float = 0.5, **fields) -> bytes:
-    """One KDN object (``kdn.objects.encode_object`` fields) whose K/V tensors are kvtc coded.
+    """One KDN object (``kdn.format.objects.encode_object`` fields) whose K/V tensors are kvtc coded.
 
     ``tensors`` are torch tensors by name (``L{i}.k`` / ``L{i}.v`` ``[H, n, D]``);
     any other tensor is stored lossless (zstd). ``position`` is the position of
     the object's first token (its ``position`` field).
     """
-    from kdn.objects import encode_object, from_torch
+    from kdn.format.objects import encode_object, from_torch
 
     raw = from_torch(tensors)
     pending: dict[int, tuple[Buffer, tuple[bytes, dict]]] = {}
@@ -433,8 +433,8 @@ def theta_for(basis: Basis, bits: float) -> float:
 
 def encode_kvtc(encoding: str, basis: Basis, *, tensors, position: int, **fields) -> bytes:
     """One object in ``kvtc-B`` (``kdn.kernels.encode_as`` fields; ``tensors`` torch or raw tensors by name)."""
-    from kdn.encodings import kvtc_bits
-    from kdn.objects import RawTensor, to_torch
+    from kdn.format.encodings import kvtc_bits
+    from kdn.format.objects import RawTensor, to_torch
 
     bits = kvtc_bits(encoding)
     if bits is None:
@@ -451,7 +451,7 @@ def encode_kvtc(encoding: str, basis: Basis, *, tensors, position: int, **fields
 def decoded_cap(basis: Basis, chunk_tokens: int, extra: int = 1 << 20) -> int:
     """An upper bound on what one ``chunk_tokens``-token kvtc object of this basis's model decodes to
     (F32 K and V of every layer, plus ``extra`` for the other tensors): ``max_decoded`` for
-    :func:`kdn.objects.decode_object`, whose default (16x the blob) refuses kvtc's larger ratios."""
+    :func:`kdn.format.objects.decode_object`, whose default (16x the blob) refuses kvtc's larger ratios."""
     return 2 * basis.n_layers * basis.channels * max(1, chunk_tokens) * 4 + extra
 
 

@@ -29,9 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kdn import service
 from kdn.service import connections
-from kdn.address import PUBLIC_NAMESPACE, Address, validate_address, validate_name, validate_namespace
+from kdn.format.address import PUBLIC_NAMESPACE, Address, validate_address, validate_name, validate_namespace
 from kdn.auth import Grant, Grants, covers, may_read
-from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
+from kdn.format.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput
 from kdn.registry import KVRegistry, ModelRecord, NodeRecord, ObjectRecord
 from kdn.registry.split import RecordsBeside
@@ -43,10 +43,11 @@ from kdn.origin.config import OriginConfig as OriginConfig  # (re-exported: call
 from kdn.origin.jobs import JobQueue, QueueFull
 from kdn.origin.publish_job import run_publish, writer
 from kdn.origin.publish import Producer, default_encodings, parse_request, push_policy_name
-from kdn.origin.s3store import is_s3, open_records, open_store, parse_s3_url
+from kdn.origin.s3records import open_records
+from kdn.origin.s3store import is_s3, open_store, parse_s3_url
 from kdn.origin.speed import PublishSpeed, prefill_model_of
 from kdn.origin.store import ObjectStore
-from kdn.pieces import check_piece_bytes
+from kdn.format.pieces import check_piece_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ async def _records_ctx(app: web.Application):
 async def _model_ctx(app: web.Application):
     cfg = app[CONFIG]
     if cfg.signing_key:
-        from kdn.signing import Signer
+        from kdn.registry.signing import Signer
 
         signer = writer(app).signer = Signer.load(cfg.signing_key)
         log.info("origin signs its records with key %s", signer.key_id)

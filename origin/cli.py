@@ -35,7 +35,7 @@ def _register_origin(sub: argparse._SubParsersAction) -> None:
 
 def _serve_node_args(p: argparse.ArgumentParser) -> None:
     """`kdn origin serve`: the model and what computes it, the registry, the store, where it listens, its key."""
-    from kdn.cli import registry_arg
+    from kdn.registry.url import registry_arg
 
     p.add_argument("--model", default="tiny-llama",
                    help="tiny-llama, tiny-bamba, ..., smollm2-135m, a transformers folder or a .gguf file")
@@ -131,7 +131,7 @@ def _register_publish(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kdn.address import validate_name
+    from kdn.format.address import validate_name
     from kdn.origin.app import OriginConfig, run
     from kdn.registry.records import validate_node_url
     from kdn.units import parse_size
@@ -159,7 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         TokenScope(args.token_hosts)  # a bad pattern fails here, in one line
     cfg.connection_caps()  # bad caps fail here, in one line
     if args.signing_key:
-        from kdn.signing import Signer
+        from kdn.registry.signing import Signer
 
         Signer.load(args.signing_key)  # a bad or world-readable key fails here, in one line
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -171,7 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from kdn.signing import Signer
+    from kdn.registry.signing import Signer
 
     signer = Signer.generate(args.out)
     print(f"signing key {args.out} (keep it private); give consumers its public key, also in {args.out}.pub:")
@@ -208,7 +208,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     import asyncio
 
     from kdn.registry import Manifest
-    from kdn.signing import manifest_pin
+    from kdn.registry.signing import manifest_pin
 
     manifests = asyncio.run(publish_documents(args.origin.rstrip("/"), token, docs, body_common, args.timeout,
                                          progress=not args.json and sys.stderr.isatty(), ca=args.ca,

@@ -12,9 +12,9 @@ from typing import Any
 from aiohttp import web
 
 from kdn import service
-from kdn.address import validate_name
+from kdn.format.address import validate_name
 from kdn.errors import InvalidInput
-from kdn.pieces import PIECE_BYTES
+from kdn.format.pieces import PIECE_BYTES
 
 from kdn.origin.jobs import JobQueue
 from kdn.origin.publish import Producer
@@ -40,7 +40,7 @@ class OriginConfig(service.NodeConfig):
     max_context: int = 32768  # with the vllm engine: the longest document it is sized for
     kvtc_basis: str | None = None  # a kvtc basis file (kdn.adapters.hf.transform_fit): enables kvtc-B encodings
     raw_copies: str = "auto"  # a publish naming no encodings stores raw beside zstd: auto|always|never
-    piece_bytes: int = PIECE_BYTES  # each record carries its blobs' piece digests at this size (kdn/pieces.py)
+    piece_bytes: int = PIECE_BYTES  # each record carries its blobs' piece digests at this size (kdn/format/pieces.py)
     store_credentials: str | None = None  # an s3:// store's keys (INI file; else AWS_* in the environment)
     records: str = "store"  # where object records are written: "store" (beside the blobs), or the "registry"
     # The token the operator console shows edges when it asks what they hold (a file; `read *` at the edges,

@@ -24,13 +24,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kdn import address as A
-from kdn.address import Address
+from kdn.format import address as A
+from kdn.format.address import Address
 from kdn.emphasis import EmphasisMap, merge_spans
-from kdn.encodings import LOSSLESS_PREFERENCE, kvtc_bits
+from kdn.format.encodings import LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry import ObjectRecord, Policy
-from kdn.store import validate_encoding
+from kdn.format.store import validate_encoding
 from kdn.template import chat_frame, encode_frame, encode_text
 
 from kdn.origin.publish_emphasis import emphasis_spans_of_texts as emphasis_spans_of_texts  # (importable here too)
@@ -309,7 +309,7 @@ class Producer:
         if n == 0:
             return None, 0
         from kdn.adapters.hf import build_cache
-        from kdn.objects import decode_object, to_torch
+        from kdn.format.objects import decode_object, to_torch
 
         enc = next(e for e in spec.encodings if e in LOSSLESS_PREFERENCE)
         chunks = []
@@ -353,7 +353,7 @@ class Producer:
     def _store(self, addr: Address, spec: PublishSpec, kind: str, s: int, e: int, position: int,
                parent: Address | None, tensors) -> None:
         from kdn.kernels import encode_as
-        from kdn.objects import from_torch
+        from kdn.format.objects import from_torch
 
         raw = from_torch(tensors)
         for enc in spec.encodings:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kdn.cli import registry_arg
+    from kdn.registry.url import registry_arg
 
     rel = sub.add_parser("relation", help="a publisher's signed base relations (fine-tuned variants reading a "
                                           "base model's states)").add_subparsers(dest="relation_command",
@@ -64,7 +64,7 @@ def _read(path: str) -> BaseRelation:
 
 
 def cmd_sign(args: argparse.Namespace) -> int:
-    from kdn.signing import Signer
+    from kdn.registry.signing import Signer
 
     signer = Signer.load(args.signing_key)
     rel = signer.sign(_read(args.file))
@@ -75,8 +75,8 @@ def cmd_sign(args: argparse.Namespace) -> int:
 
 
 def cmd_put(args: argparse.Namespace) -> int:
-    from kdn.cli import run_registry
-    from kdn.signing import Signer, Verifier
+    from kdn.registry.url import run_registry
+    from kdn.registry.signing import Signer, Verifier
 
     rel = _read(args.file)
     if args.signing_key:
@@ -104,7 +104,7 @@ def _plan(rel: BaseRelation) -> str:
 def _verdict(args: argparse.Namespace, rel: BaseRelation) -> dict[str, object]:
     if not args.trusted_keys:
         return {}
-    from kdn.signing import SignatureError, Verifier
+    from kdn.registry.signing import SignatureError, Verifier
 
     try:
         Verifier.from_file(args.trusted_keys).check(rel)
@@ -116,8 +116,8 @@ def _verdict(args: argparse.Namespace, rel: BaseRelation) -> dict[str, object]:
 def cmd_show(args: argparse.Namespace) -> int:
     import sys
 
-    from kdn.address import validate_model_id
-    from kdn.cli import run_registry
+    from kdn.format.address import validate_model_id
+    from kdn.registry.url import run_registry
 
     variant = validate_model_id(args.variant)
 
@@ -133,7 +133,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from kdn.cli import run_registry
+    from kdn.registry.url import run_registry
 
     async def go(reg: Registry) -> int:
         for rel in await reg.list_relations():

@@ -35,10 +35,11 @@ import logging
 import os
 import random
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdn.errors import InvalidInput, KDNError
-from kdn.origin.s3store import RECORDS, bucket, parse_s3_url
+from kdn.origin.s3store import RECORDS, bucket, is_s3, parse_s3_url
 from kdn.registry.base import DEFAULT_PREFIX, Build, KVRegistry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -156,3 +157,17 @@ class S3Records(KVRegistry):
 
     async def _close(self) -> None:
         return None
+
+
+def open_records(store: str | os.PathLike[str], *,
+                 credentials: str | os.PathLike[str] | None = None) -> KVRegistry:
+    """The object records beside the blobs of ``--store`` (``--records store``, ``kdn.registry.split``):
+    ``records.sqlite3`` in a folder store, objects under ``records/`` in an s3:// one."""
+    from kdn.registry import EmbeddedRegistry
+    from kdn.registry.split import RECORDS_FILE
+
+    if is_s3(store):
+        return S3Records(str(store), credentials=credentials)
+    if credentials is not None:
+        raise InvalidInput("--store-credentials is for an s3:// store")
+    return EmbeddedRegistry(Path(store) / RECORDS_FILE)

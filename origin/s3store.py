@@ -41,18 +41,17 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
-from kdn.address import Address, validate_address, validate_digest, validate_namespace
+from kdn.format.address import Address, validate_address, validate_digest, validate_namespace
 from kdn.errors import InvalidInput
 from kdn.origin.store import BlobInfo, ObjectStore, blob_info
-from kdn.pieces import PIECE_BYTES, Pieces
-from kdn.store import validate_encoding
+from kdn.format.pieces import PIECE_BYTES, Pieces
+from kdn.format.store import validate_encoding
 
 if TYPE_CHECKING:
-    from kdn.registry import KVRegistry
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -307,19 +306,3 @@ def open_store(store: str | os.PathLike[str], *, fsync: bool = True, piece_bytes
     if credentials is not None:
         raise InvalidInput("--store-credentials is for an s3:// store")
     return ObjectStore(store, fsync=fsync, piece_bytes=piece_bytes)
-
-
-def open_records(store: str | os.PathLike[str], *,
-                 credentials: str | os.PathLike[str] | None = None) -> KVRegistry:
-    """The object records beside the blobs of ``--store`` (``--records store``, ``kdn.registry.split``):
-    ``records.sqlite3`` in a folder store, objects under ``records/`` in an s3:// one."""
-    from kdn.registry import EmbeddedRegistry
-    from kdn.registry.split import RECORDS_FILE
-
-    if is_s3(store):
-        from kdn.origin.s3records import S3Records
-
-        return S3Records(str(store), credentials=credentials)
-    if credentials is not None:
-        raise InvalidInput("--store-credentials is for an s3:// store")
-    return EmbeddedRegistry(Path(store) / RECORDS_FILE)

@@ -26,12 +26,12 @@ import shutil
 import threading
 from dataclasses import dataclass
 
-from kdn.address import Address, Digest, blob_digest, validate_address
+from kdn.format.address import Address, Digest, blob_digest, validate_address
 from kdn.errors import DigestMismatch
-from kdn.objects import blob_namespace
-from kdn.pieces import PIECE_BYTES, check_piece_bytes, piece_digests
+from kdn.format.objects import blob_namespace
+from kdn.format.pieces import PIECE_BYTES, check_piece_bytes, piece_digests
 from kdn.registry.records import Encoding
-from kdn.store import BlobDir, validate_encoding
+from kdn.format.store import BlobDir, validate_encoding
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class BlobInfo:
     size: int
     digest: Digest
     namespace: str | None = None  # from the blob's own header; None for a blob that is not a KV object
-    # Each PIECE_BYTES piece's BLAKE3 (kdn/pieces.py), hashed from the same bytes as ``digest``: at write
+    # Each PIECE_BYTES piece's BLAKE3 (kdn/format/pieces.py), hashed from the same bytes as ``digest``: at write
     # time, or at a restart only once the digest written beside the blob matched. Never from bytes that
     # were not first proven whole, so a record's pieces always name the bytes its digest names.
     pieces: tuple[Digest, ...] = ()
@@ -61,7 +61,7 @@ class ObjectStore:
     """Blocking store; the async service calls it through ``asyncio.to_thread``."""
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True, piece_bytes: int = PIECE_BYTES) -> None:
-        self.piece_bytes = check_piece_bytes(piece_bytes)  # the piece digests each record carries (kdn/pieces.py)
+        self.piece_bytes = check_piece_bytes(piece_bytes)  # the piece digests each record carries (kdn/format/pieces.py)
         self._index: dict[Address, dict[str, BlobInfo]] = {}  # address -> encoding -> info
         self._lock = threading.Lock()
         self.dropped = 0  # blobs whose bytes no longer matched the digest written with them

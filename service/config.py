@@ -68,7 +68,7 @@ class NodeConfig:
 
     def admitters(self) -> Any:
         """With ``require_admission``: the operator keys and revocation list that admit the nodes this one
-        talks to (kdn.signing.Admitters), so a registry writer cannot point it at a server of its choice;
+        talks to (kdn.registry.signing.Admitters), so a registry writer cannot point it at a server of its choice;
         else None."""
         if self.revoked_admissions and not self.require_admission:
             raise InvalidInput("--revoked-admissions is for --require-admission: give both")
@@ -76,7 +76,7 @@ class NodeConfig:
             return None
         if not self.operator_keys:
             raise InvalidInput("--require-admission checks admissions with --operator-keys: give both")
-        from kdn.signing import Admitters
+        from kdn.registry.signing import Admitters
 
         return Admitters.from_files(self.operator_keys, self.revoked_admissions)
 

@@ -10,9 +10,9 @@ from typing import Any
 
 from aiohttp import web
 
-from kdn.address import Address, validate_address
+from kdn.format.address import Address, validate_address
 from kdn.auth import AuthError
-from kdn.store import validate_encoding
+from kdn.format.store import validate_encoding
 
 from .config import Deadlines
 from .keys import DEADLINES, HTTP_METRICS

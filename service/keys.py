@@ -8,7 +8,7 @@ from typing import Protocol
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kdn.address import Address, Digest
+from kdn.format.address import Address, Digest
 from kdn.auth import Grants
 from kdn.registry import Manifest, ObjectRecord, Registry
 

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from kdn.address import Digest, validate_address, validate_digest, validate_name, validate_namespace
+from kdn.format.address import Digest, validate_address, validate_digest, validate_name, validate_namespace
 from kdn.auth import may_read
-from kdn.fetch import HOP
+from kdn.wire.fetch import HOP
 from kdn.registry import Manifest, open_registry
 
 from .inputs import bearer, read_addresses

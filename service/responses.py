@@ -7,7 +7,7 @@ from typing import Literal
 
 from aiohttp import web
 
-from kdn.address import Digest
+from kdn.format.address import Digest
 
 from .server import send_within
 
@@ -20,7 +20,7 @@ def byte_range(request: web.Request, size: int, digest: Digest) -> tuple[int, in
     A single range only (``bytes=a-b``, ``bytes=a-``, ``bytes=-n``); a header this does not take (several
     ranges, another unit, bad syntax) is ignored, as the RFC allows, and the whole body is sent. With
     ``If-Range``, the range holds only if it names this blob's (strong) ETag. A range that starts past the
-    end is a 416 with ``Content-Range: bytes */size``. Pieces of a blob (``kdn.pieces``) are ranges: a
+    end is a 416 with ``Content-Range: bytes */size``. Pieces of a blob (``kdn.format.pieces``) are ranges: a
     consumer verifies each piece it asked for against the signed record's piece digests."""
     text = request.headers.get("Range")
     if text is None or request.method != "GET":

@@ -160,7 +160,7 @@ def _state_dir(folder: str | None) -> Path:
 
 def _origin_key(root: Path) -> None:
     """The origin signs every record; the edges and the client below trust only its key."""
-    from kdn.signing import Signer
+    from kdn.registry.signing import Signer
 
     signer = Signer.generate(root / "origin.key") if not (root / "origin.key").exists() else Signer.load(root / "origin.key")
     (root / "trusted-keys").write_text(signer.public + "\n")

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kdn.codecs import itemsize
+from kdn.format.codecs import itemsize
 from kdn.errors import InvalidInput, KDNError, ModelMismatch
 from kdn.adapters.hf import kvmem
 from kdn.adapters.hf.extract import LayerSpec, _forward, layer_layout, new_cache
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.arena import Arena
-    from kdn.objects import Layout, ObjectHeader, ObjectView
+    from kdn.wire.arena import Arena
+    from kdn.format.objects import Layout, ObjectHeader, ObjectView
 
 
 MAX_ROOM = 1 << 16  # tokens of room a CacheBuilder may reserve after its prefix (past it, layers concatenate)
@@ -160,7 +160,7 @@ class CacheBuilder:
     model's K/V dtype, and :meth:`add` (the ``into`` of
     ``KDNClient.fetch_prefix``, called in a worker thread per object as it
     arrives) decodes each tensor into its place: zstd's byte planes are
-    interleaved straight into the cache (``kdn.codecs.decode_into``). Chunks may
+    interleaved straight into the cache (``kdn.format.codecs.decode_into``). Chunks may
     arrive in any order and in parallel (their slices are disjoint). Every name,
     K/V shape, token count and start is checked before a byte is written into
     the cache; the last chunk's conv/recurrent states (decoded within the
@@ -201,7 +201,7 @@ class CacheBuilder:
         # device, where layers of one shape share one tensor in the objects' own tensor order (``_stack``);
         # ``kv`` holds their first S tokens.
         self.device_copies = 0  # copies issued onto and on the device (staged path): two per chunk when stacked
-        self._order = sorted(self._kv_names)  # the order an object stores K/V tensors in (kdn.objects)
+        self._order = sorted(self._kv_names)  # the order an object stores K/V tensors in (kdn.format.objects)
         if not self.staged:
             self.full = kvmem.kv_tensors(self.layout, self.tokens + room, arena)
         else:
@@ -270,7 +270,7 @@ class CacheBuilder:
             self._add(index, view)
 
     def _add(self, index: int, view: ObjectView) -> None:
-        from kdn.objects import to_torch
+        from kdn.format.objects import to_torch
 
         h = view.header
         n = self._check(index, h)
@@ -369,7 +369,7 @@ class CacheBuilder:
                                                  .view(heads, n, dim))
         return 2 * len(self.kv)
 
-    # --- a raw object received straight into its place (kdn.scatter.Placer) ---
+    # --- a raw object received straight into its place (kdn.wire.scatter.Placer) ---
 
     def placeable(self, index: int) -> bool:
         """Whether chunk ``index`` can be received in place: not one whose states are kept (those are
@@ -434,7 +434,7 @@ class CacheBuilder:
 
 @functools.cache
 def _torch_dtype(st_dtype: str) -> torch.dtype:
-    from kdn.objects import torch_dtype
+    from kdn.format.objects import torch_dtype
 
     return torch_dtype(st_dtype)
 

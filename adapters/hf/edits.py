@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
 from kdn.template import encode_text
 
@@ -228,7 +228,7 @@ def _manifest_chain(manifest: Mapping[str, Any], mid: A.ModelId) -> tuple[list[i
 async def _fetch_old(client: Any, mid: A.ModelId, ns: str, addrs: Sequence[A.Address], wanted: Sequence[int],
                      C: int, n_old: int, device: Any, report: EditReport) -> dict[int, dict | None]:
     """The old chain's chunks ``wanted``, verified against the chain (address, model, namespace, span)."""
-    from kdn.objects import decode_object, to_torch
+    from kdn.format.objects import decode_object, to_torch
 
     def decode(j: int, blob: Any, cap: int | None) -> dict:
         obj = decode_object(blob, max_decoded=cap)

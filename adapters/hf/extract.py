@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from kdn.address import DEFAULT_CHUNK_TOKENS, chunk_spans
+from kdn.format.address import DEFAULT_CHUNK_TOKENS, chunk_spans
 from kdn.errors import InvalidInput, ModelMismatch
 
 Kind = Literal["kv", "ssm", "hybrid"]

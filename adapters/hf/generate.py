@@ -1,6 +1,6 @@
 """The engine side: look up the longest cached prefix, load it, prefill only the rest, generate.
 
-    from kdn.sync import SyncKDNClient
+    from kdn.client.sync import SyncKDNClient
     from kdn.adapters.hf import generate, prompt_tokens
 
     with SyncKDNClient(edges=["http://127.0.0.1:8100"]) as client:
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from kdn.address import ModelId
-from kdn.arena import Arena, ArenaFull
-from kdn.bodyget import Tally
+from kdn.format.address import ModelId
+from kdn.wire.arena import Arena, ArenaFull
+from kdn.wire.bodyget import Tally
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.planner import plan as make_plan
@@ -80,7 +80,7 @@ ROOM_FOR_NEW_TOKENS = 1024  # generated tokens a load reserves room for (past th
 
 
 def default_arena() -> Arena:
-    """This process's loading arena (``kdn.arena``; page-locked on a CUDA host), made at first use:
+    """This process's loading arena (``kdn.wire.arena``; page-locked on a CUDA host), made at first use:
     ``$KDN_ARENA`` bytes (e.g. ``8GiB``), default 4 GiB. It holds what its largest load used, not its budget."""
     if not _ARENA:
         import os
@@ -319,7 +319,7 @@ def _pick(logits: torch.Tensor, do_sample: bool, temperature: float) -> int:
 
 def generate(model: Any, tokenizer: Any, prompt: str | list[int], client, **kwargs) -> Generation:
     """Blocking ``agenerate`` for scripts: ``client`` is a ``kdn.client.SyncKDNClient``."""
-    from kdn.sync import SyncKDNClient
+    from kdn.client.sync import SyncKDNClient
 
     if not isinstance(client, SyncKDNClient):
         raise InvalidInput("generate() takes a SyncKDNClient; use agenerate() with a KDNClient")

@@ -16,7 +16,7 @@ import torch
 from kdn.adapters.hf.extract import LayerSpec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.arena import Arena
+    from kdn.wire.arena import Arena
 
 
 @functools.cache

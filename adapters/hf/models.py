@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from blake3 import blake3  # noqa: E402
 
-from kdn.address import DEFAULT_CHUNK_TOKENS, ModelId, canonical_json, model_id  # noqa: E402
+from kdn.format.address import DEFAULT_CHUNK_TOKENS, ModelId, canonical_json, model_id  # noqa: E402
 from kdn.errors import UnknownModel  # noqa: E402
 
 SMOLLM2 = "smollm2-135m"

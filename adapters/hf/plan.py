@@ -23,7 +23,7 @@ import time
 import weakref
 from typing import Any
 
-from kdn.bodyget import Tally
+from kdn.wire.bodyget import Tally
 from kdn.planner import OVERRUN_AFTER, Chunk, PrefillModel, Speeds, overruns
 
 log = logging.getLogger("kdn.adapters.hf")
@@ -103,7 +103,7 @@ def start_probe(hit: Any, client: Any, speeds: Speeds, deadline_s: float,
     encoding this client would fetch, bad piece digests, or a record that cannot be read (the edge or the
     registry failing: the next stale plan probes again) measure nothing; the task never ends in an error."""
     from kdn.errors import InvalidInput, KDNError
-    from kdn.pieces import Pieces
+    from kdn.format.pieces import Pieces
 
     async def run() -> None:
         address = hit.addresses[0]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.emphasis import EmphasisMap, merge_spans
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.template import chat_frame, encode_frame, encode_text
@@ -90,7 +90,7 @@ async def _fetch_chunks(client: Any, mid: A.ModelId, namespace: str, addrs: Sequ
     A pipeline per chunk: each is decoded off the event loop as soon as it has arrived and been
     verified, while the others are still on the wire. ``report.fetch_ms`` runs to the last decode.
     """
-    from kdn.objects import decode_object, to_torch
+    from kdn.format.objects import decode_object, to_torch
 
     if client is None:
         report.missing.extend(addrs)

@@ -16,7 +16,7 @@ for most layers and recompute the few where the two diverge most. What this modu
   own K/V for layers ``[0, k)`` and the base's for ``[k, L)``, for every depth k; beside it, the KV divergence
   per layer and the effect of the base's K/V in one layer alone (where the critical layers are). ``pick_depth``
   takes the least k within a budget (at every deeper k too); ``relation_for`` writes the ``BaseRelation`` the
-  publisher signs (``kdn.signing.Signer.sign``).
+  publisher signs (``kdn.registry.signing.Signer.sign``).
 - **recompute from the embeddings.** A layer's K/V for the prefix need the hidden states entering it; the
   consumer has only token ids and the base's K/V, so the plan is always the first k layers, run by the variant
   from the embeddings (``recompute_layers``: the forward stops before layer k). No extra object; its cost is
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from kdn.address import ModelId
+from kdn.format.address import ModelId
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.registry.records import BaseRelation
 from kdn.template import encode_text
@@ -301,7 +301,7 @@ def relation_for(m: PairMeasurement, variant_id: ModelId, base_id: ModelId, budg
 
 def check_relation(rel: Any, model: Any, tokenizer: Any, verifier: Any) -> int:
     """The plan's depth k, once ``rel`` is a ``BaseRelation`` signed by a key of ``verifier`` (a
-    ``kdn.signing.Verifier``; required) that names this model as its variant; raises otherwise
+    ``kdn.registry.signing.Verifier``; required) that names this model as its variant; raises otherwise
     (``SignatureError``, ``ModelMismatch``, ``InvalidInput``)."""
     if not isinstance(rel, BaseRelation):
         raise InvalidInput(f"accept_base takes a BaseRelation, not a {type(rel).__name__}")
@@ -408,7 +408,7 @@ async def agenerate_variant(model: Any, tokenizer: Any, prompt: str | list[int],
     """Generate greedily from ``prompt`` with ``model``, a variant, reading the prefix its base published.
 
     Opt-in: without ``accept_base`` this is ``agenerate`` (the model's own states, exact). With it, ``accept_base``
-    must verify against ``trusted`` (a ``kdn.signing.Verifier``; default: the client's publisher keys) and name
+    must verify against ``trusted`` (a ``kdn.registry.signing.Verifier``; default: the client's publisher keys) and name
     this model as its variant (``check_relation``); the base's chunks are loaded, layers ``[0, k)`` of the
     relation's plan recomputed by this model, and the rest of the prompt computed."""
     if accept_base is None:

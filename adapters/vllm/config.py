@@ -32,7 +32,7 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
                        ``"plan": false`` loads all it can regardless, e.g. to measure a load)
     ``decode_threads`` threads that decode arrived compressed pieces into the load's staging (default 2;
                        raw pieces are received in place and need none)
-    ``arena``          bytes of host buffers the load path reuses across requests (``kdn.arena``; page-locked
+    ``arena``          bytes of host buffers the load path reuses across requests (``kdn.wire.arena``; page-locked
                        on a CUDA host; a load stages its whole K/V there), e.g. ``"8GiB"`` (default 4 GiB);
                        a load that does not fit recomputes
 
@@ -51,8 +51,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdn.address import DEFAULT_CHUNK_TOKENS, PUBLIC_NAMESPACE, validate_name, validate_namespace
-from kdn.encodings import affordable, parse_budget
+from kdn.format.address import DEFAULT_CHUNK_TOKENS, PUBLIC_NAMESPACE, validate_name, validate_namespace
+from kdn.format.encodings import affordable, parse_budget
 from kdn.errors import InvalidInput
 
 LOAD_MODES = ("auto", "sync", "async")

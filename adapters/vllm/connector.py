@@ -127,7 +127,7 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
 
                 self.registry = open_registry(self.cfg.registry)
                 if self.cfg.signing_key:
-                    from kdn.signing import Signer
+                    from kdn.registry.signing import Signer
 
                     self.registry.signer = Signer.load(self.cfg.signing_key)
             self.saver = Saver(cfg=self.cfg, model_id=self.model_id, worker=self.worker, n_layers=n_layers,

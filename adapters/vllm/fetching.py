@@ -5,7 +5,7 @@ load's pieces here and waits for them, writes what they staged into vLLM's cache
 A piece is fetched into a reused arena buffer and verified against the digest of its record, its header
 checked against what the plan expects (address, model, namespace, span, tensor shapes), and decoded into the
 staging on a few threads of its own; its receive buffer goes back to the arena at once. A raw piece wholly
-inside the load is received straight into its place instead (``kdn.scatter``). Every failure is a
+inside the load is received straight into its place instead (``kdn.wire.scatter``). Every failure is a
 ``LoadFailed`` with its reason: bytes from the network never fail the engine's step.
 """
 
@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
-from kdn.address import ModelId
-from kdn.bodyget import Tally
+from kdn.format.address import ModelId
+from kdn.wire.bodyget import Tally
 from kdn.errors import KDNError
-from kdn.pieces import Pieces
+from kdn.format.pieces import Pieces
 
 from kdn.adapters.vllm.meta import LoadJob
 from kdn.adapters.vllm.plan import Piece
@@ -73,7 +73,7 @@ class Loading(Protocol):
 
 
 def _torch_dtype(st_dtype: str) -> torch.dtype:
-    from kdn.objects import torch_dtype
+    from kdn.format.objects import torch_dtype
 
     return torch_dtype(st_dtype)
 
@@ -124,7 +124,7 @@ class PieceLoader:
                 and not (self.states and i == len(plan.pieces) - 1))
 
     async def _fetch_placed(self, run: Loading, i: int, p: Piece) -> Staged:
-        """Piece ``i`` received straight into its place in the staging (``kdn.scatter``): no receive buffer and
+        """Piece ``i`` received straight into its place in the staging (``kdn.wire.scatter``): no receive buffer and
         no copy after it, the bytes verified as they land (the worker uses the staging only for pieces whose
         fetch returned). Its header is checked before a byte is placed; a refusal keeps its reason.
 
@@ -189,7 +189,7 @@ class PieceLoader:
             raise LoadFailed("decode", p, str(e)) from None
 
     def _stage_into(self, staging: Staging, run: Loading, i: int, p: Piece, f: Any, cap: int | None) -> Staged:
-        from kdn.objects import ObjectView, to_torch
+        from kdn.format.objects import ObjectView, to_torch
 
         try:
             # Bounded before a byte is decoded: at most what this model's chunk of that length holds.

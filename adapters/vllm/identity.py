@@ -1,7 +1,7 @@
 """The engine's model as KDN names it: the same ``ModelId`` whichever engine loads the weights.
 
 A model id hashes the architecture, the state-changing config fields, the
-weights, the tokenizer and the dtype (``kdn.address.model_id``); it says
+weights, the tokenizer and the dtype (``kdn.format.address.model_id``); it says
 nothing of the engine. vLLM is given a folder of weights, so the id is
 computed the way the transformers adapter computes it for that folder (load
 on the CPU, hash, drop), once per process and folder. (No setting names the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import gc
 
-from kdn.address import ModelId
+from kdn.format.address import ModelId
 
 
 @functools.lru_cache(maxsize=4)

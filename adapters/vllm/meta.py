@@ -10,7 +10,7 @@ from kdn.adapters.vllm.plan import LoadPlan
 from kdn.adapters.vllm.steer import SteerJob
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.address import Address
+    from kdn.format.address import Address
 
 
 @dataclass(frozen=True)

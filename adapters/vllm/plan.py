@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.address import Address, Digest
+    from kdn.format.address import Address, Digest
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Piece:
     digest: Digest  # as the record states it (the client checks its form before fetching)
     size: int
     tier: str = ""  # where the entry edge said it would come from (memory, disk, peer:..., origin)
-    # The record's piece digests (kdn/pieces.py): the worker verifies the body piece by piece as it lands.
+    # The record's piece digests (kdn/format/pieces.py): the worker verifies the body piece by piece as it lands.
     piece_bytes: int = 0
     piece_digests: tuple[Digest, ...] = ()
     warm: bool | None = None  # KDNClient.warm: its read costs only this engine's link (None: judge by ``tier``)
@@ -52,7 +52,7 @@ class Piece:
         that was not asked, a tier the edge must fill first (``kdn.client.fills``)."""
         if self.warm is not None:
             return not self.warm
-        from kdn.lookup import fills
+        from kdn.client.lookup import fills
 
         return fills(self.tier)
 

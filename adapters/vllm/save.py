@@ -17,9 +17,9 @@ import logging
 
 import torch
 
-from kdn.address import Address, ModelId
+from kdn.format.address import Address, ModelId
 from kdn.errors import KDNError
-from kdn.store import BlobDir
+from kdn.format.store import BlobDir
 
 from kdn.adapters.vllm import compat, paged
 from kdn.adapters.vllm.meta import KDNMetadata, SaveChunk, SaveJob
@@ -89,7 +89,7 @@ class Saver:
 
     def _write(self, job: SaveJob, c: SaveChunk, tensors: dict[str, torch.Tensor]) -> None:
         from kdn.kernels import encode_as
-        from kdn.objects import from_torch
+        from kdn.format.objects import from_torch
 
         raw = from_torch(tensors)
         for enc in job.encodings:
@@ -97,15 +97,15 @@ class Saver:
                 blob = encode_as(enc, n_layers=self.n_layers, kind=self.kind, address=c.address, model_id=self.model_id,
                                  namespace=job.namespace, start=c.start, end=c.end, position=c.start, parent=c.parent,
                                  tensors=raw)
-                from kdn.address import blob_digest
+                from kdn.format.address import blob_digest
 
                 self.store.put(c.address, enc, blob, digest=blob_digest(blob))
         if self.registry is not None:
             self.bridge.run(self._record(job, c), timeout=30)
 
     async def _record(self, job: SaveJob, c: SaveChunk) -> None:
-        from kdn.address import blob_digest
-        from kdn.pieces import PIECE_BYTES, piece_digests
+        from kdn.format.address import blob_digest
+        from kdn.format.pieces import PIECE_BYTES, piece_digests
         from kdn.registry import Encoding, ObjectRecord
 
         encs = {}
@@ -113,7 +113,7 @@ class Saver:
             data = self.store.read(c.address, enc)
             if data is None:  # (written just above; gone only if something removed it meanwhile)
                 raise KDNError(f"chunk {c.address[:16]} ({enc}) left the store before its record was written")
-            pieces = piece_digests(data)  # from the same bytes as the whole digest (kdn/pieces.py)
+            pieces = piece_digests(data)  # from the same bytes as the whole digest (kdn/format/pieces.py)
             encs[enc] = Encoding(enc, len(data), blob_digest(data), PIECE_BYTES if pieces else 0, pieces)
         rec = ObjectRecord(address=c.address, model_id=self.model_id, namespace=job.namespace, kind=self.kind,
                            start=c.start, end=c.end, parent=c.parent, standalone=False, encodings=encs,

@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdn import address as A
-from kdn.address import ModelId
+from kdn.format import address as A
+from kdn.format.address import ModelId
 from kdn.errors import InvalidInput, KDNError
-from kdn.pieces import Pieces
-from kdn.store import validate_encoding
+from kdn.format.pieces import Pieces
+from kdn.format.store import validate_encoding
 
 from kdn.adapters.vllm import compat
 from kdn.adapters.vllm.config import ConnectorConfig

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdn.arena import Arena, Lease
+from kdn.wire.arena import Arena, Lease
 from kdn.errors import KDNError
 
 
@@ -87,9 +87,9 @@ class Staging:
                 self._free()
 
     def put(self, j: int, view: Any, names: tuple[str, str], lo: int, hi: int, start: int) -> None:
-        """Decode layer ``j``'s K and V of one object (``view``: ``kdn.objects.ObjectView``; tensors ``names``,
+        """Decode layer ``j``'s K and V of one object (``view``: ``kdn.format.objects.ObjectView``; tensors ``names``,
         ``[H, end - start, D]``, tokens from ``start``) for tokens ``[lo, hi)`` into their place."""
-        from kdn.objects import to_torch
+        from kdn.format.objects import to_torch
 
         a, b = lo - self.first, hi - self.first
         whole = (lo, hi) == (start, start + view.header.tensors[names[0]].shape[1])
@@ -107,7 +107,7 @@ class Staging:
     def runs(self, j: int, lo: int, hi: int) -> tuple[list[memoryview], list[memoryview]]:
         """Layer ``j``'s K and V memory for tokens ``[lo, hi)``, one contiguous run per head (``[hi - lo, D]``
         of ``[H, tokens, D]``): where a raw object's ``[H, n, D]`` tensors are received in place
-        (``kdn.scatter``), in the order its bytes come."""
+        (``kdn.wire.scatter``), in the order its bytes come."""
         a, b = lo - self.first, hi - self.first
         assert 0 <= a <= b <= self.end - self.first, (lo, hi, self.first, self.end)
         k, v = ([memoryview(lanes[h, a:b, :].data).cast("B") for h in range(lanes.shape[0])] for lanes in self._lanes[j])
@@ -193,6 +193,6 @@ def _lanes(t: torch.Tensor) -> np.ndarray:
 
 
 def _torch_dtype(st_dtype: str) -> torch.dtype:
-    from kdn.objects import torch_dtype
+    from kdn.format.objects import torch_dtype
 
     return torch_dtype(st_dtype)

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from kdn.address import ModelId
-from kdn.arena import ArenaFull
-from kdn.bodyget import Tally
+from kdn.format.address import ModelId
+from kdn.wire.arena import ArenaFull
+from kdn.wire.bodyget import Tally
 from kdn.kernels.pinned import host_arena
 from kdn.errors import DigestMismatch, KDNError, SourceError
 from kdn.planner import OVERRUN_AFTER, overruns

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from kdn.origin.s3store import open_records as open_store_records
+from kdn.origin.s3records import open_records as open_store_records
 from kdn.registry import KVRegistry, open_registry
 from kdn.registry.split import RecordsBeside
 

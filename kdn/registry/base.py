@@ -31,14 +31,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from kdn.address import Address, ModelId, validate_address, validate_model_id, validate_name, validate_namespace
+from kdn.format.address import Address, ModelId, validate_address, validate_model_id, validate_name, validate_namespace
 from kdn.errors import InvalidInput
 from kdn.registry.lease import NodeLease, bounded
 from kdn.registry.records import Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord, Policy
 from kdn.registry.relations import RelationRecords, RelationStore
 
-if TYPE_CHECKING:  # pragma: no cover - kdn.signing loads cryptography, which only an origin needs
-    from kdn.signing import Signable, Signer
+if TYPE_CHECKING:  # pragma: no cover - kdn.registry.signing loads cryptography, which only an origin needs
+    from kdn.registry.signing import Signable, Signer
 
 DEFAULT_PREFIX = "/kdn/"
 log = logging.getLogger(__name__)

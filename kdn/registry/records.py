@@ -19,10 +19,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 
-from kdn.address import Address, Digest, ModelId, canonical_json, validate_address, validate_digest, validate_model_id, validate_name, validate_namespace
+from kdn.format.address import Address, Digest, ModelId, canonical_json, validate_address, validate_digest, validate_model_id, validate_name, validate_namespace
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
-from kdn.pieces import Pieces
+from kdn.format.pieces import Pieces
 from kdn.registry.fields import Record, check_dict, check_sig, check_str, is_int, is_number, require
 
 # "basis": a model-level object (a kvtc basis, kdn/kernels/transform.py) stored and served like a chunk
@@ -77,7 +77,7 @@ class ModelRecord(Record):
     chunk_tokens: int
     config: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-    sig: dict[str, str] = field(default_factory=dict)  # the origin's signature (kdn/signing.py), as its objects'
+    sig: dict[str, str] = field(default_factory=dict)  # the origin's signature (kdn/registry/signing.py), as its objects'
 
     def __post_init__(self) -> None:
         validate_model_id(self.model_id)
@@ -98,7 +98,7 @@ class BaseRelation(Record):
     how the variant reads the base's states: it recomputes layers ``recompute`` of its ``layers`` itself (its
     layer plan, measured once for the pair: ``kdn.adapters.hf.variants``) and takes the base's K/V for the rest,
     within ``budget`` of ``metric`` (``nll%``: continuation NLL increase in %; ``kl``: nats a token) measured on
-    the plan's samples (``measured``). Signed (kdn/signing.py); a consumer uses it only where it asked to."""
+    the plan's samples (``measured``). Signed (kdn/registry/signing.py); a consumer uses it only where it asked to."""
 
     variant: ModelId
     base: ModelId
@@ -147,7 +147,7 @@ class Encoding(Record):
     name: str
     size: int
     digest: Digest  # BLAKE3 hex of the blob in this encoding
-    # The BLAKE3 of each ``piece_bytes`` piece of the blob, in order (kdn/pieces.py: verified streaming);
+    # The BLAKE3 of each ``piece_bytes`` piece of the blob, in order (kdn/format/pieces.py: verified streaming);
     # none for a blob of one piece and in records from before pieces (those are verified whole).
     piece_bytes: int = 0
     pieces: tuple[Digest, ...] = ()
@@ -161,7 +161,7 @@ class Encoding(Record):
 
     @property
     def piece_list(self) -> Pieces | None:
-        """The blob's pieces as ``kdn.pieces`` verifies them (None: verified whole)."""
+        """The blob's pieces as ``kdn.format.pieces`` verifies them (None: verified whole)."""
         return Pieces(self.piece_bytes, self.pieces) if self.pieces else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,7 +190,7 @@ class ObjectRecord(Record):
     # The engine that computed the states, "transformers 5.19.0" / "vllm 0.32.0" ("" in records from
     # before it was kept). The model id pins the weights, but each engine's kernels round differently.
     engine: str = ""
-    sig: dict[str, str] = field(default_factory=dict)  # {"key": key id, "ed25519": hex}: the origin's signature (kdn/signing.py)
+    sig: dict[str, str] = field(default_factory=dict)  # {"key": key id, "ed25519": hex}: the origin's signature (kdn/registry/signing.py)
 
     def __post_init__(self) -> None:
         validate_address(self.address)
@@ -280,7 +280,7 @@ class Manifest(Record):
     created: float = field(default_factory=time.time)
     head_tokens: int = 0  # leading tokens of prefix_tokens that come from the template / prefix text
     extra: dict[str, Any] = field(default_factory=dict)
-    sig: dict[str, str] = field(default_factory=dict)  # the origin's signature (kdn/signing.py)
+    sig: dict[str, str] = field(default_factory=dict)  # the origin's signature (kdn/registry/signing.py)
     # Which published tokens matter (kdn/emphasis.py, wire form); signed with the rest. None: no map.
     emphasis: dict[str, Any] | None = None
     # Per name, rising with every publish (the registry sets it: ``put_manifest``); signed, with ``created``,
@@ -383,7 +383,7 @@ def _check_node_names(rec: str, node: NodeRecord | Admission) -> None:
 class Admission(Record):
     """An operator's word that a node may serve: its role, region, id and URL, until ``expires``.
 
-    Made by ``kdn node admit`` (signed by an operator key, kdn/signing.py); a node started with
+    Made by ``kdn node admit`` (signed by an operator key, kdn/registry/signing.py); a node started with
     ``--admission FILE`` carries it in its node record (``extra["admission"]``). Readers that
     require admissions (edges with ``--require-admission``, ``KDNClient.from_registry(admitted_by=)``)
     leave out every node record without one that verifies and names that record's own fields, so
@@ -423,7 +423,7 @@ class Policy(Record):
     ttl_s: float | None = None
     quota_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    # An operator key's signature (kdn/signing.py; `kdn policy set --operator-key`): edges started with
+    # An operator key's signature (kdn/registry/signing.py; `kdn policy set --operator-key`): edges started with
     # --operator-keys apply only policies one of those keys signed.
     sig: dict[str, str] = field(default_factory=dict)
 

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kdn.address import ModelId, validate_model_id
+from kdn.format.address import ModelId, validate_model_id
 from kdn.errors import InvalidInput
 from kdn.registry.records import BaseRelation
 
@@ -77,12 +77,12 @@ async def find_relation(registry: RelationStore, variant: ModelId, trusted: Any)
     """The registry's relation for ``variant`` if a key of ``trusted`` signed it, else None (absent, junk,
     unsigned, or signed by a key not trusted here: logged).
 
-    ``trusted``: a ``kdn.signing.Verifier``, or anything holding one as ``.verifier`` (a ``KDNClient`` made
+    ``trusted``: a ``kdn.registry.signing.Verifier``, or anything holding one as ``.verifier`` (a ``KDNClient`` made
     with ``trusted_keys``). Found is not accepted: pass it on as ``agenerate_variant(..., accept_base=rel)``.
     The client itself reads through edges, which serve no relations: open the registry for this read
     (``kdn.registry.open_registry(url)``), or have the publisher ship the packed file (``BaseRelation.pack``).
     """
-    from kdn.signing import SignatureError
+    from kdn.registry.signing import SignatureError
 
     verifier = getattr(trusted, "verifier", trusted)
     if verifier is None or not callable(getattr(verifier, "check", None)):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
-from kdn.address import Address, Digest, ModelId, blob_digest, validate_digest
+from kdn.format.address import Address, Digest, ModelId, blob_digest, validate_digest
 from kdn.errors import InvalidInput
 from kdn.registry.base import KVRegistry, Writes
 from kdn.registry.lease import NodeLease
@@ -42,7 +42,7 @@ from kdn.registry.records import BaseRelation, Encoding, Manifest, ModelRecord, 
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.registry.base import Event
-    from kdn.signing import Signer
+    from kdn.registry.signing import Signer
 
 log = logging.getLogger("kdn.registry")
 
@@ -250,7 +250,7 @@ async def migrate_records(registry: KVRegistry, records: KVRegistry, *, delete: 
     return copied, kept
 
 
-# A manifest's namespace starts with one of these (kdn.address._NAMESPACE): migrate_manifests reads the
+# A manifest's namespace starts with one of these (kdn.format.address._NAMESPACE): migrate_manifests reads the
 # manifests in that many ranges, one namespace initial at a time, not all in one answer.
 _INITIALS = "0123456789abcdefghijklmnopqrstuvwxyz"
 

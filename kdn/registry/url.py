@@ -1,4 +1,4 @@
-"""Registry URLs, and the default when none is given.
+"""Registry URLs, the default when none is given, and the ``--registry`` option commands share.
 
 - ``file:PATH``: the embedded registry (one machine).
 - ``etcd://[USER@]HOST:PORT[/PREFIX][?password_file=FILE]``: etcd over plaintext.
@@ -12,12 +12,15 @@ history): it comes from ``password_file`` or ``$KDN_ETCD_PASSWORD``.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kdn.errors import InvalidInput
-from kdn.registry.base import DEFAULT_PREFIX, KVRegistry
+from kdn.registry.base import DEFAULT_PREFIX, KVRegistry, Registry
 from kdn.registry.embedded import EmbeddedRegistry
 from kdn.registry.etcd import EtcdAuth, EtcdRegistry
 
@@ -124,3 +127,26 @@ def _shown(url: str) -> str:
     if password:
         url = url.replace(f":{password}@", ":***@", 1)
     return url[:100]
+
+
+def registry_arg(p: argparse.ArgumentParser) -> None:
+    """The ``--registry URL`` option every command that reads or writes the registry takes (every part's CLI)."""
+    p.add_argument(
+        "--registry",
+        default=None,
+        metavar="URL",
+        help="etcd://host:port[/prefix], etcds://[user@]host:port[/prefix]?ca=&cert=&key=&password_file= (TLS, credentials) or file:PATH (default: $KDN_REGISTRY, else an embedded file in the user data dir)",
+    )
+
+
+def run_registry(args: argparse.Namespace, fn: Callable[[Registry], Awaitable[int]]) -> int:
+    """Open the registry named by ``--registry``, run ``fn(registry)``, close it (parts' commands use this too)."""
+
+    async def go() -> int:
+        reg = open_registry(args.registry)
+        try:
+            return await fn(reg)
+        finally:
+            await reg.close()
+
+    return asyncio.run(go())

@@ -8,7 +8,7 @@ own reads there by tier (each edge counts the reads of each object it caches, an
 the tokens they served and the prefill compute and time they saved, the reads each region's edges served by tier
 (their ``/metrics``: all objects), its text with the
 emphasis map marked over it, and forms that set and remove its pin, warm, push and TTL policies, through the
-same function as ``kdn policy set`` (``kdn.edge.policy_records.policy_from_options``).
+same function as ``kdn policy set`` (``kdn.registry.policy_records.policy_from_options``).
 
 Why this shape: server-rendered HTML from the origin's own aiohttp app, plain string templates with
 ``html.escape`` on every value, and one small inline script (it shows the fields the chosen policy kind takes).

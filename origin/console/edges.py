@@ -1,5 +1,5 @@
 """What the edges say about a manifest, for its console page: where each region's owner edges hold its chunks now
-(asked with a HEAD, as ``kdn registry show ADDRESS`` asks: kdn/holding.py, which also answers the reads the edge
+(asked with a HEAD, as ``kdn registry show ADDRESS`` asks: kdn/client/holding.py, which also answers the reads the edge
 answered from its copy of each chunk: saved.py sums them), and the reads each region's edges served by tier (their
 ``/metrics``: all objects). Bounded in edges, bytes and time: a page never waits on an edge past ``EDGE_SECONDS``.
 
@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kdn.address import Address
+from kdn.format.address import Address
 from kdn.origin.config import CONFIG, STORE
 from kdn.origin.console.pages import e
 from kdn.registry import Manifest, NodeRecord
@@ -48,12 +48,12 @@ def probe_token(app: web.Application) -> str | None:
 
 async def trusted_edges(app: web.Application) -> list[NodeRecord]:
     """The live edge records the console may ask: all of them, or with ``--require-admission`` the admitted ones
-    (kdn.signing.unadmitted; the others are logged once a page and left out)."""
+    (kdn.registry.signing.unadmitted; the others are logged once a page and left out)."""
     nodes = await app[REGISTRY].list_nodes(role="edge")
     operators = app[CONFIG].admitters()
     if operators is None:
         return nodes
-    from kdn.signing import unadmitted
+    from kdn.registry.signing import unadmitted
 
     if hasattr(operators, "refresh"):
         operators.refresh()  # an operator's revocation list, read again when it changed
@@ -73,7 +73,7 @@ async def where_cached(app: web.Application, m: Manifest) -> dict[str, dict[str,
     is held), with the origin's probe token (module docstring), and the reads those edges answered from their
     copies (``reads`` by tier; ``chunk_reads``: chunk index -> reads, for saved.py). Without a probe token no
     edge is asked: every region's chunks are unknown. None: the edges took longer than ``EDGE_SECONDS``."""
-    from kdn.holding import by_region, regions_holding  # the check `kdn registry show ADDRESS` makes
+    from kdn.client.holding import by_region, regions_holding  # the check `kdn registry show ADDRESS` makes
 
     cfg, store = app[CONFIG], app[STORE]
     edges = await trusted_edges(app)

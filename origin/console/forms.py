@@ -1,6 +1,6 @@
 """The console's forms, each a POST: sign-in (a token from the origin's token file, for a session cookie),
 sign-out, and setting or removing a policy of a manifest or a namespace as ``kdn policy set`` and ``rm`` do
-(``kdn.edge.policy_records.policy_from_options`` and ``remove_policy``). A form that changes something needs a session,
+(``kdn.registry.policy_records.policy_from_options`` and ``remove_policy``). A form that changes something needs a session,
 a same-site ``Origin`` and the session's CSRF token (``posted``), and admin on the namespaces it is about.
 """
 
@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from kdn.address import validate_name, validate_namespace
+from kdn.format.address import validate_name, validate_namespace
 from kdn.errors import InvalidInput
 from kdn.origin.console.pages import error_page, manifest_url, see_other, sign_in_page
 from kdn.origin.console.policies import MANIFEST_KINDS, NAMESPACE_KINDS, may_edit, policy_named
@@ -80,7 +80,7 @@ async def logout(request: web.Request) -> web.Response:
 def _default_name(kind: str, scope: str) -> str:
     """``kind.namespace.name`` (a manifest's) or ``kind.namespace``: for a push the name a publish's ``push``
     sets too, so a publish with ``"push": false`` ends it; a digest past 128 characters, as there."""
-    from kdn.address import blob_digest
+    from kdn.format.address import blob_digest
 
     full = f"{kind}.{scope.replace('/', '.')}"
     return full if len(full) <= 128 else f"{kind}." + blob_digest(full.encode())[:40]
@@ -131,7 +131,7 @@ async def policies(request: web.Request) -> web.Response:
 
 async def _set(reg: Registry, viewer: Viewer, form: dict[str, str], manifest: str | None, scope_ns: str,
                signer: Any) -> str:
-    from kdn.edge.policy_records import policy_from_options
+    from kdn.registry.policy_records import policy_from_options
 
     kind = form.get("kind", "")
     allowed = MANIFEST_KINDS if manifest is not None else NAMESPACE_KINDS
@@ -159,7 +159,7 @@ async def _set(reg: Registry, viewer: Viewer, form: dict[str, str], manifest: st
 
 
 async def _remove(reg: Registry, viewer: Viewer, form: dict[str, str], signer: Any) -> str:
-    from kdn.edge.policy_records import remove_policy
+    from kdn.registry.policy_records import remove_policy
 
     name = validate_name(form.get("name", ""))
     taken, old = await policy_named(reg, name)

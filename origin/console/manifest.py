@@ -10,7 +10,7 @@ import time
 
 from aiohttp import web
 
-from kdn.address import validate_name, validate_namespace
+from kdn.format.address import validate_name, validate_namespace
 from kdn.auth import covers
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
@@ -72,7 +72,7 @@ async def manifest_page(request: web.Request) -> web.Response:
 
 
 def _policies_section(viewer: Viewer, ns: str, name: str, policies: list[Policy]) -> str:
-    from kdn.edge.policy_records import policy_row  # the columns `kdn policy ls` prints
+    from kdn.registry.policy_records import policy_row  # the columns `kdn policy ls` prints
 
     parts = ["<h2>Policies</h2>"]
     if policies:

@@ -16,7 +16,7 @@ NAMESPACE_KINDS = ("quota", "ttl")  # what a namespace's form sets
 
 async def read_policies(reg: Registry) -> list[Policy]:
     """The policies an edge would apply (tombstones and records that do not read left out)."""
-    from kdn.edge.policy_records import is_tombstone, validate_policy
+    from kdn.registry.policy_records import is_tombstone, validate_policy
 
     out = []
     for _, value in await reg.list_keys("policies/"):
@@ -56,7 +56,7 @@ def may_edit(viewer: Viewer, p: Policy | None) -> bool:
 
 async def policy_named(reg: Registry, name: str) -> tuple[bool, Policy | None]:
     """Whether a record is stored under ``name``, and the policy it holds (None: a tombstone or unreadable)."""
-    from kdn.edge.policy_records import is_tombstone
+    from kdn.registry.policy_records import is_tombstone
 
     raw = dict(await reg.list_keys(f"policies/{name}")).get(f"policies/{name}")
     if raw is None:
@@ -69,7 +69,7 @@ async def policy_named(reg: Registry, name: str) -> tuple[bool, Policy | None]:
 
 
 def policy_badge(p: Policy) -> str:
-    from kdn.edge.policy_records import policy_row  # the columns `kdn policy ls` prints
+    from kdn.registry.policy_records import policy_row  # the columns `kdn policy ls` prints
 
     _, kind, region, scope, setting = policy_row(p)
     where = "" if region == "*" else f" in {region}" if kind != "push" else f" to {region}"

@@ -2,7 +2,7 @@
 
 Each edge counts, on each object it caches, the whole reads it answered from that copy (edge/tierbase.py
 ``Entry.reads``), and tells them on the HEAD ``where_cached`` sends already (``X-KDN-Reads``, parsed and bounded
-by ``kdn.holding.parse_reads``). Per region this sums them over the manifest's checked chunks, by tier, and
+by ``kdn.client.holding.parse_reads``). Per region this sums them over the manifest's checked chunks, by tier, and
 turns them into:
 
 - **tokens served from the KDN**: each chunk's reads x its tokens;
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kdn.address import chunk_spans
+from kdn.format.address import chunk_spans
 from kdn.origin.console.edges import MAX_CHECKED
 from kdn.origin.console.pages import e
 from kdn.origin.speed import PublishSpeed, chunk_flops

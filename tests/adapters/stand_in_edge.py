@@ -14,9 +14,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from blake3 import blake3
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.adapters.hf import extract_chunks
-from kdn.objects import encode_object, from_torch
+from kdn.format.objects import encode_object, from_torch
 
 
 def published(model: Any, mid: A.ModelId, ids: list[int], chunk: int) -> tuple[list[A.Address], dict, dict]:

@@ -15,7 +15,7 @@ import torch
 
 from kdn.adapters.hf import CacheBuilder, build_cache, continue_from_cache, extract_chunks, load_model
 from kdn.errors import ModelMismatch
-from kdn.objects import ObjectView, decode_object, encode_object, from_torch, to_torch
+from kdn.format.objects import ObjectView, decode_object, encode_object, from_torch, to_torch
 
 C = 32
 N = C * 3 + C // 2  # three whole chunks and a partial tail

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.adapters.hf import extract_chunks, load_model
 from kdn.adapters.hf.edits import (EditPlan, Match, align, edit_blend, edit_prefill, edit_segments, generate_edited,
                                    plan_edit)
@@ -16,8 +16,8 @@ from kdn.adapters.hf.rag import full_prefill
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.kernels.blend import n_select
 from kdn.kernels.rope import rope_shift
-from kdn.lookup import Fetched
-from kdn.objects import encode_object, from_torch
+from kdn.client.lookup import Fetched
+from kdn.format.objects import encode_object, from_torch
 
 C = 64  # chunk tokens: several chunks on a short document, cheap on the tiny model
 _LM: list = []

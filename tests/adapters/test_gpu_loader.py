@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdn.adapters.hf import CacheBuilder, continue_from_cache, extract_chunks, load_model, prefill
-from kdn.objects import ObjectView, encode_object, from_torch
+from kdn.format.objects import ObjectView, encode_object, from_torch
 
 CHUNK = 32
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from kdn.address import chunk_spans
+from kdn.format.address import chunk_spans
 from kdn.adapters.hf import (
     ByteTokenizer,
     build_cache,

@@ -12,7 +12,7 @@ import torch
 from kdn.adapters.hf import CacheBuilder, build_cache, continue_from_cache, extract_chunks, load_model
 from kdn.adapters.hf.room import RoomLayer
 from kdn.errors import InvalidInput
-from kdn.objects import ObjectView, encode_object, from_torch
+from kdn.format.objects import ObjectView, encode_object, from_torch
 
 C = 32
 

@@ -1,4 +1,4 @@
-"""Raw objects received straight into the transformers cache (kdn/scatter.py + CacheBuilder.place), over real
+"""Raw objects received straight into the transformers cache (kdn/wire/scatter.py + CacheBuilder.place), over real
 loopback servers: exact, and never a wrong byte when a source lies."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from aiohttp.test_utils import TestServer
 from blake3 import blake3
 
 from kdn.adapters.hf import CacheBuilder, build_cache, extract_chunks, load_model
-from kdn.bodyget import BodyGetter
+from kdn.wire.bodyget import BodyGetter
 from kdn.errors import SourceError
-from kdn.estimate import Estimates
-from kdn.fetch import Fetcher, Route, Want
-from kdn.objects import decode_object, encode_object, from_torch, to_torch
-from kdn.scatter import Scatter
+from kdn.wire.estimate import Estimates
+from kdn.wire.fetch import Fetcher, Route, Want
+from kdn.format.objects import decode_object, encode_object, from_torch, to_torch
+from kdn.wire.scatter import Scatter
 
 MID = "cd" * 32
 CHUNK = 32

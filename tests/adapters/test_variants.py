@@ -22,7 +22,7 @@ from kdn.client import KDNClient
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.registry import EmbeddedRegistry, find_relation
 from kdn.registry.records import BaseRelation
-from kdn.signing import SignatureError, Signer, Verifier
+from kdn.registry.signing import SignatureError, Signer, Verifier
 
 import stand_in_edge  # tests/adapters/stand_in_edge.py
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ["kdn", "kdn/registry", "service", "up", "origin", "origin/console", "edge", "kernels", "adapters/hf",
+FOLDERS = ["kdn", "kdn/format", "kdn/wire", "kdn/registry", "kdn/client", "service", "up", "origin", "origin/console", "edge", "kernels", "adapters/hf",
            "adapters/vllm"]
 
 
@@ -63,7 +63,7 @@ def test_the_edge_and_the_client_import_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, kdn.edge.app, kdn.edge.cli, kdn.edge.fill, kdn.client, kdn.fetch, kdn.cli, kdn.service; "
+    code = ("import sys, kdn.edge.app, kdn.edge.cli, kdn.edge.fill, kdn.client, kdn.wire.fetch, kdn.cli, kdn.service; "
             "print(','.join(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -14,9 +14,9 @@ from edge_helpers import cluster  # noqa: E402
 from edge_helpers import publish as publish_doc  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
-from kdn.codecs import get_codec  # noqa: E402
+from kdn.format.codecs import get_codec  # noqa: E402
 from kdn.errors import SourceError  # noqa: E402
-from kdn.objects import to_torch  # noqa: E402
+from kdn.format.objects import to_torch  # noqa: E402
 
 TEXT = ("Lamp oil was measured each morning and logged against the hours of darkness. " * 12)[:800]
 
@@ -54,7 +54,7 @@ async def test_slow_link_picks_lossy_within_budget_and_lossless_never_gets_lossy
                     assert encodings == {"int8"} and not lossless_only(states)
                     # within the codec's bound of the exact tensors
         # On a fast link the lossless encoding wins even when lossy is allowed: for bf16 KV, int8 is
-        # only 1.35x smaller than zstd but decodes at about half the speed (kdn/encodings.py).
+        # only 1.35x smaller than zstd but decodes at about half the speed (kdn/format/encodings.py).
         async with KDNClient(edges=[c.edge_url("e1")], quality=5.0) as client:
             freeze_link(client, c.edge_url("e1"), 5e9)
             bf16_sizes = {"zstd": {"size": 1_000_000}, "int8": {"size": 740_000}}
@@ -75,7 +75,7 @@ async def test_lossy_tensors_are_close_to_the_exact_ones(tmp_path, etcd_url):
             a = m["addresses"][0]
             exact = await client.fetch(a, encoding="zstd", quality="lossless")
             lossy = await client.fetch(a, encoding="int8", quality=5.0)
-        from kdn.objects import decode_object
+        from kdn.format.objects import decode_object
 
         import kdn.kernels  # noqa: F401
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edg
 from edge_helpers import EDGE_TOKEN, cluster, free_port, publish  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
-from kdn.sync import SyncKDNClient  # noqa: E402
+from kdn.client.sync import SyncKDNClient  # noqa: E402
 from kdn.errors import DigestMismatch  # noqa: E402
 from kdn.registry import open_registry  # noqa: E402
 

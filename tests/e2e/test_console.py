@@ -124,7 +124,7 @@ async def sign_in(ctx, token: str):
 
 async def policy_names(env: Env) -> set[str]:
     """The policies in the registry now (the origin's own handle on it)."""
-    from kdn.edge.policies import is_tombstone
+    from kdn.registry.policy_records import is_tombstone
     from kdn.registry import Policy
     from kdn.service import REGISTRY
 
@@ -346,7 +346,7 @@ async def test_a_manifests_page_shows_its_reads_and_what_they_saved(env):
     hits): the page shows each region's reads of them by tier, the tokens they served and the prefill they saved (the
     origin's model's FLOPs, and the time at the speed it measured on its own publishes), to an admin and to a
     read-only token alike."""
-    from kdn.address import chunk_spans
+    from kdn.format.address import chunk_spans
     from kdn.origin.config import SPEED
     from kdn.origin.console.saved import format_flops
     from kdn.origin.speed import chunk_flops

@@ -19,7 +19,7 @@ from edge_helpers import EDGE_TOKEN, PUBLISH, TENANT_A, cluster, get, publish
 
 from kdn.registry import Admission, NodeRecord
 from kdn.service import REGISTRY
-from kdn.signing import Signer
+from kdn.registry.signing import Signer
 from ports import free_port  # bench/lib/ports.py
 
 TEXT = ("The ferry timetable changes with the tide; the winter schedule starts in November. " * 12)[:900]

@@ -1,6 +1,6 @@
 """A prefix's objects are decoded on the client's own bounded pool (``decode_threads``), not on the event
 loop's default executor: on two cores, two threads decoded a zstd load faster than the default six
-(``kdn.connections.DECODE_THREADS``). The pool is the client's, made once, and ended with it."""
+(``kdn.client.connections.DECODE_THREADS``). The pool is the client's, made once, and ended with it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edg
 from edge_helpers import cluster, publish  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
-from kdn.connections import DECODE_THREADS  # noqa: E402
+from kdn.client.connections import DECODE_THREADS  # noqa: E402
 from kdn.errors import InvalidInput  # noqa: E402
 
 TEXT = ("The bell rope was checked at each watch and its wear noted in the log. " * 30)[:2000]

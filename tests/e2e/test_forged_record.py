@@ -25,8 +25,8 @@ from edge_helpers import cluster, get, publish  # noqa: E402
 
 from kdn.adapters.hf import agenerate, load_model  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402
-from kdn.objects import decode_object, encode_object, from_torch, to_torch  # noqa: E402
-from kdn.signing import Signer  # noqa: E402
+from kdn.format.objects import decode_object, encode_object, from_torch, to_torch  # noqa: E402
+from kdn.registry.signing import Signer  # noqa: E402
 
 TEXT = ("The keeper logged the wind, the ships and the glass each hour of the storm. " * 14)[:700]
 
@@ -131,7 +131,7 @@ async def test_an_origins_model_record_is_signed_and_kdn_registry_show_checks_it
 
     from kdn import cli
     from kdn.registry import open_registry
-    from kdn.signing import Verifier
+    from kdn.registry.signing import Verifier
 
     key = Signer.generate(tmp_path / "origin.key")
     (tmp_path / "trusted").write_text(key.public + "\n")

@@ -18,9 +18,9 @@ from edge_helpers import PUBLISH, TENANT_A, cluster  # noqa: E402
 from edge_helpers import publish as publish_doc  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
-from kdn.encodings import kvtc_bits  # noqa: E402
+from kdn.format.encodings import kvtc_bits  # noqa: E402
 from kdn.errors import DigestMismatch, InvalidInput  # noqa: E402
-from kdn.objects import to_torch  # noqa: E402
+from kdn.format.objects import to_torch  # noqa: E402
 from kdn.origin.app import STORE  # noqa: E402
 from kdn.service import REGISTRY  # noqa: E402
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edg
 from edge_helpers import cluster, publish  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
-from kdn.signing import Signer  # noqa: E402
+from kdn.registry.signing import Signer  # noqa: E402
 
 TEXT = ("The harbour master opened the ledger at dawn and read the tide tables aloud. " * 30)[:2000]
 

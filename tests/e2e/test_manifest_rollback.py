@@ -16,7 +16,7 @@ from edge_helpers import cluster, publish  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
 from kdn.registry import open_registry  # noqa: E402
-from kdn.signing import Signer  # noqa: E402
+from kdn.registry.signing import Signer  # noqa: E402
 
 async def served_manifest(c, namespace: str, name: str):
     """The manifest as the origin serves it, whole and signed: what an attacker keeps to replay later (under the
@@ -99,7 +99,7 @@ def test_a_manifest_state_file_only_rises_and_an_unreadable_one_is_an_error(tmp_
     import pytest
 
     from kdn.errors import InvalidInput
-    from kdn.versions import FORMAT, VersionFile
+    from kdn.client.versions import FORMAT, VersionFile
 
     path = tmp_path / "v.json"
     a, b = VersionFile(path), VersionFile(path)  # two processes' clients sharing one file
@@ -147,7 +147,7 @@ async def test_a_pinned_manifest_is_the_only_one_a_fresh_client_takes(tmp_path, 
     """The residual of the version check: a new process has no high-water mark. A pin (what ``kdn publish``
     prints) holds without keys or memory: a replayed older manifest, and a newer one, are both refused."""
     from kdn.registry import Manifest
-    from kdn.signing import manifest_pin
+    from kdn.registry.signing import manifest_pin
 
     Signer.generate(tmp_path / "o.key")
     async with cluster(tmp_path, etcd_url, edges=("e1",), origin_kw={"signing_key": str(tmp_path / "o.key")}) as c:
@@ -174,7 +174,7 @@ async def test_a_pinned_manifest_is_the_only_one_a_fresh_client_takes(tmp_path, 
 def test_a_mark_another_process_raised_holds_at_once(tmp_path):
     """Two clients (processes) share a state file: a version one of them took is the other's floor at its next
     check, not only once it writes a rise of its own."""
-    from kdn.versions import VersionFile
+    from kdn.client.versions import VersionFile
 
     path = tmp_path / "v.json"
     early, late = VersionFile(path), VersionFile(path)

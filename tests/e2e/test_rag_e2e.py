@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "edg
 
 from edge_helpers import cluster, publish  # noqa: E402
 
-from kdn import address as A  # noqa: E402
+from kdn.format import address as A  # noqa: E402
 from kdn.adapters.hf import generate_rag, load_model  # noqa: E402
 from kdn.adapters.hf.rag import full_prefill, rag_frame  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402

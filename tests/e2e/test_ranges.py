@@ -22,8 +22,8 @@ from edge_helpers import cluster, get, publish  # noqa: E402
 
 from kdn.client import KDNClient  # noqa: E402
 from kdn.errors import InvalidInput  # noqa: E402
-from kdn.objects import decode_object  # noqa: E402
-from kdn.signing import Signer  # noqa: E402
+from kdn.format.objects import decode_object  # noqa: E402
+from kdn.registry.signing import Signer  # noqa: E402
 
 TEXT = ("Lanterns were lit along the harbour wall as the last boats came in with the tide. " * 12)[:600]
 PIECE = 64 << 10

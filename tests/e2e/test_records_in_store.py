@@ -30,7 +30,7 @@ from kdn.origin.s3records import S3Records  # noqa: E402
 from kdn.registry import EmbeddedRegistry, KVRegistry, Manifest, ObjectRecord, open_registry  # noqa: E402
 from kdn.registry.records import Encoding  # noqa: E402
 from kdn.registry.split import RECORDS_FILE, RecordsBeside  # noqa: E402
-from kdn.signing import Signer, Verifier  # noqa: E402
+from kdn.registry.signing import Signer, Verifier  # noqa: E402
 
 TEXT = ("The tide tables for the northern harbour were revised twice that winter, once for the storm. " * 9)[:700]
 

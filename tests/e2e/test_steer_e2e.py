@@ -14,7 +14,7 @@ from edge_helpers import cluster, publish  # noqa: E402
 
 from kdn.adapters.hf import agenerate, load_model, prompt_tokens  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402
-from kdn.signing import Signer  # noqa: E402
+from kdn.registry.signing import Signer  # noqa: E402
 
 DOC = ("The keeper's log for the night of the storm records wind from the north-east. " * 4
        + "The spare lamp key is kept under the third stair. "

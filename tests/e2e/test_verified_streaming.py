@@ -1,4 +1,4 @@
-"""Verified streaming end to end (kdn/pieces.py): the origin signs piece digests, an edge and a client check them.
+"""Verified streaming end to end (kdn/format/pieces.py): the origin signs piece digests, an edge and a client check them.
 
 A real origin (tiny-llama, 64 KiB pieces so its small blobs have several) and edge on loopback; a lying
 edge in front of the honest one flips one byte in the first piece of every body it serves. The client,
@@ -23,7 +23,7 @@ from edge_helpers import cluster, get, publish  # noqa: E402
 
 from kdn.adapters.hf import agenerate, load_model  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402
-from kdn.signing import Signer  # noqa: E402
+from kdn.registry.signing import Signer  # noqa: E402
 
 TEXT = ("The keeper logged the wind, the ships and the glass each hour of the storm. " * 14)[:700]
 PIECE = 64 << 10

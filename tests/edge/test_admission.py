@@ -23,7 +23,7 @@ from kdn import cli  # noqa: E402
 from kdn.client import KDNClient  # noqa: E402
 from kdn.errors import InvalidInput  # noqa: E402
 from kdn.registry import Admission, EmbeddedRegistry, NodeRecord  # noqa: E402
-from kdn.signing import Signer, Verifier, unadmitted  # noqa: E402
+from kdn.registry.signing import Signer, Verifier, unadmitted  # noqa: E402
 
 
 def admitted(signer: Signer, node: NodeRecord, *, expires: float | None = None) -> NodeRecord:
@@ -159,7 +159,7 @@ def test_kdn_node_revoke_lists_an_admission_that_readers_then_refuse(tmp_path, c
     key. ``kdn node revoke`` adds its id to the operator's list (a file, as the keys are: a registry writer
     cannot delete it); a reader given the list refuses that admission, and a new admission of the same node
     (another expiry, another id) is accepted again. The list is read again when the file changes."""
-    from kdn.signing import Admitters, admission_id
+    from kdn.registry.signing import Admitters, admission_id
 
     op = Signer.generate(tmp_path / "op.key")
     e2 = NodeRecord(role="edge", region="eu", node_id="e2", url="http://127.0.0.1:9002")
@@ -192,7 +192,7 @@ async def test_a_revoked_admission_drops_the_node_at_the_next_check(tmp_path):
     """A node whose admission the operator revokes while it stays up leaves the ring at the next recheck, as an
     expired one does."""
     from kdn.edge.membership import Membership
-    from kdn.signing import Admitters, admission_id
+    from kdn.registry.signing import Admitters, admission_id
 
     op = Signer.generate(tmp_path / "op.key")
     me = NodeRecord(role="edge", region="eu", node_id="e1", url="http://127.0.0.1:9501")
@@ -214,7 +214,7 @@ async def test_a_revoked_admission_drops_the_node_at_the_next_check(tmp_path):
 
 
 async def test_client_from_registry_leaves_out_a_revoked_node(tmp_path):
-    from kdn.signing import admission_id
+    from kdn.registry.signing import admission_id
 
     op = Signer.generate(tmp_path / "op.key")
     e1 = admitted(op, NodeRecord(role="edge", region="eu", node_id="e1", url="http://127.0.0.1:9601"))

@@ -11,7 +11,7 @@ from blake3 import blake3
 from kdn.edge import disk as disk_mod
 from kdn.edge.disk import DiskTier
 from kdn.edge.tiers import EntryMeta, PolicyState
-from kdn.store import STALE_PART_S, BlobDir
+from kdn.format.store import STALE_PART_S, BlobDir
 
 
 def key(i: int) -> tuple[str, str]:

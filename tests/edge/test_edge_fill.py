@@ -194,7 +194,7 @@ async def test_lying_peer_is_detected_and_never_served(tmp_path, etcd_url):
 
 
 async def test_an_upstream_answer_in_another_encoding_is_refused(tmp_path, etcd_url):
-    """The edge fills through kdn.fetch, as the client does: a peer that answers with another encoding than
+    """The edge fills through kdn.wire.fetch, as the client does: a peer that answers with another encoding than
     asked (its bytes even match the digest) is a failed source; the edge once took any 200 whose digest
     matched, while the client refused it."""
     from aiohttp import web

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from edge_helpers import EDGE_TOKEN, cluster, get, publish  # noqa: E402
 
-from kdn.holding import READS_HEADER, parse_reads  # noqa: E402
+from kdn.client.holding import READS_HEADER, parse_reads  # noqa: E402
 
 TEXT = ("The lock keeper opens the upper gate at dawn and the lower one at dusk. " * 12)[:700]
 

@@ -323,7 +323,7 @@ async def test_with_operator_keys_only_policies_an_operator_signed_apply(edge, t
     ``invalid``; the operator's own policy applies."""
     import dataclasses
 
-    from kdn.signing import Signer, Verifier
+    from kdn.registry.signing import Signer, Verifier
 
     operator = Signer.generate(tmp_path / "operator.key")
     other = Signer.generate(tmp_path / "other.key")
@@ -350,8 +350,8 @@ async def test_a_signed_policy_is_undone_only_by_a_signed_tombstone_and_not_by_a
     tenant may then push the others out), overwriting it with an unsigned record, or replaying an older signed
     version under its name once undid it. Now each leaves the newest signed policy in force; only the
     operator's signed tombstone (``kdn policy rm --operator-key``) removes it."""
-    from kdn.edge.policies import tombstone
-    from kdn.signing import Signer, Verifier
+    from kdn.registry.policy_records import tombstone
+    from kdn.registry.signing import Signer, Verifier
 
     operator = Signer.generate(tmp_path / "operator.key")
     edge.engine = PolicyEngine(edge.writer, "eu", [edge.mem, edge.disk], warm=edge.warms, retry_s=0.05,
@@ -386,7 +386,7 @@ async def test_a_signed_policy_is_undone_only_by_a_signed_tombstone_and_not_by_a
 
 async def test_a_push_runs_in_the_regions_it_names_with_its_rate(edge):
     """#29 item 4: a push is a warm for named regions, paced, its progress counted per policy (by the edge)."""
-    from kdn.edge.policies import validate_policy
+    from kdn.registry.policy_records import validate_policy
     from kdn.errors import InvalidInput
 
     eng = await edge.start()

@@ -254,7 +254,7 @@ async def test_a_policy_set_from_the_cli_reaches_a_running_edge(cli, backend, tm
 
 
 async def test_policy_set_with_an_operator_key_signs_what_it_writes(cli, backend, tmp_path):
-    from kdn.signing import Signer, Verifier
+    from kdn.registry.signing import Signer, Verifier
 
     key = Signer.generate(tmp_path / "operator.key")
     r = cli.run("policy", "set", "ttl-signed", "--ttl", "90s", "--operator-key", str(tmp_path / "operator.key"))
@@ -272,8 +272,8 @@ async def test_policy_set_with_an_operator_key_signs_what_it_writes(cli, backend
 
 
 async def test_policy_rm_with_an_operator_key_writes_a_signed_tombstone(cli, backend, tmp_path):
-    from kdn.edge.policies import is_tombstone, set_at
-    from kdn.signing import Signer, Verifier
+    from kdn.registry.policy_records import is_tombstone, set_at
+    from kdn.registry.signing import Signer, Verifier
 
     key = Signer.generate(tmp_path / "operator.key")
     k = ("--operator-key", str(tmp_path / "operator.key"))
@@ -298,9 +298,9 @@ async def test_policy_rm_signs_no_name_a_registry_writer_planted_under_the_one_r
     """#28 second reading: the tombstone was built from the record stored under the name, so a writer who put
     a record naming ``victim`` at ``policies/x`` got the operator's `rm x` to sign the removal of ``victim``
     (and of nothing under ``x``). Now it is built from the name asked for, whatever the registry holds."""
-    from kdn.edge.policies import is_tombstone
+    from kdn.registry.policy_records import is_tombstone
     from kdn.registry.records import Policy
-    from kdn.signing import Signer, Verifier
+    from kdn.registry.signing import Signer, Verifier
 
     key = Signer.generate(tmp_path / "operator.key")
     k = ("--operator-key", str(tmp_path / "operator.key"))

@@ -20,9 +20,9 @@ from edge_helpers import ADDRESS, BLOB, RECORD, cluster, get, metric, origin_ser
 
 from kdn.edge import fill  # noqa: E402
 from kdn.edge.metrics import EdgeMetrics  # noqa: E402
-from kdn.edge.policies import validate_policy  # noqa: E402
+from kdn.registry.policy_records import validate_policy  # noqa: E402
 from kdn.errors import InvalidInput  # noqa: E402
-from kdn.fetch import CACHED_ONLY, HOP, TIER  # noqa: E402
+from kdn.wire.fetch import CACHED_ONLY, HOP, TIER  # noqa: E402
 from kdn.registry import NodeRecord, Policy, open_registry  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)

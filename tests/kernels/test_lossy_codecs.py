@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kdn.kernels  # noqa: F401  (registers the codecs)
-from kdn.codecs import codec_names, get_codec
+from kdn.format.codecs import codec_names, get_codec
 from kdn.errors import CodecError, InvalidInput
 from kdn.kernels import quant
-from kdn.kernels.codecs import encoding_plan, from_rows, reduce_axis, to_rows
-from kdn.objects import RawTensor, decode_object, encode_object, from_torch, to_torch
+from kdn.kernels.codecs import from_rows, reduce_axis, to_rows
+from kdn.kernels.encodings import encoding_plan
+from kdn.format.objects import RawTensor, decode_object, encode_object, from_torch, to_torch
 
 # Every lossy codec registered, not a hand-kept list: one added later is tested without being named here.
 # (kvtc decodes only with its model's basis: tests/kernels/test_transform.py.)
@@ -124,7 +125,7 @@ def test_corrupt_payload_raises_codec_error(name):
 
 
 def test_every_family_is_in_the_registry():
-    """The list above comes from the registry; this holds it to what the encodings promise (kdn/encodings.py)."""
+    """The list above comes from the registry; this holds it to what the encodings promise (kdn/format/encodings.py)."""
     families = {re.sub(r"\d.*|-.*", "", n) for n in CODECS}
     assert families == {"int", "ans", "cachegen"} and len(CODECS) == 29, CODECS
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import kdn.kernels  # noqa: F401  (registers the codecs)
-from kdn.codecs import get_codec
+from kdn.format.codecs import get_codec
 from kdn.errors import CodecError, InvalidInput
 from kdn.kernels import transform as tf
 from kdn.kernels.rope import Rope, rope_shift_ref
-from kdn.objects import decode_object, to_torch
+from kdn.format.objects import decode_object, to_torch
 
 H, D, LAYERS = 2, 8, 3
 C = H * D

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from kdn.adapters.hf.extract import extract_chunks  # noqa: E402
 from kdn.kernels import transform as tf  # noqa: E402
-from kdn.objects import decode_object, to_torch  # noqa: E402
+from kdn.format.objects import decode_object, to_torch  # noqa: E402
 
 
 def test_fit_basis_on_a_tiny_llama_and_code_its_kv():

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.adapters.hf import extract_chunks, load_model, standalone_chunk
-from kdn.objects import decode_object, to_torch
+from kdn.format.objects import decode_object, to_torch
 from origin_records import open_records  # bench/lib/origin_records.py
 
 from origin_helpers import PUBLISH_TOKEN, publish, running_origin

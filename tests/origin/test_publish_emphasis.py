@@ -11,7 +11,7 @@ from kdn.errors import InvalidInput
 from kdn.origin.publish import parse_request
 from kdn.registry import Manifest
 from origin_records import open_records  # bench/lib/origin_records.py
-from kdn.signing import Signer, Verifier
+from kdn.registry.signing import Signer, Verifier
 
 from origin_helpers import publish, running_origin
 

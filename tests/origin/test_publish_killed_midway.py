@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdn.address import blob_digest
+from kdn.format.address import blob_digest
 from origin_records import open_records  # bench/lib/origin_records.py
 from ports import free_port  # bench/lib/ports.py
 

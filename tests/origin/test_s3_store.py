@@ -14,7 +14,7 @@ import pytest
 from blake3 import blake3
 
 from kdn.errors import DigestMismatch, InvalidInput
-from kdn.objects import RawTensor, encode_object
+from kdn.format.objects import RawTensor, encode_object
 from kdn.origin.s3store import S3ObjectStore, open_store, parse_s3_url, read_credentials
 from kdn.origin.store import ObjectStore
 

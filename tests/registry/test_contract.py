@@ -12,7 +12,7 @@ import pytest
 
 from kdn.errors import InvalidAddress, InvalidInput, LeaseExpired, RegistryError
 from kdn.registry import Manifest, NodeRecord, Policy, Registry, find_relation
-from kdn.signing import Signer, Verifier
+from kdn.registry.signing import Signer, Verifier
 from registry_helpers import (MID, addr, chain, enc, eventually, manifest, model, next_event, node, obj, policy,
                               relation, until)
 

@@ -142,7 +142,7 @@ def test_a_cold_load_keeps_the_load_timeout():
 
 def test_a_load_given_up_teaches_the_planner_to_compute_from_the_next_request():
     """A link that turns slow: the load given up at its deadline reports the bytes that landed by then (the
-    load's own ``kdn.bodyget.Tally``), so one load is spoiled, not one per doubling of the
+    load's own ``kdn.wire.bodyget.Tally``), so one load is spoiled, not one per doubling of the
     deadline, and the next request computes."""
     pieces = chain(256, 512, 768, 1024, 1100, size=256 << 10)
     lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
@@ -193,13 +193,13 @@ def test_what_an_engine_read_before_is_timed_against_its_link_even_when_the_edge
     for p in seen:
         client.note_read(p.address)
     assert client.warm(seen[0].address, "edge") and not client.warm("e" * 64, "edge")
-    import kdn.client
+    import kdn.client.client
 
-    old, kdn.client.RECENT_S = kdn.client.RECENT_S, 0.0  # read longer ago than an edge is taken to keep it
+    old, kdn.client.client.RECENT_S = kdn.client.client.RECENT_S, 0.0  # read longer ago than an edge is taken to keep it
     try:
         assert not client.warm(seen[0].address, "edge")
     finally:
-        kdn.client.RECENT_S = old
+        kdn.client.client.RECENT_S = old
     assert client.warm("e" * 64, "memory") and not client.warm(seen[0].address, "origin")
     for tier, known, cold in (("edge", True, False), ("edge", False, True), ("memory", False, False),
                               ("disk", False, False), ("origin", True, True), ("peer:e2", True, True),

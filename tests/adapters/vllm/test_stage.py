@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from kdn.arena import Arena
-from kdn.objects import ObjectView, encode_object, from_torch
+from kdn.wire.arena import Arena
+from kdn.format.objects import ObjectView, encode_object, from_torch
 
 from kdn.adapters.vllm.stage import Staging, StagingClosed
 
@@ -89,10 +89,10 @@ def test_a_release_while_a_piece_is_decoding_waits_for_it():
 
 
 def test_a_raw_piece_received_into_the_staging_runs_is_what_decoding_it_gives():
-    """fetching.PieceLoader._fetch_placed: a raw object's body lands through kdn.scatter straight into ``Staging.runs``;
+    """fetching.PieceLoader._fetch_placed: a raw object's body lands through kdn.wire.scatter straight into ``Staging.runs``;
     the staging then holds exactly what decoding the same object into it (``put``) holds, for pieces in
     any order and bodies handed over in small reads."""
-    from kdn.scatter import Scatter
+    from kdn.wire.scatter import Scatter
 
     placed = Staging(Arena(64 << 20), [(H, D), (H, D)], 0, 512, torch.bfloat16)
     decoded = Staging(Arena(64 << 20), [(H, D), (H, D)], 0, 512, torch.bfloat16)

@@ -19,7 +19,7 @@ import torch
 
 from vllm_harness import TENANT_A, TENANT_B, Cluster, Engine, Proxy, document, kv_config, question, salt, wait_http
 
-from kdn.signing import Signer
+from kdn.registry.signing import Signer
 
 DOC_TOKENS = 1100  # 4 whole chunks and a 76-token tail; vLLM's CPU blocks are 128 tokens
 LOADED = 1024  # what a prompt of the document plus a question can load: whole blocks below the tail

@@ -13,9 +13,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.errors import DigestMismatch, SourceError
-from kdn.lookup import Fetched
+from kdn.client.lookup import Fetched
 
 BASIS_ENCODING = "basis"  # how a model's kvtc basis is stored and served (kind "basis" records)
 
@@ -61,7 +61,7 @@ class Bases:
     async def prepare(self, f: Fetched, tokens: int | None = None) -> int | None:
         """Load the bases a fetched object names; the ``max_decoded`` its decode may use (None: default),
         for ``tokens`` tokens (default: the span its header claims; a caller that knows the span passes it)."""
-        from kdn.objects import read_header
+        from kdn.format.objects import read_header
 
         h = read_header(f.blob)
         addrs = {str(t.params.get("basis")) for t in h.tensors.values() if t.codec == "kvtc"}

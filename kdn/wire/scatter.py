@@ -3,14 +3,14 @@
 A raw object's tensors are the engine's K/V as they are, so the copy from a
 receive buffer into the cache is pure overhead: on this project's 2-core VM,
 ~40 ms of CPU for SmolLM2's 8k-token prefix (189 MB) on top of the receive and
-the hash, with no core free to hide it. ``Scatter`` is a ``kdn.bodyget.Sink``:
+the hash, with no core free to hide it. ``Scatter`` is a ``kdn.wire.bodyget.Sink``:
 the head (8 bytes + the header) lands in a small buffer and is parsed and
-validated (``kdn.objects.read_layout``) the moment it is complete; ``place``
+validated (``kdn.format.objects.read_layout``) the moment it is complete; ``place``
 (the engine's, e.g. ``kdn.adapters.hf.CacheBuilder.scatter``) checks the header
 against what it expects and names, per tensor, the runs of its own memory the
 tensor's bytes go to, in order; every byte no tensor claims (padding, tensors
 the engine does not take) goes to a scratch buffer. (Its runs are small, 32 KB
-per head of a chunk, so ``kdn.bodyget`` reads them through a 1 MiB bounce buffer
+per head of a chunk, so ``kdn.wire.bodyget`` reads them through a 1 MiB bounce buffer
 per connection and copies them out while still in cache: a hot copy costs less
 than one socket read per run, and far less than the cold copy of a whole
 received body this module exists to avoid.) The bytes are hashed as
@@ -29,13 +29,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from kdn.errors import CorruptObject
-from kdn.objects import Layout, head_length, read_layout
+from kdn.format.objects import Layout, head_length, read_layout
 
 Place = Callable[[Layout], Mapping[str, Sequence[memoryview]]]
 
 
 class Scatter:
-    """One object's body placed in the caller's memory; also a ``kdn.fetch.Buffer`` (``release`` is a no-op)."""
+    """One object's body placed in the caller's memory; also a ``kdn.wire.fetch.Buffer`` (``release`` is a no-op)."""
 
     def __init__(self, size: int, place: Place) -> None:
         self.size = size

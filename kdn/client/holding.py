@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily
-    from kdn.address import Address
+    from kdn.format.address import Address
     from kdn.registry import NodeRecord
 
 

@@ -4,8 +4,8 @@
 A pipeline per object: each is decoded (off the event loop, on the client's decode threads) as soon as it has
 arrived and been verified, while the others are still on the wire. Each object's encoding is the one its
 record names that the client's quality budget allows at the least expected time (``choose_encoding``); a
-kvtc object's basis is fetched first (``kdn.bases``), and every object is checked against the lookup before
-anything is handed on (``kdn.checked``).
+kvtc object's basis is fetched first (``kdn.client.bases``), and every object is checked against the lookup before
+anything is handed on (``kdn.client.checked``).
 """
 
 from __future__ import annotations
@@ -13,24 +13,61 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kdn.address import Address
-from kdn.checked import check_identity, decode_checked
-from kdn.encodings import parse_budget
+from kdn.format.address import Address
+from kdn.client.checked import check_identity, decode_checked
+from kdn.format.encodings import parse_budget
 from kdn.errors import SourceError
-from kdn.lookup import Fetched, Lookup, PrefixStates
-from kdn.pieces import Pieces
+from kdn.client.lookup import Fetched, Lookup, PrefixStates
+from kdn.format.pieces import Pieces
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.arena import Arena
-    from kdn.bodyget import Tally
-    from kdn.client import KDNClient
-    from kdn.objects import DecodedObject, Layout, ObjectView
-    from kdn.scatter import Placer
+    from concurrent.futures import Executor
+
+    from kdn.format.address import Digest
+    from kdn.format.objects import DecodedObject, Layout, ObjectView
+    from kdn.wire.arena import Arena
+    from kdn.wire.bodyget import Tally
+    from kdn.wire.estimate import DecodeSpeeds
+    from kdn.wire.scatter import Placer
 
 
-async def fetch_prefix(client: KDNClient, hit: Lookup, *, encoding: str | None = None,
+class PrefixSource(Protocol):
+    """What loading a prefix asks of a client (``KDNClient`` is one): its records, its choice of encoding, its
+    fetches (whole, or received in place), its kvtc bases and its decode threads. Named here so this module
+    never imports the facade that calls it."""
+
+    @property
+    def quality(self) -> str | float: ...
+
+    @property
+    def arena(self) -> Arena | None: ...
+
+    @property
+    def decoders(self) -> Executor: ...
+
+    @property
+    def decode_speeds(self) -> DecodeSpeeds: ...
+
+    async def record(self, address: Address) -> dict[str, Any] | None: ...
+
+    def choose_encoding(self, encodings: dict[str, dict[str, Any]], quality: str | float | None = None) \
+            -> str | None: ...
+
+    async def fetch(self, address: Address, *, encoding: str | None = None, digest: Digest | None = None,
+                    size: int | None = None, quality: str | float | None = None, cold: bool = False,
+                    pooled: bool = False, arena: Arena | None = None, pieces: Pieces | None = None,
+                    tally: Tally | None = None) -> Fetched: ...
+
+    async def fetch_placed(self, address: Address, *, digest: Digest, size: int, pieces: Pieces | None,
+                           place: Callable[[Layout], Mapping[str, Sequence[memoryview]]],
+                           tally: Tally | None = None) -> tuple[Fetched, Layout]: ...
+
+    async def prepare(self, f: Fetched, tokens: int | None = None) -> int | None: ...
+
+
+async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | None = None,
                        quality: str | float | None = None, into: Callable[[int, ObjectView], None] | None = None,
                        arena: Arena | None = None, scatter: Placer | None = None,
                        tally: Tally | None = None) -> PrefixStates:
@@ -47,7 +84,7 @@ async def fetch_prefix(client: KDNClient, hit: Lookup, *, encoding: str | None =
 class _Object:
     """One object of a prefix: its record, its encoding, then fetched and decoded (or placed)."""
 
-    def __init__(self, client: KDNClient, hit: Lookup, encoding: str | None, quality: str | float | None,
+    def __init__(self, client: PrefixSource, hit: Lookup, encoding: str | None, quality: str | float | None,
                  into: Callable[[int, ObjectView], None] | None, arena: Arena | None, scatter: Placer | None,
                  tally: Tally | None, arrived: list[float]) -> None:
         self.client, self.hit, self.encoding, self.quality = client, hit, encoding, quality
@@ -57,7 +94,7 @@ class _Object:
         self.known = dict(zip(hit.addresses, hit.records))  # verified by the lookup: no second record read
 
     async def __call__(self, index: int, address: Address) -> tuple[Fetched, DecodedObject]:
-        from kdn.objects import DecodedObject
+        from kdn.format.objects import DecodedObject
 
         c, hit = self.client, self.hit
         rec = self.known.get(address) or await c.record(address)
@@ -87,7 +124,7 @@ class _Object:
                 f.release()
 
 
-async def _fetch_placed(client: KDNClient, address: Address, e: dict[str, Any], index: int, hit: Lookup,
+async def _fetch_placed(client: PrefixSource, address: Address, e: dict[str, Any], index: int, hit: Lookup,
                         scatter: Placer, tally: Tally | None = None) -> tuple[Fetched, Layout]:
     """Chunk ``index`` of ``hit`` received straight into the engine's memory (``fetch_placed``), its
     header checked against the lookup before a byte is placed."""

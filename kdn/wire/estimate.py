@@ -166,7 +166,7 @@ MIN_DECODE_SAMPLE = 256 << 10
 
 
 class DecodeSpeeds:
-    """This machine's measured decode speed per encoding (decoded bytes/s), with ``kdn.encodings.TABLE`` as
+    """This machine's measured decode speed per encoding (decoded bytes/s), with ``kdn.format.encodings.TABLE`` as
     the prior until an encoding has been timed here.
 
     Which encoding is cheapest to load depends on the receiver as much as on the link: ``raw`` is a copy,
@@ -194,14 +194,14 @@ class DecodeSpeeds:
 
     def rate(self, encoding: str) -> float:
         """Decoded bytes per second: measured here when sampled, else the table's one-thread figure."""
-        from kdn.encodings import TABLE
+        from kdn.format.encodings import TABLE
 
         measured = self._rate.get(encoding)
         return measured if measured is not None else TABLE[encoding].decode_mbps * 1e6
 
     def seconds(self, encoding: str, encoded_size: int) -> float:
         """Expected time to decode an object of ``encoded_size`` bytes (its decoded size from the table's ratio)."""
-        from kdn.encodings import TABLE
+        from kdn.format.encodings import TABLE
 
         return encoded_size * TABLE[encoding].ratio / max(self.rate(encoding), 1.0)
 

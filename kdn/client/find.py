@@ -3,7 +3,7 @@
 Whole chunks are found with one ``/v1/lookup``, the matched chain's records riding with the answer; past
 them, the last matched chunk's record lists its partial tails (length -> address), so a prompt that continues
 past a published text (text + question) reuses all of the text. An edge's answer is a claim: with publisher
-keys a chunk counts only once its signed record verifies (``kdn.trust``).
+keys a chunk counts only once its signed record verifies (``kdn.client.trust``).
 
 The client hands in how it asks (``ask``: a JSON request to the first source that answers) and how it reads
 one record, so that what it ranks and counts (a bench's client overrides both) holds for lookups too.
@@ -15,10 +15,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kdn import address as A
-from kdn.address import Address, ModelId
-from kdn.lookup import Lookup
-from kdn.trust import Trust
+from kdn.format import address as A
+from kdn.format.address import Address, ModelId
+from kdn.client.lookup import Lookup
+from kdn.client.trust import Trust
 
 Ask = Callable[[str, str, "dict[str, Any] | None"], Awaitable["dict[str, Any] | None"]]
 ReadRecord = Callable[[Address], Awaitable["dict[str, Any] | None"]]

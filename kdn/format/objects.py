@@ -13,7 +13,7 @@ container. The KDN header (``__metadata__["kdn"]``) records, per tensor, the
 decoded dtype and shape, the codec and its parameters; see ``docs/format.md``.
 
 This module has its own small writer, and its reader (the header and layout, parsed and validated, are
-``kdn/layout.py``'s, re-exported here), so verifying and serving an object needs no torch, and decoding a
+``kdn/format/layout.py``'s, re-exported here), so verifying and serving an object needs no torch, and decoding a
 ``raw`` object is zero-copy over the blob. Only :func:`to_torch` and :func:`from_torch` import torch, inside.
 """
 
@@ -27,11 +27,11 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kdn import address as _address
-from kdn.address import Address, Digest, ModelId, canonical_json
-from kdn.codecs import DTYPES, Buffer, get_codec, itemsize
+from kdn.format import address as _address
+from kdn.format.address import Address, Digest, ModelId, canonical_json
+from kdn.format.codecs import DTYPES, Buffer, get_codec, itemsize
 from kdn.errors import CorruptObject, DigestMismatch, InvalidInput, ObjectTooLarge, TensorMismatch
-from kdn.layout import (
+from kdn.format.layout import (
     DEFAULT_MAX_OBJECT_BYTES,
     FORMAT_VERSION,
     KDN_KEY,
@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-# What kdn.layout holds is re-exported: ``from kdn.objects import X`` is the object format's one import.
+# What kdn.format.layout holds is re-exported: ``from kdn.format.objects import X`` is the object format's one import.
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "FORMAT_VERSION", "KINDS", "MAX_EXPANSION", "MAX_HEADER_BYTES", "MAX_NDIM",
            "MIN_DECODED_CAP", "DecodedObject", "Layout", "ObjectHeader", "ObjectView", "RawTensor", "TensorInfo",
            "blob_digest", "blob_namespace", "decode_object", "decoded_nbytes", "encode_object", "from_torch",
@@ -213,7 +213,7 @@ def _container(kdn: dict[str, Any], entries: list[_Entry]) -> bytes:
     return b"".join([struct.pack("<Q", len(head)), head, *(e[-1] for e in entries)])
 
 
-# --- reader (the header and layout: kdn/layout.py) ----------------------------
+# --- reader (the header and layout: kdn/format/layout.py) ----------------------------
 
 
 def decoded_nbytes(header: ObjectHeader) -> int:
@@ -326,8 +326,8 @@ class ObjectView:
     def decode_into(self, name: str, dst: np.ndarray) -> None:
         """Decode tensor ``name`` straight into ``dst``: a writable numpy array of the tensor's shape and
         item size, any strides (an engine's cache slice). Codecs that cannot write into place decode
-        and copy once (:func:`kdn.codecs.decode_into`)."""
-        from kdn.codecs import decode_into
+        and copy once (:func:`kdn.format.codecs.decode_into`)."""
+        from kdn.format.codecs import decode_into
 
         layout, mv = self._layout, self._mv
         info = layout.header.tensors.get(name)

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from kdn import address as A
+from kdn.format import address as A
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.fetch import Buffer
-    from kdn.objects import DecodedObject, Layout
+    from kdn.wire.fetch import Buffer
+    from kdn.format.objects import DecodedObject, Layout
 
 
 @dataclass(frozen=True)

@@ -1,30 +1,29 @@
 """The fetch client an inference server uses: find the longest cached prefix of a prompt and fetch it.
 
-Its sources (``kdn.sources``: the owner edge of its region first, then the
+Its sources (``kdn.client.sources``: the owner edge of its region first, then the
 region's other edges, other regions' edges, the origin) each keep a moving
 estimate of round-trip time and bandwidth; a fetch goes to the source with the
 least expected time for the object's size, is hedged to the next source when
 it runs past twice its expected time, fails over on error, and is verified
 against the digest its record promised before anything is decoded. Records
-and manifests are believed as far as ``kdn.trust`` allows. Object bodies are read by
-``kdn.bodyget`` (keep-alive connections of its own, straight into arena
+and manifests are believed as far as ``kdn.client.trust`` allows. Object bodies are read by
+``kdn.wire.bodyget`` (keep-alive connections of its own, straight into arena
 buffers); lookups, records and manifests go through one aiohttp session. How a lookup finds the
-longest published prefix is ``kdn.find``; how a prefix's objects are fetched and decoded or placed into an
-engine's cache is ``kdn.prefix``.
+longest published prefix is ``kdn.client.find``; how a prefix's objects are fetched and decoded or placed into an
+engine's cache is ``kdn.client.prefix``.
 
     async with KDNClient(edges=["http://127.0.0.1:8100"], token=...) as c:
         hit = await c.lookup(tokens, model_id, namespace="public")
         states = await c.fetch_prefix(hit)
 
 What it returns (``Lookup``, ``Fetched``, ``PrefixStates``, ...) is defined in
-``kdn.lookup``; ``SyncKDNClient`` (``kdn.sync``) wraps it for scripts. Both are
-importable from here.
+``kdn.client.lookup``; ``SyncKDNClient`` (``kdn.client.sync``) wraps it for scripts. The package
+(``kdn.client``) exports all of them.
 """
 
 from __future__ import annotations
 
-__all__ = ["FILL_TIERS", "Fetched", "KDNClient", "Lookup", "PrefixStates", "Probe", "Source",
-           "Tensors", "fills"]
+__all__ = ["KDNClient"]
 
 import asyncio
 import logging
@@ -38,29 +37,29 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from kdn import address as A
-from kdn.address import Address, Digest, ModelId, validate_digest
-from kdn.bases import Bases
-from kdn.bodyget import BodyGetter, Tally
-from kdn.connections import DECODE_THREADS, HASH_THREADS, Connections
-from kdn.encodings import affordable, parse_budget
+from kdn.format import address as A
+from kdn.format.address import Address, Digest, ModelId, validate_digest
+from kdn.client.bases import Bases
+from kdn.wire.bodyget import BodyGetter, Tally
+from kdn.client.connections import DECODE_THREADS, HASH_THREADS, Connections
+from kdn.format.encodings import affordable, parse_budget
 from kdn.errors import InvalidInput, KDNError, SourceError
-from kdn.estimate import DECODE, DecodeSpeeds
-from kdn.fetch import Fetcher, Fresh, Observer, Route, Want
-from kdn.find import find_prefix
-from kdn.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Source, Tensors, fills
-from kdn.parts import fetch_tensors
-from kdn.pieces import Pieces
-from kdn.prefix import fetch_prefix
-from kdn.sources import Sources, from_nodes
-from kdn.trust import Trust
+from kdn.wire.estimate import DECODE, DecodeSpeeds
+from kdn.wire.fetch import Fetcher, Fresh, Observer, Route, Want
+from kdn.client.find import find_prefix
+from kdn.client.lookup import Fetched, Lookup, PrefixStates, Probe, Source, Tensors
+from kdn.client.parts import fetch_tensors
+from kdn.format.pieces import Pieces
+from kdn.client.prefix import fetch_prefix
+from kdn.client.sources import Sources, from_nodes
+from kdn.client.trust import Trust
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.client` stays light
-    from kdn.arena import Arena
-    from kdn.objects import Layout, ObjectView
-    from kdn.scatter import Placer
+    from kdn.wire.arena import Arena
+    from kdn.format.objects import Layout, ObjectView
+    from kdn.wire.scatter import Placer
     from kdn.registry import Membership
-    from kdn.trust import TrustedKeys
+    from kdn.client.trust import TrustedKeys
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +96,12 @@ class KDNClient:
         decode_threads: int = DECODE_THREADS,
         hash_threads: int = HASH_THREADS,
     ) -> None:
-        # Where to fetch from and in what order (kdn.sources); the names below are the same objects, kept
+        # Where to fetch from and in what order (kdn.client.sources); the names below are the same objects, kept
         # for callers and benchmarks that read or seed them.
         self.routing = Sources(edges, remote_edges, origin, strategy=strategy)
         self.sources, self.strategy, self.rng = self.routing.all, self.routing.strategy, self.routing.rng
         self.estimates, self.control, self._ring = self.routing.estimates, self.routing.control, self.routing.ring
-        # How it reaches them: sessions, the body reader, the verified fetcher, the decode threads (kdn.connections).
+        # How it reaches them: sessions, the body reader, the verified fetcher, the decode threads (kdn.client.connections).
         self.net = Connections(self.estimates, token=token, timeout=timeout, ca=ca, ssl=ssl, local_addr=local_addr,
                                concurrency=concurrency, decode_threads=decode_threads, hash_threads=hash_threads)
         self.headers = self.net.headers
@@ -114,16 +113,16 @@ class KDNClient:
         parse_budget(quality)
         self.quality = quality
         self.decode_speeds = decode_speeds if decode_speeds is not None else DECODE
-        # What it believes: publisher keys (a kdn.signing.Verifier, key strings, or a file of them): with them, a
-        # record whose signature does not verify is a miss -- its digest is never believed (kdn.trust).
+        # What it believes: publisher keys (a kdn.registry.signing.Verifier, key strings, or a file of them): with them, a
+        # record whose signature does not verify is a miss -- its digest is never believed (kdn.client.trust).
         self.trust = Trust(trusted_keys, manifest_state)
         self.verifier = self.trust.verifier
         self._fetched: OrderedDict[Address, float] = OrderedDict()  # address -> when fetched (warm), bounded
         # kvtc bases by address: each fetched once (then shared by every object that names it)
         self.bases = Bases(self.record, self.fetch)
-        # What to count of each attempt of a fetch (``kdn.fetch.Observer``: traces, metrics); None: nothing.
+        # What to count of each attempt of a fetch (``kdn.wire.fetch.Observer``: traces, metrics); None: nothing.
         self.fetch_observer: Observer | None = None
-        # Receive buffers reused across loads (``kdn.arena``): a prefix loaded into an engine's cache
+        # Receive buffers reused across loads (``kdn.wire.arena``): a prefix loaded into an engine's cache
         # (``fetch_prefix(into=...)``) lands in them and hands them back once decoded into place.
         self.arena = arena
 
@@ -131,7 +130,7 @@ class KDNClient:
 
     @property
     def getter(self) -> BodyGetter:
-        """The object-body path (``kdn.connections``)."""
+        """The object-body path (``kdn.client.connections``)."""
         return self.net.getter
 
     @property
@@ -196,20 +195,20 @@ class KDNClient:
         refused (counted in ``rejected_records``; with ``trusted_keys``, which make the version the origin's word);
         the highest version seen per name is kept in
         ``manifest_versions``: in memory, or with ``manifest_state=PATH`` in that file, so that it holds across
-        restarts and processes (kdn.versions).
-        ``pin`` (``kdn.signing.manifest_pin``, printed by ``kdn publish``) takes exactly that manifest: any
+        restarts and processes (kdn.client.versions).
+        ``pin`` (``kdn.registry.signing.manifest_pin``, printed by ``kdn publish``) takes exactly that manifest: any
         other one served under the name is refused (None, counted), with keys or without."""
         ref = f"{A.validate_namespace(namespace)}/{A.validate_name(name)}"
         return self.trust.manifest(await self._json("GET", f"/v1/registry/manifests/{ref}"), ref, pin)
 
     @property
     def rejected_records(self) -> int:
-        """Records and manifests refused so far (``kdn.trust``)."""
+        """Records and manifests refused so far (``kdn.client.trust``)."""
         return self.trust.rejected
 
     @property
     def manifest_versions(self) -> MutableMapping[str, int]:
-        """``namespace/name`` -> the highest manifest version this client has taken (``kdn.trust``)."""
+        """``namespace/name`` -> the highest manifest version this client has taken (``kdn.client.trust``)."""
         return self.trust.manifest_versions
 
     # --- lookup ----------------------------------------------------------------
@@ -217,7 +216,7 @@ class KDNClient:
     async def lookup(self, tokens: Iterable[int], model_id: ModelId, namespace: str = "public", *,
                      chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS) -> Lookup:
         """How many leading tokens of ``tokens`` are published: whole chunks, then a partial tail
-        (``kdn.find``: one ``/v1/lookup``, the chain's records riding with it, believed as ``kdn.trust`` allows;
+        (``kdn.client.find``: one ``/v1/lookup``, the chain's records riding with it, believed as ``kdn.client.trust`` allows;
         a prompt that continues past a published text reuses all of the text)."""
         return await find_prefix(self._json, self.record, self.trust, list(tokens), model_id, namespace,
                                  chunk_tokens)
@@ -229,7 +228,7 @@ class KDNClient:
                             admitted_by: TrustedKeys | None = None,
                             revoked_admissions: str | os.PathLike[str] | Iterable[str] | None = None,
                             **kwargs: Any) -> KDNClient:
-        """Sources from the registry's live nodes (``kdn.sources.from_nodes``): this region's edges, other
+        """Sources from the registry's live nodes (``kdn.client.sources.from_nodes``): this region's edges, other
         regions' edges, the origins; with a ``token``, only nodes it may reach (``token_hosts``); with
         ``admitted_by`` (operator keys), only nodes one of them admitted and did not revoke."""
         found = await from_nodes(registry, region, token=kwargs.get("token"), token_hosts=token_hosts,
@@ -237,7 +236,7 @@ class KDNClient:
         return cls(**found, **kwargs)
 
     def _ranked(self, size: int, address: Address | None = None, *, control: bool = False) -> list[Source]:
-        """The sources for one request, least expected time first (``kdn.sources.Sources.ranked``)."""
+        """The sources for one request, least expected time first (``kdn.client.sources.Sources.ranked``)."""
         return self.routing.ranked(size, address, control=control)
 
     def expected_seconds(self, size: int) -> float:
@@ -271,8 +270,8 @@ class KDNClient:
         ``encoding``, the record's encodings are chosen from by ``quality``). ``pooled``: the body lands
         in a buffer of ``arena`` (default: the client's, when it has one), which the caller hands back with
         ``Fetched.release()`` once the bytes are used (ArenaFull when the arena's budget is spent). ``pieces``
-        (the record's piece digests, ``kdn.pieces``) verify the body piece by piece as it lands. ``tally``
-        (``kdn.bodyget.Tally``) counts the body bytes as they land, also of an attempt that fails or is cut
+        (the record's piece digests, ``kdn.format.pieces``) verify the body piece by piece as it lands. ``tally``
+        (``kdn.wire.bodyget.Tally``) counts the body bytes as they land, also of an attempt that fails or is cut
         short: a load given up at its deadline measures its own link by them (``kdn.planner``)."""
         address = A.validate_address(address)
         if digest is None or encoding is None or size is None:
@@ -300,7 +299,7 @@ class KDNClient:
         second source would time another link). Never raises for the source: a probe cut at ``deadline_s``
         or failed reports the body bytes that did land by then (``abandoned``), as a load given up does.
         None: it measured nothing (the arena had no room for the body)."""
-        from kdn.arena import ArenaFull
+        from kdn.wire.arena import ArenaFull
 
         tally, t0 = Tally(), time.perf_counter()
         try:
@@ -320,7 +319,7 @@ class KDNClient:
     async def _fetch_hedged(self, address: Address, encoding: str, digest: Digest, size: int, *, hedge: bool = True,
                             pooled: Arena | None = None, pieces: Pieces | None = None,
                             part: tuple[int, int] | None = None, tally: Tally | None = None) -> Fetched:
-        """Through ``kdn.fetch`` (one verified fetch for edges and clients): the best source first, hedged to
+        """Through ``kdn.wire.fetch`` (one verified fetch for edges and clients): the best source first, hedged to
         the next past twice its expected time (at most ``max_hedges`` extra; others only when a source
         fails); the first verified body wins.
 
@@ -373,7 +372,7 @@ class KDNClient:
         return self.fetcher.failovers
 
     async def fetch_part(self, address: Address, encoding: str, first: int, end: int) -> Fetched:
-        """Pieces ``[first, end)`` of an object (``kdn.pieces``: 1 MiB each by default) by a range request, each
+        """Pieces ``[first, end)`` of an object (``kdn.format.pieces``: 1 MiB each by default) by a range request, each
         verified against the piece digests of its (signed) record: ``blob`` holds the blob's bytes
         ``[first * piece_bytes, ...)``. InvalidInput if the record has no pieces (a blob of one piece, or
         from before pieces): fetch it whole."""
@@ -390,16 +389,16 @@ class KDNClient:
 
     async def fetch_tensors(self, address: Address, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
         """Only the named tensors of an object (one layer's ``L3.k`` and ``L3.v``, say), verified, by range
-        requests where its record has piece digests (``kdn.parts``)."""
+        requests where its record has piece digests (``kdn.client.parts``)."""
         return await fetch_tensors(self, address, names, encoding=encoding)
 
     async def basis(self, address: Address) -> Any:
         """The kvtc basis (``kdn.kernels.transform.Basis``) at ``address``: fetched once, verified, registered
-        for decoding (``kdn.bases``)."""
+        for decoding (``kdn.client.bases``)."""
         return await self.bases.get(A.validate_address(address))
 
     async def prepare(self, f: Fetched, tokens: int | None = None) -> int | None:
-        """Load the kvtc bases a fetched object names; the ``max_decoded`` its decode may use (``kdn.bases``)."""
+        """Load the kvtc bases a fetched object names; the ``max_decoded`` its decode may use (``kdn.client.bases``)."""
         return await self.bases.prepare(f, tokens)
 
     @property
@@ -411,7 +410,7 @@ class KDNClient:
                            into: Callable[[int, ObjectView], None] | None = None,
                            arena: Arena | None = None, scatter: Placer | None = None,
                            tally: Tally | None = None) -> PrefixStates:
-        """Fetch, verify and decode every object of a lookup; objects stay in chain order (``kdn.prefix``).
+        """Fetch, verify and decode every object of a lookup; objects stay in chain order (``kdn.client.prefix``).
 
         A pipeline per object: each is decoded (off the event loop) as soon as it
         has arrived and been verified, while the others are still on the wire.
@@ -425,10 +424,10 @@ class KDNClient:
         headers and no tensors. Their receive buffers then come from ``arena`` (or the client's own): each
         goes back once ``into`` has used it, so ``fetched[i].blob`` must not be read after.
 
-        With ``scatter`` (``kdn.scatter.Placer``, e.g. the same ``CacheBuilder``), a chunk fetched ``raw`` that
-        the engine can place is received straight into its memory (``kdn.scatter``: no receive buffer of the
+        With ``scatter`` (``kdn.wire.scatter.Placer``, e.g. the same ``CacheBuilder``), a chunk fetched ``raw`` that
+        the engine can place is received straight into its memory (``kdn.wire.scatter``: no receive buffer of the
         object's size; its 32 KB runs are read through the connection's 1 MiB bounce buffer and copied out
-        while in cache, ``kdn.bodyget``); its ``fetched[i].blob`` is empty. ``tally``: every body byte of the
+        while in cache, ``kdn.wire.bodyget``); its ``fetched[i].blob`` is empty. ``tally``: every body byte of the
         prefix counted as it lands (``fetch``).
         """
         return await fetch_prefix(self, hit, encoding=encoding, quality=quality, into=into, arena=arena,
@@ -437,12 +436,12 @@ class KDNClient:
     async def fetch_placed(self, address: Address, *, digest: Digest, size: int, pieces: Pieces | None,
                            place: Callable[[Layout], Mapping[str, Sequence[memoryview]]],
                            tally: Tally | None = None) -> tuple[Fetched, Layout]:
-        """A raw object received straight into the caller's memory (``kdn.scatter``): ``place`` checks the
+        """A raw object received straight into the caller's memory (``kdn.wire.scatter``): ``place`` checks the
         header (raise to refuse it: nothing is placed) and names the runs each tensor's bytes go to. Verified
         against ``digest`` (and ``pieces``) as the bytes land; the caller uses its memory only once this
         returns. Never hedged, since two bodies would race for the same memory; a failed attempt's bytes are
         rewritten by the next source's."""
-        from kdn.scatter import Scatter
+        from kdn.wire.scatter import Scatter
 
         address = A.validate_address(address)
         if size > MAX_OBJECT_BYTES:
@@ -458,11 +457,3 @@ class KDNClient:
         self.note_read(address)
         return f, body.buffer.layout
 
-
-def __getattr__(name: str) -> Any:
-    """``SyncKDNClient`` is importable from here too (it lives in ``kdn.sync``, which imports this module)."""
-    if name == "SyncKDNClient":
-        from kdn.sync import SyncKDNClient
-
-        return SyncKDNClient
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

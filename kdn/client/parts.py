@@ -1,7 +1,7 @@
 """Parts of an object: the named tensors of one, by range requests verified piece by piece.
 
 An engine that wants one layer of a chunk (``L3.k`` and ``L3.v``) need not move
-the rest: the pieces holding the object's header come first (``kdn.pieces``: 1 MiB
+the rest: the pieces holding the object's header come first (``kdn.format.pieces``: 1 MiB
 each by default), then the pieces holding those tensors, each verified against
 the piece digests of the object's (signed) record as it lands. Where the record
 has no pieces, the whole object is fetched and verified, then cut.
@@ -11,16 +11,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kdn.address import Address
+from kdn.format.address import Address
 from kdn.errors import InvalidInput, SourceError
-from kdn.lookup import Tensors
-from kdn.pieces import Pieces
+from kdn.client.lookup import Fetched, Tensors
+from kdn.format.pieces import Pieces
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.client import KDNClient
-    from kdn.objects import Layout
+    from kdn.format.objects import Layout
+
+
+class PartSource(Protocol):
+    """What ``fetch_tensors`` asks of a client (``KDNClient`` is one): a record, a whole object, a range of
+    pieces. Named here so this module never imports the facade that calls it."""
+
+    async def record(self, address: Address) -> dict[str, Any] | None: ...
+
+    async def fetch(self, address: Address, *, encoding: str | None = None) -> Fetched: ...
+
+    async def fetch_part(self, address: Address, encoding: str, first: int, end: int) -> Fetched: ...
 
 
 def tensor_span(layout: Layout, name: str) -> tuple[int, int]:
@@ -30,11 +40,11 @@ def tensor_span(layout: Layout, name: str) -> tuple[int, int]:
         raise InvalidInput(f"object {layout.header.address[:16]} has no tensor {name[:64]!r}") from None
 
 
-async def fetch_tensors(client: KDNClient, address: Address, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
+async def fetch_tensors(client: PartSource, address: Address, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
     """Only the named tensors of an object (one layer's ``L3.k`` and ``L3.v``, say), verified: the pieces
     holding its header, then the pieces that hold those tensors, by range requests. Where the record has
     no pieces, the whole object is fetched and verified, then cut."""
-    from kdn.objects import head_length, read_layout
+    from kdn.format.objects import head_length, read_layout
 
     rec = await client.record(address)
     if rec is None or encoding not in rec["encodings"]:

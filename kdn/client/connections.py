@@ -1,8 +1,8 @@
 """A fetch client's ways onto the network, opened on first use and closed together.
 
-``KDNClient`` reads object bodies through ``kdn.bodyget`` (keep-alive connections
+``KDNClient`` reads object bodies through ``kdn.wire.bodyget`` (keep-alive connections
 of its own that read straight into preallocated buffers), verifies them through
-``kdn.fetch`` over that, sends its JSON requests (lookups, records, manifests)
+``kdn.wire.fetch`` over that, sends its JSON requests (lookups, records, manifests)
 through one aiohttp session, and decodes what arrived on a small pool of threads
 of its own. All four, and the settings they share (bearer token, TLS, the local
 address to bind, the request deadline, how many fetches run at once), live here,
@@ -17,16 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 
-from kdn.bodyget import BodyGetter
+from kdn.wire.bodyget import BodyGetter
 from kdn.errors import InvalidInput
-from kdn.estimate import Estimates
-from kdn.fetch import Fetcher
+from kdn.wire.estimate import Estimates
+from kdn.wire.fetch import Fetcher
 
 # Threads that decode a prefix's arrived objects into place (zstd planes, lossy codecs). Two, not the event
 # loop's default pool (six here): a zstd load of 8k tokens into the transformers cache took 229/228 ms on two
 # against 285/322 ms on six, alternating in one setup (bench/datapath.py, 2 cores shared with the edge).
 DECODE_THREADS = 2
-# Threads that hash bodies beside the receive (kdn.pieces.OffThread); 0: on the receiving thread as they land.
+# Threads that hash bodies beside the receive (kdn.format.pieces.OffThread); 0: on the receiving thread as they land.
 HASH_THREADS = 0
 CONNECT_S = 5.0  # at most this of a request's deadline goes to opening its connection
 
@@ -72,7 +72,7 @@ class Connections:
 
     @property
     def fetcher(self) -> Fetcher:
-        """Verified fetches (``kdn.fetch``) over ``getter``, measured into ``estimates``."""
+        """Verified fetches (``kdn.wire.fetch``) over ``getter``, measured into ``estimates``."""
         if self._fetcher is None:
             if self._hash_threads and self._hashers is None:
                 self._hashers = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="kdn-hash")

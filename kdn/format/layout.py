@@ -7,7 +7,7 @@ The container (``docs/format.md``)::
 ``read_header`` and ``read_layout`` check every field of the safetensors header and of the KDN header in it
 (``__metadata__["kdn"]``) and that the tensors' byte ranges tile the data section, before a reader trusts any
 of it; a layout that passed is kept by its header text and blob size (``_LayoutCache``), so the same header
-read again costs a dictionary look-up. Encoding and decoding are ``kdn/objects.py``'s, which re-exports what
+read again costs a dictionary look-up. Encoding and decoding are ``kdn/format/objects.py``'s, which re-exports what
 is here.
 """
 
@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdn.address import Address, ModelId, validate_address, validate_namespace
-from kdn.codecs import DTYPES, Buffer, itemsize
+from kdn.format.address import Address, ModelId, validate_address, validate_namespace
+from kdn.format.codecs import DTYPES, Buffer, itemsize
 from kdn.errors import (
     CorruptObject,
     InvalidAddress,
@@ -324,7 +324,7 @@ class _LayoutCache:
 
     Checking a header field by field costs ~1 ms of Python for a 30-layer model's ~10 KB header (60
     tensors), on whatever thread reads the object: 32 ms of an 8k-token SmolLM2 load, on the event loop's
-    thread when a raw object is received in place (``kdn.scatter``). The same objects are read again and
+    thread when a raw object is received in place (``kdn.wire.scatter``). The same objects are read again and
     again (that is what a cache of them is for), with byte-identical headers, and parsing is a pure
     function of (header text, blob size): the second read of a header takes the layout the first one
     checked. Only layouts that passed every check are kept; ``Layout`` and what it holds are never

@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kdn.address import Address
+from kdn.format.address import Address
 from kdn.errors import DigestMismatch
-from kdn.estimate import DecodeSpeeds
-from kdn.lookup import Fetched, Lookup
+from kdn.wire.estimate import DecodeSpeeds
+from kdn.client.lookup import Fetched, Lookup
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.objects import DecodedObject, ObjectHeader, ObjectView
+    from kdn.format.objects import DecodedObject, ObjectHeader, ObjectView
 
 
 def check_identity(h: ObjectHeader, hit: Lookup, address: Address) -> None:
@@ -32,8 +32,8 @@ def decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: i
                     index: int = 0, into: Callable[[int, ObjectView], None] | None = None,
                     speeds: DecodeSpeeds | None = None) -> DecodedObject:
     """Check a verified object is the one the lookup asked for, then decode it (or hand it to ``into``)."""
-    from kdn.codecs import codec_names, get_codec
-    from kdn.objects import DecodedObject, ObjectView, decoded_nbytes
+    from kdn.format.codecs import codec_names, get_codec
+    from kdn.format.objects import DecodedObject, ObjectView, decoded_nbytes
 
     view = ObjectView(f.blob, max_decoded=max_decoded)
     h = view.header

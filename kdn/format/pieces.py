@@ -6,14 +6,14 @@ in its first megabyte is found out only after it has sent all of them. So an
 origin records, beside each encoding's BLAKE3, the BLAKE3 of every fixed-size
 piece of the blob (``PIECE_BYTES``, 1 MiB: the block size vLLM's offloading
 connector settled on; a SmolLM2 chunk's raw blob is 6 pieces), and signs them
-with the rest of the record (``kdn.signing.payload``). The fetch
-(``kdn.fetch``) then verifies each piece the moment its last byte lands:
+with the rest of the record (``kdn.registry.signing.payload``). The fetch
+(``kdn.wire.fetch``) then verifies each piece the moment its last byte lands:
 
 - a piece that does not match aborts the transfer there (the connection is
   dropped, the source counted as a liar, the next one asked): at most one
   piece of a forged body is ever received past the first wrong byte's piece;
 - the body's sink hears ``verified(n)`` each time its first ``n`` bytes are
-  proven (a ``kdn.bodyget.Sink`` may define it), so it may use them at once;
+  proven (a ``kdn.wire.bodyget.Sink`` may define it), so it may use them at once;
 - the pieces together stand in for the whole digest: the origin computes both
   from the same bytes (``kdn.origin`` store: at write time, and at a restart
   only after the whole digest written beside the blob matched), so bytes whose
@@ -36,7 +36,7 @@ from typing import Any
 
 from blake3 import blake3
 
-from kdn.address import Digest, blob_digest, validate_digest
+from kdn.format.address import Digest, blob_digest, validate_digest
 from kdn.errors import DigestMismatch, InvalidInput
 
 PIECE_BYTES = 1 << 20
@@ -107,7 +107,7 @@ def piece_span(size: int, pieces: Pieces, first: int, end: int) -> tuple[int, in
 
 
 class BodyVerifier:
-    """What a fetch feeds the body to as it lands (``kdn.bodyget.Hasher``), and asks at the end."""
+    """What a fetch feeds the body to as it lands (``kdn.wire.bodyget.Hasher``), and asks at the end."""
 
     def update(self, data: memoryview, /) -> object:  # pragma: no cover - the two below
         raise NotImplementedError
@@ -191,7 +191,7 @@ class OffThread(BodyVerifier):
     BLAKE3 releases the GIL, so where a core is free (an engine waiting for its load, an edge's fill) the
     receive thread only reads and places bytes while another hashes them: one pass over the bytes less on
     the thread that bounds the fetch. ``update`` must be given views of memory that stays put until the body
-    ends (the destination, never a reused read buffer: ``kdn.bodyget`` hands such a verifier the placed runs,
+    ends (the destination, never a reused read buffer: ``kdn.wire.bodyget`` hands such a verifier the placed runs,
     ``stable_input``). A piece found wrong is raised by the next ``update`` (the transfer stops there, one
     batch later than inline) or by ``verified``. Call ``settle`` (awaitable) before ``verified``."""
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kdn.address import validate_name
+from kdn.format.address import validate_name
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry.records import Policy
 from kdn.units import format_duration, format_size
@@ -142,7 +142,7 @@ class Removal:
 
 
 async def remove_policy(reg: Any, name: str, signer: Any = None) -> Removal:
-    """Remove the policy ``name`` as ``kdn policy rm`` does: with a ``signer`` (a ``kdn.signing.Signer``), a
+    """Remove the policy ``name`` as ``kdn policy rm`` does: with a ``signer`` (a ``kdn.registry.signing.Signer``), a
     signed tombstone (edges with --operator-keys ignore a bare delete of a signed policy); without one, delete
     the record. Shared by the CLI and the operator console."""
     name = validate_name(name)
@@ -150,7 +150,7 @@ async def remove_policy(reg: Any, name: str, signer: Any = None) -> Removal:
         if not await reg.delete_policy(name):
             return Removal(False, f"kdn: no policy named {name}")
         return Removal(True, f"policy {name} removed")
-    from kdn.signing import Verifier
+    from kdn.registry.signing import Verifier
 
     # The tombstone is built from the name alone (a registry writer controls what is stored there). The stored
     # record only orders it: one this key signed, set on a machine whose clock ran ahead, must not outlive its

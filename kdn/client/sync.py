@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from kdn.client import KDNClient
-from kdn.lookup import Fetched, Lookup, PrefixStates
+from kdn.client.client import KDNClient
+from kdn.client.lookup import Fetched, Lookup, PrefixStates
 
 T = TypeVar("T")
 

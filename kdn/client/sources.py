@@ -3,7 +3,7 @@
 Sources of an object, in the order of preference when nothing is measured
 yet: the owner edge of the client's region (by the same consistent-hash ring
 the edges use), the other edges of the region, other regions' edges, the
-origin. Each source keeps two moving estimates (``kdn.estimate``): one of
+origin. Each source keeps two moving estimates (``kdn.wire.estimate``): one of
 object transfers, which ranks fetches, and one of control requests (lookups,
 registry reads), which ranks those. A lookup's time is mostly the edge's own
 work (registry reads, queueing behind fills); fed into the transfer estimate
@@ -23,15 +23,15 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kdn.errors import InvalidInput
-from kdn.estimate import Estimates
-from kdn.lookup import Source
+from kdn.wire.estimate import Estimates
+from kdn.client.lookup import Source
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.address import Address
+    from kdn.format.address import Address
     from kdn.registry import Membership, NodeRecord
     from kdn.ring import Ring
-    from kdn.signing import Verifier
-    from kdn.trust import TrustedKeys  # (operator keys take the same forms as publisher keys)
+    from kdn.registry.signing import Verifier
+    from kdn.client.trust import TrustedKeys  # (operator keys take the same forms as publisher keys)
 
 log = logging.getLogger("kdn.client")
 
@@ -104,12 +104,12 @@ class Sources:
 
 
 def admitters(keys: TrustedKeys | None, revoked: str | os.PathLike[str] | Iterable[str] | None) -> Verifier | None:
-    """The operator keys a reader checks admissions with, and their revocation list (kdn.signing.Admitters)."""
+    """The operator keys a reader checks admissions with, and their revocation list (kdn.registry.signing.Admitters)."""
     if keys is None:
         if revoked is not None:
             raise InvalidInput("revoked_admissions is for admitted_by: give both")
         return None
-    from kdn.signing import KEY_PREFIX, Admitters, Verifier
+    from kdn.registry.signing import KEY_PREFIX, Admitters, Verifier
 
     if isinstance(keys, Admitters) and revoked is None:
         return keys
@@ -140,7 +140,7 @@ async def from_nodes(registry: Membership, region: str, *, token: str | None = N
     origins = await registry.list_nodes(role="origin")
     operators = admitters(admitted_by, revoked_admissions)
     if operators is not None:
-        from kdn.signing import unadmitted
+        from kdn.registry.signing import unadmitted
 
         why = {(n.role, n.region, n.node_id): unadmitted(n, operators) for n in edges + origins}
 

@@ -1,6 +1,6 @@
 """The highest manifest version a consumer has taken, per name, kept in a file across restarts.
 
-A signed manifest carries a per-name version (kdn/signing.py); a client with
+A signed manifest carries a per-name version (kdn/registry/signing.py); a client with
 publisher keys refuses one older than it took before, so a registry writer or
 a lying edge cannot roll a document back to a superseded text. Held in memory
 only, that high-water mark starts again at 0 in every new process: a replay

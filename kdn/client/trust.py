@@ -4,8 +4,8 @@ Any source can lie: an edge, a registry writer who planted a record, a replay
 of an old answer. With publisher keys (``trusted_keys``) a record counts only
 if one of them signed it and it is the record of what was asked; a manifest
 also only if it is not older than a version of that name this client took
-before (kept in memory, or in a file across processes: ``kdn.versions``), and,
-with a pin (``kdn.signing.manifest_pin``), only if it is exactly the pinned
+before (kept in memory, or in a file across processes: ``kdn.client.versions``), and,
+with a pin (``kdn.registry.signing.manifest_pin``), only if it is exactly the pinned
 one. Whatever is refused is counted in ``rejected`` and logged, and reads as
 absent: its digests are never believed.
 """
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.errors import InvalidInput
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.signing import Verifier
+    from kdn.registry.signing import Verifier
 
     # Publisher keys: a Verifier, key strings (ed25519:<hex>), or a file of them.
     TrustedKeys = Verifier | str | os.PathLike[str] | Iterable[str]
@@ -38,10 +38,10 @@ VERIFIED_MEMO = 16384
 
 
 def verifier(keys: TrustedKeys | None) -> Verifier | None:
-    """Publisher keys as a ``kdn.signing.Verifier`` (None: no keys, every record taken as sent)."""
+    """Publisher keys as a ``kdn.registry.signing.Verifier`` (None: no keys, every record taken as sent)."""
     if keys is None:
         return None
-    from kdn.signing import KEY_PREFIX, Verifier
+    from kdn.registry.signing import KEY_PREFIX, Verifier
 
     if isinstance(keys, Verifier):
         return keys
@@ -61,11 +61,11 @@ class Trust:
         self.verifier = verifier(trusted_keys)
         self.rejected = 0
         self._verified: OrderedDict[bytes, object] = OrderedDict()  # content digest -> the key that verified it
-        # namespace/name -> the highest version taken; with ``manifest_state``, kept in that file (kdn.versions)
+        # namespace/name -> the highest version taken; with ``manifest_state``, kept in that file (kdn.client.versions)
         # so that a new process still refuses what an earlier one saw superseded.
         self.manifest_versions: MutableMapping[str, int] = {}
         if manifest_state is not None:
-            from kdn.versions import VersionFile
+            from kdn.client.versions import VersionFile
 
             self.manifest_versions = VersionFile(manifest_state)
 
@@ -100,7 +100,7 @@ class Trust:
         d = self._signed(d, "manifest", ref)
         if pin is not None and d is not None:
             from kdn.registry import Manifest
-            from kdn.signing import manifest_pin
+            from kdn.registry.signing import manifest_pin
 
             try:
                 got = manifest_pin(Manifest.from_dict(d))
@@ -132,7 +132,7 @@ class Trust:
         if d is None or self.verifier is None:
             return d
         from kdn.registry import Manifest, ObjectRecord
-        from kdn.signing import SignatureError
+        from kdn.registry.signing import SignatureError
 
         try:
             rec: ObjectRecord | Manifest

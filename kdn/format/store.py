@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdn.address import Address, Digest, validate_address
+from kdn.format.address import Address, Digest, validate_address
 from kdn.errors import InvalidInput
 
 # A temp file untouched this long is a crashed writer's (a live one writes to it continuously).

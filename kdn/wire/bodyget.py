@@ -4,7 +4,7 @@ The fetch client's hot path. aiohttp's client hands over a fresh ``bytes`` per
 socket read, which must then be copied into the destination: on loopback that
 held the client to ~0.4x of a raw ``recv_into`` client (bench/serve.py). Here
 the event loop reads the body directly into the caller's buffer (or, for a
-sink of small runs such as ``kdn.scatter``'s 32 KB per head, into a 1 MiB
+sink of small runs such as ``kdn.wire.scatter``'s 32 KB per head, into a 1 MiB
 bounce buffer per connection whose bytes are copied out to their runs while in
 cache: one read per run cost more, bench/datapath.py). Only what
 the object route needs: ``GET``, a ``Content-Length`` body (no chunked
@@ -32,7 +32,7 @@ BODY_STATUSES = (200, 206)  # answers whose body is read into the buffer (206: a
 class Sink(Protocol):
     """Where a body lands, when not in one buffer: ``size`` bytes in all; ``region(offset)`` is a writable
     view for the bytes from ``offset`` on (at least one byte; the reader never writes past ``size``).
-    ``kdn.scatter`` receives an object's tensors straight into an engine's memory this way."""
+    ``kdn.wire.scatter`` receives an object's tensors straight into an engine's memory this way."""
 
     @property
     def size(self) -> int: ...
@@ -52,10 +52,10 @@ class _Flat:
 
 
 class Hasher(Protocol):
-    """What ``get`` feeds body segments to (``blake3()``, a ``hashlib`` object, a ``kdn.pieces`` verifier).
+    """What ``get`` feeds body segments to (``blake3()``, a ``hashlib`` object, a ``kdn.format.pieces`` verifier).
     An exception from ``update`` (a piece that does not match) ends the request with that exception, and
     drops the connection: no more of a refused body is read. One with a true ``stable_input`` attribute
-    (``kdn.pieces.OffThread``, which hashes later on another thread) is given views of the bytes where they
+    (``kdn.format.pieces.OffThread``, which hashes later on another thread) is given views of the bytes where they
     stay (the sink's runs), never of the bounce buffer."""
 
     def update(self, data: memoryview, /) -> object: ...
@@ -141,7 +141,7 @@ class _Conn(asyncio.BufferedProtocol):
                 return memoryview(bytearray(max(sizehint, 1)))
             left = self.resp.length - self.got
             if len(region) < BOUNCE_BELOW < left:
-                # A sink of small runs (kdn.scatter: 32 KB per head of a chunk): one read per run costs a
+                # A sink of small runs (kdn.wire.scatter: 32 KB per head of a chunk): one read per run costs a
                 # system call and the loop's bookkeeping each. Read into one cache-sized buffer instead and
                 # copy the bytes out to their runs (buffer_updated) while they are still in cache.
                 if self._bounce is None:

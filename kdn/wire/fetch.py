@@ -13,7 +13,7 @@ Written once here, for both:
 - **verification**: status 200, ``X-KDN-Encoding`` as asked, the exact
   ``Content-Length``, and the BLAKE3 digest fed as the bytes land (no second
   pass); with the record's piece digests, each piece is checked as its last
-  byte lands (``kdn.pieces``): a wrong one drops the connection there, and a
+  byte lands (``kdn.format.pieces``): a wrong one drops the connection there, and a
   sink with ``verified(n)`` hears each proven prefix. A body that fails any of
   these is never returned, its source is counted and the next one is tried;
 - **a cached-only ask** (another region's edge, ``X-KDN-Cached-Only``): a 404
@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import quote
 
-from kdn.address import Address, Digest
-from kdn.bodyget import BodyError, BodyGetter, Sink, Tally
+from kdn.format.address import Address, Digest
+from kdn.wire.bodyget import BodyError, BodyGetter, Sink, Tally
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
-from kdn.estimate import Company, Estimates, Mark
-from kdn.pieces import BodyVerifier, OffThread, Pieces, PieceVerifier, piece_span, verifier
+from kdn.wire.estimate import Company, Estimates, Mark
+from kdn.format.pieces import BodyVerifier, OffThread, Pieces, PieceVerifier, piece_span, verifier
 
 CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
 HOP = "X-KDN-Hop"  # set on edge-to-edge requests: the receiver fills itself, never forwards in-region
@@ -61,7 +61,7 @@ class Want:
     encoding: str
     size: int
     digest: Digest
-    pieces: Pieces | None = None  # the record's piece digests: verified piece by piece (kdn/pieces.py)
+    pieces: Pieces | None = None  # the record's piece digests: verified piece by piece (kdn/format/pieces.py)
     # Only pieces [first, end) of the blob (a range request, 206), each verified against its digest: the bytes
     # ``piece_span`` names. None: the whole blob.
     part: tuple[int, int] | None = None
@@ -103,7 +103,7 @@ class Route:
 
 class Buffer(Protocol):
     """Where a body lands: ``view`` is exactly the body's size; ``release`` hands it back. (A buffer that is
-    also a ``kdn.bodyget.Sink``, such as ``kdn.scatter.Scatter``, places the bytes itself.)"""
+    also a ``kdn.wire.bodyget.Sink``, such as ``kdn.wire.scatter.Scatter``, places the bytes itself.)"""
 
     @property
     def view(self) -> memoryview: ...
@@ -165,7 +165,7 @@ class Fetcher:
                  hash_pool: Executor | None = None) -> None:
         self.getter = getter
         # Where bodies are hashed: on the receiving thread as each read lands (None), or on this pool's
-        # threads beside the receive (kdn.pieces.OffThread), where a core is free to do it.
+        # threads beside the receive (kdn.format.pieces.OffThread), where a core is free to do it.
         self.hash_pool = hash_pool
         self.estimates = estimates
         self.company = Company()  # transfers in flight per source: a load's samples measure the source's speed
@@ -235,7 +235,7 @@ class Fetcher:
                 headers = {**(self.authorize(url) if self.authorize else {}), **route.headers}
                 if want.part is not None:  # If-Range: a source holding other bytes under the name sends all (a 200)
                     headers |= {"Range": f"bytes={lo}-{hi - 1}", "If-Range": f'"{want.digest}"'}
-                target = buf if isinstance(buf, Sink) else buf.view  # kdn.scatter places its bytes itself
+                target = buf if isinstance(buf, Sink) else buf.view  # kdn.wire.scatter places its bytes itself
                 r = await self.getter.get(url, target, headers, route.timeout or self.timeout, hasher=hasher,
                                           tally=tally)
             except (BodyError, asyncio.TimeoutError, OSError) as e:

@@ -18,7 +18,7 @@ trusted set; every record it signed is a miss from then on.
 
 Signed fields (``payload``): models -- every field (id, name, architecture, dtype, chunk size, config,
 extra: the kvtc basis's address, the origin's URL); objects -- address, model id, namespace, kind,
-token span, parent, standalone, every encoding's size and digest (and its piece digests, kdn/pieces.py), tails,
+token span, parent, standalone, every encoding's size and digest (and its piece digests, kdn/format/pieces.py), tails,
 origin, engine; manifests -- namespace, name, model id, addresses, token
 counts, the published token ids, template, standalone addresses, the emphasis map (when there is
 one; its absence is signed too, since the payload then differs from one with a map); base relations
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from blake3 import blake3
 
-from kdn.address import canonical_json
+from kdn.format.address import canonical_json
 from kdn.errors import InvalidInput, KDNError
 
 if TYPE_CHECKING:  # pragma: no cover - imported where used: kdn.registry and cryptography load lazily
@@ -363,7 +363,7 @@ class Admitters(Verifier):
                 return True
             ids = parse_admission_ids(self.revoked_path.read_text().splitlines(), str(self.revoked_path))
         except (OSError, InvalidInput) as e:
-            logging.getLogger("kdn.signing").error("cannot read the revoked admissions %s (%s): keeping the %d "
+            logging.getLogger("kdn.registry.signing").error("cannot read the revoked admissions %s (%s): keeping the %d "
                                                    "read before", self.revoked_path, e, len(self.revoked))
             return False
         self.revoked, self._stamp = frozenset(ids), stamp
