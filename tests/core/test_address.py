@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.errors import InvalidAddress, InvalidInput
 
 M = A.ModelId("ab" * 32)

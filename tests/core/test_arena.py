@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kdn.arena import Arena, ArenaFull, size_class
+from kdn.wire.arena import Arena, ArenaFull, size_class
 
 MiB = 1 << 20
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kdn.bodyget import BodyError, BodyGetter, Tally
+from kdn.wire.bodyget import BodyError, BodyGetter, Tally
 
 BODY = bytes(range(256)) * 4000  # 1 MB
 
@@ -131,7 +131,7 @@ async def test_timeout_closes_the_connection():
 
 
 class Runs:
-    """A sink of small runs over one buffer, in a shuffled order (as kdn.scatter's per-head runs are)."""
+    """A sink of small runs over one buffer, in a shuffled order (as kdn.wire.scatter's per-head runs are)."""
 
     def __init__(self, size: int, run: int) -> None:
         import random
@@ -159,7 +159,7 @@ async def test_a_sink_of_small_runs_gets_every_byte_in_its_place_and_the_hasher_
     """Runs smaller than BOUNCE_BELOW are read through one bounce buffer and copied out; larger ones directly."""
     from blake3 import blake3
 
-    from kdn import bodyget
+    from kdn.wire import bodyget
 
     copied = []
     place = bodyget._Conn._place
@@ -200,7 +200,7 @@ async def test_a_small_run_sink_that_refuses_mid_body_fails_the_request():
     server, url = await serve(handler)
     g = BodyGetter(ssl=None)
     try:
-        from kdn import bodyget
+        from kdn.wire import bodyget
 
         place = bodyget._Conn._place
 

@@ -15,10 +15,10 @@ from urllib.parse import urlsplit
 import pytest
 from blake3 import blake3
 
-from kdn import address as A
+from kdn.format import address as A
 from kdn.registry import (BaseRelation, EmbeddedRegistry, Encoding, EtcdRegistry, ModelRecord, NodeRecord, ObjectRecord,
                           find_relation)
-from kdn.signing import Verifier
+from kdn.registry.signing import Verifier
 
 MID = blake3(b"cli-test-model").hexdigest()
 KDN_SCRIPT = Path(sys.executable).with_name("kdn")
@@ -340,7 +340,7 @@ def test_bad_env_registry_is_one_line_status_2(cli):
 def test_non_positive_chunk_tokens_is_one_line_status_2(cli, chunk, flag):
     # Bug: cmd_address (kdn/cli.py) computes the addresses before chunk_spans(),
     # the only place that rejects chunk_tokens <= 0, and prefix_addresses /
-    # standalone_addresses (kdn/address.py) do not check it: 0 raises
+    # standalone_addresses (kdn/format/address.py) do not check it: 0 raises
     # ValueError from range(), a negative value OverflowError from
     # int.to_bytes -- a traceback, status 1. (Negative with --standalone
     # happens to reach chunk_spans, because standalone_addresses returns [].)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import kdn.kernels  # noqa: F401  (registers the lossy codecs)
-from kdn.checked import decode_checked
+from kdn.client.checked import decode_checked
 from kdn.client import Fetched, Lookup
 from kdn.errors import DigestMismatch, ObjectTooLarge
-from kdn.objects import RawTensor, encode_object
+from kdn.format.objects import RawTensor, encode_object
 
 MODEL, OTHER = "b" * 64, "c" * 64
 

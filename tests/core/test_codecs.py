@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kdn import codecs
-from kdn.codecs import (
+from kdn.format import codecs
+from kdn.format.codecs import (
     Codec,
     RawCodec,
     ZstdCodec,
@@ -186,7 +186,7 @@ def test_codec_modules_import_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, kdn.codecs, kdn.objects; sys.exit('torch' in sys.modules)"
+    code = "import sys, kdn.format.codecs, kdn.format.objects; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -9,7 +9,7 @@ import pytest
 from kdn.emphasis import MAX_HEADS, MAX_SPANS, EmphasisMap, merge_spans
 from kdn.errors import InvalidInput
 from kdn.registry import Manifest
-from kdn.signing import SignatureError, Signer, Verifier, payload
+from kdn.registry.signing import SignatureError, Signer, Verifier, payload
 
 M = "ab" * 32
 A1 = "11" * 32

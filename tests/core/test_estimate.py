@@ -1,7 +1,7 @@
 """Source estimates: what they learn, and how they forget (so a source is measured again)."""
 
-from kdn import estimate
-from kdn.estimate import SourceEstimate
+from kdn.wire import estimate
+from kdn.wire.estimate import SourceEstimate
 
 
 class Clock:
@@ -43,8 +43,8 @@ def test_a_failure_penalizes_until_it_is_old(monkeypatch):
 
 
 def test_decode_speed_starts_at_the_table_then_follows_what_is_measured():
-    from kdn.encodings import TABLE
-    from kdn.estimate import MIN_DECODE_SAMPLE, DecodeSpeeds
+    from kdn.format.encodings import TABLE
+    from kdn.wire.estimate import MIN_DECODE_SAMPLE, DecodeSpeeds
 
     d = DecodeSpeeds(alpha=0.5)
     assert d.rate("zstd") == TABLE["zstd"].decode_mbps * 1e6  # never timed here: the table's figure
@@ -62,7 +62,7 @@ def test_decode_speed_starts_at_the_table_then_follows_what_is_measured():
 
 def test_the_same_fast_link_picks_raw_for_a_slow_receiver_and_zstd_for_a_fast_one():
     from kdn.client import KDNClient
-    from kdn.estimate import DecodeSpeeds
+    from kdn.wire.estimate import DecodeSpeeds
 
     encodings = {"raw": {"size": 47_185_920}, "zstd": {"size": 32_540_000}}  # one 2k chunk of SmolLM2, bf16
 
@@ -84,11 +84,11 @@ def test_the_same_fast_link_picks_raw_for_a_slow_receiver_and_zstd_for_a_fast_on
 
 def test_a_client_times_its_decodes_into_its_speeds():
     """``decode_checked`` (every fetch_prefix decode) feeds the client's DecodeSpeeds."""
-    from kdn import address as A
-    from kdn.checked import decode_checked
+    from kdn.format import address as A
+    from kdn.client.checked import decode_checked
     from kdn.client import Fetched, Lookup
-    from kdn.estimate import DecodeSpeeds
-    from kdn.objects import RawTensor, encode_object
+    from kdn.wire.estimate import DecodeSpeeds
+    from kdn.format.objects import RawTensor, encode_object
 
     model = A.model_id(architecture="t", dtype="U8", config_fields={}, weights_digest="0" * 64,
                        tokenizer_digest="0" * 64)

@@ -1,4 +1,4 @@
-"""The one verified fetch (kdn/fetch.py): what a body must be before either the edge or the client keeps it.
+"""The one verified fetch (kdn/wire/fetch.py): what a body must be before either the edge or the client keeps it.
 
 Each source below is a real aiohttp server on loopback that misbehaves in one way. The same checks run
 for the edge's fills and the client (both call ``Fetcher.fetch``; ``test_the_edge_and_the_client_share_it``).
@@ -13,11 +13,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from blake3 import blake3
 
-from kdn.arena import Arena
-from kdn.bodyget import BodyGetter
+from kdn.wire.arena import Arena
+from kdn.wire.bodyget import BodyGetter
 from kdn.errors import DigestMismatch, SourceError
-from kdn.estimate import Estimates
-from kdn.fetch import CACHED_ONLY, Fetcher, Route, Want
+from kdn.wire.estimate import Estimates
+from kdn.wire.fetch import CACHED_ONLY, Fetcher, Route, Want
 
 BLOB = bytes(range(256)) * 4096  # 1 MiB
 ADDR = "ab" * 32

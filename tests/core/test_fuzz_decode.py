@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import fuzz  # noqa: E402
 
 import kdn.kernels  # noqa: F401,E402  (registers the lossy codecs: int8, int4, cachegen, ans)
-from kdn.codecs import DTYPES, codec_names, get_codec, nbytes
+from kdn.format.codecs import DTYPES, codec_names, get_codec, nbytes
 from kdn.errors import CodecError, CorruptObject, InvalidInput, ObjectFormatError, ObjectTooLarge
 from kdn.kernels import encode_as
 from kdn.kernels.codecs import FLOAT_DTYPES
-from kdn.objects import (
+from kdn.format.objects import (
     MAX_EXPANSION,
     MIN_DECODED_CAP,
     ObjectView,

@@ -1,4 +1,4 @@
-"""``kdn.holding.parse_reads``: what an edge's HEAD says of its reads (``X-KDN-Reads``), taken from the network
+"""``kdn.client.holding.parse_reads``: what an edge's HEAD says of its reads (``X-KDN-Reads``), taken from the network
 as the operator console and ``kdn registry show`` take it: known tiers, bounded non-negative counts, junk left
 out (never an error, never a huge or negative figure on the page)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kdn.holding import MAX_READS_DIGITS, parse_reads
+from kdn.client.holding import MAX_READS_DIGITS, parse_reads
 
 
 @pytest.mark.parametrize("value, want", [

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kdn import codecs
-from kdn.codecs import itemsize
+from kdn.format import codecs
+from kdn.format.codecs import itemsize
 from kdn.errors import (
     CodecError,
     CorruptObject,
@@ -28,7 +28,7 @@ from kdn.errors import (
     UnknownCodec,
     UnsupportedVersion,
 )
-from kdn.objects import (
+from kdn.format.objects import (
     MAX_HEADER_BYTES,
     DecodedObject,
     ObjectHeader,
@@ -520,7 +520,7 @@ def test_format_doc_example_is_true():
 def test_decode_into_reused_buffer():
     import numpy as np
 
-    from kdn.objects import decoded_nbytes
+    from kdn.format.objects import decoded_nbytes
 
     rng = np.random.default_rng(2)
     tensors = {
@@ -544,7 +544,7 @@ def test_a_zstd_bomb_is_refused_before_it_is_decoded():
     """64 MiB of zeros compress to a few KB: the header's claim is checked before any allocation."""
     import numpy as np
 
-    from kdn.objects import MAX_EXPANSION, RawTensor, decode_object, encode_object
+    from kdn.format.objects import MAX_EXPANSION, RawTensor, decode_object, encode_object
 
     zeros = np.zeros(32 << 20, dtype=np.uint16)  # 64 MiB of bf16 zeros
     t = RawTensor("L0.k", "BF16", (1, 32 << 20, 1), memoryview(zeros).cast("B"))
@@ -561,7 +561,7 @@ def test_a_zstd_bomb_is_refused_before_it_is_decoded():
 
 
 def test_a_header_read_twice_is_validated_once_and_a_bad_one_every_time(monkeypatch):
-    from kdn import layout
+    from kdn.format import layout
 
     calls = []
     validate = layout._validate
@@ -585,7 +585,7 @@ def test_a_header_read_twice_is_validated_once_and_a_bad_one_every_time(monkeypa
 
 
 def test_the_layout_cache_is_bounded_by_its_key_bytes():
-    from kdn.layout import _LayoutCache, _validate
+    from kdn.format.layout import _LayoutCache, _validate
 
     blobs = [blob_of("raw", start=256 * i, end=256 * (i + 1), position=256 * i) for i in range(1, 40)]
     n = struct.unpack_from("<Q", blobs[0])[0]

@@ -50,7 +50,7 @@ def test_core_import_stays_light(tmp_path):
     loaded = run_python(
         """
         import json, sys
-        import kdn, kdn.address, kdn.objects, kdn.codecs, kdn.errors, kdn.store
+        import kdn, kdn.format.address, kdn.format.objects, kdn.format.codecs, kdn.errors, kdn.format.store
         print(json.dumps(sorted(m for m in ("torch", "transformers", "aiohttp") if m in sys.modules)))
         """,
         tmp_path,

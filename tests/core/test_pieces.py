@@ -1,4 +1,4 @@
-"""Verified streaming (kdn/pieces.py): piece digests in the signed record, checked as each piece lands.
+"""Verified streaming (kdn/format/pieces.py): piece digests in the signed record, checked as each piece lands.
 
 The sources are real aiohttp servers on loopback; one streams its body slowly and counts what it got to
 send before the reader hung up, which is what "a lie is found within a piece" means on the wire.
@@ -13,14 +13,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from blake3 import blake3
 
-from kdn.address import Digest
-from kdn.bodyget import BodyGetter
+from kdn.format.address import Digest
+from kdn.wire.bodyget import BodyGetter
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
-from kdn.estimate import Estimates
-from kdn.fetch import Fetcher, Fresh, Route, Want
-from kdn.pieces import MIN_PIECE_BYTES, PIECE_BYTES, Pieces, PieceVerifier, piece_digests
+from kdn.wire.estimate import Estimates
+from kdn.wire.fetch import Fetcher, Fresh, Route, Want
+from kdn.format.pieces import MIN_PIECE_BYTES, PIECE_BYTES, Pieces, PieceVerifier, piece_digests
 from kdn.registry import Encoding, ObjectRecord
-from kdn.signing import SignatureError, Signer, Verifier, payload
+from kdn.registry.signing import SignatureError, Signer, Verifier, payload
 
 MiB = 1 << 20
 BLOB = bytes(range(251)) * (8 * MiB // 251 + 1)  # 8 MiB and a bit: 9 pieces, the last one short
@@ -210,7 +210,7 @@ def test_a_verifier_off_the_thread_hashes_in_order_and_names_the_wrong_piece():
     """``OffThread``: batches hashed on a pool's threads in the order given, the result the inline one's."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kdn.pieces import OffThread
+    from kdn.format.pieces import OffThread
 
     async def feed(blob: bytes, pool: ThreadPoolExecutor) -> OffThread:
         v = OffThread(PieceVerifier(len(blob), Pieces(PIECE_BYTES, piece_digests(BLOB))), pool, batch=200_000)
@@ -237,9 +237,9 @@ async def test_fetches_hashed_off_the_thread_deliver_only_intact_bodies(source, 
     next source serves; a lie in the last byte fails the fetch."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kdn.fetch import Buffer
+    from kdn.wire.fetch import Buffer
 
-    class Runs:  # a kdn.bodyget Sink of 32 KB runs in one bytearray: read through the bounce buffer
+    class Runs:  # a kdn.wire.bodyget Sink of 32 KB runs in one bytearray: read through the bounce buffer
         def __init__(self, n: int) -> None:
             self.size, self.data = n, bytearray(n)
 

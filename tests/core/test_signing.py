@@ -8,7 +8,7 @@ import pytest
 
 from kdn.errors import InvalidInput
 from kdn.registry import Encoding, Manifest, ObjectRecord
-from kdn.signing import SignatureError, Signer, Verifier
+from kdn.registry.signing import SignatureError, Signer, Verifier
 
 M = "ab" * 32
 A1, A2, D1, D2 = "11" * 32, "22" * 32, "33" * 32, "44" * 32

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from kdn.errors import InvalidInput
-from kdn import store
-from kdn.store import BlobDir
+from kdn.format import store
+from kdn.format.store import BlobDir
 
 A1 = "a1" * 32
 A2 = "b2" * 32
@@ -56,11 +56,11 @@ def test_process_killed_mid_write_leaves_no_blob(tmp_path):
     code = textwrap.dedent(
         f"""
         import os, sys
-        from kdn.store import BlobDir
+        from kdn.format.store import BlobDir
         d = BlobDir({str(tmp_path)!r})
         class Slow:
             pass
-        import kdn.store as s
+        import kdn.format.store as s
         real_write = os.write
         def slow_write(fd, b):
             n = real_write(fd, bytes(b[:1]))

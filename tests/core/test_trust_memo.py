@@ -9,10 +9,10 @@ import secrets
 
 import pytest
 
-from kdn import trust as trust_mod
+from kdn.client import trust as trust_mod
 from kdn.registry.records import Encoding, ObjectRecord
-from kdn.signing import Signer
-from kdn.trust import Trust
+from kdn.registry.signing import Signer
+from kdn.client.trust import Trust
 
 
 def _record(signer: Signer, start: int = 0) -> dict:

@@ -45,10 +45,10 @@ async def test_an_object_claiming_another_span_than_the_lookup_s_is_refused():
     from aiohttp.test_utils import TestServer
     from blake3 import blake3
 
-    from kdn import address as A
+    from kdn.format import address as A
     from kdn.client import KDNClient
     from kdn.errors import DigestMismatch
-    from kdn.objects import RawTensor, encode_object
+    from kdn.format.objects import RawTensor, encode_object
 
     mid, ids = "cd" * 32, list(range(3, 515))
     addrs = A.prefix_addresses(mid, "public", ids, 256)

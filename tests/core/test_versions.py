@@ -1,10 +1,10 @@
-"""``kdn.versions.VersionFile``: a manifest's high-water mark is raised only once it is on disk."""
+"""``kdn.client.versions.VersionFile``: a manifest's high-water mark is raised only once it is on disk."""
 
 from __future__ import annotations
 
 import pytest
 
-from kdn.versions import VersionFile
+from kdn.client.versions import VersionFile
 
 
 def test_a_mark_whose_write_failed_is_written_by_the_next_rise_to_it(tmp_path):
