@@ -7,6 +7,9 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 FILL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Owner edges are node records, which a registry writer can add by the thousand: the first this many seen are
+# labels of their own in kdn_edge_owner_record_fallbacks, the rest "other" (a region has a few dozen edges).
+MAX_OWNER_LABELS = 32
 
 
 class EdgeMetrics:
@@ -29,6 +32,12 @@ class EdgeMetrics:
                                     "(--records origin or auto), by where: the region's owner edge, the origins, "
                                     "or (auto) the registry for what no origin had",
                                     ["source"], registry=reg)
+        self.owner_fallbacks = Counter("kdn_edge_owner_record_fallbacks", "Object records the region's owner "
+                                       "edge did not give, asked of the origins instead, by owner (node id; "
+                                       f"the first {MAX_OWNER_LABELS} seen, then other) and outcome: failed (no "
+                                       "answer), absent (null), refused (a record this edge does not believe)",
+                                       ["owner", "outcome"], registry=reg)
+        self._owners: set[str] = set()
         self.warmed = Counter("kdn_edge_warmed", "Entries filled by a warm policy", registry=reg)
         self.pushed = Counter("kdn_edge_pushed_objects", "Objects of a push policy this edge owns, by outcome: "
                               "filled, held (already cached) or failed", ["policy", "outcome"], registry=reg)
@@ -62,6 +71,16 @@ class EdgeMetrics:
                                registry=reg)
         self.in_flight = Gauge("kdn_edge_fills_in_flight", "Fills in progress", registry=reg)
         scrape_gauges(reg, edge)
+
+    def owner_fallback(self, owner: str, outcome: str, n: int) -> None:
+        """``n`` records the owner edge ``owner`` (a node id) did not give (``outcome``), asked of the origins."""
+        owner = owner[:64]
+        if owner not in self._owners:
+            if len(self._owners) >= MAX_OWNER_LABELS:
+                owner = "other"
+            else:
+                self._owners.add(owner)
+        self.owner_fallbacks.labels(owner, outcome).inc(n)
 
 
 def scrape_gauges(reg: CollectorRegistry, edge: Callable[[], object]) -> None:

@@ -177,7 +177,8 @@ class Edge:
                 on_fallback=metrics.record_reads.labels("registry").inc,  # auto: the registry for what none has
                 ever_listed=lambda: self.origins_listed)
             self.records.source = OwnerRecords(origins, self.membership.owner, config.node_id,
-                                               lambda where, n: metrics.record_reads.labels(where).inc(n))
+                                               lambda where, n: metrics.record_reads.labels(where).inc(n),
+                                               on_fallback=metrics.owner_fallback)
 
     def background(self, coro) -> bool:
         """Run ``coro`` off the response path, holding a reference until it ends. Bounded: when 256 are

@@ -24,8 +24,10 @@ Where they live (``kdn edge serve --records``):
   ``POST /v1/records`` of the origins (configured, or listed in the registry),
   in batches of ``kdn.service.MAX_RECORDS``, with its upstream token where the
   token may go; what one origin lacks is asked of the next. A record is believed
-  only as far as its signature (with ``--trusted-keys``) and its address allow. No
-  object record is read from the registry on a request's path.
+  only as far as its signature (with ``--trusted-keys``) and its address allow. An
+  owner is another node of the registry, not a publisher: its "no" (``null``, a
+  record not believed, no answer) is asked of the origins, and only theirs is
+  cached as absent. No object record is read from the registry on a request's path.
 - ``auto`` (the default): as ``origin`` while any origin is known, and then the
   registry for what no origin has (records a producer without an origin store
   wrote there: ``kdn.adapters.vllm.save``; an origin still on ``--records
@@ -45,7 +47,7 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from urllib.parse import quote
 
@@ -152,14 +154,15 @@ class RecordCache:
                 self._absent.popitem(last=False)
 
     def _trusted(self, rec: ObjectRecord | None, address: Address) -> ObjectRecord | None:
+        """``rec`` if this edge believes it is ``address``'s record, else None (counted, logged)."""
         if rec is not None and rec.address != address:  # a record stored under another address: a writer's lie
-            log.warning("the registry's record for %s is %s's: treated as absent", address[:16], rec.address[:16])
+            log.warning("the record read for %s is %s's: not believed", address[:16], rec.address[:16])
             if self.on_refused is not None:
                 self.on_refused()
             return None
         if rec is None or self.verifier is None or self.verifier.ok(rec):
             return rec
-        log.warning("object record %s is not signed by a trusted publisher key: treated as absent", rec.address)
+        log.warning("object record %s is not signed by a trusted publisher key: not believed", rec.address)
         if self.on_refused is not None:
             self.on_refused()
         return None
@@ -170,17 +173,23 @@ class RecordCache:
         while len(self._lru) > self.size:
             self._lru.popitem(last=False)
 
-    def _source_get(self, addresses: list[Address], hop: bool):
-        if hop and getattr(self.source, "takes_hop", False):
-            return self.source.get_objects(addresses, hop=True)
-        return self.source.get_objects(addresses)
+    async def _read(self, addresses: list[Address], hop: bool) -> list[ObjectRecord | None]:
+        """Each record from the source if believed (``_trusted``), else None: what is cached as absent. An
+        ``OwnerRecords`` source is handed the check, so that what an owner edge relays and this edge does not
+        believe goes on to the origins there: a "no" kept here is an origin's or the registry's, never a relay's."""
+        if isinstance(self.source, OwnerRecords):
+            return await self.source.get_objects(addresses, hop=hop, trusted=self._trusted)
+        if len(addresses) == 1:
+            got = [await self.source.get_object(addresses[0])]
+        else:
+            got = await self.source.get_objects(addresses)
+        return [self._trusted(rec, a) for a, rec in zip(addresses, got)]
 
     async def get(self, address: Address, hop: bool = False) -> ObjectRecord | None:
         rec = self._lru.get(address)
         if rec is None and not self._known_absent(address):
             t0 = time.monotonic()
-            got = (await self._source_get([address], hop))[0] if hop else await self.source.get_object(address)
-            rec = self._trusted(got, address)
+            rec = (await self._read([address], hop))[0]
             self._took(t0)
             if rec is not None:
                 self._keep(rec)
@@ -194,9 +203,8 @@ class RecordCache:
         missing = list(dict.fromkeys(a for a in addresses if a not in self._lru and not self._known_absent(a)))
         if missing:
             t0 = time.monotonic()
-            got = await self._source_get(missing, hop)
+            got = await self._read(missing, hop)
             for address, rec in zip(missing, got):
-                rec = self._trusted(rec, address)
                 if rec is not None:
                     self._keep(rec)
                 else:
@@ -348,55 +356,76 @@ class OriginRecords:
 class OwnerRecords:
     """Object records for an edge with ``--records origin``, through the owner edge of each address (its
     region's ring), as its blobs are filled: the owner's record cache, whose misses go to the origins,
-    stands for every edge of the region, so the origins read about one record per object per region (and
-    per negative TTL for an absent one), not one per edge. Addresses this edge owns, a request that is
-    already a hop (``X-KDN-Hop``, from any caller: it only sends the read to the origins), and an owner that
-    fails or does not answer go to the origins (``OriginRecords``). A record is checked where it lands
-    (``RecordCache._trusted``), whoever relayed it."""
+    stands for every edge of the region, so the origins read about one record per object per region, not
+    one per edge. Addresses this edge owns, and a request that is already a hop (``X-KDN-Hop``, from any
+    caller: it only sends the read to the origins), go to the origins (``OriginRecords``).
 
-    takes_hop = True  # RecordCache passes a hop through (kdn.service.post_records)
+    An owner is any node record of the region, which a registry writer can add: its answer is a hint, never
+    the last word. Every record it relays is checked as it lands (the caller's ``trusted``), and what it
+    does not give (no answer, ``null``, a record this edge does not believe: another address's, unsigned,
+    forged) is asked of the origins, as a failed owner's is, and counted per owner and outcome
+    (``on_fallback``). So an absent address costs each edge an origin read per negative TTL, not each
+    region: the price of an owner's "no" not being final, where it once made every chunk a lying owner
+    held a 404 for the region."""
 
     def __init__(self, origins: OriginRecords, owner: Callable[[Address], NodeRecord | None], me: str,
-                 on_read: Callable[[str, int], None] | None = None) -> None:
+                 on_read: Callable[[str, int], None] | None = None,
+                 on_fallback: Callable[[str, str, int], None] | None = None) -> None:
         self.origins = origins
         self.owner = owner  # address -> the region's owner edge (Membership.owner), None: no ring yet
         self.me = me
         self.on_read = on_read  # (where: "owner" | "origin", how many records) for the metrics
+        # (owner node id, outcome: "failed" | "absent" | "refused", how many records) asked of the origins instead
+        self.on_fallback = on_fallback
 
-    async def get_object(self, address: Address, hop: bool = False) -> ObjectRecord | None:
-        return (await self.get_objects([address], hop=hop))[0]
-
-    async def get_objects(self, addresses: Sequence[Address], hop: bool = False) -> list[ObjectRecord | None]:
+    async def get_objects(self, addresses: Sequence[Address], *, hop: bool,
+                          trusted: Callable[[ObjectRecord | None, Address], ObjectRecord | None]
+                          ) -> list[ObjectRecord | None]:
+        """Each address's record, or None where the origins have none this edge believes. ``trusted(rec,
+        address)``: ``rec`` if believed, else None (``RecordCache._trusted``), applied to every answer."""
         out: list[ObjectRecord | None] = [None] * len(addresses)
         direct: list[int] = []
-        by_owner: dict[str, list[int]] = {}
+        by_owner: dict[str, tuple[str, list[int]]] = {}  # owner URL -> (its node id, indexes it owns)
         for i, a in enumerate(addresses):
             o = None if hop else self.owner(a)
             if o is None or o.node_id == self.me:
                 direct.append(i)
             else:
-                by_owner.setdefault(o.url, []).append(i)
+                by_owner.setdefault(o.url, (o.node_id, []))[1].append(i)
 
         async def from_origins(idx: list[int]) -> None:
             got = await self.origins.get_objects([addresses[i] for i in idx])
             self._count("origin", len(idx))
             for i, rec in zip(idx, got):
-                out[i] = rec
+                out[i] = trusted(rec, addresses[i])
 
-        async def from_owner(url: str, idx: list[int]) -> None:
+        async def from_owner(url: str, node_id: str, idx: list[int]) -> None:
+            said: dict[int, str] = {}  # what the owner answered and was not taken: "absent" | "refused"
             try:
                 for k in range(0, len(idx), MAX_RECORDS):
                     part = idx[k:k + MAX_RECORDS]
                     got = await self.origins._ask(url, [addresses[i] for i in part], {HOP: "1"})
                     self._count("owner", len(part))
                     for i, rec in zip(part, got):
-                        out[i] = rec
+                        out[i] = trusted(rec, addresses[i])
+                        if out[i] is None:
+                            said[i] = "absent" if rec is None else "refused"
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError) as e:
                 log.info("owner %s did not answer for %d records (%s): asking the origins", url, len(idx),
                          f"{type(e).__name__}: {e}"[:160])
-                await from_origins([i for i in idx if out[i] is None])
+            rest = [i for i in idx if out[i] is None]
+            if not rest:
+                return
+            outcomes = Counter(said.get(i, "failed") for i in rest)
+            if outcomes["refused"]:
+                log.warning("owner %s (%s) sent %d records this edge does not believe: asking the origins", url,
+                            node_id[:64], outcomes["refused"])
+            if self.on_fallback is not None:
+                for outcome, n in outcomes.items():
+                    self.on_fallback(node_id, outcome, n)
+            await from_origins(rest)
 
-        jobs = [from_owner(url, idx) for url, idx in by_owner.items()]
+        jobs = [from_owner(url, node_id, idx) for url, (node_id, idx) in by_owner.items()]
         if direct:
             jobs.append(from_origins(direct))
         await asyncio.gather(*jobs)
