@@ -239,8 +239,7 @@ async def run(args) -> dict:
                 if man["model_id"] != mid:
                     raise RuntimeError("the origin's model id is not the bench's")
                 for encoding in args.encodings:
-                    async with KDNClient(edges=[edge.url], hedge=False, arena=arena,
-                                         hash_threads=args.hash_threads) as client:
+                    async with KDNClient(edges=[edge.url], hedge=False, arena=arena) as client:
                         hit = await client.lookup(doc[:L], mid)
                         assert hit.tokens == L, (hit.tokens, L)
                         recs = [await client.record(a) for a in hit.addresses]
@@ -350,17 +349,11 @@ def main() -> int:
     ap.add_argument("--paths", default=",".join(PATHS), help="comma list of " + ", ".join(PATHS)
                     + " (the table needs all; a subset is for profiling)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "work" / "datapath.json"))
-    ap.add_argument("--hash-threads", type=int, default=None,
-                    help="the client's hash_threads (kdn.client.connections; default: the client's own)")
     R.add_arg(ap)
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.encodings = [e for e in args.encodings.split(",") if e]
     args.paths = [p for p in args.paths.split(",") if p]
-    if args.hash_threads is None:
-        from kdn.client.connections import HASH_THREADS
-
-        args.hash_threads = HASH_THREADS
     res = R.Results("datapath", args)
     out = asyncio.run(run(args))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

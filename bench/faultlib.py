@@ -74,7 +74,8 @@ class Node:
     def __init__(self, name: str, args: list[str], port: int, log: Path) -> None:
         self.name, self.args, self.port, self.log = name, args, port, log
         self.proc: subprocess.Popen | None = None
-        self.env: dict[str, str] = {}  # more environment for the process (e.g. a test hook)
+        self.env: dict[str, str] = {}  # more environment for the process
+        self.launcher: list[str] = ["-m", "kdn.cli"]  # how Python runs it (a test hook: bench/lib/clockhook.py)
         self.nofile: int | None = None  # its open-file limit (RLIMIT_NOFILE), if lower than ours
 
     @property
@@ -102,7 +103,7 @@ class Node:
                 _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
                 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
 
-        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kdn.cli", *self.args],
+        self.proc = subprocess.Popen([sys.executable, "-P", *self.launcher, *self.args],
                                      stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env,
                                      preexec_fn=limits if nofile is not None else None)
 

@@ -500,14 +500,14 @@ async def warm_disk_restart(tmp: Path, quick: bool) -> Row:
 
 
 async def _ttl_world(tmp: Path, ttl: float, offset: str, vol: int) -> tuple[F.World, Path, list[str]]:
-    """One edge whose wall clock is offset by a file's value (edge/clockhook.py; ``offset`` at start), one
+    """One edge whose wall clock is offset by a file's value (bench/lib/clockhook.py; ``offset`` at start), one
     published document, and a TTL policy of ``ttl`` seconds on ``public`` that the edge has taken in."""
     from kdn.registry import Policy, open_registry
 
     path = tmp / "wall-offset"
     path.write_text(offset)
     w = F.World(tmp, regions={"eu": 1})
-    w.edges["eu-1"].env["KDN_TEST_WALL_OFFSET_FILE"] = str(path)
+    w.edges["eu-1"].launcher = [str(Path(__file__).resolve().parent / "lib" / "clockhook.py"), str(path)]
     await w.start()
     try:
         m = await w.publish(text(vol), f"vol{vol}")
@@ -528,7 +528,7 @@ async def clock_jump(tmp: Path, quick: bool) -> Row:
     while readers keep reading: each object must still leave the cache about ``ttl`` after it came in --
     neither all at once at the forward step nor never after the backward one -- and no wrong byte.
 
-    The step is the edge's test hook (edge/clockhook.py: ``time.time`` offset by a file's value in that
+    The step is a test hook the edge runs under (bench/lib/clockhook.py: ``time.time`` offset by a file's value in that
     process, what an NTP step does to it; ``time.monotonic`` untouched). A read that fills (X-KDN-Source
     origin) marks the object's insertion; a later hit (memory, disk) is *past its TTL* if it began more than
     ``ttl + 1 s`` (the expiry pass) + 0.5 s after the end of that fill, and a fill is *early* if it comes

@@ -346,6 +346,7 @@ class BenchClient(KDNClient):
 
     def __init__(self, *, oracle=None, probe_all: bool = False, **kw) -> None:
         super().__init__(**kw)
+        self.rng = random.Random()  # random: the seeded shuffle
         self.oracle = oracle
         self.probe_all = probe_all
         self.last: dict = {}  # task -> its last PrefixStates (requests in flight share a client)
@@ -475,7 +476,12 @@ def static_ranking(client: KDNClient, size: int, address: str | None) -> list:
     return list(client.sources)
 
 
-def region_random_ranking(client: KDNClient, size: int, address: str | None) -> list:
+def origin_only_ranking(client: KDNClient, size: int, address: str | None) -> list:
+    """origin-only: every lookup and fetch goes to the origin (never an edge)."""
+    return [s for s in client.sources if s.kind == "origin"]
+
+
+def region_random_ranking(client: BenchClient, size: int, address: str | None) -> list:
     """random: the region's edges shuffled (the client's seeded generator), the origin last."""
     edges = [s for s in client.sources if s.kind != "origin"]
     client.rng.shuffle(edges)
@@ -507,8 +513,10 @@ def make_client(world: World, region: str, strategy: str, seed: int, records: di
         c = BenchClient(**kw, hedge=False, oracle=static_ranking)
     elif strategy == "random":
         c = BenchClient(**kw, oracle=region_random_ranking)
-    else:
-        c = BenchClient(**kw, strategy=strategy, hedge=strategy != "origin-only")
+    elif strategy == "origin-only":
+        c = BenchClient(**kw, hedge=False, oracle=origin_only_ranking)
+    else:  # latency: KDN's own ranking
+        c = BenchClient(**kw)
     c.rng.seed(seed)
     net = c.net  # (kdn.client.connections: made on first use, so rebinding them here is before any request)
     net._local_addr = client_ip(region)  # leave from my region: the link emulator picks the link by source address

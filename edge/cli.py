@@ -170,9 +170,6 @@ def _register_ring(sub: argparse._SubParsersAction) -> None:
 
 def cmd_edge_serve(args: argparse.Namespace) -> int:
     kw = _serve_kwargs(args)
-    from kdn.edge import clockhook
-
-    clockhook.install_from_env()  # a test hook (off unless its variable is set): before the tiers are imported
     from kdn.edge.app import run  # aiohttp and the tiers: only when serving
     from kdn.edge.config import EdgeConfig
 

@@ -52,7 +52,6 @@ from kdn.edge.tiers import Key
 
 log = logging.getLogger(__name__)
 
-MAX_BLOB_BYTES = 1 << 30
 # A cross-region probe is an optimization (the origin always has the object): it may take this long, or 4x
 # its region's expected time for the size if that is more, before the next source is tried. Without a bound
 # a stalled inter-region link held every fill, and every plain client of the edge, for the whole fill

@@ -181,6 +181,3 @@ class ObjectStore:
 
     async def aget(self, address: Address, encoding: str) -> tuple[bytes, BlobInfo] | None:
         return await asyncio.to_thread(self.get, address, encoding)
-
-    async def aput(self, address: Address, encoding: str, blob: bytes) -> BlobInfo:
-        return await asyncio.to_thread(self.put, address, encoding, blob)

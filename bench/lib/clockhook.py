@@ -1,21 +1,20 @@
-"""A test hook: step this process's wall clock by an offset read from a file, as an NTP step or
+"""A test hook: step a process's wall clock by an offset read from a file, as an NTP step or
 ``date -s`` would, without touching the machine's clock (bench/faults.py ``clock_jump``).
 
-Off unless ``KDN_TEST_WALL_OFFSET_FILE`` names a file. ``kdn edge serve`` then installs it before
-the edge's modules are imported, so every ``time.time()`` / ``time.time_ns()`` call in the
-process, default arguments bound at import included, returns the real wall time plus the number
-of seconds in the file (re-read every 20 ms; absent or unreadable: the last value, 0 at first).
-``time.monotonic`` is left alone: a wall-clock step does not move it.
+Not part of the product: a bench runs a node through it instead of ``python -m kdn.cli``::
+
+    python -P bench/lib/clockhook.py OFFSET_FILE edge serve ...
+
+It installs the offset before any of KDN's modules are imported, so every ``time.time()`` /
+``time.time_ns()`` call in the process, default arguments bound at import included, returns the real
+wall time plus the number of seconds in the file (re-read every 20 ms; absent or unreadable: the last
+value, 0 at first). ``time.monotonic`` is left alone: a wall-clock step does not move it.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-
-ENV = "KDN_TEST_WALL_OFFSET_FILE"
-
 
 def install(path: str) -> None:
     real_time, real_time_ns = time.time, time.time_ns
@@ -39,7 +38,10 @@ def install(path: str) -> None:
     threading.Thread(target=poll, name="kdn-test-wall-offset", daemon=True).start()
 
 
-def install_from_env() -> None:
-    path = os.environ.get(ENV)
-    if path:
-        install(path)
+if __name__ == "__main__":
+    import sys
+
+    install(sys.argv[1])
+    from kdn.cli import main  # (after the hook: its modules bind the stepped clock)
+
+    sys.exit(main(sys.argv[2:]))

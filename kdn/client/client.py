@@ -41,7 +41,7 @@ from kdn.format import address as A
 from kdn.format.address import Address, Digest, ModelId, validate_digest
 from kdn.client.bases import Bases
 from kdn.wire.bodyget import BodyGetter, Tally
-from kdn.client.connections import DECODE_THREADS, HASH_THREADS, Connections
+from kdn.client.connections import DECODE_THREADS, Connections
 from kdn.format.encodings import affordable, parse_budget
 from kdn.errors import InvalidInput, KDNError, SourceError
 from kdn.wire.estimate import DECODE, DecodeSpeeds
@@ -49,6 +49,7 @@ from kdn.wire.fetch import Fetcher, Fresh, Observer, Route, Want
 from kdn.client.find import find_prefix
 from kdn.client.lookup import Fetched, Lookup, PrefixStates, Probe, Source, Tensors
 from kdn.client.parts import fetch_tensors
+from kdn.format.layout import DEFAULT_MAX_OBJECT_BYTES
 from kdn.format.pieces import Pieces
 from kdn.client.prefix import fetch_prefix
 from kdn.client.sources import Sources, from_nodes
@@ -62,9 +63,6 @@ if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.clie
     from kdn.client.trust import TrustedKeys
 
 log = logging.getLogger(__name__)
-
-MAX_OBJECT_BYTES = 1 << 30
-
 
 RECENT_FETCHES = 1 << 16  # addresses a client remembers having fetched (KDNClient.warm) ...
 RECENT_S = 600.0  # ... and for how long (an edge's memory tier turns over; after this, not known warm)
@@ -86,7 +84,6 @@ class KDNClient:
         timeout: float = 30.0,
         ca: str | None = None,
         ssl: _ssl.SSLContext | None = None,
-        strategy: str = "latency",
         quality: str | float = "lossless",
         local_addr: str | None = None,
         trusted_keys: TrustedKeys | None = None,
@@ -94,16 +91,15 @@ class KDNClient:
         decode_speeds: DecodeSpeeds | None = None,
         manifest_state: str | os.PathLike[str] | None = None,
         decode_threads: int = DECODE_THREADS,
-        hash_threads: int = HASH_THREADS,
     ) -> None:
         # Where to fetch from and in what order (kdn.client.sources); the names below are the same objects, kept
         # for callers and benchmarks that read or seed them.
-        self.routing = Sources(edges, remote_edges, origin, strategy=strategy)
-        self.sources, self.strategy, self.rng = self.routing.all, self.routing.strategy, self.routing.rng
+        self.routing = Sources(edges, remote_edges, origin)
+        self.sources = self.routing.all
         self.estimates, self.control, self._ring = self.routing.estimates, self.routing.control, self.routing.ring
         # How it reaches them: sessions, the body reader, the verified fetcher, the decode threads (kdn.client.connections).
         self.net = Connections(self.estimates, token=token, timeout=timeout, ca=ca, ssl=ssl, local_addr=local_addr,
-                               concurrency=concurrency, decode_threads=decode_threads, hash_threads=hash_threads)
+                               concurrency=concurrency, decode_threads=decode_threads)
         self.headers = self.net.headers
         if max_hedges < 0:
             raise InvalidInput(f"max_hedges must be >= 0, not {max_hedges}")
@@ -285,7 +281,7 @@ class KDNClient:
                                   f" (it has {sorted(encs)})")
             digest, size = encs[encoding]["digest"], encs[encoding]["size"]
             pieces = Pieces.of(encs[encoding])
-        if size > MAX_OBJECT_BYTES:
+        if size > DEFAULT_MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         async with self.net.limit:
             return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold,
@@ -444,7 +440,7 @@ class KDNClient:
         from kdn.wire.scatter import Scatter
 
         address = A.validate_address(address)
-        if size > MAX_OBJECT_BYTES:
+        if size > DEFAULT_MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self.net.timeout)
                   for s in self._ranked(size, address)]

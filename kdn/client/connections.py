@@ -26,8 +26,6 @@ from kdn.wire.fetch import Fetcher
 # loop's default pool (six here): a zstd load of 8k tokens into the transformers cache took 229/228 ms on two
 # against 285/322 ms on six, alternating in one setup (bench/datapath.py, 2 cores shared with the edge).
 DECODE_THREADS = 2
-# Threads that hash bodies beside the receive (kdn.format.pieces.OffThread); 0: on the receiving thread as they land.
-HASH_THREADS = 0
 CONNECT_S = 5.0  # at most this of a request's deadline goes to opening its connection
 
 
@@ -39,11 +37,9 @@ class Connections:
 
     def __init__(self, estimates: Estimates, *, token: str | None = None, timeout: float = 30.0,
                  ca: str | None = None, ssl: _ssl.SSLContext | None = None, local_addr: str | None = None,
-                 concurrency: int = 8, decode_threads: int = DECODE_THREADS, hash_threads: int = HASH_THREADS) -> None:
+                 concurrency: int = 8, decode_threads: int = DECODE_THREADS) -> None:
         if not (isinstance(decode_threads, int) and 1 <= decode_threads <= 64):
             raise InvalidInput(f"decode_threads must be an int in [1, 64], not {decode_threads!r}")
-        if not (isinstance(hash_threads, int) and 0 <= hash_threads <= 64):
-            raise InvalidInput(f"hash_threads must be an int in [0, 64], not {hash_threads!r}")
         self.estimates = estimates
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = timeout  # seconds, one request
@@ -51,8 +47,6 @@ class Connections:
         self._ssl, self._ca = ssl, ca  # HTTPS is always verified: ``ssl``, else ``ca`` / $KDN_CA, else system CAs
         self._local_addr = local_addr  # bind outgoing connections to this IP (multi-homed hosts, link emulation)
         self._decode_threads = decode_threads
-        self._hash_threads = hash_threads
-        self._hashers: ThreadPoolExecutor | None = None
         self._session: aiohttp.ClientSession | None = None
         self._getter: BodyGetter | None = None
         self._fetcher: Fetcher | None = None
@@ -74,9 +68,7 @@ class Connections:
     def fetcher(self) -> Fetcher:
         """Verified fetches (``kdn.wire.fetch``) over ``getter``, measured into ``estimates``."""
         if self._fetcher is None:
-            if self._hash_threads and self._hashers is None:
-                self._hashers = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="kdn-hash")
-            self._fetcher = Fetcher(self.getter, self.estimates, timeout=self.timeout, hash_pool=self._hashers)
+            self._fetcher = Fetcher(self.getter, self.estimates, timeout=self.timeout)
         return self._fetcher
 
     @property
@@ -106,9 +98,6 @@ class Connections:
         if self._decoders is not None:
             self._decoders.shutdown(wait=False)
             self._decoders = None
-        if self._hashers is not None:
-            self._hashers.shutdown(wait=False)
-            self._hashers = None
         if self._getter is not None:
             self._getter.close()
             self._getter = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,28 +34,18 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("kdn.client")
 
-STRATEGIES = ("latency", "random", "origin-only")  # source selection; "latency" is KDN's own
-
-
 class Sources:
     """A client's sources, their estimates, and the order to ask them in.
 
     ``edges`` may be URLs or (node_id, URL) pairs; with ids, each address goes
-    to its owner edge first, by the same ring the edges use. ``strategy``:
-    "latency" (KDN's own ranking, below); benchmarks compare "random" (every
-    ranking shuffled, seeded by ``rng``) and "origin-only" (never an edge).
+    to its owner edge first, by the same ring the edges use. (Benchmarks that
+    compare other rankings put theirs in place of ``ranked``: bench/geo.py.)
     """
 
     def __init__(self, edges: Sequence[str | tuple[str, str]] = (), remote_edges: Sequence[str] = (),
-                 origin: str | None = None, *, strategy: str = "latency") -> None:
+                 origin: str | None = None) -> None:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
-        if strategy not in STRATEGIES:
-            raise InvalidInput(f"strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
-        if strategy == "origin-only" and not origin:
-            raise InvalidInput("strategy 'origin-only' needs an origin")
-        self.strategy = strategy
-        self.rng = random.Random()
         pairs = [(e, e) if isinstance(e, str) else (e[0], e[1]) for e in edges]
         self.all: list[Source] = (
             [Source(u.rstrip("/"), "edge", f"edge:{nid if nid != u else i}", 0.001, nid if nid != u else None)
@@ -80,12 +69,6 @@ class Sources:
         """Least expected time first. A non-owner edge of the region fills through the owner, so it
         costs its own transfer plus the owner's: the owner ranks first while it answers. ``control``:
         for a lookup or registry read, ranked by those requests' own times."""
-        if self.strategy == "origin-only":
-            return [s for s in self.all if s.kind == "origin"]
-        if self.strategy == "random":
-            order = list(self.all)
-            self.rng.shuffle(order)
-            return order
         est = self.control if control else self.estimates
         owner = self.ring.owner(address) if (self.ring is not None and address) else None
         owner_url = next((s.url for s in self.all if s.node_id == owner), None) if owner else None

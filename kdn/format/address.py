@@ -253,8 +253,3 @@ def content_address(data: bytes | bytearray | memoryview) -> Address:
     """The address of a model-level object named by its own bytes (a kvtc basis): the BLAKE3 of them, which
     is also its digest."""
     return Address(blake3(data).hexdigest())
-
-
-def iter_hex(values: Iterable[object]) -> list[Address]:
-    """Validate many addresses at once (request bodies)."""
-    return [validate_address(v) for v in values]

@@ -27,9 +27,6 @@ verified whole, as before.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -180,89 +177,3 @@ def verifier(size: int, digest: Digest, pieces: Pieces | None, what: str = "body
     if pieces is None:
         return WholeDigest(digest)
     return PieceVerifier(size, pieces, what, on_verified)
-
-
-HASH_BATCH = 1 << 20  # bytes handed to the hashing thread at a time: one hand-off per MiB, not per 32 KB run
-
-
-class OffThread(BodyVerifier):
-    """``inner`` fed on a pool's thread, so hashing runs beside the receive instead of after each read.
-
-    BLAKE3 releases the GIL, so where a core is free (an engine waiting for its load, an edge's fill) the
-    receive thread only reads and places bytes while another hashes them: one pass over the bytes less on
-    the thread that bounds the fetch. ``update`` must be given views of memory that stays put until the body
-    ends (the destination, never a reused read buffer: ``kdn.wire.bodyget`` hands such a verifier the placed runs,
-    ``stable_input``). A piece found wrong is raised by the next ``update`` (the transfer stops there, one
-    batch later than inline) or by ``verified``. Call ``settle`` (awaitable) before ``verified``."""
-
-    stable_input = True
-
-    def __init__(self, inner: BodyVerifier, pool: Any, batch: int = HASH_BATCH) -> None:
-        self.inner = inner
-        self.pool = pool  # a concurrent.futures executor
-        self.batch = batch
-        self._pending: list[memoryview] = []
-        self._pending_bytes = 0
-        self._queue: deque[list[memoryview]] = deque()
-        self._lock = threading.Lock()
-        self._draining: Any = None  # the future of the drain that runs now, if any
-        self.error: BaseException | None = None
-        self.stopped = False  # the body was given up: the rest is not hashed
-
-    def update(self, data: memoryview, /) -> object:
-        if self.error is not None:
-            raise self.error
-        self._pending.append(data)
-        self._pending_bytes += len(data)
-        if self._pending_bytes >= self.batch:
-            self._hand_off()
-        return None
-
-    def _hand_off(self) -> None:
-        if not self._pending:
-            return
-        views, self._pending, self._pending_bytes = self._pending, [], 0
-        with self._lock:
-            self._queue.append(views)
-            if self._draining is None:
-                self._draining = self.pool.submit(self._drain)
-
-    def _drain(self) -> None:
-        """On the pool's thread: every batch queued, in order, until none is left."""
-        while True:
-            with self._lock:
-                if not self._queue or self.stopped:
-                    self._queue.clear()
-                    self._draining = None
-                    return
-                views = self._queue.popleft()
-            if self.error is not None:
-                continue
-            try:
-                for v in views:
-                    self.inner.update(v)
-            except BaseException as e:  # noqa: BLE001 -- a wrong piece: the next update or verified raises it
-                self.error = e
-
-    async def settle(self) -> None:
-        """Wait (without blocking the event loop) until every byte given is hashed."""
-        self._hand_off()
-        while True:
-            with self._lock:
-                fut = self._draining
-            if fut is None:
-                return
-            await asyncio.wrap_future(fut)
-
-    def stop(self) -> None:
-        """The body is given up: drop what is queued (a drain running now finishes its batch)."""
-        with self._lock:
-            self.stopped = True
-            self._queue.clear()
-
-    def verified(self) -> bool:
-        if self.error is not None:
-            raise self.error  # the piece found wrong, by name
-        if self._pending or self._draining is not None:
-            return False  # (settle was not awaited)
-        return self.inner.verified()

@@ -54,9 +54,8 @@ class _Flat:
 class Hasher(Protocol):
     """What ``get`` feeds body segments to (``blake3()``, a ``hashlib`` object, a ``kdn.format.pieces`` verifier).
     An exception from ``update`` (a piece that does not match) ends the request with that exception, and
-    drops the connection: no more of a refused body is read. One with a true ``stable_input`` attribute
-    (``kdn.format.pieces.OffThread``, which hashes later on another thread) is given views of the bytes where they
-    stay (the sink's runs), never of the bounce buffer."""
+    drops the connection: no more of a refused body is read. It hashes each run on the receiving thread,
+    while the bytes are still in cache."""
 
     def update(self, data: memoryview, /) -> object: ...
 
@@ -171,10 +170,9 @@ class _Conn(asyncio.BufferedProtocol):
         placed: list[memoryview] = []
         if self._bouncing and not self._place(self._last[:n], placed):
             return False
-        # A hasher on another thread reads the bytes where they stay, not in the bounce buffer the next read
-        # overwrites; one on this thread reads them while they are still in cache.
-        stays = bool(placed) and getattr(self.hasher, "stable_input", False)
-        return self._landed(placed if stays else [self._last[:n]], n)
+        # Hashed here, on this thread, while the bytes are still in cache (in the bounce buffer, before the next
+        # read overwrites it).
+        return self._landed([self._last[:n]], n)
 
     def _landed(self, runs: list[memoryview], n: int) -> bool:
         """``n`` body bytes are in place (``runs``, in order): hashed and counted. False if the hasher refused

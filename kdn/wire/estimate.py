@@ -152,10 +152,6 @@ class Estimates:
             est = self._by[source] = SourceEstimate()
         return est
 
-    def rank(self, sources: list[str], size: int) -> list[str]:
-        """Sources by expected time for ``size`` bytes, fastest first (stable for ties)."""
-        return sorted(sources, key=lambda s: self[s].expected(size))
-
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {s: {"rtt_ms": e.rtt * 1e3, "mbps": e.bandwidth * 8 / 1e6, "samples": e.samples, "failures": e.failures}
                 for s, e in self._by.items()}

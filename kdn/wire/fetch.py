@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import quote
@@ -45,7 +44,7 @@ from kdn.format.address import Address, Digest
 from kdn.wire.bodyget import BodyError, BodyGetter, Sink, Tally
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.wire.estimate import Company, Estimates, Mark
-from kdn.format.pieces import BodyVerifier, OffThread, Pieces, PieceVerifier, piece_span, verifier
+from kdn.format.pieces import BodyVerifier, Pieces, PieceVerifier, piece_span, verifier
 
 CACHED_ONLY = "X-KDN-Cached-Only"  # "answer from your tiers or 404": cross-region probes never cause fills
 HOP = "X-KDN-Hop"  # set on edge-to-edge requests: the receiver fills itself, never forwards in-region
@@ -161,12 +160,8 @@ class Fetcher:
 
     def __init__(self, getter: BodyGetter, estimates: Estimates, *, timeout: float = 30.0,
                  alloc: Callable[[int], Buffer] = Fresh,
-                 authorize: Callable[[str], Mapping[str, str]] | None = None,
-                 hash_pool: Executor | None = None) -> None:
+                 authorize: Callable[[str], Mapping[str, str]] | None = None) -> None:
         self.getter = getter
-        # Where bodies are hashed: on the receiving thread as each read lands (None), or on this pool's
-        # threads beside the receive (kdn.format.pieces.OffThread), where a core is free to do it.
-        self.hash_pool = hash_pool
         self.estimates = estimates
         self.company = Company()  # transfers in flight per source: a load's samples measure the source's speed
         self.timeout = timeout
@@ -215,7 +210,6 @@ class Fetcher:
         lo, hi = want.span
         buf = make(hi - lo)
         ok = False
-        off: OffThread | None = None
         try:
             # Fed as the bytes land: verification overlaps the transfer, no second pass; piece by piece where
             # the record has pieces (a lie is found within a piece of where it starts).
@@ -226,8 +220,6 @@ class Fetcher:
                                                      proven)
             else:
                 hasher = verifier(want.size, want.digest, want.pieces, what, proven)
-            if self.hash_pool is not None and proven is None:  # (a sink that hears proofs hears them here)
-                hasher = off = OffThread(hasher, self.hash_pool)
             url = f"{route.url}/v1/objects/{want.address}?encoding={quote(want.encoding, safe='')}"
             try:
                 # No redirects: a source that answers 3xx is a failed source, not a pointer to follow (it would
@@ -240,8 +232,6 @@ class Fetcher:
                                           tally=tally)
             except (BodyError, asyncio.TimeoutError, OSError) as e:
                 raise SourceError(f"{type(e).__name__}: {str(e)[:120]}") from None
-            if off is not None:
-                await off.settle()
             if r.status == 404 and route.cached_only:
                 return None
             if r.status != (200 if want.part is None else 206):
@@ -260,8 +250,6 @@ class Fetcher:
             return Body(want, buf, route, r.headers.get("x-kdn-source", route.label), time.perf_counter() - t0)
         finally:
             if not ok:
-                if off is not None:
-                    off.stop()
                 buf.release()
 
 

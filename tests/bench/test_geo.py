@@ -51,7 +51,7 @@ def test_static_ranking_is_the_configured_order():
 
 
 def test_random_shuffles_the_region_only_origin_last():
-    c = KDNClient(**geo.client_sources(_world(), "far", "random"))
+    c = geo.BenchClient(**geo.client_sources(_world(), "far", "random"))
     c.rng.seed(1)
     firsts = set()
     for _ in range(40):

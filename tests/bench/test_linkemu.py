@@ -16,7 +16,6 @@ from aiohttp import web
 from linkemu import LinkEmulator  # bench/lib/linkemu.py (tests/conftest.py puts bench/lib on the path)
 
 from kdn.client import KDNClient
-from kdn.errors import InvalidInput
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -206,7 +205,7 @@ async def test_stop_closes_open_connections():
         assert link.stats.active == 0
 
 
-# --- the client's source-selection hook (strategy=) ------------------------------------------------
+# --- the client's ranking, and the rankings bench/geo.py puts in its place --------------------------------
 
 EDGES = [("e1", "http://127.0.0.1:1"), ("e2", "http://127.0.0.1:2")]
 ADDR = "ab" * 32
@@ -216,12 +215,21 @@ def _client(**kw) -> KDNClient:
     return KDNClient(edges=EDGES, remote_edges=["http://127.0.0.1:3"], origin="http://127.0.0.1:4", **kw)
 
 
-def test_default_strategy_is_latency_and_unchanged():
+def _geo():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import geo
+
+    return geo
+
+
+def test_the_clients_ranking_puts_the_owner_first_then_follows_measurements():
     c = _client()
-    assert c.strategy == "latency"
     ranked = c._ranked(1 << 20, ADDR)
     owner = c._ring.owner(ADDR)
-    assert ranked[0].node_id == owner  # the owner edge first, as before
+    assert ranked[0].node_id == owner  # the owner edge first
     assert [s.kind for s in ranked][-2:] == ["region", "origin"]
     # measured estimates still decide: make the origin look fastest
     c.estimates["http://127.0.0.1:4"].rtt = 1e-6
@@ -231,28 +239,28 @@ def test_default_strategy_is_latency_and_unchanged():
     assert c._ranked(1 << 20, ADDR)[0].kind == "origin"
 
 
-def test_origin_only_strategy_asks_only_the_origin():
-    c = _client(strategy="origin-only")
+def test_the_geo_benchs_origin_only_ranking_asks_only_the_origin():
+    geo = _geo()
+    c = geo.BenchClient(edges=EDGES, remote_edges=["http://127.0.0.1:3"], origin="http://127.0.0.1:4",
+                        oracle=geo.origin_only_ranking)
     assert [s.url for s in c._ranked(0)] == ["http://127.0.0.1:4"]
     assert [s.url for s in c._ranked(1 << 20, ADDR)] == ["http://127.0.0.1:4"]
-    with pytest.raises(InvalidInput):
-        KDNClient(edges=EDGES, strategy="origin-only")
 
 
-def test_random_strategy_is_seeded_and_covers_every_source():
-    c = _client(strategy="random")
-    c.rng.seed(7)
+def test_the_geo_benchs_random_ranking_is_seeded_and_covers_the_regions_edges():
+    geo = _geo()
+
+    def client():
+        c = geo.BenchClient(edges=EDGES, origin="http://127.0.0.1:4", oracle=geo.region_random_ranking)
+        c.rng.seed(7)
+        return c
+
+    c = client()
     firsts = [c._ranked(1 << 20, ADDR)[0].url for _ in range(200)]
-    assert set(firsts) == {s.url for s in c.sources}
-    assert all(sorted(s.url for s in c._ranked(0)) == sorted(s.url for s in c.sources) for _ in range(5))
-    d = _client(strategy="random")
-    d.rng.seed(7)
+    assert set(firsts) == {u for _, u in EDGES}
+    assert all(c._ranked(0)[-1].kind == "origin" for _ in range(5))
+    d = client()
     assert [d._ranked(1 << 20, ADDR)[0].url for _ in range(200)] == firsts
-
-
-def test_unknown_strategy_is_refused():
-    with pytest.raises(InvalidInput):
-        _client(strategy="fastest")
 
 
 async def test_origin_only_fetch_goes_to_the_origin_over_http():
@@ -280,9 +288,10 @@ async def test_origin_only_fetch_goes_to_the_origin_over_http():
         runners.append(r)
         ports[name] = r.addresses[0][1]
     try:
-        for strategy, want in (("origin-only", "origin"), ("latency", "edge")):
-            async with KDNClient(edges=[f"http://127.0.0.1:{ports['edge']}"], origin=f"http://127.0.0.1:{ports['origin']}",
-                                 strategy=strategy, hedge=False) as c:
+        geo = _geo()
+        for oracle, want in ((geo.origin_only_ranking, "origin"), (None, "edge")):
+            async with geo.BenchClient(edges=[f"http://127.0.0.1:{ports['edge']}"],
+                                       origin=f"http://127.0.0.1:{ports['origin']}", oracle=oracle, hedge=False) as c:
                 f = await c.fetch(ADDR, encoding="raw", digest=blake3(blob).hexdigest(), size=len(blob))
             assert f.source.endswith("/" + want)
     finally:
