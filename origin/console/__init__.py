@@ -18,10 +18,11 @@ A strict Content-Security-Policy allows that one script and style by their hashe
 
 Sign-in. A browser cannot put a bearer token on a navigation, so a token from the origin's token file is posted
 once to a form; the origin answers with a cookie holding a random session id (HttpOnly, SameSite=Strict, Secure
-over TLS, path ``/console``) and keeps ``session -> grant`` in memory: at most ``MAX_SESSIONS`` (the oldest goes
-first), each for ``SESSION_SECONDS`` after sign-in. A form that changes something carries the session's CSRF
+over TLS, path ``/console``) and keeps ``session -> grant`` in memory: at most ``MAX_SESSIONS_PER_TOKEN`` per token (that token's
+oldest goes first) and ``MAX_SESSIONS`` in all, each for ``SESSION_SECONDS`` after sign-in; sign-ins are limited
+per address (``SignIns``). A form that changes something carries the session's CSRF
 token, and a POST whose ``Origin`` is another site is refused. A grant that reads a namespace sees its manifests;
-``admin`` there may set and remove the policies of its manifests; any other POST is a 403. Without a session a
+``admin`` there may set and remove the policies of its manifests (a quota or an upper tier only ``admin *``); any other POST is a 403. Without a session a
 page is a 401 with the sign-in form and nothing else. An origin without a token file has no token to sign in
 with: its console shows what an anonymous API caller reads (``public``), read-only.
 
@@ -41,9 +42,10 @@ from aiohttp import web
 
 # The modules, not their handlers: a handler named `policies` here would hide the module policies.py.
 from kdn.origin.console import forms, listing, manifest
-from kdn.origin.console.sessions import MAX_SESSIONS, PREFIX, SESSION_SECONDS, SESSIONS, Sessions
+from kdn.origin.console.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_TOKEN, PREFIX, SESSION_SECONDS, SESSIONS, Sessions, SignIns
 
-__all__ = ["MAX_SESSIONS", "PREFIX", "SESSIONS", "SESSION_SECONDS", "Sessions", "add_routes", "routes"]
+__all__ = ["MAX_SESSIONS", "MAX_SESSIONS_PER_TOKEN", "PREFIX", "SESSIONS", "SESSION_SECONDS", "Sessions", "SignIns", "add_routes",
+           "routes"]
 
 
 def routes() -> Iterable[web.AbstractRouteDef]:

@@ -1,13 +1,16 @@
 """The console's forms, each a POST: sign-in (a token from the origin's token file, for a session cookie),
 sign-out, and setting or removing a policy of a manifest or a namespace as ``kdn policy set`` and ``rm`` do
 (``kdn.registry.policy_records.policy_from_options`` and ``remove_policy``). A form that changes something needs a session,
-a same-site ``Origin`` and the session's CSRF token (``posted``), and admin on the namespaces it is about.
+a same-site ``Origin`` and the session's CSRF token (``posted``), and admin on the namespaces it is about; a quota, a
+fleet-level limit, needs ``admin *`` (``policies.may_edit``). A sign-in is counted against its address first
+(``sessions.SignIns``).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import math
 from typing import Any
 from urllib.parse import quote
 
@@ -16,7 +19,7 @@ from aiohttp import web
 from kdn.format.address import validate_name, validate_namespace
 from kdn.errors import InvalidInput
 from kdn.origin.console.pages import error_page, manifest_url, see_other, sign_in_page
-from kdn.origin.console.policies import MANIFEST_KINDS, NAMESPACE_KINDS, may_edit, policy_named
+from kdn.origin.console.policies import MANIFEST_KINDS, NAMESPACE_KINDS, may_edit, policy_named, refusal
 from kdn.origin.console.sessions import (COOKIE, PREFIX, SESSION_SECONDS, SESSIONS, Viewer, read_form, same_site,
                                          viewer_of)
 from kdn.registry import Registry
@@ -28,6 +31,13 @@ log = logging.getLogger("kdn.origin.console")
 async def login(request: web.Request) -> web.Response:
     if not same_site(request):
         return error_page(None, 403, "a sign-in from another site")
+    sessions = request.app[SESSIONS]
+    # Counted before the body is read, right or wrong: a flood of sign-ins with a valid token is the attack too.
+    wait = sessions.sign_ins.take(request.remote)
+    if wait:
+        resp = sign_in_page(request, 429, f"too many sign-ins from this address: try again in {math.ceil(wait)} s")
+        resp.headers["Retry-After"] = str(math.ceil(wait))
+        return resp
     form = await read_form(request)
     token = form.get("token", "")
     grants = request.app[GRANTS]
@@ -43,7 +53,7 @@ async def login(request: web.Request) -> web.Response:
         grant = None
     if grant is None:
         return sign_in_page(request, 401, "unknown token")
-    sid, _ = request.app[SESSIONS].open(grant)
+    sid, _ = sessions.open(grant, token)
     log.info("console: signed in (%s on %s)", ",".join(sorted(grant.roles)), ",".join(sorted(grant.namespaces)))
     resp = see_other(PREFIX)
     resp.set_cookie(COOKIE, sid, max_age=SESSION_SECONDS, path=PREFIX, httponly=True, samesite="Strict",
@@ -149,9 +159,11 @@ async def _set(reg: Registry, viewer: Viewer, form: dict[str, str], manifest: st
     else:
         options.update(quota=form.get("quota", ""), namespace=scope_ns)
     p = policy_from_options(name, **options)
+    if not may_edit(viewer, p):
+        raise PermissionError(f"policy {name} would be {refusal(p)}")
     taken, old = await policy_named(reg, name)
     if taken and not may_edit(viewer, old):
-        raise PermissionError(f"policy {name} exists and is about namespaces this token may not change")
+        raise PermissionError(f"policy {name} exists and is {refusal(old)}")
     if signer is not None:
         p = signer.sign(p)
     await reg.put_policy(p)
@@ -166,7 +178,7 @@ async def _remove(reg: Registry, viewer: Viewer, form: dict[str, str], signer: A
     if not taken:
         raise LookupError(f"no policy named {name}")
     if not may_edit(viewer, old):
-        raise PermissionError(f"policy {name} is about namespaces this token may not change")
+        raise PermissionError(f"policy {name} is {refusal(old)}")
     done = await remove_policy(reg, name, signer)
     if not done.done:
         raise LookupError(done.message.removeprefix("kdn: "))

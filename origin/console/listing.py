@@ -14,7 +14,8 @@ from aiohttp import web
 from kdn.auth import ANY, covers
 from kdn.origin.config import LOADED, STORE
 from kdn.origin.console.pages import e, manifest_url, page, sign_in_page
-from kdn.origin.console.policies import NAMESPACE_KINDS, applies, policy_badge, read_policies, scopes_of
+from kdn.origin.console.policies import (FLEET_KINDS, NAMESPACE_KINDS, applies, fleet_admin, policy_badge, read_policies,
+                                         scopes_of)
 from kdn.origin.console.sessions import COOKIE, PREFIX, SESSIONS, Viewer, viewer_of
 from kdn.registry import Manifest, Registry
 from kdn.registry.split import RecordsBeside
@@ -113,7 +114,8 @@ def _namespace_form(viewer: Viewer, ns: str) -> str:
             f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
             f'<input type="hidden" name="op" value="set"><input type="hidden" name="namespace" value="{e(ns)}">'
             f'<label>namespace policy<select name="kind">'
-            + "".join(f'<option value="{k}">{k}</option>' for k in NAMESPACE_KINDS) + "</select></label>"
+            + "".join(f'<option value="{k}">{k}</option>' for k in NAMESPACE_KINDS
+                      if k not in FLEET_KINDS or fleet_admin(viewer)) + "</select></label>"
             '<label data-kinds="quota">bytes per tier<input name="quota" placeholder="5GiB"></label>'
             '<label data-kinds="ttl">entries may go after<input name="ttl" placeholder="2h"></label>'
             '<label>region (empty: every region)<input name="region"></label>'

@@ -12,6 +12,13 @@ from kdn.registry import Policy, Registry
 
 MANIFEST_KINDS = ("pin", "warm", "push", "ttl")  # what a manifest's form sets
 NAMESPACE_KINDS = ("quota", "ttl")  # what a namespace's form sets
+# Fleet-level limits: what one tenant may take of every edge's room. A quota caps a namespace's bytes in each
+# tier, pinned ones included (the only cap on pins there is), so a tenant admin who could lift it could pin and warm
+# until other tenants' objects went to the origin (#51 item 2). Such a policy is set, changed and removed only by
+# `admin *`, whoever's namespace it is about. A TTL is not one: the smallest TTL that matches wins, so a tenant's
+# can only shorten its own entries' lives, and without the operator's its entries get no room that eviction and
+# the quota would not give them (a TTL bounds how long an entry stays, not how many bytes: a read refills it).
+FLEET_KINDS = frozenset({"quota", "upper"})
 
 
 async def read_policies(reg: Registry) -> list[Policy]:
@@ -43,15 +50,28 @@ def scopes_of(p: Policy) -> set[str]:
     return {s for s in (p.manifest.split("/")[0] if p.manifest else None, p.namespace) if s is not None}
 
 
+def fleet_admin(viewer: Viewer) -> bool:
+    """``admin *``: the grant that may set anything, fleet-level limits (``FLEET_KINDS``) included."""
+    return not viewer.open and "admin" in viewer.grant.roles and ANY in viewer.grant.namespaces
+
+
 def may_edit(viewer: Viewer, p: Policy | None) -> bool:
-    """Admin on every namespace the policy is about; one about every namespace (or a record that does not
-    read: ``None``) needs admin on ``*``."""
+    """Whether ``viewer`` may write ``p``, or overwrite or remove it: admin on every namespace the policy is about;
+    ``admin *`` for a fleet-level limit (a quota), one about every namespace, or a record that does not read
+    (``None``). The console asks this of the stored record and of the one a form would write."""
     if viewer.open:
         return False
     scopes = scopes_of(p) if p is not None else set()
-    if not scopes:
-        return "admin" in viewer.grant.roles and ANY in viewer.grant.namespaces
+    if p is None or p.kind in FLEET_KINDS or not scopes:
+        return fleet_admin(viewer)
     return all(viewer.may_admin(ns) for ns in scopes)
+
+
+def refusal(p: Policy | None) -> str:
+    """Why ``may_edit`` refuses ``p``, in words (after "policy NAME is")."""
+    if p is not None and p.kind in FLEET_KINDS:
+        return f"a {p.kind}, a fleet-level limit: only admin on every namespace (admin *) sets, changes or removes one"
+    return "about namespaces this token may not change"
 
 
 async def policy_named(reg: Registry, name: str) -> tuple[bool, Policy | None]:
