@@ -24,6 +24,13 @@ from kdn.registry import EmbeddedRegistry, EtcdRegistry  # noqa: E402
 from kdn.registry.etcd import EtcdAuth  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _own_manifest_state(tmp_path_factory, monkeypatch):
+    """Each test its own high-water marks: a client with keys keeps them in a per-user file by default
+    (kdn.client.versions.state_file), which tests and concurrent runs must not share."""
+    monkeypatch.setenv("KDN_MANIFEST_STATE", str(tmp_path_factory.mktemp("state") / "manifest-versions"))
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A SeaweedFS on loopback (its S3 endpoint URL is ``.endpoint``); fails if ``weed`` is not installed."""

@@ -50,6 +50,7 @@ import torch
 from kdn.format.address import ModelId
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.registry.records import BaseRelation
+from kdn.registry.relations import take_relation
 from kdn.template import encode_text
 
 from kdn.adapters.hf.cache import CacheBuilder, continue_from_cache
@@ -300,15 +301,24 @@ def relation_for(m: PairMeasurement, variant_id: ModelId, base_id: ModelId, budg
 
 
 def check_relation(rel: Any, model: Any, tokenizer: Any, verifier: Any) -> int:
-    """The plan's depth k, once ``rel`` is a ``BaseRelation`` signed by a key of ``verifier`` (a
-    ``kdn.registry.signing.Verifier``; required) that names this model as its variant; raises otherwise
-    (``SignatureError``, ``ModelMismatch``, ``InvalidInput``)."""
+    """The plan's depth k, once ``rel`` is a ``BaseRelation`` signed by a key of ``verifier`` that names this
+    model as its variant and is not withdrawn; raises otherwise (``SignatureError``, ``ModelMismatch``,
+    ``InvalidInput``). ``verifier`` (required): a ``kdn.client.Trust`` (a client's ``.trust``), which also
+    refuses a relation older than one of its variant taken before (``RefusedRelation``), or a bare
+    ``kdn.registry.signing.Verifier``, which checks the signature alone."""
     if not isinstance(rel, BaseRelation):
         raise InvalidInput(f"accept_base takes a BaseRelation, not a {type(rel).__name__}")
-    if verifier is None:
+    take = getattr(verifier, "relation", None)
+    if callable(take):
+        take(rel)  # SignatureError (counted by the Trust); InvalidInput without keys
+    elif verifier is None:
         raise InvalidInput("a base relation is taken only signed by a trusted publisher key: pass trusted= or a "
                            "client with trusted_keys")
-    verifier.check(rel)  # SignatureError: unsigned, an unknown key, or a field changed after signing
+    else:
+        take_relation(rel, verifier)  # SignatureError: unsigned, an unknown key, or a field changed after signing
+    if rel.deleted:
+        raise InvalidInput(f"the relation for {rel.variant[:16]}... is withdrawn (a signed tombstone, version "
+                           f"{rel.version})")
     mid = model_id(model, tokenizer)
     if rel.variant != mid:
         raise ModelMismatch(f"the relation is for variant {rel.variant[:16]}..., not this model ({mid[:16]}...)")
@@ -408,7 +418,8 @@ async def agenerate_variant(model: Any, tokenizer: Any, prompt: str | list[int],
     """Generate greedily from ``prompt`` with ``model``, a variant, reading the prefix its base published.
 
     Opt-in: without ``accept_base`` this is ``agenerate`` (the model's own states, exact). With it, ``accept_base``
-    must verify against ``trusted`` (a ``kdn.registry.signing.Verifier``; default: the client's publisher keys) and name
+    must verify against ``trusted`` (a ``kdn.registry.signing.Verifier`` or a ``kdn.client.Trust``; default: the
+    client's ``Trust``: its publisher keys and its relation marks) and name
     this model as its variant (``check_relation``); the base's chunks are loaded, layers ``[0, k)`` of the
     relation's plan recomputed by this model, and the rest of the prompt computed."""
     if accept_base is None:
@@ -419,8 +430,8 @@ async def agenerate_variant(model: Any, tokenizer: Any, prompt: str | list[int],
     if not ids:
         raise InvalidInput("empty prompt")
     loop = asyncio.get_running_loop()
-    k = await loop.run_in_executor(None, check_relation, accept_base, model, tokenizer,
-                                   trusted if trusted is not None else getattr(client, "verifier", None))
+    judge = trusted if trusted is not None else getattr(client, "trust", None) or getattr(client, "verifier", None)
+    k = await loop.run_in_executor(None, check_relation, accept_base, model, tokenizer, judge)
     report = VariantReport(tokens_total=len(ids), layers=accept_base.layers, layers_recomputed=k)
     cache, n = await _prefix_cache(model, ids, client, accept_base, k, namespace, chunk_tokens, report)
     eos = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)

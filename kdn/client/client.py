@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.clie
     from kdn.wire.scatter import Placer
     from kdn.registry import Membership
     from kdn.client.trust import TrustedKeys
+    from kdn.client.versions import ManifestState
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class KDNClient:
         trusted_keys: TrustedKeys | None = None,
         arena: Arena | None = None,
         decode_speeds: DecodeSpeeds | None = None,
-        manifest_state: str | os.PathLike[str] | None = None,
+        manifest_state: ManifestState = None,
         decode_threads: int = DECODE_THREADS,
     ) -> None:
         # Where to fetch from and in what order (kdn.client.sources); the names below are the same objects, kept
@@ -190,8 +191,9 @@ class KDNClient:
         took before: a superseded manifest, validly signed and replayed by a registry writer or a lying edge, is
         refused (counted in ``rejected_records``; with ``trusted_keys``, which make the version the origin's word);
         the highest version seen per name is kept in
-        ``manifest_versions``: in memory, or with ``manifest_state=PATH`` in that file, so that it holds across
-        restarts and processes (kdn.client.versions).
+        ``manifest_versions``: by default in a per-user file (``kdn.client.versions.state_file``;
+        ``manifest_state=PATH`` names another, ``False`` keeps them in memory), so that it holds across restarts
+        and processes.
         ``pin`` (``kdn.registry.signing.manifest_pin``, printed by ``kdn publish``) takes exactly that manifest: any
         other one served under the name is refused (None, counted), with keys or without."""
         ref = f"{A.validate_namespace(namespace)}/{A.validate_name(name)}"

@@ -1,13 +1,15 @@
-"""What a client believes of the records and manifests its sources send.
+"""What a client believes of the records, manifests and base relations its sources send.
 
 Any source can lie: an edge, a registry writer who planted a record, a replay
 of an old answer. With publisher keys (``trusted_keys``) a record counts only
 if one of them signed it and it is the record of what was asked; a manifest
-also only if it is not older than a version of that name this client took
-before (kept in memory, or in a file across processes: ``kdn.client.versions``), and,
-with a pin (``kdn.registry.signing.manifest_pin``), only if it is exactly the pinned
-one. Whatever is refused is counted in ``rejected`` and logged, and reads as
-absent: its digests are never believed.
+(or a base relation: ``relation``) also only if it is not older than a version of
+that name (variant) this client took before, and, with a pin
+(``kdn.registry.signing.manifest_pin``, ``relation_pin``), only if it is exactly the
+pinned one. The versions taken are kept in a per-user file by default, so that a
+new process holds to what an earlier one took (``kdn.client.versions.state_file``;
+``manifest_state=False`` keeps them in memory). Whatever is refused is counted in
+``rejected`` and logged, and reads as absent: its digests are never believed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from kdn.format import address as A
 from kdn.errors import InvalidInput
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
+    from kdn.client.versions import ManifestState
+    from kdn.registry.records import BaseRelation
     from kdn.registry.signing import Verifier
 
     # Publisher keys: a Verifier, key strings (ed25519:<hex>), or a file of them.
@@ -56,18 +62,21 @@ class Trust:
     """A client's checks on what its sources answer: ``record`` and ``manifest`` return what they are given,
     or None for what they refuse."""
 
-    def __init__(self, trusted_keys: TrustedKeys | None = None,
-                 manifest_state: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, trusted_keys: TrustedKeys | None = None, manifest_state: ManifestState = None) -> None:
+        from kdn.client.versions import RELATIONS, VersionFile, state_file
+
         self.verifier = verifier(trusted_keys)
         self.rejected = 0
         self._verified: OrderedDict[bytes, object] = OrderedDict()  # content digest -> the key that verified it
-        # namespace/name -> the highest version taken; with ``manifest_state``, kept in that file (kdn.client.versions)
-        # so that a new process still refuses what an earlier one saw superseded.
+        # namespace/name (variant model id) -> the highest manifest (relation) version taken; in a file
+        # (kdn.client.versions) unless manifest_state says memory, so that a new process still refuses what an
+        # earlier one saw superseded.
         self.manifest_versions: MutableMapping[str, int] = {}
-        if manifest_state is not None:
-            from kdn.client.versions import VersionFile
-
-            self.manifest_versions = VersionFile(manifest_state)
+        self.relation_versions: MutableMapping[str, int] = {}
+        self.state_path: Path | None = state_file(manifest_state, keys=self.verifier is not None)
+        if self.state_path is not None:
+            self.manifest_versions = VersionFile(self.state_path)
+            self.relation_versions = VersionFile(self.state_path, RELATIONS)
 
     def record(self, d: dict[str, Any] | None, address: A.Address) -> dict[str, Any] | None:
         """An object record as sent for ``address``: ``d`` if no keys are configured, or if a trusted key
@@ -126,6 +135,23 @@ class Trust:
             return None
         self.manifest_versions[ref] = version
         return None if d.get("deleted") else d
+
+    def relation(self, rel: BaseRelation, pin: str | None = None) -> BaseRelation:
+        """``rel``, if a trusted key signed it, it is not older than a relation of its variant taken before,
+        and (with ``pin``) it is the pinned one: ``kdn.registry.relations.take_relation`` with this client's
+        marks. Raises ``SignatureError`` (counted in ``rejected``) for what it refuses, ``InvalidInput``
+        without keys. A signed tombstone (``rel.deleted``) is returned: the caller reads it as withdrawn."""
+        from kdn.registry.relations import take_relation
+        from kdn.registry.signing import SignatureError
+
+        if self.verifier is None:
+            raise InvalidInput("a base relation is taken only signed by a trusted publisher key: pass trusted= or "
+                               "a client with trusted_keys")
+        try:
+            return take_relation(rel, self.verifier, self.relation_versions, pin)
+        except SignatureError:
+            self.rejected += 1
+            raise
 
     def _signed(self, d: dict[str, Any] | None, kind: str, what: str) -> dict[str, Any] | None:
         """``d`` if no keys are configured or a trusted key signed it (and it says what it was asked for)."""

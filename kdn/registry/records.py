@@ -30,6 +30,9 @@ OBJECT_KINDS = frozenset({"kv", "ssm", "hybrid", "basis"})
 POLICY_KINDS = frozenset({"pin", "warm", "push", "ttl", "quota", "upper"})
 
 MAX_URL_LEN = 512
+# Partial tails one object record may list: one per length below its chunk's, so a chunk of up to 4,097 tokens
+# can list them all. Checked before each tail is, so a planted record of 200,000 tails is refused at once.
+MAX_TAILS = 4096
 
 
 def validate_node_url(url: object) -> str:
@@ -110,6 +113,13 @@ class BaseRelation(Record):
     name: str = ""  # a label for people ("smollm2-135m+handbook")
     created: float = field(default_factory=time.time)
     sig: dict[str, str] = field(default_factory=dict)
+    # Per variant, rising with every relation its publisher issues (``issued``: ``kdn relation sign``); signed,
+    # with ``created``, so a consumer that took version v refuses an older relation written back (0: signed
+    # before versions, the lowest).
+    version: int = 0
+    # A signed tombstone (``kdn relation rm``): the publisher withdrew the relation at ``version``. Its plan is
+    # every layer (the one that uses no base state) and it measured nothing.
+    deleted: bool = False
 
     def __post_init__(self) -> None:
         validate_model_id(self.variant)
@@ -132,6 +142,24 @@ class BaseRelation(Record):
         require(isinstance(self.name, str) and len(self.name) <= 128, "BaseRelation.name must be a short string")
         require(is_number(self.created), "BaseRelation.created must be a number")
         check_sig("BaseRelation", self.sig)
+        require(is_int(self.version) and 0 <= self.version < 1 << 63, "BaseRelation.version must be an int >= 0")
+        require(isinstance(self.deleted, bool), "BaseRelation.deleted must be a bool")
+        require(not self.deleted or (self.recompute == list(range(self.layers)) and not self.measured),
+                "a deleted BaseRelation (a tombstone) recomputes every layer and measured nothing")
+
+    def issued(self, above: int = 0, now: float | None = None) -> BaseRelation:
+        """This relation as its publisher issues it, unsigned (sign it next): created ``now``, versioned in
+        milliseconds of it, above its own version and ``above`` (the stored one's, where its publisher's key
+        signed that one), so a later issue of a variant supersedes the earlier ones even where the clock went
+        back."""
+        t = time.time() if now is None else now
+        version = max(int(t * 1000), self.version + 1, above + 1)
+        return dataclasses.replace(self, version=version, created=t, sig={})
+
+    def tombstone(self) -> BaseRelation:
+        """What withdrawing this relation records (versioned when issued): the same variant and base, a plan
+        of every layer, nothing measured."""
+        return dataclasses.replace(self, recompute=list(range(self.layers)), measured={}, sig={}, deleted=True)
 
     @property
     def depth(self) -> int | None:
@@ -209,8 +237,12 @@ class ObjectRecord(Record):
             require(isinstance(enc, Encoding) and enc.name == k, f"ObjectRecord.encodings[{k!r}] must be an Encoding named {k!r}")
         check_str("ObjectRecord", "origin", self.origin)
         check_dict("ObjectRecord", "tails", self.tails)
+        require(len(self.tails) <= MAX_TAILS, f"ObjectRecord.tails lists {len(self.tails)} tails, over {MAX_TAILS}")
         for length, addr in self.tails.items():
-            require(is_int(length) and length > 0, f"ObjectRecord.tails key must be a positive int, got {length!r}")
+            # A tail continues this (full) chunk by fewer tokens than a chunk holds: its span is the chunk's size.
+            require(is_int(length) and 0 < length < self.end - self.start,
+                    f"ObjectRecord.tails key must be a token count in 1..{self.end - self.start - 1} (shorter than "
+                    f"the chunk it continues), got {length!r}")
             validate_address(addr, what="tail address")
         require(is_number(self.created), "ObjectRecord.created must be a number")
         require(isinstance(self.engine, str) and len(self.engine) <= 64, "ObjectRecord.engine must be a short string")
@@ -231,6 +263,7 @@ class ObjectRecord(Record):
         f["encodings"] = {k: v if isinstance(v, Encoding) else Encoding.from_dict(v) for k, v in encs.items()}
         tails = f.get("tails", {})
         check_dict("ObjectRecord", "tails", tails)
+        require(len(tails) <= MAX_TAILS, f"ObjectRecord.tails lists {len(tails)} tails, over {MAX_TAILS}")
         try:
             f["tails"] = {int(k): v for k, v in tails.items()}
         except ValueError:

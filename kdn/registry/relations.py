@@ -7,6 +7,12 @@ publisher's key does), so whoever can write the registry can plant one, and a re
 ``find_relation`` returns: a relation a trusted key signed. Finding is not accepting: a consumer still
 passes the relation as ``agenerate_variant(..., accept_base=relation)``.
 
+A writer can also keep a relation the publisher has since superseded or withdrawn and write it back (issue
+#51). So a relation carries what a manifest carries (``take_relation``): a signed per-variant version, which
+a consumer holds to (its high-water mark per variant: a ``kdn.client.Trust``'s, kept in its state file);
+a signed tombstone (``kdn relation rm``), which reads as absent and outranks every older version; and a pin
+(``kdn.registry.signing.relation_pin``), which takes exactly one relation, older or newer ones refused.
+
 Records are validated when read: a stored value that is not a ``BaseRelation`` (junk, a newer writer's) is
 logged and read as absent, and hides only itself in a listing.
 """
@@ -14,12 +20,16 @@ logged and read as absent, and hides only itself in a listing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kdn.format.address import ModelId, validate_model_id
+from kdn.format.address import ModelId, validate_digest, validate_model_id
 from kdn.errors import InvalidInput
 from kdn.registry.records import BaseRelation
+from kdn.registry.signing import SignatureError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry.signing import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +83,49 @@ def _relation(key: str, value: bytes, variant: str) -> BaseRelation | None:
     return rec
 
 
-async def find_relation(registry: RelationStore, variant: ModelId, trusted: Any) -> BaseRelation | None:
-    """The registry's relation for ``variant`` if a key of ``trusted`` signed it, else None (absent, junk,
-    unsigned, or signed by a key not trusted here: logged).
+class RefusedRelation(SignatureError):
+    """A validly signed relation a consumer does not take: older than one of its variant it took before (a
+    replay), or not the one it pinned."""
 
-    ``trusted``: a ``kdn.registry.signing.Verifier``, or anything holding one as ``.verifier`` (a ``KDNClient`` made
-    with ``trusted_keys``). Found is not accepted: pass it on as ``agenerate_variant(..., accept_base=rel)``.
-    The client itself reads through edges, which serve no relations: open the registry for this read
-    (``kdn.registry.open_registry(url)``), or have the publisher ship the packed file (``BaseRelation.pack``).
+
+def take_relation(rel: BaseRelation, verifier: Verifier, marks: MutableMapping[str, int] | None = None,
+                  pin: str | None = None) -> BaseRelation:
+    """``rel`` if a key of ``verifier`` signed it, it is ``pin``'s (with a pin), and it is not older than
+    ``marks`` (variant -> the highest version taken; raised to ``rel``'s) holds for its variant. Raises
+    ``SignatureError`` (``RefusedRelation``: signed, but superseded or not the pinned one). A tombstone is
+    returned like any relation: the caller reads ``deleted`` as withdrawn. Without ``marks`` (a bare
+    ``Verifier``) only a pin stops a replay."""
+    from kdn.registry.signing import relation_pin
+
+    verifier.check(rel)  # SignatureError: unsigned, an untrusted key, a field changed after signing
+    if pin is not None and (got := relation_pin(rel)) != validate_digest(pin):
+        raise RefusedRelation(f"relation for {rel.variant[:16]} is not the pinned one ({got[:16]}, pinned "
+                              f"{pin[:16]})")
+    if marks is not None:
+        seen = marks.get(rel.variant, 0) or 0
+        if rel.version < seen:
+            raise RefusedRelation(f"relation for {rel.variant[:16]}: version {rel.version} is older than version "
+                                  f"{seen} taken before (a replay)")
+        marks[rel.variant] = rel.version  # (a VersionFile's rise is on disk before this returns)
+    return rel
+
+
+async def find_relation(registry: RelationStore, variant: ModelId, trusted: Any,
+                        pin: str | None = None) -> BaseRelation | None:
+    """The registry's relation for ``variant`` if a key of ``trusted`` signed it and it is not superseded,
+    else None (absent, junk, unsigned, signed by a key not trusted here, older than one taken before, not
+    ``pin``'s, or withdrawn by a signed tombstone: logged).
+
+    ``trusted``: a ``KDNClient`` made with ``trusted_keys`` or its ``kdn.client.Trust`` (``.trust``), which hold
+    the relation to their high-water mark for the variant (kept in their state file); or a bare
+    ``kdn.registry.signing.Verifier`` (or anything holding one as ``.verifier``), which checks the signature
+    and a pin and remembers nothing. Found is not accepted: pass it on as
+    ``agenerate_variant(..., accept_base=rel)``. The client itself reads through edges, which serve no
+    relations: open the registry for this read (``kdn.registry.open_registry(url)``), or have the publisher
+    ship the packed file (``BaseRelation.pack``).
     """
-    from kdn.registry.signing import SignatureError
-
-    verifier = getattr(trusted, "verifier", trusted)
+    judge = getattr(trusted, "trust", trusted)  # a client's kdn.client.Trust: its marks, its count of refusals
+    verifier = getattr(judge, "verifier", judge)
     if verifier is None or not callable(getattr(verifier, "check", None)):
         raise InvalidInput("find_relation needs the publisher keys trusted here: a Verifier, or a client "
                            "made with trusted_keys")
@@ -92,8 +133,12 @@ async def find_relation(registry: RelationStore, variant: ModelId, trusted: Any)
     if rel is None:
         return None
     try:
-        verifier.check(rel)
+        take = getattr(judge, "relation", None)
+        rel = take(rel, pin) if callable(take) else take_relation(rel, verifier, None, pin)
     except SignatureError as e:
         log.warning("relation for %s in the registry is refused: %s", variant[:16], e)
+        return None
+    if rel.deleted:
+        log.info("relation for %s is withdrawn (a signed tombstone, version %d)", variant[:16], rel.version)
         return None
     return rel

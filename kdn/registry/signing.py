@@ -23,8 +23,9 @@ origin, engine; manifests -- namespace, name, model id, addresses, token
 counts, the published token ids, template, standalone addresses, the emphasis map (when there is
 one; its absence is signed too, since the payload then differs from one with a map); base relations
 (``BaseRelation``: a variant model reads a base model's states) -- variant, base, layer count, the layer plan,
-metric, budget, what was measured, name. Not signed:
-``created`` (no consumer decides anything by it) and the signature itself.
+metric, budget, what was measured, name, and (when set) its per-variant version with its ``created`` and a
+tombstone's ``deleted``. Not signed: an object record's and a version-0 record's ``created`` (no consumer
+decides anything by it) and the signature itself.
 """
 
 from __future__ import annotations
@@ -93,10 +94,14 @@ def payload(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord | Ba
         body = {"t": "kdn/model-record/v1", "model_id": rec.model_id, "name": rec.name,
                 "architecture": rec.architecture, "dtype": rec.dtype, "chunk_tokens": rec.chunk_tokens,
                 "config": rec.config, "extra": rec.extra}
-    elif isinstance(rec, BaseRelation):  # every field but ``created``
+    elif isinstance(rec, BaseRelation):  # every field but a version-0 relation's ``created``
         body = {"t": "kdn/base-relation/v1", "variant": rec.variant, "base": rec.base, "layers": rec.layers,
                 "recompute": rec.recompute, "metric": rec.metric, "budget": rec.budget, "measured": rec.measured,
                 "name": rec.name}
+        if rec.version:  # as for manifests: a relation signed before versions verifies, and counts as version 0
+            body["version"], body["created"] = rec.version, rec.created
+        if rec.deleted:
+            body["deleted"] = True
     elif isinstance(rec, Admission):
         body = {"t": "kdn/node-admission/v1", "role": rec.role, "region": rec.region, "node_id": rec.node_id,
                 "url": rec.url, "expires": rec.expires}
@@ -155,6 +160,13 @@ def manifest_pin(rec: Manifest) -> str:
     """A manifest's pin: the BLAKE3 of what its signature covers (``payload``), its version and creation time
     included. A consumer holding a pin takes that manifest and no other -- not an older one replayed, not a
     newer one -- whoever serves it, keys or none (``KDNClient.manifest(..., pin=)``)."""
+    return blake3(payload(rec)).hexdigest()
+
+
+def relation_pin(rec: BaseRelation) -> str:
+    """A base relation's pin, as ``manifest_pin`` is a manifest's: the BLAKE3 of its signed payload (version and
+    time included). A consumer holding one takes that relation and no other, older or newer
+    (``find_relation(..., pin=)``)."""
     return blake3(payload(rec)).hexdigest()
 
 
