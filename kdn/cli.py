@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover - the registry loads lazily: `kdn address`
 
 # Parts that contribute subcommands: module path -> its `register(subparsers)`.
 # Each module must import nothing heavy at import time.
-_PARTS = ("kdn.origin.cli", "kdn.edge.cli", "kdn.up")
+_PARTS = ("kdn.origin.cli", "kdn.edge.cli", "kdn.host.cli", "kdn.up")
 
 
 class _Parser(argparse.ArgumentParser):

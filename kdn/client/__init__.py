@@ -6,12 +6,31 @@ are fetched and decoded or placed (prefix.py, parts.py, checked.py, bases.py), w
 versions.py), where an object is cached now (holding.py), and a blocking wrapper for scripts (sync.py).
 The only wing of the core that may import ``kdn.kernels`` (lossy decodes), and only where it decodes.
 
-The names below are the public surface; code inside the wing imports the module that defines a name.
+The names below are the public surface (loaded lazily); code inside the wing imports the module that
+defines a name.
 """
 
-from kdn.client.client import KDNClient
-from kdn.client.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Source, Tensors, fills
-from kdn.client.sync import SyncKDNClient
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (for readers and type checkers; at run time each name loads when first asked for)
+    from kdn.client.client import KDNClient
+    from kdn.client.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Source, Tensors, fills
+    from kdn.client.sync import SyncKDNClient
+
+_WHERE = {"KDNClient": "client", "SyncKDNClient": "sync", **{n: "lookup" for n in (
+    "FILL_TIERS", "Fetched", "Lookup", "PrefixStates", "Probe", "Source", "Tensors", "fills")}}
 
 __all__ = ["FILL_TIERS", "Fetched", "KDNClient", "Lookup", "PrefixStates", "Probe", "Source", "SyncKDNClient",
            "Tensors", "fills"]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, each imported when first used: ``import kdn.client.host`` (an engine's hot path) loads
+    no web framework, and the facade's modules never import this package's names (no circle)."""
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"kdn.client.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

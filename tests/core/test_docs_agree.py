@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ["kdn", "kdn/format", "kdn/wire", "kdn/registry", "kdn/client", "service", "up", "origin", "origin/console", "edge", "kernels", "adapters/hf",
+FOLDERS = ["kdn", "kdn/format", "kdn/wire", "kdn/registry", "kdn/client", "host", "service", "up", "origin", "origin/console", "edge", "kernels", "adapters/hf",
            "adapters/vllm"]
 
 

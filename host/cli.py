@@ -1,0 +1,58 @@
+"""``kdn host serve``: run the host tier of this machine. Imports nothing heavy until it runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from kdn.edge.eviction import DEFAULT_POLICY, POLICIES
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    host = sub.add_parser("host", help="run the host tier: objects in shared memory for this machine's engines")
+    verbs = host.add_subparsers(dest="host_command", required=True)
+    p = verbs.add_parser("serve", help="serve local engines over a Unix socket from a shared-memory segment")
+    from kdn.host.config import default_path
+
+    p.add_argument("--edge", action="append", default=[], metavar="URL",
+                   help="an edge of this region to fill from (repeatable; the entry edge first)")
+    p.add_argument("--origin", default=None, metavar="URL", help="the origin, the last source of a fill")
+    p.add_argument("--trusted-keys", required=True, metavar="FILE",
+                   help="publisher keys (ed25519:HEX per line): only objects whose records one of them signed "
+                        "are held")
+    p.add_argument("--socket", default=default_path("sock"), metavar="PATH",
+                   help="the Unix socket engines connect to (default: %(default)s)")
+    p.add_argument("--segment", default=default_path("seg"), metavar="PATH",
+                   help="the shared-memory segment engines map (default: %(default)s)")
+    p.add_argument("--segment-bytes", default="1GiB", metavar="SIZE", help="its size (default: 1GiB)")
+    p.add_argument("--budget", default=None, metavar="SIZE", help="bytes held at most (default: the segment)")
+    p.add_argument("--group", default=None, metavar="GROUP",
+                   help="the engines' group: socket 0660 and segment 0640 theirs (default: 0600, this user only)")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="grants file: the namespaces each engine's token reads (without: public only)")
+    p.add_argument("--upstream-token-file", default=None, metavar="FILE", help="the token this host shows its edges")
+    p.add_argument("--ca", default=None, metavar="FILE", help="CA bundle to verify the edges over HTTPS")
+    p.add_argument("--eviction", choices=tuple(POLICIES), default=DEFAULT_POLICY,
+                   help="eviction policy (default: %(default)s, the edge's)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics on 127.0.0.1:PORT (default: off; the stats op always answers)")
+    p.set_defaults(func=cmd_host_serve)
+
+
+def cmd_host_serve(args: argparse.Namespace) -> int:
+    from kdn.host.config import HostConfig
+    from kdn.host.tier import serve
+    from kdn.units import parse_size
+
+    config = HostConfig(
+        trusted_keys=args.trusted_keys, edges=tuple(args.edge), origin=args.origin, socket=args.socket,
+        segment=args.segment, segment_bytes=parse_size(args.segment_bytes),
+        budget=parse_size(args.budget) if args.budget is not None else None, group=args.group,
+        token_file=args.token_file, upstream_token_file=args.upstream_token_file, ca=args.ca,
+        eviction=args.eviction, metrics_port=args.metrics_port)
+    from kdn.registry.signing import Verifier
+
+    Verifier.from_file(config.trusted_keys)  # a bad key file fails here, in one line
+    asyncio.run(serve(config))
+    return 0

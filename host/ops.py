@@ -1,0 +1,179 @@
+"""What each request to the host tier does (``kdn.wire.host`` lists them): the fields checked, the
+caller's namespaces from its token, the store and the fills asked, the answer built. Transport-free: a
+connection (``kdn.host.session``) hands each request here with its leases.
+
+Who may see what: the token's read grant (``kdn.auth.Grants``, the edge's own grants file format) names
+namespaces; an object is the caller's if ``may_read`` allows its record's namespace. Anything else, held or
+not, answers exactly as an unpublished object does, and is never filled for that caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kdn.auth import AuthError, Grants, may_read
+from kdn.errors import DigestMismatch, InvalidInput, SourceError
+from kdn.format.address import Address, validate_address
+from kdn.format.store import validate_encoding
+from kdn.host.fill import Absent, Filler
+from kdn.host.leases import Leases
+from kdn.wire.host import MAX_ADDRESSES, VERSION, HostError
+from kdn.host.segment import Segment
+from kdn.host.store import Held, HostStore, Key, NoRoom
+
+WARM_CONCURRENCY = 4  # fills one warm runs at once (each is one fetch from the edges)
+LEASE_TRIES = 3  # fills of one lease whose object was evicted before the lease could pin it
+
+Op = Callable[[Leases, frozenset[str], dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class Ops:
+    """The host tier's requests, over its store, fills and grants."""
+
+    def __init__(self, store: HostStore, filler: Filler, grants: Grants, segment: Segment,
+                 stats: Callable[[], dict[str, int]]) -> None:
+        self.store, self.filler, self.grants, self.segment, self.stats = store, filler, grants, segment, stats
+        self.ops: dict[str, Op] = {"hello": self.hello, "lookup": self.lookup, "lease": self.lease,
+                                   "release": self.release, "warm": self.warm, "stats": self.stats_op}
+
+    async def answer(self, leases: Leases, request: dict[str, Any]) -> dict[str, Any]:
+        """The answer's fields (without ``id``); HostError for a refusal."""
+        name = request.get("op")
+        op = self.ops.get(name) if isinstance(name, str) else None
+        if op is None:
+            raise HostError("bad-request", f"unknown op {str(request.get('op'))[:24]!r}: one of {sorted(self.ops)}")
+        return {"ok": True, **await op(leases, self.namespaces(request.get("token")), request)}
+
+    def namespaces(self, token: object) -> frozenset[str]:
+        """The namespaces ``token`` may read (anonymous: those of the grants' anonymous grant)."""
+        if token is not None and not (isinstance(token, str) and 0 < len(token) <= 512):
+            raise HostError("bad-request", "token must be a string of 1..512 characters")
+        try:
+            return self.grants.namespaces(f"Bearer {token}" if token else None, "read")
+        except AuthError as e:
+            raise HostError("unauthorized", str(e)) from None
+
+    # --- the ops ---------------------------------------------------------------------------------------------
+
+    async def hello(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
+        """Where the segment is, and which file it is (an engine maps only that one)."""
+        i = self.segment.identity
+        return {"version": VERSION, "segment": str(self.segment.path), "size": i.size, "device": i.device,
+                "inode": i.inode}
+
+    async def lookup(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
+        """Per address, the encodings held for this caller; ``prefix``: how many leading addresses have one.
+        Never fills."""
+        addresses = _addresses(r)
+        encoding = _encoding(r) if r.get("encoding") is not None else None
+        encodings = [sorted(h.key[1] for h in self.store.encodings(a)
+                            if may_read(ns, h.namespace, h.kind) and encoding in (None, h.key[1]))
+                     for a in addresses]
+        held = [bool(e) for e in encodings]
+        prefix = held.index(False) if False in held else len(held)
+        return {"prefix": prefix, "held": held, "encodings": encodings}
+
+    async def lease(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
+        """The object pinned for this connection (filled first if absent): where its blob lies, its record."""
+        key = (_address(r.get("address")), _encoding(r))
+        theirs = self.store.get(key)
+        if theirs is not None and not may_read(ns, theirs.namespace, theirs.kind):
+            raise _absent(key)  # (untouched: not a hit, not a use in the eviction order)
+        h = self.store.acquire(key)
+        filled = h is None
+        if h is None:
+            h = await self._fill_and_pin(key, ns)
+        # acquire (or _fill_and_pin's last step) pinned it, and no await came since: the lease table takes the
+        # pin over now, so a connection that dies from here on hands it back (Leases.close).
+        lease = leases.add(h)
+        return {"lease": lease, "offset": h.offset, "length": h.length, "record": h.record, "filled": filled}
+
+    async def _fill_and_pin(self, key: Key, ns: frozenset[str]) -> Held:
+        rec = await self._record(key[0])
+        if rec is None or not may_read(ns, str(rec.get("namespace")), str(rec.get("kind"))):
+            raise _absent(key)
+        for _ in range(LEASE_TRIES):
+            await self._fill(key, rec)
+            # The fill committed, then this task was woken: between the two, other tasks ran, and a fill of
+            # another object may have evicted this one (nobody pinned it yet). Pin it now, in the same step
+            # as the check; if it went, fill it again.
+            h = self.store.acquire(key, count=False)
+            if h is not None:
+                return h
+        raise HostError("no-room", f"{key[0]}.{key[1]} was evicted {LEASE_TRIES} times before it could be "
+                                   "leased: the segment is too small for the load on it")
+
+    async def release(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
+        leases.release(r.get("lease"))
+        return {}
+
+    async def warm(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
+        """Fill what is not held yet, ahead of the requests that will lease it; per address what happened."""
+        addresses, encoding = _addresses(r), _encoding(r)
+        gate = asyncio.Semaphore(WARM_CONCURRENCY)
+
+        async def one(address: Address) -> str:
+            key = (address, encoding)
+            h = self.store.get(key)
+            if h is not None:
+                return "held" if may_read(ns, h.namespace, h.kind) else "absent"
+            async with gate:
+                try:
+                    rec = await self._record(address)
+                    if rec is None or not may_read(ns, str(rec.get("namespace")), str(rec.get("kind"))):
+                        return "absent"
+                    await self._fill(key, rec)
+                except HostError as e:
+                    return "failed" if e.code == "unavailable" else e.code  # "absent" or "no-room"
+            return "filled"
+
+        return {"outcomes": await asyncio.gather(*(one(a) for a in addresses))}
+
+    async def stats_op(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
+        return self.stats()
+
+    # --- fills, their failures as refusals ----------------------------------------------------------------
+
+    async def _record(self, address: Address) -> dict[str, Any] | None:
+        try:
+            return await self.filler.record(address)
+        except SourceError as e:
+            raise HostError("unavailable", f"no source answered for {address}'s record: {str(e)[:160]}") from None
+
+    async def _fill(self, key: Key, rec: dict[str, Any]) -> None:
+        try:
+            await self.filler.fill(key, rec)
+        except Absent:
+            raise _absent(key) from None
+        except NoRoom as e:
+            raise HostError("no-room", str(e)) from None
+        except (SourceError, DigestMismatch) as e:
+            raise HostError("unavailable", f"{key[0]}.{key[1]}: {str(e)[:200]}") from None
+
+
+def _absent(key: Key) -> HostError:
+    """One answer for unpublished, no such encoding, and another tenant's."""
+    return HostError("absent", f"no object {key[0]} in {key[1]!r} for this token")
+
+
+def _address(value: object) -> Address:
+    try:
+        return validate_address(value)
+    except InvalidInput as e:
+        raise HostError("bad-request", str(e)) from None
+
+
+def _encoding(r: dict[str, Any]) -> str:
+    try:
+        return validate_encoding(r.get("encoding"))
+    except InvalidInput as e:
+        raise HostError("bad-request", str(e)) from None
+
+
+def _addresses(r: dict[str, Any]) -> list[Address]:
+    a = r.get("addresses")
+    if not isinstance(a, list) or len(a) > MAX_ADDRESSES:
+        raise HostError("bad-request", f"addresses must be a list of at most {MAX_ADDRESSES}")
+    return [_address(x) for x in a]

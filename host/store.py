@@ -1,0 +1,223 @@
+"""The host tier's index: which objects the segment holds, where, who leases them, and what to evict.
+
+An object is held under its key, ``(address, encoding)``, as its exact blob bytes in one block of the
+segment (``kdn.host.alloc``). Its life:
+
+1. ``reserve(size)``: room is made (below) and a block set aside for a fill; nobody can see it yet.
+2. ``commit``: the fill's bytes landed and were verified; the object is held, visible to lookups and leases.
+   (``cancel`` gives the block of a failed fill back.)
+3. ``acquire`` pins it for a lease (``release`` unpins). A pinned object is never evicted, so its block is
+   never freed, so no fill is ever given it: the bytes an engine reads under a lease cannot change.
+4. Eviction frees the block of an object nobody leases.
+
+Room is made in the eviction policy's order (``kdn.edge.eviction``'s ARC by default, the edge's own; it
+orders keys, knows nothing of bytes or pins) until both the byte budget and a contiguous block allow the
+object. Leased objects and blocks reserved for fills are skipped. Whether that can succeed is known before
+anything is evicted (``Allocator.fits`` over the blocks that must stay), so a refused object evicts
+nothing. Single-threaded: the host calls it from its event loop, never across an ``await``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from kdn.edge.eviction import ARC, PolicyFactory
+from kdn.errors import InvalidInput, KDNError
+from kdn.format.address import Address
+from kdn.host.alloc import Allocator, aligned
+
+Key = tuple[Address, str]  # (address, encoding): one blob
+
+
+class NoRoom(KDNError):
+    """The segment cannot hold an object now: larger than the budget, or the leased and filling blocks
+    leave no room for it. (The engine reads it from the edge instead.)"""
+
+
+@dataclass(eq=False)
+class Held:
+    """One object in the segment: its blob is ``segment[offset : offset + length]``."""
+
+    key: Key
+    offset: int
+    length: int
+    record: dict[str, Any]  # the signed object record the fill verified it against
+    leases: int = 0
+
+    @property
+    def namespace(self) -> str:
+        return str(self.record["namespace"])
+
+    @property
+    def kind(self) -> str:
+        return str(self.record["kind"])
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A block set aside for one fill: ``offset``, and the blob's ``length`` (the block may be longer)."""
+
+    offset: int
+    length: int
+
+
+@dataclass
+class Stats:
+    hits: int = 0  # leases of an object already held
+    misses: int = 0  # leases that had to fill first
+    fills: int = 0  # objects committed
+    fill_bytes: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    refused: int = 0  # reservations refused (NoRoom)
+
+
+@dataclass
+class HostStore:
+    """``HostStore(segment_bytes, budget)``: the index over a segment's blocks (the bytes are the caller's)."""
+
+    segment_bytes: int
+    budget: int
+    policy: PolicyFactory = ARC
+    stats: Stats = field(default_factory=Stats)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.budget <= self.segment_bytes:
+            raise InvalidInput(f"the budget must be 1..{self.segment_bytes} bytes (the segment), got {self.budget}")
+        self._alloc = Allocator(self.segment_bytes)
+        self._order = self.policy(self.budget)
+        self._held: dict[Key, Held] = {}
+        self._by_address: dict[Address, dict[str, Held]] = {}  # the same objects, by address then encoding
+        self._filling: set[int] = set()  # offsets of blocks reserved for fills
+        self._pinned: set[int] = set()  # offsets of held objects at least one lease pins
+        self.leases = 0  # leases held now, all objects together
+        self.leased_bytes = 0  # bytes of the blocks in ``_pinned``
+
+    # --- what is held ---------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._held
+
+    def get(self, key: Key) -> Held | None:
+        """The held object, without touching its place in the eviction order (lookups, tests)."""
+        return self._held.get(key)
+
+    def encodings(self, address: Address) -> list[Held]:
+        """Every encoding of ``address`` held (a lookup's answer)."""
+        return list(self._by_address.get(address, {}).values())
+
+    @property
+    def used(self) -> int:
+        """Bytes of the segment in blocks: held objects and reservations (what the budget bounds)."""
+        return self._alloc.used
+
+    @property
+    def holes(self) -> int:
+        return self._alloc.holes
+
+    # --- leases -----------------------------------------------------------------------------------------
+
+    def acquire(self, key: Key, *, count: bool = True) -> Held | None:
+        """The held object, pinned for one lease (None: not held). ``count``: a lease's first ask (a hit or
+        a miss, and a use in the eviction order); its ask again after a fill is neither."""
+        h = self._held.get(key)
+        if h is None:
+            self.stats.misses += int(count)
+            return None
+        if count:  # (the pin right after its own fill is the insert's use, not a second one)
+            self.stats.hits += 1
+            self._order.on_access(key)
+        self._pin(h)
+        return h
+
+    def release(self, h: Held) -> None:
+        assert h.leases > 0, "released more leases than were taken"
+        h.leases -= 1
+        self.leases -= 1
+        if h.leases == 0:
+            self._pinned.remove(h.offset)
+            self.leased_bytes -= self._alloc.length(h.offset)
+
+    def _pin(self, h: Held) -> None:
+        if h.leases == 0:
+            self._pinned.add(h.offset)
+            self.leased_bytes += self._alloc.length(h.offset)
+        h.leases += 1
+        self.leases += 1
+
+    # --- fills --------------------------------------------------------------------------------------------
+
+    def reserve(self, length: int) -> Reservation:
+        """A block for a blob of ``length`` bytes, room made for it by eviction; NoRoom if none can be had."""
+        size = aligned(length)
+        if size > self.budget:
+            self.stats.refused += 1
+            raise NoRoom(f"an object of {length} bytes is larger than the host tier's budget ({self.budget})")
+        kept = self._filling | self._pinned
+        kept_bytes = sum(self._alloc.length(o) for o in kept)
+        if kept_bytes + size > self.budget or not self._alloc.fits(size, kept):
+            # Planned before anything is evicted: leases and fills in flight pin too much of the segment.
+            self.stats.refused += 1
+            raise NoRoom(f"no room for {length} bytes: {kept_bytes} of the {self.budget}-byte budget are leased "
+                         f"or being filled")
+        offset = self._make_room(size)
+        self._filling.add(offset)
+        return Reservation(offset, length)
+
+    def _make_room(self, size: int) -> int:
+        """Evict in policy order until the budget and a block allow ``size`` bytes; the block's offset."""
+        walk = self._order.victims()
+        try:
+            while True:
+                if self._alloc.used + size <= self.budget:
+                    offset = self._alloc.alloc(size)
+                    if offset is not None:
+                        return offset
+                victim = next(walk, None)
+                # The plan said enough can go: every unpinned object is yielded before the walk ends.
+                assert victim is not None, "eviction ran out of victims the plan counted on"
+                h = self._held[cast(Key, victim)]  # (the policy orders our keys)
+                if h.leases == 0:
+                    self._evict(h)
+        finally:
+            walk.close()
+
+    def _evict(self, h: Held) -> None:
+        self._order.remove(h.key)
+        del self._held[h.key]
+        address, encoding = h.key
+        same = self._by_address[address]
+        del same[encoding]
+        if not same:
+            del self._by_address[address]
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += h.length
+        self._alloc.free(h.offset)
+
+    def cancel(self, r: Reservation) -> None:
+        """A failed fill's block, given back."""
+        self._filling.remove(r.offset)
+        self._alloc.free(r.offset)
+
+    def commit(self, r: Reservation, key: Key, record: dict[str, Any]) -> Held:
+        """The fill's bytes are in the block and verified: the object is held from now on."""
+        self._filling.remove(r.offset)
+        if key in self._held:  # (fills are single-flight per key, so only a caller's misuse gets here)
+            self._alloc.free(r.offset)
+            return self._held[key]
+        h = Held(key, r.offset, r.length, record)
+        self._held[key] = h
+        self._by_address.setdefault(key[0], {})[key[1]] = h
+        self._order.on_insert(key, self._alloc.length(r.offset))
+        self.stats.fills += 1
+        self.stats.fill_bytes += r.length
+        return h
+
+    def evictable(self) -> Iterator[Held]:
+        """Held objects no lease pins (what eviction may take)."""
+        return (h for h in self._held.values() if not h.leases)

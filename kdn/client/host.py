@@ -1,0 +1,215 @@
+"""The engine's side of the host tier: one connection to its socket and a read-only mapping of its segment.
+
+    async with HostClient("/dev/shm/kdn-host-1000.sock", token=TOKEN) as host:
+        found = await host.lookup(addresses)              # which leading objects the host holds
+        async with host.lease(addresses[0], "raw") as obj:  # filled from the edges first if absent
+            builder.add(0, obj.object())                   # the one copy: mapping -> engine cache
+
+A lease keeps the object's bytes where they are until the block exits, or until the connection ends (a
+crashed engine leaks nothing). Requests may run concurrently on one client; each carries the token. A host
+that goes away fails the requests in flight and every later one with ``HostError("unavailable")``: the
+engine reads from the edge instead, and makes a new client to come back (a restarted host has a new
+segment, mapped anew). Imports no web framework and no model library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import mmap
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kdn.errors import KDNError
+from kdn.format.address import Address
+from kdn.client.leased import Leased
+from kdn.wire.host import VERSION, HostError, pack, read_frame, unpack
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Which file a segment is: engines map only the file the host names."""
+
+    device: int
+    inode: int
+    size: int
+
+
+
+def map_readonly(path: str | os.PathLike[str], identity: Identity) -> tuple[mmap.mmap, memoryview]:
+    """An engine's mapping of the segment the host named: read-only (``PROT_READ``), and refused unless
+    ``path`` is that very file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (identity.device, identity.inode) or st.st_size < identity.size:
+            raise KDNError(f"{path} is not the segment the host tier serves (a host restarted meanwhile?)")
+        mm = mmap.mmap(fd, identity.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return mm, memoryview(mm)
+
+
+@dataclass(frozen=True)
+class HostLookup:
+    """What the host holds of a chain of addresses: ``prefix`` leading ones, and per address its encodings."""
+
+    prefix: int
+    held: list[bool]
+    encodings: list[list[str]]
+
+
+class HostClient:
+    def __init__(self, socket_path: str | os.PathLike[str], *, token: str | None = None, timeout: float = 30.0) -> None:
+        """``timeout`` bounds each request (a lease's fill from the edges included)."""
+        self.path, self.token, self.timeout = os.fspath(socket_path), token, timeout
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._listener: asyncio.Task[None] | None = None
+        self._gone: HostError | None = None
+        self._mm: mmap.mmap | None = None
+        self._segment: memoryview | None = None
+
+    async def connect(self) -> HostClient:
+        """Connect and map the segment the host names (read-only); HostError("unavailable") if it is not up."""
+        try:
+            self._reader, self._writer = await asyncio.open_unix_connection(self.path)
+        except OSError as e:
+            raise HostError("unavailable", f"no host tier at {self.path}: {e.strerror}") from None
+        self._listener = asyncio.create_task(self._listen())
+        try:
+            hello = await self._request("hello")
+            if hello.get("version") != VERSION:
+                raise HostError("unavailable", f"the host tier speaks protocol {hello.get('version')}, this "
+                                               f"client {VERSION}")
+            identity = Identity(int(hello["device"]), int(hello["inode"]), int(hello["size"]))
+            try:
+                self._mm, self._segment = map_readonly(hello["segment"], identity)
+            except OSError as e:  # another user's segment (no --group), or gone
+                raise HostError("unavailable", f"cannot map the segment {hello['segment']}: {e.strerror}") from None
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aenter__(self) -> HostClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- requests --------------------------------------------------------------------------------------------
+
+    async def lookup(self, addresses: Sequence[Address], encoding: str | None = None) -> HostLookup:
+        a = await self._request("lookup", addresses=list(addresses), encoding=encoding)
+        return HostLookup(int(a["prefix"]), [bool(x) for x in a["held"]], [list(e) for e in a["encodings"]])
+
+    @contextlib.asynccontextmanager
+    async def lease(self, address: Address, encoding: str) -> AsyncIterator[Leased]:
+        """The object, pinned in the segment while the block runs (filled from the edges first if the host
+        does not hold it). HostError: ``absent``, ``no-room``, ``unavailable``, ..."""
+        a = await self._request("lease", address=address, encoding=encoding)
+        lease, offset, length = int(a["lease"]), int(a["offset"]), int(a["length"])
+        segment = self._segment
+        assert segment is not None
+        if not 0 <= offset <= offset + length <= len(segment):
+            await self._release(lease)
+            raise HostError("unavailable", f"the host leased bytes [{offset}, {offset + length}) of a "
+                                           f"{len(segment)}-byte segment")
+        view = segment[offset:offset + length]
+        try:
+            yield Leased(address, encoding, lease, offset, view, a["record"], bool(a["filled"]))
+        finally:
+            # Reading ``obj.view`` after the lease raises from here on. (Arrays the caller made of it cannot be
+            # revoked, and one that holds a buffer export keeps the view open: the caller's to drop in time.)
+            with contextlib.suppress(BufferError):
+                view.release()
+            await self._release(lease)
+
+    async def _release(self, lease: int) -> None:
+        try:
+            await self._request("release", lease=lease)
+        except HostError:
+            if self._gone is None:
+                raise
+            # the connection ended (before or during the release), and every lease with it
+
+    async def warm(self, addresses: Sequence[Address], encoding: str) -> list[str]:
+        """Have the host fill these ahead of the leases that will want them; per address what happened."""
+        a = await self._request("warm", addresses=list(addresses), encoding=encoding)
+        return [str(x) for x in a["outcomes"]]
+
+    async def stats(self) -> dict[str, int]:
+        a = await self._request("stats")
+        return {k: int(v) for k, v in a.items() if k not in ("id", "ok")}
+
+    async def _request(self, op: str, **fields: Any) -> dict[str, Any]:
+        if self._gone is not None:
+            raise self._gone
+        assert self._writer is not None, "connect() first"
+        rid = next(self._ids)
+        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = answer
+        try:
+            self._writer.write(pack({"id": rid, "op": op, "token": self.token, **fields}))
+            async with asyncio.timeout(self.timeout):
+                await self._writer.drain()
+                a = await answer
+        except (ConnectionError, TimeoutError) as e:
+            raise HostError("unavailable", f"host tier {op}: {type(e).__name__}") from None
+        finally:
+            self._waiting.pop(rid, None)
+        if not a.get("ok"):
+            raise HostError(str(a.get("error")), str(a.get("message")))
+        return a
+
+    async def _listen(self) -> None:
+        """Hand each answer to its request; when the host goes, fail them all, and every later one."""
+        assert self._reader is not None
+        why = "the host tier closed the connection"
+        try:
+            while (frame := await read_frame(self._reader)) is not None:
+                a = unpack(frame)
+                waiting = self._waiting.get(a.get("id"))  # type: ignore[arg-type]
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(a)
+                elif a.get("ok") and "lease" in a:
+                    self._orphan(a["lease"])
+                elif a.get("id") is None and not a.get("ok"):  # a refusal of no request: the stream's end
+                    why = f"the host tier refused the stream: {a.get('message')}"
+        except (HostError, ConnectionError, asyncio.IncompleteReadError) as e:
+            why = f"the host tier's connection broke ({type(e).__name__})"
+        finally:
+            self._gone = HostError("unavailable", why)
+            for f in self._waiting.values():
+                if not f.done():
+                    f.set_exception(self._gone)
+
+    def _orphan(self, lease: object) -> None:
+        """A lease granted to a request that stopped waiting (cancelled, or past its timeout) after the host
+        pinned the object: nobody will release it, so it is released here, not left pinned until the
+        connection ends. Written without waiting (its answer, to an id nobody waits for, is dropped)."""
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(pack({"id": next(self._ids), "op": "release", "token": self.token, "lease": lease}))
+
+    async def close(self) -> None:
+        """Hang up (every lease ends with the connection) and unmap the segment."""
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(ConnectionError):
+                await self._writer.wait_closed()
+        if self._listener is not None:
+            await self._listener
+        if self._segment is not None:
+            self._segment.release()
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # arrays made of leased bytes are still alive: the mapping goes with the last of them
+        self._gone = self._gone or HostError("unavailable", "this client is closed")

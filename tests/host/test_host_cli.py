@@ -1,0 +1,41 @@
+"""``kdn host serve``'s arguments: a bad one fails in one line, exit 2, before anything is created."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdn import cli
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--trusted-keys", "k"], "give at least one --edge"),
+    (["--trusted-keys", "k", "--edge", "http://127.0.0.1:1", "--segment-bytes", "12 parsecs"], "invalid size"),
+    (["--trusted-keys", "k", "--edge", "http://127.0.0.1:1", "--segment-bytes", "1MiB", "--budget", "2MiB"],
+     "--budget must be"),
+    (["--trusted-keys", "/nonexistent/keys", "--edge", "http://127.0.0.1:1"], "/nonexistent/keys"),
+])
+def test_bad_arguments_fail_in_one_line(args, says, capsys, short_dir):
+    where = ["--socket", str(short_dir / "h.sock"), "--segment", str(short_dir / "h.seg")]
+    assert cli.main(["host", "serve", *args, *where]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kdn: error:") and says in err and err.count("\n") == 1, err
+    assert not (short_dir / "h.seg").exists() and not (short_dir / "h.sock").exists()
+
+
+def test_trusted_keys_are_required(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["host", "serve", "--edge", "http://127.0.0.1:1"])
+    assert e.value.code == 2 and "--trusted-keys" in capsys.readouterr().err
+
+
+def test_the_engine_side_loads_no_web_framework_and_no_model_library():
+    """An engine imports ``kdn.client.host`` on its hot path: a fresh interpreter loading it (and the leased
+    object's helpers) loads neither aiohttp nor torch, nor the registry's etcd client."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kdn.client.host, kdn.client.leased; "
+            "print(','.join(m for m in ('aiohttp', 'torch', 'transformers', 'aetcd') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == ""

@@ -1,0 +1,210 @@
+"""The host tier against a real CDN on loopback: etcd, an origin that signs (tiny-llama), an edge; the host
+started in-process and filled from that edge.
+
+A leased object is the origin's blob byte for byte and decodes to its tensors; a prefix loaded into a
+transformers cache from the host continues bit-identically to one loaded from the edge (and to the model's
+own prefill); a tenant's objects need its token; a restarted host refills from the edge; and what an edge
+lies about is never held.
+"""
+
+from __future__ import annotations
+
+import secrets
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from edge_helpers import EDGE_TOKEN, TENANT_A, TENANT_B, cluster, get, publish
+from host_helpers import host_config, running
+
+from kdn.client import KDNClient
+from kdn.format.objects import decode_object
+from kdn.client.host import HostClient
+from kdn.wire.host import HostError
+from kdn.registry.signing import Signer
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+DOC = ("The keeper's log for the night of the storm records wind from the north-east, "
+       "two ships sighted, and the lamp relit twice after the glass cracked. ") * 12
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cdn(etcd_server, tmp_path_factory):
+    """One CDN for the module (publishing runs the model): two documents, one public and one of tenant acme."""
+    tmp = tmp_path_factory.mktemp("host-cdn")
+    key = Signer.generate(tmp / "origin.key")
+    (tmp / "trusted").write_text(key.public + "\n")
+    etcd = f"{etcd_server.replace('http://', 'etcd://')}/x{secrets.token_hex(4)}/"
+    async with cluster(tmp, etcd, edges=("e1",), origin_kw={"signing_key": str(tmp / "origin.key")}) as c:
+        m = await publish(c, DOC[:1100], encodings=["raw", "zstd"])
+        acme = await publish(c, DOC[200:900], name="acme-doc", namespace="acme", token=TENANT_A, encodings=["raw"])
+        yield SimpleNamespace(c=c, m=m, acme=acme, trusted=str(tmp / "trusted"))
+
+
+def config(cdn, d, **kw):
+    (d / "edge-token").write_text(EDGE_TOKEN + "\n")
+    kw.setdefault("edges", (cdn.c.edge_url("e1"),))
+    kw.setdefault("trusted_keys", cdn.trusted)
+    return host_config(d, token_file=str(cdn.c.tokens), upstream_token_file=str(d / "edge-token"), **kw)
+
+
+async def test_a_leased_object_is_the_origins_blob_and_decodes_to_its_tensors(cdn, short_dir):
+    addresses = cdn.m["addresses"]
+    async with running(config(cdn, short_dir)) as tier, HostClient(tier.config.socket) as host:
+        for a in addresses:
+            status, blob, _ = await get(cdn.c.origin_url(), a, encoding="raw")
+            assert status == 200
+            want = decode_object(blob).tensors
+            async with host.lease(a, "raw") as raw, host.lease(a, "zstd") as packed:
+                assert raw.filled and bytes(raw.view) == blob and raw.view.readonly
+                assert raw.record["address"] == a and raw.record["sig"]  # the signed record it was checked against
+                got, unpacked = raw.tensors(), packed.tensors()
+                assert set(got) == set(want) == set(unpacked)
+                for name, t in want.items():
+                    assert (got[name].dtype, got[name].shape) == (t.dtype, t.shape)
+                    assert got[name].data == t.data == unpacked[name].data
+        async with host.lease(addresses[0], "raw") as again:
+            assert not again.filled  # held: a hit, no second fill
+        s = tier.stats()
+        assert (s["fills"], s["hits"], s["leases"]) == (2 * len(addresses), 1, 0)
+        assert (await host.lookup(addresses + ["0" * 64])).prefix == len(addresses)
+
+
+async def test_a_prefix_loaded_from_the_host_continues_bit_identically_to_one_from_the_edge(cdn, short_dir):
+    from kdn.adapters.hf import CacheBuilder, continue_from_cache, load_model, prefill
+
+    lm = load_model("tiny-llama")
+    ids = cdn.m["prefix_tokens"] + lm.tokenizer.encode(" What did the keeper record?")
+    async with KDNClient(edges=[cdn.c.edge_url("e1")]) as client:
+        hit = await client.lookup(ids, cdn.m["model_id"])
+        assert hit.tokens == len(cdn.m["prefix_tokens"]) and hit.addresses == cdn.m["addresses"]
+        from_edge = CacheBuilder(lm.model, hit.token_counts())
+        await client.fetch_prefix(hit, encoding="raw", into=from_edge.add)
+    from_host = CacheBuilder(lm.model, hit.token_counts())
+    async with running(config(cdn, short_dir)) as tier, HostClient(tier.config.socket) as host:
+        assert (await host.warm(hit.addresses, "raw")) == ["filled"] * hit.chunks
+        for i, a in enumerate(hit.addresses):
+            async with host.lease(a, "raw") as obj:
+                from_host.add(i, obj.object())  # the one copy: mapping -> cache, layer by layer
+    logits = []
+    for builder in (from_edge, from_host):
+        cache, n = builder.finish()
+        logits.append(continue_from_cache(lm.model, cache, n, ids[n:], last=1)[-1])
+    own = prefill(lm.model, ids[:hit.tokens], chunk_tokens=256)
+    reference = continue_from_cache(lm.model, own, hit.tokens, ids[hit.tokens:], last=1)[-1]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], reference)
+
+
+async def test_a_tenants_objects_are_leased_with_its_token_only(cdn, short_dir):
+    theirs = cdn.acme["addresses"][0]
+    async with running(config(cdn, short_dir)) as tier:
+        async with HostClient(tier.config.socket, token=TENANT_B) as beta:
+            with pytest.raises(HostError, match="absent"):
+                async with beta.lease(theirs, "raw"):
+                    pass
+        assert tier.stats()["fills"] == 0
+        async with HostClient(tier.config.socket, token=TENANT_A) as acme:
+            async with acme.lease(theirs, "raw") as obj:  # filled with the host's own token, from the edge
+                assert obj.object().header.namespace == "acme"
+
+
+async def test_a_restarted_host_refills_from_the_edges(cdn, short_dir):
+    a = cdn.m["addresses"][1]
+    async with running(config(cdn, short_dir)) as first:
+        old = await HostClient(first.config.socket).connect()
+        async with old.lease(a, "raw") as obj:
+            blob = bytes(obj.view)
+    with pytest.raises(HostError, match="unavailable"):  # its host went away: the engine reads from the edge
+        await old.lookup([a])
+    await old.close()
+    async with running(config(cdn, short_dir)) as second, HostClient(second.config.socket) as host:
+        assert (await host.lookup([a])).prefix == 0  # a cache: nothing survived, nothing stale either
+        async with host.lease(a, "raw") as obj:
+            assert obj.filled and bytes(obj.view) == blob
+        assert second.stats()["fills"] == 1
+
+
+async def test_an_edge_that_corrupts_bodies_fills_nothing(cdn, short_dir):
+    """Verified once, when it lands: a body that is not its record's digest never becomes an object."""
+    edge = cdn.c.edge_url("e1")
+
+    async def relay(request: web.Request) -> web.Response:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{edge}{request.rel_url}", headers={"Authorization": request.headers.get(
+                    "Authorization", "")}) as r:
+                body, status, headers = bytearray(await r.read()), r.status, r.headers
+        if request.path.startswith("/v1/objects/") and body:
+            body[len(body) // 2] ^= 1
+        keep = {k: v for k, v in headers.items() if k.lower().startswith("x-kdn-")}
+        return web.Response(body=bytes(body), status=status, headers=keep)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", relay)
+    liar = TestServer(app, host="127.0.0.1")
+    await liar.start_server()
+    try:
+        async with running(config(cdn, short_dir, edges=(str(liar.make_url("")).rstrip("/"),))) as tier:
+            async with HostClient(tier.config.socket) as host:
+                with pytest.raises(HostError, match="unavailable"):
+                    async with host.lease(cdn.m["addresses"][0], "raw"):
+                        pass
+                assert (await host.lookup(cdn.m["addresses"][:1])).prefix == 0
+            s = tier.stats()
+            assert (s["fills"], s["fill_failures"], s["used_bytes"], s["objects"]) == (0, 1, 0, 0)
+    finally:
+        await liar.close()
+
+
+async def test_a_record_no_trusted_key_signed_is_absent(cdn, short_dir, tmp_path):
+    stranger = Signer.generate(tmp_path / "stranger.key")
+    (tmp_path / "trusted").write_text(stranger.public + "\n")
+    async with running(config(cdn, short_dir, trusted_keys=str(tmp_path / "trusted"))) as tier:
+        async with HostClient(tier.config.socket) as host:
+            with pytest.raises(HostError, match="absent"):
+                async with host.lease(cdn.m["addresses"][0], "raw"):
+                    pass
+        assert tier.stats()["fills"] == 0
+
+
+async def test_kdn_host_serve_runs_serves_metrics_and_stops_clean(cdn, short_dir):
+    """The command itself, as a process: its segment in /dev/shm, an engine's lease, /metrics on loopback,
+    and SIGTERM leaves no socket and no segment behind."""
+    import asyncio
+    import os
+    import signal
+    import sys
+
+    from ports import free_port
+
+    port, segment = free_port(), f"/dev/shm/kdn-test-{secrets.token_hex(4)}.seg"
+    (short_dir / "edge-token").write_text(EDGE_TOKEN + "\n")
+    serve = await asyncio.create_subprocess_exec(
+        sys.executable, "-P", "-m", "kdn.cli", "host", "serve", "--edge", cdn.c.edge_url("e1"),
+        "--trusted-keys", cdn.trusted, "--token-file", str(cdn.c.tokens), "--upstream-token-file",
+        str(short_dir / "edge-token"), "--socket", str(short_dir / "h.sock"), "--segment", segment,
+        "--segment-bytes", "16MiB", "--metrics-port", str(port), stdout=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    try:
+        assert (await asyncio.wait_for(serve.stdout.readline(), 60)).startswith(b"kdn host:")
+        async with HostClient(short_dir / "h.sock", token=TENANT_A) as host:
+            async with host.lease(cdn.acme["addresses"][0], "raw") as obj:
+                assert obj.filled and obj.object().header.namespace == "acme"
+                async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    text = await r.text()
+        samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("kdn_host_"))
+        assert float(samples["kdn_host_fills_total"]) == 1 and float(samples["kdn_host_leases"]) == 1
+        assert float(samples["kdn_host_segment_bytes"]) == 16 << 20 and float(samples["kdn_host_objects"]) == 1
+        serve.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(serve.wait(), 30) == 0
+        assert not os.path.exists(segment) and not (short_dir / "h.sock").exists()
+    finally:
+        if serve.returncode is None:
+            serve.kill()
+            await serve.wait()
+        if os.path.exists(segment):
+            os.unlink(segment)
