@@ -47,6 +47,7 @@ from kdn.errors import InvalidInput, KDNError, SourceError
 from kdn.wire.estimate import DECODE, DecodeSpeeds
 from kdn.wire.fetch import Fetcher, Fresh, Observer, Route, Want
 from kdn.client.find import find_prefix
+from kdn.client.hosted import Behind, HostStats
 from kdn.client.lookup import Fetched, Lookup, PrefixStates, Probe, Source, Tensors
 from kdn.client.parts import fetch_tensors
 from kdn.format.layout import DEFAULT_MAX_OBJECT_BYTES
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.clie
     from kdn.registry import Membership
     from kdn.client.trust import TrustedKeys
     from kdn.client.versions import ManifestState
+    from kdn.client.host import HostClient
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ class KDNClient:
         decode_speeds: DecodeSpeeds | None = None,
         manifest_state: ManifestState = None,
         decode_threads: int = DECODE_THREADS,
+        host: HostClient | None = None,
     ) -> None:
         # Where to fetch from and in what order (kdn.client.sources); the names below are the same objects, kept
         # for callers and benchmarks that read or seed them.
@@ -122,6 +125,11 @@ class KDNClient:
         # Receive buffers reused across loads (``kdn.wire.arena``): a prefix loaded into an engine's cache
         # (``fetch_prefix(into=...)``) lands in them and hands them back once decoded into place.
         self.arena = arena
+        # The machine's host tier (kdn.client.host.HostClient, the caller's to open and close): the first source
+        # of a load into an engine's cache; what it lacks comes from the edges, then is asked of it behind.
+        self.host = host
+        self.host_stats = HostStats()
+        self.behind = Behind()
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -143,6 +151,7 @@ class KDNClient:
         return self.net.decoders
 
     async def close(self) -> None:
+        await self.behind.close()
         await self.net.close()
 
     async def __aenter__(self) -> KDNClient:

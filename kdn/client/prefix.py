@@ -19,12 +19,14 @@ from kdn.format.address import Address
 from kdn.client.checked import check_identity, decode_checked
 from kdn.format.encodings import parse_budget
 from kdn.errors import SourceError
+from kdn.client.hosted import Behind, Held, HostStats, from_host, held
 from kdn.client.lookup import Fetched, Lookup, PrefixStates
 from kdn.format.pieces import Pieces
 
 if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import Executor
 
+    from kdn.client.host import HostClient
     from kdn.format.address import Digest
     from kdn.format.objects import DecodedObject, Layout, ObjectView
     from kdn.wire.arena import Arena
@@ -49,6 +51,15 @@ class PrefixSource(Protocol):
 
     @property
     def decode_speeds(self) -> DecodeSpeeds: ...
+
+    @property
+    def host(self) -> HostClient | None: ...  # the machine's host tier, the first source (kdn.client.hosted)
+
+    @property
+    def host_stats(self) -> HostStats: ...
+
+    @property
+    def behind(self) -> Behind: ...
 
     async def record(self, address: Address) -> dict[str, Any] | None: ...
 
@@ -75,8 +86,15 @@ async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | Non
     does): ``fetch_s`` is the time to the last byte, ``decode_s`` what decoding added after it."""
     t0 = time.perf_counter()
     arrived: list[float] = []
-    one = _Object(client, hit, encoding, quality, into, arena, scatter, tally, arrived)
+    # The host tier first, for a load into an engine's cache: one question for the whole prefix.
+    on_host = await held(client.host, hit, client.host_stats) if into is not None else Held([])
+    one = _Object(client, hit, encoding, quality, into, arena, scatter, tally, arrived, on_host)
     done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
+    if client.host is not None and into is not None:  # what the edges served, asked of the host for next time
+        served = [f for f, _ in done if f.source != "host"]
+        client.host_stats.misses += len(served)
+        if served:
+            client.behind.start(client.host, [f.address for f in served], served[0].encoding, client.host_stats)
     t_last = max(arrived, default=t0)
     return PrefixStates(hit, [o for _, o in done], [f for f, _ in done], t_last - t0, time.perf_counter() - t_last)
 
@@ -86,8 +104,9 @@ class _Object:
 
     def __init__(self, client: PrefixSource, hit: Lookup, encoding: str | None, quality: str | float | None,
                  into: Callable[[int, ObjectView], None] | None, arena: Arena | None, scatter: Placer | None,
-                 tally: Tally | None, arrived: list[float]) -> None:
+                 tally: Tally | None, arrived: list[float], on_host: Held) -> None:
         self.client, self.hit, self.encoding, self.quality = client, hit, encoding, quality
+        self.on_host = on_host
         self.into, self.scatter, self.tally, self.arrived = into, scatter, tally, arrived
         self.budget = parse_budget(client.quality if quality is None else quality)
         self.pool = arena if arena is not None else client.arena
@@ -105,6 +124,13 @@ class _Object:
             raise SourceError(f"{address} has no encoding {enc!r} within quality {self.quality or c.quality!r}"
                               f" (it has {sorted(rec['encodings'])})")
         e = rec["encodings"][enc]
+        host_enc = self.on_host.pick(index, list(rec["encodings"])) if self.encoding is None else None
+        if host_enc is not None and c.host is not None and self.into is not None:
+            got = await from_host(c.host, hit, index, address, host_enc, rec, self.budget, self.into, c.decoders,
+                                  c.decode_speeds, c.host_stats)
+            if got is not None:
+                self.arrived.append(time.perf_counter())
+                return got
         if self.scatter is not None and enc == "raw" and self.scatter.placeable(index):
             f, layout = await _fetch_placed(c, address, e, index, hit, self.scatter, self.tally)
             self.arrived.append(time.perf_counter())

@@ -16,13 +16,15 @@ import argparse
 import asyncio
 import os
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kdn.errors import InvalidInput
 from kdn.registry.base import DEFAULT_PREFIX, KVRegistry, Registry
-from kdn.registry.embedded import EmbeddedRegistry
-from kdn.registry.etcd import EtcdAuth, EtcdRegistry
+
+if TYPE_CHECKING:  # pragma: no cover - the backends load when a registry is opened (the --registry option needs none)
+    from kdn.registry.etcd import EtcdRegistry
 
 ENV_VAR = "KDN_REGISTRY"
 PASSWORD_ENV_VAR = "KDN_ETCD_PASSWORD"
@@ -42,6 +44,8 @@ def open_registry(url: str | None = None) -> KVRegistry:
     Nothing is contacted yet: use ``async with open_registry(...) as reg`` to
     fail early on an unreachable registry.
     """
+    from kdn.registry.embedded import EmbeddedRegistry
+
     if url is None:
         url = os.environ.get(ENV_VAR) or None
     if url is None:
@@ -63,6 +67,8 @@ def open_registry(url: str | None = None) -> KVRegistry:
 
 
 def _open_etcd(url: str) -> EtcdRegistry:
+    from kdn.registry.etcd import EtcdAuth, EtcdRegistry
+
     def bad(why: str) -> InvalidInput:
         return InvalidInput(f"bad registry URL {_shown(url)!r}: {why}")
 

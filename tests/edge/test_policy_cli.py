@@ -211,7 +211,8 @@ async def test_ring_show_lists_live_edges_and_their_share(cli, backend):
 def test_commands_are_listed_and_help_loads_nothing_heavy(tmp_path):
     code = (
         "import sys, kdn.cli; kdn.cli.build_parser(); "
-        "print(sorted(m for m in ('aiohttp', 'torch', 'uhashring', 'kdn.registry', 'kdn.edge.app', 'kdn.edge.policies') if m in sys.modules))"
+        "print(sorted(m for m in ('aiohttp', 'torch', 'uhashring', 'aetcd', 'kdn.registry.etcd', 'kdn.registry.embedded', "
+        "'kdn.edge.app', 'kdn.edge.policies') if m in sys.modules))"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, "-P", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)

@@ -9,6 +9,7 @@ lies about is never held.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from types import SimpleNamespace
 
@@ -208,3 +209,47 @@ async def test_kdn_host_serve_runs_serves_metrics_and_stops_clean(cdn, short_dir
             await serve.wait()
         if os.path.exists(segment):
             os.unlink(segment)
+
+
+async def test_agenerate_loads_from_the_host_first_and_its_tokens_are_the_edges(cdn, short_dir):
+    """#53 deliverable 2 in the transformers loader: a ``KDNClient(host=...)`` loads a prefix the host holds from
+    the mapping (sources ``host``), generates exactly what the edge-loaded request generated, and asks the host,
+    behind the request, for what the edges had to serve."""
+    from kdn.adapters.hf import agenerate, load_model
+
+    lm = load_model("tiny-llama")
+    ids = cdn.m["prefix_tokens"] + lm.tokenizer.encode(" What did the keeper record?")
+    async with KDNClient(edges=[cdn.c.edge_url("e1")]) as plain:
+        want = await agenerate(lm.model, lm.tokenizer, ids, plain, max_new_tokens=8, plan=False)
+    assert want.report.tokens_reused == len(cdn.m["prefix_tokens"])
+    async with running(config(cdn, short_dir)) as tier, HostClient(tier.config.socket) as host:
+        async with KDNClient(edges=[cdn.c.edge_url("e1")], host=host) as client:
+            first = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=8, plan=False)
+            assert first.ids == want.ids and client.host_stats.hits == 0  # the host held nothing yet
+            await asyncio.gather(*client.behind.tasks)  # the edges' objects, asked of the host behind the request
+            assert (await host.lookup(cdn.m["addresses"])).prefix == len(cdn.m["addresses"])
+            second = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=8, plan=False)
+            assert second.ids == want.ids
+            assert client.host_stats.hits == len(cdn.m["addresses"]) and client.host_stats.fallbacks == 0
+            assert set(second.report.sources) == {"host"}, second.report.sources
+
+
+async def test_a_host_that_went_away_leaves_the_edges_to_serve(cdn, short_dir):
+    """The host tier stopped after it was filled (the engine still holds its old connection): every object comes from the edges, the tokens are
+    the same, and the failures are counted, not raised."""
+    from kdn.adapters.hf import agenerate, load_model
+
+    lm = load_model("tiny-llama")
+    ids = cdn.m["prefix_tokens"] + lm.tokenizer.encode(" Which ships were sighted?")
+    async with KDNClient(edges=[cdn.c.edge_url("e1")]) as plain:
+        want = await agenerate(lm.model, lm.tokenizer, ids, plain, max_new_tokens=8, plan=False)
+    async with running(config(cdn, short_dir)) as tier:
+        host = await HostClient(tier.config.socket).connect()
+        assert await host.warm(cdn.m["addresses"], "raw")
+    try:  # (the tier is stopped now: the client's connection is gone)
+        async with KDNClient(edges=[cdn.c.edge_url("e1")], host=host) as client:
+            got = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=8, plan=False)
+            assert got.ids == want.ids and client.host_stats.hits == 0
+            assert "host" not in got.report.sources
+    finally:
+        await host.close()

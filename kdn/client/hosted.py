@@ -1,0 +1,128 @@
+"""A prefix's objects read from the machine's host tier: the first source of a load, before the edge's HTTP.
+
+The host tier (``kdn host serve``) holds verified objects in a shared-memory segment this engine maps read-only
+(``kdn.client.host``). A load asks it once which of the prefix's objects it holds (``Held``); each held one is
+leased, checked against the lookup, and handed to the engine's ``into`` from the mapping (the one copy: mapping
+-> cache), with no socket body and no hash on the request path (the host verified it when it landed, against
+the same signed record: the digests must agree, or the host's copy is not used). What the host does not hold,
+or fails to give, comes from the edges as before; what the edges served is then asked of the host ahead of
+the next request (``warm_behind``), so the next engine on the machine finds it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kdn.client.checked import decode_checked
+from kdn.client.lookup import Fetched, Lookup
+from kdn.wire.host import HostError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.client.host import HostClient
+    from kdn.format.address import Address
+    from kdn.format.objects import DecodedObject, ObjectView
+    from kdn.wire.estimate import DecodeSpeeds
+
+log = logging.getLogger("kdn.client")
+
+LOOKUP_S = 0.5  # the most a load waits for the host's answer to which objects it holds (a local socket: ~0.1 ms)
+PREFERRED = ("raw", "zstd")  # what to lease when the host holds several: raw is a memcpy into the cache
+
+
+@dataclass
+class HostStats:
+    """What the host tier gave this client (``KDNClient.host_stats``)."""
+
+    hits: int = 0  # objects loaded from the host's mapping
+    misses: int = 0  # objects of a load the host did not hold
+    fallbacks: int = 0  # held objects the host failed to give (then read from the edges)
+    warms: int = 0  # objects asked of the host after the edges served them
+    errors: list[str] = field(default_factory=list)  # the last few reasons, newest last
+
+    def note(self, why: str) -> None:
+        self.errors = [*self.errors[-7:], why[:200]]
+
+
+@dataclass(frozen=True)
+class Held:
+    """Which encodings the host holds of each object of a lookup (empty: none, or no host)."""
+
+    encodings: list[frozenset[str]]
+
+    def pick(self, index: int, record_encodings: Sequence[str]) -> str | None:
+        """The encoding to lease for object ``index``: one the host holds and the signed record names, raw first."""
+        have = self.encodings[index] if index < len(self.encodings) else frozenset()
+        return next((e for e in PREFERRED if e in have and e in record_encodings), None)
+
+
+async def held(host: HostClient | None, hit: Lookup, stats: HostStats) -> Held:
+    """Ask the host once which of ``hit``'s objects it holds; a host that is down or slow holds nothing."""
+    if host is None or not hit.addresses:
+        return Held([])
+    try:
+        async with asyncio.timeout(LOOKUP_S):
+            found = await host.lookup(hit.addresses)
+    except (HostError, TimeoutError) as e:
+        stats.note(f"lookup: {e}")
+        return Held([])
+    return Held([frozenset(e) for e in found.encodings])
+
+
+async def from_host(host: HostClient, hit: Lookup, index: int, address: Address, encoding: str,
+                    rec: dict[str, Any], budget: float | None, into: Callable[[int, ObjectView], None],
+                    decoders: Any, speeds: DecodeSpeeds, stats: HostStats) -> tuple[Fetched, DecodedObject] | None:
+    """Object ``index`` leased from the host and handed to ``into`` from the mapping, or None (read it from the
+    edges): the host failed, or its copy is not the one the signed record names."""
+    t0 = time.perf_counter()
+    try:
+        async with host.lease(address, encoding) as leased:
+            theirs = leased.record.get("encodings", {}).get(encoding, {}).get("digest")
+            if theirs != rec["encodings"][encoding]["digest"]:
+                stats.fallbacks += 1
+                stats.note(f"{address[:16]}.{encoding}: the host's record names another digest")
+                return None
+            f = Fetched(address, encoding, leased.view, "host", time.perf_counter() - t0)
+            # The copy into the cache runs while the lease holds the bytes in place (decode threads: off the loop).
+            out = await asyncio.get_running_loop().run_in_executor(
+                decoders, decode_checked, f, hit, budget, None, index, into, speeds)
+    except HostError as e:
+        stats.fallbacks += 1
+        stats.note(f"{address[:16]}.{encoding}: {e}")
+        return None
+    stats.hits += 1
+    return f, out
+
+
+class Behind:
+    """Warms asked of the host after the edges served a load's missing objects: started beside the request,
+    never awaited by it, bounded in number, each one's outcome counted."""
+
+    MAX = 4  # warms in flight at once; past it a load asks nothing (the next one will)
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, host: HostClient, addresses: Sequence[Address], encoding: str, stats: HostStats) -> None:
+        if not addresses or len(self.tasks) >= self.MAX:
+            return
+
+        async def run() -> None:
+            try:
+                outcomes = await host.warm(list(addresses), encoding)
+                stats.warms += sum(o in ("filled", "held") for o in outcomes)
+            except HostError as e:
+                stats.note(f"warm: {e}")
+
+        task = asyncio.ensure_future(run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def close(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
