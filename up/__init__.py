@@ -129,10 +129,12 @@ async def _up(args: argparse.Namespace) -> int:
         await runner.cleanup()
         raise
 
-    runners = [runner]
+    runners: list[web.AppRunner | _Host] = [runner]
     try:
         edges = await _start_edges(root, registry, origin, edge_ports, runners)
-        await _ask(runner.app, edges, m, token, args.question, str(root / "trusted-keys"))
+        host = await _start_host(root, edges, port)
+        runners.append(host)
+        await _ask(runner.app, edges, m, token, args.question, str(root / "trusted-keys"), host.config.socket)
     except BaseException:
         for started in reversed(runners):
             await started.cleanup()
@@ -225,8 +227,34 @@ def _next_steps(root: Path, registry: str, origin: str, first: str, edges: list[
     _say(f"  open {origin}/console in a browser; sign in with the token in {root / 'tokens'}")
 
 
+class _Host:
+    """The host tier of ``kdn up``'s one machine (``kdn host serve``, in-process), stopped like the servers."""
+
+    def __init__(self, tier: Any) -> None:
+        self.tier, self.config = tier, tier.config
+
+    async def cleanup(self) -> None:
+        await self.tier.close()
+
+
+async def _start_host(root: Path, edges: list[_Edge], port: int) -> _Host:
+    """The machine's host tier, filled from the eu edges: the demo's engine loads from its shared memory."""
+    from kdn.host.config import HostConfig
+    from kdn.host.tier import HostTier
+
+    sock = root / "host.sock"
+    if len(str(sock)) > 100:  # (a Unix socket's path is at most 107 bytes)
+        sock = Path(f"/dev/shm/kdn-up-{os.getuid()}-{port}.sock")
+    cfg = HostConfig(trusted_keys=str(root / "trusted-keys"), edges=tuple(u for _, reg, u, _ in edges if reg == "eu"),
+                     socket=str(sock), segment=f"/dev/shm/kdn-up-{os.getuid()}-{port}.seg", segment_bytes=256 << 20,
+                     token_file=str(root / "tokens"), upstream_token_file=str(root / "edge-token"))
+    tier = await HostTier.start(cfg)
+    _say(f"  host tier {cfg.socket}  (segment {cfg.segment}, 256 MiB of shared memory; fills from eu)")
+    return _Host(tier)
+
+
 async def _start_edges(root: Path, registry: str, origin: str, ports: list[int],
-                       runners: list[web.AppRunner]) -> list[_Edge]:
+                       runners: list[web.AppRunner | _Host]) -> list[_Edge]:
     import aiohttp
     from aiohttp import web
 
@@ -264,9 +292,10 @@ async def _start_edges(root: Path, registry: str, origin: str, ports: list[int],
 
 
 async def _ask(origin_app: web.Application, edges: list[_Edge], manifest: dict[str, Any], token: str, question: str,
-               trusted: str) -> None:
+               trusted: str, host_socket: str) -> None:
     from kdn.adapters.hf import agenerate, prompt_tokens
     from kdn.client import KDNClient
+    from kdn.client.host import HostClient
     from kdn.origin.config import LOADED
 
     lm = origin_app[LOADED]  # the origin's model, idle now that the publish is done
@@ -280,6 +309,15 @@ async def _ask(origin_app: web.Application, edges: list[_Edge], manifest: dict[s
         _say(f"  KDN, cold    first token after {cold.report.ttft_ms:7.0f} ms  ({cold.report.line()})")
         warm = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=40)
         _say(f"  KDN, warm    first token after {warm.report.ttft_ms:7.0f} ms  ({warm.report.line()})")
+    # The machine's host tier, filled from the eu edges ahead of the request (as a push or an earlier reader
+    # would): the engine copies the prefix from shared memory, no socket body, no hash on the request path.
+    async with HostClient(host_socket, token=token) as host, \
+            KDNClient(edges=eu, token=token, trusted_keys=trusted, host=host) as local:
+        await host.warm(manifest["addresses"], "raw")
+        hosted = await agenerate(lm.model, lm.tokenizer, ids, local, max_new_tokens=40)
+        _say(f"  KDN, host    first token after {hosted.report.ttft_ms:7.0f} ms  ({hosted.report.line()})")
+        if hosted.ids != warm.ids:
+            _say(f"  the host tier's answer is NOT the edge's: they part at token {_agree(hosted.ids, warm.ids)}")
     saved = plain.report.ttft_ms - warm.report.ttft_ms
     _say(f"  time to first token: {plain.report.ttft_ms / max(warm.report.ttft_ms, 1e-3):.1f}x faster with KDN "
          f"({saved:.0f} ms saved)")

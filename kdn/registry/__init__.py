@@ -2,6 +2,9 @@
 
 from typing import TYPE_CHECKING, Any
 
+# Eager: ``follow`` names a module of this package too, whose import would otherwise shadow the function.
+from kdn.registry.follow import follow
+
 if TYPE_CHECKING:  # (for readers and type checkers; at run time each name loads when first asked for, so that
     # importing one module of the registry -- url.py's --registry option, a record type -- loads no etcd client)
     from kdn.registry.base import (
@@ -19,7 +22,6 @@ if TYPE_CHECKING:  # (for readers and type checkers; at run time each name loads
     )
     from kdn.registry.embedded import EmbeddedRegistry
     from kdn.registry.lease import NodeLease
-    from kdn.registry.follow import follow
     from kdn.registry.etcd import EtcdRegistry
     from kdn.registry.records import (Admission, BaseRelation, Encoding, Manifest, ModelRecord, NodeRecord, ObjectRecord,
                                       Policy)
@@ -30,7 +32,6 @@ _WHERE = {name: f"kdn.registry.{module}" for module, names in (
     ('base', ('DEFAULT_PREFIX', 'Compactable', 'Event', 'KVRegistry', 'ManifestStore', 'Membership', 'ModelStore', 'ObjectStore', 'PolicyStore', 'Registry', 'Watchable')),
     ('embedded', ('EmbeddedRegistry',)),
     ('lease', ('NodeLease',)),
-    ('follow', ('follow',)),
     ('etcd', ('EtcdRegistry',)),
     ('records', ('Admission', 'BaseRelation', 'Encoding', 'Manifest', 'ModelRecord', 'NodeRecord', 'ObjectRecord', 'Policy')),
     ('relations', ('RelationStore', 'find_relation')),

@@ -31,6 +31,10 @@ def test_kdn_up_runs_the_demo_and_reuses_the_document(tmp_path):
     warm = re.search(r"KDN, warm .*reused (\d+)/(\d+) tokens .*memory", out)
     assert warm, out
     assert int(warm.group(1)) >= 3000  # the whole published document came from the cache
+    # ... and from the machine's host tier, its shared memory filled from the eu edges ahead of the request
+    hosted = re.search(r"KDN, host .*reused (\d+)/(\d+) tokens \(\d+ chunks from host x\d+\)", out)
+    assert hosted and int(hosted.group(1)) == int(warm.group(1)), out
+    assert "NOT the edge's" not in out and "host tier " in out
     assert re.search(r"\d+\.\dx faster with KDN", out)
     # the KDN's answer is the one computing the prompt in the origin's chunks gives, token for token
     assert re.search(r"the same \d+ tokens as computing the prompt here without KDN", out), out
