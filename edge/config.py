@@ -33,9 +33,6 @@ class EdgeConfig(service.NodeConfig):
     prefetch: int = 2
     chain_index: int = CHAIN_BUDGET  # addresses the prefetch chain index holds at most (edge/prefetch.py)
     records_cache: int = 100_000
-    # A "no" (absent, or not yours) takes at least this long, or a recent record read's p99 if longer
-    # (edge/records.py): its timing then does not tell another tenant's recently read object from an absent one.
-    deny_floor_ms: float = 2.0
     ca: str | None = None  # CA bundle to verify peers and the origin over HTTPS (default: system CAs)
     trusted_keys: str | None = None  # publisher keys file: records not signed by one are misses
     region_probes: str = "worth"  # "worth": ask a region first only when it pays (edge/fill.py); "always"

@@ -6,6 +6,8 @@ they start in order and stop in reverse, also when startup fails halfway.
 
 Routes (JSON errors ``{"error", "detail"}`` everywhere):
     POST /v1/publish                       publisher token; text or token ids -> 202 + job
+                                           (``push``: admin on the namespace, as the console's form; 8 at once
+                                           a namespace, then one a minute: ``PushBudget``)
     GET  /v1/jobs/{id}                     progress; the manifest when done
     GET|HEAD /v1/objects/{address}         a blob; ETag = BLAKE3 digest; ?encoding=
                                            (the model's kvtc basis too: ?encoding=basis)
@@ -13,6 +15,9 @@ Routes (JSON errors ``{"error", "detail"}`` everywhere):
     GET  /v1/registry/objects/{address}    GET /v1/registry/manifests/{ns}/{name}
     GET  /healthz                          GET /metrics
     GET  /console ...                      the operator console (origin/console/): HTML for a browser
+
+Every "no" to a reader (an object, a record, a lookup that stops short: absent, or not yours) is held to the
+``DENY_FLOOR`` (``kdn.service.records``), so its timing does not tell another tenant's object from an absent one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import asyncio
 import functools
 import logging
 import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,13 +44,14 @@ from kdn.errors import InvalidInput
 from kdn.registry import KVRegistry, ModelRecord, NodeRecord, ObjectRecord
 from kdn.registry.split import RecordsBeside
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
+from kdn.service.records import DENY_FLOOR, DenyFloor
 
 from kdn.origin import console
 from kdn.origin.config import BASES, CONFIG, EXECUTOR, JOBS, LOADED, M, PRODUCER, SPEED, STORE, TOKENIZER
 from kdn.origin.config import OriginConfig as OriginConfig  # (re-exported: callers import it from here)
 from kdn.origin.jobs import JobQueue, QueueFull
-from kdn.origin.publish_job import run_publish, writer
-from kdn.origin.publish import Producer, default_encodings, parse_request, push_policy_name
+from kdn.origin.publish_job import PUSHES, may_push, push_forbidden, push_refused, run_publish, writer
+from kdn.origin.publish import Producer, PushBudget, default_encodings, parse_request, push_policy_name
 from kdn.origin.s3records import open_records
 from kdn.origin.s3store import is_s3, open_store, parse_s3_url
 from kdn.origin.speed import PublishSpeed, prefill_model_of
@@ -51,6 +60,34 @@ from kdn.format.pieces import check_piece_bytes
 
 log = logging.getLogger(__name__)
 
+ADOPT_MISS_S = 10.0  # an address the adopt read found nothing for is not read again for this long
+MAX_ADOPT_MISSES = 1 << 16
+
+
+class AdoptMisses:
+    """Addresses the adopt read (``_adopt``) found nothing for, each for ``ttl`` seconds, at most ``size`` (the
+    oldest forgotten first): a flood of requests for absent addresses costs one read each per ``ttl``."""
+
+    def __init__(self, ttl: float = ADOPT_MISS_S, size: int = MAX_ADOPT_MISSES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl, self.size, self.clock = ttl, size, clock
+        self._until: OrderedDict[Address, float] = OrderedDict()
+
+    def __contains__(self, address: Address) -> bool:
+        until = self._until.get(address)
+        if until is not None and self.clock() >= until:
+            del self._until[address]
+            return False
+        return until is not None
+
+    def add(self, address: Address) -> None:
+        self._until[address] = self.clock() + self.ttl
+        self._until.move_to_end(address)
+        while len(self._until) > self.size:
+            self._until.popitem(last=False)
+
+
+ADOPT_MISSES = web.AppKey("adopt_misses", AdoptMisses)
 
 
 def _metrics(reg: CollectorRegistry) -> dict:
@@ -202,7 +239,9 @@ async def publish(request: web.Request) -> web.Response:
         app[GRANTS].check(bearer(request), "publish", "public")  # raises 401/403 with the usual answer
     body = await read_json(request, app[CONFIG].max_body_bytes)
     namespace = body.get("namespace", "public")
-    app[GRANTS].check(bearer(request), "publish", namespace if isinstance(namespace, str) else "")
+    grant = app[GRANTS].check(bearer(request), "publish", namespace if isinstance(namespace, str) else "")
+    if body.get("push") is not None and not may_push(grant, namespace):  # (before any work: refused whole)
+        return push_forbidden(namespace)
     loaded = app[LOADED]
     max_tokens = (min(loaded.max_positions, app[CONFIG].max_context) if app[CONFIG].engine == "vllm"
                   else loaded.max_positions)
@@ -222,9 +261,14 @@ async def publish(request: web.Request) -> web.Response:
     if kvtc and app[PRODUCER].basis is None:
         return json_error(400, "invalid_input", f"encoding {kvtc[0]} needs a kvtc basis for this model, and this "
                           "origin has none (kdn origin serve --kvtc-basis FILE)")
+    refused = await push_refused(app, grant, spec)
+    if refused is not None:
+        return refused
     try:
         job = app[JOBS].submit(spec.name, spec.namespace, lambda job: run_publish(app, spec, job))
     except QueueFull as e:
+        if isinstance(spec.push, tuple):
+            app[PUSHES].give_back(spec.namespace)
         return json_error(503, "busy", str(e))
     return web.json_response({"job": job.id, "url": f"/v1/jobs/{job.id}", **job.to_dict()}, status=202)
 
@@ -270,27 +314,39 @@ async def _adopt(app: web.Application, address: Address) -> dict:
     their registry record and indexed once their bytes match its digests. With records beside the blobs the
     engine's record is still in the registry (it writes there): asked there too. Only a hint of the digest: a
     blob is adopted only if it is already in this store and its bytes match, so a planted record adopts
-    nothing that was not there, and the record itself is not taken into the store."""
+    nothing that was not there, and the record itself is not taken into the store.
+
+    Asked only for a caller with a read grant of its own (``get_object``), and a miss is remembered
+    (``AdoptMisses``): these two reads were what made an absent address's 404 slower than another tenant's
+    (#51 item 6), and what anyone could make the origin do, per request, for free."""
+    misses = app[ADOPT_MISSES]
+    if address in misses:
+        return {}
     reg = app[REGISTRY]
     rec = await reg.get_object(address)
     if rec is None and isinstance(reg, RecordsBeside):
         rec = await reg.control.get_object(address)
-    if rec is None:
-        return {}
-    for name, enc in rec.encodings.items():
+    for name, enc in (rec.encodings.items() if rec is not None else ()):
         await asyncio.to_thread(app[STORE].adopt, address, name, enc.digest)
-    return app[STORE].encodings(address)
+    have = app[STORE].encodings(address)
+    if not have:
+        misses.add(address)
+    return have
 
 
 async def get_object(request: web.Request) -> web.StreamResponse:
     app = request.app
+    t0 = time.monotonic()
     address = validate_address(request.match_info["address"])
     store = app[STORE]
-    have = store.encodings(address) or await _adopt(app, address)
+    allowed = app[GRANTS].namespaces(bearer(request), "read")  # (an unknown token: a 401 before any read)
+    have = store.encodings(address)
+    if not have and allowed and bearer(request):  # the adopt read: for a caller with a read grant of its own
+        have = await _adopt(app, address)
     ns = _namespace_of(app, address) if have else None
-    allowed = app[GRANTS].namespaces(bearer(request), "read")
     if ns is None or not (covers(allowed, ns) or (address in app[BASES] and may_read(allowed, ns, "basis"))):
-        raise web.HTTPNotFound(text=f"no object {address}")  # the same answer whether absent or not yours
+        await service.hold_no(request, t0)  # the same answer whether absent or not yours, and at the same time
+        raise web.HTTPNotFound(text=f"no object {address}")
     want = request.query.get("encoding")
     if want is not None:
         if want not in have:
@@ -322,6 +378,7 @@ async def get_object(request: web.Request) -> web.StreamResponse:
 async def lookup(request: web.Request) -> web.Response:
     """Ordered addresses in; how many leading ones this origin holds out (and, asked for, their records)."""
     body, addrs = await service.read_addresses(request)
+    t0 = time.monotonic()
     allowed = request.app[GRANTS].namespaces(bearer(request), "read")
     store, n = request.app[STORE], 0
     for a in addrs:
@@ -335,6 +392,8 @@ async def lookup(request: web.Request) -> web.Response:
     if body.get("records") is True:
         recs = await service.records_of(request.app).get_objects(list(addrs[:n])) if n else []
         out["records"] = [r.to_dict() if r is not None and covers(allowed, r.namespace) else None for r in recs]
+    if n < len(addrs):  # it stopped at a "no": held like one (an absent object, or another tenant's)
+        await service.hold_no(request, t0)
     return web.json_response(out)
 
 
@@ -364,6 +423,9 @@ def create_app(config: OriginConfig) -> web.Application:
     app[M] = _metrics(metrics)
     service.install_deadlines(app, config.deadlines, metrics, "origin")
     app[BASES] = set()
+    app[DENY_FLOOR] = DenyFloor(config.deny_floor_ms / 1000)
+    app[ADOPT_MISSES] = AdoptMisses()
+    app[PUSHES] = PushBudget()
     # Anonymous callers may read the public namespace; everything else needs a token.
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
     if not config.store.startswith("s3://"):

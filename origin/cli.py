@@ -87,6 +87,9 @@ def _serve_service_args(p: argparse.ArgumentParser) -> None:
                         "folder store, objects under records/ in an s3:// one; the registry then keeps models, "
                         "manifest pointers, nodes and policies only, and edges on their default --records auto "
                         "read records here), or the registry (one etcd record per chunk, as before; docs/scale.md)")
+    p.add_argument("--deny-floor-ms", type=float, default=2.0, metavar="MS",
+                   help="answer a 'no' (an absent object, or another tenant's) no sooner than this, or than recent "
+                        "'no's take if longer, so its timing does not tell which (default 2; 0: off)")
     p.add_argument("--probe-token-file", default=None, metavar="FILE",
                    help="the token the operator console (/console) shows edges when it asks what they hold (grant it "
                         "`read *` in the edges' token files and nothing here); without it the console says unknown. "
@@ -147,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer,
                        token_hosts=args.token_hosts, probe_token_file=args.probe_token_file,
                        operator_keys=args.operator_keys, require_admission=args.require_admission,
-                       revoked_admissions=args.revoked_admissions)
+                       revoked_admissions=args.revoked_admissions, deny_floor_ms=args.deny_floor_ms)
     cfg.admitters()  # a key or revocation file that does not load fails here, in one line
     if args.probe_token_file:
         from kdn.auth import read_token

@@ -20,7 +20,9 @@ A body's ``emphasis`` (texts, spans, probe questions) is parsed by ``publish_emp
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -83,6 +85,43 @@ def push_policy(spec: PublishSpec) -> Policy:
         extra["rate_bytes"] = spec.push_rate
     return Policy(push_policy_name(spec.namespace, spec.name), "push", manifest=f"{spec.namespace}/{spec.name}",
                   extra=extra)
+
+
+# How often a namespace's publishes may set a push (#51 item 11): each is a fleet-wide fill that evicts what the
+# named regions' edges held, so a namespace may set PUSH_BURST at once, then one every PUSH_EVERY_S (an
+# operator's `kdn policy set --push` and the console's form are not counted: they are one person's act each).
+PUSH_BURST, PUSH_EVERY_S = 8, 60.0
+MAX_PUSH_NAMESPACES = 4096  # namespaces the budget remembers (the least recently seen is forgotten: a full bucket)
+
+
+class PushBudget:
+    """Pushes set by publishes, per namespace: a token bucket each (``burst`` at once, then one each ``every``
+    seconds), in a table of at most ``limit`` namespaces, the least recently seen forgotten first (as the
+    console's sign-ins per address: ``origin/console/sessions.py`` ``SignIns``). Per origin process: origins
+    sharing a registry each keep their own."""
+
+    def __init__(self, burst: int = PUSH_BURST, every: float = PUSH_EVERY_S, limit: int = MAX_PUSH_NAMESPACES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        assert burst >= 1 and every > 0 and limit >= 1
+        self.burst, self.every, self.limit, self.clock = burst, every, limit, clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # namespace -> (pushes left, when)
+
+    def take(self, namespace: str) -> float:
+        """One push for ``namespace``: 0 if it may go ahead (and is counted), else the seconds until one may."""
+        now = self.clock()
+        left, at = self._buckets.pop(namespace, (float(self.burst), now))
+        left = min(float(self.burst), left + max(0.0, now - at) / self.every)
+        wait = 0.0 if left >= 1 else (1 - left) * self.every
+        self._buckets[namespace] = (left - 1 if not wait else left, now)  # (moved to the end: most recently seen)
+        while len(self._buckets) > self.limit:
+            self._buckets.popitem(last=False)
+        return wait
+
+    def give_back(self, namespace: str) -> None:
+        """Return the push ``take`` counted for a publish that did not start after all (the job queue was full)."""
+        if namespace in self._buckets:
+            left, at = self._buckets[namespace]
+            self._buckets[namespace] = (min(float(self.burst), left + 1), at)
 
 
 def _parse_push(push: object, rate: object) -> tuple[tuple[str, ...] | None | bool, int | None]:

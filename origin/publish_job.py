@@ -1,26 +1,33 @@
 """A publish job's steps, run by the job queue: each chunk produced on the model thread and its records
 written (blobs first), then the manifest, the tail, and the push the publish asked for; registry writes
-retried through an outage of up to ``REGISTRY_RETRY_S``."""
+retried through an outage of up to ``REGISTRY_RETRY_S``. And, before a job starts, whether its push may be
+asked for at all: the console's rule (#51 item 11), and the namespace's ``PushBudget``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
 from aiohttp import web
 
+from kdn.auth import Grant
 from kdn.errors import RegistryUnavailable
 from kdn.registry import KVRegistry, Manifest
 from kdn.registry.split import RecordsBeside
-from kdn.service import REGISTRY
+from kdn.service import REGISTRY, json_error
 
 from kdn.origin.config import EXECUTOR, M, PRODUCER, SPEED, STORE
+from kdn.origin.console.policies import may_edit, policy_named
+from kdn.origin.console.sessions import Viewer
 from kdn.origin.jobs import Job
-from kdn.origin.publish import push_policy, push_policy_name
+from kdn.origin.publish import PublishSpec, PushBudget, push_policy, push_policy_name
 
 log = logging.getLogger(__name__)
+
+PUSHES = web.AppKey("push_budget", PushBudget)  # the pushes each namespace's publishes may still set
 
 
 def writer(app: web.Application) -> KVRegistry | RecordsBeside:
@@ -102,6 +109,45 @@ async def _set_push(app: web.Application, spec, job: Job) -> None:
     await _retrying(lambda: reg.put_policy(p), job)
     log.info("publish %s/%s: push policy %s set (%s)", spec.namespace, spec.name, p.name,
              ", ".join(spec.push) if spec.push else "every region")
+
+
+def may_push(grant: Grant, namespace: object) -> bool:
+    """Whether ``grant`` may set or end a push of ``namespace``'s documents: admin there, the console's rule."""
+    return not isinstance(namespace, str) or _pusher(grant).may_admin(namespace)  # (not a name: a 400 soon)
+
+
+def push_forbidden(namespace: object) -> web.Response:
+    return json_error(403, "forbidden", f"'push' sets (or ends) a fleet-wide push policy, which needs admin on "
+                      f"namespace {namespace!r}, as the console's push form does; this token may publish there, "
+                      "not push: publish without 'push', and ask an admin of the namespace to push it")
+
+
+def _pusher(grant: Grant) -> Viewer:
+    """The console's viewer for a publisher's grant: a push is the console's push form (origin/console/forms.py
+    ``policies``), and who may set one is decided by the same functions (``Viewer.may_admin``, ``may_edit``)."""
+    return Viewer(grant, csrf="", expires=math.inf)
+
+
+async def push_refused(app: web.Application, grant: Grant, spec: PublishSpec) -> web.Response | None:
+    """Why a publish may not set or end the push it asks for, past admin on its namespace (checked before the
+    body was tokenized): a policy stored under the push's name that the token may not change (the console's
+    ``may_edit``), or, for a push set, the namespace's ``PushBudget`` spent (a 429). None: it may go ahead."""
+    if spec.push is None:
+        return None
+    name = push_policy_name(spec.namespace, spec.name)
+    taken, old = await policy_named(app[REGISTRY], name)
+    if taken and not may_edit(_pusher(grant), old):
+        return json_error(403, "forbidden", f"policy {name} exists and is about namespaces this token may not change")
+    if spec.push is False:
+        return None  # (ending a push is not counted: it only lightens the fleet)
+    wait = app[PUSHES].take(spec.namespace)
+    if wait > 0:
+        resp = json_error(429, "too_many_pushes", f"namespace {spec.namespace!r} has set {app[PUSHES].burst} pushes "
+                          f"lately; its publishes may set one every {app[PUSHES].every:g} s: try again in "
+                          f"{math.ceil(wait)} s, or publish without 'push'")
+        resp.headers["Retry-After"] = str(math.ceil(wait))
+        return resp
+    return None
 
 
 REGISTRY_RETRY_S = 60.0  # how long a publish job waits out a registry outage before it fails

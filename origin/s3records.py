@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from kdn.errors import InvalidInput, KDNError
 from kdn.origin.s3store import RECORDS, bucket, is_s3, parse_s3_url
 from kdn.registry.base import DEFAULT_PREFIX, Build, KVRegistry
+from kdn.registry.split import MAX_RECORD_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.registry.base import Event
@@ -48,7 +49,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kdn.origin")
 
 ATTEMPTS = 32  # a transaction that keeps losing races gives up with a clear error after this many reads
-MAX_RECORD_BYTES = 4 << 20  # far over a record with piece digests (~1.5 KB); bounds what one GET may return
 CONCURRENCY = 64  # requests in flight for one transaction's reads or writes
 
 
@@ -82,7 +82,7 @@ class S3Records(KVRegistry):
                 r = await obs.get_async(self._s3, self._path(key))
             except FileNotFoundError:
                 return None, None
-            if int(r.meta["size"]) > MAX_RECORD_BYTES:
+            if int(r.meta["size"]) > MAX_RECORD_BYTES:  # (the bound of every records store: not downloaded)
                 raise InvalidInput(f"record {key[-80:]} in the store is {r.meta['size']} bytes, over "
                                    f"{MAX_RECORD_BYTES}")
             data = bytes(await r.bytes_async())

@@ -56,6 +56,9 @@ class NodeConfig:
     # Operator keys file: an edge skips policies none of them signed; with require_admission, nodes in the
     # registry count only if one of them admitted it (kdn node admit), less the revoked_admissions list.
     operator_keys: str | None = None
+    # A "no" (absent, or not yours) takes at least this long, or a recent "no"'s p99 if longer (edge/records.py,
+    # service/records.py): its timing then does not tell another tenant's object from an absent one.
+    deny_floor_ms: float = 2.0
     require_admission: bool = False  # leave out nodes no --operator-keys key admitted
     revoked_admissions: str | None = None  # the operator's revocation list (kdn node revoke), read again on change
 

@@ -1,16 +1,27 @@
 """The registry read routes the origin and the edge both serve (``GET /v1/registry/objects/{address}``,
 ``POST /v1/records``, ``GET /v1/registry/manifests/{namespace}/{name}``), each answering only what the
-caller may read, and the registry the app opens."""
+caller may read; the registry the app opens; and the floor every "no" is held to.
+
+A "no" (absent, or not yours) must not tell by its timing which of the two it was: at an origin, another
+tenant's object is refused from the store's index at once while an absent one costs a read of the records
+store and the registry (~540 vs ~957 us, told apart 90-97% of the time, #51 item 6); at an edge, a record
+cached for its owner is refused without a read. So every "no" waits until ``hold_no``: an edge's record
+cache holds it (``edge/records.py``: it times its own reads), any other app by its ``DENY_FLOOR``.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
 from kdn.format.address import Digest, validate_address, validate_digest, validate_name, validate_namespace
 from kdn.auth import may_read
+from kdn.errors import InvalidInput
 from kdn.wire.fetch import HOP
 from kdn.registry import Manifest, open_registry
 
@@ -18,6 +29,59 @@ from .inputs import bearer, read_addresses
 from .keys import GRANTS, MANIFEST_BODIES, RECORDS, REGISTRY, RecordSource
 
 MAX_RECORDS = 1024  # records one POST /v1/records may ask for (~1.4 KB each, signed with pieces)
+# A "no" follows slow ones up to this (a slower store then shows in its timing, but a slow spell does not make
+# every refusal wait a second), over the last minute only: edge/records.py's bounds for its record reads.
+MAX_FLOOR_S, NOS_WINDOW_S = 0.05, 60.0
+
+
+class DenyFloor:
+    """How long a "no" takes at least: ``floor_s`` after the request came, or the 99th percentile of how long
+    the last minute's "no"s took to be known if that is longer (up to ``MAX_FLOOR_S``). Every "no" then takes
+    the floor, whatever it read first, and only one slower than it still shows. 0: answered as soon as known."""
+
+    def __init__(self, floor_s: float = 0.002) -> None:
+        if not 0 <= floor_s <= 1:
+            raise InvalidInput(f"the floor of a 'no' must be 0-1000 ms, not {floor_s * 1000:g} ms")
+        self.floor_s = floor_s
+        self._took: deque[tuple[float, float]] = deque(maxlen=256)  # (when, how long) of the last "no"s
+
+    def no_floor(self) -> float:
+        if self.floor_s <= 0:
+            return 0.0
+        since = time.monotonic() - NOS_WINDOW_S
+        took = sorted(s for at, s in self._took if at >= since)
+        return max(self.floor_s, min(MAX_FLOOR_S, took[int(len(took) * 0.99)] if took else 0.0))
+
+    async def hold(self, since: float) -> None:
+        """Wait until ``no_floor()`` seconds have passed since ``since`` (``time.monotonic()``, when the request
+        came), having noted how long this "no" took to be known.
+
+        The wake-up is put on a whole millisecond of the loop's clock (``time.monotonic`` too), as the edge's:
+        the loop's poll sleeps in whole milliseconds from when it is called, so a wait begun at once and one begun
+        after a read would otherwise overshoot by different amounts, and that difference showed."""
+        now = time.monotonic()
+        self._took.append((now, now - since))
+        floor = self.no_floor()
+        if floor <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        at = math.ceil((since + floor) * 1000) / 1000
+        if at <= loop.time():
+            return
+        wake: asyncio.Future[None] = loop.create_future()
+
+        def ring() -> None:
+            if not wake.done():
+                wake.set_result(None)
+
+        handle = loop.call_at(at, ring)
+        try:
+            await wake
+        finally:
+            handle.cancel()
+
+
+DENY_FLOOR = web.AppKey("deny_floor", DenyFloor)  # an origin's (an edge's record cache holds its own "no"s)
 
 
 def registry_ctx(url: str | None) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -41,9 +105,11 @@ def records_of(app: web.Application) -> RecordSource:
 
 
 async def hold_no(request: web.Request, since: float) -> None:
-    """Before answering "no" (absent, or not yours): wait as the app's record source says, where it caches
-    records for every tenant (an edge: ``RecordCache.hold``), so that the answer's timing tells nothing."""
-    hold = getattr(records_of(request.app), "hold", None)
+    """Before answering "no" (absent, or not yours): wait as the app's ``DENY_FLOOR`` says (an origin), or its
+    record source where that caches records for every tenant (an edge: ``RecordCache.hold``), so that the
+    answer's timing tells nothing."""
+    floor = request.app.get(DENY_FLOOR)
+    hold = floor.hold if floor is not None else getattr(records_of(request.app), "hold", None)
     if hold is not None and "*" not in request.app[GRANTS].namespaces(bearer(request), "read"):
         await hold(since)  # (a caller that may read every namespace, a peer edge, has nothing kept from it)
 

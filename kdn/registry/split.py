@@ -16,6 +16,14 @@ an edge started with ``--records origin`` asks the origin (through its record
 cache) instead of the registry. A signed record verifies itself wherever it is
 read, so moving it changes who stores it, not who vouches for it.
 
+Whoever can write the records store's file (or bucket) can plant a record
+there, so a record read from it is bounded before it is parsed: one over
+``MAX_RECORD_BYTES`` (a planted 14.5 MB record of 200,000 tails cost the
+origin's event loop ~1.4 s per anonymous ``POST /v1/records``, #51 item 10),
+or one that does not parse as a record (its tails are checked: each shorter
+than its parent's chunk), reads as absent and is logged, once per address.
+Many records are parsed on a worker thread, off the event loop.
+
 ``RecordsBeside`` routes every object method to the records store and the
 rest to the registry. The records store is a ``KVRegistry`` like any other, so
 merging a re-publish into a stored record, signing inside the write (and
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -50,6 +59,12 @@ RECORDS_FILE = "records.sqlite3"
 OBJECTS = "objects/"  # the relative key prefix of object records (KVRegistry._object_key)
 BODIES = "manifest-bodies/"  # whole manifests in the records store, by the BLAKE3 of their packed bytes
 SHARDS = 4096  # migrate_records reads object records by their address's first three hex digits
+# The most bytes one stored object record may take, in every records store (``records.sqlite3`` here, S3Records'
+# objects): far over a real one (~1.5 KB with piece digests), and over the largest one could be (a 1 GiB blob in
+# 64 KiB pieces lists 16,384 piece digests: ~1.1 MB an encoding).
+MAX_RECORD_BYTES = 4 << 20
+PARSE_ON_LOOP_BYTES = 64 << 10  # records read at once past this many bytes are parsed on a worker thread
+MAX_REPORTED = 4096  # bad records already logged, by address (each is logged once, not on every read)
 
 
 class RecordsBeside:
@@ -58,6 +73,7 @@ class RecordsBeside:
     def __init__(self, control: KVRegistry, records: KVRegistry) -> None:
         self.control = control
         self.records = records
+        self._reported: OrderedDict[Address, None] = OrderedDict()  # bad records logged already
 
     def __repr__(self) -> str:
         return f"RecordsBeside(control={self.control!r}, records={self.records!r})"
@@ -77,10 +93,42 @@ class RecordsBeside:
         await self.records.put_objects(records)
 
     async def get_object(self, address: Address) -> ObjectRecord | None:
-        return await self.records.get_object(address)
+        (rec,) = await self.get_objects([address])
+        return rec
 
     async def get_objects(self, addresses: Sequence[Address]) -> list[ObjectRecord | None]:
-        return await self.records.get_objects(addresses)
+        """The records of ``addresses``, in order; None for one absent, over ``MAX_RECORD_BYTES`` or not a record
+        (logged). Read as bytes and bounded here, not by ``KVRegistry.get_objects``, which parses whatever it
+        reads on the caller's thread: an origin's event loop."""
+        keys = [self.records._object_key(a) for a in addresses]
+        try:
+            values = await self.records._read(keys) if keys else []
+        except InvalidInput:  # a store that refuses to read a record at all (S3Records: one too large to download)
+            values = list(await asyncio.gather(*(self._read_one(a, k) for a, k in zip(addresses, keys))))
+        if sum(len(v) for v in values if v is not None) <= PARSE_ON_LOOP_BYTES:
+            recs, bad = _parse(addresses, values)
+        else:
+            recs, bad = await asyncio.to_thread(_parse, addresses, values)
+        for address, why in bad:
+            self._report(address, why)
+        return recs
+
+    async def _read_one(self, address: Address, key: str) -> bytes | None:
+        try:
+            (value,) = await self.records._read([key])
+        except InvalidInput as e:
+            self._report(address, f"could not be read ({str(e)[:200]})")
+            return None
+        return value
+
+    def _report(self, address: Address, why: str) -> None:
+        """Log a bad record once per address (a flood of reads of it is not a flood of lines)."""
+        if address in self._reported:
+            return
+        self._reported[address] = None
+        while len(self._reported) > MAX_REPORTED:
+            self._reported.popitem(last=False)
+        log.error("object record %s in the records store %r %s: read as absent", address, self.records, why)
 
     async def add_encoding(self, address: Address, enc: Encoding) -> ObjectRecord | None:
         return await self.records.add_encoding(address, enc)
@@ -308,6 +356,26 @@ async def migrate_manifests(registry: KVRegistry, records: KVRegistry, *, signer
         if progress is not None:
             progress(i, moved + kept + skipped)
     return moved, kept, skipped
+
+
+def _parse(addresses: Sequence[Address], values: Sequence[bytes | None]
+           ) -> tuple[list[ObjectRecord | None], list[tuple[Address, str]]]:
+    """Stored records as read (``RecordsBeside.get_objects``): each parsed, or None where absent, over
+    ``MAX_RECORD_BYTES`` (not parsed) or not a record; and why each bad one was refused. Pure: it may run on a
+    worker thread."""
+    out: list[ObjectRecord | None] = []
+    bad: list[tuple[Address, str]] = []
+    for address, value in zip(addresses, values):
+        rec = None
+        if value is not None and len(value) > MAX_RECORD_BYTES:
+            bad.append((address, f"is {len(value):,} bytes, over {MAX_RECORD_BYTES:,}"))
+        elif value is not None:
+            try:
+                rec = ObjectRecord.unpack(value)
+            except InvalidInput as e:
+                bad.append((address, f"is not an object record ({str(e)[:200]})"))
+        out.append(rec)
+    return out, bad
 
 
 async def _same(m: Manifest) -> Manifest:
