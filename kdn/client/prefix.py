@@ -124,7 +124,7 @@ class _Object:
             raise SourceError(f"{address} has no encoding {enc!r} within quality {self.quality or c.quality!r}"
                               f" (it has {sorted(rec['encodings'])})")
         e = rec["encodings"][enc]
-        host_enc = self.on_host.pick(index, list(rec["encodings"])) if self.encoding is None else None
+        host_enc = self.on_host.pick(index, [self.encoding] if self.encoding else list(rec["encodings"]))
         if host_enc is not None and c.host is not None and self.into is not None:
             got = await from_host(c.host, hit, index, address, host_enc, rec, self.budget, self.into, c.decoders,
                                   c.decode_speeds, c.host_stats)
