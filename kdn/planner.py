@@ -47,6 +47,17 @@ stale one (no moving average drags the old speed along). The probe times the
 fetch and its verification, not a decode into the engine's cache: it may
 overstate a slow decoder's load speed until the next real load measures it.
 
+A load the entry edge said it must fill first ("cold": a peer's, another region's or the origin's bytes)
+waits on the edge's upstream, which is not the client's link to estimate: its deadline is
+``cold_deadline``, ``COLD_OF_PREFILL`` full prefills plus a fill allowance (``COLD_FILL_S``), never the
+caller's whole cap (a lying entry edge that labelled every hit cold and stalled cost each request the 30 s
+cap, 21-25x its prefill); its progress is judged once its first byte has landed (``overruns(cold=True)``:
+the wait for that byte is the fill's). ``ColdFills`` remembers, per source, the cold loads that were given
+up: for ``PROBE_AFTER_S`` the next cold load from that source is expected to move as that one did (so the
+next plan computes instead of waiting again), and after ``COLD_DOUBTED_AFTER`` of them running, with none it
+served in between, that source's "cold" is no longer believed: its hits are planned, bounded and
+measured as warm ones.
+
 An engine that already holds ``cached`` leading tokens (vLLM's own prefix
 cache) plans only past them: the chunks follow those tokens, and every
 prefill is costed after them.
@@ -80,6 +91,9 @@ OVERRUN_AFTER = 0.125  # a load is judged by its own progress once this share of
 OVERRUN_MARGIN = 1.5  # ... and given up at once if, at the speed it has moved, it would end past this x its deadline
 STALL_AFTER = 0.5  # a load that has landed nothing yet is given up once this share of its deadline has passed
 OVERRUN_MIN_SHARE = 0.125  # ... by its speed before half its deadline only once it has landed this share of its bytes
+COLD_OF_PREFILL = 2.0  # a cold load (the entry edge fills it first) may run this many full prefills ...
+COLD_FILL_S = 1.0  # ... plus this allowance for the fill's own trip upstream, before it is given up
+COLD_DOUBTED_AFTER = 2  # a source whose cold loads were given up this many times running is not believed cold
 
 
 @dataclass(frozen=True)
@@ -323,7 +337,8 @@ def _compute_all(total_tokens: int, compute_all: float, t_all: float, speeds: Sp
     return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "compute: " + why, t_all)
 
 
-def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float, first_s: float | None = None) -> bool:
+def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float, first_s: float | None = None, *,
+             cold: bool = False) -> bool:
     """Whether a load that has run ``elapsed_s`` of its ``deadline_s`` and landed ``landed`` of its ``total``
     bytes should be given up now: at the speed it has moved so far it would end past ``OVERRUN_MARGIN`` x its
     deadline, judged only once ``OVERRUN_AFTER`` of the deadline has passed; or it has landed nothing at all
@@ -340,11 +355,14 @@ def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float, first
     its first moments are a connection's setup and TCP's slow start, not its speed (bench/ttft.py: a 7.8 MB
     load over a 1 Gbit/s link with a 20 ms delay had landed 256 KiB 65 ms in and was given up, where the
     whole load takes ~90 ms; bench/vllm_plan.py: a 47 MB load over a fast loopback link, 3 MB 30 ms into
-    its 208 ms deadline)."""
+    its 208 ms deadline).
+
+    A ``cold`` load (the entry edge fills it first) is judged only once its first byte has landed: the wait
+    for that byte is the edge's fill, bounded by the (cold) deadline alone, not by ``STALL_AFTER``."""
     if not math.isfinite(deadline_s) or deadline_s <= 0 or elapsed_s < OVERRUN_AFTER * deadline_s or landed >= total:
         return False
     if landed <= 0:
-        return elapsed_s >= STALL_AFTER * deadline_s
+        return not cold and elapsed_s >= STALL_AFTER * deadline_s
     if landed < OVERRUN_MIN_SHARE * total and elapsed_s < STALL_AFTER * deadline_s:
         return False  # (from half its deadline on, a load is judged by whatever it has landed)
     # ``first_s``: when its first byte landed. The wait for it (a round trip, a connection) is paid once,
@@ -362,6 +380,69 @@ def _deadline(expected_s: float, cap: float, compute_all_s: float = 0.0) -> floa
     if math.isfinite(compute_all_s):
         slack = max(slack, DEADLINE_OF_PREFILL * compute_all_s)
     return min(cap, slack)
+
+
+def cold_deadline(expected_s: float, cap: float, compute_all_s: float) -> float:
+    """How long a cold load (the entry edge fills it first) may run before what arrived is used and the rest
+    computed: ``COLD_OF_PREFILL`` x the full prefill + ``COLD_FILL_S``, never less than a warm load of its
+    bytes would get, at most ``cap``; ``cap`` where the prefill is not measured yet (nothing to weigh it by).
+
+    Why a multiple of the prefill: the fill's time is the edge's upstream's, which the client cannot estimate,
+    so the bound is what the request can afford. Past one prefill a cold load has already lost to computing;
+    the rest is a fill's benefit of the doubt (its first byte may wait on an origin a WAN away; once it lands,
+    ``overruns`` judges the speed). Giving up costs the edge nothing: its fill runs on for whoever asks next
+    (``edge/flight.py``)."""
+    if not math.isfinite(compute_all_s):
+        return cap
+    return min(cap, max(_deadline(expected_s, math.inf, compute_all_s), COLD_OF_PREFILL * compute_all_s + COLD_FILL_S))
+
+
+@dataclass
+class ColdFill:
+    """What one source's cold loads showed: how many were given up since one it served completed, and the
+    last of those (the bytes it landed in the seconds it was given, and when)."""
+
+    given_up: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    at: float = 0.0  # time.monotonic()
+
+
+@dataclass
+class ColdFills:
+    """Per source (its label), the cold loads it was waited on for and that were given up.
+
+    A source's "cold" buys its loads a longer deadline and no judgement before their first byte, so a source
+    that says "cold" and then stalls (a lying entry edge) must not be believed for ever: one given-up cold load
+    makes that source's cold loads expected to move as that one did for ``PROBE_AFTER_S`` (``expected``: the
+    planner then computes them instead of waiting again); ``COLD_DOUBTED_AFTER`` of them running, with no
+    load it served in between, and its "cold" is no longer believed (``believed``): its hits are planned as
+    warm ones, with the planner's own deadline, judged from their start, and their time measures the link.
+    A load it serves to the end clears it (``served``)."""
+
+    by: dict[str, ColdFill] = field(default_factory=dict)
+
+    def gave_up(self, source: str, nbytes: int, seconds: float, now: float | None = None) -> None:
+        f = self.by.setdefault(source, ColdFill())
+        f.given_up += 1
+        f.nbytes, f.seconds, f.at = max(nbytes, 0), max(seconds, 0.0), time.monotonic() if now is None else now
+
+    def served(self, source: str) -> None:
+        self.by.pop(source, None)
+
+    def believed(self, source: str) -> bool:
+        """Whether ``source`` saying "cold" still earns a load the cold deadline."""
+        f = self.by.get(source)
+        return f is None or f.given_up < COLD_DOUBTED_AFTER
+
+    def expected(self, source: str, nbytes: int, now: float | None = None) -> float:
+        """Seconds a cold load of ``nbytes`` from ``source`` is expected to take by its last given-up one, if
+        that was within ``PROBE_AFTER_S``; else 0 (nothing known against it). None landed: ``inf``."""
+        f = self.by.get(source)
+        t = time.monotonic() if now is None else now
+        if f is None or not f.given_up or t - f.at > PROBE_AFTER_S or nbytes <= 0:
+            return 0.0
+        return nbytes * f.seconds / f.nbytes if f.nbytes > 0 else math.inf
 
 
 @dataclass

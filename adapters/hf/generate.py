@@ -32,13 +32,14 @@ from kdn.wire.arena import Arena, ArenaFull
 from kdn.wire.bodyget import Tally
 from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
-from kdn.planner import plan as make_plan
+from kdn.planner import cold_deadline, plan as make_plan
 from kdn.template import chat_frame, encode_frame, encode_text
 
 from kdn.adapters.hf.cache import MAX_ROOM, CacheBuilder, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
-from kdn.adapters.hf.plan import await_load, chunks_of, speeds_of, start_probe
+from kdn.adapters.hf.plan import (Believed, await_load, believe, chunks_of, cold_fills_of, cold_given_up, speeds_of,
+                                  start_probe)
 from kdn.adapters.hf.steer import resolve, steering
 
 _IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -56,7 +57,8 @@ class Report:
     ttft_ms: float = 0.0  # from the call to the first generated token
     new_tokens: int = 0
     sources: dict[str, int] = field(default_factory=dict)
-    plan: str = ""  # what the load planner chose and why ("" when it did not run)
+    plan: str = ""  # what the load planner chose and why ("" when it did not run), and how the load ended
+    arena_full: int = 0  # loads the host arena refused memory (kdn.wire.arena): what they could not load was computed
 
     def line(self) -> str:
         src = ", ".join(f"{k} x{v}" for k, v in sorted(self.sources.items())) or "none"
@@ -125,11 +127,13 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
     """Generate from ``prompt`` reusing the longest prefix the KDN holds (``use_cache=False``: plain prefill).
 
     ``arena``: where fetched bodies and the loaded cache's memory come from (default: the client's, else
-    ``default_arena()``, one per process).
+    ``default_arena()``, one per process). An arena too full for a load is a recompute, never an error
+    (``Report.arena_full`` counts it).
 
     ``plan`` (default on): load only what is faster to load than to compute (``kdn.planner``, on this
     process's measured prefill and load speeds; ``Report.plan`` says what it chose and why); a load that
-    runs past its deadline (at most ``load_deadline`` seconds) uses what arrived and computes the rest.
+    runs past its deadline (at most ``load_deadline`` seconds; one the entry edge said it must fill first,
+    a multiple of the prefill: ``kdn.planner.cold_deadline``) uses what arrived and computes the rest.
     ``plan=False`` loads whatever the lookup found.
 
     ``emphasis``: the manifest's emphasis map (``manifest["emphasis"]``); with ``steer=True``, or with
@@ -177,29 +181,43 @@ async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, repor
         layout = await loop.run_in_executor(None, layer_layout, model)
         if kind_of(layout) != "kv":
             hit = hit.head(hit.chunks - 1)
-    decision, chunks = None, []
-    if hit.tokens:
-        chunks = await loop.run_in_executor(None, chunks_of, hit, client, model)
-    warm = hit.tokens > 0 and client.warm_hit(hit)  # (before the fetch: it makes them warm)
-    if hit.tokens and plan:
-        hit, decision = _plan_load(hit, chunks, len(ids), client, speeds, load_deadline, warm, report)
+    if not hit.tokens:
+        return None, None
+    chunks = await loop.run_in_executor(None, chunks_of, hit, client, model)
+    took = believe(hit, chunks, client)  # (before the fetch: it makes them warm)
+    hit, decision = took.hit, None
+    if plan:
+        hit, decision = _plan_load(hit, chunks, len(ids), client, speeds, load_deadline, took, report)
     if not hit.tokens:
         return None, None
     # The rest of the prompt and the tokens to generate are written into room after the loaded prefix, not
     # concatenated onto it (``room.RoomLayer``: one copy of the whole prefix less per step).
     room = min(MAX_ROOM, max(0, len(ids) - hit.tokens) + min(max(0, new_tokens), ROOM_FOR_NEW_TOKENS))
-    return await _fetch_into(model, client, hit, chunks, decision, warm, real_id, report, speeds, arena, room)
+    # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder); the
+    # receive buffers and the cache's memory come from a reused arena (no first-touch page faults).
+    pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
+    builder = await _builder(model, hit, pool, room, report)
+    if builder is None:  # the host arena is full: the request computes (kdn.wire.arena's contract)
+        return None, None
+    return await _fetch_into(model, client, _Loading(hit, chunks, decision, took, pool, builder), real_id, report,
+                             speeds)
 
 
-def _plan_load(hit: Any, chunks: list, n_ids: int, client: Any, speeds: Any, load_deadline: float, warm: bool,
+def _plan_load(hit: Any, chunks: list, n_ids: int, client: Any, speeds: Any, load_deadline: float, took: Believed,
                report: Report) -> tuple[Any, Any]:
     """Load only what is faster to load than to compute (``kdn.planner``, on this engine's measured speeds):
     the lookup cut to what is loaded, and the decision."""
-    decision = make_plan(chunks, n_ids, link=client.expected_seconds, speeds=speeds,
-                         max_deadline_s=load_deadline, probe=warm)
-    if not warm and decision.loads_anything:  # the entry edge may fill these first: its upstream's time
-        decision = replace(decision, deadline_s=load_deadline)  # is not the client's to estimate
+    decision = make_plan(chunks, n_ids, link=took.link, speeds=speeds, max_deadline_s=load_deadline, probe=took.warm)
+    if not took.warm and decision.loads_anything:
+        # The entry edge fills these first: its upstream's time is not the client's to estimate, so the bound
+        # is what the request can afford, a multiple of its prefill (not the whole cap: a lying edge that
+        # said "cold" and stalled cost every request the 30 s).
+        decision = replace(decision, deadline_s=cold_deadline(decision.expected_load_s, load_deadline,
+                                                              decision.compute_all_s))
     report.plan = decision.reason
+    if took.doubted:
+        report.plan += (f"; the last cold load from {', '.join(took.doubted)} was given up: its cold loads are "
+                        "expected to move as that one did")
     if decision.probe_s:  # computes it all; the link is timed beside this request, not inside it
         start_probe(hit, client, speeds, decision.probe_s)
     if decision.load < hit.chunks:
@@ -207,50 +225,96 @@ def _plan_load(hit: Any, chunks: list, n_ids: int, client: Any, speeds: Any, loa
     return hit, decision
 
 
-async def _fetch_into(model: Any, client: Any, hit: Any, chunks: list, decision: Any, warm: bool, real_id: ModelId,
-                      report: Report, speeds: Any, arena: Arena | None, room: int = 0
-                      ) -> tuple[CacheBuilder | None, int | None]:
-    """The planned prefix fetched into a new ``CacheBuilder``, within the plan's deadline: past it, what arrived
-    is used and the rest computed. (The builder, or None if nothing arrived in time; the chunks to use.)"""
+async def _builder(model: Any, hit: Any, pool: Arena, room: int, report: Report) -> CacheBuilder | None:
+    """A ``CacheBuilder`` for ``hit`` from ``pool``, with ``room`` after the prefix, else without (the first
+    new token then concatenates); None when the arena has no room for even that (counted: the request
+    computes, as the arena's contract says, never fails)."""
     loop = asyncio.get_running_loop()
-    # Each object is decoded straight into its slice of the cache as it arrives (CacheBuilder); the
-    # receive buffers and the cache's memory come from a reused arena (no first-touch page faults).
-    pool = arena if arena is not None else (getattr(client, "arena", None) or default_arena())
     make = functools.partial(CacheBuilder, model, hit.token_counts(), arena=pool)
+    refused: ArenaFull | None = None
+    for kw in ({"room": room}, {}) if room else ({},):
+        try:
+            return await loop.run_in_executor(None, functools.partial(make, **kw))
+        except ArenaFull as full:
+            refused = full
+    report.arena_full += 1
+    _say(report, f"nothing loaded, the host arena is full ({refused}): the prompt computed")
+    return None
+
+
+@dataclass
+class _Loading:
+    """A planned prefix on its way into a builder."""
+
+    hit: Any
+    chunks: list
+    decision: Any  # the plan (None: plan=False)
+    took: Believed
+    pool: Arena  # the receive buffers' and the cache's memory
+    builder: CacheBuilder
+    tally: Tally = field(default_factory=Tally)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks[:self.hit.chunks])
+
+
+async def _fetch_into(model: Any, client: Any, ld: _Loading, real_id: ModelId, report: Report, speeds: Any
+                      ) -> tuple[CacheBuilder | None, int | None]:
+    """The planned prefix fetched into its builder, within the plan's deadline: past it (or refused memory by
+    a full arena), what arrived is used and the rest computed. (The builder, or None if nothing arrived in
+    time; the chunks to use.)"""
+    hit, builder, t0 = ld.hit, ld.builder, time.perf_counter()
+    fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=ld.pool, scatter=builder,
+                                                      tally=ld.tally))
     try:
-        builder = await loop.run_in_executor(None, functools.partial(make, room=room))
-    except ArenaFull:  # no room for the room: the prefix alone (the first new token then concatenates)
-        builder = await loop.run_in_executor(None, make)
-    t0, tally = time.perf_counter(), Tally()
-    fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=pool, scatter=builder, tally=tally))
-    try:
-        # A warm load is also given up before its deadline once its progress shows it would overrun it.
-        states = await await_load(fetch, tally=tally, total=sum(c.nbytes for c in chunks[:hit.chunks]),
-                                  deadline_s=decision.deadline_s if decision else None, judged=warm, started=t0)
-    except TimeoutError as late:
-        # Past its deadline the load becomes a recompute: what arrived is used, the rest computed. What
-        # arrived is counted before the fetch is cancelled: a chunk still being added when it is (its receive
-        # buffer handed back under it) is not used, and its slots are recomputed.
-        arrived = builder.added_prefix()
-        fetch.cancel()
-        await asyncio.gather(fetch, return_exceptions=True)
-        assert decision is not None  # (no deadline without a plan)
-        if warm:  # what did land by then is the link's speed: the next plan knows it turned slow
-            speeds.observe_load(tally.bytes, time.perf_counter() - t0, abandoned=True)
-        layout = await loop.run_in_executor(None, layer_layout, model)
-        upto = arrived if kind_of(layout) == "kv" else 0
-        why = str(late) or f"ran past its {decision.deadline_s * 1e3:.0f} ms deadline"
-        report.plan += f"; the load {why}: {upto} of {hit.chunks} chunks used, the rest computed"
-        return (builder if upto else None), upto
+        # Given up before its deadline, too, once its progress shows it would overrun it (a cold load: from
+        # its first byte on, the wait for that byte being the edge's fill).
+        states = await await_load(fetch, tally=ld.tally, total=ld.nbytes, cold=not ld.took.warm, started=t0,
+                                  deadline_s=ld.decision.deadline_s if ld.decision else None)
+    except (TimeoutError, ArenaFull) as stop:
+        return await _cut_short(model, client, ld, fetch, stop, time.perf_counter() - t0, report, speeds)
     report.fetch_ms, report.sources = states.fetch_s * 1e3, states.sources
     report.decode_ms = states.decode_s * 1e3  # decoding runs as objects arrive: what came after
     for obj in states.objects:
         if obj.header.model_id != real_id:
             raise ModelMismatch(f"object {obj.header.address[:16]}... was produced by model "
                                 f"{obj.header.model_id[:16]}..., not this one ({real_id[:16]}...)")
-    if warm:  # a load the edge had to fill measures the edge's upstream, not this loader
-        speeds.observe_load(sum(c.nbytes for c in chunks[:hit.chunks]), time.perf_counter() - t0)
+    if ld.took.warm:  # a load the edge had to fill measures the edge's upstream, not this loader
+        speeds.observe_load(ld.nbytes, time.perf_counter() - t0)
+    if ld.took.labelled:  # a source that delivered what it had said was cold is believed again
+        for label in states.sources:
+            cold_fills_of(client).served(label.split("/", 1)[0])
     return builder, None
+
+
+async def _cut_short(model: Any, client: Any, ld: _Loading, fetch: asyncio.Future, stop: Exception, took_s: float,
+                     report: Report, speeds: Any) -> tuple[CacheBuilder | None, int | None]:
+    """A load given up (past its deadline, or its progress said it would be) or refused memory by a full
+    arena: what arrived is used and the rest computed; a given-up load teaches what it showed."""
+    # What arrived is counted before the fetch is cancelled: a chunk still being added when it is (its receive
+    # buffer handed back under it) is not used, and its slots are recomputed.
+    arrived = ld.builder.added_prefix()
+    fetch.cancel()
+    await asyncio.gather(fetch, return_exceptions=True)
+    if isinstance(stop, ArenaFull):  # the arena's contract: a load that does not fit is a recompute
+        report.arena_full += 1
+        why = f"was refused memory, the host arena is full ({stop})"
+    else:
+        assert ld.decision is not None  # (no deadline without a plan)
+        why = str(stop) or f"ran past its {ld.decision.deadline_s * 1e3:.0f} ms deadline"
+        if ld.took.warm:  # what did land by then is the link's speed: the next plan knows it turned slow
+            speeds.observe_load(ld.tally.bytes, took_s, abandoned=True)
+        else:  # a cold one measured the source it waited on, whose "cold" now counts for less
+            why += f" (cold, from {cold_given_up(client, ld.hit, ld.chunks, arrived, ld.tally.bytes, took_s)})"
+    layout = await asyncio.get_running_loop().run_in_executor(None, layer_layout, model)
+    upto = arrived if kind_of(layout) == "kv" else 0
+    _say(report, f"the load {why}: {upto} of {ld.hit.chunks} chunks used, the rest computed")
+    return (ld.builder if upto else None), upto
+
+
+def _say(report: Report, what: str) -> None:
+    report.plan = f"{report.plan}; {what}" if report.plan else what
 
 
 def _steer_plan(model, emphasis, steer, alpha, heads, n_ids):

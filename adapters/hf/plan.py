@@ -11,7 +11,9 @@ errs towards computing, never towards a load it cannot afford), and the link
 the load speed is stale asks for a probe: ``start_probe`` fetches the first
 chunk beside the request and teaches its speed. ``await_load`` bounds a load
 by its deadline, and gives it up sooner once its own progress shows it would
-overrun it (``kdn.planner.overruns``).
+overrun it (``kdn.planner.overruns``). ``believe`` takes a lookup's "cold" labels (the entry edge must fill
+those objects first) as far as this client still believes each source's (``kdn.planner.ColdFills``), and
+``cold_given_up`` counts a cold load given up against the source it waited on.
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ import logging
 import math
 import time
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kdn.wire.bodyget import Tally
-from kdn.planner import OVERRUN_AFTER, Chunk, PrefillModel, Speeds, overruns
+from kdn.planner import OVERRUN_AFTER, Chunk, ColdFills, PrefillModel, Speeds, overruns
 
 log = logging.getLogger("kdn.adapters.hf")
 
 _SPEEDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 PROBES: set[asyncio.Task] = set()  # probes on the wire (a reference each, so none is collected mid-flight)
+_FILLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def speeds_of(model: Any) -> Speeds:
@@ -47,12 +52,12 @@ def speeds_of(model: Any) -> Speeds:
 
 
 async def await_load(fetch: asyncio.Future, *, tally: Tally, total: int, deadline_s: float | None,
-                     judged: bool, started: float) -> Any:
+                     cold: bool, started: float) -> Any:
     """``fetch``'s result, or ``TimeoutError`` once it ran past ``deadline_s`` (None: no bound) since
-    ``started`` (``time.perf_counter``) or, if ``judged`` (a planned load from warm sources, ``total`` bytes),
-    once the bytes ``tally`` counts show it would overrun that deadline. ``fetch`` itself is left running (the
-    caller cancels it and uses what arrived)."""
-    if deadline_s is None or not math.isfinite(deadline_s) or not judged:
+    ``started`` (``time.perf_counter``) or once the bytes ``tally`` counts (of ``total``) show it would overrun
+    that deadline (``kdn.planner.overruns``; a ``cold`` load only once its first byte has landed). ``fetch``
+    itself is left running (the caller cancels it and uses what arrived)."""
+    if deadline_s is None or not math.isfinite(deadline_s):
         return await asyncio.wait_for(asyncio.shield(fetch), deadline_s)
     step = deadline_s * OVERRUN_AFTER / 2
     while True:
@@ -64,9 +69,73 @@ async def await_load(fetch: asyncio.Future, *, tally: Tally, total: int, deadlin
             return fetch.result()
         ran = time.perf_counter() - started
         first = tally.first - started if tally.first is not None else None
-        if ran < deadline_s and overruns(ran, tally.bytes, total, deadline_s, first):
+        if ran < deadline_s and overruns(ran, tally.bytes, total, deadline_s, first, cold=cold):
             raise TimeoutError(f"was given up after {ran * 1e3:.0f} ms, {tally.bytes:,} of {total:,} B landed: "
                                f"too slow to end within its {deadline_s * 1e3:.0f} ms deadline")
+
+
+def cold_fills_of(client: Any) -> ColdFills:
+    """What this process saw of ``client``'s sources' cold loads (made at first use; ``kdn.planner.ColdFills``)."""
+    fills = _FILLS.get(client)
+    if fills is None:
+        fills = _FILLS[client] = ColdFills()
+    return fills
+
+
+def _lead(client: Any, address: str, nbytes: int) -> Any:
+    """The source a fetch of ``address`` asks first, so the one a load of it waits on (a ``kdn.client.Source``)."""
+    return client.routing.ranked(nbytes, address)[0]
+
+
+@dataclass(frozen=True)
+class Believed:
+    """A lookup as this client takes it, before it is planned."""
+
+    hit: Any  # the lookup, its ``cold`` only the labels still believed (the rest are fetched as warm: hedged)
+    warm: bool  # every object costs only this client's link: known warm, or its source's "cold" not believed
+    labelled: bool  # some object was labelled cold, believed or not (a load of it that completes clears its source)
+    link: Callable[[int], float]  # the planner's link: the client's, or slower where a source gave up lately
+    doubted: tuple[str, ...] = ()  # sources whose last cold load was given up lately (the plan says so)
+
+
+def believe(hit: Any, chunks: list[Chunk], client: Any) -> Believed:
+    """``hit``'s cold labels judged by their sources' record (``ColdFills``): an object not known warm is
+    cold while the source its fetch would wait on is still believed; one whose source is no longer believed
+    is taken as warm (planned, bounded and measured as such, and its fetch hedged). A cold load's time is at
+    least what its source's last given-up cold load showed, while that is recent."""
+    fills = cold_fills_of(client)
+    tiers = list(hit.sources) + [""] * (len(hit.addresses) - len(hit.sources))
+    cold: set[str] = set()
+    unbelieved: set[str] = set()
+    for a, t, c in zip(hit.addresses, tiers, chunks):
+        if client.warm(a, t):
+            continue
+        src = _lead(client, a, c.nbytes).label
+        if fills.believed(src):
+            cold.add(src)
+        else:
+            unbelieved.add(a)
+    if unbelieved:
+        hit = replace(hit, cold=hit.cold - unbelieved)
+    doubted = tuple(sorted(s for s in cold if fills.expected(s, 1) > 0))
+    base = client.expected_seconds
+
+    def link(n: int) -> float:
+        return max([base(n)] + [fills.expected(s, n) for s in doubted])
+
+    return Believed(hit, not cold, bool(cold or unbelieved), link if doubted else base, doubted)
+
+
+def cold_given_up(client: Any, hit: Any, chunks: list[Chunk], arrived: int, nbytes: int, seconds: float) -> str:
+    """A cold load given up after ``seconds`` with ``nbytes`` landed, counted against the source it waited on
+    (the lead of its first chunk that had not arrived): in ``cold_fills_of(client)``, and in the client's
+    estimate of that source, which ranks it lower for a while as a failed fetch does (the fetch it was
+    waiting on is cancelled, not failed, so the client would not count it). The source's label."""
+    i = min(arrived, hit.chunks - 1)
+    src = _lead(client, hit.addresses[i], chunks[i].nbytes)
+    cold_fills_of(client).gave_up(src.label, nbytes, seconds)
+    client.estimates[src.url].fail()
+    return src.label
 
 
 def kv_bytes_per_token(model: Any) -> int:

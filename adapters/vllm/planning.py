@@ -18,8 +18,12 @@ scheduler, which never sees a forward itself:
 ``decide`` cuts a ``LoadPlan`` to the number of pieces the planner chose,
 still on a block boundary (a hybrid model: still a chunk end), and gives the
 load the planner's deadline; a load the entry edge must fill first (a piece
-not in its memory or disk) keeps ``load_timeout``, and its time teaches the
-load speed nothing (it measured the edge's upstream).
+not in its memory or disk) gets ``kdn.planner.cold_deadline`` (a multiple of
+the prefill plus a fill allowance, at most ``load_timeout``: with
+``load_timeout`` a lying edge that called every hit cold and stalled cost each
+request the whole timeout), and its time teaches the load speed nothing (it
+measured the edge's upstream) unless it is given up: then, as for a warm
+load, what landed by then is the speed, so the next plan computes.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kdn.planner import Chunk, Plan, PrefillModel, Reasons, Speeds
+from kdn.planner import Chunk, Plan, PrefillModel, Reasons, Speeds, cold_deadline
 from kdn.planner import plan as make_plan
 
 from kdn.adapters.vllm.plan import LoadPlan, Piece, plan_load
@@ -127,8 +131,10 @@ class Planner:
             if out is not None:
                 out = replace(out, deadline_s=decision.deadline_s)
         if out is not None and out.cold:
-            # The entry edge fills these first: its upstream's time is not the client's link to estimate.
-            out = replace(out, deadline_s=self.max_deadline_s)
+            # The entry edge fills these first: its upstream's time is not the client's link to estimate, so the
+            # bound is what the request can afford, a multiple of its prefill (kdn.planner.cold_deadline).
+            out = replace(out, deadline_s=cold_deadline(decision.expected_load_s, self.max_deadline_s,
+                                                        decision.compute_all_s))
         outcome = decision.outcome
         if out is not None and out.end < lp.end and outcome == "load":
             outcome = "load_part"

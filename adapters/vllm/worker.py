@@ -187,15 +187,16 @@ class WorkerSide:
         limit = min(self.cfg.load_timeout, plan.deadline_s)  # the planner's, where it set a tighter one
         deadline = run.started + limit
         # A load the planner timed may be given up before its deadline, once its own progress shows it would
-        # overrun it (kdn.planner.overruns). Not a cold one (its first bytes wait for the edge's own fill), nor
-        # one without the planner (load_timeout alone bounds it).
-        judged = math.isfinite(plan.deadline_s) and not plan.cold
+        # overrun it (kdn.planner.overruns); a cold one only once its first byte has landed (the wait for that
+        # byte is the edge's own fill). Not one without the planner (load_timeout alone bounds it).
+        judged = math.isfinite(plan.deadline_s)
         total = sum(p.size for p in plan.pieces)
         step = limit * OVERRUN_AFTER / 2
         run.staged = []
         for p, fut in zip(plan.pieces, run.fetches):
             try:
-                run.staged.append(self._wait_piece(run, fut, deadline, step if judged else math.inf, total, limit))
+                run.staged.append(self._wait_piece(run, fut, deadline, step if judged else math.inf, total, limit,
+                                                   plan.cold))
                 continue
             except concurrent.futures.TimeoutError as late:
                 e = LoadFailed("timeout", p, str(late) or f"{p.address[:16]} not fetched within {limit:.3g} s")
@@ -213,25 +214,26 @@ class WorkerSide:
         for fut in run.fetches[len(run.staged):]:
             fut.cancel()
         run.ready = time.perf_counter()
-        if (run.error is None or run.error.reason == "timeout") and not run.job.plan.cold:
-            # The planner's load speed: a load given up at its deadline moved what its own fetches landed by
-            # then (not other loads' bytes: several in one step share the link, and each counts its own
-            # share, as a load that completes does). (A cold load timed the entry edge's upstream, not this
-            # engine's link.)
-            # A complete load's sample waits for its writes (end of the forward, ``_account``): what the
-            # planner weighs against a prefill is the load into the cache, writes and all, not the fetch.
-            if run.error is None:
-                run.moved = sum(p.size for p in run.job.plan.pieces)
-            else:
-                with self._lock:
-                    for st in (self.stats, self.totals):
-                        st.sampled(run.tally.bytes, run.ready - run.started, abandoned=True)
+        # The planner's load speed: a load given up at its deadline moved what its own fetches landed by then
+        # (not other loads' bytes: several in one step share the link, and each counts its own share, as a
+        # load that completes does). A complete load's sample waits for its writes (end of the forward,
+        # ``_account``): what the planner weighs against a prefill is the load into the cache, writes and all.
+        # A cold load that completes timed the entry edge's upstream, not this engine's link: no sample. One
+        # given up is sampled: the source it waited on said "cold" and then did not deliver within what the
+        # request could afford, and the next plans compute instead of waiting on it again.
+        if run.error is None and not plan.cold:
+            run.moved = sum(p.size for p in plan.pieces)
+        elif run.error is not None and run.error.reason == "timeout":
+            with self._lock:
+                for st in (self.stats, self.totals):
+                    st.sampled(run.tally.bytes, run.ready - run.started, abandoned=True)
 
     @staticmethod
     def _wait_piece(run: _Running, fut: concurrent.futures.Future, deadline: float, step: float, total: int,
-                    limit: float) -> Staged:
+                    limit: float, cold: bool = False) -> Staged:
         """One piece's result, by ``deadline``; every ``step`` s the load's progress is judged, and a load
-        that would overrun its deadline is given up now (``TimeoutError`` saying so)."""
+        that would overrun its deadline is given up now (``TimeoutError`` saying so); a ``cold`` one only once
+        its first byte has landed."""
         while True:
             now = time.perf_counter()
             try:
@@ -242,7 +244,7 @@ class WorkerSide:
                     raise
                 ran = now - run.started
                 first = run.tally.first - run.started if run.tally.first is not None else None
-                if overruns(ran, run.tally.bytes, total, limit, first):
+                if overruns(ran, run.tally.bytes, total, limit, first, cold=cold):
                     raise concurrent.futures.TimeoutError(
                         f"given up after {ran * 1e3:.0f} ms: {run.tally.bytes:,} of {total:,} B landed, too slow "
                         f"to end within its {limit * 1e3:.0f} ms deadline") from None

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kdn.planner import LEARN_TOKENS, PROBE_AFTER_S, Chunk, PrefillModel, Speeds, plan
+from kdn.planner import (COLD_FILL_S, COLD_OF_PREFILL, LEARN_TOKENS, PROBE_AFTER_S, Chunk, PrefillModel, Speeds,
+                         cold_deadline, plan)
 
 from kdn.adapters.vllm.plan import Piece, plan_load
 from kdn.adapters.vllm.planning import Planner, Steps, prefill_model
@@ -131,13 +132,16 @@ def test_a_hybrid_cut_ends_where_a_state_is():
     assert cut is not None and cut.end == 768
 
 
-def test_a_cold_load_keeps_the_load_timeout():
-    """Pieces the entry edge must fill first: its upstream's time is not this link's, so no tight deadline."""
+def test_a_cold_load_is_bounded_by_a_multiple_of_the_prefill_not_the_load_timeout():
+    """Pieces the entry edge must fill first: its upstream's time is not this link's, so not the link's tight
+    deadline either; but not the whole ``load_timeout`` (a lying edge that called every hit cold and stalled
+    cost each request that): ``COLD_OF_PREFILL`` prefills plus the fill allowance."""
     pieces = chain(256, 512, 768, 1024, 1100, tier="origin")
     lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
     p = Planner(calibrated(), link=link(10e9), max_deadline_s=10)
     cut, decision, _ = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
-    assert cut is not None and cut.deadline_s == 10 and decision.deadline_s < 1
+    assert cut is not None and decision.deadline_s < 1
+    assert cut.deadline_s == COLD_OF_PREFILL * decision.compute_all_s + COLD_FILL_S < 10
 
 
 def test_a_load_given_up_teaches_the_planner_to_compute_from_the_next_request():
@@ -183,7 +187,7 @@ def test_what_an_engine_read_before_is_timed_against_its_link_even_when_the_edge
     """An edge tells an anonymous caller only "edge" (cache state is hidden). An object this engine fetched
     lately is warm there (KDNClient.warm): its load gets the planner's deadline, and a give-up teaches the
     speed (with load_timeout for every such load, a slow link cost 3.5x a prefill in bench/vllm_plan.py). One
-    it has not read may be a fill: load_timeout, and nothing learnt."""
+    it has not read may be a fill: the cold deadline (kdn.planner.cold_deadline)."""
     import dataclasses
 
     from kdn.client import KDNClient
@@ -210,7 +214,8 @@ def test_what_an_engine_read_before_is_timed_against_its_link_even_when_the_edge
         cut, decision, _ = Planner(calibrated(), link=link(10e9), max_deadline_s=10).decide(
             lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
         assert cut is not None and cut.cold == cold
-        assert cut.deadline_s == (10 if cold else decision.deadline_s), tier
+        want = cold_deadline(decision.expected_load_s, 10, decision.compute_all_s) if cold else decision.deadline_s
+        assert cut.deadline_s == want and (want > decision.deadline_s) == cold, tier
 
 
 def test_the_worker_reports_a_given_up_load_by_its_own_tally_not_the_bytes_it_meant_to_move():
@@ -268,34 +273,41 @@ def _bare_worker(load_timeout: float = 10.0):
 def test_a_load_too_slow_for_its_deadline_is_given_up_by_its_progress_not_at_the_deadline():
     """``WorkerSide._collect`` with ``kdn.planner.overruns``: a planned warm load whose fetches have landed a
     trickle is given up at half its deadline (its progress says it would end far past the deadline; before
-    that, a trickle under 1 MiB may be TCP's slow start, not the link's speed), and says so; a cold one (the entry edge fills first: its first bytes wait for that fill)
-    and one without the planner's deadline (``load_timeout`` alone) wait to the end of their bound."""
+    that, a trickle under 1 MiB may be TCP's slow start, not the link's speed), and says so; so is a cold one
+    once its first bytes landed; a cold one with nothing landed yet (the entry edge fills first: its first
+    bytes wait for that fill) and one without the planner's deadline (``load_timeout`` alone) wait to the end
+    of their bound. Each given up is sampled, abandoned, for the planner (a cold one too: the next plan
+    computes instead of waiting on that source again)."""
     import concurrent.futures
 
     from kdn.adapters.vllm.meta import LoadJob
     from kdn.adapters.vllm.plan import LoadPlan
     from kdn.adapters.vllm.worker import _Running
 
-    def run_of(deadline_s: float, tier: str) -> _Running:
+    def run_of(deadline_s: float, tier: str, landed: int) -> _Running:
         pieces = chain(256, 512, size=4 * MiB, tier=tier)
         run = _Running(LoadJob("r", LoadPlan(0, 512, tuple(pieces), deadline_s), ([1, 2, 3, 4],), background=False))
         run.fetches = [concurrent.futures.Future() for _ in pieces]
-        run.tally.bytes = 64 * 1024  # a trickle: 64 KiB of 8 MiB
+        run.tally.bytes = landed  # a trickle: 64 KiB of 8 MiB (or nothing)
         return run
 
     timed = {}
-    for name, deadline, tier, timeout in (("warm", 2.0, "memory", 10.0), ("cold", 0.4, "origin", 10.0),
-                                          ("no planner", math.inf, "memory", 0.4)):
+    for name, deadline, tier, timeout, landed in (("warm", 2.0, "memory", 10.0, 64 * 1024),
+                                                  ("cold, a trickle", 2.0, "origin", 10.0, 64 * 1024),
+                                                  ("cold, nothing yet", 0.4, "origin", 10.0, 0),
+                                                  ("no planner", math.inf, "memory", 0.4, 64 * 1024)):
         w = _bare_worker(timeout)
-        run = run_of(deadline, tier)
+        run = run_of(deadline, tier, landed)
         t0 = time.perf_counter()
         w._collect(run)
         timed[name] = time.perf_counter() - t0
         assert run.error is not None and run.error.reason == "timeout", name
-        if name == "warm":
+        if deadline == 2.0:
             assert "given up after" in str(run.error) and "65,536 of 8,388,608 B landed" in str(run.error)
+        assert [(b, a) for b, _, a in w.totals.data["samples"]] == [(landed, 1)], name
     assert 0.95 <= timed["warm"] < 1.4  # half of 2 s (and a step of the poll), not the 2 s
-    assert timed["cold"] >= 0.39 and timed["no planner"] >= 0.39  # each ran to its bound
+    assert 0.95 <= timed["cold, a trickle"] < 1.4
+    assert timed["cold, nothing yet"] >= 0.39 and timed["no planner"] >= 0.39  # each ran to its bound
 
 
 def test_a_load_on_pace_for_its_deadline_is_not_given_up():
