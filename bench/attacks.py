@@ -51,6 +51,8 @@ import faultlib as F  # noqa: E402
 from jobs import publish_and_wait  # noqa: E402  (bench/lib, on the path through faultlib)
 
 TENANT = "tenant-" + os.urandom(12).hex()  # publish,read on "acme" only
+OPERATOR = "operator-" + os.urandom(12).hex()  # admin * (the console's operator)
+TENANT_ADMIN = "tenant-admin-" + os.urandom(12).hex()  # admin on "acme" only
 MiB = 1 << 20
 LIE_AT = 40_000  # lying_body: the byte flipped, inside the first piece's tensor bytes
 
@@ -237,7 +239,7 @@ class Redirector:
 # Which helper edges each attack needs, beside eu-1 and eu-2.
 EXTRA_EDGES = [("stalled_readers", "st-1"), ("upstream_redirect", "rd-1"), ("bad_manifest_record", "pf-1"),
                ("idle_connections", "ic-1"), ("planted_policy", "po-1"), ("undone_policy", "po-1"), ("unadmitted_node", "ad-1"),
-               ("unadmitted_node", "ad-2"), ("timing_probe", "tp-1")]  # (attack, the helper edge it needs; its region: the name's prefix)
+               ("unadmitted_node", "ad-2"), ("timing_probe", "tp-1"), ("lying_owner", "lo-1")]  # (attack, the helper edge it needs; its region: the name's prefix)
 IDLE_NOFILE, IDLE_CONNECTIONS = 256, 300  # issue #28 item 7: 300 idle connections at an edge limited to 256 files
 N_STORE_BLOBS = 3000  # blobs put into the origin's store before it starts (index_scan)
 
@@ -270,7 +272,8 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
     # 64 KiB pieces: the tiny model's blobs (~130 KB raw a chunk) then have several, as a real model's (SmolLM2:
     # 6 MB a chunk) have at the default 1 MiB.
     w.origin.args += ["--signing-key", str(tmp / "origin.key"), "--piece-bytes", str(ctx.piece_bytes)]
-    (w.root / "tokens").write_text(f"{F.PUBLISH} publish,read *\n{F.EDGE} read *\n{TENANT} publish,read acme\n")
+    (w.root / "tokens").write_text(f"{F.PUBLISH} publish,read *\n{F.EDGE} read *\n{TENANT} publish,read acme\n"
+                                       f"{OPERATOR} admin *\n{TENANT_ADMIN} admin acme\n")
     ctx.world = w
     if "unadmitted_node" in names:  # the origin is admitted too: an edge requiring admissions fills only from one
         from kdn.registry import Admission
@@ -321,20 +324,20 @@ async def start_world(ctx: Ctx, names: list[str]) -> None:
     for n in nodes:
         await n.wait_healthy()
     ctx.docs["main"] = await w.publish(ctx.text("main", 2100), "main", encodings=("zstd", "raw"))
-    for doc in ("rot", "rogue", "rogue_tls", "redirect", "tenant", "probe", "planted", "relabel", "admit"):
+    for doc in ("rot", "rogue", "rogue_tls", "redirect", "tenant", "probe", "planted", "relabel", "admit", "liar"):
         if doc in DOCS_FOR and any(a in names for a in DOCS_FOR[doc]):
             if doc in ("tenant", "relabel"):
                 ctx.docs[doc] = await publish_as(w, TENANT, ctx.text(doc, 700), doc, namespace="acme")
-            elif doc == "admit":  # ~16 chunks: the rogue owns some of them in the control's ring, surely
+            elif doc in ("admit", "liar"):  # ~16 chunks: the rogue owns some of them in the ring, surely
                 ctx.docs[doc] = await w.publish(ctx.text(doc, 4000), doc)
             else:
                 ctx.docs[doc] = await w.publish(ctx.text(doc, 1300), doc)
 
 
-DOCS_FOR = {"rot": ["bit_rot"], "rogue": ["rogue_node"], "rogue_tls": ["rogue_https_node"], "admit": ["unadmitted_node"],
+DOCS_FOR = {"rot": ["bit_rot"], "liar": ["lying_owner"], "rogue": ["rogue_node"], "rogue_tls": ["rogue_https_node"], "admit": ["unadmitted_node"],
             "redirect": ["upstream_redirect"],
             "planted": ["planted_digest"], "relabel": ["relabelled_namespace"],
-            "tenant": ["tenant_cache_headers", "timing_probe", "undone_policy"], "probe": ["anonymous_probes"]}
+            "tenant": ["tenant_cache_headers", "timing_probe", "origin_timing_probe", "undone_policy"], "probe": ["anonymous_probes"]}
 
 
 async def publish_as(w: F.World, token: str, text: str, name: str, namespace: str) -> dict:
@@ -569,6 +572,77 @@ async def lying_body(ctx: Ctx) -> Row:
                                       "stopped_early": stopped_early, "stoppable": stoppable, "failovers": failovers, "refused": refused})
 
 
+async def cold_stall(ctx: Ctx) -> Row:
+    """#51 item 4: a lying entry edge on 127.0.0.2, in front of eu-1, passes lookups and records through, says
+    every hit is cold (``origin``: it must fill it first) and never sends an object. With ``load_deadline`` (30 s)
+    as a cold load's bound, each request of an engine behind it (the transformers adapter, the honest origin its
+    second source) waited the 30 s, 21-25x its prefill, every time. A cold load is now bounded by a multiple of
+    the prefill plus a fill allowance (``kdn.planner.cold_deadline``), and given up it counts against the edge:
+    the next request computes at once, without asking it."""
+    from kdn.adapters.hf import agenerate, load_model
+    from kdn.adapters.hf.plan import speeds_of
+    from kdn.client import KDNClient
+    from kdn.planner import cold_deadline
+
+    w, m = ctx.world, ctx.docs["main"]
+    upstream = w.edges["eu-1"].url
+    asked: list[str] = []
+    release = asyncio.Event()
+
+    async def lookup(request: web.Request) -> web.Response:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(upstream + "/v1/lookup", json=await request.json()) as r:
+                body = await r.json()
+        body["sources"] = ["origin"] * int(body.get("length") or 0)  # "cold: I must fill these first"
+        return web.json_response(body)
+
+    async def record(request: web.Request) -> web.Response:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(upstream + str(request.rel_url)) as r:
+                return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+
+    async def stall(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        await release.wait()  # the "fill" that never ends
+        raise web.HTTPServiceUnavailable()
+
+    app = web.Application()
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_get("/v1/registry/objects/{address}", record)
+    app.router.add_get("/v1/objects/{address}", stall)
+    runner, url = await serve_app(app, ROGUE_HOST)
+    lm = await asyncio.to_thread(load_model, "tiny-llama")
+    ids = m["prefix_tokens"] + lm.tokenizer.encode(" What did the log record?")
+    runs: list[tuple[list[int], str, float, int]] = []  # (tokens, plan, seconds, objects asked of the liar so far)
+    try:
+        async with KDNClient(edges=[url], origin=w.origin.url, trusted_keys=[ctx.public_key]) as c:
+            for use_cache in (False, True, True):  # plain (the reference, and the prefill timed), attacked, next
+                t0 = time.monotonic()
+                gen = await asyncio.wait_for(agenerate(lm.model, lm.tokenizer, ids, c, max_new_tokens=8,
+                                                       use_cache=use_cache), 60)
+                runs.append((gen.ids, gen.report.plan, time.monotonic() - t0, len(asked)))
+                if not use_cache:
+                    prefill_s = speeds_of(lm.model).prefill.seconds(len(ids))
+    finally:
+        release.set()
+        await runner.cleanup()
+    (plain, _, plain_s, _), (ids1, plan1, s1, asked1), (ids2, plan2, s2, asked2) = runs
+    bound = cold_deadline(0.0, 30.0, prefill_s)
+    same = plain == ids1 == ids2
+    ok = (asked1 > 0 and "(cold, from edge:0)" in plan1 and s1 < bound + plain_s + 3.0
+          and asked2 == asked1 and plan2.startswith("compute:") and s2 < bound and same)
+    return Row("cold_stall", f"a lying entry edge at {url} in front of eu-1 passes lookups and records through, "
+               f"labels every hit 'origin' (cold: it must fill it first) and never sends an object; an engine "
+               f"(transformers, tiny-llama, the origin its second source) asks it for a {len(ids)}-token prompt "
+               f"twice, after one plain prefill",
+               f"first request {s1:.2f} s (its cold load given up at {bound * 1e3:.0f} ms: 2 prefills of "
+               f"{prefill_s * 1e3:.0f} ms + 1 s, then computed; {asked1} objects asked of the liar), the next "
+               f"{s2:.2f} s (computed at once, {asked2 - asked1} asked); tokens {'as' if same else 'NOT as'} a plain "
+               f"prefill's; before: {30.0:.0f} s each (load_deadline)", "held", None, ok,
+               {"first_s": round(s1, 3), "next_s": round(s2, 3), "plain_s": round(plain_s, 3),
+                "cold_deadline_s": round(bound, 3), "asked": asked1, "asked_next": asked2 - asked1})
+
+
 async def planted_policy(ctx: Ctx) -> Row:
     """#28 item 11 (policies): a registry writer plants an unsigned `ttl 0` policy for `public` in region eu
     (everything expires at once: every read refills from the origin) and the same in the control's region.
@@ -788,6 +862,71 @@ async def unadmitted_node(ctx: Ctx) -> Row:
                {"asked": asked, "left_out": left, "failed": failed_at})
 
 
+async def lying_owner(ctx: Ctx) -> Row:
+    """#51 item 3: a registry writer adds three edge records of region 'lo' for its own listener, which then owns
+    most of the region's chunks in lo-1's ring, and answers lo-1's record hop (``POST /v1/records`` with
+    ``X-KDN-Hop``) with a lie per chunk, in turn: null, another address's validly signed record, the record with
+    its digests forged. Each used to be the last word: a 404 for every chunk the listener owned. lo-1
+    (``--trusted-keys``) asks the origin instead, counts it per owner and outcome, and serves every chunk."""
+    from kdn.registry import NodeRecord, open_registry
+
+    w, lo = ctx.world, ctx.extra["lo-1"]
+    addresses = ctx.docs["liar"]["addresses"]
+    lies = ("null", "another address's", "forged")
+    told = dict.fromkeys(lies, 0)
+    async with open_registry(w.etcd.registry) as reg:  # the attacker reads the real, signed records too
+        real = {a: r.to_dict() for a, r in zip(addresses, await reg.get_objects(addresses))}
+
+    def lie(a: str) -> dict | None:
+        i = addresses.index(a)
+        kind = lies[i % len(lies)]
+        told[kind] += 1
+        if kind == "null":
+            return None
+        if kind == "another address's":
+            return real[addresses[(i + 1) % len(addresses)]]
+        return {**real[a], "encodings": {n: {**e, "digest": "0" * 64} for n, e in real[a]["encodings"].items()}}
+
+    async def records(request: web.Request) -> web.Response:
+        return web.json_response({"records": [lie(a) for a in (await request.json())["addresses"]]})
+
+    app = web.Application()
+    app.router.add_post("/v1/records", records)  # (anything else: 404, so the blobs come from the origin)
+    runner, url = await serve_app(app, ROGUE_HOST)
+    rogues = [f"rogue-lo-{i}" for i in range(3)]
+    outcomes = ("failed", "absent", "refused")
+    before = {o: await lo.metric("kdn_edge_owner_record_fallbacks", outcome=o) for o in outcomes}
+    wrong = 0
+    statuses: dict[int, int] = {}
+    try:
+        async with open_registry(w.etcd.registry) as reg:
+            leases = [await reg.register_node(NodeRecord("edge", "lo", nid, url), ttl=10) for nid in rogues]
+            try:
+                await wait_for(lambda: _metric_at_least(lo, "kdn_edge_ring_members", 1 + len(rogues)), 10)
+                for a in addresses:
+                    status, _, body = await http("GET", f"{lo.url}/v1/objects/{a}", headers=bearer(F.EDGE))
+                    statuses[status] = statuses.get(status, 0) + 1
+                    if status == 200 and blake3(body).hexdigest() != w.digests[a][1]:
+                        wrong += len(body)
+            finally:
+                for lease in leases:
+                    await lease.close()
+    finally:
+        await runner.cleanup()
+    fell = {o: await lo.metric("kdn_edge_owner_record_fallbacks", outcome=o) - before[o] for o in outcomes}
+    # Every lie reached lo-1 (else the row proves nothing), each went on to the origin, counted as what it was.
+    ok = (all(told.values()) and statuses == {200: len(addresses)} and wrong == 0
+          and fell == {"failed": 0, "absent": told["null"], "refused": told["another address's"] + told["forged"]})
+    return Row("lying_owner", f"3 edge records of region 'lo' written into etcd for the attacker's listener at {url}, "
+               f"owning most of lo-1's ring; it answers lo-1's record hop (POST /v1/records) for each chunk with a "
+               f"lie in turn: null, another address's signed record, a record with forged digests; the "
+               f"{len(addresses)} chunks of a document read at lo-1 (--trusted-keys)",
+               f"lies told: {told['null']} null, {told[lies[1]]} another address's, {told['forged']} forged; lo-1 "
+               f"asked the origin for each instead (kdn_edge_owner_record_fallbacks: {fell['absent']:.0f} absent, "
+               f"{fell['refused']:.0f} refused); reads: {statuses}", "held", wrong, ok,
+               {"told": told, "fallbacks": fell, "statuses": statuses})
+
+
 # --- 2b. a registry writer plants a digest and waits for a re-publish ------------------------------------
 
 
@@ -967,16 +1106,20 @@ async def manifest_rollback(ctx: Ctx) -> Row:
             replayed = await c.manifest("public", "hours")
             refused = c.rejected_records
         async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], hedge=False, timeout=10) as fresh:
-            fooled = await fresh.manifest("public", "hours")  # a process that never saw the new one (residual)
+            fooled = await fresh.manifest("public", "hours")  # a new process: its marks are in the state file
+        async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], hedge=False, timeout=10,
+                             manifest_state=False) as forgetful:
+            forgot = await forgetful.manifest("public", "hours")  # the residual: marks kept in memory only
     took_new = first is not None and first["addresses"] == new["addresses"]
     took_stale = replayed is not None and replayed["addresses"] == stale.addresses
-    ok = took_new and replayed is None and refused == 1 and fooled is not None
+    ok = took_new and replayed is None and refused == 1 and fooled is None and forgot is not None
     return Row("manifest_rollback", "a document published twice under one name; the first, signed, manifest written "
                "back into etcd; a client with trusted_keys that read the second asks again",
                f"first read: {'the new version' if took_new else 'OTHER'} (v{first and first.get('version')}); after "
                f"the replay (v{stale.version}): {'refused' if replayed is None else 'TAKEN' if took_stale else 'other'}"
-               f" ({refused} record refused); a new client process, which never saw the new version, takes the "
-               "replay (the residual: seed KDNClient.manifest_versions from a store to hold across restarts)",
+               f" ({refused} record refused); a new client process refuses it too "
+               f"({'refused' if fooled is None else 'TAKEN'}: its marks are in the per-user state file); only a "
+               "client told to keep them in memory (manifest_state=False) takes the replay (the residual)",
                "refused", None, ok, {"new_version": first and first.get("version"), "stale_version": stale.version,
                                      "refused": refused})
 
@@ -1510,6 +1653,146 @@ async def timing_probe(ctx: Ctx) -> Row:
                "; ".join(got), "held", None, ok, figures)
 
 
+async def origin_timing_probe(ctx: Ctx) -> Row:
+    """#51 item 6: the timing probe at the origin itself. It refused another tenant's object from its store's index
+    at once, and read the registry twice (``_adopt``) before refusing an absent one, for any caller (~540 vs ~957
+    us, told apart 90-97% of the time); now every "no" there is held to its floor (2 ms, as the edges'), and the
+    adopt read is made only for a caller with a read grant of its own. Asked anonymously, interleaved."""
+    w, m = ctx.world, ctx.docs["tenant"]
+    theirs = m["addresses"][0]
+    rng = random.Random(f"{ctx.seed}/origin-timing")
+    took: dict[str, list[float]] = {"theirs": [], "absent": []}
+    statuses = set()
+    async with aiohttp.ClientSession(w.origin.url) as s:  # one kept-alive connection: no setup in the times
+        for i in range(TIMING_TRIES * 2):
+            kind = ("theirs", "absent")[(i + i // 2) % 2]  # ABBA: neither kind always goes first
+            a = theirs if kind == "theirs" else rng.randbytes(32).hex()
+            t0 = time.perf_counter()
+            async with s.get(f"/v1/objects/{a}") as r:
+                await r.read()
+                statuses.add(r.status)
+            took[kind].append(time.perf_counter() - t0)
+        owner, _, _ = await http("GET", f"{w.origin.url}/v1/objects/{theirs}", headers=bearer(TENANT))
+    med = {k: sorted(v)[len(v) // 2] * 1e6 for k, v in took.items()}
+    acc = told_apart(took["theirs"], took["absent"])
+    pooled, shuffled = took["theirs"] + took["absent"], []
+    for _ in range(100):
+        rng.shuffle(pooled)
+        shuffled.append(told_apart(pooled[:TIMING_TRIES], pooled[TIMING_TRIES:]))
+    chance = sorted(shuffled)[94]
+    ok = owner == 200 and statuses == {404} and acc <= 0.65
+    return Row("origin_timing_probe", f"an anonymous caller asks the origin {TIMING_TRIES} times each, interleaved, "
+               "for a tenant's (acme) object and for never-seen addresses (every answer 404), and times the answers",
+               f"medians {med['theirs']:,.0f} vs {med['absent']:,.0f} us, told apart {acc:.0%} of the time (shuffled "
+               f"labels: {chance:.0%} at the 95th percentile); the tenant's own read 200", "held", None, ok,
+               {"median_us": med, "told_apart": round(acc, 3), "chance_p95": round(chance, 3),
+                "statuses": sorted(statuses), "owner_read": owner})
+
+
+async def oversize_record(ctx: Ctx) -> Row:
+    """#51 item 10: a record planted in an origin's records store (``--records store``: ``records.sqlite3`` beside
+    its blobs), 14.5 MB of 200,000 tails, cost the origin's event loop ~1.4 s per anonymous ``POST /v1/records``;
+    and one with a tail as long as its chunk. A second origin (its own store and registry prefix, outside the
+    world) is started for it; the attacker writes the file directly, then asks for both, five times."""
+    import msgpack
+
+    from kdn.registry import EmbeddedRegistry, Encoding, ObjectRecord
+    from kdn.registry.split import RECORDS_FILE
+
+    w = ctx.world
+    port, store = F.free_port(), w.root / "or-2-store"
+    node = F.Node("or-2", ["origin", "serve", "--model", w.model, "--registry", w.etcd.registry_url("/kdn-or-2/"),
+                           "--store", str(store), "--port", str(port), "--node-id", "origin-2",
+                           "--token-file", str(w.root / "tokens"), "--records", "store"], port, w.root / "or-2.log")
+    rng = random.Random(f"{ctx.seed}/oversize")
+    big, long_tail = rng.randbytes(32).hex(), rng.randbytes(32).hex()
+
+    def planted(address: str, tails: dict[str, str]) -> bytes:
+        rec = ObjectRecord(address=address, model_id="c" * 64, namespace="public", kind="kv", start=0, end=256,
+                           parent=None, standalone=False, encodings={"zstd": Encoding("zstd", 10, "1" * 64)},
+                           origin="attacker")
+        return msgpack.packb({**rec.to_dict(), "tails": tails})
+
+    values = {big: planted(big, {str(i + 1): f"{i:064x}" for i in range(200_000)}),
+              long_tail: planted(long_tail, {"256": "0" * 64})}
+    times, answers, worst_health = [], [], 0.0
+    await node.start(timeout=120)
+    try:
+        reg = EmbeddedRegistry(store / RECORDS_FILE)
+        try:
+            for a, v in values.items():
+                await reg._put(reg._object_key(a), v)
+        finally:
+            await reg.close()
+        async with aiohttp.ClientSession(node.url) as s:
+            for _ in range(5):
+                t0 = time.perf_counter()
+                health = asyncio.create_task(http("GET", f"{node.url}/healthz"))  # the loop, meanwhile
+                async with s.post("/v1/records", json={"addresses": [big, long_tail]}) as r:
+                    answers.append((r.status, (await r.json()).get("records")))
+                times.append(time.perf_counter() - t0)
+                await health
+                worst_health = max(worst_health, time.perf_counter() - t0)
+        logged = node.log.read_text(errors="replace")
+    finally:
+        await asyncio.to_thread(node.stop)
+    said = {a: logged.count(a) for a in values}
+    ok = (all(a == (200, [None, None]) for a in answers) and max(times) < 0.25 and all(said.values()))
+    return Row("oversize_record", f"two object records written straight into a second origin's records.sqlite3 "
+               f"(--records store): one of {len(values[big]) / MiB:.1f} MiB (200,000 tails), one with a tail as long "
+               "as its chunk; then POST /v1/records for both, anonymously, 5 times",
+               f"every answer {sorted({s for s, _ in answers})} with both records null, in at most "
+               f"{max(times) * 1e3:.0f} ms ({sorted(times)[len(times) // 2] * 1e3:.0f} ms median; /healthz meanwhile at "
+               f"most {worst_health * 1e3:.0f} ms); the origin logged each bad record "
+               f"({said[big]} and {said[long_tail]} lines)", "refused", None, ok,
+               {"ms": [round(t * 1e3, 1) for t in times], "logged": list(said.values())})
+
+
+async def publish_push(ctx: Ctx) -> Row:
+    """#51 item 11: a publish-only token (TENANT: publish,read acme) asks the origin for a fleet-wide push with its
+    publish, which the console reserves for admins; then acme's admin pushes as fast as it can. Every push names
+    the region 'nowhere' (no edge acts on it: the row tests the origin's answer, not a fill)."""
+    from kdn.origin.publish import PUSH_BURST, push_policy_name
+    from kdn.registry import open_registry
+
+    w = ctx.world
+
+    def body(name: str) -> dict:
+        return {"name": name, "namespace": "acme", "text": ctx.text(name, 80), "push": ["nowhere"]}
+
+    tried = f"pp-tenant-{ctx.seed}"
+    status, _, out = await http("POST", f"{w.origin.url}/v1/publish", data=json.dumps(body(tried)),
+                                headers={**bearer(TENANT), "Content-Type": "application/json"})
+    admin: list[int] = []
+    jobs: list[str] = []
+    for i in range(PUSH_BURST + 2):
+        st, _, answer = await http("POST", f"{w.origin.url}/v1/publish", data=json.dumps(body(f"pp-admin-{ctx.seed}-{i}")),
+                                   headers={**bearer(TENANT_ADMIN), "Content-Type": "application/json"})
+        admin.append(st)
+        if st == 202:
+            jobs.append(json.loads(answer)["job"])
+    for job in jobs:  # their publish jobs end before the next row (a push to 'nowhere' fills nothing)
+        await wait_for(lambda job=job: _job_done(w, job), 60)
+    async with open_registry(w.etcd.registry) as reg:
+        names = {p.name for p in await reg.list_policies()}
+        published = await reg.get_manifest("acme", tried)
+    accepted = admin.index(429) if 429 in admin else len(admin)
+    ok = (status == 403 and push_policy_name("acme", tried) not in names and published is None
+          and 1 <= accepted <= PUSH_BURST and all(s == 429 for s in admin[accepted:]) and len(admin) > accepted)
+    detail = json.loads(out).get("detail", "") if out else ""
+    return Row("publish_push", "a publish-only token (publish,read acme) publishes with 'push' (a fleet-wide, "
+               f"origin-signed push policy); then acme's admin publishes {len(admin)} documents with 'push' at once",
+               f"publish-only: {status} ({detail[:60]}...), no policy set, nothing published; admin: "
+               f"{admin.count(202)} accepted, then {admin.count(429)} answered 429 with Retry-After (a namespace may "
+               f"set {PUSH_BURST} pushes at once, then one a minute)", "refused", None, ok,
+               {"publish_only": status, "admin": admin})
+
+
+async def _job_done(w: F.World, job: str) -> bool:
+    status, _, body = await http("GET", f"{w.origin.url}/v1/jobs/{job}", headers=bearer(TENANT_ADMIN))
+    return status == 200 and json.loads(body)["state"] in ("done", "failed")
+
+
 async def upstream_redirect(ctx: Ctx) -> Row:
     from kdn.client import KDNClient
     from kdn.errors import SourceError
@@ -1769,6 +2052,121 @@ async def client_pooled_bytes(ctx: Ctx) -> Row:
                {"connections": conns["n"], "source": got})
 
 
+# --- the operator console ----------------------------------------------------------------------------
+
+
+async def console_sign_in(url: str, token: str, peer: str = "127.0.0.1",
+                          s: aiohttp.ClientSession | None = None) -> tuple[int, str | None]:
+    """One sign-in to the console's form from ``peer``: (status, the session id or None)."""
+    async with contextlib.AsyncExitStack() as stack:
+        if s is None:
+            s = await stack.enter_async_context(aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(local_addr=(peer, 0)), cookie_jar=aiohttp.DummyCookieJar()))
+        async with s.post(f"{url}/console/login", data={"token": token}, allow_redirects=False) as r:
+            await r.read()
+            cookie = r.cookies.get("kdn_console")
+            return r.status, (cookie.value if cookie is not None else None)
+
+
+async def console_post(url: str, sid: str, form: dict) -> int:
+    """A console form posted with session ``sid`` and the CSRF token read from its listing, as a browser would."""
+    import re
+
+    headers = {"Cookie": f"kdn_console={sid}"}
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as s:
+        async with s.get(f"{url}/console", headers=headers) as r:
+            csrf = re.search(r'name="csrf" value="([^"]+)"', await r.text()).group(1)
+        async with s.post(f"{url}/console/policies", data={**form, "csrf": csrf}, headers=headers,
+                          allow_redirects=False) as r:
+            return r.status
+
+
+async def console_quota_lift(ctx: Ctx) -> Row:
+    """#51 item 2: the operator (admin *) caps namespace acme from the console; acme's own admin signs in and
+    removes the quota, sets it again at 1 TiB, overwrites its name with a TTL and adds a larger one of its own (it
+    would then pin and warm until other tenants' objects went to the origin). A quota is a fleet-level limit: only
+    ``admin *`` sets, changes or removes one. The control: the operator changes and removes it. (Region ``qz``,
+    where no edge runs: the quota caps no other attack's reads.)"""
+    from kdn.registry import open_registry
+
+    url = ctx.world.origin.url
+
+    async def stored(name: str) -> bytes | None:
+        async with open_registry(ctx.world.etcd.registry) as reg:
+            return dict(await reg.list_keys(f"policies/{name}")).get(f"policies/{name}")
+
+    _, op = await console_sign_in(url, OPERATOR)
+    _, tenant = await console_sign_in(url, TENANT_ADMIN)
+    assert op and tenant, "the console signed no one in: the row proves nothing"
+    quota = {"op": "set", "kind": "quota", "namespace": "acme", "region": "qz"}
+    set_status = await console_post(url, op, {**quota, "quota": "64MiB"})
+    record = await stored("quota.acme")
+    tries = {"remove": {"op": "delete", "name": "quota.acme", "namespace": "acme"},
+             "raise to 1 TiB": {**quota, "quota": "1TiB"},
+             "overwrite with a ttl": {"op": "set", "kind": "ttl", "namespace": "acme", "ttl": "1h", "name": "quota.acme"},
+             "a second, larger quota": {**quota, "quota": "1TiB", "name": "quota.acme.mine"}}
+    got = {k: await console_post(url, tenant, form) for k, form in tries.items()}
+    unchanged = record is not None and await stored("quota.acme") == record and await stored("quota.acme.mine") is None
+    control = [await console_post(url, op, {**quota, "quota": "128MiB"}),
+               await console_post(url, op, {"op": "delete", "name": "quota.acme", "namespace": "acme"})]
+    ok = set_status == 303 and set(got.values()) == {403} and unchanged and control == [303, 303]
+    return Row("console_quota_lift", "the operator (admin *) sets a 64 MiB quota on namespace acme in the console; "
+               "acme's admin (admin acme) signs in and tries to remove it, raise it to 1 TiB, overwrite its name "
+               "with a TTL, and add a larger quota of its own",
+               "; ".join(f"{k}: {v}" for k, v in got.items())
+               + f"; the operator's record {'unchanged' if unchanged else 'CHANGED'} in etcd; control: the operator "
+               f"changed and removed it ({control[0]}, {control[1]})", "refused", None, ok,
+               {"tenant": got, "control": control})
+
+
+SIGN_IN_FLOOD = 1050  # past the 1,024 sessions the console once kept in all
+
+
+async def console_sign_in_flood(ctx: Ctx) -> Row:
+    """#51 item 7: the operator signs in; then a read token signs in 1,050 times, 25 times from each of 42
+    loopback addresses (127.0.1.x: within each one's sign-in burst), and 40 times from one more address. One
+    LRU of 1,024 sessions once ended the operator's session. Now each token holds at most 32 (its own oldest
+    goes) and each address gets 30 sign-ins at once, then one each 2 s (429)."""
+    url = ctx.world.origin.url
+    _, op = await console_sign_in(url, OPERATOR)
+    assert op, "the operator could not sign in: the row proves nothing"
+    per_peer = 25
+    peers = [f"127.0.1.{1 + i}" for i in range(-(-SIGN_IN_FLOOD // per_peer))]
+    sids: list[str] = []
+    t0 = time.monotonic()
+    for i, peer in enumerate(peers):
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(peer, 0)),
+                                         cookie_jar=aiohttp.DummyCookieJar()) as s:
+            for _ in range(min(per_peer, SIGN_IN_FLOOD - i * per_peer)):
+                status, sid = await console_sign_in(url, F.EDGE, s=s)
+                if status == 303 and sid:
+                    sids.append(sid)
+    flood_s = time.monotonic() - t0
+
+    async def page(sid: str) -> int:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as s:
+            async with s.get(f"{url}/console", headers={"Cookie": f"kdn_console={sid}"}) as r:
+                return r.status
+
+    operator, oldest, newest = await page(op), await page(sids[0]), await page(sids[-1])
+    one: dict[int, int] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.2.1", 0)),
+                                     cookie_jar=aiohttp.DummyCookieJar()) as s:
+        for _ in range(40):
+            status, _ = await console_sign_in(url, F.EDGE, s=s)
+            one[status] = one.get(status, 0) + 1
+    ok = (len(sids) == SIGN_IN_FLOOD and operator == 200 and oldest == 401 and newest == 200
+          and 30 <= one.get(303, 0) < 40 and one.get(429, 0) == 40 - one.get(303, 0))  # (+1 a 2 s, if it is slow)
+    return Row("console_sign_in_flood", f"the operator signs in to the console; a read token signs in "
+               f"{SIGN_IN_FLOOD} times ({per_peer} from each of {len(peers)} loopback addresses), then 40 times from "
+               "one more address",
+               f"{len(sids)} sessions opened in {flood_s:.1f} s; the operator's session still {operator}; the "
+               f"flooder's first session {oldest}, its last {newest}; from one address: "
+               f"{one.get(303, 0)} signed in, {one.get(429, 0)} answered 429", "held", None, ok,
+               {"operator": operator, "oldest": oldest, "newest": newest, "one_address": one,
+                "seconds": round(flood_s, 2)})
+
+
 # --- the table ---------------------------------------------------------------------------------------
 
 
@@ -1780,11 +2178,13 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "stalled_readers": (stalled_readers, True),
     "forged_record": (forged_record, True),
     "lying_body": (lying_body, True),
+    "cold_stall": (cold_stall, True),
     "planted_policy": (planted_policy, True),
     "undone_policy": (undone_policy, True),
     "rogue_node": (rogue_node, True),
     "rogue_https_node": (rogue_https_node, True),
     "unadmitted_node": (unadmitted_node, True),
+    "lying_owner": (lying_owner, True),
     "planted_digest": (planted_digest, True),
     "manifest_rollback": (manifest_rollback, True),
     "zstd_bomb": (zstd_bomb_attack, False),
@@ -1799,9 +2199,14 @@ ATTACKS: dict[str, tuple[Callable[[Ctx], Awaitable[Row]], bool]] = {  # name -> 
     "malformed_json": (malformed_json, True),
     "anonymous_probes": (anonymous_probes, True),
     "timing_probe": (timing_probe, True),
+    "origin_timing_probe": (origin_timing_probe, True),
+    "oversize_record": (oversize_record, True),
+    "publish_push": (publish_push, True),
     "idle_connections": (idle_connections, True),
     "client_content_length": (client_content_length, False),
     "client_pooled_bytes": (client_pooled_bytes, False),
+    "console_quota_lift": (console_quota_lift, True),
+    "console_sign_in_flood": (console_sign_in_flood, True),
 }
 SLOW = ("trickled_head", "slow_body", "stalled_readers")
 # Played first, alone: each restarts the origin. (Only bit_rot was, so in a full run relabelled_namespace
