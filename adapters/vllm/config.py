@@ -10,6 +10,8 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``token_hosts``    with ``registry``: hosts the token may reach (http or https), comma-separated names,
                        globs label by label, or CIDRs (default: loopback); other listed nodes are left out
     ``origin``         an origin URL, the source of last resort
+    ``host``           the machine's host tier (``kdn host serve --socket PATH``): pieces it holds are copied
+                       from its shared memory, the rest fetched as ever (default: none)
     ``namespace``      the namespace to look up (default ``public``); the token must grant it
     ``token_file``     file whose first token is sent to edges (or ``$KDN_TOKEN``)
     ``quality``        ``"lossless"`` (default) or the largest NLL increase in % a lossy encoding may cost
@@ -61,7 +63,7 @@ _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
     "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding", "arena", "plan",
-    "admitted_by", "revoked_admissions", "decode_threads",
+    "admitted_by", "revoked_admissions", "decode_threads", "host",
 })
 # Two threads decode a zstd load at 8k tokens 15% faster than one here (bench/datapath.py, 2 cores: 294/289 ->
 # 253/243 ms); six (the event loop's default pool) were slower than one inside vLLM, whose threads hold the
@@ -77,6 +79,7 @@ class ConnectorConfig:
     region: str | None = None
     token_hosts: str | None = None
     origin: str | None = None
+    host: str | None = None  # the host tier's socket
     namespace: str = PUBLIC_NAMESPACE
     token_file: str | None = None
     quality: str | float = "lossless"
@@ -134,7 +137,7 @@ def _where(extra: dict[str, Any]) -> dict[str, Any]:
     if "edges" in extra:
         kw["edges"] = _edges(extra["edges"])
     for key in ("registry", "region", "origin", "token_file", "ca", "store", "trusted_keys", "signing_key",
-                "token_hosts", "admitted_by", "revoked_admissions"):
+                "token_hosts", "admitted_by", "revoked_admissions", "host"):
         if extra.get(key) is not None:
             kw[key] = _string(key, extra[key])
     if "token_hosts" in kw:

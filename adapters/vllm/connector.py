@@ -245,6 +245,8 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             async def _close() -> None:
                 if self.client is not None:
                     await self.client.close()
+                    if self.client.host is not None:
+                        await self.client.host.close()
                 if self.registry is not None:
                     await self.registry.close()
 
@@ -264,6 +266,7 @@ async def _make_client(cfg: ConnectorConfig):
     kw: dict[str, Any] = dict(token=read_token(cfg.token_file), quality=cfg.quality, ca=cfg.ca,
                               timeout=cfg.load_timeout * 1.5 + 1, trusted_keys=cfg.trusted_keys,
                               arena=host_arena(cfg.arena))
+    kw["host"] = await _connect_host(cfg, kw["token"])
     if cfg.edges or cfg.origin:
         return KDNClient(edges=list(cfg.edges), origin=cfg.origin, **kw)
     from kdn.registry import open_registry
@@ -273,3 +276,18 @@ async def _make_client(cfg: ConnectorConfig):
         return await KDNClient.from_registry(reg, cfg.region, token_hosts=cfg.token_hosts,
                                              admitted_by=cfg.admitted_by,
                                              revoked_admissions=cfg.revoked_admissions, **kw)
+
+
+async def _connect_host(cfg: ConnectorConfig, token: str | None):
+    """The machine's host tier (``host``), or None: none configured, or not up now (its pieces then come from
+    the edges, as without one; a warning says so once)."""
+    if cfg.host is None:
+        return None
+    from kdn.client.host import HostClient
+    from kdn.wire.host import HostError
+
+    try:
+        return await HostClient(cfg.host, token=token, timeout=cfg.load_timeout).connect()
+    except HostError as e:
+        log.warning("KDN connector: no host tier at %s (%s): loading from the edges", cfg.host, e)
+        return None

@@ -5,8 +5,10 @@ load's pieces here and waits for them, writes what they staged into vLLM's cache
 A piece is fetched into a reused arena buffer and verified against the digest of its record, its header
 checked against what the plan expects (address, model, namespace, span, tensor shapes), and decoded into the
 staging on a few threads of its own; its receive buffer goes back to the arena at once. A raw piece wholly
-inside the load is received straight into its place instead (``kdn.wire.scatter``). Every failure is a
-``LoadFailed`` with its reason: bytes from the network never fail the engine's step.
+inside the load is received straight into its place instead (``kdn.wire.scatter``). A piece the machine's host
+tier holds (``KDNClient(host=)``, the connector's ``host`` setting) is leased and copied from its shared memory
+into the staging instead: no socket body, no hash (the host verified it once, against the same signed digest).
+Every failure is a ``LoadFailed`` with its reason: bytes from the network never fail the engine's step.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from kdn.client.hosted import Held
 from kdn.format.address import ModelId
 from kdn.wire.bodyget import Tally
 from kdn.errors import KDNError
@@ -79,6 +83,15 @@ def _torch_dtype(st_dtype: str) -> torch.dtype:
 
 
 
+@dataclass(frozen=True)
+class _Leased:
+    """A piece's bytes in the host tier's mapping, shaped as a fetched body for ``_stage``."""
+
+    blob: memoryview
+    source: str
+    encoding: str
+
+
 class PieceLoader:
     """The piece path of one worker: its client, its model's layers (as ``WorkerSide.register`` indexed them),
     and the threads that decode arrived compressed pieces into the staging."""
@@ -88,6 +101,8 @@ class PieceLoader:
         self.client, self.model_id, self.namespace, self.stager = client, model_id, namespace, stager
         self.attn, self.order, self.states = attn, order, states  # order: the staging's, the forward's
         self.kv_names = {f"L{a.index}.{x}" for a in order for x in ("k", "v")}
+        # Per load, what the host tier holds of its pieces: asked once (the first piece asks), bounded.
+        self._on_host: OrderedDict[int, asyncio.Future[Held]] = OrderedDict()
 
     def max_decoded(self, n_tokens: int) -> int:
         """The most an object of ``n_tokens`` for this model can decode to (fp32 at worst, aligned)."""
@@ -100,6 +115,20 @@ class PieceLoader:
         thread, while other pieces are still on the wire); the buffer goes back at once. A kvtc object's
         model basis is fetched, verified and registered first (once per basis). A raw piece is received
         straight into its place instead (``_fetch_placed``)."""
+        host = self.client.host
+        if host is not None and (p.address, p.encoding) in await self._held(run):
+            staged = await self._from_host(run, i, p)
+            if staged is not None:
+                return staged
+        elif host is not None:  # from the edge now; asked of the host behind it, for the next load on this machine
+            self.client.host_stats.misses += 1
+            try:
+                return await self._from_edge(run, i, p)
+            finally:
+                self.client.behind.start(host, [p.address], p.encoding, self.client.host_stats)
+        return await self._from_edge(run, i, p)
+
+    async def _from_edge(self, run: Loading, i: int, p: Piece) -> Staged:
         if self._placeable(run, i, p):
             return await self._fetch_placed(run, i, p)
         f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size, pooled=True,
@@ -115,6 +144,47 @@ class PieceLoader:
                                                                                 f, cap))
         work.add_done_callback(lambda _: f.release())
         return await asyncio.shield(work)
+
+    async def _held(self, run: Loading) -> frozenset[tuple[str, str]]:
+        """(address, encoding) of this load's pieces the host holds; nothing if it does not answer at once."""
+        from kdn.client.hosted import held
+
+        key = id(run.job)
+        if key not in self._on_host:
+            while len(self._on_host) >= 32:
+                self._on_host.popitem(last=False)
+            self._on_host[key] = asyncio.ensure_future(held(self.client.host, [p.address for p in run.job.plan.pieces],
+                                                            self.client.host_stats))
+        got = await asyncio.shield(self._on_host[key])
+        return frozenset((p.address, e) for p, encs in zip(run.job.plan.pieces, got.encodings) for e in encs)
+
+    async def _from_host(self, run: Loading, i: int, p: Piece) -> Staged | None:
+        """Piece ``i`` leased from the host tier and copied from its mapping into the staging (a stager thread),
+        or None (fetch it as ever): the host failed, or its copy is not the one the plan's signed digest names.
+        The lease ends only once the copy has: a cancelled load waits for its thread before letting go."""
+        from kdn.wire.host import HostError
+
+        stats = self.client.host_stats
+        try:
+            async with self.client.host.lease(p.address, p.encoding) as leased:
+                if leased.record.get("encodings", {}).get(p.encoding, {}).get("digest") != p.digest:
+                    stats.fallbacks += 1
+                    stats.note(f"{p.address[:16]}.{p.encoding}: the host's record names another digest")
+                    return None
+                f = _Leased(leased.view, "host", p.encoding)
+                work = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
+                    self.stager, self._stage, run, i, p, f, None))
+                try:
+                    staged = await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    await asyncio.wait({work})  # the thread reads the mapping: the lease holds until it is done
+                    raise
+        except HostError as e:
+            stats.fallbacks += 1
+            stats.note(f"{p.address[:16]}.{p.encoding}: {e}")
+            return None
+        stats.hits += 1
+        return staged
 
     def _placeable(self, run: Loading, i: int, p: Piece) -> bool:
         """A raw piece wholly inside the load, whose states are not kept (only a hybrid load's last piece has

@@ -60,13 +60,13 @@ class Held:
         return next((e for e in PREFERRED if e in have and e in record_encodings), None)
 
 
-async def held(host: HostClient | None, hit: Lookup, stats: HostStats) -> Held:
-    """Ask the host once which of ``hit``'s objects it holds; a host that is down or slow holds nothing."""
-    if host is None or not hit.addresses:
+async def held(host: HostClient | None, addresses: Sequence[Address], stats: HostStats) -> Held:
+    """Ask the host once which of a load's objects it holds; a host that is down or slow holds nothing."""
+    if host is None or not addresses:
         return Held([])
     try:
         async with asyncio.timeout(LOOKUP_S):
-            found = await host.lookup(hit.addresses)
+            found = await host.lookup(addresses)
     except (HostError, TimeoutError) as e:
         stats.note(f"lookup: {e}")
         return Held([])
@@ -102,7 +102,7 @@ class Behind:
     """Warms asked of the host after the edges served a load's missing objects: started beside the request,
     never awaited by it, bounded in number, each one's outcome counted."""
 
-    MAX = 4  # warms in flight at once; past it a load asks nothing (the next one will)
+    MAX = 64  # warms in flight at once; past it nothing more is asked (the next load will ask again)
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[None]] = set()

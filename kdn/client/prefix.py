@@ -87,7 +87,7 @@ async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | Non
     t0 = time.perf_counter()
     arrived: list[float] = []
     # The host tier first, for a load into an engine's cache: one question for the whole prefix.
-    on_host = await held(client.host, hit, client.host_stats) if into is not None else Held([])
+    on_host = await held(client.host, hit.addresses, client.host_stats) if into is not None else Held([])
     one = _Object(client, hit, encoding, quality, into, arena, scatter, tally, arrived, on_host)
     done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
     if client.host is not None and into is not None:  # what the edges served, asked of the host for next time
