@@ -27,8 +27,8 @@ def json_error(status: int, code: str, detail: str) -> web.Response:
 
 
 _STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-                 408: "timeout", 409: "conflict", 413: "too_large", 415: "unsupported_media_type",
-                 416: "range_not_satisfiable", 503: "unavailable"}
+                 408: "timeout", 413: "too_large", 415: "unsupported_media_type", 416: "range_not_satisfiable",
+                 429: "too_many_requests", 502: "bad_gateway", 503: "unavailable"}
 
 
 @web.middleware
