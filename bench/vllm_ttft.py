@@ -18,7 +18,12 @@ Then, in rotating order per repeat, the time to the first token of
   as a warming request just before): the best any cache can do;
 - ``kdn-hit``: a fresh salt and the connector: lookup on the edge, fetch and
   verify from its memory tier over HTTP, decode and write into the paged cache
-  layer by layer, then the suffix.
+  layer by layer, then the suffix (the request says ``"host": false``);
+- ``host-hit``: the same, the pieces copied from the machine's host tier
+  (``kdn host serve``, a process of its own, filled from the edge before the
+  timed runs): lookup on the edge, one question to the host over its Unix
+  socket, each piece leased and copied from the shared-memory mapping into the
+  staging, then the layer writes. No socket body, no hash on the request path.
 
 Both hits reuse the context's whole 128-token blocks and compute the rest.
 The origin publishes ``--encodings`` (default ``zstd,raw``, both lossless):
@@ -56,7 +61,7 @@ import results as R  # noqa: E402
 from ports import free_port  # noqa: E402  (bench/lib/ports.py: ports the kernel will not hand out)
 
 PUBLISH_TOKEN = "bench-publisher-" + "p" * 24
-PATHS = ("prefill", "local-hit", "kdn-hit")
+PATHS = ("prefill", "local-hit", "kdn-hit", "host-hit")
 
 
 def vllm_env() -> None:
@@ -146,18 +151,29 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
         (tmp / "tokens").write_text(PUBLISH_TOKEN + " admin *\n")
         registry = f"file:{tmp / 'registry.sqlite3'}"
         op, ep = free_port(), free_port()
+        from kdn.registry.signing import Signer
+
+        signer = Signer.generate(tmp / "origin.key")  # the host tier holds only what a trusted key signed
+        (tmp / "trusted").write_text(signer.public + "\n")
         origin = Proc("origin", ["kdn", "origin", "serve", "--model", folder, "--dtype", "bfloat16", "--registry",
                                  registry, "--store", str(tmp / "store"), "--port", str(op), "--token-file",
-                                 str(tmp / "tokens")], tmp / "origin.log")
+                                 str(tmp / "tokens"), "--signing-key", str(tmp / "origin.key")], tmp / "origin.log")
         procs.append(origin)
         origin.wait(f"http://127.0.0.1:{op}/healthz")
         edge = Proc("edge", ["kdn", "edge", "serve", "--region", "bench", "--registry", registry, "--origin",
                              f"http://127.0.0.1:{op}", "--port", str(ep), "--mem-budget", "2GiB"], tmp / "edge.log")
         procs.append(edge)
         edge.wait(f"http://127.0.0.1:{ep}/healthz")
+        sock, seg = str(tmp / "host.sock"), f"/dev/shm/kdn-vllm-ttft-{os.getpid()}.seg"
+        host = Proc("host", ["kdn", "host", "serve", "--edge", f"http://127.0.0.1:{ep}", "--trusted-keys",
+                             str(tmp / "trusted"), "--socket", sock, "--segment", seg, "--segment-bytes", "2GiB"],
+                    tmp / "host.log")
+        procs.append(host)
+        host_up(host, sock)
+        manifests = {}
         for L in lengths:
             t0 = time.perf_counter()
-            publish(f"http://127.0.0.1:{op}", f"ctx-{L}", doc[:L], encodings)
+            manifests[L] = publish(f"http://127.0.0.1:{op}", f"ctx-{L}", doc[:L], encodings)
             log(f"[{name}] published {L} tokens in {time.perf_counter() - t0:.1f} s")
 
         from vllm import LLM, SamplingParams
@@ -168,15 +184,16 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
                   gpu_memory_utilization=0.3,
                   kv_transfer_config={"kv_connector": "KDNConnector", "kv_connector_module_path": "kdn.adapters.vllm",
                                       "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-                                      "kv_connector_extra_config": {"edges": [f"http://127.0.0.1:{ep}"]}})
+                                      "kv_connector_extra_config": {"edges": [f"http://127.0.0.1:{ep}"],
+                                                                    "host": sock}})
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker
         sched = scheduler_side(llm)
 
-        def first_token(ids: list[int], load: bool, salt: str) -> tuple[float, int, int]:
+        def first_token(ids: list[int], load: bool, salt: str, host: bool = False) -> tuple[float, int, int]:
             sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                extra_args={"kv_transfer_params": {"kdn": {"load": load}}})
+                                extra_args={"kv_transfer_params": {"kdn": {"load": load, "host": host}}})
             t0 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=ids, cache_salt=salt)], sp, use_tqdm=False)[0]
             return (time.perf_counter() - t0) * 1e3, out.num_cached_tokens, out.outputs[0].token_ids[0]
@@ -185,14 +202,15 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
         for L in lengths:
             ids = doc[:L] + q
             first_token(ids, True, secrets.token_hex(4))  # fills the edge's memory tier from the origin
+            warm_host(sock, manifests[L]["addresses"])  # the host tier, filled from the edge before the timed runs
             samples: dict[str, list[tuple[float, int, int]]] = {p: [] for p in PATHS}
             seen = {k: len(v) for k, v in phases_of(worker, sched).items()}  # the fill's load is not a hit's
             for r in range(repeat):
-                for path in PATHS[r % 3:] + PATHS[:r % 3]:
+                for path in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:
                     salt = secrets.token_hex(4)
                     if path == "local-hit":
                         first_token(doc[:L] + [q[0] ^ 1] + q[1:], False, salt)  # the same context, warm
-                    smp = first_token(ids, path == "kdn-hit", salt)
+                    smp = first_token(ids, path in ("kdn-hit", "host-hit"), salt, host=path == "host-hit")
                     samples[path].append(smp)
                     log(f"[{name} L={L}] rep {r + 1} {path:9s} {smp[0]:9.1f} ms, {smp[1]} tokens reused")
             before = dict(worker.totals.data["bytes"])
@@ -204,6 +222,41 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
             p.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def host_up(proc: Proc, sock: str, timeout: float = 60.0) -> None:
+    """Wait until the host tier answers on its socket."""
+    import asyncio
+
+    from kdn.client.host import HostClient
+    from kdn.wire.host import HostError
+
+    async def once() -> bool:
+        try:
+            await (await HostClient(sock).connect()).close()
+            return True
+        except HostError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while not asyncio.run(once()):
+        if proc.p.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the host tier did not come up:\n{proc.log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def warm_host(sock: str, addresses: list[str]) -> None:
+    """Fill the host tier with these objects (raw) from its edge, and check it holds them all."""
+    import asyncio
+
+    from kdn.client.host import HostClient
+
+    async def go() -> None:
+        async with HostClient(sock, timeout=300) as h:
+            outcomes = await h.warm(addresses, "raw")
+            assert set(outcomes) <= {"filled", "held"}, outcomes
+
+    asyncio.run(go())
 
 
 def scheduler_side(llm: Any) -> Any:
@@ -251,6 +304,10 @@ def summarize(name: str, L: int, suffix: int, samples: dict, tiers: dict) -> dic
     row["kdn_vs_local_worst"] = P["kdn-hit"]["max"] / P["local-hit"]["median"]
     row["prefill_vs_kdn"] = P["prefill"]["median"] / P["kdn-hit"]["median"]
     row["prefill_vs_kdn_worst"] = P["prefill"]["min"] / P["kdn-hit"]["max"]
+    if "host-hit" in P:
+        row["host_vs_local"] = P["host-hit"]["median"] / P["local-hit"]["median"]
+        row["host_vs_local_worst"] = P["host-hit"]["max"] / P["local-hit"]["median"]
+        row["prefill_vs_host"] = P["prefill"]["median"] / P["host-hit"]["median"]
     return row
 
 
@@ -259,13 +316,19 @@ def table(rows: list[dict]) -> str:
         return f"{st['median']:,.0f} ({st['min']:,.0f}-{st['max']:,.0f})"
 
     out = ["| model | context | vLLM prefill ms | local prefix-cache hit ms | KDN hit ms (edge memory) | "
-           "KDN / local (worst) | prefill / KDN (worst) | tokens reused |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "KDN / local (worst) | KDN hit ms (host tier) | host / local (worst) | prefill / KDN (worst) | "
+           "prefill / host | tokens reused |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         P = r["paths"]
+        if "host-hit" in P:
+            host = f"{ms(P['host-hit'])} | {r['host_vs_local']:.2f}x ({r['host_vs_local_worst']:.2f}x)"
+            pre_host = f"{r['prefill_vs_host']:.1f}x"
+        else:
+            host, pre_host = "- | -", "-"
         out.append(f"| {r['model']} | {r['length']:,} | {ms(P['prefill'])} | {ms(P['local-hit'])} | {ms(P['kdn-hit'])} "
-                   f"| {r['kdn_vs_local']:.2f}x ({r['kdn_vs_local_worst']:.2f}x) "
-                   f"| {r['prefill_vs_kdn']:.1f}x ({r['prefill_vs_kdn_worst']:.1f}x) "
+                   f"| {r['kdn_vs_local']:.2f}x ({r['kdn_vs_local_worst']:.2f}x) | {host} "
+                   f"| {r['prefill_vs_kdn']:.1f}x ({r['prefill_vs_kdn_worst']:.1f}x) | {pre_host} "
                    f"| {'/'.join(str(x) for x in P['kdn-hit']['reused'])} |")
     return "\n".join(out)
 
@@ -286,13 +349,22 @@ def headline(res: R.Results, rows: list[dict]) -> None:
     pre = [f"{r['prefill_vs_kdn']:.1f}x" for r in last]
     worst = [f"{r['prefill_vs_kdn_worst']:.1f}x" for r in last]
     met = "met" if all(r["kdn_vs_local"] <= 1.5 for r in last) else "**not met**"
+    figures = local + pre + worst
+    host = ""
+    if all("host_vs_local" in r for r in last):
+        hl = [f"{r['host_vs_local']:.2f}x" for r in last]
+        hw = [f"{r['host_vs_local_worst']:.2f}x" for r in last]
+        hmet = "met" if all(r["host_vs_local"] <= 1.2 for r in last) else "**not met**"
+        host = (f"; from the machine's host tier (shared memory) **{' / '.join(hl)}** (worst {' / '.join(hw)}; "
+                f"the <= 1.2x target is {hmet})")
+        figures += hl + hw
     res.set_headline(
-        f"vLLM (CPU) time to first token at {at} tokens, KDN hit (edge memory, HTTP)",
+        f"vLLM (CPU) time to first token at {at} tokens, KDN hit from an edge's memory (HTTP) and from the host tier",
         f"**{' / '.join(local)}** ({names}) the time of vLLM's own prefix-cache hit, which moves no bytes "
-        f"(the within-1.5x target is {met}); {' / '.join(pre)} faster than vLLM's prefill "
+        f"(the within-1.5x target is {met}){host}; from the edge {' / '.join(pre)} faster than vLLM's prefill "
         f"(worst {' / '.join(worst)})",
         "vLLM's own local prefix-cache hit (no bytes moved); and vLLM's prefill, same run",
-        [{"shown": x, "table": "main", "cell": x} for x in dict.fromkeys(local + pre + worst)])
+        [{"shown": x, "table": "main", "cell": x} for x in dict.fromkeys(figures)])
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -115,7 +115,7 @@ class PieceLoader:
         thread, while other pieces are still on the wire); the buffer goes back at once. A kvtc object's
         model basis is fetched, verified and registered first (once per basis). A raw piece is received
         straight into its place instead (``_fetch_placed``)."""
-        host = self.client.host
+        host = self.client.host if run.job.host else None
         if host is not None and (p.address, p.encoding) in await self._held(run):
             staged = await self._from_host(run, i, p)
             if staged is not None:

@@ -21,6 +21,7 @@ class LoadJob:
     plan: LoadPlan
     block_ids: tuple[list[int], ...]  # per KV cache group, the request's block table
     background: bool  # async: load between steps and report in get_finished; else inside this step's forward
+    host: bool = True  # the machine's host tier first, where one is set (a request's ``"kdn": {"host": false}``: not)
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,8 @@ class SchedulerSide:
                 log.error("vLLM allocated %d external tokens for %s, the KDN offered %s", n, rid,
                           plan.tokens if plan else 0)
             else:
-                self._ready.append(LoadJob(rid, plan, compat.block_ids_of(blocks), self.background))
+                host = compat.kdn_params(request).get("host") is not False
+                self._ready.append(LoadJob(rid, plan, compat.block_ids_of(blocks), self.background, host))
                 for p in plan.pieces:  # the worker reads them through the edge, which then holds them (warm)
                     self.client.note_read(p.address)
         self._steer_for(request)

@@ -130,10 +130,12 @@ def test_quick_vllm_run_writes_results_and_headline(tmp_path):
     assert d["bench"] == "vllm_ttft" and md.count("\n") == 2 and "| smollm2-135m | 256 |" in md
     row = d["rows"][0]
     assert row["paths"]["kdn-hit"]["reused"] == [256] and row["paths"]["prefill"]["reused"] == [0]
+    assert row["paths"]["host-hit"]["reused"] == [256] and row["tiers_so_far"].get("host", 0) >= 256, row
+    # (the host-hit path's tokens came from the host tier's shared memory, the kdn-hit path's from the edge)
     h = d["headline"]
     for f in h["figures"]:
         assert f["shown"] in h["result"] and R.cell_in(md, f["cell"])
-    assert f"{row['kdn_vs_local']:.2f}x" in h["result"]
+    assert f"{row['kdn_vs_local']:.2f}x" in h["result"] and f"{row['host_vs_local']:.2f}x" in h["result"]
 
 
 def _result(tmp_path: Path, name: str, **fields) -> Path:
