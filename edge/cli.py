@@ -134,6 +134,12 @@ def _register_policy(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--manifest", default=None, metavar="MANIFEST", help="scope of --ttl: namespace/name")
     p.add_argument("--region", default=None,
                    help="only edges of this region (default: every region); with --upper, the upper tier's region")
+    p.add_argument("--at", default=None, metavar="CRON",
+                   help="with --pin, --warm or --push: hold only in windows opening where these five fields "
+                        "(minute hour day-of-month month day-of-week) match, e.g. '0 8 * * 1-5'; needs --tz and --for")
+    p.add_argument("--tz", default=None, metavar="ZONE", help="with --at: the IANA time zone, e.g. Europe/Berlin")
+    p.add_argument("--for", dest="window", default=None, metavar="DURATION",
+                   help="with --at: how long each window lasts, e.g. 2h (a push or warm fills ahead of it)")
     p.add_argument("--operator-key", default=None, metavar="FILE",
                    help="sign the policy with this key (`kdn origin keygen` makes one): edges with --operator-keys "
                         "apply only signed policies")
@@ -304,7 +310,7 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
 
     p = policy_from_options(args.name, pin=args.pin, warm=args.warm, push=args.push, ttl=args.ttl, quota=args.quota,
                             upper=args.upper, to=args.to, rate=args.rate, namespace=args.namespace,
-                            manifest=args.manifest, region=args.region)
+                            manifest=args.manifest, region=args.region, at=args.at, tz=args.tz, window=args.window)
     if args.operator_key is not None:
         from kdn.registry.signing import Signer
 
@@ -334,11 +340,11 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
             rate = p.extra.get("rate_bytes")
             print(f"policy {p.name} set: push {p.manifest} to "
                   f"{'regions ' + ', '.join(regions) if regions else 'every region'}"
-                  + (f" at most {format_size(rate)}/s per edge" if rate else ""))
+                  + (f" at most {format_size(rate)}/s per edge" if rate else "") + _when(p))
             return 0
         else:
             detail = p.manifest or ""
-        print(f"policy {p.name} set: {p.kind} {detail} in {_region(p)}")
+        print(f"policy {p.name} set: {p.kind} {detail} in {_region(p)}{_when(p)}")
         return 0
 
     return _run(args, go)
@@ -356,12 +362,14 @@ def cmd_policy_ls(args: argparse.Namespace) -> int:
             return 0
         from kdn.registry.policy_records import policy_row
 
-        table = [("NAME", "KIND", "REGION", "SCOPE", "SETTING")]
+        table: list[tuple[str, ...]] = [("NAME", "KIND", "REGION", "SCOPE", "SCHEDULE", "SETTING")]
         for name, p, err in rows:
-            table.append(policy_row(p) if p is not None else (name, "invalid", "-", "-", (err or "")[:80]))
-        widths = [max(len(r[i]) for r in table) for i in range(4)]
+            table.append(policy_row(p) if p is not None else (name, "invalid", "-", "-", "-", (err or "")[:80]))
+        if not any(p is not None and p.schedule is not None for _, p, _ in rows):
+            table = [r[:4] + r[5:] for r in table]  # no schedule to show: the column is left out
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
         for r in table:
-            print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+            print("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
         return 0
 
     return _run(args, go)
@@ -409,6 +417,20 @@ async def _read_policies(reg) -> list[tuple[str, Policy | None, str | None]]:
 
 def _region(p) -> str:
     return f"region {p.region}" if p.region else "every region"
+
+
+def _when(p) -> str:
+    """``, 0 8 * * 1-5 Europe/Berlin for 2h (next window 2025-06-02 08:00 Europe/Berlin)`` for a scheduled one."""
+    if p.schedule is None:
+        return ""
+    import time
+    from datetime import datetime
+    from zoneinfo import ZoneInfo
+
+    now = time.time()
+    w = p.schedule.window(now)
+    opens = datetime.fromtimestamp(w.start, ZoneInfo(p.schedule.tz)).strftime("%Y-%m-%d %H:%M")
+    return f", {p.schedule.describe()} ({'open now, since' if w.holds(now) else 'next window'} {opens} {p.schedule.tz})"
 
 
 # --- ring ----------------------------------------------------------------------

@@ -139,12 +139,20 @@ class Edge:
 
             operators = Verifier.from_file(config.operator_keys)
         self.policies = PolicyEngine(registry, config.region, self.tiers, warm=self.warm, manifest_feed=True,
-                                     verifier=operators, bodies=self.bodies)
+                                     verifier=operators, bodies=self.bodies, link=self._fill_seconds)
         self.prefetched: set[Key] = set()  # filled by a prefetch and not read yet
         self.flight: SingleFlight[tuple[bytes | bytearray, str]] = SingleFlight()  # one fill per key at a time
         self._background: set[asyncio.Task] = set()
         self._disk_error_logged = float("-inf")
         self._promoting: set[Key] = set()  # disk hits being copied to memory: one copy per key at a time
+
+    def _fill_seconds(self, nbytes: int) -> float:
+        """How long this edge expects ``nbytes`` of fills to take, from the sources its fills measured (a scheduled
+        push starts that long before its window); unmeasured: at the assumed link speed (edge/policy_warms.py)."""
+        from kdn.edge.policy_warms import ASSUMED_BPS
+
+        measured = self.filler.estimates.least_measured(nbytes)
+        return measured if measured is not None else nbytes / ASSUMED_BPS
 
     def _connect_upstream(self, config: EdgeConfig, registry, metrics: EdgeMetrics) -> None:
         """The upstream: the body reader every fill goes through (kdn.wire.bodyget, as the fetch client's), an HTTP

@@ -31,6 +31,13 @@ Operators know what is hot. They say so with records under ``policies/``
 A policy applies here if its ``region`` is None or this edge's region; an
 ``upper`` policy holds for every edge (its region names the tier, not a scope).
 
+Schedules (``Policy.schedule``: ``kdn policy set --at '0 8 * * 1-5' --tz Europe/Berlin --for 2h``; the
+windows are ``kdn/registry/schedule.py``'s): a scheduled ``pin`` pins only inside its windows; a scheduled
+``warm`` or ``push`` runs once per window, starting ahead of it by the time its bytes need at this edge's
+link speed (``edge/policy_warms.py``, ``lead_s``), and pins its manifest from then until the window ends, then
+releases it. The engine reads the time from ``clock`` (wall time: windows are in time zones; tests step a
+fake one) after every change, and wakes when the next scheduled policy's state changes (``phases``).
+
 What "apply" means (the one rule function each tier gets, re-ruling what it holds; quotas replaced whole;
 nothing re-applied that did not change): ``edge/policy_rules.py``.
 
@@ -66,8 +73,8 @@ from collections.abc import Callable, Sequence
 
 from kdn.format.address import Address, validate_name
 from kdn.registry.policy_records import POLICIES, is_tombstone, set_at, validate_policy
-from kdn.edge.policy_rules import Rules, rules_for
-from kdn.edge.policy_warms import PolicyStats, Warm, WarmRuns
+from kdn.edge.policy_rules import Phase, Rules, phase, rules_for
+from kdn.edge.policy_warms import Clock, PolicyStats, WallClock, Warm, WarmRuns
 from kdn.edge.tiers import GovernedTier
 from kdn.errors import InvalidInput, KDNError, RegistryUnavailable
 from kdn.registry.follow import follow, stop_tasks
@@ -85,7 +92,9 @@ class PolicyEngine:
     snapshot is applied as soon as the registry answers (``ready``). With
     ``manifest_feed=True`` the engine does not watch ``manifests/`` itself:
     its owner, which follows that prefix anyway (the edge's one manifest view),
-    hands it each event through ``feed_manifests``.
+    hands it each event through ``feed_manifests``. ``clock``: what scheduled policies are read on
+    (``WallClock`` by default; tests step one). ``link(n)``: the seconds this edge expects ``n`` bytes of
+    fills to take, for a scheduled push's lead (None: an assumed speed, ``policy_warms.ASSUMED_BPS``).
     """
 
     def __init__(
@@ -100,8 +109,11 @@ class PolicyEngine:
         manifest_feed: bool = False,
         verifier=None,
         bodies=None,
+        clock: Clock | None = None,
+        link: Callable[[int], float] | None = None,
     ) -> None:
         self._registry = registry
+        self.clock: Clock = clock or WallClock()  # public: a test may step another in before a schedule is set
         # Where the whole manifest a registry pointer names is read (``Manifest.body``: an origin with
         # ``--records store``): ``get_manifest_body(namespace, name, digest)``; None: pointers name nothing.
         self._bodies = bodies
@@ -132,12 +144,15 @@ class PolicyEngine:
         self._upper: frozenset[str] = frozenset()
         self._unresolved: frozenset[str] = frozenset()
         self._invalid_view: dict[str, str] = {}
+        self._phases: dict[str, Phase] = {}
         self._ready = False
         self.stats = PolicyStats()
-        self._warms = WarmRuns(warm, self.stats, self._notify)
+        self._warms = WarmRuns(warm, self.stats, self._notify, link=link)
         self._queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue(maxsize=256)
         self._tasks: list[asyncio.Task[None]] = []
         self._retry: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Task[None] | None = None  # wakes when a scheduled policy's state changes next
+        self._wake_at: float | None = None
         self._changed = asyncio.Event()
         self._closed = False
 
@@ -173,6 +188,11 @@ class PolicyEngine:
         return self._unresolved
 
     @property
+    def phases(self) -> dict[str, Phase]:
+        """The scheduled policies in force here, by name: the window open or next, whether each holds now."""
+        return self._phases
+
+    @property
     def ready(self) -> bool:
         """Both watches have delivered their first snapshot and it was applied."""
         return self._ready
@@ -201,7 +221,8 @@ class PolicyEngine:
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
-        await stop_tasks(self._tasks + self._warms.take_tasks(), what="policy")
+        timer, self._timer = ([self._timer] if self._timer is not None else []), None
+        await stop_tasks(self._tasks + self._warms.take_tasks() + timer, what="policy")
         self._tasks = []
 
     async def __aenter__(self) -> PolicyEngine:
@@ -395,17 +416,53 @@ class PolicyEngine:
             if self._retry is not None:
                 self._retry.cancel()
             self._retry = asyncio.get_running_loop().call_later(self._retry_s, self._kick)
+        # The bytes a scheduled warm or push moves set how far ahead of its window it starts.
+        fills = {p.manifest for p in self._records.values()
+                 if p.schedule is not None and p.kind in ("warm", "push") and p.manifest and self._here(p)}
+        await self._warms.size({ref: self._manifests.get(ref) for ref in fills},
+                               [s for s in (self._bodies, self._registry) if s is not None])
 
     def _kick(self) -> None:
         with contextlib.suppress(asyncio.QueueFull):  # full: a batch is coming anyway
             self._queue.put_nowait(("retry", None))
+
+    def _arm(self, at: float | None) -> None:
+        """Apply again at ``at`` on ``clock`` (None: nothing scheduled here)."""
+        if at == self._wake_at and (at is None or self._timer is not None):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._wake_at, self._timer = at, None
+        if at is not None and not self._closed:
+            self._timer = asyncio.create_task(self._wake(at), name="kdn-policy-schedule")
+
+    async def _wake(self, at: float) -> None:
+        while self.clock.now() < at:
+            await self.clock.sleep_until(at)
+        # No await from here to the kick: a cancel by _arm (a new time) cannot land after the clock was read.
+        self._timer = self._wake_at = None
+        self._kick()
+
+    def _phase(self, name: str, p: Policy, now: float) -> Phase:
+        """``p``'s phase now. A run that started for a window holds to the window's end, even if its lead has
+        shrunk since (a faster link measured, say): releasing its pin and starting it again later would let
+        what it filled go meanwhile."""
+        ph = phase(p, now, self._warms.lead(p))
+        before = self._phases.get(name)
+        if not ph.held and before is not None and before.held and before.window == ph.window:
+            return Phase(ph.window, True, ph.window.end, before.lead_s)
+        return ph
 
     # --- applying ----------------------------------------------------------
 
     def _apply(self) -> None:
         here = {n: p for n, p in self._records.items() if self._here(p)}
         resolved = {ref: m for ref, m in self._manifests.items() if m is not None}
-        rules, quotas = rules_for(here.values(), resolved)
+        # Scheduled policies hold part of the time: the rules and the runs get the ones that hold now.
+        now = self.clock.now()
+        phases = {n: self._phase(n, p, now) for n, p in sorted(here.items()) if p.schedule is not None}
+        live = {n: p for n, p in here.items() if n not in phases or phases[n].held}
+        rules, quotas = rules_for(live.values(), resolved)
         changed = False
         if quotas != self._quotas:
             for t in self._tiers:
@@ -417,7 +474,10 @@ class PolicyEngine:
             self._rules, changed = rules, True
         if changed:
             self.stats.applies += 1
-        self._warms.update(here, resolved)
+        self._warms.update(live, resolved, {n: ph.window.start for n, ph in phases.items()})
+        self._warms.forget(self._records.keys())
+        self._phases = phases
+        self._arm(min((ph.until for ph in phases.values()), default=None))
         kinds: dict[str, int] = {}
         for p in here.values():
             kinds[p.kind] = kinds.get(p.kind, 0) + 1

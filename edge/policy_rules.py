@@ -9,6 +9,11 @@ TTL is expired at once, dropped first under pressure or at the next
 tiers' quotas as a whole (``set_quotas``): the engine owns them. Rules that
 did not change are not re-applied (``Rules`` compare by value), so a policy event that changes nothing
 costs no walk over the tiers.
+
+Scheduled policies (``Policy.schedule``) hold only part of the time (``phase``): a pin inside each window; a
+warm or push from its lead before each window (when its run starts: ``edge/policy_warms.py``) to the window's
+end, and while it holds it pins its manifest too, so what it filled ahead stays until the window is over. The
+engine hands ``rules_for`` only the policies that hold now, and asks again when the next one changes.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from dataclasses import dataclass
 from kdn.format.address import Address
 from kdn.edge.tiers import EntryMeta, Key, PolicyState
 from kdn.registry.records import Manifest, Policy
+from kdn.registry.schedule import Window
 
-__all__ = ["Rules", "Ttl", "manifest_addresses", "rules_for"]
+__all__ = ["Phase", "Rules", "Ttl", "manifest_addresses", "phase", "rules_for"]
 
 
 @dataclass(frozen=True)
@@ -60,16 +66,39 @@ def manifest_addresses(m: Manifest) -> tuple[Address, ...]:
     return tuple(dict.fromkeys([*m.addresses, *m.standalone]))  # order kept, duplicates dropped
 
 
+@dataclass(frozen=True)
+class Phase:
+    """Where a scheduled policy stands at one instant: the window open then, else the next; whether the policy
+    holds (``held``); when that changes next (``until``, seconds since the epoch); and the lead it was given."""
+
+    window: Window
+    held: bool
+    until: float
+    lead_s: float = 0.0
+
+
+def phase(p: Policy, now: float, lead_s: float = 0.0) -> Phase:
+    """``p``'s phase at ``now``: a pin holds inside its windows; a warm or push from ``lead_s`` before each
+    window opens (its run's start) until the window ends. Pure: the caller's clock gives ``now``."""
+    assert p.schedule is not None
+    w = p.schedule.window(now)
+    opens = w.start - (lead_s if p.kind in ("warm", "push") else 0.0)
+    if now < opens:
+        return Phase(w, False, opens, lead_s)
+    return Phase(w, True, w.end, lead_s)
+
+
 def rules_for(policies: Iterable[Policy], resolved: Mapping[str, Manifest]) -> tuple[Rules, dict[str, int]]:
-    """The rules and the quotas (bytes by namespace) of ``policies``, the ones in force here; ``resolved``: the
-    published manifests they name, by ``ns/name``. A pin of a manifest not published pins nothing yet; a ttl
-    scoped to one matches by the entries' own manifest meanwhile; several quotas for a namespace: the smallest."""
+    """The rules and the quotas (bytes by namespace) of ``policies``, the ones in force here now; ``resolved``:
+    the published manifests they name, by ``ns/name``. A pin of a manifest not published pins nothing yet; a
+    scheduled warm or push pins its manifest (it is handed here only while it holds); a ttl scoped to one
+    matches by the entries' own manifest meanwhile; several quotas for a namespace: the smallest."""
     pinned: set[Address] = set()
     ttls: list[Ttl] = []
     quotas: dict[str, int] = {}
     for p in policies:
         m = resolved.get(p.manifest) if p.manifest is not None else None
-        if p.kind == "pin" and m is not None:
+        if (p.kind == "pin" or p.schedule is not None) and m is not None:
             pinned.update(manifest_addresses(m))
         elif p.kind == "ttl" and p.ttl_s is not None:  # (a parsed ttl policy always has one)
             addrs = frozenset(manifest_addresses(m)) if m is not None else frozenset()

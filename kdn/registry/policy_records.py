@@ -17,10 +17,12 @@ from typing import Any
 from kdn.format.address import validate_name
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry.records import Policy
+from kdn.registry.schedule import Schedule
 from kdn.units import format_duration, format_size
 
-__all__ = ["KINDS_SET", "MAX_PUSH_REGIONS", "POLICIES", "Removal", "is_tombstone", "policy_from_options",
-           "policy_row", "policy_scope", "remove_policy", "set_at", "tombstone", "validate_policy"]
+__all__ = ["KINDS_SET", "MAX_PUSH_REGIONS", "POLICIES", "Removal", "SCHEDULED_KINDS", "is_tombstone",
+           "policy_from_options", "policy_row", "policy_scope", "remove_policy", "set_at", "tombstone",
+           "validate_policy"]
 
 POLICIES = "policies/"  # the registry prefix policy records live under
 
@@ -47,6 +49,8 @@ def tombstone(name: str, at: float) -> Policy:
 
 def validate_policy(p: Policy) -> Policy:
     """The fields each kind needs, beyond what the record itself checks. Used by the CLI too."""
+    if p.schedule is not None and p.kind not in SCHEDULED_KINDS:
+        raise InvalidInput(f"policy {p.name!r}: a schedule goes with pin, warm or push, not {p.kind}")
     if p.kind in ("pin", "warm", "push"):
         if p.manifest is None:
             raise InvalidInput(f"policy {p.name!r}: a {p.kind} policy needs a manifest (namespace/name)")
@@ -76,16 +80,19 @@ def validate_policy(p: Policy) -> Policy:
 
 
 KINDS_SET = ("pin", "warm", "push", "ttl", "quota", "upper")  # what `kdn policy set` and the console set
+SCHEDULED_KINDS = ("pin", "warm", "push")  # the kinds that may hold on a schedule (--at --tz --for)
 
 
 def policy_from_options(name: str, *, pin: str | None = None, warm: str | None = None, push: str | None = None,
                         ttl: str | None = None, quota: str | None = None, upper: bool = False, to: str | None = None,
                         rate: str | None = None, namespace: str | None = None, manifest: str | None = None,
-                        region: str | None = None, at: float | None = None) -> Policy:
+                        region: str | None = None, at: str | None = None, tz: str | None = None,
+                        window: str | None = None, now: float | None = None) -> Policy:
     """The policy ``kdn policy set`` writes for these options (exactly one of pin, warm, push, ttl, quota,
-    upper), checked: the one place options become a record, so the CLI and the operator console
-    (origin/console/forms.py) refuse the same input with the same words. ``at`` stamps ``extra.set_at`` (now by
-    default): every set is a new record, so setting a warm again warms again."""
+    upper; a pin, warm or push on a schedule with ``at``, ``tz`` and ``window``: --at, --tz, --for), checked:
+    the one place options become a record, so the CLI and the operator console (origin/console/forms.py)
+    refuse the same input with the same words. ``now`` stamps ``extra.set_at`` (the time by default): every
+    set is a new record, so setting a warm again warms again."""
     from kdn.units import parse_duration, parse_size
 
     chosen = [k for k, v in (("pin", pin), ("warm", warm), ("push", push), ("ttl", ttl), ("quota", quota))
@@ -128,7 +135,31 @@ def policy_from_options(name: str, *, pin: str | None = None, warm: str | None =
         if manifest is not None:
             raise InvalidInput("--quota caps a namespace; it takes no --manifest")
         fields.update(kind="quota", quota_bytes=parse_size(quota), namespace=namespace)
-    return validate_policy(Policy(**fields, extra={**extra, "set_at": time.time() if at is None else at}))
+    fields["schedule"] = _schedule(at, tz, window, fields["kind"])
+    return validate_policy(Policy(**fields, extra={**extra, "set_at": time.time() if now is None else now}))
+
+
+def _schedule(at: str | None, tz: str | None, window: str | None, kind: str) -> Schedule | None:
+    """The schedule --at, --tz and --for give (None without them), for a policy of ``kind``."""
+    from kdn.units import parse_duration
+
+    if at is None:
+        if tz is not None or window is not None:
+            raise InvalidInput("--tz and --for go with --at: a schedule (like --at '0 8 * * 1-5' --tz Europe/Berlin "
+                               "--for 2h)")
+        return None
+    if kind not in SCHEDULED_KINDS:
+        raise InvalidInput(f"--at goes with --pin, --warm or --push (a schedule says when they hold), not --{kind}")
+    if tz is None:
+        raise InvalidInput("--at needs --tz: a schedule's time zone is explicit, an IANA name like Europe/Berlin "
+                           "or UTC")
+    if window is None:
+        raise InvalidInput("--at needs --for: how long each window lasts, like 2h")
+    try:
+        for_s = parse_duration(window)
+    except InvalidInput as e:
+        raise InvalidInput(f"--for: {e}") from None
+    return Schedule(at=at, tz=tz, for_s=for_s)
 
 
 @dataclass(frozen=True)
@@ -174,15 +205,17 @@ async def remove_policy(reg: Any, name: str, signer: Any = None) -> Removal:
     return Removal(True, f"policy {name} removed (a signed tombstone: edges with --operator-keys drop it)", note)
 
 
-def policy_row(p: Policy) -> tuple[str, str, str, str, str]:
+def policy_row(p: Policy) -> tuple[str, str, str, str, str, str]:
     """The columns ``kdn policy ls`` prints for a policy an edge would apply (``validate_policy``) or a signed
-    tombstone: name, kind, region (``*``: every one; a push's: the regions it goes to), scope and setting.
-    The operator console shows the same (origin/console/policies.py)."""
+    tombstone: name, kind, region (``*``: every one; a push's: the regions it goes to), scope, schedule
+    (``always``, or ``0 8 * * 1-5 Europe/Berlin for 2h``) and setting. The operator console shows the same
+    (origin/console/policies.py, manifest.py)."""
     if is_tombstone(p):
-        return p.name, "-", "-", "-", "removed (a signed tombstone)"
+        return p.name, "-", "-", "-", "-", "removed (a signed tombstone)"
+    when = p.schedule.describe() if p.schedule is not None else "always"
     if p.kind == "push":
         rate = p.extra.get("rate_bytes")
-        return (p.name, p.kind, ",".join(p.extra.get("regions") or []) or "*", str(p.manifest),
+        return (p.name, p.kind, ",".join(p.extra.get("regions") or []) or "*", str(p.manifest), when,
                 f"at most {format_size(rate)}/s per edge" if rate else "-")
     if p.kind in ("pin", "warm"):
         scope, setting = str(p.manifest), "-"
@@ -194,7 +227,7 @@ def policy_row(p: Policy) -> tuple[str, str, str, str, str]:
     else:
         assert p.quota_bytes is not None  # (validate_policy: a quota policy has its bytes)
         scope, setting = f"namespace {p.namespace}", format_size(p.quota_bytes)
-    return p.name, p.kind, p.region or "*", scope, setting
+    return p.name, p.kind, p.region or "*", scope, when, setting
 
 
 def policy_scope(p: Policy) -> str:

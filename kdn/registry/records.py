@@ -24,6 +24,7 @@ from kdn.emphasis import EmphasisMap
 from kdn.errors import InvalidInput
 from kdn.format.pieces import Pieces
 from kdn.registry.fields import Record, check_dict, check_sig, check_str, is_int, is_number, require
+from kdn.registry.schedule import Schedule
 
 # "basis": a model-level object (a kvtc basis, kdn/kernels/transform.py) stored and served like a chunk
 OBJECT_KINDS = frozenset({"kv", "ssm", "hybrid", "basis"})
@@ -445,8 +446,9 @@ class Admission(Record):
 
 @dataclass(frozen=True)
 class Policy(Record):
-    """An operator rule (pin, warm, ttl, quota), scoped by region, manifest and/or namespace; or the choice
-    of the upper tier (``upper``: ``region`` names the region every other region fills through)."""
+    """An operator rule (pin, warm, push, ttl, quota), scoped by region, manifest and/or namespace; or the choice
+    of the upper tier (``upper``: ``region`` names the region every other region fills through). A pin, warm or
+    push may hold on a ``schedule`` only."""
 
     name: str
     kind: str  # "pin" | "warm" | "push" | "ttl" | "quota" | "upper"
@@ -459,10 +461,14 @@ class Policy(Record):
     # An operator key's signature (kdn/registry/signing.py; `kdn policy set --operator-key`): edges started with
     # --operator-keys apply only policies one of those keys signed.
     sig: dict[str, str] = field(default_factory=dict)
+    # When it holds (kdn/registry/schedule.py; `kdn policy set --at --tz --for`): a pin, warm or push only;
+    # None: always. Signed with the rest when present (a policy signed before schedules verifies as it did).
+    schedule: Schedule | None = None
 
     def __post_init__(self) -> None:
         validate_name(self.name)
         require(self.kind in POLICY_KINDS, f"Policy.kind must be one of {sorted(POLICY_KINDS)}, got {self.kind!r}")
+        require(self.schedule is None or isinstance(self.schedule, Schedule), "Policy.schedule must be a Schedule")
         if self.region is not None:
             validate_name(self.region)
         if self.manifest is not None:
@@ -476,3 +482,10 @@ class Policy(Record):
         )
         check_dict("Policy", "extra", self.extra)
         check_sig("Policy", self.sig)
+
+    @classmethod
+    def from_dict(cls, d: object) -> Policy:
+        f = cls.fields_from(d)
+        if f.get("schedule") is not None:  # the wire form (a map), made a Schedule and checked here
+            f["schedule"] = Schedule.from_dict(f["schedule"])
+        return cls(**f)

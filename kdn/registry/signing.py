@@ -24,8 +24,9 @@ counts, the published token ids, template, standalone addresses, the emphasis ma
 one; its absence is signed too, since the payload then differs from one with a map); base relations
 (``BaseRelation``: a variant model reads a base model's states) -- variant, base, layer count, the layer plan,
 metric, budget, what was measured, name, and (when set) its per-variant version with its ``created`` and a
-tombstone's ``deleted``. Not signed: an object record's and a version-0 record's ``created`` (no consumer
-decides anything by it) and the signature itself.
+tombstone's ``deleted``; operator policies -- every field, the schedule when there is one. Not signed: an
+object record's and a version-0 record's ``created`` (no consumer decides anything by it) and the signature
+itself.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def payload(rec: ObjectRecord | Manifest | Policy | Admission | ModelRecord | Ba
         body = {"t": "kdn/policy/v1", "name": rec.name, "kind": rec.kind, "region": rec.region,
                 "manifest": rec.manifest, "namespace": rec.namespace, "ttl_s": rec.ttl_s,
                 "quota_bytes": rec.quota_bytes, "extra": rec.extra}
+        if rec.schedule is not None:  # only when present: policies signed before schedules existed still verify
+            body["schedule"] = rec.schedule.to_dict()
     elif isinstance(rec, ModelRecord):
         body = {"t": "kdn/model-record/v1", "model_id": rec.model_id, "name": rec.name,
                 "architecture": rec.architecture, "dtype": rec.dtype, "chunk_tokens": rec.chunk_tokens,

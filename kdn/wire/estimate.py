@@ -152,6 +152,11 @@ class Estimates:
             est = self._by[source] = SourceEstimate()
         return est
 
+    def least_measured(self, size: int) -> float | None:
+        """The least expected time to load ``size`` bytes from a source this has measured at least once; None
+        before any sample (an unmeasured estimate is a guess, not a speed)."""
+        return min((e.expected_load(size) for e in self._by.values() if e.samples), default=None)
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {s: {"rtt_ms": e.rtt * 1e3, "mbps": e.bandwidth * 8 / 1e6, "samples": e.samples, "failures": e.failures}
                 for s, e in self._by.items()}

@@ -154,6 +154,8 @@ async def _set(reg: Registry, viewer: Viewer, form: dict[str, str], manifest: st
         options[kind] = manifest
         if kind == "push":
             options.update(to=form.get("to") or None, rate=form.get("rate") or None)
+        # A schedule (kdn policy set --at --tz --for): all empty, always; else checked as the CLI checks it.
+        options.update(at=form.get("at") or None, tz=form.get("tz") or None, window=form.get("for") or None)
     elif kind == "ttl":
         options.update(ttl=form.get("ttl", ""), manifest=manifest, namespace=None if manifest else scope_ns)
     else:
@@ -167,7 +169,8 @@ async def _set(reg: Registry, viewer: Viewer, form: dict[str, str], manifest: st
     if signer is not None:
         p = signer.sign(p)
     await reg.put_policy(p)
-    return f"policy {p.name} set: {p.kind}" + (f" in region {p.region}" if p.region else "")
+    return (f"policy {p.name} set: {p.kind}" + (f" in region {p.region}" if p.region else "")
+            + (f", {p.schedule.describe()}" if p.schedule is not None else ""))
 
 
 async def _remove(reg: Registry, viewer: Viewer, form: dict[str, str], signer: Any) -> str:

@@ -78,7 +78,7 @@ def _policies_section(viewer: Viewer, ns: str, name: str, policies: list[Policy]
     if policies:
         rows = []
         for p in policies:
-            _, kind, region, scope, setting = policy_row(p)
+            _, kind, region, scope, when, setting = policy_row(p)
             remove = ""
             if may_edit(viewer, p):
                 remove = (f'<form class="inline" method="post" action="{PREFIX}/policies">'
@@ -88,9 +88,10 @@ def _policies_section(viewer: Viewer, ns: str, name: str, policies: list[Policy]
                           f'<input type="hidden" name="manifest" value="{e(ns)}/{e(name)}">'
                           "<button>Remove</button></form>")
             rows.append(f'<tr data-policy="{e(p.name)}"><td>{e(p.name)}</td><td>{e(kind)}</td><td>{e(region)}</td>'
-                        f"<td>{e(scope)}</td><td>{e(setting)}</td><td>{remove}</td></tr>")
-        parts.append("<table><thead><tr><th>name</th><th>kind</th><th>region</th><th>scope</th><th>setting</th>"
-                     "<th></th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+                        f'<td>{e(scope)}</td><td class="schedule">{e(when)}</td><td>{e(setting)}</td>'
+                        f"<td>{remove}</td></tr>")
+        parts.append("<table><thead><tr><th>name</th><th>kind</th><th>region</th><th>scope</th><th>schedule</th>"
+                     "<th>setting</th><th></th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
     else:
         parts.append('<p class="note">No policy applies to it: edges cache it as they cache anything.</p>')
     if viewer.may_admin(ns):
@@ -104,10 +105,15 @@ def _policies_section(viewer: Viewer, ns: str, name: str, policies: list[Policy]
             '<label data-kinds="push">to regions (empty: every region)<input name="to" placeholder="eu,us"></label>'
             '<label data-kinds="push">at most, per edge<input name="rate" placeholder="50MiB/s"></label>'
             '<label data-kinds="ttl">entries may go after<input name="ttl" placeholder="2h"></label>'
+            '<label data-kinds="pin warm push">at (empty: always)<input name="at" placeholder="0 8 * * 1-5"></label>'
+            '<label data-kinds="pin warm push">time zone<input name="tz" placeholder="Europe/Berlin"></label>'
+            '<label data-kinds="pin warm push">for<input name="for" placeholder="2h"></label>'
             '<label>policy name (empty: kind.namespace.name)<input name="name"></label>'
             "<button>Set</button></form>"
             '<p class="note">pin: never evicted; warm: each edge fetches what it owns now; push: sent to those '
-            "regions ahead of their readers; ttl: entries may be dropped that long after they arrive "
+            "regions ahead of their readers; ttl: entries may be dropped that long after they arrive. "
+            "With at (minute hour day-of-month month day-of-week), a time zone and for: a pin holds only in "
+            "those windows, a warm or push fills ahead of each and holds it until the window ends "
             "(docs/operations.md, Policies). Written as <code>kdn policy set</code> writes it, signed with this "
             "origin's key where it has one.</p>")
     return "".join(parts)

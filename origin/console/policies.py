@@ -91,7 +91,9 @@ async def policy_named(reg: Registry, name: str) -> tuple[bool, Policy | None]:
 def policy_badge(p: Policy) -> str:
     from kdn.registry.policy_records import policy_row  # the columns `kdn policy ls` prints
 
-    _, kind, region, scope, setting = policy_row(p)
+    _, kind, region, scope, when, setting = policy_row(p)
     where = "" if region == "*" else f" in {region}" if kind != "push" else f" to {region}"
     extra = "" if setting == "-" or kind in ("pin", "warm") else f" {setting}"
-    return (f'<span class="pol {e(kind)}" title="{e(p.name)}: {e(scope)}">{e(kind)}{e(extra)}{e(where)}</span>')
+    timed = "" if p.schedule is None else f" at {when}"
+    return (f'<span class="pol {e(kind)}" title="{e(p.name)}: {e(scope)}">{e(kind)}{e(extra)}{e(where)}{e(timed)}'
+            "</span>")
