@@ -141,13 +141,18 @@ class Filler:
                         host, ",".join(self.scope.patterns))
         return {}
 
-    def plan(self, key: Key, rec: ObjectRecord, *, hop: bool, tier: bool = False,
-             filling: bool = False) -> list[tuple[str, str, dict[str, str]]]:
-        """Sources in the order to try: (label, base URL, extra headers). ``tier``: a lower region's fill
-        through this edge, the upper tier (only the origins). ``filling``: for a fill (regions left out
-        while they rest are counted), not a lookup's forecast."""
+    def routes(self, key: Key, rec: ObjectRecord, *, hop: bool, tier: bool = False,
+               filling: bool = False) -> list[Route]:
+        """A fill's routes, in the order to try (``kdn.wire.fetch.Route``: label, base URL, kind, headers,
+        each one's bound). ``tier``: a lower region's fill through this edge, the upper tier (only the origins).
+        ``filling``: for a fill (regions left out while they rest are counted), not a lookup's forecast."""
         address, encoding = key
         size = rec.encodings[encoding].size
+        return [Route(label, base, label.split(":", 1)[0], extra, self._timeout_for(label.split(":", 1)[0], base, size))
+                for label, base, extra in self._sources(address, size, hop=hop, tier=tier, filling=filling)]
+
+    def _sources(self, address: Address, size: int, *, hop: bool, tier: bool,
+                 filling: bool) -> list[tuple[str, str, dict[str, str]]]:
         origins = self.origin_urls()
         if tier:
             return [("origin", url, {}) for url in origins]
@@ -261,9 +266,7 @@ class Filler:
         checked as the bytes land; a lying or broken source is counted and the next one tried)."""
         address, encoding = key
         enc = rec.encodings[encoding]
-        routes = [Route(label, base, label.split(":", 1)[0], extra,
-                        self._timeout_for(label.split(":", 1)[0], base, enc.size))
-                  for label, base, extra in self.plan(key, rec, hop=hop, tier=tier, filling=True)]
+        routes = self.routes(key, rec, hop=hop, tier=tier, filling=True)
         try:
             body = await self.fetcher.fetch(Want(address, encoding, enc.size, enc.digest, enc.piece_list), routes,
                                             observer=_Counts(self))

@@ -39,7 +39,6 @@ from kdn.auth import TokenScope
 from kdn.wire.bodyget import BodyGetter
 from kdn.format.encodings import LOSSLESS_PREFERENCE
 from kdn.errors import RegistryUnavailable, SourceError
-from kdn.wire.fetch import CACHED_ONLY
 from kdn.format.objects import blob_namespace
 from kdn.registry import NodeRecord, ObjectRecord
 
@@ -396,8 +395,7 @@ class Edge:
             return "memory"
         if self.disk is not None and self.disk.contains(key):
             return "disk"
-        plan = self.filler.plan(key, rec, hop=False)
-        return next((label for label, _, extra in plan if CACHED_ONLY not in extra), "origin")
+        return next((r.label for r in self.filler.routes(key, rec, hop=False) if not r.cached_only), "origin")
 
     async def _prefetch_one(self, address: Address, encoding: str | None = None) -> None:
         rec = await self.records.get(address)

@@ -142,7 +142,7 @@ def test_the_plan_puts_the_upper_tier_after_the_cached_only_asks_and_before_the_
 
     def plan(me, uppers, **kw):
         f = _filler(None, me, {r: u for r, u in urls.items()}, origin, uppers)
-        return [(label, headers) for label, _, headers in f.plan(key, RECORD, hop=False, **kw)]
+        return [(r.label, r.headers) for r in f.routes(key, RECORD, hop=False, **kw)]
 
     got = plan("ap", {"eu"})
     assert [label for label, _ in got] == ["region:us", "upper:eu", "origin"]
@@ -166,11 +166,11 @@ def test_a_fill_asks_at_most_two_other_regions_cached_only_unless_told_to_ask_ev
     key = (ADDRESS, "zstd")
     metrics = EdgeMetrics(CollectorRegistry(), lambda: None)
     f = _filler(None, "r0", urls, "http://127.0.0.1:4", set(), metrics)
-    labels = [label for label, _, _ in f.plan(key, RECORD, hop=False, filling=True)]
+    labels = [r.label for r in f.routes(key, RECORD, hop=False, filling=True)]
     assert len(labels) == fill.PROBE_MAX_REGIONS + 1 and labels[-1] == "origin", labels
     assert metrics.region_capped._value.get() == 8 - fill.PROBE_MAX_REGIONS  # noqa: SLF001
     f.always_probe_regions = True
-    assert len(f.plan(key, RECORD, hop=False)) == 8 + 1
+    assert len(f.routes(key, RECORD, hop=False)) == 8 + 1
 
 
 def test_a_region_is_worth_asking_first_against_the_upper_tier_not_the_origin():
@@ -181,15 +181,15 @@ def test_a_region_is_worth_asking_first_against_the_upper_tier_not_the_origin():
     key = (ADDRESS, "zstd")
     # Below an upper tier the origin is never asked, so never measured: the upper tier's fills are.
     f = _filler(None, "ap", urls, origin, {"eu"})
-    assert [label for label, _, _ in f.plan(key, RECORD, hop=False)] == ["region:us", "upper:eu", "origin"]
+    assert [r.label for r in f.routes(key, RECORD, hop=False)] == ["region:us", "upper:eu", "origin"]
     for url in (urls["eu"], urls["us"]):
         f.estimates[url].observe(100, 0.06)
-    assert [label for label, _, _ in f.plan(key, RECORD, hop=False)] == ["upper:eu", "origin"]
+    assert [r.label for r in f.routes(key, RECORD, hop=False)] == ["upper:eu", "origin"]
     # Without one, the same regions against an origin 5x as far: worth asking.
     f = _filler(None, "ap", urls, origin, set())
     for url, seconds in ((origin, 0.3), (urls["eu"], 0.06), (urls["us"], 0.06)):
         f.estimates[url].observe(100, seconds)
-    assert [label for label, _, _ in f.plan(key, RECORD, hop=False)] == ["region:eu", "region:us", "origin"]
+    assert [r.label for r in f.routes(key, RECORD, hop=False)] == ["region:eu", "region:us", "origin"]
 
 
 async def test_a_failing_upper_tier_is_passed_over_for_the_origin_then_rests(monkeypatch):
@@ -216,7 +216,7 @@ async def test_a_failing_upper_tier_is_passed_over_for_the_origin_then_rests(mon
             assert hits == {"upper": fill.PROBE_TRIP, "origin": fill.PROBE_TRIP}
             assert metrics.source_errors.labels("upper")._value.get() == fill.PROBE_TRIP  # noqa: SLF001
             # Resting: the next fill goes straight to the origin.
-            assert [label for label, _, _ in f.plan((ADDRESS, "zstd"), RECORD, hop=False)] == ["origin"]
+            assert [r.label for r in f.routes((ADDRESS, "zstd"), RECORD, hop=False)] == ["origin"]
             got = await f.fetch((ADDRESS, "zstd"), RECORD, hop=False)
             assert got.source == "origin" and hits["upper"] == fill.PROBE_TRIP
     finally:
