@@ -14,10 +14,8 @@ It is the composition root of the running system: it starts each part through
 what that part offers anyone (``OriginConfig`` and ``create_app``, ``EdgeConfig``
 and ``create_app``, ``HostConfig`` and ``HostTier.start``), publishes over HTTP
 (``publish_documents``), waits on the edges' ``/healthz``, and asks through
-``KDNClient``, ``HostClient`` and the HF adapter. One thing it takes from inside a
-part: the demo's engine is the origin app's own loaded model
-(``origin_app[LOADED]``, ``kdn.origin.config.LOADED``), idle once the publish is
-done, so the model is not loaded a second time.
+``KDNClient``, ``HostClient`` and the HF adapter, whose ``load_model`` gives the
+demo's engine its own copy of the model, as an inference server would have.
 """
 
 from __future__ import annotations
@@ -142,7 +140,7 @@ async def _up(args: argparse.Namespace) -> int:
         edges = await _start_edges(root, registry, origin, edge_ports, runners)
         host = await _start_host(root, edges, port)
         runners.append(host)
-        await _ask(runner.app, edges, m, token, args.question, str(root / "trusted-keys"), host.config.socket)
+        await _ask(model, edges, m, token, args.question, str(root / "trusted-keys"), host.config.socket)
     except BaseException:
         for started in reversed(runners):
             await started.cleanup()
@@ -299,14 +297,15 @@ async def _start_edges(root: Path, registry: str, origin: str, ports: list[int],
     return edges
 
 
-async def _ask(origin_app: web.Application, edges: list[_Edge], manifest: dict[str, Any], token: str, question: str,
+async def _ask(model: str, edges: list[_Edge], manifest: dict[str, Any], token: str, question: str,
                trusted: str, host_socket: str) -> None:
     from kdn.adapters.hf import agenerate, prompt_tokens
     from kdn.client import KDNClient
     from kdn.client.host import HostClient
-    from kdn.origin.config import LOADED
 
-    lm = origin_app[LOADED]  # the origin's model, idle now that the publish is done
+    from kdn.adapters.hf import load_model
+
+    lm = await asyncio.get_running_loop().run_in_executor(None, load_model, model)  # the engine's own copy
     _say(f"\nasking: {question!r}")
     eu = [(n, u) for n, reg, u, _ in edges if reg == "eu"]
     async with KDNClient(edges=eu, token=token, trusted_keys=trusted) as client:
