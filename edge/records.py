@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -59,12 +58,13 @@ from kdn.errors import InvalidInput, RegistryUnavailable
 from kdn.wire.fetch import HOP
 from kdn.registry import Manifest, NodeRecord, ObjectRecord
 from kdn.service import MAX_RECORDS
+from kdn.service.records import floor_of, wait_floor
 
 log = logging.getLogger("kdn.edge")
 
 # A "no" follows slow record reads up to this (a slower registry then shows in its timing, but a slow spell
 # does not make every refusal wait a second), over the reads of the last minute only.
-MAX_FLOOR_S, READS_WINDOW_S = 0.05, 60.0
+READS_WINDOW_S = 60.0  # the record reads whose p99 a "no" follows (at most MAX_FLOOR_S: kdn.service.records)
 MAX_RECORDS_BODY = MAX_RECORDS * 16 << 10  # bytes of one answer: far above a real record's ~1.4 KB each
 
 
@@ -105,37 +105,12 @@ class RecordCache:
     def no_floor(self) -> float:
         """Seconds a "no" takes at least: ``floor_s``, or the 99th percentile of the source reads of the last
         ``READS_WINDOW_S`` if longer, up to ``MAX_FLOOR_S`` (a read slower than that shows). 0: the floor off."""
-        if self.floor_s <= 0:
-            return 0.0
-        since = time.monotonic() - READS_WINDOW_S
-        reads = sorted(s for at, s in self._read_s if at >= since)
-        return max(self.floor_s, min(MAX_FLOOR_S, reads[int(len(reads) * 0.99)] if reads else 0.0))
+        return floor_of(self.floor_s, self._read_s, READS_WINDOW_S)
 
     async def hold(self, since: float) -> None:
         """Wait until ``no_floor()`` seconds have passed since ``since`` (``time.monotonic()``): what a
-        handler does before it answers "no", whether or not the source was asked.
-
-        The wake-up is put on a whole millisecond of the clock: the event loop's poll sleeps in whole
-        milliseconds from when it is called, so a wait begun at once (a cached record) and one begun after a
-        registry read would otherwise overshoot by different amounts, and that difference showed (told apart
-        62% of the time with the floor alone, against 50% for chance)."""
-        floor = self.no_floor()
-        if floor <= 0:
-            return
-        loop = asyncio.get_running_loop()
-        at = math.ceil((since + floor) * 1000) / 1000
-        if at > loop.time():
-            wake: asyncio.Future[None] = loop.create_future()
-
-            def ring() -> None:
-                if not wake.done():
-                    wake.set_result(None)
-
-            handle = loop.call_at(at, ring)
-            try:
-                await wake
-            finally:
-                handle.cancel()
+        handler does before it answers "no", whether or not the source was asked (``wait_floor``)."""
+        await wait_floor(since, self.no_floor())
 
     def _known_absent(self, address: Address) -> bool:
         until = self._absent.get(address)

@@ -120,7 +120,7 @@ async def test_a_failed_read_does_not_raise_the_floor_of_a_no(tmp_path):
     """A registry down for a while (each read failing after its timeout) once set every later "no" to wait out
     that timeout, capped at 1 s: in bench/attacks.py's world, 600 probes took minutes. Only reads that answered
     count, and the floor follows them to 50 ms at most."""
-    from kdn.edge.records import MAX_FLOOR_S
+    from kdn.service.records import MAX_FLOOR_S
     from kdn.errors import RegistryUnavailable
 
     class Down:
