@@ -1,0 +1,126 @@
+"""The backend's settings: SGLang's ``--hicache-storage-backend-extra-config``, validated at attach. No SGLang here.
+
+Every key, its default, and what it is for (the README's "From SGLang" section shows them in a command line)::
+
+    edges        list of edge URLs of this region, or ``{"id": url}`` pairs: where pages are read (verified)
+    origin       an origin URL, the source of last resort
+    namespace    the writing tenant's namespace (default ``public``); the token must grant it
+    token_file   file whose first token is sent to edges (or ``$KDN_TOKEN``)
+    ca           CA bundle for HTTPS edges
+    trusted_keys file of publisher keys: a page whose record they did not sign is a miss
+    model_id     KDN's id of the served model (``kdn.format.address.model_id``); default: derived from SGLang's
+                 model name and the page geometry (a name, not the weights: see ``keys.py``)
+    store        the origin's object-store folder that pages are written into (with ``registry``: writes on)
+    registry     registry URL the pages' records are written to (``etcd://...``, ``file:...``)
+    signing_key  with ``registry``: the Ed25519 key (``kdn origin keygen``) those records are signed with
+    node_id      the ``origin`` named in those records (default ``sglang-<hostname>``)
+    encoding     the stored encoding, ``raw`` (default: a page is a plain copy both ways) or ``zstd``
+    timeout      seconds one storage call may take before its pages count as misses (default 10)
+
+SGLang's own keys in the same object (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``) are
+taken and left alone; any other key is refused by name.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdn.format.address import PUBLIC_NAMESPACE, validate_model_id, validate_name, validate_namespace
+from kdn.errors import InvalidInput
+
+ENCODINGS = ("raw", "zstd")
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
+_KEYS = frozenset({"edges", "origin", "namespace", "token_file", "ca", "trusted_keys", "model_id", "store",
+                   "registry", "signing_key", "node_id", "encoding", "timeout"})
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    edges: tuple[str | tuple[str, str], ...] = ()
+    origin: str | None = None
+    namespace: str = PUBLIC_NAMESPACE
+    token_file: str | None = None
+    ca: str | None = None
+    trusted_keys: str | None = None
+    model_id: str | None = None
+    store: str | None = None
+    registry: str | None = None
+    signing_key: str | None = None
+    node_id: str = field(default_factory=lambda: "sglang-" + (socket.gethostname().split(".")[0][:50] or "node"))
+    encoding: str = "raw"
+    timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        assert self.encoding in ENCODINGS and self.timeout > 0
+
+    @property
+    def writes(self) -> bool:
+        """Pages are written only with both: the blob into the origin's store, its record into the registry."""
+        return bool(self.store and self.registry)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> StorageSettings:
+        """Validate the extra config; raise ``InvalidInput`` naming the bad key."""
+        extra = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise InvalidInput(f"unknown KDN storage setting(s) {unknown}; known: {sorted(_KEYS)}")
+        kw: dict[str, Any] = {}
+        if "edges" in extra:
+            kw["edges"] = _edges(extra["edges"])
+        for key in ("origin",):
+            if extra.get(key) is not None:
+                kw[key] = _url(key, extra[key])
+        for key in ("token_file", "ca", "trusted_keys", "store", "registry", "signing_key"):
+            if extra.get(key) is not None:
+                kw[key] = _string(key, extra[key])
+        if "namespace" in extra:
+            kw["namespace"] = validate_namespace(extra["namespace"])
+        if extra.get("model_id") is not None:
+            kw["model_id"] = validate_model_id(extra["model_id"])
+        if "node_id" in extra:
+            kw["node_id"] = validate_name(extra["node_id"])
+        if "encoding" in extra:
+            if extra["encoding"] not in ENCODINGS:
+                raise InvalidInput(f"KDN storage setting 'encoding' must be one of {list(ENCODINGS)}, "
+                                   f"got {str(extra['encoding'])[:30]!r}")
+            kw["encoding"] = extra["encoding"]
+        if "timeout" in extra:
+            v = extra["timeout"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
+                raise InvalidInput(f"KDN storage setting 'timeout' must be seconds in (0, 3600], got {str(v)[:20]!r}")
+            kw["timeout"] = float(v)
+        cfg = cls(**kw)
+        if not (cfg.edges or cfg.origin):
+            raise InvalidInput("the KDN storage backend needs 'edges' or 'origin' to read pages from")
+        if bool(cfg.store) != bool(cfg.registry):
+            raise InvalidInput("KDN storage settings 'store' and 'registry' go together: a page is written as its "
+                               "blob into the origin's store and its record into the registry")
+        if cfg.signing_key and not cfg.registry:
+            raise InvalidInput("KDN storage setting 'signing_key' signs registry records: it needs 'registry'")
+        return cfg
+
+
+def _string(key: str, v: object) -> str:
+    if not isinstance(v, str) or not v or len(v) > 4096:
+        raise InvalidInput(f"KDN storage setting {key!r} must be a non-empty string, got {str(v)[:60]!r}")
+    return v
+
+
+def _url(key: str, u: object) -> str:
+    s = _string(key, u)
+    if not s.startswith(("http://", "https://")):
+        raise InvalidInput(f"KDN storage setting {key!r}: {s[:60]!r} is not an http(s) URL")
+    return s.rstrip("/")
+
+
+def _edges(v: object) -> tuple[str | tuple[str, str], ...]:
+    if isinstance(v, dict):
+        return tuple((validate_name(k), _url("edges", u)) for k, u in v.items())
+    if isinstance(v, str):
+        v = [x for x in v.split(",") if x]
+    if not isinstance(v, list) or len(v) > 256:
+        raise InvalidInput(f"KDN storage setting 'edges' must be a list of URLs, got {str(v)[:60]!r}")
+    return tuple(_url("edges", u) for u in v)
