@@ -70,12 +70,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kdn.format.address import Address, validate_name
 from kdn.registry.policy_records import POLICIES, is_tombstone, set_at, validate_policy
 from kdn.edge.policy_rules import Phase, Rules, phase, rules_for
 from kdn.edge.policy_warms import Clock, PolicyStats, WallClock, Warm, WarmRuns
-from kdn.edge.tiers import GovernedTier
 from kdn.errors import InvalidInput, KDNError, RegistryUnavailable
 from kdn.registry.follow import follow, stop_tasks
 from kdn.registry.records import Manifest, Policy
@@ -83,6 +83,11 @@ from kdn.registry.records import Manifest, Policy
 log = logging.getLogger(__name__)
 
 MANIFESTS = "manifests/"
+
+
+class Ruled(Protocol):  # what the engine calls of a tier: an edge's (GovernedTier), a host's pins (host/policies.py)
+    def apply_policy(self, fn: Rules) -> None: ...
+    def set_quotas(self, quotas: dict[str, int]) -> None: ...
 
 
 class PolicyEngine:
@@ -101,7 +106,7 @@ class PolicyEngine:
         self,
         registry,
         region: str,
-        tiers: Sequence[GovernedTier],
+        tiers: Sequence[Ruled],
         *,
         warm: Warm | None = None,
         retry_s: float = 0.5,

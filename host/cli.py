@@ -37,6 +37,14 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="eviction policy (default: %(default)s, the edge's)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics on 127.0.0.1:PORT (default: off; the stats op always answers)")
+    p.add_argument("--region", default=None, metavar="REGION",
+                   help="follow this region's policies: its pushes and warms fill the host, its pins keep objects "
+                        "(default: none followed)")
+    p.add_argument("--registry", default=None, metavar="URL",
+                   help="with --region: the registry the policies are read from (default: $KDN_REGISTRY, else the "
+                        "embedded file); read only")
+    p.add_argument("--operator-keys", default=None, metavar="FILE",
+                   help="with --region: follow only policies one of these operator keys signed (as the edges do)")
     p.set_defaults(func=cmd_host_serve)
 
 
@@ -50,9 +58,12 @@ def cmd_host_serve(args: argparse.Namespace) -> int:
         segment=args.segment, segment_bytes=parse_size(args.segment_bytes),
         budget=parse_size(args.budget) if args.budget is not None else None, group=args.group,
         token_file=args.token_file, upstream_token_file=args.upstream_token_file, ca=args.ca,
-        eviction=args.eviction, metrics_port=args.metrics_port)
+        eviction=args.eviction, metrics_port=args.metrics_port, region=args.region, registry=args.registry,
+        operator_keys=args.operator_keys)
     from kdn.registry.signing import Verifier
 
     Verifier.from_file(config.trusted_keys)  # a bad key file fails here, in one line
+    if config.operator_keys is not None:
+        Verifier.from_file(config.operator_keys)
     asyncio.run(serve(config))
     return 0

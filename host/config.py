@@ -1,5 +1,5 @@
 """A host tier's settings (``kdn host serve``): where its socket and segment are, how large, whom it serves,
-where it fills from and whose signatures it believes."""
+where it fills from, whose signatures it believes, and whose policies it follows."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kdn.edge.eviction import DEFAULT_POLICY, POLICIES
 from kdn.errors import InvalidInput
+from kdn.format.address import validate_name
 
 
 def default_path(suffix: str) -> str:
@@ -37,6 +38,9 @@ class HostConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # /metrics over HTTP here (None: only the stats op)
     timeout: float = 30.0  # a fill's request to one source
+    region: str | None = None  # follow this region's policies (kdn.host.policies); None: none
+    registry: str | None = None  # ... read from this registry (None: $KDN_REGISTRY, else the embedded file)
+    operator_keys: str | None = None  # ... and only those one of these keys signed (the edges' --operator-keys)
 
     def __post_init__(self) -> None:
         if not self.edges and self.origin is None:
@@ -58,6 +62,11 @@ class HostConfig:
             raise InvalidInput(f"--metrics-host must be a loopback address, not {self.metrics_host[:40]!r}")
         if not self.timeout > 0:
             raise InvalidInput(f"timeout must be positive, got {self.timeout}")
+        if self.region is None and (self.registry is not None or self.operator_keys is not None):
+            raise InvalidInput("--registry and --operator-keys say where policies come from: give --region too, "
+                               "the region whose policies this host follows")
+        if self.region is not None:
+            validate_name(self.region)
 
     @property
     def held_budget(self) -> int:

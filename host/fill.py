@@ -120,7 +120,7 @@ class Filler:
             raise NoRoom(f"{address}.{encoding} is {size} bytes, over the host tier's limit")
         want = Want(address, encoding, size, validate_digest(enc["digest"]), Pieces.of(enc))
         # 3. Its block, room made by eviction before a byte moves (so concurrent fills share the budget).
-        r = self.store.reserve(size)
+        r = self.store.reserve(size, address)
         slot = Slot(self.segment[r.offset:r.offset + size])
         # 4. The body, straight into the block, verified as it lands. Nobody knows the block's offset until
         #    the commit, so bytes of a failed or lying source are never read by an engine.

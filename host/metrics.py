@@ -8,6 +8,7 @@ disagree, and nothing is counted twice.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -16,6 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kdn.host.fill import Filler
 from kdn.host.server import HostServer
 from kdn.host.store import HostStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.host.policies import HostPolicies
 
 GAUGES = {
     "objects": "Objects held in the segment",
@@ -27,6 +31,9 @@ GAUGES = {
     "connections": "Engine connections open now",
     "fills_in_flight": "Fills from the edges in progress",
     "holes": "Free blocks of the segment (1: not fragmented)",
+    "pinned": "Objects held that a pin policy keeps (never evicted)",
+    "pinned_bytes": "Bytes of the objects pin policies keep",
+    "policies": "Policies in force for this host's region (--region)",
 }
 COUNTERS = {
     "hits": "Leases of an object already held",
@@ -36,19 +43,28 @@ COUNTERS = {
     "fill_failures": "Fills no source delivered intact",
     "evictions": "Objects evicted for room",
     "evicted_bytes": "Bytes evicted for room",
-    "refused": "Objects refused for want of room (leases and fills pin the rest)",
+    "refused": "Objects refused for want of room (leases, pins and fills keep the rest)",
+    "pins_refused": "Objects of a pin policy refused for want of room (the pins fill the budget)",
+    "policy_applies": "Changes to the pins the region's policies handed the host",
+    "warm_runs": "Warm and push runs of the region's policies started",
+    "warm_failures": "Warm and push runs that failed",
+    "warmed": "Objects warm and push runs filled",
 }
+NO_POLICIES = {"policies": 0, "policy_applies": 0, "warm_runs": 0, "warm_failures": 0, "warmed": 0}
 
 
-def snapshot(store: HostStore, filler: Filler, server: HostServer) -> dict[str, int]:
+def snapshot(store: HostStore, filler: Filler, server: HostServer, policies: HostPolicies | None = None
+             ) -> dict[str, int]:
     s = store.stats
     return {
+        **(policies.stats() if policies is not None else NO_POLICIES),
         "objects": len(store), "used_bytes": store.used, "budget_bytes": store.budget,
         "segment_bytes": store.segment_bytes, "leased_bytes": store.leased_bytes, "leases": store.leases,
         "connections": server.connections, "fills_in_flight": len(filler.flight), "holes": store.holes,
         "hits": s.hits, "misses": s.misses, "fills": s.fills, "fill_bytes": s.fill_bytes,
         "fill_failures": filler.failed, "evictions": s.evictions, "evicted_bytes": s.evicted_bytes,
-        "refused": s.refused,
+        "refused": s.refused, "pinned": store.pinned, "pinned_bytes": store.pinned_bytes,
+        "pins_refused": s.pins_refused,
     }
 
 

@@ -8,18 +8,26 @@ segment (``kdn.host.alloc``). Its life:
    (``cancel`` gives the block of a failed fill back.)
 3. ``acquire`` pins it for a lease (``release`` unpins). A pinned object is never evicted, so its block is
    never freed, so no fill is ever given it: the bytes an engine reads under a lease cannot change.
-4. Eviction frees the block of an object nobody leases.
+4. Eviction frees the block of an object nobody leases and no pin policy keeps.
+
+Pins (``set_pins``, the addresses the region's pin policies name: ``kdn.host.policies``) keep every held
+encoding of those addresses from eviction, now and as they arrive, like a lease that no connection holds. They
+are bounded by the budget the way everything is: a pinned object got its block by ``reserve``, which counts
+pinned, leased and filling blocks as kept before it evicts anything, so the pinned bytes never pass the budget;
+a pinned address whose fill finds no room is refused there (logged, ``stats.pins_refused``), never given room by
+evicting what a lease or another pin keeps. Dropping an address from the pins makes its objects evictable.
 
 Room is made in the eviction policy's order (``kdn.edge.eviction``'s ARC by default, the edge's own; it
 orders keys, knows nothing of bytes or pins) until both the byte budget and a contiguous block allow the
-object. Leased objects and blocks reserved for fills are skipped. Whether that can succeed is known before
-anything is evicted (``Allocator.fits`` over the blocks that must stay), so a refused object evicts
-nothing. Single-threaded: the host calls it from its event loop, never across an ``await``.
+object. Leased and pinned objects and blocks reserved for fills are skipped. Whether that can succeed is
+known before anything is evicted (``Allocator.fits`` over the blocks that must stay), so a refused object
+evicts nothing. Single-threaded: the host calls it from its event loop, never across an ``await``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -30,10 +38,12 @@ from kdn.host.alloc import Allocator, aligned
 
 Key = tuple[Address, str]  # (address, encoding): one blob
 
+log = logging.getLogger(__name__)
+
 
 class NoRoom(KDNError):
-    """The segment cannot hold an object now: larger than the budget, or the leased and filling blocks
-    leave no room for it. (The engine reads it from the edge instead.)"""
+    """The segment cannot hold an object now: larger than the budget, or the leased, pinned and filling
+    blocks leave no room for it. (The engine reads it from the edge instead.)"""
 
 
 @dataclass(eq=False)
@@ -72,6 +82,7 @@ class Stats:
     evictions: int = 0
     evicted_bytes: int = 0
     refused: int = 0  # reservations refused (NoRoom)
+    pins_refused: int = 0  # ... of them, for an address a pin policy names (the pin does not fit)
 
 
 @dataclass
@@ -94,6 +105,10 @@ class HostStore:
         self._pinned: set[int] = set()  # offsets of held objects at least one lease pins
         self.leases = 0  # leases held now, all objects together
         self.leased_bytes = 0  # bytes of the blocks in ``_pinned``
+        self._pins: Set[Address] = frozenset()  # addresses pin policies keep (set_pins)
+        self._kept: set[int] = set()  # offsets of held objects whose address is in ``_pins``
+        self.pinned_bytes = 0  # bytes of the blocks in ``_kept``
+        self._pin_told = False  # a refusal of the current pins was logged
 
     # --- what is held ---------------------------------------------------------------------------------
 
@@ -119,6 +134,30 @@ class HostStore:
     @property
     def holes(self) -> int:
         return self._alloc.holes
+
+    @property
+    def pinned(self) -> int:
+        """Objects held that a pin policy keeps."""
+        return len(self._kept)
+
+    # --- pins -------------------------------------------------------------------------------------------
+
+    def set_pins(self, addresses: Set[Address]) -> None:
+        """Keep every held encoding of ``addresses`` from eviction, and each that is committed later; the
+        objects of addresses no longer named may go. (All that is held fits the budget, so every held object
+        of ``addresses`` is kept at once; one that is not held yet gets its room at its fill or is refused.)"""
+        if addresses != self._pins:  # (a rule change that leaves the pins as they were is not a new set)
+            self._pins, self._pin_told = frozenset(addresses), False
+        for h in self._held.values():
+            self._keep(h, h.key[0] in self._pins)
+
+    def _keep(self, h: Held, kept: bool) -> None:
+        if kept and h.offset not in self._kept:
+            self._kept.add(h.offset)
+            self.pinned_bytes += self._alloc.length(h.offset)
+        elif not kept and h.offset in self._kept:
+            self._kept.remove(h.offset)
+            self.pinned_bytes -= self._alloc.length(h.offset)
 
     # --- leases -----------------------------------------------------------------------------------------
 
@@ -152,19 +191,19 @@ class HostStore:
 
     # --- fills --------------------------------------------------------------------------------------------
 
-    def reserve(self, length: int) -> Reservation:
-        """A block for a blob of ``length`` bytes, room made for it by eviction; NoRoom if none can be had."""
+    def reserve(self, length: int, address: Address | None = None) -> Reservation:
+        """A block for a blob of ``length`` bytes (of ``address``, if the caller says), room made for it by
+        eviction; NoRoom if none can be had."""
         size = aligned(length)
         if size > self.budget:
-            self.stats.refused += 1
-            raise NoRoom(f"an object of {length} bytes is larger than the host tier's budget ({self.budget})")
-        kept = self._filling | self._pinned
+            raise self._refuse(address, f"an object of {length} bytes is larger than the host tier's budget "
+                                        f"({self.budget})")
+        kept = self._filling | self._pinned | self._kept
         kept_bytes = sum(self._alloc.length(o) for o in kept)
         if kept_bytes + size > self.budget or not self._alloc.fits(size, kept):
-            # Planned before anything is evicted: leases and fills in flight pin too much of the segment.
-            self.stats.refused += 1
-            raise NoRoom(f"no room for {length} bytes: {kept_bytes} of the {self.budget}-byte budget are leased "
-                         f"or being filled")
+            # Planned before anything is evicted: leases, pins and fills in flight keep too much of the segment.
+            raise self._refuse(address, f"no room for {length} bytes: {kept_bytes} of the {self.budget}-byte "
+                                        "budget are leased, pinned or being filled")
         offset = self._make_room(size)
         self._filling.add(offset)
         return Reservation(offset, length)
@@ -182,10 +221,21 @@ class HostStore:
                 # The plan said enough can go: every unpinned object is yielded before the walk ends.
                 assert victim is not None, "eviction ran out of victims the plan counted on"
                 h = self._held[cast(Key, victim)]  # (the policy orders our keys)
-                if h.leases == 0:
+                if h.leases == 0 and h.offset not in self._kept:
                     self._evict(h)
         finally:
             walk.close()
+
+    def _refuse(self, address: Address | None, why: str) -> NoRoom:
+        self.stats.refused += 1
+        if address is not None and address in self._pins:
+            self.stats.pins_refused += 1
+            if not self._pin_told:  # one line per set of pins: a manifest twice the budget would log each object
+                self._pin_told = True
+                log.warning("a pinned object does not fit the host tier: %s (%d bytes pinned); it is served from "
+                            "the edges, and further refusals of these pins are only counted (pins_refused)",
+                            why, self.pinned_bytes)
+        return NoRoom(why)
 
     def _evict(self, h: Held) -> None:
         self._order.remove(h.key)
@@ -213,11 +263,12 @@ class HostStore:
         h = Held(key, r.offset, r.length, record)
         self._held[key] = h
         self._by_address.setdefault(key[0], {})[key[1]] = h
+        self._keep(h, key[0] in self._pins)
         self._order.on_insert(key, self._alloc.length(r.offset))
         self.stats.fills += 1
         self.stats.fill_bytes += r.length
         return h
 
     def evictable(self) -> Iterator[Held]:
-        """Held objects no lease pins (what eviction may take)."""
-        return (h for h in self._held.values() if not h.leases)
+        """Held objects no lease and no pin keeps (what eviction may take)."""
+        return (h for h in self._held.values() if not h.leases and h.offset not in self._kept)

@@ -1,5 +1,6 @@
-"""A host tier put together from its config: segment, store, fills from the edges, the engines' socket and
-its metrics; started, and stopped in the reverse order (``kdn host serve`` runs one until a signal).
+"""A host tier put together from its config: segment, store, fills from the edges, the engines' socket, its
+metrics and, with a region, its region's policies; started, and stopped in the reverse order (``kdn host
+serve`` runs one until a signal).
 
 Nothing of it outlives the process, on purpose: it is a cache. A restarted host makes a new segment and
 fills again from its edges; an engine that had it mapped reads the old pages until it reconnects.
@@ -17,6 +18,7 @@ from kdn.host.config import HostConfig
 from kdn.host.fill import EdgeUpstream, Filler, Upstream
 from kdn.host.metrics import serve_metrics, snapshot
 from kdn.host.ops import Ops
+from kdn.host.policies import HostPolicies
 from kdn.host.segment import Segment
 from kdn.host.server import HostServer, check_socket_free
 from kdn.host.store import HostStore
@@ -36,6 +38,7 @@ class HostTier:
         self.server, self.client = server, client
         self.metrics: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        self.policies: HostPolicies | None = None  # the region's (config.region), followed
 
     @classmethod
     async def start(cls, config: HostConfig, *, upstream: Upstream | None = None) -> HostTier:
@@ -58,22 +61,31 @@ class HostTier:
             server = HostServer(Ops(store, filler, grants, segment, lambda: tier.stats()), store, config.socket,
                                 group=config.group)
             tier = cls(config, segment, store, filler, server, client)
-            await server.start()
-            if config.metrics_port is not None:
-                tier.metrics, tier.metrics_port = await serve_metrics(tier.stats, config.metrics_host,
-                                                                      config.metrics_port)
         except BaseException:
             segment.close()
             if client is not None:
                 await client.close()
             raise
+        try:
+            await server.start()
+            if config.region is not None:
+                tier.policies = await HostPolicies.start(config, store, filler, client)
+            if config.metrics_port is not None:
+                tier.metrics, tier.metrics_port = await serve_metrics(tier.stats, config.metrics_host,
+                                                                      config.metrics_port)
+        except BaseException:
+            await tier.close()  # (what started stops; the rest is closed as never started)
+            raise
         return tier
 
     def stats(self) -> dict[str, int]:
-        return snapshot(self.store, self.filler, self.server)
+        return snapshot(self.store, self.filler, self.server, self.policies)
 
     async def close(self) -> None:
-        """Engines first (their leases end), then the fills, the edges' client, the metrics, the segment."""
+        """The policies first (their runs' fills stop), then the engines (their leases end), the fills, the
+        edges' client, the metrics, the segment."""
+        if self.policies is not None:
+            await self.policies.close()
         await self.server.close()
         await self.filler.close()
         if self.client is not None:
@@ -90,7 +102,8 @@ async def serve(config: HostConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"kdn host: {config.socket} (segment {config.segment}, {config.segment_bytes} bytes)", flush=True)
+    follows = f"; policies of region {config.region}" if config.region is not None else ""
+    print(f"kdn host: {config.socket} (segment {config.segment}, {config.segment_bytes} bytes{follows})", flush=True)
     try:
         await stop.wait()
     finally:
