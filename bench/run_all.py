@@ -119,6 +119,9 @@ RUNS: list[Run] = [
     Run("gpu_check", "gpu_check", ["--device", "cuda"], None, ("gpu",), 3600),
     Run("scale", "scale", [], ["--records", "500"], ("etcd",), 900),
     Run("datapath", "datapath", ["--repeat", "5"], None, ("smollm2", "vllm"), 1800, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    # The host tier shared by several engines on one machine, and an engine's restart (issue #53).
+    Run("host_share", "host_share", [], ["--model", "tiny-llama", "--tokens", "1024", "--engines", "1,2",
+                                         "--repeat", "1", "--json", ""], ("smollm2",), 1200),
     Run("lookup", "lookup", [], ["--model", "tiny-llama", "--lengths", "512", "--repeat", "1"], ("smollm2",), 1200),
     Run("load", "load", ["--json", "bench/work/load.json", "--plot", "docs/img/load.png"],
         ["--duration", "5", "--clients", "8", "--minutes", "0.5"], ("etcd",), 1200),
