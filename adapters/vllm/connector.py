@@ -279,8 +279,9 @@ async def _make_client(cfg: ConnectorConfig):
 
 
 async def _connect_host(cfg: ConnectorConfig, token: str | None):
-    """The machine's host tier (``host``), or None: none configured, or not up now (its pieces then come from
-    the edges, as without one; a warning says so once)."""
+    """The machine's host tier (``host``), or None: none configured. One that is not up now is tried again by
+    the loads (every few seconds, ``kdn.client.hosted.RECONNECT_S``), as is one that restarts later: meanwhile
+    their pieces come from the edges, as without one."""
     if cfg.host is None:
         return None
     from kdn.client.host import HostClient
@@ -289,5 +290,5 @@ async def _connect_host(cfg: ConnectorConfig, token: str | None):
     try:
         return await HostClient(cfg.host, token=token, timeout=cfg.load_timeout).connect()
     except HostError as e:
-        log.warning("KDN connector: no host tier at %s (%s): loading from the edges", cfg.host, e)
-        return None
+        log.warning("KDN connector: no host tier at %s yet (%s): loading from the edges until it is up", cfg.host, e)
+        return HostClient.unconnected(cfg.host, token=token, timeout=cfg.load_timeout)

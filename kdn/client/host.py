@@ -80,7 +80,8 @@ class HostClient:
         try:
             self._reader, self._writer = await asyncio.open_unix_connection(self.path)
         except OSError as e:
-            raise HostError("unavailable", f"no host tier at {self.path}: {e.strerror}") from None
+            self._gone = HostError("unavailable", f"no host tier at {self.path}: {e.strerror}")
+            raise self._gone from None
         self._listener = asyncio.create_task(self._listen())
         try:
             hello = await self._request("hello")
@@ -96,6 +97,27 @@ class HostClient:
             await self.close()
             raise
         return self
+
+    @classmethod
+    def unconnected(cls, socket_path: str | os.PathLike[str], **kw: Any) -> HostClient:
+        """A client that has not connected yet (its host may not be up): ``gone`` until ``reconnect`` succeeds."""
+        client = cls(socket_path, **kw)
+        client._gone = HostError("unavailable", f"not connected to {client.path} yet")
+        return client
+
+    @property
+    def gone(self) -> bool:
+        """The host went away (or was never reached): every request fails until ``reconnect``."""
+        return self._gone is not None
+
+    async def reconnect(self) -> HostClient:
+        """After the host went away (a restart makes a new segment): hang up, unmap, connect and map anew.
+        HostError("unavailable") if it is still not up."""
+        await self.close()
+        self._reader = self._writer = None
+        self._listener, self._mm, self._segment, self._gone = None, None, None, None
+        self._waiting.clear()
+        return await self.connect()
 
     async def __aenter__(self) -> HostClient:
         return await self.connect()

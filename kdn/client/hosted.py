@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kdn.client")
 
 LOOKUP_S = 0.5  # the most a load waits for the host's answer to which objects it holds (a local socket: ~0.1 ms)
+RECONNECT_S = 5.0  # a host that went away (or was not up) is tried again at most this often, by a load
 PREFERRED = ("raw", "zstd")  # what to lease when the host holds several: raw is a memcpy into the cache
 
 
@@ -42,6 +43,8 @@ class HostStats:
     misses: int = 0  # objects of a load the host did not hold
     fallbacks: int = 0  # held objects the host failed to give (then read from the edges)
     warms: int = 0  # objects asked of the host after the edges served them
+    reconnects: int = 0  # new connections to a host that had gone away (a restart)
+    tried: float = float("-inf")  # when a load last tried to reach a host that was gone (time.monotonic)
     errors: list[str] = field(default_factory=list)  # the last few reasons, newest last
 
     def note(self, why: str) -> None:
@@ -64,6 +67,18 @@ async def held(host: HostClient | None, addresses: Sequence[Address], stats: Hos
     """Ask the host once which of a load's objects it holds; a host that is down or slow holds nothing."""
     if host is None or not addresses:
         return Held([])
+    if host.gone:  # a restarted host has a new segment: connect and map anew, at most every RECONNECT_S
+        now = time.monotonic()
+        if now - stats.tried < RECONNECT_S:
+            return Held([])
+        stats.tried = now
+        try:
+            async with asyncio.timeout(LOOKUP_S):
+                await host.reconnect()
+        except (HostError, TimeoutError) as e:
+            stats.note(f"reconnect: {e}")
+            return Held([])
+        stats.reconnects += 1
     try:
         async with asyncio.timeout(LOOKUP_S):
             found = await host.lookup(addresses)

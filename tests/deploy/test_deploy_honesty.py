@@ -1,7 +1,8 @@
 """The deploy files say only what the code does.
 
 - every ``kdn`` flag used in deploy/compose.yaml, the Helm chart (templates and
-  NOTES.txt), the systemd units and deploy/README.md appears in that command's ``--help``;
+  NOTES.txt), the systemd units and deploy/README.md appears in that command's ``--help``
+  (the host tier's files are read closer in test_host_tier_deploy.py);
 - every YAML file parses (Helm templates after their ``{{ ... }}`` actions are
   stripped, and also as rendered by ``helm template`` when helm is on PATH);
 - the Grafana dashboard parses and queries only metric names (and ``by``
@@ -14,133 +15,39 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml  # pyyaml: the dev extra
+from deploy_files import (
+    CHART,
+    COMPOSE,
+    DEPLOY,
+    HELM,
+    check_flags,
+    cmds,
+    command_of,
+    helm_template,
+    strip_template,
+    templates,
+    text_commands,
+    yaml_commands,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-CHART = DEPLOY / "helm" / "kdn"
-COMPOSE = DEPLOY / "compose.yaml"
-UNITS = [DEPLOY / "systemd" / "kdn-origin.service", DEPLOY / "systemd" / "kdn-edge@.service"]
+UNITS = {DEPLOY / "systemd" / "kdn-origin.service": ("origin", "serve"),
+         DEPLOY / "systemd" / "kdn-edge@.service": ("edge", "serve"),
+         DEPLOY / "systemd" / "kdn-host.service": ("host", "serve")}
 DASHBOARD = DEPLOY / "grafana" / "kdn.json"
-
-# Every kdn command a deploy file may run, longest first so "policy set" wins over a bare word.
-COMMANDS = [
-    ("origin", "serve"), ("edge", "serve"), ("policy", "set"), ("policy", "ls"), ("policy", "rm"),
-    ("ring", "show"), ("registry", "show"), ("registry", "ls"), ("registry", "nodes"),
-    ("publish",), ("address",), ("up",),
-]
-FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-# "kdn origin serve ..." on one logical line of a unit or a NOTES.txt example
-TEXT_COMMAND = re.compile(r"(?<![\w-])kdn\s+(" + "|".join(r"\s+".join(c) for c in COMMANDS) + r")(?![\w-])")
-
-
-# --- help text --------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def help_flags() -> dict[tuple[str, ...], set[str]]:
-    """``{("edge", "serve"): {"--region", ...}, ...}`` from ``kdn CMD --help``, all commands run in parallel."""
-    procs = {
-        cmd: subprocess.Popen([sys.executable, "-P", "-m", "kdn.cli", *cmd, "--help"], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for cmd in COMMANDS
-    }
-    out = {}
-    for cmd, p in procs.items():
-        stdout, stderr = p.communicate(timeout=60)
-        assert p.returncode == 0, f"kdn {' '.join(cmd)} --help failed: {stderr[-2000:]}"
-        out[cmd] = set(FLAG.findall(stdout))
-    return out
-
-
-def _command_of(items: list[str]) -> tuple[tuple[str, ...], list[str]] | None:
-    """``(command, rest)`` if a command/args list runs kdn (``["kdn", "edge", "serve", ...]`` or without ``kdn``)."""
-    words = [str(w) for w in items]
-    if words and words[0].rsplit("/", 1)[-1] == "kdn":
-        words = words[1:]
-    for cmd in COMMANDS:
-        if tuple(words[: len(cmd)]) == cmd:
-            return cmd, words[len(cmd):]
-    return None
-
-
-def _flags_in(words: list[str]) -> set[str]:
-    return {m for w in words for m in FLAG.findall(w.split("=", 1)[0] if w.startswith("--") else w)}
-
-
-def _yaml_commands(node, where: str, found: list) -> None:
-    """Every kdn invocation in ``command:``/``args:`` lists anywhere in a parsed YAML tree."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k in ("command", "args", "entrypoint") and isinstance(v, list):
-                hit = _command_of(v)
-                if hit is not None:
-                    found.append((where, hit[0], _flags_in(hit[1])))
-            else:
-                _yaml_commands(v, where, found)
-    elif isinstance(node, list):
-        for v in node:
-            _yaml_commands(v, where, found)
-
-
-def _text_commands(text: str, where: str) -> list:
-    """kdn invocations in unit files and notes: per logical line (backslash continuations joined)."""
-    found = []
-    for line in text.replace("\\\n", " ").splitlines():
-        m = TEXT_COMMAND.search(line)
-        if m:
-            cmd = tuple(m.group(1).split())
-            found.append((where, cmd, set(FLAG.findall(line[m.end():]))))
-    return found
-
-
-# --- Helm templates without helm ------------------------------------------------------
-
-
-_TPL_COMMENT = re.compile(r"\{\{-?\s*/\*.*?\*/\s*-?\}\}", re.S)
-_TPL_ONLY_LINE = re.compile(r"^\s*(\{\{.*?\}\}\s*)+$")
-_TPL = re.compile(r"\{\{.*?\}\}")
-
-
-def strip_template(text: str) -> str:
-    """A Helm template as plain YAML: comments and control-only lines dropped, inline actions -> ``x``.
-
-    Both branches of an ``if`` stay, so every flag a template can emit is seen.
-    """
-    text = _TPL_COMMENT.sub("", text)
-    lines = [ln for ln in text.splitlines() if not _TPL_ONLY_LINE.match(ln)]
-    return "\n".join(_TPL.sub("x", ln) for ln in lines) + "\n"
-
-
-def _templates() -> list[Path]:
-    return sorted(p for p in (CHART / "templates").iterdir() if p.suffix in (".yaml", ".yml"))
 
 
 # --- flags ----------------------------------------------------------------------------
 
 
-def _check(found: list, help_flags: dict) -> None:
-    bad = [f"{where}: kdn {' '.join(cmd)} {flag}" for where, cmd, flags in found for flag in sorted(flags)
-           if flag not in help_flags[cmd]]
-    assert not bad, "flags that `kdn ... --help` does not list:\n  " + "\n  ".join(bad)
-
-
-def _cmds(found: list) -> set[tuple[str, ...]]:
-    return {cmd for _, cmd, _ in found}
-
-
 def test_compose_flags_exist(help_flags):
     found: list = []
     for name, svc in yaml.safe_load(COMPOSE.read_text())["services"].items():
-        _yaml_commands({"command": svc.get("command") or []}, f"compose.yaml:{name}", found)
+        yaml_commands({"command": svc.get("command") or []}, f"compose.yaml:{name}", found)
     assert sorted(c for _, c, _ in found) == [("edge", "serve")] * 4 + [("origin", "serve")]
-    _check(found, help_flags)
+    check_flags(found, help_flags)
     # trust: records signed at the origin and checked at every edge; the edge token kept to named hosts
     for where, cmd, flags in found:
         want = {"--signing-key"} if cmd == ("origin", "serve") else {"--trusted-keys", "--token-hosts"}
@@ -159,19 +66,19 @@ def test_compose_flags_exist(help_flags):
 
 def test_helm_template_flags_exist(help_flags):
     found: list = []
-    for p in _templates():
-        _yaml_commands(list(yaml.safe_load_all(strip_template(p.read_text()))), f"templates/{p.name}", found)
-    found += _text_commands((CHART / "templates" / "NOTES.txt").read_text(), "templates/NOTES.txt")
-    assert {("origin", "serve"), ("edge", "serve")} <= _cmds(found)
-    _check(found, help_flags)
+    for p in templates():
+        yaml_commands(list(yaml.safe_load_all(strip_template(p.read_text()))), f"templates/{p.name}", found)
+    found += text_commands((CHART / "templates" / "NOTES.txt").read_text(), "templates/NOTES.txt")
+    assert {("origin", "serve"), ("edge", "serve"), ("host", "serve")} <= cmds(found)
+    check_flags(found, help_flags)
 
 
 def test_systemd_flags_exist(help_flags):
-    for unit, cmd in zip(UNITS, [("origin", "serve"), ("edge", "serve")]):
+    for unit, cmd in UNITS.items():
         text = unit.read_text()
-        found = _text_commands(text, unit.name)
-        assert cmd in _cmds(found), f"{unit.name} does not run kdn {' '.join(cmd)}"
-        _check(found, help_flags)
+        found = text_commands(text, unit.name)
+        assert cmd in cmds(found), f"{unit.name} does not run kdn {' '.join(cmd)}"
+        check_flags(found, help_flags)
         section = re.search(r"^\[Service\]$(.*?)(?=^\[|\Z)", text, re.M | re.S).group(1)
         for key in ("User=", "EnvironmentFile=", "Restart=on-failure", "ProtectSystem=strict", "ReadWritePaths=",
                     "LimitNOFILE="):
@@ -179,9 +86,9 @@ def test_systemd_flags_exist(help_flags):
 
 
 def test_deploy_readme_flags_exist(help_flags):
-    found = _text_commands((DEPLOY / "README.md").read_text(), "deploy/README.md")
-    assert {("origin", "serve"), ("edge", "serve"), ("publish",)} <= _cmds(found)
-    _check(found, help_flags)
+    found = text_commands((DEPLOY / "README.md").read_text(), "deploy/README.md")
+    assert {("origin", "serve"), ("edge", "serve"), ("publish",)} <= cmds(found)
+    check_flags(found, help_flags)
 
 
 # --- YAML parses ----------------------------------------------------------------------
@@ -191,9 +98,9 @@ def test_the_s3_compose_override_points_the_origin_at_its_seaweedfs(help_flags):
     """deploy/compose.s3.yaml: the origin's store in the SeaweedFS it adds, keys from a secret, telemetry off."""
     over = yaml.safe_load((DEPLOY / "compose.s3.yaml").read_text())
     found: list = []
-    _yaml_commands({"command": over["services"]["origin"]["command"]}, "compose.s3.yaml:origin", found)
+    yaml_commands({"command": over["services"]["origin"]["command"]}, "compose.s3.yaml:origin", found)
     assert [c for _, c, _ in found] == [("origin", "serve")]
-    _check(found, help_flags)
+    check_flags(found, help_flags)
     cmd = over["services"]["origin"]["command"]
     store = next(a for a in cmd if a.startswith("--store="))
     from kdn.origin.s3store import parse_s3_url
@@ -213,6 +120,7 @@ def test_the_s3_compose_override_points_the_origin_at_its_seaweedfs(help_flags):
 @pytest.mark.parametrize("rel", [
     "compose.yaml",
     "compose.s3.yaml",
+    "compose.host.yaml",
     "prometheus/prometheus.yml",
     "grafana/provisioning/datasources/prometheus.yaml",
     "grafana/provisioning/dashboards/kdn.yaml",
@@ -226,12 +134,12 @@ def test_yaml_parses(rel):
 
 def test_helm_templates_parse_when_stripped():
     kinds = set()
-    for p in _templates():
+    for p in templates():
         for doc in yaml.safe_load_all(strip_template(p.read_text())):
             if doc is not None:
                 assert {"apiVersion", "kind", "metadata"} <= set(doc), f"{p.name}: {doc!r:.200}"
                 kinds.add(doc["kind"])
-    assert {"Deployment", "StatefulSet", "Service", "ServiceMonitor", "NetworkPolicy"} <= kinds
+    assert {"Deployment", "StatefulSet", "DaemonSet", "Service", "ServiceMonitor", "NetworkPolicy"} <= kinds
 
 
 def test_values_budgets_give_requests():
@@ -245,9 +153,6 @@ def test_values_budgets_give_requests():
     assert "add (int $e.memBudgetMiB) (int $e.memOverheadMiB)" in edge_tpl
 
 
-HELM = shutil.which("helm")
-
-
 @pytest.mark.skipif(HELM is None, reason="helm is not installed: the stripped templates are checked instead")
 @pytest.mark.parametrize("sets", [
     [],
@@ -257,16 +162,11 @@ HELM = shutil.which("helm")
      "etcd.client.cert=true", "etcd.client.user=kdn", "etcd.client.secret=etcd-client", "auth.signingKeyKey="],
 ])
 def test_helm_renders(sets, help_flags):
-    args = [HELM, "template", "t", str(CHART), "--set", "auth.existingSecret=kdn-tokens"]
-    for s in sets:
-        args += ["--set", s]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    docs = helm_template(sets)
     found: list = []
-    _yaml_commands(docs, "rendered", found)
-    assert {("origin", "serve"), ("edge", "serve")} <= _cmds(found)
-    _check(found, help_flags)
+    yaml_commands(docs, "rendered", found)
+    assert {("origin", "serve"), ("edge", "serve")} <= cmds(found)
+    check_flags(found, help_flags)
     for d in docs:
         if d["kind"] == "StatefulSet" and d["metadata"]["name"].startswith("t-kdn-edge-"):
             c = d["spec"]["template"]["spec"]["containers"][0]
@@ -362,14 +262,14 @@ def test_prometheus_scrapes_every_node():
     targets = {t for job in cfg["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     for name, svc in services.items():
-        hit = _command_of(svc.get("command") or [])
+        hit = command_of(svc.get("command") or [])
         if hit is not None:
             port = next(w.split("=", 1)[1] for w in hit[1] if w.startswith("--port="))
             assert f"{name}:{port}" in targets, f"prometheus.yml does not scrape {name}"
     region_of = {t: sc.get("labels", {}).get("region") for job in cfg["scrape_configs"] for sc in job["static_configs"]
                  for t in sc["targets"]}
     for name, svc in services.items():
-        hit = _command_of(svc.get("command") or [])
+        hit = command_of(svc.get("command") or [])
         if hit is not None and hit[0] == ("edge", "serve"):
             region = next(w.split("=", 1)[1] for w in hit[1] if w.startswith("--region="))
             assert region_of[f"{name}:8100"] == region, f"{name}: scrape label region disagrees with --region"

@@ -253,3 +253,50 @@ async def test_a_host_that_went_away_leaves_the_edges_to_serve(cdn, short_dir):
             assert "host" not in got.report.sources
     finally:
         await host.close()
+
+
+async def test_an_engine_comes_back_to_a_restarted_host(cdn, short_dir, monkeypatch):
+    """The host restarts (a new segment): the engine's client, which held the old connection, reconnects on a later
+    load (at most every RECONNECT_S) and loads from the new host again; before that, the edges serve."""
+    import kdn.client.hosted as hosted
+    from kdn.adapters.hf import agenerate, load_model
+
+    monkeypatch.setattr(hosted, "RECONNECT_S", 0.0)
+    lm = load_model("tiny-llama")
+    ids = cdn.m["prefix_tokens"] + lm.tokenizer.encode(" How often was the lamp relit?")
+    async with running(config(cdn, short_dir)) as first:
+        host = await HostClient(first.config.socket).connect()
+        await host.warm(cdn.m["addresses"], "raw")
+    try:
+        async with KDNClient(edges=[cdn.c.edge_url("e1")], host=host) as client:
+            assert host.gone
+            async with running(config(cdn, short_dir)) as second:
+                async with HostClient(second.config.socket) as filler:
+                    await filler.warm(cdn.m["addresses"], "raw")
+                got = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=4, plan=False)
+                assert not host.gone and client.host_stats.reconnects == 1
+                assert set(got.report.sources) == {"host"}, got.report.sources
+    finally:
+        await host.close()
+
+
+async def test_an_engine_that_started_before_its_host_finds_it_later(cdn, short_dir, monkeypatch):
+    import kdn.client.hosted as hosted
+    from kdn.adapters.hf import agenerate, load_model
+
+    monkeypatch.setattr(hosted, "RECONNECT_S", 0.0)
+    lm = load_model("tiny-llama")
+    ids = cdn.m["prefix_tokens"] + lm.tokenizer.encode(" Who kept the log?")
+    cfg = config(cdn, short_dir)
+    host = HostClient.unconnected(cfg.socket)
+    try:
+        async with KDNClient(edges=[cdn.c.edge_url("e1")], host=host) as client:
+            first = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=4, plan=False)
+            assert "host" not in first.report.sources  # no host yet: the edges serve
+            async with running(cfg) as tier:
+                async with HostClient(tier.config.socket) as filler:
+                    await filler.warm(cdn.m["addresses"], "raw")
+                got = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=4, plan=False)
+                assert set(got.report.sources) == {"host"} and got.ids == first.ids
+    finally:
+        await host.close()
