@@ -2,7 +2,8 @@
 
 Used by ``bench/faults.py`` (every scenario, with figures) and ``tests/faults/`` (a fast
 subset in CI). Nothing here is mocked: etcd is ``/usr/bin/etcd`` on free ports with its
-own data directory (stopped and restarted on the same one), the origin and the edges are
+own data directory (stopped and restarted on the same one), or three such members in one
+cluster (``World(etcd_members=3)``: every node is given all three, the first first), the origin and the edges are
 ``python -m kdn.cli ... serve`` processes, and faults are signals to their PIDs, etcd
 stopped and started, a size-limited tmpfs under a disk tier, or a kill in the middle of
 writes.
@@ -39,6 +40,7 @@ import aiohttp
 from blake3 import blake3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+from etcd_cluster import EtcdCluster  # noqa: E402
 from etcd_proc import ETCD_BIN, EtcdProcess  # noqa: E402
 from jobs import publish_and_wait  # noqa: E402
 from ports import free_port  # noqa: E402
@@ -63,6 +65,23 @@ class Etcd(EtcdProcess):
     @property
     def registry(self) -> str:
         return self.registry_url(PREFIX)
+
+
+class Cluster(EtcdCluster):
+    """Three etcd members under ``root/etcd`` (``bench/lib/etcd_cluster.py``); the nodes are given every
+    member's address, ``a`` first, so ``a`` is the member they all use until it fails."""
+
+    def __init__(self, root: Path, n: int = 3) -> None:
+        super().__init__(root / "etcd", n)
+
+    @property
+    def registry(self) -> str:
+        return self.registry_url(PREFIX)
+
+    def registry_from(self, member) -> str:
+        """The registry URL with ``member`` first (then the others in order): a client that starts elsewhere."""
+        order = [member, *(m for m in self.members if m is not member)]
+        return "etcd://" + ",".join(f"127.0.0.1:{m.client_port}" for m in order) + PREFIX
 
 
 # --- KDN processes -------------------------------------------------------------------------
@@ -180,14 +199,15 @@ class World:
     edge_args: list[str] = field(default_factory=list)  # more flags for every edge (e.g. --origin via a link)
     per_edge_args: dict[str, list[str]] = field(default_factory=dict)  # edge name -> flags after those (last wins)
     records: str = "store"  # the origin's --records: beside its blobs (its default), or "registry"
-    etcd: Etcd = field(init=False)
+    etcd_members: int = 1  # 1: one etcd (stopped, restarted, restored by scenarios); 3: a Cluster
+    etcd: Etcd | Cluster = field(init=False)
     origin: Node = field(init=False)
     edges: dict[str, Node] = field(init=False, default_factory=dict)
     digests: dict[str, tuple[str, str, int]] = field(init=False, default_factory=dict)  # address -> enc, digest, size
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.etcd = Etcd(self.root)
+        self.etcd = Etcd(self.root) if self.etcd_members == 1 else Cluster(self.root, self.etcd_members)
         (self.root / "tokens").write_text(f"{PUBLISH} publish,read *\n{EDGE} read *\n")
         (self.root / "edge.token").write_text(EDGE + "\n")
         (self.root / "tokens").chmod(0o600)
@@ -264,12 +284,99 @@ class World:
         async with aiohttp.ClientSession(self.origin.url, headers={"Authorization": f"Bearer {PUBLISH}"}) as s:
             manifest = await publish_and_wait(s, {"name": name, "text": text, "encodings": list(encodings)},
                                               timeout=timeout)
-        async with self.open_records() as reg:
-            for a in manifest["addresses"]:
-                rec = await reg.get_object(a)
-                enc = encodings[0]
-                self.digests[a] = (enc, rec.encodings[enc].digest, rec.encodings[enc].size)
+        missing = await self.record_digests(manifest["addresses"], encodings[0])
+        assert not missing, f"the manifest names {len(missing)} addresses without a record"
         return manifest
+
+    async def record_digests(self, addresses: list[str], enc: str = "zstd") -> list[str]:
+        """Record each address's digest from its record, for the readers; the addresses that have no record."""
+        missing = []
+        async with self.open_records() as reg:
+            for a in addresses:
+                rec = await reg.get_object(a)
+                if rec is None or enc not in rec.encodings:
+                    missing.append(a)
+                    continue
+                self.digests[a] = (enc, rec.encodings[enc].digest, rec.encodings[enc].size)
+        return missing
+
+
+    async def ring_sizes(self) -> dict[str, float]:
+        """Each live edge's own view: its ``kdn_edge_ring_members`` (the live edges of its region it sees)."""
+        return {e.name: await e.metric("kdn_edge_ring_members") for e in self.live_edges()}
+
+    async def rings_seen(self, timeout: float = 30.0) -> float:
+        """Until every live edge sees exactly its region's live edges (by its own gauge); the seconds it took."""
+        t0 = time.monotonic()
+        while True:
+            want = {e.name: float(len(self.live_edges(self.region_of(e.name)))) for e in self.live_edges()}
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                if await self.ring_sizes() == want:
+                    return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"edges' rings did not settle in {timeout} s")
+            await asyncio.sleep(0.05)
+
+
+class RingWatch:
+    """Who is in the registry's rings, second by second, as a watcher of ``nodes/edge/`` sees it: for each
+    edge, the longest time its key was absent (deleted, then put again; or still absent at the end).
+
+    It runs in this process on its own registry client (``url``: give it the members in another order than
+    the nodes, so that it does not fail with theirs)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.known: set[str] = set()  # every edge seen registered
+        self.absent_since: dict[str, float] = {}
+        self.longest: dict[str, float] = {}
+        self.deletes = 0
+        self._task: asyncio.Task | None = None
+        self._reg = None
+
+    def _on(self, ev) -> None:
+        now = time.monotonic()
+        if ev.kind == "snapshot":  # the first, or a re-list after this watcher's own member failed
+            present = {k.rsplit("/", 1)[-1] for k in ev.items}
+            for name in self.known - present:  # gone while we were not watching: absent from now on, at least
+                self.absent_since.setdefault(name, now)
+            for name in present & set(self.absent_since):
+                self._back(name, now)
+            self.known |= present
+            return
+        name = ev.key.rsplit("/", 1)[-1]
+        self.known.add(name)
+        if ev.kind == "delete":
+            self.deletes += 1
+            self.absent_since.setdefault(name, now)
+        elif name in self.absent_since:
+            self._back(name, now)
+
+    def _back(self, name: str, now: float) -> None:
+        gone = now - self.absent_since.pop(name)
+        self.longest[name] = max(self.longest.get(name, 0.0), gone)
+
+    def longest_absence(self) -> float:
+        now = time.monotonic()
+        still = [now - t for t in self.absent_since.values()]
+        return round(max([*self.longest.values(), *still, 0.0]), 2)
+
+    async def __aenter__(self) -> RingWatch:
+        from kdn.registry import open_registry
+        from kdn.registry.follow import follow
+
+        self._reg = open_registry(self.url)
+        ready = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(follow(self._reg, "nodes/edge/", self._on, what="ring watch", ready=ready,
+                                                backoff=(0.05, 0.5)))
+        await asyncio.wait_for(ready, 30)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        from kdn.registry.follow import stop_tasks
+
+        await stop_tasks([self._task], what="ring watch")
+        await self._reg.close()
 
 
 # --- readers ------------------------------------------------------------------------------

@@ -700,6 +700,267 @@ async def clock_step_while_down(tmp: Path, quick: bool) -> Row:
         await w.close()
 
 
+# --- a three-member etcd ---------------------------------------------------------------------
+# Production runs etcd as three (or five) members; these scenarios run three. Every node is given all
+# three, ``a`` first, and ``a`` is made the leader, so the fault lands on the member every node uses
+# (the worst case for failover) and on the cluster's leader (an election follows).
+
+
+async def _cluster_world(tmp: Path, **kw) -> F.World:
+    """A World on a three-member etcd whose leader is ``a``, the member every node uses first."""
+    w = F.World(tmp, etcd_members=3, **kw)
+    await w.start()
+    try:
+        await asyncio.to_thread(w.etcd.make_leader, w.etcd.members[0])
+    except BaseException:
+        await w.close()
+        raise
+    return w
+
+
+async def _elected(w: F.World, since: float) -> float:
+    """Seconds from ``since`` until the members still running agree on a leader."""
+    await asyncio.to_thread(w.etcd.leader, 30)
+    return round(time.monotonic() - since, 2)
+
+
+async def _put_policy(w: F.World, policy) -> int:
+    """Write ``policy`` through a client that starts on member b, retrying while the cluster elects (bounded):
+    what an operator re-running ``kdn policy set`` does. The attempts it took."""
+    from kdn.errors import RegistryUnavailable
+    from kdn.registry import open_registry
+
+    reg = open_registry(w.etcd.registry_from(w.etcd.members[1]))
+    try:
+        for attempt in range(1, 31):
+            try:
+                await reg.put_policy(policy)
+                return attempt
+            except RegistryUnavailable:
+                await asyncio.sleep(0.2)
+        raise TimeoutError(f"policy {policy.name} not written in 30 attempts")
+    finally:
+        await reg.close()
+
+
+async def _warmed_everywhere(w: F.World, since: float, edges: list[F.Node] | None = None,
+                             timeout: float = 60.0) -> float:
+    """Seconds from ``since`` until every one of ``edges`` (default: the live ones) has filled something for a
+    warm policy: it got the policy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = [await e.metric("kdn_edge_warmed") for e in (edges or w.live_edges())]
+        if all(c > 0 for c in counts):
+            return round(time.monotonic() - since, 2)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the warm policy did not reach every edge in {timeout} s: {counts}")
+        await asyncio.sleep(0.05)
+
+
+def _log_count(node: F.Node, needle: str) -> int:
+    return node.log.read_text(errors="replace").count(needle)
+
+
+async def _publish_with_fault(w: F.World, body_text: str, name: str, fault) -> tuple[str, float | None]:
+    """Start a publish, call ``fault()`` once its job has stored one chunk and not all, and wait for the job's end:
+    ("done" | "failed" | "finished first", seconds from the fault to the end)."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {F.PUBLISH}"}
+    async with aiohttp.ClientSession(w.origin.url, headers=headers) as s:
+        async with s.post("/v1/publish", json={"name": name, "text": body_text, "encodings": ["zstd"]}) as r:
+            job = (await r.json())["job"]
+        t_fault = None
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            async with s.get(f"/v1/jobs/{job}") as r:
+                state = await r.json()
+            if state["state"] in ("done", "failed"):
+                if t_fault is None:
+                    return "finished first", None
+                return state["state"], round(time.monotonic() - t_fault, 2)
+            progress = state["progress"]
+            if t_fault is None and 1 <= progress["done"] < progress["total"]:
+                fault()
+                t_fault = time.monotonic()
+            await asyncio.sleep(0.005)
+    raise TimeoutError(f"publish job {job} did not end in 180 s: {state}")
+
+
+async def etcd_leader_killed_publish(tmp: Path, quick: bool) -> Row:
+    """The etcd leader SIGKILLed in the middle of a publish whose object records go to etcd (``--records
+    registry``): the job must land whole (every address its manifest names has its record, and reads back
+    right) or fail with no manifest; readers of an earlier document never notice."""
+    from kdn.registry import open_registry
+
+    w = await _cluster_world(tmp, regions={"eu": 2}, records="registry")
+    try:
+        m = await w.publish(text(30), "vol30")
+        r = F.Readers(w, m["addresses"], per_region=4)
+        warm = await r.read_all("eu")
+        assert warm.failed == 0 and warm.wrong == 0, vars(warm)
+        leader = w.etcd.members[0]
+        elect: list[asyncio.Task] = []
+
+        def kill_leader() -> None:
+            leader.kill()
+            elect.append(asyncio.create_task(_elected(w, time.monotonic())))
+
+        async with r.running() as stats:
+            await asyncio.sleep(0.3)
+            outcome, took = await _publish_with_fault(w, text(31), "vol31", kill_leader)
+            elected = await elect[0] if elect else None
+            await asyncio.to_thread(leader.start)  # back on its data: the cluster of three again
+            await asyncio.sleep(0.5 if quick else 3.0)
+        reg = open_registry(w.etcd.registry_from(w.etcd.members[1]))
+        try:
+            manifest = await reg.get_manifest("public", "vol31")
+        finally:
+            await reg.close()
+        missing = await w.record_digests(manifest.addresses) if manifest is not None else []
+        after = await F.Readers(w, manifest.addresses).read_all("eu") if manifest and not missing else F.Stats()
+        stats.reads += after.reads
+        stats.failed += after.failed
+        stats.wrong += after.wrong
+        whole = manifest is not None and not missing and after.failed == 0 and after.wrong == 0
+        landed = ("landed whole" if outcome == "done" and whole else
+                  "failed, no manifest" if outcome == "failed" and manifest is None else
+                  f"BROKEN: job {outcome}, manifest {'absent' if manifest is None else 'present'}, "
+                  f"{len(missing)} addresses without a record")
+        return _row("etcd_leader_killed_publish", "3-member etcd: the leader (the member every node uses) "
+                    "SIGKILLed mid-publish, object records in etcd; the job lands whole or fails, never half",
+                    stats, heal_s=took, expect_failed=0,
+                    notes={"publish": landed, "job_outcome": outcome, "leader_elected_s": elected,
+                           "publish_retries": _log_count(w.origin, "registry unavailable"),
+                           "objects_without_record": len(missing)})
+    finally:
+        await w.close()
+
+
+async def etcd_leader_killed_watch(tmp: Path, quick: bool) -> Row:
+    """The etcd leader SIGKILLed while every edge watches through it; at once, while the others elect, a warm
+    policy written and an edge stopped (then started again): the policy reaches every edge, and every edge's
+    ring drops the stopped edge and takes it back. Heal: the kill to the policy applied at every live edge."""
+    from kdn.registry import Policy
+
+    w = await _cluster_world(tmp, regions={"eu": 2, "us": 2})
+    try:
+        m = await w.publish(text(32), "vol32")
+        await w.publish(text(33), "vol33")  # read by nobody: what the warm policy fills
+        r = F.Readers(w, m["addresses"], per_region=4)
+        for region in w.regions:
+            warm = await r.read_all(region)
+            assert warm.failed == 0 and warm.wrong == 0, vars(warm)
+        leader, edge = w.etcd.members[0], w.edges["us-2"]
+
+        async def policy(t0: float) -> tuple[int, float, float]:
+            attempts = await _put_policy(w, Policy(name="warm33", kind="warm", manifest="public/vol33"))
+            written = round(time.monotonic() - t0, 2)
+            return attempts, written, await _warmed_everywhere(w, t0, [e for e in w.edges.values() if e is not edge])
+
+        async def membership(t0: float) -> tuple[float, float]:
+            await asyncio.to_thread(edge.stop)  # SIGTERM: it revokes its lease, or the lease expires
+            await w.rings_seen(timeout=30)
+            left = round(time.monotonic() - t0, 2)
+            t_start = time.monotonic()
+            await edge.start()
+            await w.rings_seen(timeout=30)
+            return left, round(time.monotonic() - t_start, 2)
+
+        async with r.running() as stats:
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            leader.kill()
+            elect = asyncio.create_task(_elected(w, t0))
+            (attempts, written, policy_s), (left, joined) = await asyncio.gather(policy(t0), membership(t0))
+            elected = await elect
+            await asyncio.to_thread(leader.start)
+            await asyncio.sleep(0.5 if quick else 3.0)
+        return _row("etcd_leader_killed_watch", "3-member etcd: the leader SIGKILLed under every edge's watches; "
+                    "during the election a warm policy written and an edge stopped (then started): policy and "
+                    "membership reach every edge (heal = kill to policy applied everywhere)", stats,
+                    heal_s=policy_s, notes={"leader_elected_s": elected, "policy_write_attempts": attempts,
+                                            "policy_written_s": written, "edge_left_every_ring_s": left,
+                                            "edge_joined_every_ring_s": joined,
+                                            "watch_failures_logged": sum(_log_count(e, "watch on") for e in
+                                                                         w.edges.values())})
+    finally:
+        await w.close()
+
+
+async def etcd_leader_killed_leases(tmp: Path, quick: bool) -> Row:
+    """The etcd leader SIGKILLed while every edge keeps its lease (TTL 2 s) alive through it: no edge's key may
+    leave the registry for longer than its TTL (a watcher on another member times every absence)."""
+    ttl = float(F.World.lease_ttl.rstrip("s"))
+    w = await _cluster_world(tmp, regions={"eu": 3})
+    try:
+        m = await w.publish(text(34), "vol34")
+        r = F.Readers(w, m["addresses"], per_region=6)
+        elections = []
+        async with F.RingWatch(w.etcd.registry_from(w.etcd.members[1])) as ring, r.running() as stats:
+            for _ in range(1 if quick else 3):
+                await asyncio.sleep(0.5)
+                leader = await asyncio.to_thread(w.etcd.leader)
+                t0 = time.monotonic()
+                leader.kill()
+                elections.append(await _elected(w, t0))
+                await asyncio.sleep(2 * ttl)  # a lease that was not kept alive has expired by now
+                await asyncio.to_thread(leader.start)
+            await asyncio.sleep(0.5)
+            rings_s = await w.rings_seen(timeout=10)
+        return _row("etcd_leader_killed_leases", f"3-member etcd: the leader SIGKILLed while every edge renews its "
+                    f"{ttl:.0f} s lease through it ({len(elections)}x): no edge leaves the ring for longer than its "
+                    "lease", stats, notes={"longest_absence_s": ring.longest_absence(), "node_key_deletes": ring.deletes,
+                                           "lease_ttl_s": ttl, "leader_elected_s": elections,
+                                           "leases_registered_again": sum(_log_count(e, "registering again")
+                                                                          for e in w.edges.values()),
+                                           "rings_settled_s": round(rings_s, 2)})
+    finally:
+        await w.close()
+
+
+async def etcd_member_stopped(tmp: Path, quick: bool) -> Row:
+    """The member every node uses (the leader) frozen with SIGSTOP: its connections stay open and answer nothing,
+    the closest one host comes to a member partitioned away. A warm policy written meanwhile must reach every
+    edge, no edge may leave the ring for longer than its lease; then SIGCONT, and the member rejoins."""
+    from kdn.registry import Policy
+
+    ttl = float(F.World.lease_ttl.rstrip("s"))
+    hold = 5.0 if quick else 20.0
+    w = await _cluster_world(tmp, regions={"eu": 2, "us": 2})
+    try:
+        m = await w.publish(text(35), "vol35")
+        await w.publish(text(36), "vol36")
+        r = F.Readers(w, m["addresses"], per_region=4)
+        stopped = w.etcd.members[0]
+        async with F.RingWatch(w.etcd.registry_from(w.etcd.members[1])) as ring, r.running() as stats:
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            stopped.pause()
+            try:
+                elect = asyncio.create_task(_elected(w, t0))
+                attempts = await _put_policy(w, Policy(name="warm36", kind="warm", manifest="public/vol36"))
+                written = round(time.monotonic() - t0, 2)
+                policy_s = await _warmed_everywhere(w, t0)
+                elected = await elect
+                await asyncio.sleep(max(0.0, t0 + hold - time.monotonic()))
+            finally:
+                stopped.resume()
+            t_cont = time.monotonic()
+            await asyncio.to_thread(w.etcd.start)  # until all three are healthy again
+            await asyncio.to_thread(w.etcd.leader, 30)
+            rejoined = round(time.monotonic() - t_cont, 2)
+            await asyncio.sleep(0.5 if quick else 3.0)
+        return _row("etcd_member_stopped", f"3-member etcd: the leader, every node's member, frozen (SIGSTOP) "
+                    f"{hold:.0f} s, then SIGCONT: nodes move to the others; a warm policy written meanwhile reaches "
+                    "every edge (heal = stop to policy applied everywhere)", stats, heal_s=policy_s,
+                    notes={"longest_absence_s": ring.longest_absence(), "node_key_deletes": ring.deletes,
+                           "lease_ttl_s": ttl, "leader_elected_s": elected, "policy_write_attempts": attempts,
+                           "policy_written_s": written, "member_rejoined_s": rejoined})
+    finally:
+        await w.close()
+
+
 SCENARIOS = {
     "owner_killed": owner_killed,
     "lying_peer": lying_peer,
@@ -712,6 +973,10 @@ SCENARIOS = {
     "warm_disk_restart": warm_disk_restart,
     "clock_jump": clock_jump,
     "clock_step_while_down": clock_step_while_down,
+    "etcd_leader_killed_publish": etcd_leader_killed_publish,
+    "etcd_leader_killed_watch": etcd_leader_killed_watch,
+    "etcd_leader_killed_leases": etcd_leader_killed_leases,
+    "etcd_member_stopped": etcd_member_stopped,
 }
 
 

@@ -21,7 +21,7 @@ from seaweed_proc import SeaweedProcess  # noqa: E402
 from tls_certs import issue, make_ca  # noqa: E402
 
 from kdn.registry import EmbeddedRegistry, EtcdRegistry  # noqa: E402
-from kdn.registry.etcd import EtcdAuth  # noqa: E402
+from kdn.registry.etcd_client import EtcdAuth  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -49,6 +49,8 @@ class EtcdProcess:
         self.peer_port = free_port()
         self.metrics_port = free_port()
         self.tls, self.client_cert_auth, self.extra = tls, client_cert_auth, list(extra or [])
+        self.name = "t"  # its member name; a cluster (bench/lib/etcd_cluster.py) names each and sets the list
+        self.initial_cluster: str | None = None  # NAME=PEER_URL,...: None, a cluster of this member alone
         self.proc: subprocess.Popen[bytes] | None = None
         # Until it has started, nobody has its ports (unless the caller handed them out: retry_ports=False).
         self._started = not retry_ports
@@ -62,15 +64,24 @@ class EtcdProcess:
         """The KDN registry URL of this server under ``prefix`` (plain http only)."""
         return f"etcd://127.0.0.1:{self.client_port}{prefix}"
 
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
     def start(self, timeout: float = 15.0, *, new: bool | None = None) -> None:
         """Start the member; ``new`` (default: no data yet) says whether it bootstraps a new cluster."""
-        c, p = self.url, f"http://127.0.0.1:{self.peer_port}"
+        self.spawn(new=new)
+        self.wait_healthy(timeout, new=new)
+
+    def spawn(self, *, new: bool | None = None) -> None:
+        """Start the process without waiting: a cluster's members must all be up before any is healthy."""
+        c, p = self.url, self.peer_url
         state = "new" if (new if new is not None else not self.data.exists()) else "existing"
         args = [
-            self.binary, "--name", "t", "--data-dir", str(self.data),
+            self.binary, "--name", self.name, "--data-dir", str(self.data),
             "--listen-client-urls", c, "--advertise-client-urls", c,
             "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
-            "--initial-cluster", f"t={p}", "--initial-cluster-state", state,
+            "--initial-cluster", self.initial_cluster or f"{self.name}={p}", "--initial-cluster-state", state,
             "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",
             "--log-level", "error", *self.extra,
         ]
@@ -81,6 +92,17 @@ class EtcdProcess:
                 args += ["--trusted-ca-file", ca, "--client-cert-auth"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    def healthy(self) -> bool:
+        """etcd's ``/health``: this member is up and sees a leader (and no alarm)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
+                return json.load(r).get("health") in ("true", True)
+        except (OSError, ValueError):
+            return False
+
+    def wait_healthy(self, timeout: float = 15.0, *, new: bool | None = None) -> None:
+        assert self.proc is not None, "spawn it first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -94,13 +116,9 @@ class EtcdProcess:
                     self.proc = None
                     return self.start(timeout, new=new)
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}: {tail}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
-                    if json.load(r).get("health") in ("true", True):
-                        self._started = True
-                        return
-            except OSError:
-                pass
+            if self.healthy():
+                self._started = True
+                return
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"etcd did not become healthy within {timeout}s: {self._tail()}")
@@ -126,9 +144,10 @@ class EtcdProcess:
         """Replace the data with a snapshot (member stopped): what an operator does after losing it."""
         assert self.proc is None, "stop etcd first"
         shutil.rmtree(self.data, ignore_errors=True)
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = self.peer_url
         r = subprocess.run([ETCDCTL_BIN, "snapshot", "restore", str(path), "--data-dir", str(self.data),
-                            "--name", "t", "--initial-cluster", f"t={peer}", "--initial-advertise-peer-urls", peer],
+                            "--name", self.name, "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
+                            "--initial-advertise-peer-urls", peer],
                            capture_output=True, text=True, timeout=60, env={**os.environ, "ETCDCTL_API": "3"})
         if r.returncode != 0:
             raise RuntimeError(f"snapshot restore: {r.stderr[-500:]}")

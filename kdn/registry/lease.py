@@ -9,7 +9,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from kdn.errors import RegistryError
+from kdn.errors import RegistryError, RegistryUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,10 @@ class NodeLease:
     """A lease that keeps a node's key alive, like etcd's ``concurrency.Session``.
 
     A background task refreshes the lease every ``ttl/3``. ``done`` is set when
-    the lease is lost (the registry says it expired, or it could not be
-    refreshed before its TTL ran out) or closed. ``close()`` revokes it, so the
-    node's key disappears at once rather than after the TTL.
+    the lease is lost (the registry says it expired, or refused its refreshes
+    for longer than its TTL) or closed; an unreachable registry is waited out.
+    ``close()`` revokes it, so the node's key disappears at once rather than
+    after the TTL.
     """
 
     def __init__(
@@ -62,10 +63,20 @@ class NodeLease:
                 sent = loop.time()
                 try:
                     alive = await self._refresh(self.lease_id)
+                except RegistryUnavailable:
+                    # Keep trying, past the TTL too: whether the lease outlived the wait is the registry's
+                    # to say when it answers (alive, or TTL 0: done). etcd extends every lease by its
+                    # whole TTL when a new leader takes over (and when it restarts), so a lease that no
+                    # member could refresh during an election is alive after it. Giving up at the TTL,
+                    # as this loop did, stopped the one refresh that would have kept it: with the leader
+                    # frozen, the extended leases expired on the new leader before the edges' new
+                    # registrations landed, and their keys left every ring (0.52 s, 1 run in 2); with it
+                    # killed, every edge registered again for nothing (bench/faults.py etcd_member_stopped,
+                    # etcd_leader_killed_leases).
+                    continue
                 except RegistryError:
-                    # Transient (registry unreachable): keep trying while the
-                    # lease may still be alive on the server; past its TTL it
-                    # surely is not, and the node must know it is out.
+                    # Refused, or failing otherwise: keep trying while the lease may be alive on the
+                    # server; past its TTL the node must know it is out (and register, which says why).
                     if loop.time() >= deadline:
                         return
                     continue

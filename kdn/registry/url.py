@@ -1,10 +1,14 @@
 """Registry URLs, the default when none is given, and the ``--registry`` option commands share.
 
 - ``file:PATH``: the embedded registry (one machine).
-- ``etcd://[USER@]HOST:PORT[/PREFIX][?password_file=FILE]``: etcd over plaintext.
-- ``etcds://[USER@]HOST:PORT[/PREFIX][?ca=FILE&cert=FILE&key=FILE&password_file=FILE]``:
+- ``etcd://[USER@]HOST:PORT[,HOST:PORT...][/PREFIX][?password_file=FILE]``: etcd over plaintext.
+- ``etcds://[USER@]HOST:PORT[,HOST:PORT...][/PREFIX][?ca=FILE&cert=FILE&key=FILE&password_file=FILE]``:
   etcd over TLS, verified against ``ca`` (else the system's CAs), with a client
   certificate when etcd runs ``--client-cert-auth`` (etcd takes its CN as the user).
+
+Several endpoints name the members of one cluster: the client uses the first and moves
+to the next when one stops answering (``kdn/registry/etcd_client.py``), so a member's death
+costs a retry, not the registry.
 
 A password never sits in the URL (it would show in ``ps``, logs and shell
 history): it comes from ``password_file`` or ``$KDN_ETCD_PASSWORD``.
@@ -28,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover - the backends load when a registry is ope
 
 ENV_VAR = "KDN_REGISTRY"
 PASSWORD_ENV_VAR = "KDN_ETCD_PASSWORD"
-_ETCD_FORM = "etcd[s]://[USER@]HOST:PORT[/PREFIX][?ca=FILE&cert=FILE&key=FILE&password_file=FILE]"
+_ETCD_FORM = "etcd[s]://[USER@]HOST:PORT[,HOST:PORT...][/PREFIX][?ca=FILE&cert=FILE&key=FILE&password_file=FILE]"
 ETCD_DEFAULT_PORT = 2379
 
 
@@ -67,18 +71,23 @@ def open_registry(url: str | None = None) -> KVRegistry:
 
 
 def _open_etcd(url: str) -> EtcdRegistry:
-    from kdn.registry.etcd import EtcdAuth, EtcdRegistry
+    from kdn.registry.etcd import EtcdRegistry
+    from kdn.registry.etcd_client import EtcdAuth
 
     def bad(why: str) -> InvalidInput:
         return InvalidInput(f"bad registry URL {_shown(url)!r}: {why}")
 
     try:
         parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
+        # The members: HOST:PORT pairs split at commas, each parsed as a URL's host would be (IPv6 in brackets).
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        endpoints = [_endpoint(hp) for hp in hosts.split(",")]
     except ValueError as e:
         raise bad(str(e)) from None
-    if not host or parts.fragment:
+    if parts.fragment:
         raise bad(f"expected {_ETCD_FORM}")
+    if len(set(endpoints)) != len(endpoints):
+        raise bad("an endpoint is named twice")
     if parts.password is not None:
         raise bad("a password does not belong in a URL (ps, logs and shell history show it): "
                   f"use ?password_file=FILE or ${PASSWORD_ENV_VAR}")
@@ -113,7 +122,16 @@ def _open_etcd(url: str) -> EtcdRegistry:
         password=password,
     )
     prefix = parts.path if parts.path.strip("/") else DEFAULT_PREFIX
-    return EtcdRegistry(host, port or ETCD_DEFAULT_PORT, prefix, auth=auth)
+    (host, port), more = endpoints[0], endpoints[1:]
+    return EtcdRegistry(host, port, prefix, auth=auth, more_endpoints=more)
+
+
+def _endpoint(host_port: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` as (host, port); the port defaults to etcd's. ``ValueError`` when malformed."""
+    parts = urlsplit(f"//{host_port}")
+    if not parts.hostname or parts.username is not None:
+        raise ValueError(f"{host_port[:60]!r} is not HOST:PORT")
+    return parts.hostname, parts.port or ETCD_DEFAULT_PORT
 
 
 def _read(path: str, what: str) -> bytes:
@@ -141,7 +159,7 @@ def registry_arg(p: argparse.ArgumentParser) -> None:
         "--registry",
         default=None,
         metavar="URL",
-        help="etcd://host:port[/prefix], etcds://[user@]host:port[/prefix]?ca=&cert=&key=&password_file= (TLS, credentials) or file:PATH (default: $KDN_REGISTRY, else an embedded file in the user data dir)",
+        help="etcd://host:port[,host:port...][/prefix], etcds://[user@]host:port[/prefix]?ca=&cert=&key=&password_file= (TLS, credentials) or file:PATH (default: $KDN_REGISTRY, else an embedded file in the user data dir)",
     )
 
 

@@ -15,7 +15,7 @@ import aetcd
 import aetcd.rpc
 import pytest
 
-from kdn.registry.etcd import _Watcher
+from kdn.registry.etcd_client import Watcher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,7 +52,7 @@ async def _on_event(ev) -> None:
 async def test_a_cancel_while_a_watch_is_created_is_never_lost():
     lost, tried = [], 0
     for steps in range(24):  # cancel after 0, 1, 2, ... event-loop steps of the creation
-        w = _Watcher(_InstantStub(), timeout=2)
+        w = Watcher(_InstantStub(), timeout=2)
         task = asyncio.create_task(w.add_callback(b"k", _on_event))
         for _ in range(steps):
             await asyncio.sleep(0)
@@ -72,7 +72,7 @@ async def test_a_cancel_while_a_watch_is_created_is_never_lost():
 async def test_a_watch_whose_create_request_timed_out_does_not_wedge_the_next_ones():
     """aetcd put the create request before the try that clears its pending-create slot: once a put timed out (a
     full queue), every later watch creation on that client waited for the slot for ever."""
-    w = _Watcher(_StuckStub(), timeout=0.2)
+    w = Watcher(_StuckStub(), timeout=0.2)
     outcomes = []
     for i in range(13):  # 10 fill the queue; the 11th put times out; unfixed, the 12th waits for ever
         task = asyncio.create_task(w.add_callback(b"k%d" % i, _on_event))

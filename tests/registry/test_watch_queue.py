@@ -10,7 +10,7 @@ import asyncio
 import aetcd
 import pytest
 
-from kdn.registry.etcd import _Watcher
+from kdn.registry.etcd_client import Watcher
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,7 +28,7 @@ class _StuckStub:
 
 
 async def test_cancels_on_a_stuck_stream_time_out_and_shutdown_returns():
-    w = _Watcher(_StuckStub(), timeout=0.2)
+    w = Watcher(_StuckStub(), timeout=0.2)
     await w.setup()
     for i in range(1, 16):
         w._callbacks[i] = aetcd.watcher.WatcherCallback(lambda ev: None)  # noqa: SLF001 - live watches
