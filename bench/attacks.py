@@ -453,7 +453,7 @@ async def forged_record(ctx: Ctx) -> Row:
             else:
                 got["true"] += 1
 
-        async with KDNClient(edges=[url], trusted_keys=keys, hedge=False, timeout=10) as c:
+        async with KDNClient(edges=[url], trusted_keys=keys, max_hedges=0, timeout=10) as c:
             hit = await c.lookup(m["prefix_tokens"], m["model_id"])
             got["tokens_reused"] = hit.tokens
             if hit.addresses:
@@ -540,7 +540,7 @@ async def lying_body(ctx: Ctx) -> Row:
     try:
         for a in m["addresses"]:
             for enc in ("raw", "zstd"):  # a client each: every body is asked of the liar first
-                async with KDNClient(edges=[url], origin=w.origin.url, trusted_keys=[ctx.public_key], hedge=False,
+                async with KDNClient(edges=[url], origin=w.origin.url, trusted_keys=[ctx.public_key], max_hedges=0,
                                      timeout=10) as c:
                     rec = await c.record(a)
                     try:
@@ -975,7 +975,7 @@ async def planted_digest(ctx: Ctx) -> Row:
     runner, url = await serve_app(app, ROGUE_HOST)
     got = {"forged": 0, "forged_bytes": 0, "true": 0, "refused": 0}
     try:
-        async with KDNClient(edges=[url], trusted_keys=[ctx.public_key], hedge=False, timeout=10) as c:
+        async with KDNClient(edges=[url], trusted_keys=[ctx.public_key], max_hedges=0, timeout=10) as c:
             for a in m["addresses"]:
                 try:
                     blob = bytes((await c.fetch(a, encoding="zstd")).blob)
@@ -1026,7 +1026,7 @@ async def bit_rot(ctx: Ctx) -> Row:
         seen.append(f"{label}: origin {status}")
         served_rotten += status == 200 and blake3(body).hexdigest() == rotten_digest
         async with KDNClient(edges=[w.edges["eu-1"].url], origin=w.origin.url, trusted_keys=[ctx.public_key],
-                             hedge=False, timeout=10) as c:
+                             max_hedges=0, timeout=10) as c:
             try:
                 f = await c.fetch(a, encoding="zstd")
                 d = blake3(bytes(f.blob)).hexdigest()
@@ -1100,14 +1100,14 @@ async def manifest_rollback(ctx: Ctx) -> Row:
     async with open_registry(w.etcd.registry) as reg:
         stale = await reg.get_manifest("public", "hours")
         new = await w.publish(ctx.text("rollback-new", 600), "hours")
-        async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], hedge=False, timeout=10) as c:
+        async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], max_hedges=0, timeout=10) as c:
             first = await c.manifest("public", "hours")
             await reg._put(reg._manifest_key("public", "hours"), stale.pack())  # the replay, validly signed
             replayed = await c.manifest("public", "hours")
             refused = c.rejected_records
-        async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], hedge=False, timeout=10) as fresh:
+        async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], max_hedges=0, timeout=10) as fresh:
             fooled = await fresh.manifest("public", "hours")  # a new process: its marks are in the state file
-        async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], hedge=False, timeout=10,
+        async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], max_hedges=0, timeout=10,
                              manifest_state=False) as forgetful:
             forgot = await forgetful.manifest("public", "hours")  # the residual: marks kept in memory only
     took_new = first is not None and first["addresses"] == new["addresses"]
@@ -1250,7 +1250,7 @@ def victim_main(url: str, encoding: str, control: bool) -> None:
     async def go() -> dict:
         gc.collect()
         p0 = peak()
-        async with KDNClient(edges=[url], hedge=False, timeout=20, quality=100) as c:
+        async with KDNClient(edges=[url], max_hedges=0, timeout=20, quality=100) as c:
             hit = await c.lookup(BOMB_TOKENS, MODEL_ID)
             try:
                 await c.fetch_prefix(hit, encoding=encoding)
@@ -1805,7 +1805,7 @@ async def upstream_redirect(ctx: Ctx) -> Row:
         statuses.append(status)
     redirected_by_edge = r.redirected
     client_got = "nothing"
-    async with KDNClient(edges=[r.url], token=TENANT, hedge=False, timeout=5) as c:
+    async with KDNClient(edges=[r.url], token=TENANT, max_hedges=0, timeout=5) as c:
         try:
             await c.fetch(m["addresses"][0], encoding="zstd", digest="00" * 32, size=10)
             client_got = "bytes"
@@ -1988,7 +1988,7 @@ async def client_content_length(ctx: Ctx) -> Row:
 
         server, url = await hostile_server(handler)
         try:
-            async with KDNClient(edges=[url], hedge=False, timeout=5) as c:
+            async with KDNClient(edges=[url], max_hedges=0, timeout=5) as c:
                 try:
                     f = await c.fetch("ab" * 32, encoding="zstd", digest=digest, size=len(body))
                     results[label] = "accepted" if bytes(f.blob) == body else "WRONG BYTES"
@@ -2033,7 +2033,7 @@ async def client_pooled_bytes(ctx: Ctx) -> Row:
 
     server, url = await hostile_server(handler)
     try:
-        async with KDNClient(edges=[url], hedge=False, timeout=5) as c:
+        async with KDNClient(edges=[url], max_hedges=0, timeout=5) as c:
             await c.fetch("ab" * 32, encoding="zstd", digest=blake3(one).hexdigest(), size=3000)
             await asyncio.wait_for(planted.wait(), 5)
             await asyncio.sleep(0.05)

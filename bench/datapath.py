@@ -279,8 +279,8 @@ async def run(args) -> dict:
                 if man["model_id"] != mid:
                     raise RuntimeError("the origin's model id is not the bench's")
                 for encoding in args.encodings:
-                    async with KDNClient(edges=[edge.url], hedge=False, arena=arena) as client, \
-                            KDNClient(edges=[edge.url], hedge=False, arena=arena, host=host) as local:
+                    async with KDNClient(edges=[edge.url], max_hedges=0, arena=arena) as client, \
+                            KDNClient(edges=[edge.url], max_hedges=0, arena=arena, host=host) as local:
                         hit = await client.lookup(doc[:L], mid)
                         assert hit.tokens == L, (hit.tokens, L)
                         recs = [await client.record(a) for a in hit.addresses]

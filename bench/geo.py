@@ -507,14 +507,14 @@ def make_client(world: World, region: str, strategy: str, seed: int, records: di
         # oracle-hedged: that ranking, hedged the way the client hedges.
         # oracle-probe: every fetch goes to all sources at once, the first verified answer wins.
         # Lookups of all three: the source with the least RTT.
-        c = BenchClient(**kw, hedge=strategy == "oracle-hedged", probe_all=strategy == "oracle-probe")
+        c = BenchClient(**kw, max_hedges=1 if strategy == "oracle-hedged" else 0, probe_all=strategy == "oracle-probe")
         c.oracle = Oracle(world, region, records)
     elif strategy == "static-nearest":
-        c = BenchClient(**kw, hedge=False, oracle=static_ranking)
+        c = BenchClient(**kw, max_hedges=0, oracle=static_ranking)
     elif strategy == "random":
         c = BenchClient(**kw, oracle=region_random_ranking)
     elif strategy == "origin-only":
-        c = BenchClient(**kw, hedge=False, oracle=origin_only_ranking)
+        c = BenchClient(**kw, max_hedges=0, oracle=origin_only_ranking)
     else:  # latency: KDN's own ranking
         c = BenchClient(**kw)
     c.rng.seed(seed)

@@ -86,7 +86,7 @@ async def main():
             mem = smaps()  # (the mapping is still open: its pages count as this process's shared memory)
     else:
         from kdn.client import KDNClient
-        async with KDNClient(edges=[where], hedge=False) as client:
+        async with KDNClient(edges=[where], max_hedges=0) as client:
             bufs = []
             for a in addresses:
                 f = await client.fetch(a, encoding="raw")

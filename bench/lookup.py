@@ -91,7 +91,7 @@ async def run(args) -> list[dict]:
                 if man["model_id"] != mid:
                     raise RuntimeError("the origin's model id is not the bench's")
                 full = A.prefix_addresses(mid, "public", doc[:L], A.DEFAULT_CHUNK_TOKENS, full_chunks_only=True)
-                async with KDNClient(edges=[edge.url], hedge=False, trusted_keys=[key.public]) as client:
+                async with KDNClient(edges=[edge.url], max_hedges=0, trusted_keys=[key.public]) as client:
                     hit = await client.lookup(doc[:L], mid)  # warms the edge's record cache and the connections
                     if hit.tokens != L or len(hit.records) != len(full):
                         raise RuntimeError(f"the lookup found {hit.tokens} of {L} tokens")

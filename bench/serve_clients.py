@@ -241,7 +241,7 @@ async def _kdn_main(url: str, objects: list[dict], conc: int, window: Window, ve
     if not verify:
         kc.blake3 = _NoHash
     tallies = [Tally() for _ in range(conc)]
-    async with kc.KDNClient(edges=[url], concurrency=conc, hedge=False) as client:
+    async with kc.KDNClient(edges=[url], concurrency=conc, max_hedges=0) as client:
         async def worker(k: int) -> None:
             t_ = tallies[k]
             i = k

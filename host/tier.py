@@ -50,7 +50,7 @@ class HostTier:
             from kdn.client.client import KDNClient
 
             # Not hedged: a fill's body lands in one block of the segment, one attempt at a time.
-            client = KDNClient(edges=list(config.edges), origin=config.origin, hedge=False, ca=config.ca,
+            client = KDNClient(edges=list(config.edges), origin=config.origin, max_hedges=0, ca=config.ca,
                                token=read_token(config.upstream_token_file) if config.upstream_token_file else None,
                                trusted_keys=config.trusted_keys, timeout=config.timeout)
             upstream = EdgeUpstream(client)

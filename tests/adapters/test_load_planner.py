@@ -99,7 +99,7 @@ async def test_a_stalled_source_becomes_a_recompute_within_the_deadline(lm):
     server = await edge(addrs, blobs, records, stall_from=2)
     try:
         calibrate(lm, 2.0)
-        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")], hedge=False) as c:
+        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")], max_hedges=0) as c:
             t0 = time.perf_counter()
             gen = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1, load_deadline=1.0)
             waited = time.perf_counter() - t0
@@ -124,7 +124,7 @@ async def test_a_link_gone_slow_spoils_one_load_then_the_prompt_is_computed(lm):
         calibrate(lm, 2.0)
         sp = speeds_of(lm.model)
         sp.load_bps, sp.loads, sp.last_load = None, 0, None
-        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")], hedge=False) as c:
+        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")], max_hedges=0) as c:
             for _ in range(2):  # reads from the edge's memory: they measure the link (fast)
                 gen = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
                 assert gen.report.tokens_reused == N_CHUNKS * CHUNK
@@ -168,7 +168,7 @@ async def test_a_stale_speed_is_probed_beside_the_request_which_computes(lm):
         sp.load_bps, sp.loads = 1000.0, 1  # measured slow, long ago
         stale()
         server.slow["on"] = True
-        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")], hedge=False) as c:
+        async with KDNClient(edges=[str(server.make_url("")).rstrip("/")], max_hedges=0) as c:
             probing = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
             in_flight = len(PROBES)  # the request did not wait for it
             await asyncio.wait_for(asyncio.gather(*PROBES), 10)
@@ -210,7 +210,7 @@ async def test_a_probe_whose_record_cannot_be_read_measures_nothing_and_ends_wit
         port = s.getsockname()[1]
     sp = speeds_of(lm.model)
     before = (sp.load_bps, sp.loads)
-    async with KDNClient(edges=[f"http://127.0.0.1:{port}"], hedge=False, timeout=5.0) as c:
+    async with KDNClient(edges=[f"http://127.0.0.1:{port}"], max_hedges=0, timeout=5.0) as c:
         task = start_probe(SimpleNamespace(addresses=addrs[:1], records=[]), c, sp, 1.0)
         await asyncio.wait_for(asyncio.shield(task), 30)
     assert task.exception() is None

@@ -291,7 +291,7 @@ async def test_origin_only_fetch_goes_to_the_origin_over_http():
         geo = _geo()
         for oracle, want in ((geo.origin_only_ranking, "origin"), (None, "edge")):
             async with geo.BenchClient(edges=[f"http://127.0.0.1:{ports['edge']}"],
-                                       origin=f"http://127.0.0.1:{ports['origin']}", oracle=oracle, hedge=False) as c:
+                                       origin=f"http://127.0.0.1:{ports['origin']}", oracle=oracle, max_hedges=0) as c:
                 f = await c.fetch(ADDR, encoding="raw", digest=blake3(blob).hexdigest(), size=len(blob))
             assert f.source.endswith("/" + want)
     finally:

@@ -156,7 +156,7 @@ async def test_the_client_fetches_through_it(servers):
     from kdn.client import KDNClient
 
     bad = await servers("other-encoding")
-    async with KDNClient(edges=[bad], hedge=False, timeout=5) as client:
+    async with KDNClient(edges=[bad], max_hedges=0, timeout=5) as client:
         assert isinstance(client.fetcher, Fetcher)
         with pytest.raises(SourceError, match="asked for zstd, got raw"):
             await client.fetch(ADDR, encoding="zstd", digest=WANT.digest, size=WANT.size)

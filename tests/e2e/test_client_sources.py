@@ -66,7 +66,7 @@ async def test_prefers_the_faster_source_after_measuring(tmp_path, etcd_url):
         m = await publish(c, TEXT)
         slow = await proxy(c.edge_url("e1"), delay=0.15)
         try:
-            async with KDNClient(edges=[url(slow)], origin=c.origin_url(), hedge=False) as client:
+            async with KDNClient(edges=[url(slow)], origin=c.origin_url(), max_hedges=0) as client:
                 for _ in range(2):  # a first read fills the edge (measures its upstream); the second is a hit
                     for a in m["addresses"]:
                         await client.fetch(a)
@@ -104,7 +104,7 @@ async def test_slow_lookups_do_not_make_a_near_edge_look_far_for_transfers(tmp_p
         m = await publish(c, TEXT)
         busy = await proxy(c.edge_url("e1"), delay=0.3, control_only=True)
         try:
-            async with KDNClient(edges=[url(busy)], origin=c.origin_url(), hedge=False) as client:
+            async with KDNClient(edges=[url(busy)], origin=c.origin_url(), max_hedges=0) as client:
                 for a in m["addresses"][:3]:
                     assert await client.record(a) is not None
                 assert client._ranked(0, control=True)[0].kind == "origin"  # registry reads: the origin now
@@ -161,13 +161,13 @@ async def test_fails_over_from_dead_failing_and_lying_sources(tmp_path, etcd_url
         dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
         try:
             for bad in (dead, url(broken), url(liar)):
-                async with KDNClient(edges=[bad, c.edge_url("e1")], hedge=False) as client:
+                async with KDNClient(edges=[bad, c.edge_url("e1")], max_hedges=0) as client:
                     hit = await client.lookup(m["prefix_tokens"], m["model_id"])
                     assert hit.tokens == len(m["prefix_tokens"])
                     states = await client.fetch_prefix(hit)
                     assert len(states.objects) == len(m["addresses"])
                     assert all(not f.source.startswith("edge:0") for f in states.fetched)
-            async with KDNClient(edges=[url(liar)], hedge=False) as client:
+            async with KDNClient(edges=[url(liar)], max_hedges=0) as client:
                 with pytest.raises(DigestMismatch, match="intact"):  # every source lied: not a plain miss
                     await client.fetch(m["addresses"][0])
         finally:

@@ -112,7 +112,7 @@ async def test_a_client_fetches_one_layer_by_verified_ranges(tmp_path, etcd_url)
         fake = await liar(c.edge_url("e1"))
         try:
             url = str(fake.make_url("")).rstrip("/")
-            async with KDNClient(edges=[url], origin=c.origin_url(), trusted_keys=[key.public], hedge=False) as client:
+            async with KDNClient(edges=[url], origin=c.origin_url(), trusted_keys=[key.public], max_hedges=0) as client:
                 got = await client.fetch_tensors(a, ["L0.k"])
                 assert bytes(got.tensors["L0.k"]) == bytes(whole.tensors["L0.k"].data)
                 assert client.failovers >= 1  # the lying range was refused, the origin's verified
