@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from kdn.format.codecs import itemsize
 from kdn.errors import InvalidInput, KDNError, ModelMismatch
 from kdn.adapters.hf import kvmem
+from kdn.kernels.pinned import Copies, Event, copy_stream
 from kdn.adapters.hf.extract import LayerSpec, _forward, layer_layout, new_cache
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -168,12 +166,22 @@ class CacheBuilder:
     dtype differs from the model's is decoded and converted into place.
     :meth:`finish` returns what ``build_cache`` would; with ``room``, its plain
     attention layers write the next tokens in place (``room.RoomLayer``).
+
+    On a device, chunks cross on the device's copy stream. One added ``held``
+    (its bytes stay the caller's until :meth:`copied`: a host-tier lease, an
+    object held in host memory) is copied by :meth:`finish`, layer after layer,
+    an event per layer, and the forward waits for each decoder layer's event
+    just before that layer runs (``kvmem.LayerWaits``): layer ``j`` is computed
+    while later layers are still crossing.
     """
 
     def __init__(self, model: Any, token_counts: Sequence[int], *, arena: Arena | None = None,
-                 device: torch.device | str | None = None, staged: bool | None = None, room: int = 0) -> None:
+                 device: torch.device | str | None = None, staged: bool | None = None, room: int = 0,
+                 copies: Copies | None = None) -> None:
         """``room``: tokens of room after the prefix in each attention layer's K/V (the suffix and the tokens
-        to generate), written in place by the finished cache (``room.RoomLayer``), not concatenated."""
+        to generate), written in place by the finished cache (``room.RoomLayer``), not concatenated.
+        ``copies``: where the copies onto the device run (default: the device's copy stream,
+        ``kdn.kernels.pinned.copy_stream``; tests and the GPU script's serial baseline pass their own)."""
         if not (isinstance(room, int) and 0 <= room <= MAX_ROOM):
             raise InvalidInput(f"room must be 0..{MAX_ROOM} tokens, got {str(room)[:40]}")
         self.model = model
@@ -183,10 +191,14 @@ class CacheBuilder:
         # on the CPU they are decoded straight into place. ``staged=True`` runs the device path on the CPU
         # too (tests and the GPU script's dry run).
         self.staged = self.device.type != "cpu" if staged is None else staged
-        self.h2d_bytes = 0  # bytes copied to the device, and the seconds those copies took (staged path)
-        self.h2d_seconds = 0.0
+        self.h2d_bytes = 0  # bytes copied to the device (staged path)
+        self.h2d_seconds = 0.0  # the seconds streamed adds' copies took (a held load's overlap the forward)
         self._arena = arena
-        self._stream = kvmem.side_stream(self.device) if self.device.type == "cuda" else None
+        self._copies = (copies if copies is not None else copy_stream(self.device)) if self.staged else None
+        self._held: list[kvmem.Region] = []  # chunks added held, copied by ``finish``
+        self._reads: list[Event] = []  # held chunks' copies, reading host memory until done
+        self._finished = False
+        self.waits: kvmem.LayerWaits | None = None  # the finished cache's forward waits, per decoder layer
         self._stats = threading.Lock()
         self._cv = threading.Condition()  # adds in flight (worker threads), and whether more may come
         self._busy, self._closed = 0, False
@@ -206,9 +218,10 @@ class CacheBuilder:
             self.full = kvmem.kv_tensors(self.layout, self.tokens + room, arena)
         else:
             self._stack, self.full = kvmem.device_tensors(self.layout, self._order, self.tokens + room, self.device)
+        self._into = kvmem.Placement(self.layout, self._order, self._stack, self.full) if self.staged else None
         self.kv = {i: (k[:, :, :self.tokens], v[:, :, :self.tokens]) for i, (k, v) in self.full.items()}
-        if self._stream is not None:  # the copies on the side stream write memory allocated on this one
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._copies is not None:  # the copies write memory allocated on the compute stream just now
+            self._copies.follow()
         # The same memory as numpy arrays of unsigned lanes ([kv_heads, S, head_dim]): slicing these per
         # tensor costs far less than slicing the torch tensors.
         self._lanes = {i: (kvmem.lanes(k[0]), kvmem.lanes(v[0])) for i, (k, v) in self.kv.items()} if not self.staged else {}
@@ -264,19 +277,23 @@ class CacheBuilder:
             self._closed = True
             self._cv.wait_for(lambda: self._busy == 0)
 
-    def add(self, index: int, view: ObjectView) -> None:
-        """Decode chunk ``index``'s object into its place (checked first: names, shapes, token count)."""
-        with self._writing():
-            self._add(index, view)
+    def add(self, index: int, view: ObjectView, *, held: bool = False) -> None:
+        """Decode chunk ``index``'s object into its place (checked first: names, shapes, token count).
 
-    def _add(self, index: int, view: ObjectView) -> None:
+        ``held`` (a device load): the caller keeps ``view``'s bytes, unchanged, until :meth:`copied` says the
+        device has read them; the chunk is copied by :meth:`finish`, overlapping the forward. Otherwise the
+        bytes are the caller's again when this returns."""
+        with self._writing():
+            self._add(index, view, held)
+
+    def _add(self, index: int, view: ObjectView, held: bool = False) -> None:
         from kdn.format.objects import to_torch
 
         h = view.header
         n = self._check(index, h)
         off = self.offsets[index]
         if self.staged and self._order:
-            self._add_staged(view, n, off)
+            self._add_staged(view, n, off, held)
         for s in self.layout if not self.staged else ():
             if not s.kv:
                 continue
@@ -294,13 +311,12 @@ class CacheBuilder:
                 _expect(tuple(t.shape) == st.shape, f"{st.name} has shape {tuple(t.shape)}; this model wants {list(st.shape)}")
         self._added.add(index)
 
-    def _add_staged(self, view: ObjectView, n: int, off: int) -> None:
-        """One chunk's K/V onto the device: one host-to-device copy of the region holding them, then one
-        device-side copy placing every layer's slice (``_stack``: the region is the objects' K/V tensors back
-        to back, in the stack's order). Raw tensors are copied from the received bytes as they are
-        (page-locked when the body came from a pinned arena: a DMA at the link's speed); other codecs are
-        decoded on the host first, into one staging buffer in that order. A region that does not have that
-        shape (a hybrid's last chunk, whose states sit between its K/V) is placed tensor by tensor."""
+    def _add_staged(self, view: ObjectView, n: int, off: int, held: bool) -> None:
+        """One chunk's K/V for the device. Raw tensors are copied from the bytes as they are (page-locked when
+        they came from a pinned arena or a registered host-tier mapping: a DMA at the link's speed); other codecs
+        are decoded on the host first, into one buffer in the objects' tensor order. Held: kept for ``finish``.
+        Otherwise copied now (``kvmem.copy_chunk``: one copy of the region, one placing every layer) and waited
+        for, so that the bytes may be reused when ``add`` returns."""
         h = view.header
         lease = None
         if all(h.tensors[nm].codec == "raw" for nm in self._order):
@@ -309,27 +325,17 @@ class CacheBuilder:
             host = torch.frombuffer(view.buffer[lo:hi], dtype=torch.uint8)
             where = {nm: (b - lo, e - lo) for nm, (b, e) in spans.items()}
         else:  # decoded on the host, tensor after tensor, into one buffer
-            host, where, lease = self._decode_staging(view)
-        dt = {h.tensors[nm].dtype for nm in self._order}
-        size = math.prod(h.tensors[self._order[0]].shape) * itemsize(h.tensors[self._order[0]].dtype)
-        stacked = (self._stack is not None and len(dt) == 1
-                   and all(where[nm] == (p * size, (p + 1) * size) for p, nm in enumerate(self._order)))
+            host, where, lease = kvmem.decode_region(view, self._order, self._arena)
+        chunk = kvmem.Region(host, where, {nm: _torch_dtype(h.tensors[nm].dtype) for nm in self._order}, n, off, lease)
+        assert self._copies is not None and self._into is not None
+        if held:
+            with self._stats:
+                self._held.append(chunk)
+            return
         t0 = time.perf_counter()
         try:
-            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-                dev = host.to(self.device, non_blocking=True)  # [region bytes] on the device: one copy
-                if stacked:
-                    assert self._stack is not None
-                    _, heads, _, dim = self._stack.shape
-                    src = dev[:len(self._order) * size].view(_torch_dtype(dt.pop())).view(len(self._order), heads, n, dim)
-                    self._stack[:, :, off:off + n, :].copy_(src)  # every layer's K and V placed: one copy
-                    copies = 2
-                else:
-                    copies = 1 + self._place_each(dev, where, h, n, off)
-                if self._stream is not None:
-                    done = torch.cuda.Event()
-                    done.record(self._stream)
-                    done.synchronize()  # the host bytes may be handed back when this returns
+            copies = kvmem.copy_chunk(self._copies, chunk, self._into)
+            self._copies.mark().synchronize()  # the host bytes may be handed back when this returns
         finally:
             if lease is not None:
                 lease.release()
@@ -338,36 +344,45 @@ class CacheBuilder:
             self.h2d_seconds += time.perf_counter() - t0
             self.device_copies += copies
 
-    def _decode_staging(self, view: ObjectView) -> tuple[torch.Tensor, dict[str, tuple[int, int]], Any]:
-        """A compressed chunk's K/V decoded on the host into one buffer (from the arena when there is one),
-        in the stack's order: the buffer as bytes, each tensor's span in it, and the lease to hand back."""
-        h = view.header
-        sizes = {nm: math.prod(h.tensors[nm].shape) * itemsize(h.tensors[nm].dtype) for nm in self._order}
-        total = sum(sizes.values())
-        lease = self._arena.take(total) if self._arena is not None else None
-        buf = lease.view if lease is not None else memoryview(bytearray(total))
-        where, pos = {}, 0
-        for nm in self._order:
-            info = h.tensors[nm]
-            lane = np.dtype(f"<u{itemsize(info.dtype)}")
-            view.decode_into(nm, np.frombuffer(buf[pos:pos + sizes[nm]], dtype=lane).reshape(info.shape))
-            where[nm] = (pos, pos + sizes[nm])
-            pos += sizes[nm]
-        host = torch.frombuffer(buf, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
-        return host, where, lease
+    def _upload_held(self, k: int) -> dict[int, Event]:
+        """The held chunks among the first ``k`` onto the device, issued now on the copy stream, layer after
+        layer (``kvmem.upload``): each attention layer's event."""
+        end = self.offsets[k] if k < len(self.counts) else self.tokens
+        chunks = [c for c in self._held if c.off < end]
+        if not chunks:
+            return {}
+        assert self._copies is not None and self._into is not None
+        events, issued = kvmem.upload(self._copies, chunks, self._into)
+        self._reads.extend({id(e): e for e in events.values()}.values())
+        with self._stats:
+            self.h2d_bytes += sum(c.host.numel() for c in chunks)
+            self.device_copies += issued
+        return events
 
-    def _place_each(self, dev: torch.Tensor, where: Mapping[str, tuple[int, int]], h: ObjectHeader, n: int,
-                    off: int) -> int:
-        """Each K/V tensor of a chunk's region (on the device) copied into its layer's slice; the copies made."""
-        for s in self.layout:
-            if not s.kv:
-                continue
-            heads, dim = s.kv
-            for x, full in zip(("k", "v"), self.kv[s.index]):
-                a, b = where[f"L{s.index}.{x}"]
-                full[0, :, off:off + n, :].copy_(dev[a:b].view(_torch_dtype(h.tensors[f"L{s.index}.{x}"].dtype))
-                                                 .view(heads, n, dim))
-        return 2 * len(self.kv)
+    def copied(self, wait: bool = False) -> bool:
+        """Whether the device has read every held chunk's bytes (with ``wait``, once it has): from then the
+        caller may hand them back (a host-tier lease, an arena buffer), and the buffers held compressed chunks
+        were decoded into are back in the arena. False before ``finish`` (it makes the copies)."""
+        if self._held and not self._finished:
+            return False
+        if wait:
+            for ev in self._reads:
+                ev.synchronize()
+        if any(not ev.query() for ev in self._reads):
+            return False
+        self._reads.clear()
+        with self._stats:
+            held, self._held = self._held, []
+        for c in held:
+            if c.lease is not None:
+                c.lease.release()
+        return True
+
+    def needs(self, index: int) -> frozenset[str] | None:
+        """The tensors adding chunk ``index`` reads, where not all of the object: a hybrid model's K/V of every
+        chunk but the last (whose conv/recurrent states supersede theirs); None: all of it
+        (``KDNClient.fetch_prefix(needs=)`` fetches only these, by verified ranges)."""
+        return frozenset(self._kv_names) if self._state_names and index != len(self.counts) - 1 else None
 
     # --- a raw object received straight into its place (kdn.wire.scatter.Placer) ---
 
@@ -420,16 +435,30 @@ class CacheBuilder:
         k = len(self.counts) if upto is None else upto
         missing = sorted(set(range(k)) - self._added)
         _expect(not missing, f"chunks {missing[:8]} of the prefix were never added")
-        if self._stream is not None:  # the model's stream sees every copy done (each add waited for its own)
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        _expect(k == len(self.counts) or not self._state_names,
+                "a hybrid model's cache cannot stop before the chunk whose states it holds")
+        # Streamed adds each waited for their own copies; held chunks' are issued here, and the forward waits
+        # for each layer's just before the layer runs (``kvmem.LayerWaits``).
+        events = self._upload_held(k)
+        self._finished = True
         device = device if device is not None else (self.device if self.staged else None)
+        if events and device is not None and torch.device(device) != self.device:
+            # assembled on another device: read out of the stack now, so after every copy
+            assert self._copies is not None
+            for ev in {id(e): e for e in events.values()}.values():
+                self._copies.wait(ev)
+            events = {}
         if k == len(self.counts):
             full = self.full if self.room else None  # without room the first new token concatenates anyway
-            return _assemble(self.model, self.layout, self.kv, self.last, device, None, full), self.tokens
-        _expect(not self._state_names, "a hybrid model's cache cannot stop before the chunk whose states it holds")
-        t = self.offsets[k]
-        kv = {i: (a[:, :, :t, :], b[:, :, :t, :]) for i, (a, b) in self.kv.items()}  # [1, H, t, D] views
-        return _assemble(self.model, self.layout, kv, {}, device, None, self.full), t  # (the chunks not loaded are room too)
+            cache, n = _assemble(self.model, self.layout, self.kv, self.last, device, None, full), self.tokens
+        else:
+            n = self.offsets[k]
+            kv = {i: (a[:, :, :n, :], b[:, :, :n, :]) for i, (a, b) in self.kv.items()}  # [1, H, n, D] views
+            cache = _assemble(self.model, self.layout, kv, {}, device, None, self.full)  # (the rest is room too)
+        if events:
+            assert self._copies is not None
+            self.waits = kvmem.LayerWaits(self.model, cache, len(self.layout), events, self._copies)
+        return cache, n
 
 
 @functools.cache

@@ -1,29 +1,28 @@
-"""Where a ``CacheBuilder``'s K/V live: host tensors from the arena, or one stack per device, and the copy stream.
+"""Where a ``CacheBuilder``'s K/V live, and how they cross to a device.
 
-Split from ``cache.py`` (the builder): how the memory is laid out and owned, not how chunks land in it.
+Split from ``cache.py`` (the builder): how the memory is laid out and owned (host tensors from the arena, or
+one stack per device), how a chunk's bytes are copied onto the device (``copy_chunk``: one copy of its K/V
+region and one placing every layer; ``copy_layers``: held chunks layer after layer, an event per layer), and
+how the forward waits for them (``LayerWaits``: a pre-hook per decoder layer), not how chunks land.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from kdn.adapters.hf.extract import LayerSpec
+from kdn.kernels.pinned import MIN_COPY, Copies, Event
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kdn.wire.arena import Arena
-
-
-@functools.cache
-def side_stream(device: torch.device) -> Any:
-    """The stream a device's loads copy on: one per device (a stream per builder would each keep its own
-    cached copy buffers in the caching allocator)."""
-    return torch.cuda.Stream(device)
+    from kdn.wire.arena import Arena, Lease
 
 
 def device_tensors(layout: list[LayerSpec], order: Sequence[str], tokens: int, device: torch.device
@@ -78,3 +77,195 @@ def lanes(t: torch.Tensor) -> Any:
     """A numpy view of ``t``'s memory as unsigned integers of its item size (any strides; numpy has no bf16)."""
     lane = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[t.element_size()]
     return t.view(lane).numpy()
+
+
+# --- onto the device ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Region:
+    """One chunk's K/V bytes in host memory, in the objects' tensor order: ``where`` each tensor lies in
+    ``host`` (uint8), its dtype, and the chunk's tokens ``[off, off + n)``. ``lease``: the arena buffer it was
+    decoded into (a compressed chunk), handed back once the copies reading it are done."""
+
+    host: torch.Tensor  # [bytes] uint8, page-locked where the memory is
+    where: dict[str, tuple[int, int]]
+    dtypes: dict[str, torch.dtype]
+    n: int
+    off: int
+    lease: Lease | None = None
+
+
+@dataclass
+class Placement:
+    """Where a builder's K/V are on the device: ``full`` per attention layer (``[1, H, S + room, D]``), and when
+    every layer has one shape and dtype, the ``[2 x layers, H, S + room, D]`` ``stack`` they are slices of, in
+    ``order`` (the objects' tensor order)."""
+
+    layout: list[LayerSpec]
+    order: list[str]
+    stack: torch.Tensor | None
+    full: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+    def slot(self, name: str) -> int:
+        return self.order.index(name)
+
+
+def copy_chunk(copies: Copies, c: Region, into: Placement) -> int:
+    """One chunk onto the device, whole: where its K/V region is the stack's tensors back to back (one dtype),
+    one copy of the region into its slice of the stack (torch lands it in a contiguous buffer on the device,
+    then places every layer's slice there: two device copies, whatever the layer count); else one copy per
+    tensor. The device copies issued (``_ops``). (Nothing is allocated on the calling thread's stream, so the copy stream
+    need not wait for it: another request's forward there does not hold this load's copies back.)"""
+    first = into.order[0]
+    size = c.where[first][1] - c.where[first][0]
+    if (into.stack is not None and len(set(c.dtypes.values())) == 1
+            and all(c.where[nm] == (p * size, (p + 1) * size) for p, nm in enumerate(into.order))):
+        _, heads, _, dim = into.stack.shape
+        src = c.host[:len(into.order) * size].view(c.dtypes[first]).view(len(into.order), heads, c.n, dim)
+        dst = into.stack[:, :, c.off:c.off + c.n, :]
+        copies.copy(dst, src)  # every layer's K and V: one copy over
+        return _ops(dst)
+    issued = 0
+    for s in into.layout:
+        if not s.kv:
+            continue
+        heads, dim = s.kv
+        for x, full in zip(("k", "v"), into.full[s.index]):
+            nm = f"L{s.index}.{x}"
+            a, b = c.where[nm]
+            dst = full[0, :, c.off:c.off + c.n, :]
+            copies.copy(dst, c.host[a:b].view(c.dtypes[nm]).view(heads, c.n, dim))
+            issued += _ops(dst)
+    return issued
+
+
+def _ops(dst: torch.Tensor) -> int:
+    """The device copies one copy into ``dst`` makes: torch lands a host tensor bound for a strided destination
+    in a contiguous device buffer first, then places it there."""
+    return 1 if dst.is_contiguous() else 2
+
+
+def layer_bytes(c: Region, into: Placement) -> int:
+    """The smallest one layer's K and V of chunk ``c`` come to: what a layer-after-layer copy of it moves."""
+    return min((sum(b - a for a, b in (c.where[f"L{s.index}.k"], c.where[f"L{s.index}.v"]))
+                for s in into.layout if s.kv), default=0)
+
+
+def copy_layers(copies: Copies, chunks: Sequence[Region], into: Placement) -> tuple[dict[int, Event], int]:
+    """Held chunks onto the device layer after layer, in the forward's order: for each attention layer every
+    chunk's K and V of it (one copy each where they lie side by side in the host and in the stack, at least
+    ``MIN_COPY`` bytes: ``layer_bytes``), then an event. The forward can start on layer 0 while the later
+    layers cross. ``(attention layer index -> its event, device copies issued)``."""
+    events: dict[int, Event] = {}
+    issued = 0
+    for s in into.layout:
+        if not s.kv:
+            continue
+        heads, dim = s.kv
+        nk, nv = f"L{s.index}.k", f"L{s.index}.v"
+        for c in chunks:
+            (ka, kb), (va, vb) = c.where[nk], c.where[nv]
+            if (into.stack is not None and kb == va and into.slot(nv) == into.slot(nk) + 1
+                    and c.dtypes[nk] == c.dtypes[nv] == into.stack.dtype):
+                p = into.slot(nk)
+                src = c.host[ka:vb].view(c.dtypes[nk]).view(2, heads, c.n, dim)  # [K/V, H, n, D]
+                dst = into.stack[p:p + 2, :, c.off:c.off + c.n, :]
+                copies.copy(dst, src)
+                issued += _ops(dst)
+                continue
+            for nm, full in zip((nk, nv), into.full[s.index]):
+                a, b = c.where[nm]
+                dst = full[0, :, c.off:c.off + c.n, :]
+                copies.copy(dst, c.host[a:b].view(c.dtypes[nm]).view(heads, c.n, dim))
+                issued += _ops(dst)
+        events[s.index] = copies.mark()
+    return events, issued
+
+
+def upload(copies: Copies, chunks: Sequence[Region], into: Placement) -> tuple[dict[int, Event], int]:
+    """Held chunks onto the device: layer after layer (``copy_layers``) where every chunk's layer is at least
+    ``MIN_COPY`` bytes, else chunk after chunk (``copy_chunk``: fewer, larger copies), every layer's event then
+    the last one. ``(attention layer index -> its event, copies issued)``."""
+    if all(layer_bytes(c, into) >= MIN_COPY for c in chunks):
+        return copy_layers(copies, chunks, into)
+    issued = sum(copy_chunk(copies, c, into) for c in chunks)
+    ev = copies.mark()
+    return {s.index: ev for s in into.layout if s.kv}, issued
+
+
+def decoder_layers(model: Any, count: int) -> torch.nn.ModuleList | None:
+    """The model's decoder layers (``model.model.layers``), where they are one per cache layer; else None."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) == count else None
+
+
+class LayerWaits:
+    """The forward waits for each decoder layer's copies just before that layer runs, and for nothing else.
+
+    A forward pre-hook on decoder layer ``i`` makes the compute stream wait for layer ``i``'s event (the host
+    does not wait) and removes itself: once the forward has passed every layer, nothing is left on the model.
+    A forward with another cache (another request on the same model) is not this load's: its hooks do not
+    fire for it, and stay for this load's own forward. One whose cache cannot be told (no ``past_key_values``
+    argument) waits too, harmlessly, and leaves the hooks in place. If the cache is dropped unused, its hooks
+    go with it. A model whose decoder layers cannot be found waits for every event at once, here.
+    """
+
+    def __init__(self, model: Any, cache: Any, count: int, events: Mapping[int, Event], copies: Copies) -> None:
+        self.copies = copies
+        self.handles: dict[int, Any] = {}
+        self._cache = weakref.ref(cache)
+        layers = decoder_layers(model, count)
+        if layers is None:
+            for ev in {id(e): e for e in events.values()}.values():
+                copies.wait(ev)
+            return
+        for i, ev in events.items():
+            self.handles[i] = layers[i].register_forward_pre_hook(functools.partial(self._before, i, ev),
+                                                                  with_kwargs=True)
+        weakref.finalize(cache, LayerWaits._drop, self.handles)
+
+    def _before(self, i: int, ev: Event, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if cache is not None and cache is not self._cache():
+            return  # another request's forward
+        self.copies.wait(ev)
+        if cache is not None:
+            handle = self.handles.pop(i, None)
+            if handle is not None:
+                handle.remove()
+
+    @property
+    def pending(self) -> int:
+        """Decoder layers whose wait has not run yet."""
+        return len(self.handles)
+
+    @staticmethod
+    def _drop(handles: dict[int, Any]) -> None:
+        for h in handles.values():
+            h.remove()
+        handles.clear()
+
+    def remove(self) -> None:
+        LayerWaits._drop(self.handles)
+
+
+def decode_region(view: Any, order: Sequence[str], arena: Arena | None) -> tuple[torch.Tensor, dict[str, tuple[int, int]], Any]:
+    """A compressed chunk's K/V decoded on the host into one buffer (from the arena when there is one), in
+    ``order``: the buffer as bytes, each tensor's span in it, and the lease to hand back."""
+    from kdn.format.codecs import itemsize
+
+    h = view.header
+    sizes = {nm: math.prod(h.tensors[nm].shape) * itemsize(h.tensors[nm].dtype) for nm in order}
+    total = sum(sizes.values())
+    lease = arena.take(total) if arena is not None else None
+    buf = lease.view if lease is not None else memoryview(bytearray(total))
+    where, pos = {}, 0
+    for nm in order:
+        info = h.tensors[nm]
+        lane = np.dtype(f"<u{itemsize(info.dtype)}")
+        view.decode_into(nm, np.frombuffer(buf[pos:pos + sizes[nm]], dtype=lane).reshape(info.shape))
+        where[nm] = (pos, pos + sizes[nm])
+        pos += sizes[nm]
+    host = torch.frombuffer(buf, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+    return host, where, lease

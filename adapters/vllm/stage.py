@@ -9,13 +9,17 @@ load (``[tokens, ...]`` per attention layer, K and V, the cache's dtype) taken
 from the client's arena (reused across requests; page-locked on a CUDA host);
 its receive buffer is handed back right after. What is left for each layer's
 ``wait_for_layer_load`` is one cache write of ``[n, kv_heads, head_dim]``
-through the backend's own ``do_kv_cache_update`` (on a GPU, after one
-host-to-device copy of the layer: a few large copies, never one per block).
+through the backend's own ``do_kv_cache_update``. On a GPU the layers cross
+first, on the device's copy stream (``Upload``): every layer's copy issued
+once the staging is whole, a few large copies (a layer's K and V in one, never
+one per block), an event per layer, and layer ``j``'s wait waits for event
+``j`` only, so the forward computes layer ``j`` while later layers cross.
 
 Layout of the staging lease: for attention layer ``j`` (in ``layers`` order),
 K then V, each ``[kv_heads, tokens, head_dim]`` contiguous: a piece's tensor
 ``[kv_heads, n, head_dim]`` lands as one strided slice, and the ``[n, H, D]``
-view the backend takes is a transpose, no copy.
+view the backend takes is a transpose, no copy. Layer ``j``'s K and V are one
+run of bytes, and layer ``j + 1``'s follows it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ import torch
 
 from kdn.wire.arena import Arena, Lease
 from kdn.errors import KDNError
+from kdn.kernels.pinned import MIN_COPY, Copies, Event, Inline, copy_stream
+
+# Device memory one load's copies may run ahead of the forward into: as many layers as fit are copied at once
+# (all of them, mostly: Llama-3-8B's 8k-token K/V is 32 MiB a layer), the rest each as soon as the forward has
+# taken the layer whose slot it reuses. At least two slots: one crossing while the forward reads the other.
+# (Each layer's copy lands in a transient device buffer before its write into the paged cache: vLLM leaves
+# only its memory headroom for those, so the whole load on the device at once is not an option at 32k.)
+AHEAD_BYTES = 256 << 20
 
 
 class StagingClosed(KDNError):
@@ -51,10 +63,13 @@ class Staging:
         self.per_token = 2 * sum(h * d * item for h, d in dims)  # K and V bytes of one token, every layer
         self.lease: Lease | None = arena.take(2 * sum(sizes))
         raw = torch.frombuffer(self.lease.view, dtype=torch.uint8) if sizes else torch.empty(0, dtype=torch.uint8)
+        self.raw = raw  # the whole lease as bytes
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.spans: list[tuple[int, int]] = []  # per layer, (offset, bytes) of its K then V in ``raw``
         off = 0
         for (h, d), size in zip(dims, sizes):
+            self.spans.append((off, 2 * size))
             for out in (self.k, self.v):
                 out.append(raw[off:off + size].view(dtype).view(h, n, d))  # [H, n, D]
                 off += size
@@ -62,7 +77,8 @@ class Staging:
         self._lock = threading.Lock()
         self._writers = 0
         self._closed = False
-        self._reads: list[Any] = []  # device copies still reading this memory (CUDA events): waited for on release
+        self._reads: list[Event] = []  # device copies still reading this memory: waited for on release
+        self._upload: Upload | None = None
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -127,23 +143,25 @@ class Staging:
         """Layer ``j``'s K and V for tokens ``[first, upto)`` as a backend's cache write takes them, ``[n, H, D]``.
 
         On the CPU: views of the staging (vLLM's CPU kernels read strides; no copy at all). On another device:
-        each of the layer's ``[H, tokens, D]`` blocks copied over whole (one DMA from page-locked memory),
-        then reordered there into a contiguous ``[n, H, D]``: a GPU's ``reshape_and_cache`` reads each
-        token's ``H x D`` values as one row, and would misread a strided view. Each copy is recorded, and
-        :meth:`release` waits for it before the memory goes back to the arena (the next load would
-        otherwise overwrite bytes a copy has yet to read).
+        out of the load's ``Upload`` (started here if :meth:`upload` was not called), the compute stream waiting
+        for this layer's copy only, reordered there into a contiguous ``[n, H, D]``: a GPU's
+        ``reshape_and_cache`` reads each token's ``H x D`` values as one row, and would misread a strided view.
         """
         if device.type == "cpu":
             k, v = self.kv(j, upto)
             return k.to(dtype=dtype), v.to(dtype=dtype)  # (no copy when the staging is the cache's dtype)
-        n = (self.end if upto is None else upto) - self.first
-        k, v = (t.to(device=device, non_blocking=True)[:, :n].transpose(0, 1).to(dtype=dtype).contiguous()
-                for t in (self.k[j], self.v[j]))
-        if device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(device))
-            self._reads.append(done)
-        return k, v
+        if self._upload is None:
+            self.upload(device)
+        assert self._upload is not None
+        return self._upload.layer(j, dtype, upto)
+
+    def upload(self, device: torch.device, copies: Copies | None = None, ahead: int = AHEAD_BYTES) -> Upload:
+        """Start every layer's copy onto ``device`` (on its copy stream, ``kdn.kernels.pinned.copy_stream``, unless
+        ``copies`` says where): call once the staging is whole. Each copy's event is kept: :meth:`release` hands
+        the memory back only once the copies reading it are done."""
+        assert self._upload is None, "this load's layers are already on their way"
+        self._upload = Upload(self, device, copies if copies is not None else copy_stream(device), ahead)
+        return self._upload
 
     def release(self) -> None:
         """Close the staging; its memory goes back to the arena once no writer is inside (``writing``).
@@ -153,6 +171,7 @@ class Staging:
                 return
             self._closed = True
             free = self._writers == 0
+        self._upload = None  # (its device slots go back to the allocator; their copies' events are in _reads)
         if free:
             self._free()
 
@@ -165,6 +184,118 @@ class Staging:
         lease, self.lease = self.lease, None
         if lease is not None:
             lease.release()
+
+
+class Upload:
+    """A load's staged layers crossing to the device on the copy stream, ahead of the forward.
+
+    Layers go in groups of at least ``MIN_COPY`` bytes (one layer's K and V, or several small layers after
+    one another: one run of the staging's bytes, never a copy per block), each group one copy into a device
+    slot and one event. As many groups as ``ahead`` bytes of slots hold are issued at once; ``layer(j)`` makes
+    the compute stream wait for the event of layer ``j``'s group only, reorders the layer out of its slot into
+    fresh ``[n, H, D]`` tensors, and once every layer of a group has been taken, issues the group that reuses
+    its slot. The order that keeps a slot from being overwritten while it is read:
+
+    1. group ``g`` is copied into slot ``s`` on the copy stream, event ``e_g`` marked after it;
+    2. the compute stream waits for ``e_g``, then reorders ``g``'s layers out of ``s`` (queued, not run);
+    3. ``follow``: the copy stream waits for all the compute stream has been given so far, those reorders
+       included; only then is group ``g + slots`` copied into ``s``.
+
+    Layers are asked for in the forward's order, each once. One asked for otherwise (its group not, or no
+    longer, in its slot) is copied on the compute stream there and then: slower, never wrong.
+    """
+
+    def __init__(self, staging: Staging, device: torch.device, copies: Copies, ahead: int) -> None:
+        self.staging, self.device, self.copies = staging, device, copies
+        self.groups = _groups(staging.spans)  # (first layer, end layer, offset, bytes), in layer order
+        self.group_of = [g for g, (a, b, _, _) in enumerate(self.groups) for _ in range(a, b)]
+        size = max((n for *_, n in self.groups), default=0)
+        count = min(len(self.groups), max(2, ahead // max(size, 1)))
+        # Allocated on the compute stream: ``follow`` before the first copy into them (the allocator may hand
+        # out memory the compute stream's queued work still uses).
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+        self.holds: list[int] = [-1] * count  # the group each slot holds (or is being copied)
+        self.events: list[Event | None] = [None] * len(self.groups)
+        self.taken = [0] * len(self.groups)  # layers of each group reordered out of its slot
+        self.sent = 0  # groups issued, in order
+        copies.follow()
+        self._send()
+
+    def _send(self) -> None:
+        """Issue the next groups whose slots are free (their previous group wholly taken)."""
+        while self.sent < len(self.groups):
+            g = self.sent
+            s = g % len(self.slots)
+            before = self.holds[s]
+            if before >= 0 and self.taken[before] < self.groups[before][1] - self.groups[before][0]:
+                return
+            _, _, off, n = self.groups[g]
+            self.copies.copy(self.slots[s][:n], self.staging.raw[off:off + n])
+            ev = self.copies.mark()
+            self.events[g] = ev
+            self.staging._reads.append(ev)
+            self.holds[s] = g
+            self.sent += 1
+
+    def layer(self, j: int, dtype: torch.dtype, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``j``'s K and V for tokens ``[first, upto)`` on the device, ``[n, H, D]`` contiguous in ``dtype``."""
+        st = self.staging
+        n = (st.end if upto is None else upto) - st.first
+        g = self.group_of[j]
+        s = g % len(self.slots)
+        if self.holds[s] != g or self.taken[g] >= self.groups[g][1] - self.groups[g][0]:
+            return self._direct(j, dtype, n)
+        ev = self.events[g]
+        assert ev is not None
+        self.copies.wait(ev)  # this layer's group only: later layers may still be crossing
+        off, size = st.spans[j]
+        lo = off - self.groups[g][2]
+        h, t, d = st.k[j].shape
+        kv = self.slots[s][lo:lo + size].view(st.dtype).view(2, h, t, d)  # K, V: [H, tokens, D] each
+        k, v = (_reordered(x[:, :n], dtype) for x in kv)
+        self.taken[g] += 1
+        if self.taken[g] == self.groups[g][1] - self.groups[g][0] and self.sent < len(self.groups):
+            self.copies.follow()  # the reorders above are queued: the slot may be written after them
+            self._send()
+        return k, v
+
+    def _direct(self, j: int, dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``j`` copied on the compute stream now (asked for out of order, or twice)."""
+        st = self.staging
+        here = Inline(self.device)
+        off, size = st.spans[j]
+        h, t, d = st.k[j].shape
+        dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+        here.copy(dev, st.raw[off:off + size])
+        st._reads.append(here.mark())
+        kv = dev.view(st.dtype).view(2, h, t, d)
+        return _reordered(kv[0][:, :n], dtype), _reordered(kv[1][:, :n], dtype)
+
+
+def _reordered(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[H, n, D]`` as a fresh contiguous ``[n, H, D]`` in ``dtype``: always a copy (a view could still read
+    the slot after it is reused; with one head the transpose alone would already be contiguous)."""
+    h, n, d = x.shape
+    out = torch.empty((n, h, d), dtype=dtype, device=x.device)
+    out.copy_(x.transpose(0, 1))
+    return out
+
+
+def _groups(spans: Sequence[tuple[int, int]], least: int = MIN_COPY) -> list[tuple[int, int, int, int]]:
+    """Consecutive layers (``spans``: each one's adjacent ``(offset, bytes)``) grouped into copies of at least
+    ``least`` bytes: ``(first layer, end layer, offset, bytes)``. A layer that is big enough is a group of its
+    own; small ones join the layers after them, and a small remainder joins the group before it."""
+    out: list[tuple[int, int, int, int]] = []
+    for j, (off, n) in enumerate(spans):
+        if out and out[-1][3] < least:
+            a, _, o, _ = out[-1]
+            out[-1] = (a, j + 1, o, off + n - o)
+        else:
+            out.append((j, j + 1, off, n))
+    if len(out) > 1 and out[-1][3] < least:
+        (a, _, o, _), (_, b, o2, n2) = out[-2], out[-1]
+        out[-2:] = [(a, b, o, o2 + n2 - o)]
+    return out
 
 
 _LATER: list[Staging] = []  # released stagings whose device copies had not finished reading them

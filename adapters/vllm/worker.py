@@ -174,6 +174,7 @@ class WorkerSide:
                 t0 = time.perf_counter()
                 self._collect(run)
                 run.stall = time.perf_counter() - t0
+                self._upload(run)
             # Tokens before a failed piece are still loaded: vLLM keeps the blocks before the first
             # bad one, so every layer must hold them.
             if run.upto > run.job.plan.first:
@@ -297,11 +298,22 @@ class WorkerSide:
 
     # --- write -------------------------------------------------------------------------------
 
+    def _upload(self, run: _Running) -> None:
+        """Once a load's staging is whole (its pieces collected), every layer's copy onto the device issued at
+        once on the device's copy stream, an event each (``stage.Upload``): each layer's wait then waits for its
+        own copy only, and the forward computes a layer while the next ones cross. On the CPU nothing crosses."""
+        if run.staging is None or run.upto <= run.job.plan.first or not self.attn:
+            return
+        device = next(iter(self.attn.values())).module.kv_cache.device
+        if device.type != "cpu":
+            run.staging.upload(device)
+
     def _write_layer(self, run: _Running, layer: AttnLayer) -> None:
-        """Layer ``layer``'s staged tokens ``[plan.first, upto)``: one backend write (on a GPU, one copy first)."""
+        """Layer ``layer``'s staged tokens ``[plan.first, upto)``: one backend write (on a GPU, once its copy has
+        crossed: the compute stream waits for that layer's event only)."""
         assert run.staging is not None
         cache = layer.module.kv_cache
-        # [n, H, D]: on the CPU views of the staging; on a GPU one copy of each over, then made contiguous
+        # [n, H, D]: on the CPU views of the staging; on a GPU the layer's copy, reordered contiguous there
         k, v = run.staging.kv_on(self._index[layer.name], cache.device, cache.dtype, run.upto)
         paged.write(layer.module, cache, k, v, self._slots(run, cache.device))
 
@@ -335,11 +347,16 @@ class WorkerSide:
             if run.error is None:
                 self._collect(run)
             if run.error is None:  # a background load is all or nothing
+                self._upload(run)
                 t0 = time.perf_counter()
                 for layer in self._order:
                     self._write_layer(run, layer)
                 if self.states:
                     self._write_states(run)
+                if self.device.type == "cuda":
+                    # Reported finished only once its writes have landed: the engine's forward may run on a
+                    # stream of its own, which nothing orders after this thread's (its copies included).
+                    torch.cuda.current_stream(self.device).synchronize()
                 run.write = time.perf_counter() - t0
         except LoadFailed as e:
             self._fail(run, e)
