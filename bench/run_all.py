@@ -123,6 +123,8 @@ RUNS: list[Run] = [
     Run("host_share", "host_share", [], ["--model", "tiny-llama", "--tokens", "1024", "--engines", "1,2",
                                          "--repeat", "1", "--json", ""], ("smollm2",), 1200),
     Run("lookup", "lookup", [], ["--model", "tiny-llama", "--lengths", "512", "--repeat", "1"], ("smollm2",), 1200),
+    Run("hybrid_bytes", "hybrid_bytes", [], ["--lengths", "512", "--repeat", "1"], ("smollm2",), 1200,
+        {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("load", "load", ["--json", "bench/work/load.json", "--plot", "docs/img/load.png"],
         ["--duration", "5", "--clients", "8", "--minutes", "0.5"], ("etcd",), 1200),
     Run("load-soak", "load", ["--duration", "600", "--speedup", "2", "--json", "bench/work/soak.json",

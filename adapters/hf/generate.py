@@ -9,7 +9,9 @@
         out = generate(model, tokenizer, ids, client, max_new_tokens=32)
         print(out.text, out.report)
 
-Loading is exact: the cache is built from the objects' tensors as stored, and
+Loading is exact: the cache is built from the objects' tensors as stored (a hybrid model's conv and
+recurrent states from its last loaded chunk, the only ones moved: the other chunks' K/V come by verified
+range requests, ``CacheBuilder.needs``), and
 the remaining tokens run with explicit ``position_ids`` (Bamba needs them), so
 the logits equal those of the model continuing from its own cache after the
 same chunked prefill. States are only loaded into the model whose ``ModelId``
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -38,8 +41,8 @@ from kdn.template import chat_frame, encode_frame, encode_text
 from kdn.adapters.hf.cache import MAX_ROOM, CacheBuilder, continue_from_cache
 from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
-from kdn.adapters.hf.plan import (Believed, await_load, believe, chunks_of, cold_fills_of, cold_given_up, speeds_of,
-                                  start_probe)
+from kdn.adapters.hf.plan import (Believed, await_load, believe, chunks_of, cold_fills_of, cold_given_up,
+                                  kv_bytes_per_token, speeds_of, start_probe)
 from kdn.adapters.hf.steer import resolve, steering
 
 _IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -59,6 +62,7 @@ class Report:
     sources: dict[str, int] = field(default_factory=dict)
     plan: str = ""  # what the load planner chose and why ("" when it did not run), and how the load ended
     arena_full: int = 0  # loads the host arena refused memory (kdn.wire.arena): what they could not load was computed
+    bytes_moved: int = 0  # body bytes from the sources (not the host tier); a hybrid's chunks but the last: K/V
 
     def line(self) -> str:
         src = ", ".join(f"{k} x{v}" for k, v in sorted(self.sources.items())) or "none"
@@ -183,11 +187,13 @@ async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, repor
             hit = hit.head(hit.chunks - 1)
     if not hit.tokens:
         return None, None
-    chunks = await loop.run_in_executor(None, chunks_of, hit, client, model)
-    took = believe(hit, chunks, client)  # (before the fetch: it makes them warm)
+    whole = await loop.run_in_executor(None, chunks_of, hit, client, model)
+    kept = await loop.run_in_executor(None, _kept_bytes, hit, whole, client, model)
+    took = believe(hit, whole, client)  # (before the fetch: it makes them warm)
     hit, decision = took.hit, None
     if plan:
-        hit, decision = _plan_load(hit, chunks, len(ids), client, speeds, load_deadline, took, report)
+        hit, decision = _plan_load(hit, _moved(whole, kept, hit.chunks), len(ids), client, speeds, load_deadline,
+                                   took, report)
     if not hit.tokens:
         return None, None
     # The rest of the prompt and the tokens to generate are written into room after the loaded prefix, not
@@ -199,8 +205,33 @@ async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, repor
     builder = await _builder(model, hit, pool, room, report)
     if builder is None:  # the host arena is full: the request computes (kdn.wire.arena's contract)
         return None, None
-    return await _fetch_into(model, client, _Loading(hit, chunks, decision, took, pool, builder), real_id, report,
-                             speeds)
+    return await _fetch_into(model, client, _Loading(hit, _moved(whole, kept, hit.chunks), decision, took, pool,
+                                                     builder), real_id, report, speeds)
+
+
+def _kept_bytes(hit: Any, chunks: list, client: Any, model: Any) -> list[int | None]:
+    """Per chunk, about the bytes a load moves when it fetches only the chunk's K/V (a hybrid model's chunks
+    but the last, ``CacheBuilder.needs``, where the record has piece digests): the object's K/V share, plus
+    a piece for its header and one for rounding; None: the whole object is fetched."""
+    layout = layer_layout(model)
+    states = sum(math.prod(st.shape) * torch.empty(0, dtype=st.dtype).element_size()
+                 for spec in layout for st in spec.states)
+    out: list[int | None] = [None] * len(chunks)
+    if not states:
+        return out
+    per_token = kv_bytes_per_token(model)
+    for i, (c, rec) in enumerate(zip(chunks, hit.records)):
+        e = rec["encodings"].get(client.choose_encoding(rec["encodings"]) or "", {})
+        if e.get("pieces"):
+            kv = c.tokens * per_token
+            out[i] = min(c.nbytes, -(-c.nbytes * kv // (kv + states)) + 2 * int(e["piece_bytes"]))
+    return out
+
+
+def _moved(whole: list, kept: list[int | None], k: int) -> list:
+    """The planner's chunks when the first ``k`` are loaded: all but the ``k``-th with their K/V only (where
+    ``kept`` says so), the ``k``-th whole (its states are the ones used)."""
+    return [c if i == k - 1 or n is None else replace(c, nbytes=n) for i, (c, n) in enumerate(zip(whole, kept))]
 
 
 def _plan_load(hit: Any, chunks: list, n_ids: int, client: Any, speeds: Any, load_deadline: float, took: Believed,
@@ -266,7 +297,7 @@ async def _fetch_into(model: Any, client: Any, ld: _Loading, real_id: ModelId, r
     time; the chunks to use.)"""
     hit, builder, t0 = ld.hit, ld.builder, time.perf_counter()
     fetch = asyncio.ensure_future(client.fetch_prefix(hit, into=builder.add, arena=ld.pool, scatter=builder,
-                                                      tally=ld.tally))
+                                                      tally=ld.tally, needs=builder.needs))
     try:
         # Given up before its deadline, too, once its progress shows it would overrun it (a cold load: from
         # its first byte on, the wait for that byte being the edge's fill).
@@ -274,7 +305,7 @@ async def _fetch_into(model: Any, client: Any, ld: _Loading, real_id: ModelId, r
                                   deadline_s=ld.decision.deadline_s if ld.decision else None)
     except (TimeoutError, ArenaFull) as stop:
         return await _cut_short(model, client, ld, fetch, stop, time.perf_counter() - t0, report, speeds)
-    report.fetch_ms, report.sources = states.fetch_s * 1e3, states.sources
+    report.fetch_ms, report.sources, report.bytes_moved = states.fetch_s * 1e3, states.sources, ld.tally.bytes
     report.decode_ms = states.decode_s * 1e3  # decoding runs as objects arrive: what came after
     for obj in states.objects:
         if obj.header.model_id != real_id:
@@ -297,6 +328,7 @@ async def _cut_short(model: Any, client: Any, ld: _Loading, fetch: asyncio.Futur
     arrived = ld.builder.added_prefix()
     fetch.cancel()
     await asyncio.gather(fetch, return_exceptions=True)
+    report.bytes_moved = ld.tally.bytes
     if isinstance(stop, ArenaFull):  # the arena's contract: a load that does not fit is a recompute
         report.arena_full += 1
         why = f"was refused memory, the host arena is full ({stop})"

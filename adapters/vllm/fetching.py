@@ -8,6 +8,9 @@ staging on a few threads of its own; its receive buffer goes back to the arena a
 inside the load is received straight into its place instead (``kdn.wire.scatter``). A piece the machine's host
 tier holds (``KDNClient(host=)``, the connector's ``host`` setting) is leased and copied from its shared memory
 into the staging instead: no socket body, no hash (the host verified it once, against the same signed digest).
+Every piece of a hybrid load but its last moves only its K/V, by verified range requests
+(``kdn.client.parts.fetch_kept``): the conv/recurrent states each object carries are those of its end, and
+only the last piece's are kept.
 Every failure is a ``LoadFailed`` with its reason: bytes from the network never fail the engine's step.
 """
 
@@ -129,6 +132,9 @@ class PieceLoader:
         return await self._from_edge(run, i, p)
 
     async def _from_edge(self, run: Loading, i: int, p: Piece) -> Staged:
+        pieces = Pieces.checked(p.size, p.piece_bytes, p.piece_digests)
+        if self.states and i != len(run.job.plan.pieces) - 1 and pieces is not None:
+            return await self._fetch_kept(run, i, p, pieces)
         if self._placeable(run, i, p):
             return await self._fetch_placed(run, i, p)
         f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size, pooled=True,
@@ -144,6 +150,22 @@ class PieceLoader:
                                                                                 f, cap))
         work.add_done_callback(lambda _: f.release())
         return await asyncio.shield(work)
+
+    async def _fetch_kept(self, run: Loading, i: int, p: Piece, pieces: Pieces) -> Staged:
+        """Piece ``i`` of a hybrid load, not its last: only its K/V (``kv_names``), by verified range requests,
+        then staged as any piece is (a view that decodes nothing else). Its states would be dead weight: an
+        8k load of a Qwen3.5-A3B-like shape moved ~2.1 GiB for ~222 MiB used (bench/hybrid_bytes.py)."""
+        from kdn.client.parts import fetch_kept
+
+        kept = await fetch_kept(self.client, p.address, encoding=p.encoding, digest=p.digest, size=p.size,
+                                pieces=pieces, keep=self.kv_names, tally=run.tally)
+        assert kept is not None  # (the piece has digests)
+        cap = await self.client.prepare(kept.fetched, p.end - p.start)
+        # The decode cannot be stopped once started (as ``_from_edge``'s); the buffer is the thread's till then.
+        staged = await asyncio.shield(asyncio.get_running_loop().run_in_executor(
+            self.stager, self._stage, run, i, p, kept.fetched, cap, kept.held))
+        staged.nbytes = kept.moved
+        return staged
 
     async def _held(self, run: Loading) -> frozenset[tuple[str, str]]:
         """(address, encoding) of this load's pieces the host holds; nothing if it does not answer at once."""
@@ -246,7 +268,8 @@ class PieceLoader:
             raise LoadFailed("mismatch", p, f"object {h.address[:16]} [{h.start}, {h.end}) of "
                              f"{h.model_id[:12]}/{h.namespace} is not the one asked for")
 
-    def _stage(self, run: Loading, i: int, p: Piece, f: Any, cap: int | None) -> Staged:
+    def _stage(self, run: Loading, i: int, p: Piece, f: Any, cap: int | None,
+               held: frozenset[str] | None = None) -> Staged:
         """Open and check one verified object, then decode its K/V (and, for the last piece of a hybrid
         load, its states) into place. Raises ``LoadFailed``; bytes from the network never fail the step."""
         staging = run.staging
@@ -254,16 +277,20 @@ class PieceLoader:
             raise LoadFailed("decode", p, "the load ended before this piece arrived")
         try:
             with staging.writing():
-                return self._stage_into(staging, run, i, p, f, cap)
+                return self._stage_into(staging, run, i, p, f, cap, held)
         except StagingClosed as e:
             raise LoadFailed("decode", p, str(e)) from None
 
-    def _stage_into(self, staging: Staging, run: Loading, i: int, p: Piece, f: Any, cap: int | None) -> Staged:
+    def _stage_into(self, staging: Staging, run: Loading, i: int, p: Piece, f: Any, cap: int | None,
+                    held: frozenset[str] | None = None) -> Staged:
+        from kdn.client.parts import part_view
         from kdn.format.objects import ObjectView, to_torch
 
         try:
-            # Bounded before a byte is decoded: at most what this model's chunk of that length holds.
-            view = ObjectView(f.blob, max_decoded=max(self.max_decoded(p.end - p.start), cap or 0))
+            # Bounded before a byte is decoded: at most what this model's chunk of that length holds. ``held``:
+            # only those tensors arrived (``_fetch_kept``), and the view decodes no other.
+            bound = max(self.max_decoded(p.end - p.start), cap or 0)
+            view = ObjectView(f.blob, max_decoded=bound) if held is None else part_view(f.blob, held, max_decoded=bound)
         except KDNError as e:
             raise LoadFailed("decode", p, str(e)) from None
         self._check_header(view.header, p)

@@ -32,7 +32,7 @@ import ssl as _ssl
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -81,7 +81,6 @@ class KDNClient:
         remote_edges: Sequence[str] = (),
         origin: str | None = None,
         token: str | None = None,
-        hedge: bool = True,
         max_hedges: int = 1,
         concurrency: int = 8,
         timeout: float = 30.0,
@@ -107,7 +106,7 @@ class KDNClient:
         self.headers = self.net.headers
         if max_hedges < 0:
             raise InvalidInput(f"max_hedges must be >= 0, not {max_hedges}")
-        self.hedge, self.max_hedges = hedge, max_hedges
+        self.max_hedges = max_hedges  # extra requests a slow fetch may start (0: never hedged)
         # What it may fetch: "lossless" (the default) or a maximum NLL increase in % picks the encodings, beside
         # what decoding each costs on this machine (measured by every decode; the process's own by default).
         parse_budget(quality)
@@ -272,14 +271,15 @@ class KDNClient:
     async def fetch(self, address: Address, *, encoding: str | None = None, digest: Digest | None = None,
                     size: int | None = None, quality: str | float | None = None, cold: bool = False,
                     pooled: bool = False, arena: Arena | None = None, pieces: Pieces | None = None,
-                    tally: Tally | None = None) -> Fetched:
+                    tally: Tally | None = None, part: tuple[int, int] | None = None) -> Fetched:
         """One object, verified. Without ``digest`` the registry record supplies it (and, without
         ``encoding``, the record's encodings are chosen from by ``quality``). ``pooled``: the body lands
         in a buffer of ``arena`` (default: the client's, when it has one), which the caller hands back with
         ``Fetched.release()`` once the bytes are used (ArenaFull when the arena's budget is spent). ``pieces``
         (the record's piece digests, ``kdn.format.pieces``) verify the body piece by piece as it lands. ``tally``
         (``kdn.wire.bodyget.Tally``) counts the body bytes as they land, also of an attempt that fails or is cut
-        short: a load given up at its deadline measures its own link by them (``kdn.planner``)."""
+        short: a load given up at its deadline measures its own link by them (``kdn.planner``). ``part``: only
+        pieces ``[first, end)`` (``fetch_part``, with the record the caller holds: ``kdn.client.parts``)."""
         address = A.validate_address(address)
         if digest is None or encoding is None or size is None:
             rec = await self.record(address)
@@ -295,9 +295,9 @@ class KDNClient:
         if size > DEFAULT_MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         async with self.net.limit:
-            return await self._fetch_hedged(address, encoding, digest, size, hedge=self.hedge and not cold,
+            return await self._fetch_hedged(address, encoding, digest, size, hedge=self.max_hedges > 0 and not cold,
                                             pooled=(arena or self.arena) if pooled else None, pieces=pieces,
-                                            tally=tally)
+                                            part=part, tally=tally)
 
     async def probe(self, address: Address, *, encoding: str, digest: Digest, size: int, pieces: Pieces | None = None,
                     deadline_s: float) -> Probe | None:
@@ -391,7 +391,7 @@ class KDNClient:
         if pieces is None:
             raise InvalidInput(f"{address}.{encoding} records no piece digests: fetch it whole")
         async with self.net.limit:
-            return await self._fetch_hedged(address, encoding, e["digest"], int(e["size"]), hedge=self.hedge,
+            return await self._fetch_hedged(address, encoding, e["digest"], int(e["size"]), hedge=self.max_hedges > 0,
                                             pieces=pieces, part=(first, end))
 
     async def fetch_tensors(self, address: Address, names: Iterable[str], *, encoding: str = "raw") -> Tensors:
@@ -416,7 +416,8 @@ class KDNClient:
                            quality: str | float | None = None,
                            into: Callable[[int, ObjectView], None] | None = None,
                            arena: Arena | None = None, scatter: Placer | None = None,
-                           tally: Tally | None = None) -> PrefixStates:
+                           tally: Tally | None = None,
+                           needs: Callable[[int], Collection[str] | None] | None = None) -> PrefixStates:
         """Fetch, verify and decode every object of a lookup; objects stay in chain order (``kdn.client.prefix``).
 
         A pipeline per object: each is decoded (off the event loop) as soon as it
@@ -435,10 +436,11 @@ class KDNClient:
         the engine can place is received straight into its memory (``kdn.wire.scatter``: no receive buffer of the
         object's size; its 32 KB runs are read through the connection's 1 MiB bounce buffer and copied out
         while in cache, ``kdn.wire.bodyget``); its ``fetched[i].blob`` is empty. ``tally``: every body byte of the
-        prefix counted as it lands (``fetch``).
+        prefix counted as it lands (``fetch``). ``needs(i)``: the tensors chunk ``i``'s ``into`` reads, where not
+        all (a hybrid's K/V of every chunk but the last): only those are fetched, by verified ranges.
         """
         return await fetch_prefix(self, hit, encoding=encoding, quality=quality, into=into, arena=arena,
-                                  scatter=scatter, tally=tally)
+                                  scatter=scatter, tally=tally, needs=needs)
 
     async def fetch_placed(self, address: Address, *, digest: Digest, size: int, pieces: Pieces | None,
                            place: Callable[[Layout], Mapping[str, Sequence[memoryview]]],

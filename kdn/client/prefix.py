@@ -5,14 +5,17 @@ A pipeline per object: each is decoded (off the event loop, on the client's deco
 arrived and been verified, while the others are still on the wire. Each object's encoding is the one its
 record names that the client's quality budget allows at the least expected time (``choose_encoding``); a
 kvtc object's basis is fetched first (``kdn.client.bases``), and every object is checked against the lookup before
-anything is handed on (``kdn.client.checked``).
+anything is handed on (``kdn.client.checked``). Where the engine reads only some tensors of an object (``needs``:
+a hybrid model's K/V of every chunk but the last, whose conv/recurrent states the last chunk's supersede),
+only those are fetched, by verified range requests (``kdn.client.parts.fetch_kept``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kdn.format.address import Address
@@ -21,6 +24,7 @@ from kdn.format.encodings import parse_budget
 from kdn.errors import SourceError
 from kdn.client.hosted import Behind, Held, HostStats, from_host, held
 from kdn.client.lookup import Fetched, Lookup, PrefixStates
+from kdn.client.parts import Kept, fetch_kept, part_view
 from kdn.format.pieces import Pieces
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,7 +73,7 @@ class PrefixSource(Protocol):
     async def fetch(self, address: Address, *, encoding: str | None = None, digest: Digest | None = None,
                     size: int | None = None, quality: str | float | None = None, cold: bool = False,
                     pooled: bool = False, arena: Arena | None = None, pieces: Pieces | None = None,
-                    tally: Tally | None = None) -> Fetched: ...
+                    tally: Tally | None = None, part: tuple[int, int] | None = None) -> Fetched: ...
 
     async def fetch_placed(self, address: Address, *, digest: Digest, size: int, pieces: Pieces | None,
                            place: Callable[[Layout], Mapping[str, Sequence[memoryview]]],
@@ -81,14 +85,16 @@ class PrefixSource(Protocol):
 async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | None = None,
                        quality: str | float | None = None, into: Callable[[int, ObjectView], None] | None = None,
                        arena: Arena | None = None, scatter: Placer | None = None,
-                       tally: Tally | None = None) -> PrefixStates:
+                       tally: Tally | None = None,
+                       needs: Callable[[int], Collection[str] | None] | None = None) -> PrefixStates:
     """Every object of ``hit``, in chain order (``KDNClient.fetch_prefix``, which says what each argument
     does): ``fetch_s`` is the time to the last byte, ``decode_s`` what decoding added after it."""
     t0 = time.perf_counter()
     arrived: list[float] = []
     # The host tier first, for a load into an engine's cache: one question for the whole prefix.
     on_host = await held(client.host, hit.addresses, client.host_stats) if into is not None else Held([])
-    one = _Object(client, hit, encoding, quality, into, arena, scatter, tally, arrived, on_host)
+    one = _Object(client, hit, encoding, quality, into, arena, scatter, tally, arrived, on_host,
+                  needs if into is not None else None)
     done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
     if client.host is not None and into is not None:  # what the edges served, asked of the host for next time
         served = [f for f, _ in done if f.source != "host"]
@@ -104,9 +110,10 @@ class _Object:
 
     def __init__(self, client: PrefixSource, hit: Lookup, encoding: str | None, quality: str | float | None,
                  into: Callable[[int, ObjectView], None] | None, arena: Arena | None, scatter: Placer | None,
-                 tally: Tally | None, arrived: list[float], on_host: Held) -> None:
+                 tally: Tally | None, arrived: list[float], on_host: Held,
+                 needs: Callable[[int], Collection[str] | None] | None = None) -> None:
         self.client, self.hit, self.encoding, self.quality = client, hit, encoding, quality
-        self.on_host = on_host
+        self.on_host, self.needs = on_host, needs
         self.into, self.scatter, self.tally, self.arrived = into, scatter, tally, arrived
         self.budget = parse_budget(client.quality if quality is None else quality)
         self.pool = arena if arena is not None else client.arena
@@ -131,6 +138,10 @@ class _Object:
             if got is not None:
                 self.arrived.append(time.perf_counter())
                 return got
+        keep = self.needs(index) if self.needs is not None else None
+        pieces = Pieces.of(e) if keep is not None else None
+        if keep is not None and pieces is not None:
+            return await self._kept(index, address, enc, e, pieces, keep)
         if self.scatter is not None and enc == "raw" and self.scatter.placeable(index):
             f, layout = await _fetch_placed(c, address, e, index, hit, self.scatter, self.tally)
             self.arrived.append(time.perf_counter())
@@ -148,6 +159,29 @@ class _Object:
         finally:
             if self.into is not None:  # decoded into the engine's cache: the receive buffer is free again
                 f.release()
+
+    async def _kept(self, index: int, address: Address, enc: str, e: dict[str, Any], pieces: Pieces,
+                    keep: Collection[str]) -> tuple[Fetched, DecodedObject]:
+        """Only the tensors ``keep`` of object ``index``, by verified ranges, checked against the lookup as a
+        whole object is (``decode_checked``), then handed to ``into`` as a view that decodes nothing else."""
+        c, into = self.client, self.into
+        assert into is not None  # (``needs`` is only asked of a load into an engine's cache)
+        got = await fetch_kept(c, address, encoding=enc, digest=e["digest"], size=int(e["size"]), pieces=pieces,
+                               keep=keep, tally=self.tally, cold=address in self.hit.cold)
+        assert got is not None  # (the record has pieces)
+        self.arrived.append(time.perf_counter())
+        cap = await c.prepare(got.fetched, self.hit.token_counts()[index])
+        # Not timed into the decode speeds: only part of the object is decoded, the speed is per whole object.
+        obj = await asyncio.get_running_loop().run_in_executor(
+            c.decoders, decode_checked, got.fetched, self.hit, self.budget, cap, index,
+            functools.partial(_into_part, into, got, cap), None)
+        return Fetched(address, enc, memoryview(b""), got.fetched.source, got.fetched.seconds), obj
+
+
+def _into_part(into: Callable[[int, ObjectView], None], got: Kept, cap: int | None, index: int,
+               view: ObjectView) -> None:
+    """``into`` handed the part of a checked object that arrived (``view`` reads it as if whole)."""
+    into(index, part_view(view.buffer, got.held, max_decoded=cap))
 
 
 async def _fetch_placed(client: PrefixSource, address: Address, e: dict[str, Any], index: int, hit: Lookup,
