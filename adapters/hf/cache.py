@@ -10,7 +10,6 @@ states, generation continues bit-identically (see tests/adapters).
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kdn.format.objects import torch_dtype
 from kdn.errors import InvalidInput, KDNError, ModelMismatch
 from kdn.adapters.hf import kvmem
 from kdn.kernels.pinned import Copies, Event, copy_stream
@@ -299,7 +299,7 @@ class CacheBuilder:
                 continue
             for x, full, lanes in zip(("k", "v"), self.kv[s.index], self._lanes[s.index]):
                 name = f"L{s.index}.{x}"
-                if _torch_dtype(h.tensors[name].dtype) == full.dtype:
+                if torch_dtype(h.tensors[name].dtype) == full.dtype:
                     view.decode_into(name, lanes[:, off:off + n, :])  # [kv_heads, n, head_dim], strided
                 else:  # decode, then convert into place
                     full[0, :, off:off + n, :].copy_(to_torch(view.decode([name]))[name])
@@ -326,7 +326,7 @@ class CacheBuilder:
             where = {nm: (b - lo, e - lo) for nm, (b, e) in spans.items()}
         else:  # decoded on the host, tensor after tensor, into one buffer
             host, where, lease = kvmem.decode_region(view, self._order, self._arena)
-        chunk = kvmem.Region(host, where, {nm: _torch_dtype(h.tensors[nm].dtype) for nm in self._order}, n, off, lease)
+        chunk = kvmem.Region(host, where, {nm: torch_dtype(h.tensors[nm].dtype) for nm in self._order}, n, off, lease)
         assert self._copies is not None and self._into is not None
         if held:
             with self._stats:
@@ -409,7 +409,7 @@ class CacheBuilder:
             for x, full, heads in zip(("k", "v"), self.kv[s.index], self._heads[s.index]):
                 name = f"L{s.index}.{x}"
                 info = h.tensors[name]
-                _expect(info.codec == "raw" and _torch_dtype(info.dtype) == full.dtype,
+                _expect(info.codec == "raw" and torch_dtype(info.dtype) == full.dtype,
                         f"chunk {index} {name} is {info.codec} {info.dtype}: only raw tensors of the cache's dtype "
                         "are received in place")
                 runs[name] = [head[a:b] for head in heads]
@@ -461,11 +461,6 @@ class CacheBuilder:
         return cache, n
 
 
-@functools.cache
-def _torch_dtype(st_dtype: str) -> torch.dtype:
-    from kdn.format.objects import torch_dtype
-
-    return torch_dtype(st_dtype)
 
 
 def continue_from_cache(model: Any, cache: Any, n_cached: int, suffix_ids: list[int] | torch.Tensor, *,

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kdn.format.objects import torch_dtype
 from kdn.client.hosted import Held
 from kdn.format.address import ModelId
 from kdn.wire.bodyget import Tally
@@ -79,10 +80,6 @@ class Loading(Protocol):
     job: LoadJob
 
 
-def _torch_dtype(st_dtype: str) -> torch.dtype:
-    from kdn.format.objects import torch_dtype
-
-    return torch_dtype(st_dtype)
 
 
 
@@ -232,7 +229,7 @@ class PieceLoader:
             try:
                 self._check_header(h, p)
                 bad = next((n for n, t in h.tensors.items() if n in self.kv_names and
-                            (t.codec != "raw" or _torch_dtype(t.dtype) != staging.dtype)), None)
+                            (t.codec != "raw" or torch_dtype(t.dtype) != staging.dtype)), None)
                 if bad is not None:
                     raise LoadFailed("mismatch", p, f"{bad} is not raw {staging.dtype}: it cannot land in place")
             except LoadFailed as e:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kdn.format.objects import torch_dtype
 from kdn.wire.arena import Arena, Lease
 from kdn.errors import KDNError
 from kdn.kernels.pinned import MIN_COPY, Copies, Event, Inline, copy_stream
@@ -111,7 +112,7 @@ class Staging:
         whole = (lo, hi) == (start, start + view.header.tensors[names[0]].shape[1])
         for name, full, lanes in zip(names, (self.k[j], self.v[j]), self._lanes[j]):
             info = view.header.tensors[name]
-            if whole and _torch_dtype(info.dtype) == self.dtype:
+            if whole and torch_dtype(info.dtype) == self.dtype:
                 view.decode_into(name, lanes[:, a:b, :])  # straight into place, strided
             else:  # a piece that straddles the load's range, or another dtype: decode, then copy the slice
                 t = to_torch(view.decode([name]))[name]  # [H, n, D]
@@ -323,7 +324,3 @@ def _lanes(t: torch.Tensor) -> np.ndarray:
     return t.view(lane).numpy()
 
 
-def _torch_dtype(st_dtype: str) -> torch.dtype:
-    from kdn.format.objects import torch_dtype
-
-    return torch_dtype(st_dtype)

@@ -19,6 +19,7 @@ This module has its own small writer, and its reader (the header and layout, par
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -359,8 +360,10 @@ _TORCH_DTYPES = {
 }
 
 
+@functools.cache
 def torch_dtype(st_dtype: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``)."""
+    """The torch dtype of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``), cached: loaders ask per
+    tensor on their hot path."""
     import torch
 
     return getattr(torch, _TORCH_DTYPES[st_dtype])  # type: ignore[no-any-return]
