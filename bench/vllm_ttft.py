@@ -205,18 +205,24 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
             warm_host(sock, manifests[L]["addresses"])  # the host tier, filled from the edge before the timed runs
             samples: dict[str, list[tuple[float, int, int]]] = {p: [] for p in PATHS}
             seen = {k: len(v) for k, v in phases_of(worker, sched).items()}  # the fill's load is not a hit's
+            by_path: dict[str, dict[str, list[float]]] = {"kdn-hit": {}, "host-hit": {}}  # each load's phases
             for r in range(repeat):
                 for path in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:
                     salt = secrets.token_hex(4)
                     if path == "local-hit":
                         first_token(doc[:L] + [q[0] ^ 1] + q[1:], False, salt)  # the same context, warm
+                    was = {k: len(v) for k, v in phases_of(worker, sched).items()}
                     smp = first_token(ids, path in ("kdn-hit", "host-hit"), salt, host=path == "host-hit")
                     samples[path].append(smp)
+                    if path in by_path:  # this request's load's phases (one entry each), apart from the other path's
+                        for k, v in phases_of(worker, sched).items():
+                            by_path[path].setdefault(k, []).extend(s * 1e3 for s in v[was.get(k, 0):])
                     log(f"[{name} L={L}] rep {r + 1} {path:9s} {smp[0]:9.1f} ms, {smp[1]} tokens reused")
             before = dict(worker.totals.data["bytes"])
             rows.append(summarize(name, L, suffix, samples, dict(worker.totals.data["tokens"])))
             rows[-1]["phases_ms"] = {k: [s * 1e3 for s in v[seen.get(k, 0):]] for k, v in phases_of(worker, sched).items()}
             rows[-1]["bytes_by_encoding_so_far"] = before
+            rows[-1]["phases_by_path_ms"] = by_path
     finally:
         for p in reversed(procs):
             p.stop()
@@ -281,15 +287,25 @@ def phase_table(rows: list[dict]) -> str:
         v = r.get("phases_ms", {}).get(k, [])
         return statistics.median(v) if v else float("nan")
 
-    out = ["| model | context | KDN hit ms | local hit ms | lookup ms | fetch ms (first request to last piece staged) "
-           "| of which the forward waited ms | layer writes ms | rest ms (KDN hit - local hit - lookup - wait - writes) |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| model | context | source | KDN hit ms | local hit ms | lookup ms | fetch ms (first request to last piece "
+           "staged) | of which the forward waited ms | layer writes ms | rest ms (KDN hit - local hit - lookup - wait - "
+           "writes) |",
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         P = r["paths"]
-        kdn, local = P["kdn-hit"]["median"], P["local-hit"]["median"]
-        lk, fe, st, wr = (med(r, k) for k in ("lookup", "fetch", "stall", "write"))
-        out.append(f"| {r['model']} | {r['length']:,} | {kdn:,.0f} | {local:,.0f} | {lk:.1f} | {fe:.0f} | {st:.0f} "
-                   f"| {wr:.0f} | {kdn - local - lk - st - wr:.0f} |")
+        local = P["local-hit"]["median"]
+        for path, source in (("kdn-hit", "edge (HTTP)"), ("host-hit", "host tier")):
+            if path not in P:
+                continue
+            got = r.get("phases_by_path_ms", {}).get(path)
+            if got:
+                lk, fe, st, wr = (statistics.median(got[k]) if got.get(k) else float("nan")
+                                  for k in ("lookup", "fetch", "stall", "write"))
+            else:
+                lk, fe, st, wr = (med(r, k) for k in ("lookup", "fetch", "stall", "write"))
+            hit = P[path]["median"]
+            out.append(f"| {r['model']} | {r['length']:,} | {source} | {hit:,.0f} | {local:,.0f} | {lk:.1f} | {fe:.0f} "
+                       f"| {st:.0f} | {wr:.0f} | {hit - local - lk - st - wr:.0f} |")
     return "\n".join(out)
 
 
