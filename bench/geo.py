@@ -437,7 +437,8 @@ class Oracle:
     def fill(self, node: EdgeNode, key, size: int, hop: bool, depth: int = 0, tier: bool = False) -> float:
         """Time for ``node`` to obtain ``key`` it does not hold, following its real fill plan."""
         L, r, t = self.world.links, node.region, 0.0
-        for label, url, _ in node.edge.filler.plan(key, self.records[key[0]], hop=hop, tier=tier):
+        for route in node.edge.filler.routes(key, self.records[key[0]], hop=hop, tier=tier):
+            label, url = route.label, route.url
             kind = label.split(":", 1)[0]
             if kind == "origin":
                 return t + L.xfer(r, "origin", size)

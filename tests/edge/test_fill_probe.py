@@ -122,7 +122,7 @@ async def test_a_region_that_keeps_failing_rests_then_is_probed_again(monkeypatc
             assert src == "origin" and took < 0.25, took
             assert far_hits["n"] == fill.PROBE_TRIP
             assert metrics.region_skipped._value.get() == 1  # noqa: SLF001
-            assert f.plan((ADDRESS, "zstd"), rec, hop=False)[0][0] == "origin"  # a lookup's forecast agrees
+            assert f.routes((ADDRESS, "zstd"), rec, hop=False)[0].label == "origin"  # a lookup's forecast agrees
             clock.now += 1.05  # rested: probed once more; it fails again, so it rests twice as long
             took, src = await timed(f)
             assert far_hits["n"] == fill.PROBE_TRIP + 1 and took >= 0.3
@@ -170,7 +170,7 @@ async def test_a_region_that_keeps_missing_and_is_no_faster_than_the_origin_is_n
                 assert (await f.fetch((ADDRESS, "zstd"), RECORD, hop=False)).source == "origin"
             assert asked["far"] == 1  # no faster than the origin and missing: a miss's round trip buys nothing
             assert metrics.region_not_worth._value.get() == 5  # noqa: SLF001
-            assert [label for label, _, _ in f.plan((ADDRESS, "zstd"), RECORD, hop=False)] == ["origin"]
+            assert [r.label for r in f.routes((ADDRESS, "zstd"), RECORD, hop=False)] == ["origin"]
             clock.now += 1.05  # the hit rate goes stale: back to the prior, asked again
             assert f.hit_rate(far_url) == fill.PROBE_HIT_PRIOR
     finally:
@@ -213,8 +213,8 @@ def test_an_operator_who_prefers_less_origin_egress_has_every_region_asked():
         f.estimates[url].observe(0, 0.05)
     for _ in range(20):
         f._probe_outcome("http://far", False)  # noqa: SLF001  (it never has anything)
-    labels = [label for label, _, _ in f.plan((ADDRESS, "zstd"), RECORD, hop=False)]
+    labels = [r.label for r in f.routes((ADDRESS, "zstd"), RECORD, hop=False)]
     assert labels == ["origin"]
     f.always_probe_regions = True
-    labels = [label for label, _, _ in f.plan((ADDRESS, "zstd"), RECORD, hop=False)]
+    labels = [r.label for r in f.routes((ADDRESS, "zstd"), RECORD, hop=False)]
     assert labels == ["region:far", "origin"]
