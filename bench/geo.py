@@ -44,7 +44,7 @@ Strategies (the fetch client's ``strategy=`` hook, or a ranking the bench puts i
     origin-only  every lookup and fetch goes to the origin
     oracle       per object, the ONE source with the least modeled time given the true cache state (read
                  from the edges' tiers) and the true links, following each source's real fill plan
-                 (``Filler.plan``), known before the fetch; no hedging. The choice is modeled, the fetch is
+                 (``Filler.routes``), known before the fetch; no hedging. The choice is modeled, the fetch is
                  measured. It is a bound for single-source selection under that model only: a hedging client
                  can beat it (a hedge takes the faster of two measured transfers), and a measured transfer can
                  take longer than the model says (2 shared cores). Objects it took from elsewhere are then
