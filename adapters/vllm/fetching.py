@@ -101,8 +101,10 @@ class PieceLoader:
         self.client, self.model_id, self.namespace, self.stager = client, model_id, namespace, stager
         self.attn, self.order, self.states = attn, order, states  # order: the staging's, the forward's
         self.kv_names = {f"L{a.index}.{x}" for a in order for x in ("k", "v")}
-        # Per load, what the host tier holds of its pieces: asked once (the first piece asks), bounded.
-        self._on_host: OrderedDict[int, asyncio.Future[Held]] = OrderedDict()
+        # Per load, what the host tier holds of its pieces: asked once (the first piece asks), bounded. Keyed by
+        # the request's id: an ``id()`` of the job object was reused by a later job once the first was freed,
+        # which then read the earlier load's answer (the host's holdings from before it was filled).
+        self._on_host: OrderedDict[str, asyncio.Future[Held]] = OrderedDict()
 
     def max_decoded(self, n_tokens: int) -> int:
         """The most an object of ``n_tokens`` for this model can decode to (fp32 at worst, aligned)."""
@@ -168,7 +170,7 @@ class PieceLoader:
         """(address, encoding) of this load's pieces the host holds; nothing if it does not answer at once."""
         from kdn.client.hosted import held
 
-        key = id(run.job)
+        key = run.job.req_id
         if key not in self._on_host:
             while len(self._on_host) >= 32:
                 self._on_host.popitem(last=False)
