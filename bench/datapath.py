@@ -238,26 +238,13 @@ async def run(args) -> dict:
     from kdn.adapters.hf import load_model
     from kdn.client import KDNClient
     from kdn.kernels.pinned import host_arena
-    from kdn.registry.signing import Signer
 
     spec = T.model_spec(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="kdn-datapath-"))
     procs = []
     out: dict = {"rows": []}
     try:
-        (tmp / "tokens").write_text(T.PUBLISH_TOKEN + " admin *\n")
-        registry = f"file:{tmp / 'registry.sqlite3'}"
-        signer = Signer.generate(tmp / "origin.key")  # the host tier holds only what a trusted key signed
-        (tmp / "trusted").write_text(signer.public + "\n")
-        origin = T.start("origin", "origin", dict(model=spec, registry=registry, store=str(tmp / "store"),
-                                                  host="127.0.0.1", port=T.free_port(), token_file=str(tmp / "tokens"),
-                                                  node_id="origin-1", fsync=False,
-                                                  signing_key=str(tmp / "origin.key")), tmp)
-        procs.append(origin)
-        edge = T.start("edge", "edge", dict(region="eu", registry=registry, origin=origin.url, mem_budget=4 << 30,
-                                            host="127.0.0.1", port=T.free_port(), node_id="edge-1", prefetch=0,
-                                            lease_ttl=10.0, fsync=False), tmp)
-        procs.append(edge)
+        origin, edge = start_world(tmp, spec, procs)
         lm = load_model(spec)
         lm.model.eval()
         arena = host_arena(2 << 30)
@@ -340,6 +327,28 @@ async def run(args) -> dict:
             p.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def start_world(tmp: Path, spec: str, procs: list) -> tuple[T.Proc, T.Proc]:
+    """A signing origin of ``spec`` and one edge with a 4 GiB memory tier, as processes on 127.0.0.1 (each
+    appended to ``procs`` once started; the caller stops them); ``tmp/trusted`` holds the origin's public key
+    (the host tier holds only what a trusted key signed)."""
+    from kdn.registry.signing import Signer
+
+    (tmp / "tokens").write_text(T.PUBLISH_TOKEN + " admin *\n")
+    registry = f"file:{tmp / 'registry.sqlite3'}"
+    signer = Signer.generate(tmp / "origin.key")
+    (tmp / "trusted").write_text(signer.public + "\n")
+    origin = T.start("origin", "origin", dict(model=spec, registry=registry, store=str(tmp / "store"),
+                                              host="127.0.0.1", port=T.free_port(), token_file=str(tmp / "tokens"),
+                                              node_id="origin-1", fsync=False, signing_key=str(tmp / "origin.key")),
+                     tmp)
+    procs.append(origin)
+    edge = T.start("edge", "edge", dict(region="eu", registry=registry, origin=origin.url, mem_budget=4 << 30,
+                                        host="127.0.0.1", port=T.free_port(), node_id="edge-1", prefetch=0,
+                                        lease_ttl=10.0, fsync=False), tmp)
+    procs.append(edge)
+    return origin, edge
 
 
 def start_host(tmp: Path, edge_url: str) -> T.Proc:

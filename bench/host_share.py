@@ -129,26 +129,13 @@ async def run(args) -> dict:
     import numpy as np
 
     from kdn.adapters.hf import load_model
-    from kdn.registry.signing import Signer
 
     spec = T.model_spec(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="kdn-host-share-"))
     procs = []
     out: dict = {"model": args.model, "tokens": args.tokens}
     try:
-        (tmp / "tokens").write_text(T.PUBLISH_TOKEN + " admin *\n")
-        registry = f"file:{tmp / 'registry.sqlite3'}"
-        Signer.generate(tmp / "origin.key")
-        (tmp / "trusted").write_text(Signer.load(tmp / "origin.key").public + "\n")
-        origin = T.start("origin", "origin", dict(model=spec, registry=registry, store=str(tmp / "store"),
-                                                  host="127.0.0.1", port=T.free_port(), token_file=str(tmp / "tokens"),
-                                                  node_id="origin-1", fsync=False,
-                                                  signing_key=str(tmp / "origin.key")), tmp)
-        procs.append(origin)
-        edge = T.start("edge", "edge", dict(region="eu", registry=registry, origin=origin.url, mem_budget=4 << 30,
-                                            host="127.0.0.1", port=T.free_port(), node_id="edge-1", prefetch=0,
-                                            lease_ttl=10.0, fsync=False), tmp)
-        procs.append(edge)
+        origin, edge = D.start_world(tmp, spec, procs)
         host_proc = D.start_host(tmp, edge.url)
         procs.append(host_proc)
         lm = load_model(spec)
