@@ -24,7 +24,7 @@ import json
 import math
 import struct
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "FORMAT_VERSION", "KINDS", "MAX_EXPANSION", "MAX_HEADER_BYTES", "MAX_NDIM",
            "MIN_DECODED_CAP", "DecodedObject", "Layout", "ObjectHeader", "ObjectView", "RawTensor", "TensorInfo",
            "blob_digest", "blob_namespace", "decode_object", "decoded_nbytes", "encode_object", "from_torch",
-           "head_length", "read_header", "read_layout", "to_torch", "torch_dtype"]
+           "head_length", "raw_region", "read_header", "read_layout", "to_torch", "torch_dtype"]
 
 # Decoding is bounded before anything is allocated: by the caller's limit (an engine knows the exact
 # size its model's chunk decodes to), else by MAX_EXPANSION x the blob's own size, with a floor for
@@ -421,6 +421,34 @@ def to_torch(obj: DecodedObject | Mapping[str, RawTensor], *, device: str | int 
                 t = torch.frombuffer(rt.data, dtype=dtype)
         out[name] = t.reshape(rt.shape)
     return out
+
+
+def raw_region(view: ObjectView, order: Sequence[str], dtype: torch.dtype, n: int) -> torch.Tensor | None:
+    """A chunk's raw K/V as one ``[len(order), kv_heads, n, head_dim]`` view of the object's own bytes (no
+    copy), where its tensors are raw ``dtype`` of one shape, stored in ``order`` at one stride (back to back,
+    or padded alike); else None. Read-only bytes (a host-tier mapping) stay read-only: only read from it."""
+    import torch
+
+    h = view.header
+    if not order or any(nm not in h.tensors for nm in order):
+        return None
+    infos = [h.tensors[nm] for nm in order]
+    if any(t.codec != "raw" or torch_dtype(t.dtype) != dtype or t.shape != infos[0].shape or len(t.shape) != 3
+           or t.shape[1] != n for t in infos):
+        return None
+    heads, _, dim = infos[0].shape
+    item = torch.empty(0, dtype=dtype).element_size()
+    spans = [view.layout.span(nm) for nm in order]
+    lo, size = spans[0][0], heads * n * dim * item
+    stride = spans[1][0] - lo if len(spans) > 1 else size
+    region = view.buffer[lo:spans[-1][1]]
+    if (stride < size or stride % item or _address_of(region) % item
+            or any(b != lo + p * stride or e - b != size for p, (b, e) in enumerate(spans))):
+        return None
+    with warnings.catch_warnings():  # a read-only mapping: the view is only ever read (copied from)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        flat = torch.frombuffer(region, dtype=dtype)
+    return flat.as_strided((len(order), heads, n, dim), (stride // item, n * dim, dim, 1))
 
 
 def one_transfer(raw: Mapping[str, RawTensor], device: torch.device) -> dict[str, torch.Tensor]:

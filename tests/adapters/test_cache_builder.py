@@ -71,6 +71,21 @@ def test_builder_equals_build_cache_out_of_order_and_threaded(spec, encoding):
         assert torch.equal(continue_from_cache(lm.model, cache, n, ids), continue_from_cache(lm.model, ref, n, ids))
 
 
+def test_a_raw_chunk_lands_by_one_copy_of_its_region():
+    """Layers of one shape share one stack in the objects' tensor order: a raw chunk (here read-only bytes, as a
+    host-tier mapping is) lands by one copy, not one per tensor; a compressed one is decoded tensor by tensor."""
+    lm = tiny("tiny-llama")
+    for encoding, one_copy in (("raw", True), ("zstd", False)):
+        blobs = blobs_of(lm.model, encoding=encoding)
+        b = CacheBuilder(lm.model, counts(blobs))
+        for i, blob in enumerate(blobs):
+            b.add(i, ObjectView(memoryview(blob)))
+        assert b.region_copies == (len(blobs) if one_copy else 0), encoding
+        (cache, n), (ref, _) = b.finish(), build_cache(lm.model, [to_torch(decode_object(x)) for x in blobs])
+        assert n == N
+        assert_same_cache(cache, ref)
+
+
 def test_objects_of_another_dtype_are_converted_into_place():
     bf16 = tiny("tiny-llama", torch.bfloat16)
     fp32 = tiny("tiny-llama", torch.float32)
