@@ -6,8 +6,10 @@ A piece is fetched into a reused arena buffer and verified against the digest of
 checked against what the plan expects (address, model, namespace, span, tensor shapes), and decoded into the
 staging on a few threads of its own; its receive buffer goes back to the arena at once. A raw piece wholly
 inside the load is received straight into its place instead (``kdn.wire.scatter``). A piece the machine's host
-tier holds (``KDNClient(host=)``, the connector's ``host`` setting) is leased and copied from its shared memory
-into the staging instead: no socket body, no hash (the host verified it once, against the same signed digest).
+tier holds (``KDNClient(host=)``, the connector's ``host`` setting) is leased instead: no socket body, no hash
+(the host verified it once, against the same signed digest). On the CPU a raw one is not copied at all here:
+its lease is kept by the load (``Holds``) and each layer's write reads its K/V from the read-only mapping
+straight into vLLM's paged blocks (one pass over the bytes); on a device it is copied into the staging.
 Every piece of a hybrid load but its last moves only its K/V, by verified range requests
 (``kdn.client.parts.fetch_kept``): the conv/recurrent states each object carries are those of its end, and
 only the last piece's are kept.
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -69,6 +73,37 @@ class Staged:
     encoding: str
     nbytes: int
     states: dict[str, torch.Tensor] = field(default_factory=dict)  # the last piece of a hybrid load
+    # A piece read in place (the host tier's mapping, its lease kept by the load's ``Holds``): per attention
+    # layer in the staging's order, its K and V as ``[n, H, D]`` views of the mapping; None: it is in the staging.
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    start: int = 0  # the token ``kv`` starts at (its piece's)
+
+
+class Holds:
+    """The host-tier leases a load keeps while its layers are written straight from the mapping: released
+    together when the load ends (``close``), never before; one kept after that is refused (released at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: list[contextlib.AsyncExitStack] = []
+        self._closed = False
+
+    def keep(self, lease: contextlib.AsyncExitStack) -> bool:
+        with self._lock:
+            if not self._closed:
+                self._open.append(lease)
+            return not self._closed
+
+    def close(self) -> list[contextlib.AsyncExitStack]:
+        """No more leases; those kept, for the caller to release (on the client's loop)."""
+        with self._lock:
+            self._closed = True
+            out, self._open = self._open, []
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
 
 
 class Loading(Protocol):
@@ -78,6 +113,7 @@ class Loading(Protocol):
     staging: Staging | None
     tally: Tally
     job: LoadJob
+    holds: Holds
 
 
 
@@ -97,8 +133,12 @@ class PieceLoader:
     and the threads that decode arrived compressed pieces into the staging."""
 
     def __init__(self, *, client: Any, model_id: ModelId, namespace: str, stager: concurrent.futures.Executor,
-                 attn: dict[str, AttnLayer], order: list[AttnLayer], states: list[StateLayer]) -> None:
+                 attn: dict[str, AttnLayer], order: list[AttnLayer], states: list[StateLayer],
+                 in_place: bool = False) -> None:
+        """``in_place``: host-tier pieces are written into the cache from the mapping (the cache is in host
+        memory: the CPU), not copied into the staging first."""
         self.client, self.model_id, self.namespace, self.stager = client, model_id, namespace, stager
+        self.in_place = in_place
         self.attn, self.order, self.states = attn, order, states  # order: the staging's, the forward's
         self.kv_names = {f"L{a.index}.{x}" for a in order for x in ("k", "v")}
         # Per load, what the host tier holds of its pieces: asked once (the first piece asks), bounded. Keyed by
@@ -180,19 +220,29 @@ class PieceLoader:
         return frozenset((p.address, e) for p, encs in zip(run.job.plan.pieces, got.encodings) for e in encs)
 
     async def _from_host(self, run: Loading, i: int, p: Piece) -> Staged | None:
-        """Piece ``i`` leased from the host tier and copied from its mapping into the staging (a stager thread),
-        or None (fetch it as ever): the host failed, or its copy is not the one the plan's signed digest names.
-        The lease ends only once the copy has: a cancelled load waits for its thread before letting go."""
+        """Piece ``i`` leased from the host tier, or None (fetch it as ever): the host failed, or its copy is not
+        the one the plan's signed digest names. On the CPU a raw piece is read in place: its lease is kept by
+        the load (``run.holds``, released when the load ends) and its K/V are views of the mapping, written
+        into the paged blocks layer by layer (``_in_place``). Otherwise it is copied from the mapping into the
+        staging (a stager thread), and the lease ends once the copy has: a cancelled load waits for its thread."""
         from kdn.wire.host import HostError
 
         stats = self.client.host_stats
+        lease = contextlib.AsyncExitStack()
+        kept = False
         try:
-            async with self.client.host.lease(p.address, p.encoding) as leased:
-                if leased.record.get("encodings", {}).get(p.encoding, {}).get("digest") != p.digest:
-                    stats.fallbacks += 1
-                    stats.note(f"{p.address[:16]}.{p.encoding}: the host's record names another digest")
-                    return None
-                f = _Leased(leased.view, "host", p.encoding)
+            leased = await lease.enter_async_context(self.client.host.lease(p.address, p.encoding))
+            if leased.record.get("encodings", {}).get(p.encoding, {}).get("digest") != p.digest:
+                stats.fallbacks += 1
+                stats.note(f"{p.address[:16]}.{p.encoding}: the host's record names another digest")
+                return None
+            f = _Leased(leased.view, "host", p.encoding)
+            if self.in_place and p.encoding == "raw" and not (self.states and i == len(run.job.plan.pieces) - 1):
+                if not run.holds.keep(lease):
+                    raise LoadFailed("decode", p, "the load ended before this piece arrived")
+                kept = True  # from here the load's end releases it (the thread only reads the mapping)
+                staged = await asyncio.get_running_loop().run_in_executor(self.stager, self._in_place, run, i, p, f)
+            else:
                 work = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
                     self.stager, self._stage, run, i, p, f, None))
                 try:
@@ -204,8 +254,33 @@ class PieceLoader:
             stats.fallbacks += 1
             stats.note(f"{p.address[:16]}.{p.encoding}: {e}")
             return None
+        finally:
+            if not kept:
+                await lease.aclose()
         stats.hits += 1
         return staged
+
+    def _in_place(self, run: Loading, i: int, p: Piece, f: _Leased) -> Staged:
+        """A held piece's K/V as views of the mapping, per layer ``[n, H, D]`` (checked as any piece's header
+        is); one whose tensors are not raw in the cache's dtype is copied into the staging instead."""
+        from kdn.format.objects import ObjectView, raw_region
+
+        staging = run.staging
+        if staging is None:
+            raise LoadFailed("decode", p, "the load ended before this piece arrived")
+        try:
+            view = ObjectView(f.blob, max_decoded=self.max_decoded(p.end - p.start))
+        except KDNError as e:
+            raise LoadFailed("decode", p, str(e)) from None
+        self._check_header(view.header, p)
+        names = sorted(self.kv_names)  # the order an object stores them in (kdn.format.objects)
+        kv = raw_region(view, names, staging.dtype, p.end - p.start)  # [2 x layers, H, n, D] or None
+        if kv is None:  # not raw in the cache's dtype (or not one shape): decoded into the staging as ever
+            return self._stage(run, i, p, f, None)
+        kt = kv.transpose(1, 2)  # [2 x layers, n, H, D]: the token-major view a backend's cache write takes
+        at = {nm: q for q, nm in enumerate(names)}
+        return Staged("host", f.encoding, len(f.blob), start=p.start,
+                      kv=[(kt[at[f"L{a.index}.k"]], kt[at[f"L{a.index}.v"]]) for a in self.order])
 
     def _placeable(self, run: Loading, i: int, p: Piece) -> bool:
         """A raw piece wholly inside the load, whose states are not kept (only a hybrid load's last piece has

@@ -134,23 +134,27 @@ class Staging:
         """The K/V bytes tokens ``[lo, hi)`` fill here."""
         return max(hi - lo, 0) * self.per_token
 
-    def kv(self, j: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``j``'s K and V for tokens ``[first, upto)`` as ``[n, H, D]`` views (the backend reads strides)."""
-        n = (self.end if upto is None else upto) - self.first
-        return self.k[j][:, :n].transpose(0, 1), self.v[j][:, :n].transpose(0, 1)
+    def kv(self, j: int, upto: int | None = None, lo: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``j``'s K and V for tokens ``[lo, upto)`` (from ``first``, to ``end`` by default) as ``[n, H, D]``
+        views (the backend reads strides)."""
+        a, b = (self.first if lo is None else lo) - self.first, (self.end if upto is None else upto) - self.first
+        return self.k[j][:, a:b].transpose(0, 1), self.v[j][:, a:b].transpose(0, 1)
 
-    def kv_on(self, j: int, device: torch.device, dtype: torch.dtype, upto: int | None = None
+    def kv_on(self, j: int, device: torch.device, dtype: torch.dtype, upto: int | None = None, lo: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``j``'s K and V for tokens ``[first, upto)`` as a backend's cache write takes them, ``[n, H, D]``.
+        """Layer ``j``'s K and V for tokens ``[lo, upto)`` (from ``first`` by default) as a backend's cache write
+        takes them, ``[n, H, D]``.
 
-        On the CPU: views of the staging (vLLM's CPU kernels read strides; no copy at all). On another device:
+        On the CPU: views of the staging (vLLM's CPU kernels read strides; no copy at all). On another device
+        (always from ``first``: the pieces read in place are the CPU's):
         out of the load's ``Upload`` (started here if :meth:`upload` was not called), the compute stream waiting
         for this layer's copy only, reordered there into a contiguous ``[n, H, D]``: a GPU's
         ``reshape_and_cache`` reads each token's ``H x D`` values as one row, and would misread a strided view.
         """
         if device.type == "cpu":
-            k, v = self.kv(j, upto)
+            k, v = self.kv(j, upto, lo)
             return k.to(dtype=dtype), v.to(dtype=dtype)  # (no copy when the staging is the cache's dtype)
+        assert lo is None or lo == self.first, (lo, self.first)
         if self._upload is None:
             self.upload(device)
         assert self._upload is not None

@@ -8,6 +8,9 @@ turns them into ``kdn_vllm_*`` series on vLLM's own ``/metrics``:
   (``memory``, ``disk``, ``peer``, ``region``, ``origin``);
 - ``kdn_vllm_load_failures_total{reason}``: loads given up (the engine recomputed those tokens):
   ``missing``, ``timeout``, ``digest``, ``decode``, ``mismatch``;
+- ``kdn_vllm_written_tokens_total{path}``: how those tokens went into the paged cache: ``in_place`` (read
+  from the host tier's mapping by the layers' writes: one pass) or ``staging`` (copied or decoded into the
+  load's staging first);
 - ``kdn_vllm_loaded_bytes_total{encoding}``: object bytes fetched for those loads, by encoding
   (``zstd``, ``raw``, a lossy one within the ``quality`` budget);
 - ``kdn_vllm_load_seconds``: one request's load, fetch to last layer written;
@@ -36,7 +39,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 
 def _empty() -> dict[str, Any]:
-    return {"loads": 0, "tokens": {}, "bytes": {}, "failures": {}, "seconds": [], "saved": 0, "samples": [],
+    return {"loads": 0, "tokens": {}, "paths": {}, "bytes": {}, "failures": {}, "seconds": [], "saved": 0, "samples": [],
             "plans": {}, "plan_tokens": {}, "phases": {}}
 
 
@@ -59,8 +62,10 @@ class KDNStats(KVConnectorStats):
         return not (d["loads"] or d["failures"] or d["saved"] or d.get("samples") or d.get("plans")
                     or any(d.get("phases", {}).values()))
 
-    def loaded(self, tier: str, tokens: int) -> None:
+    def loaded(self, tier: str, tokens: int, path: str = "staging") -> None:
         self.data["tokens"][tier] = self.data["tokens"].get(tier, 0) + tokens
+        paths = self.data.setdefault("paths", {})
+        paths[path] = paths.get(path, 0) + tokens
 
     def fetched(self, encoding: str, nbytes: int) -> None:
         self.data["bytes"][encoding] = self.data["bytes"].get(encoding, 0) + nbytes
@@ -99,7 +104,7 @@ class KDNStats(KVConnectorStats):
             mine_s = d.setdefault("phases", {}).setdefault(name, [])
             mine_s.extend(secs)
             del mine_s[:-1024]
-        for key in ("tokens", "bytes", "failures", "plans", "plan_tokens"):
+        for key in ("tokens", "paths", "bytes", "failures", "plans", "plan_tokens"):
             mine = d.setdefault(key, {})
             for k, v in o.get(key, {}).items():
                 mine[k] = mine.get(k, 0) + v
@@ -125,6 +130,9 @@ class KDNPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._tokens = self._counter_cls(name="kdn_vllm_loaded_tokens", labelnames=labelnames + ["tier"],
                                          documentation="Prompt tokens loaded from the KDN instead of computed, by tier")
+        self._paths = self._counter_cls(name="kdn_vllm_written_tokens", labelnames=labelnames + ["path"],
+                                        documentation="KDN-loaded tokens by how they reached the paged cache: "
+                                                      "in_place (from the host tier's mapping) or staging")
         self._bytes = self._counter_cls(name="kdn_vllm_loaded_bytes", labelnames=labelnames + ["encoding"],
                                         documentation="Object bytes fetched from the KDN for loads, by encoding")
         self._failures = self._counter_cls(name="kdn_vllm_load_failures", labelnames=labelnames + ["reason"],
@@ -146,6 +154,8 @@ class KDNPromMetrics(KVConnectorPromMetrics):
         d = transfer_stats_data
         for tier, n in d.get("tokens", {}).items():
             self._tokens.labels(*labels, tier).inc(n)
+        for path, n in d.get("paths", {}).items():
+            self._paths.labels(*labels, path).inc(n)
         for enc, n in d.get("bytes", {}).items():
             self._bytes.labels(*labels, enc).inc(n)
         for reason, n in d.get("failures", {}).items():

@@ -45,7 +45,7 @@ from kdn.errors import DigestMismatch, KDNError, SourceError
 from kdn.planner import OVERRUN_AFTER, overruns
 
 from kdn.adapters.vllm import compat, paged
-from kdn.adapters.vllm.fetching import AttnLayer, LoadFailed, PieceLoader, Staged, StateLayer
+from kdn.adapters.vllm.fetching import AttnLayer, Holds, LoadFailed, PieceLoader, Staged, StateLayer
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob
 from kdn.adapters.vllm.plan import Piece, blocks_of
 from kdn.adapters.vllm.stage import Staging, reap
@@ -71,6 +71,8 @@ class _Running:
     write: float = 0.0  # seconds of its layers' backend writes
     moved: int = -1  # a complete load's wire bytes: the planner's sample, taken once its writes are timed too
     slots: tuple[int, torch.Tensor] | None = None  # (upto, its cache slots on the device): see _slots
+    holds: Holds = field(default_factory=Holds)  # host-tier leases of the pieces its writes read in place
+    segments: tuple[int, list[tuple[int, int, Staged | None]]] | None = None  # (upto, what _segments said)
 
     def __post_init__(self) -> None:
         if self.upto < 0:
@@ -81,11 +83,35 @@ class _Running:
         return [(i, p, lo, min(hi, self.upto)) for i, (p, lo, hi) in enumerate(self.job.plan.spans()) if lo < self.upto]
 
 
-def _release(run: _Running) -> None:
-    """Hand the load's staging back (deferred while a piece is still being decoded into it: Staging.writing)."""
+def _release(run: _Running, bridge: Any) -> None:
+    """Hand the load's staging back (deferred while a piece is still being decoded into it: Staging.writing),
+    and end the host-tier leases its writes read in place (on the client's loop, ``bridge``)."""
     staging, run.staging = run.staging, None
     if staging is not None:
         staging.release()
+    for lease in run.holds.close():
+        try:
+            bridge.submit(lease.aclose())
+        except RuntimeError:  # the connector's loop is closed: its host connection, and every lease, with it
+            pass
+
+
+def segments(run: _Running) -> list[tuple[int, int, Staged | None]]:
+    """A load's tokens ``[plan.first, upto)`` as ``(lo, hi, held)``: a run of pieces in the staging (held None;
+    consecutive ones merged into one write), or one piece read in place (its ``Staged``). Made once per load."""
+    if run.segments is None or run.segments[0] != run.upto:
+        staged = run.staged or []
+        out: list[tuple[int, int, Staged | None]] = []
+        for i, _, lo, hi in run.spans():
+            if lo >= hi:
+                continue
+            held = staged[i] if i < len(staged) and staged[i].kv is not None else None
+            if held is None and out and out[-1][2] is None and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi, None)
+            else:
+                out.append((lo, hi, held))
+        run.segments = (run.upto, out)
+    return run.segments[1]
 
 
 class WorkerSide:
@@ -133,8 +159,11 @@ class WorkerSide:
                     self.states.append(StateLayer(name, idx, g.id, mod))
         self._order = sorted(self.attn.values(), key=lambda a: a.index)  # staging order: the forward's
         self._index = {a.name: j for j, a in enumerate(self._order)}
+        # On the CPU the cache is host memory: the host tier's raw pieces are written into it from the mapping
+        # (one pass), never copied into the staging first.
         self.pieces = PieceLoader(client=self.client, model_id=self.model_id, namespace=self.cfg.namespace,
-                                  stager=self._stager, attn=self.attn, order=self._order, states=self.states)
+                                  stager=self._stager, attn=self.attn, order=self._order, states=self.states,
+                                  in_place=self.device.type == "cpu")
 
     # --- load --------------------------------------------------------------------------------
 
@@ -275,7 +304,7 @@ class WorkerSide:
         for run in self._running:
             if run.upto > run.job.plan.first:
                 self._account(run)
-            _release(run)
+            _release(run, self.bridge)
         self._running = []
 
     def _account(self, run: _Running) -> None:
@@ -292,7 +321,7 @@ class WorkerSide:
                     st.sampled(run.moved, run.ready - run.started + run.write)
                 for i, _, lo, hi in run.spans():
                     if i < len(staged):
-                        st.loaded(staged[i].source, hi - lo)
+                        st.loaded(staged[i].source, hi - lo, "staging" if staged[i].kv is None else "in_place")
                         st.fetched(staged[i].encoding, staged[i].nbytes)
             del self.totals.data["seconds"][:-1024]
 
@@ -309,13 +338,23 @@ class WorkerSide:
             run.staging.upload(device)
 
     def _write_layer(self, run: _Running, layer: AttnLayer) -> None:
-        """Layer ``layer``'s staged tokens ``[plan.first, upto)``: one backend write (on a GPU, once its copy has
-        crossed: the compute stream waits for that layer's event only)."""
+        """Layer ``layer``'s tokens ``[plan.first, upto)``: one backend write per run of staged pieces (on a GPU,
+        once its copy has crossed: the compute stream waits for that layer's event only), and one per piece read
+        in place (a host-tier lease: from the mapping straight into the paged blocks)."""
         assert run.staging is not None
         cache = layer.module.kv_cache
-        # [n, H, D]: on the CPU views of the staging; on a GPU the layer's copy, reordered contiguous there
-        k, v = run.staging.kv_on(self._index[layer.name], cache.device, cache.dtype, run.upto)
-        paged.write(layer.module, cache, k, v, self._slots(run, cache.device))
+        j = self._index[layer.name]
+        slots = self._slots(run, cache.device)
+        first = run.job.plan.first
+        for lo, hi, held in segments(run):
+            if held is None:  # [n, H, D]: on the CPU views of the staging; on a GPU the layer's copy, reordered
+                k, v = run.staging.kv_on(j, cache.device, cache.dtype, hi, lo)
+            else:  # [n, H, D] views of the mapping (its lease is the load's until it ends)
+                assert held.kv is not None
+                k, v = held.kv[j]  # tokens [held.start, held.start + len(k))
+                if (lo, hi) != (held.start, held.start + k.shape[0]):
+                    k, v = k[lo - held.start:hi - held.start], v[lo - held.start:hi - held.start]
+            paged.write(layer.module, cache, k, v, slots[lo - first:hi - first])
 
     def _slots(self, run: _Running, device: torch.device) -> torch.Tensor:
         """The load's cache slots on ``device``: made once per load, not once per layer (on a GPU each copy
@@ -365,7 +404,7 @@ class WorkerSide:
             self._fail(run, LoadFailed("decode", None, f"{type(e).__name__}: {e}"))
         if run.error is None:
             self._account(run)
-        _release(run)
+        _release(run, self.bridge)
         with self._lock:
             (self._done if run.error is None else self._failed).add(job.req_id)
 

@@ -165,3 +165,25 @@ def test_a_staging_still_read_by_a_device_copy_goes_back_only_once_the_copy_is_d
     st2._reads.append(late)
     st2.release()
     assert stage.reap(wait=True) == 1 and late.waited and arena.in_use == 0  # an arena out of room waits for it
+
+
+def test_a_load_writes_runs_of_staged_pieces_once_and_each_piece_read_in_place_alone():
+    """``segments``: a load of tokens [128, 1000) whose second and fourth pieces were read in place (host-tier
+    leases): staged neighbours merge into one write, a held piece is its own (the first one sliced), and a
+    failure that lowers ``upto`` cuts the writes there."""
+    from kdn.adapters.vllm.fetching import Staged
+    from kdn.adapters.vllm.meta import LoadJob
+    from kdn.adapters.vllm.plan import LoadPlan, Piece
+    from kdn.adapters.vllm.worker import _Running, segments
+
+    bounds = [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    pieces = tuple(Piece("ab" * 32, a, b, "raw", "cd" * 32, 1) for a, b in bounds)
+    run = _Running(LoadJob("r", LoadPlan(128, 1000, pieces), ([],), False))
+    kv = [(torch.zeros(256, H, D), torch.zeros(256, H, D))]
+    run.staged = [Staged("host", "raw", 1, kv=kv, start=0), Staged("edge", "raw", 1),
+                  Staged("edge", "raw", 1), Staged("host", "raw", 1, kv=kv, start=768)]
+    got = [(lo, hi, held is not None) for lo, hi, held in segments(run)]
+    assert got == [(128, 256, True), (256, 768, False), (768, 1000, True)]
+    run.staged[0] = Staged("edge", "raw", 1)  # (a new answer only for a new upto: made once per load)
+    run.upto = 600
+    assert [(lo, hi, held is not None) for lo, hi, held in segments(run)] == [(128, 600, False)]

@@ -1,6 +1,7 @@
 """vLLM loads from the machine's host tier (#53): the connector's ``host`` setting names a ``kdn host serve``
-socket; a piece the host holds is leased and copied from its shared memory into the load's staging, the rest
-fetched from the edge as ever.
+socket; a piece the host holds is leased and, on the CPU, written from its shared memory straight into vLLM's
+paged blocks (no staging copy; its lease held until the forward has written every layer), the rest fetched from
+the edge as ever.
 
 Real processes: a transformers origin that signs (tiny Llama, head_dim 64, fp32), its edge, a host tier filled
 from that edge, and a vLLM engine with the connector. Each request carries a fresh vLLM cache salt, so vLLM's
@@ -96,18 +97,37 @@ def by_source(engine: Engine) -> dict[str, int]:
     return dict(engine.stats()["totals"]["tokens"])
 
 
+def by_path(engine: Engine) -> dict[str, int]:
+    return dict(engine.stats()["totals"].get("paths", {}))
+
+
 def test_a_prefix_the_host_holds_loads_from_its_shared_memory(world):
     """Held before the engine asked: every block from the host's mapping, the tokens the engine's own prefill
     gives (transformers made the states: vLLM's kernels agree to float rounding, not bit for bit)."""
     ev, doc = world["ev"], world["docs"]["held"]
     q = question(3)
     ref = reference(ev, doc, q)
-    before = by_source(ev)
+    before, paths = by_source(ev), by_path(ev)
     got = ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=24)[0]
     assert got["cached"] == LOADED and got["tokens"] == ref["tokens"]
     assert max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])) < 1e-3
     after = by_source(ev)
     assert after.get("host", 0) - before.get("host", 0) == LOADED, (before, after)
+    # On the CPU every one of them was written from the mapping into the paged blocks: no staging copy
+    assert by_path(ev).get("in_place", 0) - paths.get("in_place", 0) == LOADED, (paths, by_path(ev))
+    # ... and their leases ended with the load (released once the forward had written every layer)
+    assert asyncio.run(leases_when_idle(world["c"].tmp / "h.sock")) == 0
+
+
+async def leases_when_idle(sock, within: float = 10.0) -> int:
+    """The host's open leases, once none is left (or after ``within`` s: what is still open then)."""
+    from kdn.client.host import HostClient
+
+    async with HostClient(str(sock)) as h:
+        deadline = asyncio.get_running_loop().time() + within
+        while (n := (await h.stats())["leases"]) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return n
 
 
 def test_what_the_host_lacks_comes_from_the_edge_then_from_the_host_the_same_bytes(world):
