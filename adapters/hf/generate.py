@@ -34,7 +34,7 @@ from kdn.format.address import ModelId
 from kdn.wire.arena import Arena, ArenaFull
 from kdn.wire.bodyget import Tally
 from kdn.emphasis import EmphasisMap
-from kdn.errors import InvalidInput, ModelMismatch
+from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
 from kdn.planner import cold_deadline, plan as make_plan
 from kdn.template import chat_frame, encode_frame, encode_text
 
@@ -303,7 +303,9 @@ async def _fetch_into(model: Any, client: Any, ld: _Loading, real_id: ModelId, r
         # its first byte on, the wait for that byte being the edge's fill).
         states = await await_load(fetch, tally=ld.tally, total=ld.nbytes, cold=not ld.took.warm, started=t0,
                                   deadline_s=ld.decision.deadline_s if ld.decision else None)
-    except (TimeoutError, ArenaFull) as stop:
+    except (TimeoutError, ArenaFull, SourceError, DigestMismatch) as stop:
+        # (SourceError / DigestMismatch: every source of a chunk failed it, e.g. the host tier and the edge both
+        # died mid-load: what arrived before it is used, the rest computed, as at a deadline)
         return await _cut_short(model, client, ld, fetch, stop, time.perf_counter() - t0, report, speeds)
     report.fetch_ms, report.sources, report.bytes_moved = states.fetch_s * 1e3, states.sources, ld.tally.bytes
     report.decode_ms = states.decode_s * 1e3  # decoding runs as objects arrive: what came after
@@ -332,6 +334,8 @@ async def _cut_short(model: Any, client: Any, ld: _Loading, fetch: asyncio.Futur
     if isinstance(stop, ArenaFull):  # the arena's contract: a load that does not fit is a recompute
         report.arena_full += 1
         why = f"was refused memory, the host arena is full ({stop})"
+    elif isinstance(stop, SourceError | DigestMismatch):  # no source could deliver a chunk: nothing to learn
+        why = f"failed ({type(stop).__name__}: {str(stop)[:160]})"
     else:
         assert ld.decision is not None  # (no deadline without a plan)
         why = str(stop) or f"ran past its {ld.decision.deadline_s * 1e3:.0f} ms deadline"

@@ -300,3 +300,75 @@ async def test_an_engine_that_started_before_its_host_finds_it_later(cdn, short_
                 assert set(got.report.sources) == {"host"} and got.ids == first.ids
     finally:
         await host.close()
+
+
+@pytest.mark.parametrize("edge", ["up", "down"])
+async def test_a_host_killed_mid_load_leaves_the_rest_to_the_edges_then_to_compute(cdn, short_dir, edge):
+    """``kdn host serve`` is killed (SIGKILL) while a load reads from it, between its second and third object: the
+    object being read still comes from the mapping (the kernel keeps mapped pages), the rest from the edge; with
+    the edge gone too, the rest is computed. Either way the tokens are the edge-loaded request's, and the load
+    does not wait on the dead host. (The leases are taken one at a time here, so the kill falls mid-load.)"""
+    import contextlib
+    import os
+    import sys
+    import time
+
+    from edge_proxy import Proxy
+
+    from kdn.adapters.hf import agenerate, load_model
+
+    lm = load_model("tiny-llama")
+    ids = cdn.m["prefix_tokens"] + lm.tokenizer.encode(" Where was the glass cracked?")
+    chunks = len(cdn.m["addresses"])
+    async with KDNClient(edges=[cdn.c.edge_url("e1")]) as plain:
+        want = await agenerate(lm.model, lm.tokenizer, ids, plain, max_new_tokens=8, plan=False)
+    segment = f"/dev/shm/kdn-test-{secrets.token_hex(4)}.seg"
+    (short_dir / "edge-token").write_text(EDGE_TOKEN + "\n")
+    serve = await asyncio.create_subprocess_exec(
+        sys.executable, "-P", "-m", "kdn.cli", "host", "serve", "--edge", cdn.c.edge_url("e1"),
+        "--trusted-keys", cdn.trusted, "--upstream-token-file", str(short_dir / "edge-token"),
+        "--socket", str(short_dir / "h.sock"), "--segment", segment, "--segment-bytes", "16MiB",
+        stdout=asyncio.subprocess.PIPE, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    proxy = Proxy(cdn.c.edge_url("e1"))
+    host = None
+    try:
+        assert (await asyncio.wait_for(serve.stdout.readline(), 60)).startswith(b"kdn host:")
+        host = await HostClient(short_dir / "h.sock").connect()
+        assert set(await host.warm(cdn.m["addresses"], "raw")) == {"filled"}
+        real, one_at_a_time, granted = host.lease, asyncio.Lock(), []
+
+        @contextlib.asynccontextmanager
+        async def lease_then_die(address, encoding):
+            async with one_at_a_time, real(address, encoding) as obj:
+                granted.append(address)
+                if len(granted) == 2:  # the host dies while this object is being read from its mapping
+                    serve.kill()
+                    await serve.wait()
+                    proxy.mode = "ok" if edge == "up" else "down"
+                yield obj
+
+        host.lease = lease_then_die  # type: ignore[method-assign]
+        async with KDNClient(edges=[proxy.url], host=host) as client:
+            t0 = time.perf_counter()
+            got = await asyncio.wait_for(agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=8,
+                                                   plan=False), 60)
+            took = time.perf_counter() - t0
+        r = got.report
+        assert got.ids == want.ids, r.line()
+        assert len(granted) == 2 and client.host_stats.hits == 2 and client.host_stats.fallbacks == chunks - 2
+        if edge == "up":  # the rest from the edge
+            assert r.tokens_reused == len(cdn.m["prefix_tokens"]) and r.sources.get("host") == 2, r.line()
+            assert sum(r.sources.values()) == chunks, r.sources
+        else:  # the rest computed: the two chunks the host gave are kept, and the report says why
+            assert r.tokens_reused == 2 * 256 and r.chunks_reused == 2, r.line()
+            assert "failed (SourceError: " in r.plan and f"2 of {chunks} chunks used, the rest computed" in r.plan
+        assert took < 30, took  # nothing waited on the dead host (its requests fail at once)
+    finally:
+        if host is not None:
+            await host.close()
+        proxy.stop()
+        if serve.returncode is None:
+            serve.kill()
+            await serve.wait()
+        if os.path.exists(segment):
+            os.unlink(segment)
