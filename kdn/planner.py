@@ -47,6 +47,12 @@ stale one (no moving average drags the old speed along). The probe times the
 fetch and its verification, not a decode into the engine's cache: it may
 overstate a slow decoder's load speed until the next real load measures it.
 
+A chunk the machine's host tier holds (``Chunk.host``: shared memory on the engine's own machine, no socket)
+is a source of its own: its bytes cost ``n / Speeds.host_bps`` (this engine's loads that came wholly from
+the host; before the first, ``HOST_PRIOR_BPS``), never the link's round trip and bandwidth, and a load
+from the host teaches the host's speed only, so a slow edge does not make the host look slow nor the other
+way round. A load that mixes them takes the sum of both (they share the engine's cores).
+
 A load the entry edge said it must fill first ("cold": a peer's, another region's or the origin's bytes)
 waits on the edge's upstream, which is not the client's link to estimate: its deadline is
 ``cold_deadline``, ``COLD_OF_PREFILL`` full prefills plus a fill allowance (``COLD_FILL_S``), never the
@@ -93,6 +99,7 @@ STALL_AFTER = 0.5  # a load that has landed nothing yet is given up once this sh
 OVERRUN_MIN_SHARE = 0.125  # ... by its speed before half its deadline only once it has landed this share of its bytes
 COLD_OF_PREFILL = 2.0  # a cold load (the entry edge fills it first) may run this many full prefills ...
 COLD_FILL_S = 1.0  # ... plus this allowance for the fill's own trip upstream, before it is given up
+HOST_PRIOR_BPS = 1e9  # the host tier's bytes/s into the cache before this engine measured one (a memcpy is ~5-10)
 COLD_DOUBTED_AFTER = 2  # a source whose cold loads were given up this many times running is not believed cold
 
 
@@ -102,6 +109,7 @@ class Chunk:
 
     tokens: int
     nbytes: int
+    host: bool = False  # the machine's host tier holds it: read from shared memory, not over the link
 
     def __post_init__(self) -> None:
         assert self.tokens > 0 and self.nbytes >= 0, (self.tokens, self.nbytes)
@@ -179,12 +187,15 @@ class Speeds:
     prefill: PrefillModel
     load_bps: float | None = None  # wire bytes / second, fetch to cache, of this engine's own loads
     loads: int = 0
+    host_bps: float | None = None  # the same, of its loads that came wholly from the machine's host tier
+    host_loads: int = 0
     last_load: float | None = None  # time.monotonic() of the last load measured
     last_probe: float | None = None  # ... and of the last probe planned (one per PROBE_AFTER_S at most)
 
     def observe_load(self, nbytes: int, seconds: float, now: float | None = None, *, abandoned: bool = False,
-                     probe: bool = False) -> None:
-        """A load of ``nbytes`` that took ``seconds``. One ``abandoned`` at its deadline is reported with the
+                     probe: bool = False, host: bool = False) -> None:
+        """A load of ``nbytes`` that took ``seconds`` (``host``: every byte from the machine's host tier: it
+        teaches ``host_bps`` only). One ``abandoned`` at its deadline is reported with the
         bytes that did land in the time it was given (the load's own ``kdn.wire.bodyget.Tally``): the link's
         own speed while it ran, taken at once rather than by a moving average's step, so that the next
         plan computes if that speed loses to the prefill: a link that turned slow costs one load, not one
@@ -197,6 +208,10 @@ class Speeds:
         if seconds <= 0 or (nbytes <= 0 and not abandoned):
             return
         bps = max(nbytes, 1) / seconds
+        if host:  # the host tier's own speed: not the link's (nor is it stale: no probe measures it)
+            self.host_bps = bps if self.host_bps is None else self.host_bps + EWMA * (bps - self.host_bps)
+            self.host_loads += 1
+            return
         if self.load_bps is None or probe or self.stale(now):  # a stale estimate is not blended with
             self.load_bps = bps
         elif abandoned:
@@ -281,18 +296,22 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
     compute_all = pre.seconds(total_tokens, cached)
     if not n:
         return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "nothing published")
-    nbytes = [0]
+    nbytes, hosted = [0], [0]  # running sums: all bytes, and those the host tier holds
     for c in chunks:
         nbytes.append(nbytes[-1] + c.nbytes)
+        hosted.append(hosted[-1] + (c.nbytes if c.host else 0))
+    host_bps = speeds.host_bps or HOST_PRIOR_BPS
 
     def load_s(h: int, k: int) -> float:
-        b = nbytes[k] - nbytes[h]
+        hb = hosted[k] - hosted[h]
+        b = nbytes[k] - nbytes[h] - hb  # over the link
+        t = hb / host_bps
         if b <= 0:
-            return 0.0
-        t = link(b)
+            return t
+        t_link = link(b)
         if measured:
-            t = max(t, b / measured)
-        return t
+            t_link = max(t_link, b / measured)
+        return t + t_link
 
     if not math.isfinite(compute_all):  # never timed a prefill: load everything (and learn from the suffix)
         t = load_s(0, n)  # with nothing to weigh it against, only the caller's cap bounds the load

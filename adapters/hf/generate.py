@@ -187,7 +187,7 @@ async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, repor
             hit = hit.head(hit.chunks - 1)
     if not hit.tokens:
         return None, None
-    whole = await loop.run_in_executor(None, chunks_of, hit, client, model)
+    whole = await _held_by_host(client, hit, await loop.run_in_executor(None, chunks_of, hit, client, model))
     kept = await loop.run_in_executor(None, _kept_bytes, hit, whole, client, model)
     took = believe(hit, whole, client)  # (before the fetch: it makes them warm)
     hit, decision = took.hit, None
@@ -207,6 +207,19 @@ async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, repor
         return None, None
     return await _fetch_into(model, client, _Loading(hit, _moved(whole, kept, hit.chunks), decision, took, pool,
                                                      builder), real_id, report, speeds)
+
+
+async def _held_by_host(client: Any, hit: Any, chunks: list) -> list:
+    """``chunks`` with those the machine's host tier holds marked (``Chunk.host``): the planner costs them at the
+    host's own speed, not the link's. No host tier (or one that does not answer at once): unchanged."""
+    host = getattr(client, "host", None)
+    if host is None or not chunks:
+        return chunks
+    from kdn.client.hosted import held
+
+    got = await held(host, hit.addresses[:len(chunks)], client.host_stats)
+    return [replace(c, host=True) if i < len(hit.records) and got.pick(i, list(hit.records[i]["encodings"]))
+            else c for i, c in enumerate(chunks)]
 
 
 def _kept_bytes(hit: Any, chunks: list, client: Any, model: Any) -> list[int | None]:
@@ -313,8 +326,12 @@ async def _fetch_into(model: Any, client: Any, ld: _Loading, real_id: ModelId, r
         if obj.header.model_id != real_id:
             raise ModelMismatch(f"object {obj.header.address[:16]}... was produced by model "
                                 f"{obj.header.model_id[:16]}..., not this one ({real_id[:16]}...)")
-    if ld.took.warm:  # a load the edge had to fill measures the edge's upstream, not this loader
-        speeds.observe_load(ld.nbytes, time.perf_counter() - t0)
+    if set(states.sources) == {"host"}:  # wholly from the machine's host tier: its own speed
+        speeds.observe_load(ld.nbytes, time.perf_counter() - t0, host=True)
+    elif ld.took.warm:  # a load the edge had to fill measures the edge's upstream, not this loader
+        # (what crossed the link, where the host gave part of it: the time is the whole load's, a conservative
+        # measure of the link)
+        speeds.observe_load(ld.tally.bytes if "host" in states.sources else ld.nbytes, time.perf_counter() - t0)
     if ld.took.labelled:  # a source that delivered what it had said was cold is believed again
         for label in states.sources:
             cold_fills_of(client).served(label.split("/", 1)[0])

@@ -108,7 +108,7 @@ def believe(hit: Any, chunks: list[Chunk], client: Any) -> Believed:
     cold: set[str] = set()
     unbelieved: set[str] = set()
     for a, t, c in zip(hit.addresses, tiers, chunks):
-        if client.warm(a, t):
+        if client.warm(a, t) or c.host:  # (the host tier's copy is on this machine: nothing to fill)
             continue
         src = _lead(client, a, c.nbytes).label
         if fills.believed(src):

@@ -42,6 +42,7 @@ class Piece:
     piece_bytes: int = 0
     piece_digests: tuple[Digest, ...] = ()
     warm: bool | None = None  # KDNClient.warm: its read costs only this engine's link (None: judge by ``tier``)
+    host: bool = False  # the machine's host tier held it at lookup: the planner costs it at the host's speed
 
     def __post_init__(self) -> None:
         assert 0 <= self.start < self.end, (self.start, self.end)

@@ -13,7 +13,9 @@ scheduler, which never sees a forward itself:
   from its start to its last piece staged, reported by the worker side in its
   stats; a load abandoned at its deadline reports the bytes that landed by
   then (the link's speed while it ran).
-- **the link**: the client's least expected time for the bytes.
+- **the link**: the client's least expected time for the bytes;
+- **the host tier**: pieces the machine's host tier held at lookup (``Piece.host``) cost their bytes at the
+  host's own measured speed (loads that came wholly from it report it apart: ``Speeds.host_bps``).
 
 ``decide`` cuts a ``LoadPlan`` to the number of pieces the planner chose,
 still on a block boundary (a hybrid model: still a chunk end), and gives the
@@ -116,7 +118,7 @@ class Planner:
         the cut plan (None: compute it all), the planner's decision, and its outcome for the metrics
         (``load``, ``load_part``, ``compute``, ``probe``).
         """
-        chunks = [Chunk(hi - lo, p.size) for p, lo, hi in lp.spans()]
+        chunks = [Chunk(hi - lo, p.size, host=p.host) for p, lo, hi in lp.spans()]
         decision = make_plan(chunks, num_tokens - lp.first, link=self.link, speeds=self.speeds,
                              max_deadline_s=self.max_deadline_s, cached=lp.first, probe=not lp.cold)
         if decision.load == len(chunks):

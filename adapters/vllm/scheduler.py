@@ -20,7 +20,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kdn.format import address as A
@@ -131,7 +131,14 @@ class SchedulerSide:
         if plan is not None and self.planner is not None:
             wanted = compat.kdn_params(request).get("plan")
             if wanted if isinstance(wanted, bool) else self.cfg.plan:
-                plan = self._cut(rid, plan, lk.pieces, computed, num_tokens)
+                if compat.kdn_params(request).get("host") is False and any(p.host for p in lk.pieces):
+                    # this request reads past the host tier: its pieces cost what the link costs
+                    pieces = [replace(p, host=False) for p in lk.pieces]
+                    same = {id(p): q for p, q in zip(lk.pieces, pieces)}  # (decide finds its cut by identity)
+                    plan = replace(plan, pieces=tuple(same.get(id(p), replace(p, host=False)) for p in plan.pieces))
+                else:
+                    pieces = lk.pieces
+                plan = self._cut(rid, plan, pieces, computed, num_tokens)
         if plan is None:
             self._plans.pop(rid, None)
             return 0, False
@@ -192,6 +199,12 @@ class SchedulerSide:
                                 proof.piece_bytes if proof else 0, proof.digests if proof else (),
                                 warm=c.warm(addr, tier)))
             pos = want_end
+        if pieces and c.host is not None:  # what the host tier holds is planned at its own speed
+            from kdn.client.hosted import held
+
+            got = await held(c.host, [p.address for p in pieces], c.host_stats)
+            pieces = [replace(p, host=True) if i < len(got.encodings) and p.encoding in got.encodings[i] else p
+                      for i, p in enumerate(pieces)]
         return pieces
 
     def _refuse(self, rec: dict | None, addr: A.Address, start: int, end: int) -> str | None:
@@ -374,9 +387,10 @@ class SchedulerSide:
         for sample in (data or {}).get("samples", ()):
             try:
                 nbytes, seconds, abandoned = int(sample[0]), float(sample[1]), bool(sample[2])
+                host = len(sample) > 3 and bool(sample[3])  # every byte from the host tier: its own speed
             except (TypeError, ValueError, IndexError):
                 continue
-            self.planner.speeds.observe_load(nbytes, seconds, abandoned=abandoned)
+            self.planner.speeds.observe_load(nbytes, seconds, abandoned=abandoned, host=host)
         self._probed()
 
     def _probed(self) -> None:

@@ -73,12 +73,12 @@ class KDNStats(KVConnectorStats):
     def failed(self, reason: str) -> None:
         self.data["failures"][reason] = self.data["failures"].get(reason, 0) + 1
 
-    def sampled(self, nbytes: int, seconds: float, abandoned: bool = False) -> None:
+    def sampled(self, nbytes: int, seconds: float, abandoned: bool = False, host: bool = False) -> None:
         """One load: the wire bytes it moved (all it was to move; given up at its deadline, what landed by
-        then), its seconds from start to the last piece staged (or to its deadline), and whether it was
-        given up there."""
+        then), its seconds from start to the last piece staged (or to its deadline), whether it was
+        given up there, and whether every byte came from the machine's host tier."""
         samples = self.data.setdefault("samples", [])
-        samples.append([int(nbytes), float(seconds), int(abandoned)])
+        samples.append([int(nbytes), float(seconds), int(abandoned), int(host)])
         del samples[:-256]
 
     def phase(self, name: str, seconds: float) -> None:

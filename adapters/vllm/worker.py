@@ -70,6 +70,7 @@ class _Running:
     stall: float = 0.0  # seconds the forward waited for its pieces (at the first attention layer)
     write: float = 0.0  # seconds of its layers' backend writes
     moved: int = -1  # a complete load's wire bytes: the planner's sample, taken once its writes are timed too
+    from_host: bool = False  # ... every one of them from the machine's host tier (the sample is the host's speed)
     slots: tuple[int, torch.Tensor] | None = None  # (upto, its cache slots on the device): see _slots
     holds: Holds = field(default_factory=Holds)  # host-tier leases of the pieces its writes read in place
     segments: tuple[int, list[tuple[int, int, Staged | None]]] | None = None  # (upto, what _segments said)
@@ -251,8 +252,14 @@ class WorkerSide:
         # A cold load that completes timed the entry edge's upstream, not this engine's link: no sample. One
         # given up is sampled: the source it waited on said "cold" and then did not deliver within what the
         # request could afford, and the next plans compute instead of waiting on it again.
-        if run.error is None and not plan.cold:
-            run.moved = sum(p.size for p in plan.pieces)
+        if run.error is None:
+            # A load wholly from the host tier teaches the host's speed; otherwise the link's, by the bytes that
+            # crossed it (a mixed load's time includes its host pieces: a conservative measure of the link).
+            hosted = [s.source == "host" for s in run.staged]
+            if all(hosted):
+                run.moved, run.from_host = sum(p.size for p in plan.pieces), True
+            elif not plan.cold:
+                run.moved = sum(p.size for p, h in zip(plan.pieces, hosted) if not h)
         elif run.error is not None and run.error.reason == "timeout":
             with self._lock:
                 for st in (self.stats, self.totals):
@@ -318,7 +325,7 @@ class WorkerSide:
                 st.phase("stall", run.stall)
                 st.phase("write", run.write)
                 if run.moved >= 0:
-                    st.sampled(run.moved, run.ready - run.started + run.write)
+                    st.sampled(run.moved, run.ready - run.started + run.write, host=run.from_host)
                 for i, _, lo, hi in run.spans():
                     if i < len(staged):
                         st.loaded(staged[i].source, hi - lo, "staging" if staged[i].kv is None else "in_place")

@@ -207,3 +207,30 @@ def test_a_stale_speed_a_probe_cannot_re_measure_is_not_used():
     assert plan(chunks(), 8192 + 16, link=fast, speeds=s, now=late, probe=False).loads_anything  # cold, stale
     warm = plan(chunks(), 8192 + 16, link=fast, speeds=s, now=late, probe=True)  # warm, stale: probed instead
     assert not warm.loads_anything and warm.probe_s > 0
+
+
+def test_chunks_the_host_tier_holds_are_costed_at_the_hosts_speed_not_the_links():
+    """Over a slow link the hit computes; the same hit held by the machine's host tier loads (at the host's
+    measured speed, which the link's does not drag down, nor the host's lift), and a hit half held costs both."""
+    s = Speeds(llama8b())
+    s.observe_load(1 << 30, 10.0)  # the edge's loads: 0.1 GB/s
+    s.observe_load(1 << 30, 0.04, host=True)  # the host's: ~27 GB/s (a pinned DMA)
+    assert s.load_bps == pytest.approx((1 << 30) / 10.0) and s.loads == 1 and s.host_loads == 1
+    held = [Chunk(256, 32 * MiB, host=True) for _ in range(32)]
+    assert not plan(chunks(), 8192 + 16, link=link(1), speeds=s).loads_anything
+    p = plan(held, 8192 + 16, link=link(1), speeds=s)
+    assert p.load == 32 and p.expected_load_s == pytest.approx(32 * 32 * MiB / s.host_bps)
+    half = held[:16] + chunks(16)
+    q = plan(half, 8192 + 16, link=link(50), speeds=s)  # what the host holds loads, the slow edge's half computes
+    assert q.load == 16 and q.expected_load_s == pytest.approx(16 * 32 * MiB / s.host_bps)
+    fast = Speeds(llama8b())  # an edge not measured slow: both halves load, their times summed
+    fast.observe_load(1 << 30, 0.04, host=True)
+    r = plan(half, 8192 + 16, link=link(50), speeds=fast)
+    assert r.load == 32 and r.expected_load_s == pytest.approx(16 * 32 * MiB / fast.host_bps + link(50)(16 * 32 * MiB))
+
+
+def test_before_the_host_tier_is_measured_its_prior_is_used():
+    from kdn.planner import HOST_PRIOR_BPS
+
+    p = plan([Chunk(256, 32 * MiB, host=True)], 256 + 16, link=link(0.001), speeds=Speeds(llama8b()))
+    assert p.expected_load_s == pytest.approx(32 * MiB / HOST_PRIOR_BPS)

@@ -216,6 +216,7 @@ async def test_agenerate_loads_from_the_host_first_and_its_tokens_are_the_edges(
     the mapping (sources ``host``), generates exactly what the edge-loaded request generated, and asks the host,
     behind the request, for what the edges had to serve."""
     from kdn.adapters.hf import agenerate, load_model
+    from kdn.adapters.hf.plan import speeds_of
 
     lm = load_model("tiny-llama")
     ids = cdn.m["prefix_tokens"] + lm.tokenizer.encode(" What did the keeper record?")
@@ -232,6 +233,13 @@ async def test_agenerate_loads_from_the_host_first_and_its_tokens_are_the_edges(
             assert second.ids == want.ids
             assert client.host_stats.hits == len(cdn.m["addresses"]) and client.host_stats.fallbacks == 0
             assert set(second.report.sources) == {"host"}, second.report.sources
+            # Planned: the host's chunks are costed at the host's own measured speed, and a load wholly from it
+            # teaches that speed, not the link's
+            speeds = speeds_of(lm.model)
+            before = (speeds.host_loads, speeds.loads)
+            third = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=8)
+            assert third.ids == want.ids and set(third.report.sources) == {"host"}, third.report.line()
+            assert (speeds.host_loads, speeds.loads) == (before[0] + 1, before[1]) and speeds.host_bps > 0
 
 
 async def test_a_host_that_went_away_leaves_the_edges_to_serve(cdn, short_dir):

@@ -14,6 +14,7 @@ import pytest
 from kdn.planner import (COLD_FILL_S, COLD_OF_PREFILL, LEARN_TOKENS, PROBE_AFTER_S, Chunk, PrefillModel, Speeds,
                          cold_deadline, plan)
 
+from kdn.adapters.vllm.fetching import Staged
 from kdn.adapters.vllm.plan import Piece, plan_load
 from kdn.adapters.vllm.planning import Planner, Steps, prefill_model
 
@@ -235,13 +236,13 @@ def test_the_worker_reports_a_given_up_load_by_its_own_tally_not_the_bytes_it_me
     w.stats, w.totals, w._lock, w._bad_blocks = KDNStats(), KDNStats(), __import__("threading").Lock(), set()
     w.attn_group, w.block_size = 0, 128
 
-    def run_of(deadline_s: float, done: bool) -> _Running:
+    def run_of(deadline_s: float, done: bool, source: str = "memory") -> _Running:
         job = LoadJob("r", LoadPlan(0, 512, tuple(pieces), deadline_s), ([1, 2, 3, 4],), background=False)
         run = _Running(job)
         run.fetches = [concurrent.futures.Future() for _ in pieces]
         if done:
             for f in run.fetches:
-                f.set_result(SimpleNamespace(source="memory", encoding="raw", nbytes=4 * MiB))
+                f.set_result(Staged(source, "raw", 4 * MiB))
         run.tally.bytes = 300_000  # what its fetches landed so far
         return run
 
@@ -251,10 +252,14 @@ def test_the_worker_reports_a_given_up_load_by_its_own_tally_not_the_bytes_it_me
     assert len(w.totals.data["samples"]) == 1  # a complete load is sampled once its writes are timed too
     done.write = 0.25  # its layers' writes into the paged cache, inside the forward
     w._account(done)
-    (gave_up_bytes, took, abandoned), (done_bytes, done_took, done_abandoned) = w.totals.data["samples"]
+    (gave_up_bytes, took, abandoned, _), (done_bytes, done_took, done_abandoned, done_host) = w.totals.data["samples"]
     assert (gave_up_bytes, abandoned) == (300_000, 1) and 0.005 < took < 1.0
-    assert (done_bytes, done_abandoned) == (8 * MiB, 0)
+    assert (done_bytes, done_abandoned, done_host) == (8 * MiB, 0, 0)
     assert done_took == done.ready - done.started + 0.25  # the planner weighs the load writes and all
+    hosted = run_of(10.0, done=True, source="host")  # every piece from the host tier: a sample of its speed
+    w._collect(hosted)
+    w._account(hosted)
+    assert [(b, a, h) for b, _, a, h in w.totals.data["samples"][2:]] == [(8 * MiB, 0, 1)]
 
 
 def _bare_worker(load_timeout: float = 10.0):
@@ -304,7 +309,7 @@ def test_a_load_too_slow_for_its_deadline_is_given_up_by_its_progress_not_at_the
         assert run.error is not None and run.error.reason == "timeout", name
         if deadline == 2.0:
             assert "given up after" in str(run.error) and "65,536 of 8,388,608 B landed" in str(run.error)
-        assert [(b, a) for b, _, a in w.totals.data["samples"]] == [(landed, 1)], name
+        assert [(b, a) for b, _, a, _ in w.totals.data["samples"]] == [(landed, 1)], name
     assert 0.95 <= timed["warm"] < 1.4  # half of 2 s (and a step of the poll), not the 2 s
     assert 0.95 <= timed["cold, a trickle"] < 1.4
     assert timed["cold, nothing yet"] >= 0.39 and timed["no planner"] >= 0.39  # each ran to its bound
@@ -330,7 +335,7 @@ def test_a_load_on_pace_for_its_deadline_is_not_given_up():
                 return
             run.tally.bytes += 8 * MiB // 30
         for f in run.fetches:
-            f.set_result(__import__("types").SimpleNamespace())
+            f.set_result(Staged("memory", "raw", 1))
 
     t = threading.Thread(target=land)
     t.start()
