@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -235,6 +236,13 @@ def register_mapping(view: memoryview, *, cudart: Any = None) -> Registration | 
                     "pageable", len(view), err)
         return None
     return Registration(cudart, ptr, len(view))
+
+
+def pin_mapping(view: memoryview) -> Callable[[], None] | None:
+    """``register_mapping`` as ``kdn.client.host.HostClient(on_map=)`` takes it: the registration's ``close``, or
+    None (nothing registered: no CUDA device, or a refusal)."""
+    reg = register_mapping(view)
+    return reg.close if reg is not None else None
 
 
 def _read_only_supported() -> bool:

@@ -285,10 +285,13 @@ async def _connect_host(cfg: ConnectorConfig, token: str | None):
     if cfg.host is None:
         return None
     from kdn.client.host import HostClient
+    from kdn.kernels.pinned import pin_mapping
     from kdn.wire.host import HostError
 
+    # On a CUDA machine the mapping is page-locked (read-only) each time it is mapped: copies out of it are DMAs.
+    kw: dict[str, Any] = dict(token=token, timeout=cfg.load_timeout, on_map=pin_mapping)
     try:
-        return await HostClient(cfg.host, token=token, timeout=cfg.load_timeout).connect()
+        return await HostClient(cfg.host, **kw).connect()
     except HostError as e:
         log.warning("KDN connector: no host tier at %s yet (%s): loading from the edges until it is up", cfg.host, e)
-        return HostClient.unconnected(cfg.host, token=token, timeout=cfg.load_timeout)
+        return HostClient.unconnected(cfg.host, **kw)

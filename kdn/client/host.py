@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import mmap
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,9 +63,15 @@ class HostLookup:
 
 
 class HostClient:
-    def __init__(self, socket_path: str | os.PathLike[str], *, token: str | None = None, timeout: float = 30.0) -> None:
-        """``timeout`` bounds each request (a lease's fill from the edges included)."""
+    def __init__(self, socket_path: str | os.PathLike[str], *, token: str | None = None, timeout: float = 30.0,
+                 on_map: Callable[[memoryview], Callable[[], None] | None] | None = None) -> None:
+        """``timeout`` bounds each request (a lease's fill from the edges included). ``on_map``: called with the
+        segment's read-only view each time one is mapped (at connect, and again after a restart's
+        ``reconnect``); what it returns is called before that mapping goes. On a GPU machine pass
+        ``kdn.kernels.pinned.pin_mapping``: the mapping page-locked, so a device copy out of a lease is a DMA."""
         self.path, self.token, self.timeout = os.fspath(socket_path), token, timeout
+        self.on_map = on_map
+        self._unmap: Callable[[], None] | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._ids = itertools.count(1)
@@ -93,6 +99,8 @@ class HostClient:
                 self._mm, self._segment = map_readonly(hello["segment"], identity)
             except OSError as e:  # another user's segment (no --group), or gone
                 raise HostError("unavailable", f"cannot map the segment {hello['segment']}: {e.strerror}") from None
+            if self.on_map is not None:
+                self._unmap = self.on_map(self._segment)
         except BaseException:
             await self.close()
             raise
@@ -227,6 +235,9 @@ class HostClient:
                 await self._writer.wait_closed()
         if self._listener is not None:
             await self._listener
+        unmap, self._unmap = self._unmap, None
+        if unmap is not None:  # (a page-locked registration ends before its pages are unmapped)
+            unmap()
         if self._segment is not None:
             self._segment.release()
         if self._mm is not None:

@@ -90,3 +90,25 @@ def test_a_second_host_on_a_live_segment_is_refused(short_dir):
         assert bytes(again.view[:4]) == b"\0\0\0\0"
     finally:
         again.close()
+
+
+async def test_on_map_sees_each_mapping_and_its_undo_runs_before_the_unmap(short_dir):
+    """``HostClient(on_map=)`` (the GPU engines' page-locking, ``kdn.kernels.pinned.pin_mapping``): called with the
+    whole read-only segment at connect and again after a restart's reconnect, its undo called before each
+    mapping goes, while the view is still readable. On this CPU machine ``pin_mapping`` itself registers nothing."""
+    from kdn.kernels.pinned import pin_mapping
+
+    events: list[tuple[str, int]] = []
+
+    def on_map(view: memoryview):
+        events.append(("map", len(view)))
+        return lambda: events.append(("undo", view[0] if len(view) else -1))  # (reads it: still mapped)
+
+    async with running(host_config(short_dir), Shelf()) as tier:
+        host = await HostClient(tier.config.socket, on_map=on_map).connect()
+        assert events == [("map", tier.config.segment_bytes)]
+        await host.reconnect()
+        assert [e for e, _ in events] == ["map", "undo", "map"]
+        await host.close()
+        assert [e for e, _ in events] == ["map", "undo", "map", "undo"]
+    assert pin_mapping(memoryview(b"x" * 4096)) is None  # no CUDA device here: nothing page-locked, copies pageable
