@@ -11,6 +11,7 @@ Routes (JSON errors ``{"error", "detail"}`` everywhere):
     GET  /v1/jobs/{id}                     progress; the manifest when done
     GET|HEAD /v1/objects/{address}         a blob; ETag = BLAKE3 digest; ?encoding=
                                            (the model's kvtc basis too: ?encoding=basis)
+    PUT  /v1/objects/{address}             a producer's engine-keyed object, stored and recorded (ingest.py)
     POST /v1/lookup                        ordered addresses -> longest stored prefix
     GET  /v1/registry/objects/{address}    GET /v1/registry/manifests/{ns}/{name}
     GET  /healthz                          GET /metrics
@@ -46,7 +47,7 @@ from kdn.registry.split import RecordsBeside
 from kdn.service import GRANTS, METRICS, REGISTRY, bearer, json_error, object_headers, read_json
 from kdn.service.records import DENY_FLOOR, DenyFloor
 
-from kdn.origin import console
+from kdn.origin import console, ingest
 from kdn.origin.config import BASES, CONFIG, EXECUTOR, JOBS, LOADED, M, PRODUCER, SPEED, STORE, TOKENIZER
 from kdn.origin.config import OriginConfig as OriginConfig  # (re-exported: callers import it from here)
 from kdn.origin.jobs import JobQueue, QueueFull
@@ -434,6 +435,7 @@ def create_app(config: OriginConfig) -> web.Application:
     app.router.add_post("/v1/publish", publish)
     app.router.add_get("/v1/jobs/{job_id}", get_job)
     app.router.add_get("/v1/objects/{address}", get_object)  # aiohttp adds HEAD for GET routes
+    ingest.add_routes(app)  # PUT /v1/objects/{address}
     app.router.add_post("/v1/lookup", lookup)
     app.router.add_delete("/v1/manifests/{namespace}/{name}", delete_manifest)
     app.router.add_get("/healthz", healthz)

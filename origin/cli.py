@@ -54,6 +54,8 @@ def _serve_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="URL advertised in the registry (default http://HOST:PORT)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-pending-jobs", type=int, default=16)
+    p.add_argument("--max-body-bytes", default="16MiB", metavar="SIZE",
+                   help="the largest request body taken (a publish, an ingested object: PUT /v1/objects); default 16MiB")
     p.add_argument("--signing-key", default=None, metavar="FILE",
                    help="Ed25519 key (kdn origin keygen) that signs every object record and manifest")
     p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
@@ -150,7 +152,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer,
                        token_hosts=args.token_hosts, probe_token_file=args.probe_token_file,
                        operator_keys=args.operator_keys, require_admission=args.require_admission,
-                       revoked_admissions=args.revoked_admissions, deny_floor_ms=args.deny_floor_ms)
+                       revoked_admissions=args.revoked_admissions, deny_floor_ms=args.deny_floor_ms,
+                       max_body_bytes=parse_size(args.max_body_bytes))
     cfg.admitters()  # a key or revocation file that does not load fails here, in one line
     if args.probe_token_file:
         from kdn.auth import read_token

@@ -27,6 +27,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdn.adapters.keyed import setting_edges as _edges
+from kdn.adapters.keyed import setting_string as _string
+from kdn.adapters.keyed import setting_timeout
+from kdn.adapters.keyed import setting_url as _url
 from kdn.format.address import PUBLIC_NAMESPACE, validate_model_id, validate_name, validate_namespace
 from kdn.errors import InvalidInput
 
@@ -88,10 +92,7 @@ class StorageSettings:
                                    f"got {str(extra['encoding'])[:30]!r}")
             kw["encoding"] = extra["encoding"]
         if "timeout" in extra:
-            v = extra["timeout"]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
-                raise InvalidInput(f"KDN storage setting 'timeout' must be seconds in (0, 3600], got {str(v)[:20]!r}")
-            kw["timeout"] = float(v)
+            kw["timeout"] = setting_timeout(extra["timeout"])
         cfg = cls(**kw)
         if not (cfg.edges or cfg.origin):
             raise InvalidInput("the KDN storage backend needs 'edges' or 'origin' to read pages from")
@@ -101,26 +102,3 @@ class StorageSettings:
         if cfg.signing_key and not cfg.registry:
             raise InvalidInput("KDN storage setting 'signing_key' signs registry records: it needs 'registry'")
         return cfg
-
-
-def _string(key: str, v: object) -> str:
-    if not isinstance(v, str) or not v or len(v) > 4096:
-        raise InvalidInput(f"KDN storage setting {key!r} must be a non-empty string, got {str(v)[:60]!r}")
-    return v
-
-
-def _url(key: str, u: object) -> str:
-    s = _string(key, u)
-    if not s.startswith(("http://", "https://")):
-        raise InvalidInput(f"KDN storage setting {key!r}: {s[:60]!r} is not an http(s) URL")
-    return s.rstrip("/")
-
-
-def _edges(v: object) -> tuple[str | tuple[str, str], ...]:
-    if isinstance(v, dict):
-        return tuple((validate_name(k), _url("edges", u)) for k, u in v.items())
-    if isinstance(v, str):
-        v = [x for x in v.split(",") if x]
-    if not isinstance(v, list) or len(v) > 256:
-        raise InvalidInput(f"KDN storage setting 'edges' must be a list of URLs, got {str(v)[:60]!r}")
-    return tuple(_url("edges", u) for u in v)

@@ -28,10 +28,11 @@ import logging
 from collections import Counter
 from typing import Any
 
-import aiohttp
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from kdn.adapters.keyed import MISSES as _MISSES
+from kdn.adapters.keyed import engine_version
 from kdn.adapters.sglang.config import StorageSettings
 from kdn.adapters.sglang.keys import derived_model_id, page_address, shard_of
 from kdn.adapters.sglang.pages import PageGeometry, block_at, block_of_flat, geometry_of, tensors_of
@@ -43,22 +44,9 @@ from kdn.format.pieces import PIECE_BYTES, Pieces, piece_digests
 
 log = logging.getLogger("kdn.adapters.sglang")
 
-# What a read may fail with and still be a miss: the network, the sources, KDN's checks, the deadline.
-_MISSES = (KDNError, aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError)
-
-
 async def _each(fn, addrs: list[Address]) -> list:
     """``fn`` of every address at once (gathered on the backend's loop, where the coroutines must be made)."""
     return await asyncio.gather(*(fn(a) for a in addrs))
-
-
-def _engine() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"sglang {version('sglang')}"
-    except PackageNotFoundError:  # pragma: no cover - SGLang from a source tree
-        return "sglang"
 
 
 class KDNHiCacheStorage(HiCacheStorage):
@@ -75,7 +63,7 @@ class KDNHiCacheStorage(HiCacheStorage):
         self.geometry: PageGeometry | None = None
         self.model_id: ModelId | None = None
         self.counts: Counter[str] = Counter()  # hits, misses, refused, written, ... (one process, one backend)
-        self.engine = _engine()
+        self.engine = engine_version("sglang")
         self.loop = LoopThread("kdn-sglang")
         self.client, self.registry = self.loop.run(self._open(), self.cfg.timeout)
         if self.cfg.writes:

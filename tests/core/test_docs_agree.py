@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ["kdn", "kdn/format", "kdn/wire", "kdn/registry", "kdn/client", "host", "service", "up", "origin", "origin/console", "edge", "kernels", "adapters/hf",
-           "adapters/vllm", "adapters/sglang"]
+           "adapters/vllm", "adapters/sglang", "adapters/lmcache"]
 
 
 def layout_rows() -> dict[str, str]:
