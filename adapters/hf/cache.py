@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kdn.format.objects import raw_region, torch_dtype
@@ -221,6 +222,7 @@ class CacheBuilder:
             self._stack, self.full = kvmem.device_tensors(self.layout, self._order, self.tokens + room, self.device)
         self._into = kvmem.Placement(self.layout, self._order, self._stack, self.full) if self.staged else None
         self.kv = {i: (k[:, :, :self.tokens], v[:, :, :self.tokens]) for i, (k, v) in self.full.items()}
+        self._stack_lanes = kvmem.lanes(self._stack) if self._stack is not None and not self.staged else None
         if self._copies is not None:  # the copies write memory allocated on the compute stream just now
             self._copies.follow()
         # The same memory as numpy arrays of unsigned lanes ([kv_heads, S, head_dim]): slicing these per
@@ -295,11 +297,13 @@ class CacheBuilder:
         off = self.offsets[index]
         if self.staged and self._order:
             self._add_staged(view, n, off, held)
-        elif self._stack is not None and (src := raw_region(view, self._order, self._stack.dtype, n)) is not None:
+        elif (self._stack is not None and self._stack_lanes is not None
+              and (src := raw_region(view, self._order, self._stack.dtype, n)) is not None):
             # Every layer's K and V of a raw chunk in one copy into its slice of the stack (a host-tier lease
             # read in place, or a receive buffer): at 8k tokens 32 copies, where one per tensor made 1,920.
-            with torch.inference_mode():  # (the cache may have been made in inference mode, on another thread)
-                self._stack[:, :, off:off + n, :].copy_(src)
+            # numpy's, on this worker thread alone: torch's would start an OpenMP team per decode thread, and on
+            # a busy machine their spinning threads made the same copy 5-10x slower.
+            np.copyto(self._stack_lanes[:, :, off:off + n, :], kvmem.lanes(src))
             with self._stats:
                 self.region_copies += 1
         else:
