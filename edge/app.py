@@ -82,6 +82,19 @@ async def _edge_ctx(app: web.Application):
         await edge.session.close()
 
 
+async def _kv_events_ctx(app: web.Application):
+    """``--kv-events``: what the tiers hold, as vLLM KV-cache events (edge/kv_events.py), from before the first
+    fill to after the last; at the end ``AllBlocksCleared`` on every topic, then the publisher's thread stops."""
+    from kdn.edge import kv_events
+
+    feed, publisher = await kv_events.start(app[EDGE], app[EDGE_CONFIG], app[EDGE_METRICS])
+    try:
+        yield
+    finally:
+        await feed.close()
+        await publisher.close()
+
+
 async def _upstream_ctx(app: web.Application):
     """The region's membership: a lease on this edge's record and a watch on ``nodes/edge/``; and the
     round trips to the origins it advertises there (``--upper-tier auto``)."""
@@ -341,7 +354,8 @@ def create_app(config: EdgeConfig) -> web.Application:
     app[EDGE_METRICS] = EdgeMetrics(metrics, lambda: app.get(EDGE))
     service.install_deadlines(app, config.deadlines, metrics, "edge")
     app[GRANTS] = Grants.from_file(config.token_file, anonymous=Grant(frozenset({"read"}), frozenset({"public"})))
-    app.cleanup_ctx.extend([service.registry_ctx(config.registry), _edge_ctx, _upstream_ctx, _background_ctx,
+    app.cleanup_ctx.extend([service.registry_ctx(config.registry), _edge_ctx,
+                            *([_kv_events_ctx] if config.kv_events else []), _upstream_ctx, _background_ctx,
                             _policies_ctx, _views_ctx])
     app.router.add_get("/v1/objects/{address}", get_object)
     app.router.add_post("/v1/lookup", lookup)

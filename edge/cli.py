@@ -29,6 +29,7 @@ def _register_edge(sub: argparse._SubParsersAction) -> None:
     _serve_node_args(p)
     _serve_connection_args(p)
     _serve_behaviour_args(p)
+    _serve_events_args(p)
     p.set_defaults(func=cmd_edge_serve)
 
 
@@ -102,6 +103,25 @@ def _serve_behaviour_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deny-floor-ms", type=float, default=2.0, metavar="MS",
                    help="answer a 'no' (an absent object, or another tenant's) no sooner than this, or than "
                         "recent record reads take if longer, so its timing does not tell which (default 2; 0: off)")
+
+
+def _serve_events_args(p: argparse.ArgumentParser) -> None:
+    """`kdn edge serve`: what it holds, as vLLM KV-cache events for a router (edge/kv_events.py; off by default)."""
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish what this edge holds as vLLM KV-cache events on this ZMQ endpoint (vLLM's rule: "
+                        "tcp://*:PORT or ipc://PATH binds, tcp://HOST:PORT connects to a router's SUB; "
+                        "default: off; needs pyzmq)")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="with --kv-events: bind a ZMQ ROUTER here that replays buffered batches from a sequence "
+                        "number (vLLM's replay protocol)")
+    p.add_argument("--kv-events-namespace", action="append", default=None, metavar="NS",
+                   help="with --kv-events: publish this namespace too, its token ids in plaintext (repeat for "
+                        "more; default: public only)")
+    p.add_argument("--kv-events-buffer", default=None, metavar="SIZE",
+                   help="with --kv-events-replay: bytes of batches kept for replays (default: 64MiB)")
+    p.add_argument("--kv-events-int-hashes", action="store_true",
+                   help="with --kv-events: block hashes as 64-bit integers (an address's low 8 bytes), as vLLM's "
+                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES does, for indexers that read integer hashes")
 
 
 def _register_policy(sub: argparse._SubParsersAction) -> None:
@@ -257,6 +277,27 @@ def _serve_options(args: argparse.Namespace) -> dict:
         if args.disk is None:
             raise InvalidInput("--disk-budget needs --disk DIR")
         kw["disk_budget"] = _positive(parse_size(args.disk_budget), "--disk-budget")
+    kw.update(_events_options(args))
+    return kw
+
+
+def _events_options(args: argparse.Namespace) -> dict:
+    """`--kv-events*`, given only where their flags are (``EdgeConfig`` checks them together)."""
+    from kdn.units import parse_size
+
+    kw: dict = {}
+    if args.kv_events is not None:
+        kw["kv_events"] = args.kv_events
+    if args.kv_events_replay is not None:
+        kw["kv_events_replay"] = args.kv_events_replay
+    if args.kv_events_namespace:
+        kw["kv_events_namespaces"] = tuple(args.kv_events_namespace)
+    if args.kv_events_buffer is not None:
+        kw["kv_events_buffer"] = _positive(parse_size(args.kv_events_buffer), "--kv-events-buffer")
+    if args.kv_events_int_hashes:
+        if args.kv_events is None:
+            raise InvalidInput("--kv-events-int-hashes needs --kv-events ENDPOINT")
+        kw["kv_events_int_hashes"] = True
     return kw
 
 

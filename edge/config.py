@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from dataclasses import dataclass, field
 
@@ -9,7 +10,7 @@ from kdn.edge.eviction import DEFAULT_POLICY, POLICIES
 from kdn.edge.prefetch import CHAIN_BUDGET
 
 from kdn import service
-from kdn.format.address import validate_name
+from kdn.format.address import validate_name, validate_namespace
 from kdn.errors import InvalidInput
 
 # Where an edge reads object records (edge/records.py): the default first.
@@ -43,6 +44,13 @@ class EdgeConfig(service.NodeConfig):
     # "auto": without an upper policy, the region the edges' measured round trips to the origins choose
     # (edge/upper.py); "policy": only an upper policy names an upper tier
     upper_tier: str = "auto"
+    # What this edge holds, as vLLM KV-cache events (edge/kv_events.py): a ZMQ endpoint (vLLM's rule: a wildcard
+    # host or ipc:// binds, any other connects); None: off. The replay ROUTER always binds; None: no replays.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_namespaces: tuple[str, ...] = ()  # besides public: their token ids go out in plaintext
+    kv_events_buffer: int = 64 << 20  # replay buffer bytes at most
+    kv_events_int_hashes: bool = False  # block hashes as the low 64 bits of an address (an integer), not its bytes
 
     def __post_init__(self) -> None:
         if self.region_probes not in ("worth", "always"):
@@ -55,3 +63,17 @@ class EdgeConfig(service.NodeConfig):
             raise InvalidInput(f"upper_tier must be 'auto' or 'policy', not {self.upper_tier!r}")
         if self.eviction not in POLICIES:
             raise InvalidInput(f"eviction must be one of {', '.join(POLICIES)}, not {self.eviction!r}")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        for what, endpoint in (("kv_events", self.kv_events), ("kv_events_replay", self.kv_events_replay)):
+            if endpoint is not None and not _ZMQ_ENDPOINT.fullmatch(endpoint):
+                raise InvalidInput(f"{what} must be a ZMQ endpoint, tcp://HOST:PORT or ipc://PATH, not {endpoint[:80]!r}")
+        if self.kv_events is None and (self.kv_events_replay or self.kv_events_namespaces):
+            raise InvalidInput("kv_events_replay and kv_events_namespaces need kv_events (the endpoint to publish on)")
+        self.kv_events_namespaces = tuple(validate_namespace(ns) for ns in self.kv_events_namespaces)
+        if not (isinstance(self.kv_events_buffer, int) and self.kv_events_buffer > 0):
+            raise InvalidInput(f"kv_events_buffer must be a positive number of bytes, not {self.kv_events_buffer!r}")
+
+
+_ZMQ_ENDPOINT = re.compile(r"tcp://(\*|[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}|ipc://[^\x00-\x1f]{1,100}")

@@ -70,6 +70,22 @@ class EdgeMetrics:
         self.aborted = Counter("kdn_edge_aborted_responses", "Responses cut short by the client hanging up",
                                registry=reg)
         self.in_flight = Gauge("kdn_edge_fills_in_flight", "Fills in progress", registry=reg)
+        # --kv-events (edge/kv_events.py): what this edge holds, as vLLM KV-cache events for routers
+        self.kv_events = Counter("kdn_edge_kv_events", "KV-cache events sent (--kv-events), by type: BlockStored, "
+                                 "BlockRemoved, AllBlocksCleared", ["type"], registry=reg)
+        self.kv_event_batches = Counter("kdn_edge_kv_event_batches", "KV-cache event batches sent, one sequence "
+                                        "number each", registry=reg)
+        self.kv_events_dropped = Counter("kdn_edge_kv_events_dropped", "KV-cache events not sent, by reason: queue "
+                                         "(the publisher thread was behind: a resync follows), no_record, no_tokens "
+                                         "(a chunk no indexed manifest names yet: asked again), not_a_block "
+                                         "(standalone chunks, partial tails)", ["reason"], registry=reg)
+        self.kv_event_replays = Counter("kdn_edge_kv_event_replays", "Replay requests, by outcome: served, cut (the "
+                                        "requester's pipe was full or it left), bad (malformed)", ["outcome"],
+                                        registry=reg)
+        self.kv_event_replay_bytes = Gauge("kdn_edge_kv_event_replay_bytes", "Bytes of batches the replay buffer "
+                                           "holds (--kv-events-buffer caps it)", registry=reg)
+        self.kv_event_blocks = Gauge("kdn_edge_kv_event_blocks", "Blocks announced and still held (what a router "
+                                     "that followed every event knows of this edge)", registry=reg)
         scrape_gauges(reg, edge)
 
     def owner_fallback(self, owner: str, outcome: str, n: int) -> None:

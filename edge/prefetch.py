@@ -71,6 +71,11 @@ class ChainIndex:
             if self._pos.get(a, (None,))[0] == ref:
                 del self._pos[a]
 
+    def position(self, address: Address) -> tuple[str, int] | None:
+        """``("ns/name", index)`` of the indexed chain that names ``address`` (None: none does); reads no recency
+        (the KV-cache events read a chunk's tokens from that manifest: edge/kv_events.py)."""
+        return self._pos.get(address)
+
     def following(self, address: Address, k: int) -> list[Address]:
         at = self._pos.get(address)
         if at is None or k <= 0:

@@ -33,6 +33,8 @@ from kdn.edge.eviction import ARC, EvictionPolicy, PolicyFactory
 from kdn.edge.tiers import (EntryMeta, EvictCallback, Handle, Key, PolicyFn, Reason, TierStats, steady_wall,
                             validate_key)
 
+HeldCallback = Callable[[Key, EntryMeta, bool], None]
+
 
 @dataclass(eq=False)
 class Entry:
@@ -78,6 +80,9 @@ class TierBase:
         self.used = 0
         self.stats = TierStats()
         self.on_evict = on_evict
+        # ``fn(key, meta, present)``: an entry entered (True) or left (False) the index, for any reason; called
+        # inside the tier's bookkeeping, so it only takes note (edge/kv_events.py). None: nobody listens.
+        self.on_held: HeldCallback | None = None
         self._clock = clock
         self._policy: EvictionPolicy = policy(budget)
         self._index: dict[Key, Entry] = {}
@@ -280,6 +285,8 @@ class TierBase:
         self._index[e.key] = e
         self._policy.on_insert(e.key, e.meta.size)
         self._schedule_ttl(e)
+        if self.on_held is not None:
+            self.on_held(e.key, e.meta, True)
 
     def _schedule_ttl(self, e: Entry) -> None:
         if e.meta.expires_at is not None:
@@ -290,6 +297,8 @@ class TierBase:
         """Take ``e`` out of the index; free it now, or at its last release if a reader holds it."""
         del self._index[e.key]
         self._policy.remove(e.key)
+        if self.on_held is not None:
+            self.on_held(e.key, e.meta, False)
         if reason is not None:
             self.stats.evictions[reason] = self.stats.evictions.get(reason, 0) + 1
             self.stats.evicted_bytes[reason] = self.stats.evicted_bytes.get(reason, 0) + e.meta.size
@@ -358,6 +367,8 @@ class TierBase:
             self.stats.corrupt += 1
             del self._index[e.key]
             self._policy.remove(e.key)
+            if self.on_held is not None:
+                self.on_held(e.key, e.meta, False)
             self._release_bytes(e)
             self._events.append((e.key, e.meta, "corrupt"))
             self._notify()
