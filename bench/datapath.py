@@ -175,7 +175,8 @@ class VllmPaged:
 
         counts = hit.token_counts()
         end = sum(counts)
-        staging = Staging(self.arena, [s.kv for s in self.layout], 0, end, self.layout[0].kv_dtype)
+        # lazy, as the connector's on the CPU: memory only for a piece that is not read in place
+        staging = Staging(self.arena, [s.kv for s in self.layout], 0, end, self.layout[0].kv_dtype, lazy=True)
         starts = [sum(counts[:i]) for i in range(len(counts))]
         names = sorted(f"L{s.index}.{x}" for s in self.layout for x in ("k", "v"))
         at = {nm: q for q, nm in enumerate(names)}
@@ -187,8 +188,10 @@ class VllmPaged:
                 kt = kv.transpose(1, 2)  # [2 x layers, n, H, D]
                 held[i] = [(kt[at[f"L{s.index}.k"]], kt[at[f"L{s.index}.v"]]) for s in self.layout]
                 return
-            for j, s in enumerate(self.layout):
-                staging.put(j, view, (f"L{s.index}.k", f"L{s.index}.v"), starts[i], starts[i] + counts[i], starts[i])
+            with staging.writing():
+                for j, s in enumerate(self.layout):
+                    staging.put(j, view, (f"L{s.index}.k", f"L{s.index}.v"), starts[i], starts[i] + counts[i],
+                                starts[i])
 
         async with contextlib.AsyncExitStack() as leases:
             async def one(i: int) -> None:
@@ -292,6 +295,7 @@ async def run(args) -> dict:
         lm = load_model(spec)
         lm.model.eval()
         arena = host_arena(2 << 30)
+        vllm_arena = host_arena(1 << 30)
         from kdn.adapters.hf.extract import layer_layout
 
         layout = [sp for sp in layer_layout(lm.model) if sp.kv]
@@ -330,7 +334,9 @@ async def run(args) -> dict:
                         paths = [f"/v1/objects/{a}?encoding={encoding}" for a in hit.addresses]
                         outcomes = await host.warm(hit.addresses, encoding)  # filled from the edge, before timing
                         assert set(outcomes) <= {"filled", "held"}, outcomes
-                        paged = VllmPaged(layout, L, arena, encoding)
+                        # its own arena, as the connector has: its staging buffers are reused across loads, not
+                        # evicted by the transformers paths' caches (fresh memory would time page faults)
+                        paged = VllmPaged(layout, L, vllm_arena, encoding)
                         runs = {"kdn-hf": lambda: kdn_hf(lm, client, hit, encoding),
                                 "kdn-vllm": lambda: paged.load(client, hit),
                                 "kdn-fetch": lambda: fetch_only(client, hit, encoding),

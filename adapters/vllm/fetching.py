@@ -32,6 +32,7 @@ import torch
 from kdn.format.objects import torch_dtype
 from kdn.client.hosted import Held
 from kdn.format.address import ModelId
+from kdn.wire.arena import ArenaFull
 from kdn.wire.bodyget import Tally
 from kdn.errors import KDNError
 from kdn.format.pieces import Pieces
@@ -324,6 +325,8 @@ class PieceLoader:
                     pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests))
         except StagingClosed as e:
             raise LoadFailed("decode", p, str(e)) from None
+        except ArenaFull as e:
+            raise LoadFailed("arena", p, str(e)) from None
         except KDNError:
             if refused:  # every source sent a header this load cannot take: say why, not "missing"
                 raise refused[-1] from None
@@ -354,6 +357,8 @@ class PieceLoader:
                 return self._stage_into(staging, run, i, p, f, cap, held)
         except StagingClosed as e:
             raise LoadFailed("decode", p, str(e)) from None
+        except ArenaFull as e:  # a lazy staging found no room when its first piece came: the rest computes
+            raise LoadFailed("arena", p, str(e)) from None
 
     def _stage_into(self, staging: Staging, run: Loading, i: int, p: Piece, f: Any, cap: int | None,
                     held: frozenset[str] | None = None) -> Staged:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kdn.format.objects import torch_dtype
-from kdn.wire.arena import Arena, Lease
+from kdn.wire.arena import Arena, ArenaFull, Lease
 from kdn.errors import KDNError
 from kdn.kernels.pinned import MIN_COPY, Copies, Event, Inline, copy_stream
 
@@ -54,32 +54,53 @@ class Staging:
     """Per-layer host buffers for tokens ``[first, end)`` of one load."""
 
     def __init__(self, arena: Arena, dims: Sequence[tuple[int, int]], first: int, end: int,
-                 dtype: torch.dtype) -> None:
-        """``dims``: ``(kv_heads, head_dim)`` of each attention layer, in the order ``put`` and ``kv`` name them."""
+                 dtype: torch.dtype, *, lazy: bool = False) -> None:
+        """``dims``: ``(kv_heads, head_dim)`` of each attention layer, in the order ``put`` and ``kv`` name them.
+        ``lazy``: the memory is taken from the arena only when a first piece is written (``writing``): a load
+        whose pieces are all read in place (the host tier's mapping, on the CPU) never takes any, and a full
+        arena then fails that piece (``ArenaFull``), not the load before it started."""
         assert end > first, (first, end)
         self.first, self.end, self.dtype = first, end, dtype
         n = end - first
         item = torch.empty(0, dtype=dtype).element_size()
-        sizes = [h * n * d * item for h, d in dims]
+        self._arena, self._dims, self._sizes = arena, list(dims), [h * n * d * item for h, d in dims]
         self.per_token = 2 * sum(h * d * item for h, d in dims)  # K and V bytes of one token, every layer
-        self.lease: Lease | None = arena.take(2 * sum(sizes))
-        raw = torch.frombuffer(self.lease.view, dtype=torch.uint8) if sizes else torch.empty(0, dtype=torch.uint8)
-        self.raw = raw  # the whole lease as bytes
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
         self.spans: list[tuple[int, int]] = []  # per layer, (offset, bytes) of its K then V in ``raw``
         off = 0
-        for (h, d), size in zip(dims, sizes):
+        for size in self._sizes:
             self.spans.append((off, 2 * size))
-            for out in (self.k, self.v):
-                out.append(raw[off:off + size].view(dtype).view(h, n, d))  # [H, n, D]
-                off += size
-        self._lanes = [(_lanes(k), _lanes(v)) for k, v in zip(self.k, self.v)]
+            off += 2 * size
+        self.lease: Lease | None = None
+        self.raw = torch.empty(0, dtype=torch.uint8)  # the whole lease as bytes, once taken
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._lanes: list[tuple[np.ndarray, np.ndarray]] = []
+        self._taken = False
+        if not lazy:
+            self._take()
         self._lock = threading.Lock()
         self._writers = 0
         self._closed = False
         self._reads: list[Event] = []  # device copies still reading this memory: waited for on release
         self._upload: Upload | None = None
+
+    def _take(self) -> None:
+        """The memory from the arena, and every layer's views of it. ``ArenaFull`` once released stagings whose
+        device copies were still reading theirs have been waited for (``reap``) and it still does not fit."""
+        try:
+            lease = self._arena.take(2 * sum(self._sizes))
+        except ArenaFull:
+            if not reap(wait=True):
+                raise
+            lease = self._arena.take(2 * sum(self._sizes))
+        self.lease, self._taken = lease, True
+        raw = torch.frombuffer(lease.view, dtype=torch.uint8) if self._sizes else torch.empty(0, dtype=torch.uint8)
+        self.raw = raw
+        n = self.end - self.first
+        for (off, _), (h, d), size in zip(self.spans, self._dims, self._sizes):
+            self.k.append(raw[off:off + size].view(self.dtype).view(h, n, d))  # [H, n, D]
+            self.v.append(raw[off + size:off + 2 * size].view(self.dtype).view(h, n, d))
+        self._lanes = [(_lanes(k), _lanes(v)) for k, v in zip(self.k, self.v)]
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -93,6 +114,8 @@ class Staging:
         with self._lock:
             if self._closed:
                 raise StagingClosed("the load ended before this piece was decoded")
+            if not self._taken:  # a lazy staging's first writer takes its memory (ArenaFull: this piece fails)
+                self._take()
             self._writers += 1
         try:
             yield

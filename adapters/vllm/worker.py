@@ -182,13 +182,11 @@ class WorkerSide:
         dims = [(a.kv_heads, a.head_dim) for a in self._order]
         dtype = cache.dtype if cache is not None else torch.bfloat16
         reap()  # earlier loads' staging whose device copies have finished since
+        # On the CPU the staging takes its memory only when a piece needs it: pieces read in place (the host
+        # tier's mapping) need none, and a load wholly from the host holds no arena memory at all.
+        lazy = self.pieces.in_place and job.host and getattr(self.client, "host", None) is not None
         try:
-            try:
-                run.staging = Staging(self.arena, dims, job.plan.first, job.plan.end, dtype)
-            except ArenaFull:
-                if not reap(wait=True):  # nothing was waiting on a device copy: the arena is simply full
-                    raise
-                run.staging = Staging(self.arena, dims, job.plan.first, job.plan.end, dtype)
+            run.staging = Staging(self.arena, dims, job.plan.first, job.plan.end, dtype, lazy=lazy)
         except ArenaFull as e:  # every buffer is in use by other loads: this one recomputes
             self._fail(run, LoadFailed("arena", None, str(e)))
             return run

@@ -187,3 +187,24 @@ def test_a_load_writes_runs_of_staged_pieces_once_and_each_piece_read_in_place_a
     run.staged[0] = Staged("edge", "raw", 1)  # (a new answer only for a new upto: made once per load)
     run.upto = 600
     assert [(lo, hi, held is not None) for lo, hi, held in segments(run)] == [(128, 600, False)]
+
+
+def test_a_lazy_staging_takes_memory_only_for_a_piece_that_needs_it():
+    """``lazy``: a load whose pieces are all read in place (the host tier's mapping) takes no arena memory; its
+    first staged piece takes it, and a full arena fails that piece (``ArenaFull``), not the load's start."""
+    from kdn.wire.arena import ArenaFull
+
+    arena = Arena(64 << 20)
+    st = Staging(arena, [(H, D), (H, D)], 0, 256, torch.bfloat16, lazy=True)
+    assert arena.in_use == 0 and st.lease is None
+    view, t = obj(0, 256, "raw")
+    with st.writing():
+        st.put(0, view, ("L0.k", "L0.v"), 0, 256, 0)
+    assert arena.in_use > 0 and torch.equal(st.kv(0)[0], t["L0.k"].transpose(0, 1))
+    st.release()
+    assert arena.in_use == 0
+    small = Staging(Arena(1 << 10), [(H, D)], 0, 256, torch.bfloat16, lazy=True)  # room for nothing
+    with pytest.raises(ArenaFull):
+        with small.writing():
+            pass
+    small.release()
