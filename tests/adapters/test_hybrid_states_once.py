@@ -276,3 +276,116 @@ async def test_vllm_pieces_of_a_hybrid_load_move_their_kv_only_and_the_last_whol
     assert not any(s.states for s in staged[:-1])
     whole, dead = sum(p.size for p in pieces), state_bytes(lm.model)
     assert run.tally.bytes == sum(s.nbytes for s in staged) <= whole - 3 * (dead - 3 * PIECE)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+async def test_a_hybrid_loads_from_the_host_tier_bit_identically(tmp_path, etcd_url, folders, family):
+    """#53: a hybrid's chunks read from the machine's host tier (``kdn host serve`` in-process, filled from the
+    edge, signed records verified once) continue exactly as the model's own chunked prefill: every chunk from
+    the mapping, its K/V into the cache, the last one's conv/recurrent states kept (copied out of the mapping)."""
+    import secrets
+    import tempfile
+
+    from kdn.client.host import HostClient
+    from kdn.host.config import HostConfig
+    from kdn.host.tier import HostTier
+    from kdn.registry.signing import Signer
+
+    folder = folders[family]
+    lm = load_model(folder)
+    key = Signer.generate(tmp_path / "origin.key")
+    (tmp_path / "trusted").write_text(key.public + "\n")
+    short = tempfile.mkdtemp(prefix="kh-", dir="/tmp")  # (a socket path has at most 107 bytes)
+    async with cluster(tmp_path, etcd_url, edges=("e1",), model=folder,
+                       origin_kw={"piece_bytes": PIECE, "signing_key": str(tmp_path / "origin.key")}) as c:
+        m = await publish(c, DOC[:1100], encodings=["raw"])
+        ids = m["prefix_tokens"] + lm.tokenizer.encode(" What did the keeper record?")
+        cfg = HostConfig(trusted_keys=str(tmp_path / "trusted"), edges=(c.edge_url("e1"),),
+                         socket=f"{short}/h.sock", segment=f"/dev/shm/kdn-test-{secrets.token_hex(4)}.seg",
+                         segment_bytes=64 << 20)
+        tier = await HostTier.start(cfg)
+        try:
+            async with HostClient(cfg.socket) as host:
+                assert set(await host.warm(m["addresses"], "raw")) == {"filled"}
+                async with KDNClient(edges=[c.edge_url("e1")], host=host) as client:
+                    gen = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=4, plan=False)
+        finally:
+            await tier.close()
+    r = gen.report
+    assert set(r.sources) == {"host"} and (r.tokens_reused, r.chunks_reused) == (1100, 5), r.line()
+    cache = prefill(lm.model, ids[:1100], chunk_tokens=256)
+    ref = continue_from_cache(lm.model, cache, 1100, ids[1100:], last=1)[-1].float()
+    assert torch.equal(gen.first_logits, ref)
+
+
+async def test_vllm_hybrid_pieces_from_the_host_tier_are_read_in_place_and_the_last_keeps_its_states(
+        tmp_path, etcd_url, folders):
+    """The vLLM worker's piece path from the host tier (``PieceLoader(in_place=True)``, as on the CPU): every
+    piece but the last is read in place (its K/V as views of the mapping, its lease kept by the load until the
+    load ends), the last is staged with its states; all of it equal to the model's own chunked prefill."""
+    pytest.importorskip("vllm")
+    import contextlib
+    import secrets
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from kdn.adapters.vllm.fetching import AttnLayer, Holds, PieceLoader, StateLayer
+    from kdn.adapters.vllm.meta import LoadJob
+    from kdn.adapters.vllm.plan import LoadPlan, Piece
+    from kdn.adapters.vllm.stage import Staging
+    from kdn.client.host import HostClient
+    from kdn.host.config import HostConfig
+    from kdn.host.tier import HostTier
+    from kdn.registry.signing import Signer
+    from kdn.wire.arena import Arena
+
+    lm = load_model(folders["bamba"])
+    layout = layer_layout(lm.model)
+    attn = [AttnLayer(f"attn{s.index}", s.index, None, *s.kv) for s in layout if s.kv]
+    states = [StateLayer(f"mamba{s.index}", s.index, 0, _StateModule([st.shape for st in s.states]))
+              for s in layout if s.states]
+    kv_dtype = next(s.kv_dtype for s in layout if s.kv)
+    key = Signer.generate(tmp_path / "origin.key")
+    (tmp_path / "trusted").write_text(key.public + "\n")
+    short = tempfile.mkdtemp(prefix="kh-", dir="/tmp")
+    async with contextlib.AsyncExitStack() as stack:
+        c = await stack.enter_async_context(cluster(tmp_path, etcd_url, edges=("e1",), model=folders["bamba"],
+                                                    origin_kw={"piece_bytes": PIECE,
+                                                               "signing_key": str(tmp_path / "origin.key")}))
+        m = await publish(c, DOC[:1100], encodings=["raw"])
+        cfg = HostConfig(trusted_keys=str(tmp_path / "trusted"), edges=(c.edge_url("e1"),),
+                         socket=f"{short}/h.sock", segment=f"/dev/shm/kdn-test-{secrets.token_hex(4)}.seg",
+                         segment_bytes=64 << 20)
+        tier = await HostTier.start(cfg)
+        stack.push_async_callback(tier.close)
+        host = await stack.enter_async_context(HostClient(cfg.socket))
+        client = await stack.enter_async_context(KDNClient(edges=[c.edge_url("e1")], host=host))
+        hit = await client.lookup(m["prefix_tokens"], lm.model_id)
+        assert set(await host.warm(hit.addresses[:4], "raw")) == {"filled"}
+        pieces = tuple(Piece(a, 256 * i, 256 * (i + 1), "raw", rec["encodings"]["raw"]["digest"],
+                             int(rec["encodings"]["raw"]["size"]), host=True)
+                       for i, (a, rec) in enumerate(zip(hit.addresses[:4], hit.records)))
+        job = LoadJob("r1", LoadPlan(0, 1024, pieces), ([],), background=True, host=True)
+        arena = Arena(64 << 20)
+        run = SimpleNamespace(staging=Staging(arena, [(a.kv_heads, a.head_dim) for a in attn], 0, 1024, kv_dtype,
+                                              lazy=True), tally=Tally(), job=job, holds=Holds())
+        loader = PieceLoader(client=client, model_id=lm.model_id, namespace="public", stager=ThreadPoolExecutor(2),
+                             attn={a.name: a for a in attn}, order=attn, states=states, in_place=True)
+        staged = [await loader.fetch_and_stage(run, i, p) for i, p in enumerate(pieces)]
+        assert [s.kv is not None for s in staged] == [True, True, True, False] and len(run.holds) == 3
+        assert client.host_stats.hits == 4 and run.tally.bytes == 0  # nothing over the socket's HTTP
+        ref = prefill(lm.model, m["prefix_tokens"][:1024], chunk_tokens=256)
+        for j, a in enumerate(attn):
+            want_k, want_v = (t[0].transpose(0, 1) for t in (ref.layers[a.index].keys, ref.layers[a.index].values))
+            for i, s in enumerate(staged[:3]):
+                assert torch.equal(s.kv[j][0], want_k[256 * i:256 * (i + 1)])
+                assert torch.equal(s.kv[j][1], want_v[256 * i:256 * (i + 1)])
+            k, v = run.staging.kv(j, 1024, 768)
+            assert torch.equal(k, want_k[768:]) and torch.equal(v, want_v[768:])
+        assert set(staged[-1].states) == {f"L{s.index}.{x}" for s in states for x in ("conv", "ssm")}
+        for lease in run.holds.close():  # the load ends: its leases go back
+            await lease.aclose()
+        assert (await host.stats())["leases"] == 0
+        run.staging.release()
+        assert arena.in_use == 0
