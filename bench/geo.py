@@ -379,11 +379,10 @@ class BenchClient(KDNClient):
             return await super()._fetch_hedged(address, encoding, digest, size, hedge=hedge, pooled=pooled,
                                                pieces=pieces, part=part, tally=tally)
         from kdn.errors import DigestMismatch, SourceError
-        from kdn.wire.fetch import Route, Want
+        from kdn.wire.fetch import Want
 
         want = Want(address, encoding, size, digest, pieces, part)
-        tasks = [asyncio.create_task(self.fetcher.fetch(want, [Route(s.label, s.url, s.kind, self.headers)]))
-                 for s in self.sources]
+        tasks = [asyncio.create_task(self.fetcher.fetch(want, [s])) for s in self.routing.all]
         errors = []
         try:
             for fut in asyncio.as_completed(tasks):
@@ -403,7 +402,7 @@ class BenchClient(KDNClient):
         order = (self.oracle(self, size, address) if self.oracle is not None
                  else super()._ranked(size, address, control=control))
         if self.trace is not None:
-            est = self.control if control else self.estimates
+            est = self.routing.control if control else self.routing.estimates
             self.trace.append({"t": round(time.monotonic(), 4), "ev": "rank", "size": size,
                                "order": [(s.label, round(est[s.url].expected(size) * 1e3, 2))
                                          for s in order[:4]]})
@@ -469,24 +468,24 @@ class Oracle:
         return base + (0.0 if self.holds(node, key) else self.fill(node, key, size, False))
 
     def __call__(self, client: KDNClient, size: int, address: str | None):
-        return sorted(client.sources, key=lambda s: self.cost(s, size, address))
+        return sorted(client.routing.all, key=lambda s: self.cost(s, size, address))
 
 
 def static_ranking(client: KDNClient, size: int, address: str | None) -> list:
     """static-nearest: the configured order, always (the one edge, then the origin for errors)."""
-    return list(client.sources)
+    return list(client.routing.all)
 
 
 def origin_only_ranking(client: KDNClient, size: int, address: str | None) -> list:
     """origin-only: every lookup and fetch goes to the origin (never an edge)."""
-    return [s for s in client.sources if s.kind == "origin"]
+    return [s for s in client.routing.all if s.kind == "origin"]
 
 
 def region_random_ranking(client: BenchClient, size: int, address: str | None) -> list:
     """random: the region's edges shuffled (the client's seeded generator), the origin last."""
-    edges = [s for s in client.sources if s.kind != "origin"]
+    edges = [s for s in client.routing.all if s.kind != "origin"]
     client.rng.shuffle(edges)
-    return edges + [s for s in client.sources if s.kind == "origin"]
+    return edges + [s for s in client.routing.all if s.kind == "origin"]
 
 
 def client_sources(world: World, region: str, strategy: str) -> dict:
@@ -521,10 +520,10 @@ def make_client(world: World, region: str, strategy: str, seed: int, records: di
     c.rng.seed(seed)
     net = c.net  # (kdn.client.connections: made on first use, so rebinding them here is before any request)
     net._local_addr = client_ip(region)  # leave from my region: the link emulator picks the link by source address
-    net._session = bound_session(client_ip(region), headers=c.headers,
+    net._session = bound_session(client_ip(region), headers=net.headers,
                                  timeout=aiohttp.ClientTimeout(total=net.timeout, sock_connect=min(net.timeout, 5.0)))
     c.label_region = {s.label: (world.origin_link.url == s.url and "origin")
-                      or next(n.region for n in world.edges.values() if n.url == s.url) for s in c.sources}
+                      or next(n.region for n in world.edges.values() if n.url == s.url) for s in c.routing.all}
     return c
 
 
@@ -674,7 +673,7 @@ async def warm_owners(world: World, c: BenchClient, addresses: list[str], labels
     """
     todo = []
     for a, label in zip(addresses, labels):
-        owner = c._ring.owner(a)
+        owner = c.routing.ring.owner(a)
         if label != f"edge:{owner}":
             todo.append((world.edges[owner].port, a))
     if not todo:

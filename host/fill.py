@@ -21,7 +21,7 @@ from kdn.errors import DigestMismatch, KDNError, SourceError
 from kdn.format.address import Address, validate_digest
 from kdn.format.pieces import Pieces
 from kdn.host.store import HostStore, Key, NoRoom
-from kdn.wire.fetch import Buffer, Route, Want
+from kdn.wire.fetch import Buffer, Want
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.client.client import KDNClient
@@ -59,8 +59,7 @@ class EdgeUpstream:
 
     async def fetch_into(self, want: Want, alloc: Callable[[int], Buffer]) -> None:
         c = self.client
-        routes = [Route(s.label, s.url, s.kind, c.headers, timeout=c.net.timeout)
-                  for s in c.routing.ranked(want.nbytes, want.address)]
+        routes = c.routing.ranked(want.nbytes, want.address)
         async with c.net.limit:
             await c.fetcher.fetch(want, routes, hedge=False, alloc=alloc, observer=c.fetch_observer)
 

@@ -144,7 +144,7 @@ class HostPolicies:
 
             # The edges answer the origins' record and manifest-body reads (kdn.service), with the host's token.
             urls = [*config.edges, *([config.origin] if config.origin else [])]
-            bodies = OriginRecords(client.session, lambda: urls, lambda url: client.headers, timeout=config.timeout)
+            bodies = OriginRecords(client.session, lambda: urls, lambda url: client.net.headers, timeout=config.timeout)
         warm = PolicyWarm(filler, store)
         engine = PolicyEngine(registry, config.region, [Pins(store)], warm=warm, verifier=verifier, bodies=bodies,
                               link=_link(client) if client is not None else None)
@@ -171,7 +171,7 @@ def _link(client: KDNClient) -> Callable[[int], float]:
     starts that long ahead of its window); unmeasured: at the engine's assumed speed."""
 
     def seconds(nbytes: int) -> float:
-        measured = client.estimates.least_measured(nbytes)
+        measured = client.routing.estimates.least_measured(nbytes)
         return measured if measured is not None else nbytes / ASSUMED_BPS
 
     return seconds

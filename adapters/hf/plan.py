@@ -83,7 +83,7 @@ def cold_fills_of(client: Any) -> ColdFills:
 
 
 def _lead(client: Any, address: str, nbytes: int) -> Any:
-    """The source a fetch of ``address`` asks first, so the one a load of it waits on (a ``kdn.client.Source``)."""
+    """The source a fetch of ``address`` asks first, so the one a load of it waits on (a ``kdn.wire.fetch.Route``)."""
     return client.routing.ranked(nbytes, address)[0]
 
 
@@ -134,7 +134,7 @@ def cold_given_up(client: Any, hit: Any, chunks: list[Chunk], arrived: int, nbyt
     i = min(arrived, hit.chunks - 1)
     src = _lead(client, hit.addresses[i], chunks[i].nbytes)
     cold_fills_of(client).gave_up(src.label, nbytes, seconds)
-    client.estimates[src.url].fail()
+    client.routing.estimates[src.url].fail()
     return src.label
 
 

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (for readers and type checkers; at run time each name loads when first asked for)
     from kdn.client.client import KDNClient
-    from kdn.client.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Source, Tensors, fills
+    from kdn.client.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Tensors, fills
     from kdn.client.sync import SyncKDNClient
 
 _WHERE = {"KDNClient": "client", "SyncKDNClient": "sync", **{n: "lookup" for n in (
-    "FILL_TIERS", "Fetched", "Lookup", "PrefixStates", "Probe", "Source", "Tensors", "fills")}}
+    "FILL_TIERS", "Fetched", "Lookup", "PrefixStates", "Probe", "Tensors", "fills")}}
 
-__all__ = ["FILL_TIERS", "Fetched", "KDNClient", "Lookup", "PrefixStates", "Probe", "Source", "SyncKDNClient",
-           "Tensors", "fills"]
+__all__ = ["FILL_TIERS", "Fetched", "KDNClient", "Lookup", "PrefixStates", "Probe", "SyncKDNClient", "Tensors",
+           "fills"]
 
 
 def __getattr__(name: str) -> Any:

@@ -48,7 +48,7 @@ from kdn.wire.estimate import DECODE, DecodeSpeeds
 from kdn.wire.fetch import Fetcher, Fresh, Observer, Route, Want
 from kdn.client.find import find_prefix
 from kdn.client.hosted import Behind, HostStats
-from kdn.client.lookup import Fetched, Lookup, PrefixStates, Probe, Source, Tensors
+from kdn.client.lookup import Fetched, Lookup, PrefixStates, Probe, Tensors
 from kdn.client.parts import fetch_tensors
 from kdn.format.layout import DEFAULT_MAX_OBJECT_BYTES
 from kdn.format.pieces import Pieces
@@ -95,15 +95,13 @@ class KDNClient:
         decode_threads: int = DECODE_THREADS,
         host: HostClient | None = None,
     ) -> None:
-        # Where to fetch from and in what order (kdn.client.sources); the names below are the same objects, kept
-        # for callers and benchmarks that read or seed them.
+        # Where to fetch from and in what order (kdn.client.sources): its routes (``all``), their estimates (of
+        # transfers, ``estimates``; of lookups and registry reads, ``control``) and the region's ring.
         self.routing = Sources(edges, remote_edges, origin)
-        self.sources = self.routing.all
-        self.estimates, self.control, self._ring = self.routing.estimates, self.routing.control, self.routing.ring
-        # How it reaches them: sessions, the body reader, the verified fetcher, the decode threads (kdn.client.connections).
-        self.net = Connections(self.estimates, token=token, timeout=timeout, ca=ca, ssl=ssl, local_addr=local_addr,
-                               concurrency=concurrency, decode_threads=decode_threads)
-        self.headers = self.net.headers
+        # How it reaches them: sessions, the body reader, the verified fetcher, the decode threads, the bearer
+        # token (``headers``) (kdn.client.connections).
+        self.net = Connections(self.routing.estimates, token=token, timeout=timeout, ca=ca, ssl=ssl,
+                               local_addr=local_addr, concurrency=concurrency, decode_threads=decode_threads)
         if max_hedges < 0:
             raise InvalidInput(f"max_hedges must be >= 0, not {max_hedges}")
         self.max_hedges = max_hedges  # extra requests a slow fetch may start (0: never hedged)
@@ -115,7 +113,6 @@ class KDNClient:
         # What it believes: publisher keys (a kdn.registry.signing.Verifier, key strings, or a file of them): with them, a
         # record whose signature does not verify is a miss -- its digest is never believed (kdn.client.trust).
         self.trust = Trust(trusted_keys, manifest_state)
-        self.verifier = self.trust.verifier
         self._fetched: OrderedDict[Address, float] = OrderedDict()  # address -> when fetched (warm), bounded
         # kvtc bases by address: each fetched once (then shared by every object that names it)
         self.bases = Bases(self.record, self.fetch)
@@ -172,20 +169,20 @@ class KDNClient:
                     if r.status == 404:
                         return None
                     if r.status != 200:
-                        self.control[s.url].fail()
+                        self.routing.control[s.url].fail()
                         errors.append(f"{s.label}: HTTP {r.status}")
                         continue
                     data = await r.json(content_type=None)
                     if not isinstance(data, dict):
                         raise ValueError("not a JSON object")
-                    self.control[s.url].observe(0, time.perf_counter() - t0)  # small: an RTT sample
+                    self.routing.control[s.url].observe(0, time.perf_counter() - t0)  # small: an RTT sample
                     return data
             except ValueError:
-                self.control[s.url].fail()
+                self.routing.control[s.url].fail()
                 errors.append(f"{s.label}: not a JSON object")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                self.control[s.url].fail()
-                self.estimates[s.url].fail()  # unreachable: its transfers would fail too
+                self.routing.control[s.url].fail()
+                self.routing.estimates[s.url].fail()  # unreachable: its transfers would fail too
                 errors.append(f"{s.label}: {type(e).__name__}")
         raise SourceError("no source answered " + path.split("?")[0] + ": " + "; ".join(errors))
 
@@ -241,14 +238,14 @@ class KDNClient:
                                  admitted_by=admitted_by, revoked_admissions=revoked_admissions)
         return cls(**found, **kwargs)
 
-    def _ranked(self, size: int, address: Address | None = None, *, control: bool = False) -> list[Source]:
+    def _ranked(self, size: int, address: Address | None = None, *, control: bool = False) -> list[Route]:
         """The sources for one request, least expected time first (``kdn.client.sources.Sources.ranked``)."""
         return self.routing.ranked(size, address, control=control)
 
     def expected_seconds(self, size: int) -> float:
         """The least expected time to fetch ``size`` bytes from any source, as a load moves them (many objects
         at once, ``SourceEstimate.expected_load``): the load planner's link."""
-        return min(self.estimates[s.url].expected_load(size) for s in self._ranked(size))
+        return min(self.routing.estimates[s.url].expected_load(size) for s in self._ranked(size))
 
     def choose_encoding(self, encodings: dict[str, dict[str, Any]], quality: str | float | None = None) -> str | None:
         """The encoding with the least expected fetch + decode time within the quality budget.
@@ -335,8 +332,7 @@ class KDNClient:
         geo bench saw one cold object fan out to all seven sources, 100 ms apart, each filling it).
         """
         want = Want(A.validate_address(address), encoding, size, validate_digest(digest), pieces, part)
-        routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self.net.timeout)
-                  for s in self._ranked(want.nbytes, address)]
+        routes = self._ranked(want.nbytes, address)
         alloc = pooled.take if pooled is not None else None  # the arena the body lands in, if any
         body = await self.fetcher.fetch(want,
                                         routes, hedge=hedge, max_hedges=self.max_hedges, alloc=alloc,
@@ -455,8 +451,7 @@ class KDNClient:
         address = A.validate_address(address)
         if size > DEFAULT_MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
-        routes = [Route(s.label, s.url, s.kind, self.headers, timeout=self.net.timeout)
-                  for s in self._ranked(size, address)]
+        routes = self._ranked(size, address)
         async with self.net.limit:
             body = await self.fetcher.fetch(Want(address, "raw", size, validate_digest(digest), pieces),
                                             routes, hedge=False, alloc=lambda n: Scatter(n, place),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -66,10 +67,14 @@ class Connections:
 
     @property
     def fetcher(self) -> Fetcher:
-        """Verified fetches (``kdn.wire.fetch``) over ``getter``, measured into ``estimates``."""
+        """Verified fetches (``kdn.wire.fetch``) over ``getter``, measured into ``estimates``; each request
+        carries ``headers`` (the bearer token), whichever route it goes to (the routes add none of their own)."""
         if self._fetcher is None:
-            self._fetcher = Fetcher(self.getter, self.estimates, timeout=self.timeout)
+            self._fetcher = Fetcher(self.getter, self.estimates, timeout=self.timeout, authorize=self._authorize)
         return self._fetcher
+
+    def _authorize(self, url: str) -> Mapping[str, str]:
+        return self.headers
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -16,15 +16,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from kdn.format.objects import DecodedObject, Layout
 
 
-@dataclass(frozen=True)
-class Source:
-    url: str
-    kind: str  # "edge" | "region" | "origin"
-    label: str  # what reports show: "edge:e1", "region:us", "origin"
-    prior_rtt: float = 0.001
-    node_id: str | None = None  # edges of the client's region: their id on the ring
-
-
 FILL_TIERS = ("peer", "region", "upper", "origin")  # sources an entry edge names for what it must fill first
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdn.errors import InvalidInput
 from kdn.wire.estimate import Estimates
-from kdn.client.lookup import Source
+from kdn.wire.fetch import Route
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.format.address import Address
@@ -34,9 +34,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("kdn.client")
 
+PRIOR_RTT = {"edge": 0.001, "region": 0.05, "origin": 0.1}  # seconds, by kind, until a source is measured
+
+
 class Sources:
     """A client's sources, their estimates, and the order to ask them in.
 
+    Each source is a ``kdn.wire.fetch.Route`` (label, base URL, kind: ``edge`` of the client's region,
+    ``region`` for another region's edge, ``origin``), handed as it is to the verified fetch; the client's
+    token rides on every request (``kdn.client.connections``), so a route carries no headers of its own.
     ``edges`` may be URLs or (node_id, URL) pairs; with ids, each address goes
     to its owner edge first, by the same ring the edges use. (Benchmarks that
     compare other rankings put theirs in place of ``ranked``: bench/geo.py.)
@@ -47,13 +53,14 @@ class Sources:
         if not edges and not origin and not remote_edges:
             raise InvalidInput("KDNClient needs at least one edge or an origin")
         pairs = [(e, e) if isinstance(e, str) else (e[0], e[1]) for e in edges]
-        self.all: list[Source] = (
-            [Source(u.rstrip("/"), "edge", f"edge:{nid if nid != u else i}", 0.001, nid if nid != u else None)
-             for i, (nid, u) in enumerate(pairs)]
-            + [Source(u.rstrip("/"), "region", f"region:{i}", 0.05) for i, u in enumerate(remote_edges)]
-            + ([Source(origin.rstrip("/"), "origin", "origin", 0.1)] if origin else [])
-        )
-        ids = [s.node_id for s in self.all if s.node_id]
+        mine = [(Route(f"edge:{nid if nid != u else i}", u.rstrip("/"), "edge"), nid if nid != u else None)
+                for i, (nid, u) in enumerate(pairs)]
+        others = ([Route(f"region:{i}", u.rstrip("/"), "region") for i, u in enumerate(remote_edges)]
+                  + ([Route("origin", origin.rstrip("/"), "origin")] if origin else []))
+        self.all: list[Route] = [r for r, _ in mine] + others
+        # Each route beside its id on the region's ring (edges given with one; None for the rest).
+        self._on_ring: list[tuple[Route, str | None]] = mine + [(r, None) for r in others]
+        ids = [nid for _, nid in self._on_ring if nid]
         self.ring: Ring | None = None
         if ids:
             from kdn.ring import Ring
@@ -62,24 +69,25 @@ class Sources:
         self.estimates = Estimates()  # object transfers
         self.control = Estimates()  # lookups and registry reads
         for s in self.all:
-            self.estimates[s.url].set_prior(s.prior_rtt)
-            self.control[s.url].set_prior(s.prior_rtt)
+            self.estimates[s.url].set_prior(PRIOR_RTT[s.kind])
+            self.control[s.url].set_prior(PRIOR_RTT[s.kind])
 
-    def ranked(self, size: int, address: Address | None = None, *, control: bool = False) -> list[Source]:
+    def ranked(self, size: int, address: Address | None = None, *, control: bool = False) -> list[Route]:
         """Least expected time first. A non-owner edge of the region fills through the owner, so it
         costs its own transfer plus the owner's: the owner ranks first while it answers. ``control``:
         for a lookup or registry read, ranked by those requests' own times."""
         est = self.control if control else self.estimates
         owner = self.ring.owner(address) if (self.ring is not None and address) else None
-        owner_url = next((s.url for s in self.all if s.node_id == owner), None) if owner else None
+        owner_url = next((s.url for s, nid in self._on_ring if nid == owner), None) if owner else None
 
-        def cost(s: Source) -> float:
+        def cost(pair: tuple[Route, str | None]) -> float:
+            s, nid = pair
             own = est[s.url].expected(size)
-            if owner_url is not None and s.node_id is not None and s.url != owner_url:
+            if owner_url is not None and nid is not None and s.url != owner_url:
                 own += est[owner_url].expected(size)
             return own
 
-        return sorted(self.all, key=cost)
+        return [s for s, _ in sorted(self._on_ring, key=cost)]
 
     def least_expected(self, size: int) -> float:
         """The least expected time to move ``size`` bytes from any source, as measured so far."""

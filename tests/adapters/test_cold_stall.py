@@ -116,7 +116,7 @@ async def test_a_source_whose_cold_loads_stall_is_not_waited_on_again(tmp_path, 
         try:
             async with KDNClient(edges=[url(liar)], origin=c.origin_url()) as client:
                 # The origin is far (so the liar stays the source a fetch asks first, and the one waited on).
-                client.estimates[c.origin_url()].set_prior(1.0)
+                client.routing.estimates[c.origin_url()].set_prior(1.0)
                 plain, plain_s = await timed(lm, ids, client, 120, use_cache=False)
                 bound = cold_deadline(0.0, 30.0, speeds_of(lm.model).prefill.seconds(len(ids)))
                 first, first_s = await timed(lm, ids, client, bound + plain_s + GRACE_S)
@@ -129,7 +129,7 @@ async def test_a_source_whose_cold_loads_stall_is_not_waited_on_again(tmp_path, 
                 # "cold" is believed once more, and the load waits again ...
                 fills = cold_fills_of(client)
                 fills.by["edge:0"].at -= PROBE_AFTER_S + 1
-                client.estimates[url(liar)].last_failure -= PROBE_AFTER_S + 1
+                client.routing.estimates[url(liar)].last_failure -= PROBE_AFTER_S + 1
                 third, third_s = await timed(lm, ids, client, bound + plain_s + GRACE_S)
                 # ... and, given up a second time running, it is not believed again: its hits are planned and
                 # bounded as warm ones (the planner's own deadline, judged from its start).

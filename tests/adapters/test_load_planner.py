@@ -83,7 +83,7 @@ async def test_a_slow_link_is_not_loaded_the_prompt_is_computed(lm):
         calibrate(lm, 0.001)  # computing is nearly free: no link can beat it
         url = str(server.make_url("")).rstrip("/")
         async with KDNClient(edges=[url]) as c:
-            c.estimates[url].set_prior(0.05, 1e6)  # and the link is measured slow (50 ms, 1 MB/s)
+            c.routing.estimates[url].set_prior(0.05, 1e6)  # and the link is measured slow (50 ms, 1 MB/s)
             gen = await agenerate(lm.model, lm.tokenizer, ids + [5, 6, 7], c, max_new_tokens=1)
     finally:
         await server.close()

@@ -228,14 +228,14 @@ def _geo():
 def test_the_clients_ranking_puts_the_owner_first_then_follows_measurements():
     c = _client()
     ranked = c._ranked(1 << 20, ADDR)
-    owner = c._ring.owner(ADDR)
-    assert ranked[0].node_id == owner  # the owner edge first
+    owner = c.routing.ring.owner(ADDR)
+    assert ranked[0].label == f"edge:{owner}"  # the owner edge first (labelled by its ring id)
     assert [s.kind for s in ranked][-2:] == ["region", "origin"]
     # measured estimates still decide: make the origin look fastest
-    c.estimates["http://127.0.0.1:4"].rtt = 1e-6
-    c.estimates["http://127.0.0.1:4"].bandwidth = 1e12
-    for s in c.sources[:3]:
-        c.estimates[s.url].rtt = 0.5
+    c.routing.estimates["http://127.0.0.1:4"].rtt = 1e-6
+    c.routing.estimates["http://127.0.0.1:4"].bandwidth = 1e12
+    for s in c.routing.all[:3]:
+        c.routing.estimates[s.url].rtt = 0.5
     assert c._ranked(1 << 20, ADDR)[0].kind == "origin"
 
 

@@ -71,7 +71,7 @@ def test_the_same_fast_link_picks_raw_for_a_slow_receiver_and_zstd_for_a_fast_on
         speeds.observe("raw", 47_185_920, 47_185_920 / 10e9)  # a copy at 10 GB/s
         speeds.observe("zstd", 47_185_920, 47_185_920 / zstd_decode_bps)
         client = KDNClient(edges=["http://127.0.0.1:9"], decode_speeds=speeds)
-        est = client.estimates["http://127.0.0.1:9"]
+        est = client.routing.estimates["http://127.0.0.1:9"]
         est.bandwidth, est.rtt = link_bps, 0.001
         return client.choose_encoding(encodings)
 

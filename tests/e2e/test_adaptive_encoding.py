@@ -27,7 +27,7 @@ async def publish(c, encodings) -> dict:
 
 def freeze_link(client: KDNClient, url: str, bandwidth: float) -> None:
     """Pin the client's estimate of a link (the test is about the choice, not the measurement)."""
-    est = client.estimates[url]
+    est = client.routing.estimates[url]
     est.bandwidth, est.rtt = bandwidth, 0.001
     est.observe = lambda size, seconds, company=None: None
 

@@ -84,7 +84,7 @@ async def test_hedges_a_slow_request_and_verifies_everything(tmp_path, etcd_url)
             async with KDNClient(edges=[url(slow)], origin=c.origin_url()) as client:
                 await client.record(m["addresses"][0])
                 # Given these estimates (the edge near, the origin far), the edge is asked first...
-                client.estimates[url(slow)].rtt, client.estimates[c.origin_url()].rtt = 0.005, 0.2
+                client.routing.estimates[url(slow)].rtt, client.routing.estimates[c.origin_url()].rtt = 0.005, 0.2
                 assert client._ranked(1 << 20)[0].kind == "edge"
                 loop = asyncio.get_running_loop()
                 t0 = loop.time()
@@ -184,7 +184,7 @@ async def test_sources_from_the_registry_route_to_the_owner(tmp_path, etcd_url):
         finally:
             await reg.close()
         async with client:
-            kinds = sorted(s.kind for s in client.sources)
+            kinds = sorted(s.kind for s in client.routing.all)
             assert kinds == ["edge", "edge", "origin"]
             for a in m["addresses"]:
                 owner = c.edge("e1").membership.owner(a).node_id

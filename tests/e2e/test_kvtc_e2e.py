@@ -46,7 +46,7 @@ def test_kvtc_encoding_names():
 
 def test_choice_takes_kvtc_on_a_slow_link_only_within_its_worst_nll():
     client = KDNClient(origin="http://127.0.0.1:1")
-    est = client.estimates["http://127.0.0.1:1"]
+    est = client.routing.estimates["http://127.0.0.1:1"]
     est.bandwidth, est.rtt = 5e6, 0.001  # 5 MB/s: bytes dominate
     encs = {"zstd": {"size": 1_000_000}, "kvtc-2": {"size": int(1_000_000 * 1.45 / 6.96)}}
     assert client.choose_encoding(encs, 5.0) == "kvtc-2"

@@ -81,9 +81,9 @@ async def test_client_from_registry_leaves_out_unadmitted_nodes(tmp_path):
         leases = [await reg.register_node(n, ttl=30) for n in nodes.values()]
         try:
             async with await KDNClient.from_registry(reg, "eu") as everyone:
-                assert {s.url for s in everyone.sources} >= {"http://127.0.0.2:9102"}
+                assert {s.url for s in everyone.routing.all} >= {"http://127.0.0.2:9102"}
             async with await KDNClient.from_registry(reg, "eu", admitted_by=[op.public]) as client:
-                urls = {s.url for s in client.sources}
+                urls = {s.url for s in client.routing.all}
             assert urls == {"http://127.0.0.1:9101", "http://127.0.0.1:9100"}, urls
         finally:
             for lease in leases:
@@ -225,7 +225,7 @@ async def test_client_from_registry_leaves_out_a_revoked_node(tmp_path):
             gone = [admission_id(Admission.from_dict(e2.extra["admission"]))]
             async with await KDNClient.from_registry(reg, "eu", admitted_by=[op.public],
                                                      revoked_admissions=gone) as client:
-                assert {s.url for s in client.sources} == {"http://127.0.0.1:9601"}
+                assert {s.url for s in client.routing.all} == {"http://127.0.0.1:9601"}
             with pytest.raises(InvalidInput, match="admitted_by"):
                 await KDNClient.from_registry(reg, "eu", revoked_admissions=gone)
         finally:
