@@ -111,14 +111,12 @@ def _serve_events_args(p: argparse.ArgumentParser) -> None:
                    help="publish what this edge holds as vLLM KV-cache events on this ZMQ endpoint (vLLM's rule: "
                         "tcp://*:PORT or ipc://PATH binds, tcp://HOST:PORT connects to a router's SUB; "
                         "default: off; needs pyzmq)")
-    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
-                   help="with --kv-events: bind a ZMQ ROUTER here that replays buffered batches from a sequence "
-                        "number (vLLM's replay protocol)")
-    p.add_argument("--kv-events-namespace", action="append", default=None, metavar="NS",
-                   help="with --kv-events: publish this namespace too, its token ids in plaintext (repeat for "
-                        "more; default: public only)")
-    p.add_argument("--kv-events-buffer", default=None, metavar="SIZE",
-                   help="with --kv-events-replay: bytes of batches kept for replays (default: 64MiB)")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="with --kv-events: bind a ZMQ "
+                   "ROUTER here that replays buffered batches from a sequence number (vLLM's replay protocol)")
+    p.add_argument("--kv-events-namespace", action="append", default=None, metavar="NS", help="with --kv-events: "
+                   "publish this namespace too, its token ids in plaintext (repeat for more; default: public only)")
+    p.add_argument("--kv-events-buffer", default=None, metavar="SIZE", help="with --kv-events-replay: bytes of "
+                   "batches kept for replays (default: 64MiB)")
     p.add_argument("--kv-events-int-hashes", action="store_true",
                    help="with --kv-events: block hashes as 64-bit integers (an address's low 8 bytes), as vLLM's "
                         "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES does, for indexers that read integer hashes")
@@ -285,20 +283,14 @@ def _events_options(args: argparse.Namespace) -> dict:
     """`--kv-events*`, given only where their flags are (``EdgeConfig`` checks them together)."""
     from kdn.units import parse_size
 
-    kw: dict = {}
-    if args.kv_events is not None:
-        kw["kv_events"] = args.kv_events
-    if args.kv_events_replay is not None:
-        kw["kv_events_replay"] = args.kv_events_replay
-    if args.kv_events_namespace:
-        kw["kv_events_namespaces"] = tuple(args.kv_events_namespace)
-    if args.kv_events_buffer is not None:
-        kw["kv_events_buffer"] = _positive(parse_size(args.kv_events_buffer), "--kv-events-buffer")
-    if args.kv_events_int_hashes:
-        if args.kv_events is None:
-            raise InvalidInput("--kv-events-int-hashes needs --kv-events ENDPOINT")
-        kw["kv_events_int_hashes"] = True
-    return kw
+    if args.kv_events_int_hashes and args.kv_events is None:
+        raise InvalidInput("--kv-events-int-hashes needs --kv-events ENDPOINT")
+    given = {"kv_events": args.kv_events, "kv_events_replay": args.kv_events_replay,
+             "kv_events_namespaces": tuple(args.kv_events_namespace or ()) or None,
+             "kv_events_buffer": None if args.kv_events_buffer is None else
+             _positive(parse_size(args.kv_events_buffer), "--kv-events-buffer"),
+             "kv_events_int_hashes": args.kv_events_int_hashes or None}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _port(n: int) -> int:

@@ -70,7 +70,11 @@ class EdgeMetrics:
         self.aborted = Counter("kdn_edge_aborted_responses", "Responses cut short by the client hanging up",
                                registry=reg)
         self.in_flight = Gauge("kdn_edge_fills_in_flight", "Fills in progress", registry=reg)
-        # --kv-events (edge/kv_events.py): what this edge holds, as vLLM KV-cache events for routers
+        self._kv_event_metrics(reg)
+        scrape_gauges(reg, edge)
+
+    def _kv_event_metrics(self, reg: CollectorRegistry) -> None:
+        """--kv-events (edge/kv_events.py): what this edge holds, as vLLM KV-cache events for routers."""
         self.kv_events = Counter("kdn_edge_kv_events", "KV-cache events sent (--kv-events), by type: BlockStored, "
                                  "BlockRemoved, AllBlocksCleared", ["type"], registry=reg)
         self.kv_event_batches = Counter("kdn_edge_kv_event_batches", "KV-cache event batches sent, one sequence "
@@ -86,7 +90,6 @@ class EdgeMetrics:
                                            "holds (--kv-events-buffer caps it)", registry=reg)
         self.kv_event_blocks = Gauge("kdn_edge_kv_event_blocks", "Blocks announced and still held (what a router "
                                      "that followed every event knows of this edge)", registry=reg)
-        scrape_gauges(reg, edge)
 
     def owner_fallback(self, owner: str, outcome: str, n: int) -> None:
         """``n`` records the owner edge ``owner`` (a node id) did not give (``outcome``), asked of the origins."""

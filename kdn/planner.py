@@ -296,23 +296,7 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
     compute_all = pre.seconds(total_tokens, cached)
     if not n:
         return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "nothing published")
-    nbytes, hosted = [0], [0]  # running sums: all bytes, and those the host tier holds
-    for c in chunks:
-        nbytes.append(nbytes[-1] + c.nbytes)
-        hosted.append(hosted[-1] + (c.nbytes if c.host else 0))
-    host_bps = speeds.host_bps or HOST_PRIOR_BPS
-
-    def load_s(h: int, k: int) -> float:
-        hb = hosted[k] - hosted[h]
-        b = nbytes[k] - nbytes[h] - hb  # over the link
-        t = hb / host_bps
-        if b <= 0:
-            return t
-        t_link = link(b)
-        if measured:
-            t_link = max(t_link, b / measured)
-        return t + t_link
-
+    load_s = _load_time(chunks, link, measured, speeds.host_bps or HOST_PRIOR_BPS)
     if not math.isfinite(compute_all):  # never timed a prefill: load everything (and learn from the suffix)
         t = load_s(0, n)  # with nothing to weigh it against, only the caller's cap bounds the load
         return Plan(0, n, starts[n], total_tokens, t, compute_all, max_deadline_s, "load: prefill not measured yet", t)
@@ -332,6 +316,29 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
             + f": {t * 1e3:.1f} ms vs prefill {compute_all * 1e3:.1f} ms")
     return Plan(h, k, starts[k] - starts[h], total_tokens, t, compute_all,
                 _deadline(tl, max_deadline_s, compute_all), what, tl)
+
+
+def _load_time(chunks: Sequence[Chunk], link: Callable[[int], float], measured: float | None,
+               host_bps: float) -> Callable[[int, int], float]:
+    """Seconds to load chunks ``[h, k)``: the host tier's bytes at ``host_bps``, the rest over the link (its
+    estimate, or the engine's ``measured`` loads where slower), the two summed (they share the engine's cores)."""
+    nbytes, hosted = [0], [0]  # running sums: all bytes, and those the host tier holds
+    for c in chunks:
+        nbytes.append(nbytes[-1] + c.nbytes)
+        hosted.append(hosted[-1] + (c.nbytes if c.host else 0))
+
+    def load_s(h: int, k: int) -> float:
+        hb = hosted[k] - hosted[h]
+        b = nbytes[k] - nbytes[h] - hb  # over the link
+        t = hb / host_bps
+        if b <= 0:
+            return t
+        t_link = link(b)
+        if measured:
+            t_link = max(t_link, b / measured)
+        return t + t_link
+
+    return load_s
 
 
 def _compute_all(total_tokens: int, compute_all: float, t_all: float, speeds: Speeds, *, probe: bool,
