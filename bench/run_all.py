@@ -122,6 +122,8 @@ RUNS: list[Run] = [
     # The host tier shared by several engines on one machine, and an engine's restart (issue #53).
     Run("host_share", "host_share", [], ["--model", "tiny-llama", "--tokens", "1024", "--engines", "1,2",
                                          "--repeat", "1", "--json", ""], ("smollm2",), 1200),
+    # Engines on the KDN (issue #54): LMCache's L2 through KDN against its own fs L2; an edge's router events.
+    Run("engines", "engines", [], ["--quick"], ("smollm2", "lmcache-mp"), 1800, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("lookup", "lookup", [], ["--model", "tiny-llama", "--lengths", "512", "--repeat", "1"], ("smollm2",), 1200),
     Run("hybrid_bytes", "hybrid_bytes", [], ["--lengths", "512", "--repeat", "1"], ("smollm2",), 1200,
         {"OMP_WAIT_POLICY": "PASSIVE"}),
@@ -197,6 +199,8 @@ NEEDS = {
     "redis": (lambda: bool(shutil.which("redis-server")), "redis-server not installed (apt; the bench runs "
               "with --no-install)"),
     "lmcache": (lambda: (ROOT / "bench" / "work" / "lmcache-venv").exists(), "no LMCache venv in bench/work"),
+    "lmcache-mp": (lambda: _have_module("lmcache") and _have_module("zmq") and _have_module("msgpack"),
+                   "lmcache (scripts/setup), pyzmq or msgpack not installed"),
     "nginx": (lambda: bool(shutil.which("nginx") or Path("/usr/sbin/nginx").exists()), "nginx not installed (apt; "
               "the bench runs with --no-install)"),
 }
