@@ -19,7 +19,7 @@ from kdn.format.address import Address, validate_address
 from kdn.format.store import validate_encoding
 from kdn.host.fill import Absent, Filler
 from kdn.host.leases import Leases
-from kdn.wire.host import MAX_ADDRESSES, VERSION, HostError
+from kdn.wire.host import MAX_ADDRESSES, MAX_LEASE_MANY, VERSION, HostError
 from kdn.host.segment import Segment
 from kdn.host.store import Held, HostStore, Key, NoRoom
 
@@ -36,7 +36,8 @@ class Ops:
                  stats: Callable[[], dict[str, int]]) -> None:
         self.store, self.filler, self.grants, self.segment, self.stats = store, filler, grants, segment, stats
         self.ops: dict[str, Op] = {"hello": self.hello, "lookup": self.lookup, "lease": self.lease,
-                                   "release": self.release, "warm": self.warm, "stats": self.stats_op}
+                                   "lease_many": self.lease_many, "release": self.release,
+                                   "release_many": self.release_many, "warm": self.warm, "stats": self.stats_op}
 
     async def answer(self, leases: Leases, request: dict[str, Any]) -> dict[str, Any]:
         """The answer's fields (without ``id``); HostError for a refusal."""
@@ -89,6 +90,34 @@ class Ops:
         # pin over now, so a connection that dies from here on hands it back (Leases.close).
         lease = leases.add(h)
         return {"lease": lease, "offset": h.offset, "length": h.length, "record": h.record, "filled": filled}
+
+    async def lease_many(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
+        """``lease`` of each address (one encoding), in one round trip: per address its lease's fields, or the
+        refusal (``error``, ``message``) that ``lease`` would have answered; the others are still leased."""
+        addresses, encoding = _addresses(r, MAX_LEASE_MANY), _encoding(r)
+
+        async def one(address: Address) -> dict[str, Any]:
+            try:
+                return await self.lease(leases, ns, {"address": address, "encoding": encoding})
+            except HostError as e:
+                return {"error": e.code, "message": e.message}
+
+        return {"leases": list(await asyncio.gather(*(one(a) for a in addresses)))}
+
+    async def release_many(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
+        """Every lease named ends; one this connection does not hold is a bad request (the others still end)."""
+        ids = r.get("leases")
+        if not isinstance(ids, list) or len(ids) > MAX_LEASE_MANY:
+            raise HostError("bad-request", f"leases must be a list of at most {MAX_LEASE_MANY} lease ids")
+        unknown = []
+        for lease in ids:
+            try:
+                leases.release(lease)
+            except HostError:
+                unknown.append(str(lease)[:24])
+        if unknown:
+            raise HostError("bad-request", f"no lease {', '.join(unknown[:4])} on this connection")
+        return {}
 
     async def _fill_and_pin(self, key: Key, ns: frozenset[str]) -> Held:
         rec = await self._record(key[0])
@@ -172,8 +201,8 @@ def _encoding(r: dict[str, Any]) -> str:
         raise HostError("bad-request", str(e)) from None
 
 
-def _addresses(r: dict[str, Any]) -> list[Address]:
+def _addresses(r: dict[str, Any], limit: int = MAX_ADDRESSES) -> list[Address]:
     a = r.get("addresses")
-    if not isinstance(a, list) or len(a) > MAX_ADDRESSES:
-        raise HostError("bad-request", f"addresses must be a list of at most {MAX_ADDRESSES}")
+    if not isinstance(a, list) or len(a) > limit:
+        raise HostError("bad-request", f"addresses must be a list of at most {limit}")
     return [_address(x) for x in a]

@@ -187,7 +187,9 @@ async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, repor
             hit = hit.head(hit.chunks - 1)
     if not hit.tokens:
         return None, None
-    whole = await _held_by_host(client, hit, await loop.run_in_executor(None, chunks_of, hit, client, model))
+    whole = await loop.run_in_executor(None, chunks_of, hit, client, model)
+    if plan:  # (the planner costs what the host holds at the host's speed)
+        whole = await _held_by_host(client, hit, whole)
     kept = await loop.run_in_executor(None, _kept_bytes, hit, whole, client, model)
     took = believe(hit, whole, client)  # (before the fetch: it makes them warm)
     hit, decision = took.hit, None

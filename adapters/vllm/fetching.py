@@ -23,14 +23,12 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from kdn.format.objects import torch_dtype
-from kdn.client.hosted import Held
 from kdn.format.address import ModelId
 from kdn.wire.arena import ArenaFull
 from kdn.wire.bodyget import Tally
@@ -115,6 +113,16 @@ class Loading(Protocol):
     tally: Tally
     job: LoadJob
     holds: Holds
+    host_batch: asyncio.Future[HostBatch] | None  # what the host holds of its pieces, and leased (``_held``)
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """A load's pieces the host tier holds (``(address, encoding)``), and those leased in one go: per piece index
+    its ``kdn.client.leased.Leased`` (kept by the load's ``Holds``), or the ``HostError`` that lease met."""
+
+    have: frozenset[tuple[str, str]]
+    granted: dict[int, Any]
 
 
 
@@ -142,10 +150,6 @@ class PieceLoader:
         self.in_place = in_place
         self.attn, self.order, self.states = attn, order, states  # order: the staging's, the forward's
         self.kv_names = {f"L{a.index}.{x}" for a in order for x in ("k", "v")}
-        # Per load, what the host tier holds of its pieces: asked once (the first piece asks), bounded. Keyed by
-        # the request's id: an ``id()`` of the job object was reused by a later job once the first was freed,
-        # which then read the earlier load's answer (the host's holdings from before it was filled).
-        self._on_host: OrderedDict[str, asyncio.Future[Held]] = OrderedDict()
 
     def max_decoded(self, n_tokens: int) -> int:
         """The most an object of ``n_tokens`` for this model can decode to (fp32 at worst, aligned)."""
@@ -159,8 +163,8 @@ class PieceLoader:
         model basis is fetched, verified and registered first (once per basis). A raw piece is received
         straight into its place instead (``_fetch_placed``)."""
         host = self.client.host if run.job.host else None
-        if host is not None and (p.address, p.encoding) in await self._held(run):
-            staged = await self._from_host(run, i, p)
+        if host is not None and (p.address, p.encoding) in (batch := await self._held(run)).have:
+            staged = await self._from_host(run, i, p, batch.granted.get(i))
             if staged is not None:
                 return staged
         elif host is not None:  # from the edge now; asked of the host behind it, for the next load on this machine
@@ -207,39 +211,76 @@ class PieceLoader:
         staged.nbytes = kept.moved
         return staged
 
-    async def _held(self, run: Loading) -> frozenset[tuple[str, str]]:
-        """(address, encoding) of this load's pieces the host holds; nothing if it does not answer at once."""
-        from kdn.client.hosted import held
+    async def _held(self, run: Loading) -> HostBatch:
+        """What the host tier holds of this load's pieces, and those leased at once: asked once per load (the
+        first piece asks; the answer lives on the load itself, never shared with another one)."""
+        batch = getattr(run, "host_batch", None)
+        if batch is None:
+            batch = run.host_batch = asyncio.ensure_future(self._ask_host(run))
+        return await asyncio.shield(batch)
 
-        key = run.job.req_id
-        if key not in self._on_host:
-            while len(self._on_host) >= 32:
-                self._on_host.popitem(last=False)
-            self._on_host[key] = asyncio.ensure_future(held(self.client.host, [p.address for p in run.job.plan.pieces],
-                                                            self.client.host_stats))
-        got = await asyncio.shield(self._on_host[key])
-        return frozenset((p.address, e) for p, encs in zip(run.job.plan.pieces, got.encodings) for e in encs)
+    async def _ask_host(self, run: Loading) -> HostBatch:
+        """Which pieces the host holds (nothing if it does not answer at once), then those leased in one round
+        trip per ``MAX_LEASE_MANY`` (not one per piece), their leases kept by the load (``run.holds``) until it
+        ends. A host without the batch op (an older one) leases piece by piece, as before."""
+        from kdn.client.hosted import LOOKUP_S, held
+        from kdn.client.leased import Leased
+        from kdn.wire.host import HostError
 
-    async def _from_host(self, run: Loading, i: int, p: Piece) -> Staged | None:
+        host, stats, pieces = self.client.host, self.client.host_stats, run.job.plan.pieces
+        got = await held(host, [p.address for p in pieces], stats)
+        have = frozenset((p.address, e) for p, encs in zip(pieces, got.encodings) for e in encs)
+        want = [i for i, p in enumerate(pieces) if (p.address, p.encoding) in have]
+        granted: dict[int, Any] = {}
+        for enc in sorted({pieces[i].encoding for i in want}):
+            idx = [i for i in want if pieces[i].encoding == enc]
+            try:
+                async with asyncio.timeout(LOOKUP_S + 0.01 * len(idx)):
+                    granted.update(zip(idx, await host.lease_many([pieces[i].address for i in idx], enc)))
+            except (HostError, TimeoutError) as e:
+                stats.note(f"lease_many: {e}")
+        ids = [x.lease for x in granted.values() if isinstance(x, Leased)]
+        if ids:
+            leases = contextlib.AsyncExitStack()
+            leases.push_async_callback(self._release_many, ids)
+            if not run.holds.keep(leases):  # the load ended meanwhile: nothing of it reads them
+                await leases.aclose()
+                granted = {}
+        return HostBatch(have, granted)
+
+    async def _release_many(self, ids: list[int]) -> None:
+        from kdn.wire.host import HostError
+
+        try:
+            await self.client.host.release_many(ids)
+        except HostError as e:  # (a refusal of one: the others ended; a host gone ended them all)
+            self.client.host_stats.note(f"release_many: {e}")
+
+    async def _from_host(self, run: Loading, i: int, p: Piece, granted: Any = None) -> Staged | None:
         """Piece ``i`` leased from the host tier, or None (fetch it as ever): the host failed, or its copy is not
         the one the plan's signed digest names. On the CPU a raw piece is read in place: its lease is kept by
         the load (``run.holds``, released when the load ends) and its K/V are views of the mapping, written
         into the paged blocks layer by layer (``_in_place``). Otherwise it is copied from the mapping into the
-        staging (a stager thread), and the lease ends once the copy has: a cancelled load waits for its thread."""
+        staging (a stager thread), and the lease ends once the copy has: a cancelled load waits for its thread.
+        ``granted``: its lease from the load's batch (``_ask_host``: kept by the load already), or the error that
+        lease met; None: leased here."""
         from kdn.wire.host import HostError
 
         stats = self.client.host_stats
         lease = contextlib.AsyncExitStack()
-        kept = False
+        kept = granted is not None  # a batch's lease ends with the load, not here
         try:
-            leased = await lease.enter_async_context(self.client.host.lease(p.address, p.encoding))
+            if isinstance(granted, HostError):
+                raise granted
+            leased = granted if granted is not None else await lease.enter_async_context(
+                self.client.host.lease(p.address, p.encoding))
             if leased.record.get("encodings", {}).get(p.encoding, {}).get("digest") != p.digest:
                 stats.fallbacks += 1
                 stats.note(f"{p.address[:16]}.{p.encoding}: the host's record names another digest")
                 return None
             f = _Leased(leased.view, "host", p.encoding)
             if self.in_place and p.encoding == "raw" and not (self.states and i == len(run.job.plan.pieces) - 1):
-                if not run.holds.keep(lease):
+                if not kept and not run.holds.keep(lease):
                     raise LoadFailed("decode", p, "the load ended before this piece arrived")
                 kept = True  # from here the load's end releases it (the thread only reads the mapping)
                 staged = await asyncio.get_running_loop().run_in_executor(self.stager, self._in_place, run, i, p, f)

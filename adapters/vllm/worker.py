@@ -73,6 +73,7 @@ class _Running:
     from_host: bool = False  # ... every one of them from the machine's host tier (the sample is the host's speed)
     slots: tuple[int, torch.Tensor] | None = None  # (upto, its cache slots on the device): see _slots
     holds: Holds = field(default_factory=Holds)  # host-tier leases of the pieces its writes read in place
+    host_batch: Any = None  # (fetching.PieceLoader._held: what the host holds of it, asked once, leased at once)
     segments: tuple[int, list[tuple[int, int, Staged | None]]] | None = None  # (upto, what _segments said)
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from kdn.errors import KDNError
 from kdn.format.address import Address
 from kdn.client.leased import Leased
-from kdn.wire.host import VERSION, HostError, pack, read_frame, unpack
+from kdn.wire.host import ERRORS, MAX_LEASE_MANY, VERSION, HostError, pack, read_frame, unpack
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,59 @@ class HostClient:
                 view.release()
             await self._release(lease)
 
+    async def lease_many(self, addresses: Sequence[Address], encoding: str) -> list[Leased | HostError]:
+        """``lease`` of each address (one encoding) in as few round trips as the protocol allows
+        (``MAX_LEASE_MANY`` each): per address its ``Leased``, or the ``HostError`` its lease would have raised.
+        The caller ends every ``Leased`` with ``release_many`` (or the connection ends them). A first batch the host
+        refuses raises (an older host without the op: ``bad-request``, lease one by one); a later one gives its
+        addresses that error, the leases granted before it still the caller's."""
+        segment = self._segment
+        out: list[Leased | HostError] = []
+        for at in range(0, len(addresses), MAX_LEASE_MANY):
+            part = list(addresses[at:at + MAX_LEASE_MANY])
+            try:
+                a = await self._request("lease_many", addresses=part, encoding=encoding)
+            except HostError as e:
+                if not out:
+                    raise
+                return out + [e] * (len(addresses) - len(out))  # what was leased is still the caller's
+            answers = a.get("leases")
+            if not isinstance(answers, list) or len(answers) != len(part):
+                raise HostError("unavailable", "the host tier answered lease_many with another count of leases")
+            assert segment is not None
+            for address, x in zip(part, answers):
+                out.append(self._leased(address, encoding, x, segment))
+        return out
+
+    def _leased(self, address: Address, encoding: str, x: object, segment: memoryview) -> Leased | HostError:
+        if not isinstance(x, dict):
+            return HostError("unavailable", "a lease_many answer that is not a map")
+        if "error" in x:
+            code = str(x.get("error"))
+            return HostError(code if code in ERRORS else "unavailable", str(x.get("message"))[:200])
+        try:
+            lease, offset, length, record = int(x["lease"]), int(x["offset"]), int(x["length"]), dict(x["record"])
+        except (KeyError, TypeError, ValueError):
+            if isinstance(x.get("lease"), int):
+                self._orphan(x["lease"])
+            return HostError("unavailable", "a malformed lease in the host tier's lease_many answer")
+        if not 0 <= offset <= offset + length <= len(segment):
+            self._orphan(lease)
+            return HostError("unavailable", f"the host leased bytes [{offset}, {offset + length}) of a "
+                                            f"{len(segment)}-byte segment")
+        return Leased(address, encoding, lease, offset, segment[offset:offset + length], record,
+                      bool(x.get("filled")))
+
+    async def release_many(self, leases: Sequence[int]) -> None:
+        """End these leases (the views of them must not be read after), in as few round trips as allowed."""
+        for at in range(0, len(leases), MAX_LEASE_MANY):
+            try:
+                await self._request("release_many", leases=list(leases[at:at + MAX_LEASE_MANY]))
+            except HostError:
+                if self._gone is None:
+                    raise
+                return  # the connection ended (before or during the release), and every lease with it
+
     async def _release(self, lease: int) -> None:
         try:
             await self._request("release", lease=lease)
@@ -210,6 +263,10 @@ class HostClient:
                     waiting.set_result(a)
                 elif a.get("ok") and "lease" in a:
                     self._orphan(a["lease"])
+                elif a.get("ok") and isinstance(a.get("leases"), list):  # a lease_many nobody waits for now
+                    for x in a["leases"]:
+                        if isinstance(x, dict) and "lease" in x:
+                            self._orphan(x["lease"])
                 elif a.get("id") is None and not a.get("ok"):  # a refusal of no request: the stream's end
                     why = f"the host tier refused the stream: {a.get('message')}"
         except (HostError, ConnectionError, asyncio.IncompleteReadError) as e:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kdn.client.checked import decode_checked
+from kdn.client.leased import Leased
 from kdn.client.lookup import Fetched, Lookup
 from kdn.wire.host import HostError
 
@@ -57,6 +58,9 @@ class Held:
 
     encodings: list[frozenset[str]]
 
+    def any(self) -> bool:
+        return any(self.encodings)
+
     def pick(self, index: int, record_encodings: Sequence[str]) -> str | None:
         """The encoding to lease for object ``index``: one the host holds and the signed record names, raw first."""
         have = self.encodings[index] if index < len(self.encodings) else frozenset()
@@ -88,28 +92,83 @@ async def held(host: HostClient | None, addresses: Sequence[Address], stats: Hos
     return Held([frozenset(e) for e in found.encodings])
 
 
+async def lease_held(host: HostClient | None, hit: Lookup, on_host: Held, encoding: str | None,
+                     stats: HostStats) -> dict[int, Leased | HostError]:
+    """Every object of ``hit`` the host holds, leased in one round trip per ``MAX_LEASE_MANY`` (by the encoding
+    ``Held.pick`` chooses: ``encoding``, or raw first): per index its ``Leased``, or the ``HostError`` its lease
+    met. Nothing (each object then leased on its own, as before) where no host answers the batch at once: an
+    older host without the op, or one gone. The caller ends them: ``release_leased``."""
+    if host is None or host.gone:
+        return {}
+    picks: dict[str, list[int]] = {}
+    for i, rec in enumerate(hit.records[:len(hit.addresses)]):
+        enc = on_host.pick(i, [encoding] if encoding else list(rec.get("encodings", {})))
+        if enc is not None:
+            picks.setdefault(enc, []).append(i)
+    out: dict[int, Leased | HostError] = {}
+    for enc, indices in picks.items():
+        try:
+            async with asyncio.timeout(LOOKUP_S + 0.01 * len(indices)):
+                got = await host.lease_many([hit.addresses[i] for i in indices], enc)
+        except (HostError, TimeoutError) as e:
+            stats.note(f"lease_many: {e}")
+            continue
+        out.update(zip(indices, got))
+    return out
+
+
+async def release_leased(host: HostClient | None, granted: dict[int, Leased | HostError]) -> None:
+    """End the leases ``lease_held`` took (the views of them are not read after)."""
+    ids = [x.lease for x in granted.values() if isinstance(x, Leased)]
+    if host is not None and ids:
+        try:
+            await host.release_many(ids)
+        except HostError as e:  # (a refusal of one: the others ended; a gone host ended them all)
+            log.warning("host tier release_many: %s", e)
+
+
 async def from_host(host: HostClient, hit: Lookup, index: int, address: Address, encoding: str,
                     rec: dict[str, Any], budget: float | None, into: Callable[[int, ObjectView], None],
-                    decoders: Any, speeds: DecodeSpeeds, stats: HostStats) -> tuple[Fetched, DecodedObject] | None:
-    """Object ``index`` leased from the host and handed to ``into`` from the mapping, or None (read it from the
-    edges): the host failed, or its copy is not the one the signed record names."""
-    t0 = time.perf_counter()
+                    decoders: Any, speeds: DecodeSpeeds, stats: HostStats,
+                    granted: Leased | HostError | None = None) -> tuple[Fetched, DecodedObject] | None:
+    """Object ``index`` from the host, handed to ``into`` from the mapping, or None (read it from the edges):
+    the host failed, or its copy is not the one the signed record names. ``granted``: its lease taken already
+    (``lease_held``: the caller ends it), or the error that lease met; None: leased (and ended) here."""
     try:
+        if isinstance(granted, HostError):
+            raise granted
+        if granted is not None:
+            return _counted(await _copy(granted, hit, index, encoding, rec, budget, into, decoders, speeds, stats),
+                            stats)
         async with host.lease(address, encoding) as leased:
-            theirs = leased.record.get("encodings", {}).get(encoding, {}).get("digest")
-            if theirs != rec["encodings"][encoding]["digest"]:
-                stats.fallbacks += 1
-                stats.note(f"{address[:16]}.{encoding}: the host's record names another digest")
-                return None
-            f = Fetched(address, encoding, leased.view, "host", time.perf_counter() - t0)
-            # The copy into the cache runs while the lease holds the bytes in place (decode threads: off the loop).
-            out = await asyncio.get_running_loop().run_in_executor(
-                decoders, decode_checked, f, hit, budget, None, index, into, speeds)
+            got = await _copy(leased, hit, index, encoding, rec, budget, into, decoders, speeds, stats)
     except HostError as e:
         stats.fallbacks += 1
         stats.note(f"{address[:16]}.{encoding}: {e}")
         return None
-    stats.hits += 1
+    return _counted(got, stats)
+
+
+def _counted(got: tuple[Fetched, DecodedObject] | None, stats: HostStats) -> tuple[Fetched, DecodedObject] | None:
+    if got is not None:
+        stats.hits += 1
+    return got
+
+
+async def _copy(leased: Leased, hit: Lookup, index: int, encoding: str, rec: dict[str, Any], budget: float | None,
+                into: Callable[[int, ObjectView], None], decoders: Any, speeds: DecodeSpeeds,
+                stats: HostStats) -> tuple[Fetched, DecodedObject] | None:
+    """A leased object checked against the signed record, then copied into the cache (decode threads: off the
+    loop) while its lease holds the bytes in place; None where the host's record names another digest."""
+    t0 = time.perf_counter()
+    theirs = leased.record.get("encodings", {}).get(encoding, {}).get("digest")
+    if theirs != rec["encodings"][encoding]["digest"]:
+        stats.fallbacks += 1
+        stats.note(f"{leased.address[:16]}.{encoding}: the host's record names another digest")
+        return None
+    f = Fetched(leased.address, encoding, leased.view, "host", time.perf_counter() - t0)
+    out = await asyncio.get_running_loop().run_in_executor(decoders, decode_checked, f, hit, budget, None, index, into,
+                                                           speeds)
     return f, out
 
 

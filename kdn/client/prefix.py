@@ -22,7 +22,9 @@ from kdn.format.address import Address
 from kdn.client.checked import check_identity, decode_checked
 from kdn.format.encodings import parse_budget
 from kdn.errors import SourceError
-from kdn.client.hosted import Behind, Held, HostStats, from_host, held
+from kdn.client.hosted import Behind, Held, HostStats, from_host, held, lease_held, release_leased
+from kdn.client.leased import Leased
+from kdn.wire.host import HostError
 from kdn.client.lookup import Fetched, Lookup, PrefixStates
 from kdn.client.parts import Kept, fetch_kept, part_view
 from kdn.format.pieces import Pieces
@@ -93,9 +95,14 @@ async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | Non
     arrived: list[float] = []
     # The host tier first, for a load into an engine's cache: one question for the whole prefix.
     on_host = await held(client.host, hit.addresses, client.host_stats) if into is not None else Held([])
+    # ... and its objects leased at once (a round trip per 16, not one per object), ended when the load is
+    granted = await lease_held(client.host, hit, on_host, encoding, client.host_stats) if on_host.any() else {}
     one = _Object(client, hit, encoding, quality, into, arena, scatter, tally, arrived, on_host,
-                  needs if into is not None else None)
-    done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
+                  needs if into is not None else None, granted)
+    try:
+        done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
+    finally:
+        await release_leased(client.host, granted)
     if client.host is not None and into is not None:  # what the edges served, asked of the host for next time
         served = [f for f, _ in done if f.source != "host"]
         client.host_stats.misses += len(served)
@@ -111,9 +118,10 @@ class _Object:
     def __init__(self, client: PrefixSource, hit: Lookup, encoding: str | None, quality: str | float | None,
                  into: Callable[[int, ObjectView], None] | None, arena: Arena | None, scatter: Placer | None,
                  tally: Tally | None, arrived: list[float], on_host: Held,
-                 needs: Callable[[int], Collection[str] | None] | None = None) -> None:
+                 needs: Callable[[int], Collection[str] | None] | None = None,
+                 granted: dict[int, Leased | HostError] | None = None) -> None:
         self.client, self.hit, self.encoding, self.quality = client, hit, encoding, quality
-        self.on_host, self.needs = on_host, needs
+        self.on_host, self.needs, self.granted = on_host, needs, granted or {}
         self.into, self.scatter, self.tally, self.arrived = into, scatter, tally, arrived
         self.budget = parse_budget(client.quality if quality is None else quality)
         self.pool = arena if arena is not None else client.arena
@@ -134,7 +142,7 @@ class _Object:
         host_enc = self.on_host.pick(index, [self.encoding] if self.encoding else list(rec["encodings"]))
         if host_enc is not None and c.host is not None and self.into is not None:
             got = await from_host(c.host, hit, index, address, host_enc, rec, self.budget, self.into, c.decoders,
-                                  c.decode_speeds, c.host_stats)
+                                  c.decode_speeds, c.host_stats, self.granted.get(index))
             if got is not None:
                 self.arrived.append(time.perf_counter())
                 return got

@@ -13,6 +13,9 @@ bearer token; absent: anonymous, which reads ``public`` only, as at the edge)::
     {"id": 3, "op": "lease", "token": T, "address": A, "encoding": E}
       -> {"id": 3, "ok": true, "lease": L, "offset": O, "length": N, "record": {...}, "filled": bool}
     {"id": 4, "op": "release", "token": T, "lease": L}  -> {"id": 4, "ok": true}
+    {"id": 7, "op": "lease_many", "token": T, "addresses": [A, ...], "encoding": E}   (a load's objects at once)
+      -> {"id": 7, "ok": true, "leases": [{"lease": L, "offset": O, ...} | {"error": CODE, "message": M}, ...]}
+    {"id": 8, "op": "release_many", "token": T, "leases": [L, ...]}  -> {"id": 8, "ok": true}
     {"id": 5, "op": "warm", "token": T, "addresses": [A, ...], "encoding": E}
       -> {"id": 5, "ok": true, "outcomes": ["held" | "filled" | "absent" | "no-room" | "failed", ...]}
     {"id": 6, "op": "stats", "token": T}  -> {"id": 6, "ok": true, "objects": ..., "used_bytes": ..., ...}
@@ -35,6 +38,8 @@ from kdn.errors import KDNError
 VERSION = 1
 MAX_MESSAGE = 1 << 20  # a lookup of ~14k addresses; every answer is smaller than its request or than this
 MAX_ADDRESSES = 4096  # per lookup or warm: a 1M-token prompt in 256-token chunks
+MAX_LEASE_MANY = 16  # per lease_many or release_many: its answer carries each object's signed record (with piece
+# digests, ~34 KiB for a Llama-3-8B chunk), and 16 of those stay well inside MAX_MESSAGE
 _HEAD = struct.Struct(">I")
 
 ERRORS = {

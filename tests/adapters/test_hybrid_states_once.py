@@ -320,9 +320,10 @@ async def test_a_hybrid_loads_from_the_host_tier_bit_identically(tmp_path, etcd_
 
 async def test_vllm_hybrid_pieces_from_the_host_tier_are_read_in_place_and_the_last_keeps_its_states(
         tmp_path, etcd_url, folders):
-    """The vLLM worker's piece path from the host tier (``PieceLoader(in_place=True)``, as on the CPU): every
-    piece but the last is read in place (its K/V as views of the mapping, its lease kept by the load until the
-    load ends), the last is staged with its states; all of it equal to the model's own chunked prefill."""
+    """The vLLM worker's piece path from the host tier (``PieceLoader(in_place=True)``, as on the CPU): the load's
+    pieces leased in one round trip, every one but the last read in place (its K/V as views of the mapping, the
+    leases kept by the load until it ends), the last staged with its states; all of it equal to the model's own
+    chunked prefill."""
     pytest.importorskip("vllm")
     import contextlib
     import secrets
@@ -373,7 +374,9 @@ async def test_vllm_hybrid_pieces_from_the_host_tier_are_read_in_place_and_the_l
         loader = PieceLoader(client=client, model_id=lm.model_id, namespace="public", stager=ThreadPoolExecutor(2),
                              attn={a.name: a for a in attn}, order=attn, states=states, in_place=True)
         staged = [await loader.fetch_and_stage(run, i, p) for i, p in enumerate(pieces)]
-        assert [s.kv is not None for s in staged] == [True, True, True, False] and len(run.holds) == 3
+        assert [s.kv is not None for s in staged] == [True, True, True, False]
+        # the four pieces leased in one round trip, kept by the load as one batch until it ends
+        assert len(run.holds) == 1 and (await host.stats())["leases"] == 4
         assert client.host_stats.hits == 4 and run.tally.bytes == 0  # nothing over the socket's HTTP
         ref = prefill(lm.model, m["prefix_tokens"][:1024], chunk_tokens=256)
         for j, a in enumerate(attn):

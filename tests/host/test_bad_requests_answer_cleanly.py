@@ -170,3 +170,35 @@ async def test_an_unknown_token_fails_the_connect_and_leaves_no_connection(host)
         await HostClient(tier.config.socket, token="not-a-granted-token-" + "q" * 12).connect()
     assert e.value.code == "unauthorized"
     await wait_until(lambda: tier.stats()["connections"] == 0)
+
+
+async def test_lease_many_answers_each_address_and_release_many_ends_them(host):
+    """A load's objects leased in one round trip: each held one its lease, each other its own refusal (another
+    tenant's answers as an unpublished one), the rest still leased; release_many ends them, an unknown id is a
+    bad request that still ends the others; over MAX_LEASE_MANY addresses is refused whole."""
+    from kdn.client.leased import Leased
+    from kdn.wire.host import MAX_LEASE_MANY
+
+    tier, shelf = host
+    mine = [shelf.add(i, namespace="acme")[0] for i in range(3)]
+    theirs, _ = shelf.add(9, namespace="beta")
+    unpublished = "f" * 64
+    async with HostClient(tier.config.socket, token=ACME) as h:
+        got = await h.lease_many([mine[0], theirs, mine[1], unpublished, mine[2]], "raw")
+        assert [type(x).__name__ for x in got] == ["Leased", "HostError", "Leased", "HostError", "Leased"]
+        assert got[1].code == got[3].code == "absent" and got[1].message.split(" ")[:2] == got[3].message.split(" ")[:2]
+        leased = [x for x in got if isinstance(x, Leased)]
+        assert all(x.object().header.address == a for x, a in zip(leased, mine))
+        assert (await h.stats())["leases"] == 3
+        with pytest.raises(HostError, match="bad-request: no lease 99999"):
+            await h.release_many([leased[0].lease, 99999])
+        assert (await h.stats())["leases"] == 2
+        await h.release_many([x.lease for x in leased[1:]])
+        assert (await h.stats())["leases"] == 0
+        raw = await Raw.open(tier.config.socket)
+        try:
+            a = await raw.ask({"id": 1, "op": "lease_many", "token": ACME, "addresses": [mine[0]] * (MAX_LEASE_MANY + 1),
+                               "encoding": "raw"})
+            assert (a["ok"], a["error"]) == (False, "bad-request")
+        finally:
+            raw.close()

@@ -229,8 +229,18 @@ async def test_agenerate_loads_from_the_host_first_and_its_tokens_are_the_edges(
             assert first.ids == want.ids and client.host_stats.hits == 0  # the host held nothing yet
             await asyncio.gather(*client.behind.tasks)  # the edges' objects, asked of the host behind the request
             assert (await host.lookup(cdn.m["addresses"])).prefix == len(cdn.m["addresses"])
+            ops, real = [], host._request
+
+            async def counted(op, **fields):
+                ops.append(op)
+                return await real(op, **fields)
+
+            host._request = counted  # type: ignore[method-assign]
             second = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=8, plan=False)
             assert second.ids == want.ids
+            # the prefix's objects leased in one round trip and ended in one: no lease per object
+            assert ops == ["lookup", "lease_many", "release_many"], ops
+            host._request = real  # type: ignore[method-assign]
             assert client.host_stats.hits == len(cdn.m["addresses"]) and client.host_stats.fallbacks == 0
             assert set(second.report.sources) == {"host"}, second.report.sources
             # Planned: the host's chunks are costed at the host's own measured speed, and a load wholly from it
@@ -311,18 +321,19 @@ async def test_an_engine_that_started_before_its_host_finds_it_later(cdn, short_
 
 
 @pytest.mark.parametrize("edge", ["up", "down"])
-async def test_a_host_killed_mid_load_leaves_the_rest_to_the_edges_then_to_compute(cdn, short_dir, edge):
+async def test_a_host_killed_mid_load_leaves_the_rest_to_the_edges_then_to_compute(cdn, short_dir, edge,
+                                                                                   monkeypatch):
     """``kdn host serve`` is killed (SIGKILL) while a load reads from it, between its second and third object: the
-    object being read still comes from the mapping (the kernel keeps mapped pages), the rest from the edge; with
-    the edge gone too, the rest is computed. Either way the tokens are the edge-loaded request's, and the load
-    does not wait on the dead host. (The leases are taken one at a time here, so the kill falls mid-load.)"""
-    import contextlib
+    objects leased still come from the mapping (the kernel keeps mapped pages), the rest from the edge; with the
+    edge gone too, the rest is computed. Either way the tokens are the edge-loaded request's, and the load does
+    not wait on the dead host."""
     import os
     import sys
     import time
 
     from edge_proxy import Proxy
 
+    import kdn.client.host as host_module
     from kdn.adapters.hf import agenerate, load_model
 
     lm = load_model("tiny-llama")
@@ -343,19 +354,21 @@ async def test_a_host_killed_mid_load_leaves_the_rest_to_the_edges_then_to_compu
         assert (await asyncio.wait_for(serve.stdout.readline(), 60)).startswith(b"kdn host:")
         host = await HostClient(short_dir / "h.sock").connect()
         assert set(await host.warm(cdn.m["addresses"], "raw")) == {"filled"}
-        real, one_at_a_time, granted = host.lease, asyncio.Lock(), []
+        # A load leases the objects the host holds in batches (lease_many); two a batch here, so that the host
+        # can die between the first batch (granted, read from the mapping) and the next (refused: the edges)
+        monkeypatch.setattr(host_module, "MAX_LEASE_MANY", 2)
+        real, granted = host._request, []
 
-        @contextlib.asynccontextmanager
-        async def lease_then_die(address, encoding):
-            async with one_at_a_time, real(address, encoding) as obj:
-                granted.append(address)
-                if len(granted) == 2:  # the host dies while this object is being read from its mapping
-                    serve.kill()
-                    await serve.wait()
-                    proxy.mode = "ok" if edge == "up" else "down"
-                yield obj
+        async def request_then_die(op, **fields):
+            answer = await real(op, **fields)
+            if op == "lease_many":
+                granted.extend(fields["addresses"])
+                serve.kill()  # the host dies while these objects are read from its mapping
+                await serve.wait()
+                proxy.mode = "ok" if edge == "up" else "down"
+            return answer
 
-        host.lease = lease_then_die  # type: ignore[method-assign]
+        host._request = request_then_die  # type: ignore[method-assign]
         async with KDNClient(edges=[proxy.url], host=host) as client:
             t0 = time.perf_counter()
             got = await asyncio.wait_for(agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=8,
