@@ -32,7 +32,6 @@ import threading
 from collections import Counter
 from typing import Any
 
-import aiohttp
 import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -41,6 +40,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
+from kdn.adapters.ingest import KEPT
 from kdn.adapters.keyed import MISSES, engine_version
 from kdn.adapters.lmcache.config import AdapterSettings
 from kdn.adapters.lmcache.keys import SCHEME, derived_model_id, key_text, shard_of
@@ -93,32 +93,27 @@ class KDNL2Adapter(L2AdapterInterface):
         self._model_ids: dict[str, ModelId] = {}
         self._store_fd, self._lookup_fd, self._load_fd = (create_event_notifier() for _ in range(3))
         self.loop = LoopThread("kdn-lmcache")
-        self.client, self.session = self.loop.run(self._open(), self.cfg.timeout)
+        self.client, self.ingest = self.loop.run(self._open(), self.cfg.timeout)
 
     async def _open(self):
+        from kdn.adapters.ingest import IngestClient
         from kdn.auth import read_token
         from kdn.client import KDNClient
 
         token = read_token(self.cfg.token_file)
-        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         client = KDNClient(edges=list(self.cfg.edges), origin=self.cfg.origin, token=token, ca=self.cfg.ca,
                            trusted_keys=self.cfg.trusted_keys, timeout=self.cfg.timeout)
-        session = None
+        ingest = None
         if self.cfg.ingest:
-            ssl = None
-            if self.cfg.ingest.startswith("https://"):
-                from kdn.tls import client_context
-
-                ssl = client_context(self.cfg.ca)
-            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl if ssl is not None else True),
-                                            timeout=aiohttp.ClientTimeout(total=self.cfg.timeout))
-        return client, session
+            ingest = IngestClient(self.cfg.ingest, token, engine=self.engine, ca=self.cfg.ca, timeout=self.cfg.timeout,
+                                  log=log)
+        return client, ingest
 
     def close(self) -> None:
         async def cleanup() -> None:
             await self.client.close()
-            if self.session is not None:
-                await self.session.close()
+            if self.ingest is not None:
+                await self.ingest.close()
 
         self.loop.close(cleanup)
         for fd in (self._store_fd, self._lookup_fd, self._load_fd):
@@ -203,7 +198,7 @@ class KDNL2Adapter(L2AdapterInterface):
         return out
 
     async def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> tuple[list[ObjectKey], list[int]]:
-        if self.session is None:
+        if self.ingest is None:
             if not self.counts["read_only"]:
                 log.warning("the KDN L2 adapter has no 'ingest' origin: it only reads, and LMCache's stores fail")
             self.counts["read_only"] += len(keys)
@@ -221,29 +216,16 @@ class KDNL2Adapter(L2AdapterInterface):
         return pre, blob
 
     async def _put(self, key: ObjectKey, obj: MemoryObj) -> bool:
-        assert self.session is not None and self.cfg.ingest is not None
+        assert self.ingest is not None
         try:
             (_, shard, text, address), blob = await asyncio.to_thread(self._encode, key, obj)
         except KDNError as e:
             self.counts["refused"] += 1
             log.warning("LMCache chunk not stored: %s", e)
             return False
-        headers = {**self._auth, "X-KDN-Key-Scheme": SCHEME, "X-KDN-Key-Shard": shard, "X-KDN-Key": text,
-                   "X-KDN-Engine": self.engine, "Content-Type": "application/octet-stream"}
-        url = f"{self.cfg.ingest}/v1/objects/{address}"
-        try:
-            async with self.session.put(url, params={"encoding": self.cfg.encoding}, data=blob, headers=headers) as r:
-                if r.status in (200, 201):
-                    self.counts["stored" if r.status == 201 else "stored_already"] += 1
-                    return True
-                detail = (await r.text())[:300]
-        except MISSES as e:
-            self.counts["store_errors"] += 1
-            log.warning("KDN ingest of %s: %s", address[:16], str(e) or type(e).__name__)
-            return False
-        self.counts["store_refused"] += 1
-        log.warning("KDN ingest of %s refused (%d): %s", address[:16], r.status, detail)
-        return False
+        outcome = await self.ingest.put(address, self.cfg.encoding, blob, scheme=SCHEME, shard=shard, key=text)
+        self.counts[outcome] += 1
+        return outcome in KEPT
 
     # --- lookup: a record through the edges --------------------------------------------------------------------
 

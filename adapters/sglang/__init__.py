@@ -4,7 +4,7 @@
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
         '{"backend_name": "kdn", "module_path": "kdn.adapters.sglang", "class_name": "KDNHiCacheStorage",
           "interface_v1": 1, "edges": ["http://127.0.0.1:8701"], "namespace": "acme",
-          "token_file": "/etc/kdn/token", "store": "/srv/kdn/origin-store", "registry": "etcd://127.0.0.1:2379"}'
+          "token_file": "/etc/kdn/token", "ingest": "http://127.0.0.1:8000"}'
 
 SGLang's ``StorageBackendFactory`` imports this module and takes the class from it; the class (and SGLang's
 ``HiCacheStorage`` with it) is imported only then, so ``config``, ``keys`` and ``pages`` stay importable

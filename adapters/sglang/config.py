@@ -3,22 +3,29 @@
 Every key, its default, and what it is for (the README's "From SGLang" section shows them in a command line)::
 
     edges        list of edge URLs of this region, or ``{"id": url}`` pairs: where pages are read (verified)
-    origin       an origin URL, the source of last resort
-    namespace    the writing tenant's namespace (default ``public``); the token must grant it
-    token_file   file whose first token is sent to edges (or ``$KDN_TOKEN``)
-    ca           CA bundle for HTTPS edges
+    origin       an origin URL, the source of last resort for reads
+    ingest       the origin URL pages are written to (``PUT /v1/objects``: the origin checks the token's
+                 ``publish`` grant and the page's address, stores it and signs its record with who sent it).
+                 The recommended way to write: no shared file system, no registry access, no signing key here
+    namespace    the writing tenant's namespace (default ``public``); the token must grant ``read`` there, and
+                 ``publish`` too for writes through ``ingest``
+    token_file   file whose first token is sent to edges and the ingest origin (or ``$KDN_TOKEN``)
+    ca           CA bundle for HTTPS edges and origins
     trusted_keys file of publisher keys: a page whose record they did not sign is a miss
     model_id     KDN's id of the served model (``kdn.format.address.model_id``); default: derived from SGLang's
                  model name and the page geometry (a name, not the weights: see ``keys.py``)
-    store        the origin's object-store folder that pages are written into (with ``registry``: writes on)
-    registry     registry URL the pages' records are written to (``etcd://...``, ``file:...``)
+    store        the older way to write, kept for existing deployments: the origin's object-store folder that
+                 pages are written into (on its machine or a shared file system; with ``registry``: writes on)
+    registry     with ``store``: registry URL the pages' records are written to (``etcd://...``, ``file:...``)
     signing_key  with ``registry``: the Ed25519 key (``kdn origin keygen``) those records are signed with
-    node_id      the ``origin`` named in those records (default ``sglang-<hostname>``)
+    node_id      with ``registry``: the ``origin`` named in those records (default ``sglang-<hostname>``)
     encoding     the stored encoding, ``raw`` (default: a page is a plain copy both ways) or ``zstd``
     timeout      seconds one storage call may take before its pages count as misses (default 10)
 
-SGLang's own keys in the same object (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``) are
-taken and left alone; any other key is refused by name.
+Writes are on with ``ingest`` or with ``store`` and ``registry``, never both: a backend that names both is
+refused at start (one write path, chosen by whoever configures it, not by a precedence rule). With neither the
+backend only reads, and SGLang's writes report failure. SGLang's own keys in the same object (``backend_name``,
+``module_path``, ``class_name``, ``interface_v1``) are taken and left alone; any other key is refused by name.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from kdn.errors import InvalidInput
 
 ENCODINGS = ("raw", "zstd")
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
-_KEYS = frozenset({"edges", "origin", "namespace", "token_file", "ca", "trusted_keys", "model_id", "store",
+_KEYS = frozenset({"edges", "origin", "ingest", "namespace", "token_file", "ca", "trusted_keys", "model_id", "store",
                    "registry", "signing_key", "node_id", "encoding", "timeout"})
 
 
@@ -44,6 +51,7 @@ _KEYS = frozenset({"edges", "origin", "namespace", "token_file", "ca", "trusted_
 class StorageSettings:
     edges: tuple[str | tuple[str, str], ...] = ()
     origin: str | None = None
+    ingest: str | None = None
     namespace: str = PUBLIC_NAMESPACE
     token_file: str | None = None
     ca: str | None = None
@@ -61,8 +69,8 @@ class StorageSettings:
 
     @property
     def writes(self) -> bool:
-        """Pages are written only with both: the blob into the origin's store, its record into the registry."""
-        return bool(self.store and self.registry)
+        """Pages are written through the origin's ingest, or as blob into its store and record into the registry."""
+        return bool(self.ingest or (self.store and self.registry))
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> StorageSettings:
@@ -74,7 +82,7 @@ class StorageSettings:
         kw: dict[str, Any] = {}
         if "edges" in extra:
             kw["edges"] = _edges(extra["edges"])
-        for key in ("origin",):
+        for key in ("origin", "ingest"):
             if extra.get(key) is not None:
                 kw[key] = _url(key, extra[key])
         for key in ("token_file", "ca", "trusted_keys", "store", "registry", "signing_key"):
@@ -96,6 +104,10 @@ class StorageSettings:
         cfg = cls(**kw)
         if not (cfg.edges or cfg.origin):
             raise InvalidInput("the KDN storage backend needs 'edges' or 'origin' to read pages from")
+        if cfg.ingest and (cfg.store or cfg.registry):
+            raise InvalidInput("KDN storage setting 'ingest' writes pages through the origin, 'store' and 'registry' "
+                               "write them into its folder and registry: name one way to write, not both "
+                               "('ingest' is the recommended one)")
         if bool(cfg.store) != bool(cfg.registry):
             raise InvalidInput("KDN storage settings 'store' and 'registry' go together: a page is written as its "
                                "blob into the origin's store and its record into the registry")

@@ -17,14 +17,16 @@ from kdn.adapters.keyed import MAX_KEY_BYTES, keyed_address, named_model_id
 from kdn.format.address import Address, ModelId
 from kdn.errors import InvalidInput
 
-__all__ = ["MAX_KEY_BYTES", "derived_model_id", "page_address", "shard_of"]
+__all__ = ["MAX_KEY_BYTES", "SCHEME", "derived_model_id", "page_address", "shard_of"]
+
+SCHEME = "sglang-page"  # the key scheme: its tag in the address, and what an ingest names (X-KDN-Key-Scheme)
 
 
 def page_address(mid: ModelId, namespace: str, shard: str, key: str) -> Address:
     """The KDN address of SGLang page ``key``."""
     if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES:
         raise InvalidInput(f"an SGLang page key must be a non-empty string of at most {MAX_KEY_BYTES} bytes")
-    return keyed_address("sglang-page", mid, namespace, shard, key)
+    return keyed_address(SCHEME, mid, namespace, shard, key)
 
 
 def shard_of(*, mla: bool, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> str:

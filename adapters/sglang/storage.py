@@ -14,8 +14,14 @@ Rules:
    verified against it; then the object's own header must name this address, model, namespace and the pool's
    page geometry. Anything else -- no record, no source, a digest or header that does not match, a timeout --
    is a miss (``False``/``None``), counted in ``counts``: SGLang recomputes the page, it never loads a wrong byte.
-3. Writes (with ``store`` and ``registry``) put the page's object into the origin's store folder, blob first,
-   then its record into the registry (signed with ``signing_key``): the path of vLLM's producer
+3. Writes go, with ``ingest`` (recommended), to the origin's authenticated ingest (``PUT /v1/objects/{address}``,
+   ``kdn.adapters.ingest``, the LMCache adapter's path) with the tenant's token and the address's preimage: the
+   origin checks the token's ``publish`` grant on the namespace and that the address is that key's, stores the
+   page and signs its record with who sent it. A page the origin refuses (a token without ``publish`` there, no
+   answer in time) is not written (``False``), counted and logged, never raised; a page whose address already
+   holds other bytes (a 409: never rewritten) counts as written, as the stored one is there. With ``store`` and
+   ``registry`` instead (existing deployments), the page's object goes into the origin's store folder, blob
+   first, then its record into the registry (signed with ``signing_key``): the path of vLLM's producer
    (``kdn.adapters.vllm.save``); the origin serves the blob once its bytes match that record. A blob already
    stored is never rewritten (edges may hold its digest). MLA ranks other than SGLang's writer store nothing.
 4. Pages are stored layout-free (``pages.py``), so any host layout reads what any other wrote.
@@ -31,10 +37,11 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from kdn.adapters.ingest import KEPT
 from kdn.adapters.keyed import MISSES as _MISSES
 from kdn.adapters.keyed import engine_version
 from kdn.adapters.sglang.config import StorageSettings
-from kdn.adapters.sglang.keys import derived_model_id, page_address, shard_of
+from kdn.adapters.sglang.keys import SCHEME, derived_model_id, page_address, shard_of
 from kdn.adapters.sglang.pages import PageGeometry, block_at, block_of_flat, geometry_of, tensors_of
 from kdn.adapters.vllm.bridge import LoopThread
 from kdn.errors import InvalidInput, KDNError
@@ -50,7 +57,7 @@ async def _each(fn, addrs: list[Address]) -> list:
 
 
 class KDNHiCacheStorage(HiCacheStorage):
-    """HiCache's storage tier on KDN edges (reads) and an origin's store (writes)."""
+    """HiCache's storage tier on KDN edges (reads) and an origin's ingest or store (writes)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.cfg = StorageSettings.from_extra(storage_config.extra_config)
@@ -65,8 +72,8 @@ class KDNHiCacheStorage(HiCacheStorage):
         self.counts: Counter[str] = Counter()  # hits, misses, refused, written, ... (one process, one backend)
         self.engine = engine_version("sglang")
         self.loop = LoopThread("kdn-sglang")
-        self.client, self.registry = self.loop.run(self._open(), self.cfg.timeout)
-        if self.cfg.writes:
+        self.client, self.ingest, self.registry = self.loop.run(self._open(), self.cfg.timeout)
+        if self.registry is not None:
             from kdn.format.store import BlobDir
 
             assert self.cfg.store is not None
@@ -76,10 +83,16 @@ class KDNHiCacheStorage(HiCacheStorage):
         from kdn.auth import read_token
         from kdn.client import KDNClient
 
-        client = KDNClient(edges=list(self.cfg.edges), origin=self.cfg.origin, token=read_token(self.cfg.token_file),
-                           ca=self.cfg.ca, trusted_keys=self.cfg.trusted_keys, timeout=self.cfg.timeout)
-        registry = None
-        if self.cfg.writes:
+        token = read_token(self.cfg.token_file)
+        client = KDNClient(edges=list(self.cfg.edges), origin=self.cfg.origin, token=token, ca=self.cfg.ca,
+                           trusted_keys=self.cfg.trusted_keys, timeout=self.cfg.timeout)
+        ingest = registry = None
+        if self.cfg.ingest:
+            from kdn.adapters.ingest import IngestClient
+
+            ingest = IngestClient(self.cfg.ingest, token, engine=self.engine, ca=self.cfg.ca, timeout=self.cfg.timeout,
+                                  log=log)
+        elif self.cfg.writes:
             from kdn.registry import open_registry
 
             registry = open_registry(self.cfg.registry)
@@ -87,11 +100,13 @@ class KDNHiCacheStorage(HiCacheStorage):
                 from kdn.registry.signing import Signer
 
                 registry.signer = Signer.load(self.cfg.signing_key)
-        return client, registry
+        return client, ingest, registry
 
     def close(self) -> None:
         async def cleanup() -> None:
             await self.client.close()
+            if self.ingest is not None:
+                await self.ingest.close()
             if self.registry is not None:
                 await self.registry.close()
 
@@ -237,9 +252,48 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     def _write(self, keys: list[str], pages: list[dict[str, torch.Tensor]]) -> list[bool]:
         if not self.cfg.writes:
+            self.counts["read_only"] += len(keys)
             return [False] * len(keys)
         if not self.sc.is_storage_writer:
             return [True] * len(keys)  # an MLA replica: SGLang's writer rank stores the same bytes
+        if self.ingest is not None:
+            return self._send(keys, pages)
+        return self._store(keys, pages)
+
+    def _object(self, a: Address, page: dict[str, torch.Tensor]) -> bytes:
+        """Page ``page`` as the KDN object at ``a``: its own span, ``start..end`` 0..page size (where it sits in its
+        sequence is in SGLang's key, not here)."""
+        assert self.model_id is not None
+        raw = from_torch({n: t.contiguous() for n, t in page.items()})  # [L, P, H, D] each
+        return encode_object(kind="kv", address=a, model_id=self.model_id, namespace=self.cfg.namespace, start=0,
+                             end=self._geometry().page_size, position=0, parent=None, tensors=raw,
+                             encoding=self.cfg.encoding)
+
+    def _send(self, keys: list[str], pages: list[dict[str, torch.Tensor]]) -> list[bool]:
+        """Each page through the origin's ingest, all at once; True for a page the origin holds now."""
+        ingest = self.ingest
+        assert ingest is not None
+        addrs = [self._address(k) for k in keys]
+        blobs = [self._object(a, p) for a, p in zip(addrs, pages)]
+
+        async def send() -> list[str]:
+            return list(await asyncio.gather(*(ingest.put(a, self.cfg.encoding, b, scheme=SCHEME, shard=self.shard,
+                                                          key=k) for a, b, k in zip(addrs, blobs, keys))))
+        try:
+            outcomes = self.loop.run(send(), self.cfg.timeout)
+        except TimeoutError:
+            self.counts["timeouts"] += 1
+            self.counts["write_errors"] += len(keys)
+            log.warning("KDN ingest of %d pages: no answer within %g s", len(keys), self.cfg.timeout)
+            return [False] * len(keys)
+        self.counts.update(outcomes)
+        ok = [o in KEPT or o == "store_conflict" for o in outcomes]  # a conflict: the stored page is there
+        self.counts["written"] += sum(ok)
+        self.counts["write_errors"] += len(ok) - sum(ok)
+        return ok
+
+    def _store(self, keys: list[str], pages: list[dict[str, torch.Tensor]]) -> list[bool]:
+        """Each page's blob into the origin's store folder, then all their records into the registry."""
         from kdn.registry import Encoding, ObjectRecord
 
         g, enc = self._geometry(), self.cfg.encoding
@@ -249,13 +303,10 @@ class KDNHiCacheStorage(HiCacheStorage):
             a = self._address(key)
             blob = self.store.read(a, enc)
             if blob is None:  # never rewrite a stored blob: edges may hold its digest
-                raw = from_torch({n: t.contiguous() for n, t in page.items()})  # [L, P, H, D] each
-                blob = encode_object(kind="kv", address=a, model_id=self.model_id, namespace=self.cfg.namespace,
-                                     start=0, end=g.page_size, position=0, parent=None, tensors=raw, encoding=enc)
+                blob = self._object(a, page)
                 self.store.put(a, enc, blob, digest=blob_digest(blob))
             pieces = piece_digests(blob)
             encoding = Encoding(enc, len(blob), blob_digest(blob), PIECE_BYTES if pieces else 0, pieces)
-            # start..end is the page's own span: where it sits in its sequence is in SGLang's key, not here.
             records.append(ObjectRecord(address=a, model_id=self.model_id, namespace=self.cfg.namespace, kind="kv",
                                         start=0, end=g.page_size, parent=None, standalone=False,
                                         encodings={enc: encoding}, origin=self.cfg.node_id, engine=self.engine))

@@ -15,7 +15,9 @@ def test_reader_and_writer():
     r = StorageSettings.from_extra({**SGLANG, "edges": ["http://127.0.0.1:1/"], "namespace": "acme"})
     assert r.edges == ("http://127.0.0.1:1",) and r.namespace == "acme" and not r.writes and r.encoding == "raw"
     w = StorageSettings.from_extra({"edges": {"e1": "http://e1:1"}, "store": "/s", "registry": "file:/r"})
-    assert w.writes and w.edges == (("e1", "http://e1:1"),)
+    assert w.writes and w.edges == (("e1", "http://e1:1"),) and w.ingest is None
+    i = StorageSettings.from_extra({**SGLANG, "edges": ["http://e1:1"], "ingest": "http://origin:8000/"})
+    assert i.writes and i.ingest == "http://origin:8000" and i.store is None
 
 
 @pytest.mark.parametrize("extra,named", [
@@ -23,6 +25,10 @@ def test_reader_and_writer():
     ({}, "edges"),
     ({"edges": ["ftp://a"]}, "edges"),
     ({"edges": ["http://a"], "store": "/s"}, "store"),
+    ({"edges": ["http://a"], "ingest": "origin:8000"}, "'ingest'.*not an http"),
+    ({"edges": ["http://a"], "ingest": "http://o", "store": "/s", "registry": "file:/r"}, "not both"),
+    ({"edges": ["http://a"], "ingest": "http://o", "registry": "file:/r"}, "not both"),
+    ({"edges": ["http://a"], "ingest": "http://o", "signing_key": "/k"}, "signing_key"),
     ({"edges": ["http://a"], "signing_key": "/k"}, "signing_key"),
     ({"edges": ["http://a"], "encoding": "kvtc-2"}, "encoding"),
     ({"edges": ["http://a"], "timeout": 0}, "timeout"),
