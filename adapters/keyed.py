@@ -104,3 +104,35 @@ def setting_timeout(v: object) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
         raise InvalidInput(f"KDN storage setting 'timeout' must be seconds in (0, 3600], got {str(v)[:20]!r}")
     return float(v)
+
+
+ENCODINGS = ("raw", "zstd")  # what an engine backend stores its pages or chunks as
+
+
+def common_settings(params: dict[str, Any], who: str,
+                    strings: tuple[str, ...] = ("token_file", "ca", "trusted_keys")) -> dict[str, Any]:
+    """The settings both engine backends take (SGLang's extra config, LMCache's ``adapter_params``), checked:
+    ``edges``, ``origin``, ``ingest``, the file and name ``strings``, ``namespace``, ``model_id``,
+    ``encoding``, ``timeout``; the keyword arguments of the backend's settings. ``who`` names the backend in
+    errors ("KDN storage", "KDN L2 adapter"); ``InvalidInput`` names the bad key."""
+    kw: dict[str, Any] = {}
+    if "edges" in params:
+        kw["edges"] = setting_edges(params["edges"])
+    for key in ("origin", "ingest"):
+        if params.get(key) is not None:
+            kw[key] = setting_url(key, params[key])
+    for key in strings:
+        if params.get(key) is not None:
+            kw[key] = setting_string(key, params[key])
+    if "namespace" in params:
+        kw["namespace"] = validate_namespace(params["namespace"])
+    if params.get("model_id") is not None:
+        kw["model_id"] = validate_model_id(params["model_id"])
+    if "encoding" in params:
+        if params["encoding"] not in ENCODINGS:
+            raise InvalidInput(f"{who} setting 'encoding' must be one of {list(ENCODINGS)}, "
+                               f"got {str(params['encoding'])[:30]!r}")
+        kw["encoding"] = params["encoding"]
+    if "timeout" in params:
+        kw["timeout"] = setting_timeout(params["timeout"])
+    return kw

@@ -25,11 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kdn.adapters.keyed import setting_edges, setting_string, setting_timeout, setting_url
+from kdn.adapters.keyed import common_settings
 from kdn.errors import InvalidInput
-from kdn.format.address import PUBLIC_NAMESPACE, validate_model_id, validate_namespace
+from kdn.format.address import PUBLIC_NAMESPACE
 
-ENCODINGS = ("raw", "zstd")
 _KEYS = frozenset({"edges", "origin", "ingest", "namespace", "token_file", "ca", "trusted_keys", "model_id",
                    "encoding", "timeout"})
 
@@ -56,26 +55,7 @@ class AdapterSettings:
         unknown = sorted(set(params) - _KEYS)
         if unknown:
             raise InvalidInput(f"unknown KDN L2 adapter setting(s) {unknown}; known: {sorted(_KEYS)}")
-        kw: dict[str, Any] = {}
-        if "edges" in params:
-            kw["edges"] = setting_edges(params["edges"])
-        for key in ("origin", "ingest"):
-            if params.get(key) is not None:
-                kw[key] = setting_url(key, params[key])
-        for key in ("token_file", "ca", "trusted_keys"):
-            if params.get(key) is not None:
-                kw[key] = setting_string(key, params[key])
-        if "namespace" in params:
-            kw["namespace"] = validate_namespace(params["namespace"])
-        if params.get("model_id") is not None:
-            kw["model_id"] = validate_model_id(params["model_id"])
-        if "encoding" in params:
-            if params["encoding"] not in ENCODINGS:
-                raise InvalidInput(f"KDN L2 adapter setting 'encoding' must be one of {list(ENCODINGS)}, "
-                                   f"got {str(params['encoding'])[:30]!r}")
-            kw["encoding"] = params["encoding"]
-        if "timeout" in params:
-            kw["timeout"] = setting_timeout(params["timeout"])
+        kw = common_settings(params, "KDN L2 adapter")
         cfg = cls(**kw)
         if not (cfg.edges or cfg.origin):
             raise InvalidInput("the KDN L2 adapter needs 'edges' or 'origin' to read chunks from")

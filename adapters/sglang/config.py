@@ -34,14 +34,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdn.adapters.keyed import setting_edges as _edges
-from kdn.adapters.keyed import setting_string as _string
-from kdn.adapters.keyed import setting_timeout
-from kdn.adapters.keyed import setting_url as _url
-from kdn.format.address import PUBLIC_NAMESPACE, validate_model_id, validate_name, validate_namespace
+from kdn.adapters.keyed import ENCODINGS, common_settings
+from kdn.format.address import PUBLIC_NAMESPACE, validate_name
 from kdn.errors import InvalidInput
 
-ENCODINGS = ("raw", "zstd")
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
 _KEYS = frozenset({"edges", "origin", "ingest", "namespace", "token_file", "ca", "trusted_keys", "model_id", "store",
                    "registry", "signing_key", "node_id", "encoding", "timeout"})
@@ -79,28 +75,10 @@ class StorageSettings:
         unknown = sorted(set(extra) - _KEYS)
         if unknown:
             raise InvalidInput(f"unknown KDN storage setting(s) {unknown}; known: {sorted(_KEYS)}")
-        kw: dict[str, Any] = {}
-        if "edges" in extra:
-            kw["edges"] = _edges(extra["edges"])
-        for key in ("origin", "ingest"):
-            if extra.get(key) is not None:
-                kw[key] = _url(key, extra[key])
-        for key in ("token_file", "ca", "trusted_keys", "store", "registry", "signing_key"):
-            if extra.get(key) is not None:
-                kw[key] = _string(key, extra[key])
-        if "namespace" in extra:
-            kw["namespace"] = validate_namespace(extra["namespace"])
-        if extra.get("model_id") is not None:
-            kw["model_id"] = validate_model_id(extra["model_id"])
+        kw = common_settings(extra, "KDN storage", ("token_file", "ca", "trusted_keys", "store", "registry",
+                                                   "signing_key"))
         if "node_id" in extra:
             kw["node_id"] = validate_name(extra["node_id"])
-        if "encoding" in extra:
-            if extra["encoding"] not in ENCODINGS:
-                raise InvalidInput(f"KDN storage setting 'encoding' must be one of {list(ENCODINGS)}, "
-                                   f"got {str(extra['encoding'])[:30]!r}")
-            kw["encoding"] = extra["encoding"]
-        if "timeout" in extra:
-            kw["timeout"] = setting_timeout(extra["timeout"])
         cfg = cls(**kw)
         if not (cfg.edges or cfg.origin):
             raise InvalidInput("the KDN storage backend needs 'edges' or 'origin' to read pages from")
