@@ -20,13 +20,14 @@ No engine is imported here: the origin imports this module too.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from blake3 import blake3
 
 from kdn.errors import InvalidInput, KDNError
-from kdn.format.address import Address, ModelId, _str, model_id, validate_model_id, validate_name, validate_namespace
+from kdn.format.address import PUBLIC_NAMESPACE, Address, ModelId, _str, model_id, validate_model_id, validate_name, validate_namespace
 
 MAX_KEY_BYTES = 1024  # engines' keys are 64 hex characters or so; a suffixed or salted key a few more
 MAX_SHARD_BYTES = 128
@@ -107,6 +108,24 @@ def setting_timeout(v: object) -> float:
 
 
 ENCODINGS = ("raw", "zstd")  # what an engine backend stores its pages or chunks as
+COMMON_KEYS = frozenset({"edges", "origin", "ingest", "namespace", "token_file", "ca", "trusted_keys", "model_id",
+                         "encoding", "timeout"})  # the settings ``BackendSettings`` holds
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """What both engine backends are set with (``common_settings`` checks them); each adds its own."""
+
+    edges: tuple[str | tuple[str, str], ...] = ()
+    origin: str | None = None
+    ingest: str | None = None  # the origin's authenticated ingest, where writes go
+    namespace: str = PUBLIC_NAMESPACE
+    token_file: str | None = None
+    ca: str | None = None
+    trusted_keys: str | None = None
+    model_id: str | None = None
+    encoding: str = "raw"
+    timeout: float = 10.0
 
 
 def common_settings(params: dict[str, Any], who: str,

@@ -25,26 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kdn.adapters.keyed import common_settings
+from kdn.adapters.keyed import COMMON_KEYS, BackendSettings, common_settings
 from kdn.errors import InvalidInput
-from kdn.format.address import PUBLIC_NAMESPACE
 
-_KEYS = frozenset({"edges", "origin", "ingest", "namespace", "token_file", "ca", "trusted_keys", "model_id",
-                   "encoding", "timeout"})
+_KEYS = COMMON_KEYS
 
 
 @dataclass(frozen=True)
-class AdapterSettings:
-    edges: tuple[str | tuple[str, str], ...] = ()
-    origin: str | None = None
-    ingest: str | None = None
-    namespace: str = PUBLIC_NAMESPACE
-    token_file: str | None = None
-    ca: str | None = None
-    trusted_keys: str | None = None
-    model_id: str | None = None
-    encoding: str = "raw"
-    timeout: float = 10.0
+class AdapterSettings(BackendSettings):
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> AdapterSettings:

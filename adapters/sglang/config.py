@@ -34,31 +34,20 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdn.adapters.keyed import ENCODINGS, common_settings
-from kdn.format.address import PUBLIC_NAMESPACE, validate_name
+from kdn.adapters.keyed import COMMON_KEYS, ENCODINGS, BackendSettings, common_settings
+from kdn.format.address import validate_name
 from kdn.errors import InvalidInput
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
-_KEYS = frozenset({"edges", "origin", "ingest", "namespace", "token_file", "ca", "trusted_keys", "model_id", "store",
-                   "registry", "signing_key", "node_id", "encoding", "timeout"})
+_KEYS = COMMON_KEYS | {"store", "registry", "signing_key", "node_id"}
 
 
 @dataclass(frozen=True)
-class StorageSettings:
-    edges: tuple[str | tuple[str, str], ...] = ()
-    origin: str | None = None
-    ingest: str | None = None
-    namespace: str = PUBLIC_NAMESPACE
-    token_file: str | None = None
-    ca: str | None = None
-    trusted_keys: str | None = None
-    model_id: str | None = None
+class StorageSettings(BackendSettings):
     store: str | None = None
     registry: str | None = None
     signing_key: str | None = None
     node_id: str = field(default_factory=lambda: "sglang-" + (socket.gethostname().split(".")[0][:50] or "node"))
-    encoding: str = "raw"
-    timeout: float = 10.0
 
     def __post_init__(self) -> None:
         assert self.encoding in ENCODINGS and self.timeout > 0
