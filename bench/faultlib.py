@@ -215,7 +215,7 @@ class World:
         self.origin = Node("origin", ["origin", "serve", "--model", self.model, "--registry", self.etcd.registry,
                                       "--store", str(self.root / "origin-store"), "--port", str(port),
                                       "--node-id", "origin-1", "--token-file", str(self.root / "tokens"),
-                                      "--records", self.records],
+                                      "--records", self.records, "--raw-copies", "always"],
                            port, self.root / "origin.log")
         for region, n in self.regions.items():
             for i in range(1, n + 1):

@@ -248,7 +248,7 @@ async def publish(request: web.Request) -> web.Response:
                   else loaded.max_positions)
     store = app[STORE]
     defaults = default_encodings(app[CONFIG].raw_copies,
-                                 await asyncio.to_thread(store.free_fraction) if "encodings" not in body else 1.0)
+                                 await asyncio.to_thread(store.free_space) if "encodings" not in body else None)
     spec = await asyncio.get_running_loop().run_in_executor(app[TOKENIZER], functools.partial(
         parse_request, body, tokenizer=loaded.tokenizer, vocab_size=loaded.model.config.vocab_size,
         max_tokens=max_tokens, default_encodings=defaults))
@@ -406,7 +406,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 def create_app(config: OriginConfig) -> web.Application:
-    default_encodings(config.raw_copies, 1.0)  # a bad setting fails at start, not on the first publish
+    default_encodings(config.raw_copies, None)  # a bad setting fails at start, not on the first publish
     check_piece_bytes(config.piece_bytes)
     if is_s3(config.store):  # a bad store URL fails at start, in one line
         parse_s3_url(config.store)

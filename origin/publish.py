@@ -255,14 +255,18 @@ def _document_tokens(text: object, ids: object, *, tokenizer, vocab_size: int) -
     return ids
 
 
-# ``--raw-copies auto``: a raw copy beside zstd while the store's file system keeps this share free.
+# ``--raw-copies auto``: a raw copy beside zstd while the store's file system keeps this share, or this many
+# bytes, free (a quarter of a small disk; on a large one, 32 GiB of room is room enough, whatever its share).
 RAW_MIN_FREE = 0.25
+RAW_MIN_FREE_BYTES = 32 << 30
 RAW_COPIES = ("auto", "always", "never")
 
 
-def default_encodings(raw_copies: str, free_fraction: float) -> tuple[str, ...]:
+def default_encodings(raw_copies: str, free: tuple[int, int] | None) -> tuple[str, ...]:
     """What a publish that names no encodings stores: ``zstd`` (1.45x smaller: WAN fills and disk tiers),
-    and ``raw`` beside it unless told not to, or (``auto``) once the disk is more than 75% full.
+    and ``raw`` beside it unless told not to, or (``auto``) once the store's disk is filling: ``free`` is its
+    (free bytes, total bytes), None for a store with no disk to fill (a bucket); raw is kept while a quarter of
+    the disk or 32 GiB is free.
 
     Why both: which is cheaper to load depends on the link and the receiver. Next to an engine on a fast
     link, raw is a copy and zstd a decode at 0.4-1.5 GB/s a core; across a WAN zstd's fewer bytes win.
@@ -271,7 +275,8 @@ def default_encodings(raw_copies: str, free_fraction: float) -> tuple[str, ...]:
     """
     if raw_copies not in RAW_COPIES:
         raise InvalidInput(f"raw copies must be one of {', '.join(RAW_COPIES)}, not {raw_copies!r}")
-    raw = raw_copies == "always" or (raw_copies == "auto" and free_fraction >= RAW_MIN_FREE)
+    room = free is None or free[0] >= RAW_MIN_FREE_BYTES or free[0] >= RAW_MIN_FREE * free[1]
+    raw = raw_copies == "always" or (raw_copies == "auto" and room)
     return ("zstd", "raw") if raw else ("zstd",)
 
 

@@ -293,9 +293,9 @@ class S3ObjectStore(ObjectStore):
         with self._lock:
             self._index.get(address, {}).pop(encoding, None)
 
-    def free_fraction(self) -> float:
+    def free_space(self) -> None:
         """A bucket has no disk to fill (its quota is the operator's): raw copies are kept (``--raw-copies auto``)."""
-        return 1.0
+        return None
 
 
 def open_store(store: str | os.PathLike[str], *, fsync: bool = True, piece_bytes: int = PIECE_BYTES,

@@ -105,10 +105,10 @@ class ObjectStore:
     def _read(self, address: Address, encoding: str) -> bytes | None:
         return self.dir.read(address, encoding)
 
-    def free_fraction(self) -> float:
-        """The share of the store's file system still free (0..1)."""
+    def free_space(self) -> tuple[int, int] | None:
+        """The store's file system's (free bytes, total bytes)."""
         usage = shutil.disk_usage(self.dir.root)
-        return usage.free / usage.total if usage.total else 0.0
+        return usage.free, usage.total
 
     @property
     def total_bytes(self) -> int:

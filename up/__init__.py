@@ -185,6 +185,7 @@ async def _start_origin(root: Path, model: str, registry: str, port: int) -> web
     cfg = OriginConfig(model=model, registry=registry, store=str(root / "origin-store"), port=port,
                        token_file=str(root / "tokens"), node_id="origin-1", signing_key=str(root / "origin.key"),
                        records="store",  # object records beside the blobs; the edges read them there (auto)
+                       raw_copies="always",  # the engines sit next to it: raw is their copy, whatever the disk
                        probe_token_file=str(root / "probe-token"))
     app = create_app(cfg)
     runner = web.AppRunner(app, **server_options(app))

@@ -82,6 +82,7 @@ class Cluster:
     async def start_origin(self, model: str = "tiny-llama", *, prepare=None, **kw) -> None:
         port = free_port()
         kw.setdefault("store", str(self.tmp / "origin-store"))
+        kw.setdefault("raw_copies", "always")  # what a test loads is the same on a nearly full disk
         cfg = OriginConfig(model=model, registry=self.registry, port=port, token_file=str(self.tokens),
                            node_id="origin-1", fsync=False, **kw)
         app = create_origin(cfg)

@@ -35,6 +35,7 @@ def auth(token: str) -> dict:
 async def running_origin(tmp_path: Path, registry_url: str, model: str = "tiny-llama", **kw):
     # A port picked before start: the origin registers its URL at start, and port 0 is no URL.
     port = free_port()
+    kw.setdefault("raw_copies", "always")  # what a test loads is the same on a nearly full disk
     cfg = OriginConfig(model=model, registry=registry_url, store=str(tmp_path / "store"), port=port,
                        token_file=str(write_tokens(tmp_path / "tokens")), node_id="origin-test", fsync=False, **kw)
     app = create_app(cfg)

@@ -62,7 +62,7 @@ async def test_publish_text_and_find_every_object(tmp_path, etcd_url, model):
         tokens = loaded.tokenizer.encode(text)
         assert manifest["prefix_tokens"] == tokens and manifest["tokens"] == len(tokens)
         await check_published(session, etcd_url, manifest, loaded, tokens, store=tmp_path / "store")
-        # blobs are in the store under their addresses: zstd, and raw beside it by default (disk allowing)
+        # blobs are in the store under their addresses: zstd, and raw beside it (the tests' origins keep raw always)
         store = tmp_path / "store"
         for a in manifest["addresses"]:
             assert (store / a[:2] / a[2:4] / f"{a}.zstd").is_file()
@@ -71,14 +71,17 @@ async def test_publish_text_and_find_every_object(tmp_path, etcd_url, model):
 
 def test_default_encodings_follow_the_raw_copies_setting_and_the_disk():
     from kdn.errors import InvalidInput
-    from kdn.origin.publish import RAW_MIN_FREE, default_encodings
+    from kdn.origin.publish import RAW_MIN_FREE_BYTES, default_encodings
 
-    assert default_encodings("auto", 0.5) == ("zstd", "raw")
-    assert default_encodings("auto", RAW_MIN_FREE - 0.01) == ("zstd",)  # a filling disk keeps zstd only
-    assert default_encodings("always", 0.01) == ("zstd", "raw")
-    assert default_encodings("never", 0.99) == ("zstd",)
+    gib = 1 << 30
+    assert default_encodings("auto", (50 * gib, 100 * gib)) == ("zstd", "raw")
+    assert default_encodings("auto", (24 * gib, 100 * gib)) == ("zstd",)  # a filling disk keeps zstd only
+    assert default_encodings("auto", (RAW_MIN_FREE_BYTES, 1000 * gib)) == ("zstd", "raw")  # a large one has room
+    assert default_encodings("auto", None) == ("zstd", "raw")  # a bucket: no disk to fill
+    assert default_encodings("always", (gib, 100 * gib)) == ("zstd", "raw")
+    assert default_encodings("never", (99 * gib, 100 * gib)) == ("zstd",)
     with pytest.raises(InvalidInput, match="raw copies"):
-        default_encodings("sometimes", 0.5)
+        default_encodings("sometimes", None)
 
 
 async def test_raw_copies_never_and_a_named_list_store_only_what_they_say(tmp_path, etcd_url):
@@ -96,7 +99,7 @@ async def test_raw_copies_never_and_a_named_list_store_only_what_they_say(tmp_pa
         finally:
             await reg.close()
     (tmp_path / "b").mkdir()
-    async with running_origin(tmp_path / "b", etcd_url) as (server, session):  # auto, but the body names raw only
+    async with running_origin(tmp_path / "b", etcd_url) as (server, session):  # the body names raw only
         m = (await publish(session, {"name": "named", "text": doc_text(600, "harbor-policy.md"),
                                      "encodings": ["raw"]}))["manifest"]
         reg = open_records(etcd_url, tmp_path / "b" / "store")

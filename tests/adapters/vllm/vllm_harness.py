@@ -111,7 +111,7 @@ class Cluster:
         p = Proc(f"origin-{name}", ["kdn", "origin", "serve", "--model", model, "--dtype", dtype, "--engine", engine,
                                     "--registry", self.registry, "--store", str(self.tmp / f"store-{store or name}"),
                                     "--port", str(port), "--token-file", str(self.tmp / "tokens"),
-                                    "--node-id", f"origin-{name}"]
+                                    "--node-id", f"origin-{name}", "--raw-copies", "always"]
                  + (["--signing-key", signing_key] if signing_key else [])
                  + (["--kvtc-basis", kvtc_basis] if kvtc_basis else []), self.tmp / f"origin-{name}.log")
         self.procs.append(p)
