@@ -49,8 +49,9 @@ for ``"deviation"`` (R reused tokens, r selected, L layers);
 ``recompute_ratio=0`` is pure composition (no check layer: fresh tokens on top
 of the shifted chunks). ``recompute_ratio=1`` runs every token in every layer (no check layer),
 the same operations as ``full_prefill``, and gives bit-identical results.
-Decoder layers are driven here (embed_tokens, layers, norm, rotary_emb), with
-explicit positions, for ``llama`` and ``qwen2`` (full attention) models.
+Decoder layers are driven here, with explicit positions, for ``llama`` and ``qwen2`` (full attention)
+models, through the steps of ``HFOps`` (embed_tokens, each layer's norms, projections and MLP,
+rotary_emb); an engine that owns its modules gives the same steps (vLLM: ``kdn.adapters.vllm.blend_run``).
 """
 
 from __future__ import annotations
@@ -126,20 +127,76 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * c + _rotate_half(x) * sn
 
 
-def _kv(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's K (rotated) and V of ``x`` [1, s, hidden], its input after ``input_layernorm``: each [1, Hkv, s, D]."""
-    attn = layer.self_attn
-    s, D = x.shape[1], attn.head_dim
-    k = attn.k_proj(x).view(1, s, -1, D).transpose(1, 2)
-    v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
-    return _rope(k, cos, sin), v
+class HFOps:
+    """The steps ``blend_prefill`` takes through a transformers Llama-family model, layer by layer.
+
+    Another engine drives the same blend by giving these methods for its own modules (vLLM's:
+    ``kdn.adapters.vllm.blend.VllmOps``). Hidden states are ``[1, s, hidden]``; q/k/v ``[1, heads, s, D]``,
+    q and k rotated; ``rot`` is whatever ``rotary`` returns for the positions ``idx`` (here: cos, sin).
+    """
+
+    def __init__(self, model: Any) -> None:
+        check_model(model)
+        self.model = model
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        self.config = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.kv_heads, self.head_dim = model.config.num_key_value_heads, self.layers[0].self_attn.head_dim
+        self.rope = rope_of(model)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.embed_tokens(ids)[None]  # [1, s, hidden]
+
+    def rotary(self, idx: torch.Tensor, like: torch.Tensor) -> Any:
+        return self.inner.rotary_emb(like, position_ids=idx[None])  # (cos, sin), each [1, s, D]
+
+    @staticmethod
+    def rot_rows(rot: Any, rows: torch.Tensor) -> Any:
+        return rot[0][:, rows], rot[1][:, rows]
+
+    def norm_in(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        return self.layers[i].input_layernorm(h)
+
+    def kv(self, i: int, x: torch.Tensor, rot: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s K (rotated) and V of ``x`` [1, s, hidden], its input after ``input_layernorm``."""
+        attn = self.layers[i].self_attn
+        s, D = x.shape[1], attn.head_dim
+        k = attn.k_proj(x).view(1, s, -1, D).transpose(1, 2)
+        v = attn.v_proj(x).view(1, s, -1, D).transpose(1, 2)
+        return _rope(k, *rot), v
+
+    def q(self, i: int, x: torch.Tensor, rot: Any) -> torch.Tensor:
+        attn = self.layers[i].self_attn
+        s, D = x.shape[1], attn.head_dim
+        return _rope(attn.q_proj(x).view(1, s, -1, D).transpose(1, 2), *rot)
+
+    def qkv(self, i: int, x: torch.Tensor, rot: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.q(i, x, rot)
+        k, v = self.kv(i, x, rot)
+        return q, k, v
+
+    def scaling(self, i: int) -> float:
+        return self.layers[i].self_attn.scaling
+
+    def finish(self, i: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of layer ``i`` after attention: ``o`` [1, Hq, s, D] through o_proj, the residual, the MLP."""
+        layer = self.layers[i]
+        s = h.shape[1]
+        h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(1, s, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.inner.norm(h))[0]  # [n, vocab]
+
+    def kv_share(self, i: int) -> float:
+        return kv_share(self.layers[i])
 
 
-def _q(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """A layer's queries (rotated) of ``x`` [1, s, hidden], its input after ``input_layernorm``: [1, Hq, s, D]."""
-    attn = layer.self_attn
-    s, D = x.shape[1], attn.head_dim
-    return _rope(attn.q_proj(x).view(1, s, -1, D).transpose(1, 2), cos, sin)
+def ops_of(model: Any) -> Any:
+    """``model``'s blend steps: an engine's own ops object as it is (it has ``qkv``), else a transformers model's."""
+    return model if hasattr(model, "qkv") and hasattr(model, "finish") else HFOps(model)
 
 
 # Queries of a partial recompute are cut by position into at most this many bands of the context; each
@@ -181,25 +238,20 @@ def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, idx: torch.Tensor
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def _layer(layer: Any, h: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           K: torch.Tensor, V: torch.Tensor, steer: Steer | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoder layer for the tokens ``idx`` (positions = indices, ascending) over the context's K/V.
+def _layer(ops: Any, i: int, h: torch.Tensor, idx: torch.Tensor, rot: Any, K: torch.Tensor, V: torch.Tensor,
+           steer: Steer | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decoder layer ``i`` for the tokens ``idx`` (positions = indices, ascending) over the context's K/V.
 
     h: [1, s, hidden] of tokens idx [s]; K, V: [1, Hkv, S, D] of the whole context,
     rows ``idx`` replaced, in place, by the ones computed here. Returns (h', K, V).
     """
-    attn = layer.self_attn
-    s = h.shape[1]
-    x = layer.input_layernorm(h)  # [1, s, hidden]
-    q = _q(layer, x, cos, sin)  # [1, Hq, s, D]
-    k, v = _kv(layer, x, cos, sin)  # [1, Hkv, s, D] each
+    x = ops.norm_in(i, h)  # [1, s, hidden]
+    q, k, v = ops.qkv(i, x, rot)  # [1, Hq, s, D]; [1, Hkv, s, D] each
     K.index_copy_(2, idx, k)  # [1, Hkv, S, D]
     V.index_copy_(2, idx, v)
-    bias = steer.bias(attn.layer_idx, idx, K.shape[2], q.shape[1], q.dtype, q.device) if steer is not None else None
-    o = _attend(q, K, V, idx, attn.scaling, bias)  # [1, Hq, s, D]
-    h = h + attn.o_proj(o.transpose(1, 2).reshape(1, s, -1))
-    h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return h, K, V
+    bias = steer.bias(i, idx, K.shape[2], q.shape[1], q.dtype, q.device) if steer is not None else None
+    o = _attend(q, K, V, idx, ops.scaling(i), bias)  # [1, Hq, s, D]
+    return ops.finish(i, h, o), K, V
 
 
 def kv_share(layer: Any) -> float:
@@ -226,41 +278,41 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
                   n_logits: int = 1, selection: str = "deviation-query", steer: Steer | None = None) -> Blend:
     """Prefill a context of reused and fresh segments, CacheBlend style (see the module doc).
 
-    The last ``n_logits`` tokens must be fresh (their logits are returned). ``steer``: a steering plan
-    (``kdn.adapters.hf.steer``) in the composed context's positions; it biases the queries it covers.
+    ``model``: a transformers model, or an engine's blend steps (``HFOps``' methods: vLLM's ``VllmOps``).
+    The last ``n_logits`` tokens must be fresh (their logits are returned; 0: none, an engine that computes
+    the last token itself). ``steer``: a steering plan (``kdn.adapters.hf.steer``) in the composed context's
+    positions; it biases the queries it covers.
     """
-    _check_args(model, recompute_ratio, check_layer, selection)
-    inner = model.model
-    layers = list(inner.layers)
-    c = _context(model, segments, n_logits)
-    L = len(layers)
+    ops = ops_of(model)
+    _check_args(ops, recompute_ratio, check_layer, selection)
+    c = _context(ops, segments, n_logits)
+    L = len(ops.layers)
     with torch.inference_mode():
         if recompute_ratio in (0.0, 1.0) or selection == "chunk-start":  # no check layer: nothing to select by
             chosen = torch.tensor(chunk_start_tokens(segments, recompute_ratio) if recompute_ratio else [],
                                   dtype=torch.long, device=c.dev)
             start, idx = 0, torch.sort(torch.cat((chosen, c.fresh_idx))).values
-            h = inner.embed_tokens(c.ids[idx])[None]  # [1, s, hidden]
+            h = ops.embed(c.ids[idx])  # [1, s, hidden]
             layer_tokens: float = int((~c.exact[chosen]).sum()) * L  # exact tokens (ratio 1) are not reused ones
         else:
-            start, idx, h, layer_tokens = _check_and_select(model, c, recompute_ratio, check_layer, selection, steer)
+            start, idx, h, layer_tokens = _check_and_select(ops, c, recompute_ratio, check_layer, selection, steer)
         recomputed = idx[~c.fresh[idx]]
-        cos, sin = _cos_sin(inner, idx, h)
+        rot = ops.rotary(idx, h)
         for i in range(start, L):
-            h, c.Ks[i], c.Vs[i] = _layer(layers[i], h, idx, cos, sin, c.Ks[i], c.Vs[i], steer)
+            h, c.Ks[i], c.Vs[i] = _layer(ops, i, h, idx, rot, c.Ks[i], c.Vs[i], steer)
         S = c.S
-        assert bool((idx[-n_logits:] == torch.arange(S - n_logits, S, device=c.dev)).all())
-        logits = model.lm_head(inner.norm(h[:, -n_logits:]))[0]  # [n_logits, vocab]
+        assert bool((idx[len(idx) - n_logits:] == torch.arange(S - n_logits, S, device=c.dev)).all())
+        logits = ops.logits(h[:, -n_logits:]) if n_logits else h.new_empty((0,))  # [n_logits, vocab]
     return Blend(logits=logits, keys=c.Ks, values=c.Vs, n_tokens=S, n_reused=int(c.reused_idx.numel()),
                  recomputed=recomputed, layer_tokens=layer_tokens, n_layers=L, n_exact=int(c.exact.sum()))
 
 
-def _check_args(model: Any, recompute_ratio: float, check_layer: int, selection: str) -> None:
-    check_model(model)
+def _check_args(ops: Any, recompute_ratio: float, check_layer: int, selection: str) -> None:
     if not 0.0 <= recompute_ratio <= 1.0:
         raise InvalidInput(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
     if selection not in SELECTIONS:
         raise InvalidInput(f"selection must be one of {list(SELECTIONS)}, got {selection!r}")
-    n_layers = len(model.model.layers)
+    n_layers = len(ops.layers)
     if not 0 <= check_layer < n_layers:
         raise InvalidInput(f"check_layer {check_layer} is not a layer of this {n_layers}-layer model")
     if selection in ("deviation-kv", "deviation-query") and check_layer == 0:
@@ -284,10 +336,8 @@ class _Context:
     Vs: list[torch.Tensor]
 
 
-def _context(model: Any, segments: Sequence[Segment], n_logits: int) -> _Context:
-    layers = list(model.model.layers)
-    p = next(model.parameters())
-    dev, dtype = p.device, p.dtype
+def _context(ops: Any, segments: Sequence[Segment], n_logits: int) -> _Context:
+    dev, dtype = ops.device, ops.dtype
     lengths = [len(s.ids) for s in segments]
     if not lengths or min(lengths) == 0:
         raise InvalidInput("every segment needs at least one token")
@@ -296,42 +346,36 @@ def _context(model: Any, segments: Sequence[Segment], n_logits: int) -> _Context
     fresh = torch.cat([torch.full((n,), s.kv is None, dtype=torch.bool) for s, n in zip(segments, lengths)]).to(dev)
     exact = torch.cat([torch.full((n,), s.kv is not None and s.exact, dtype=torch.bool)
                        for s, n in zip(segments, lengths)]).to(dev)
-    if not bool(fresh[S - n_logits:].all()):
+    if n_logits and not bool(fresh[S - n_logits:].all()):
         raise InvalidInput(f"the last {n_logits} tokens must be fresh (a query) to have logits")
     live = (~exact).nonzero().flatten()
     row = torch.full((S,), -1, dtype=torch.long, device=dev)
     row[live] = torch.arange(live.numel(), device=dev)
-    H = model.config.num_key_value_heads
-    Ks, Vs = compose([s.kv for s in segments], lengths, rope_of(model), range(len(layers)),
-                     kv_shape=(H, layers[0].self_attn.head_dim), dtype=dtype, device=dev,
+    Ks, Vs = compose([s.kv for s in segments], lengths, ops.rope, range(len(ops.layers)),
+                     kv_shape=(ops.kv_heads, ops.head_dim), dtype=dtype, device=dev,
                      starts=[s.at for s in segments])
     return _Context(dev, ids, S, fresh, exact, (~fresh & ~exact).nonzero().flatten(), fresh.nonzero().flatten(),
                     live, row, Ks, Vs)
 
 
-def _cos_sin(inner: Any, idx: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return inner.rotary_emb(like, position_ids=idx[None])  # each [1, s, D]
-
-
-def _check_and_select(model: Any, c: _Context, ratio: float, check_layer: int, selection: str,
+def _check_and_select(ops: Any, c: _Context, ratio: float, check_layer: int, selection: str,
                       steer: Steer | None) -> tuple[int, torch.Tensor, torch.Tensor, float]:
     """The check layers for every live token, then the selection: (the first layer left to run, the tokens
     that run it, their hidden states, the (reused token, layer) pairs the check cost and the rest will)."""
-    layers = list(model.model.layers)
     Ks, Vs, reused_idx = c.Ks, c.Vs, c.reused_idx
     # "deviation": layers 0..check_layer in full; "deviation-kv": layers 0..check_layer-1 in full and
     # only the K/V projections of the check layer (what the deviation needs).
     full_layers = check_layer + 1 if selection == "deviation" else check_layer
     idx = c.live
-    h = model.model.embed_tokens(c.ids[idx])[None]  # [1, s, hidden]
-    cos, sin = _cos_sin(model.model, idx, h)
+    h = ops.embed(c.ids[idx])  # [1, s, hidden]
+    rot = ops.rotary(idx, h)
     # The composed K/V of the reused tokens at the check layer, kept before the layers below rewrite it.
     comp_k, comp_v = Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx]
     for i in range(full_layers):
-        h, Ks[i], Vs[i] = _layer(layers[i], h, idx, cos, sin, Ks[i], Vs[i], steer)
+        h, Ks[i], Vs[i] = _layer(ops, i, h, idx, rot, Ks[i], Vs[i], steer)
     if selection != "deviation":
-        x = layers[check_layer].input_layernorm(h)
-        k, v = _kv(layers[check_layer], x, cos, sin)
+        x = ops.norm_in(check_layer, h)
+        k, v = ops.kv(check_layer, x, rot)
         if c.live.numel() == c.S:
             Ks[check_layer], Vs[check_layer] = k, v
         else:  # the exact tokens' rows stay as loaded
@@ -344,19 +388,18 @@ def _check_and_select(model: Any, c: _Context, ratio: float, check_layer: int, s
         qpos = torch.arange(int(reused_idx[-1]) + 1, c.S, device=c.dev)
         qpos = qpos[~c.exact[qpos]]
         qr = c.row[qpos]
-        q = _q(layers[check_layer], x[:, qr], cos[:, qr], sin[:, qr])
-        attn = layers[check_layer].self_attn
+        q = ops.q(check_layer, x[:, qr], ops.rot_rows(rot, qr))
         # Steered, the question reads the emphasised tokens more: weigh them as the steered model will.
-        bias = steer.bias(attn.layer_idx, qpos, c.S, q.shape[1], q.dtype, c.dev) if steer is not None else None
-        a = query_attention(q, Ks[check_layer], qpos, attn.scaling, bias)
+        bias = steer.bias(check_layer, qpos, c.S, q.shape[1], q.dtype, c.dev) if steer is not None else None
+        a = query_attention(q, Ks[check_layer], qpos, ops.scaling(check_layer), bias)
         d = query_weighted(d, a[reused_idx])
     chosen = reused_idx[select_tokens(d, ratio)]
     idx = torch.sort(torch.cat((chosen, c.fresh_idx))).values  # [s]
     h = h.index_select(1, c.row[idx])
     R = int(reused_idx.numel())
-    layer_tokens: float = R * full_layers + int(chosen.numel()) * (len(layers) - full_layers)
+    layer_tokens: float = R * full_layers + int(chosen.numel()) * (len(ops.layers) - full_layers)
     if selection != "deviation":
-        layer_tokens += R * kv_share(layers[check_layer])
+        layer_tokens += R * ops.kv_share(check_layer)
     return full_layers, idx, h, layer_tokens
 
 

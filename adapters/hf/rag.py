@@ -83,7 +83,7 @@ def rag_frame(tokenizer: Any, query: str, system: str | None) -> tuple[str, str]
     return (f"{system}\n\n" if system else ""), f"\n\n{query}\n"
 
 
-async def _fetch_chunks(client: Any, mid: A.ModelId, namespace: str, addrs: Sequence[A.Address], device: Any,
+async def fetch_chunks(client: Any, mid: A.ModelId, namespace: str, addrs: Sequence[A.Address], device: Any,
                         report: RagReport) -> list[dict | None]:
     """Each address's tensors, or ``None`` where the KDN cannot serve it (a miss is a recompute).
 
@@ -171,7 +171,7 @@ async def generate_rag(model: Any, tokenizer: Any, query: str, documents: Sequen
     st = _rag_plan(model, tokenizer, head, documents, emphasis, steer, steer_alpha, steer_heads)
     report = RagReport()
     device = next(model.parameters()).device
-    states = await _fetch_chunks(client, mid, namespace, addrs, device, report)
+    states = await fetch_chunks(client, mid, namespace, addrs, device, report)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(None, _run, model, tokenizer, head, pieces, states, tail, report,
                                       recompute_ratio, check_layer, selection, max_new_tokens, t_start, st)

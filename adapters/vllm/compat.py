@@ -21,7 +21,10 @@ is exercised by tests/adapters/vllm against the pinned version):
 - ``scheduler.py``: a request's ``request_id`` and ``num_tokens`` (its prompt and
   KV-transfer params come through here);
 - ``produce.py``: the public ``vllm.LLM``, ``SamplingParams`` and ``TokensPrompt``
-  (the origin's own engine).
+  (the origin's own engine);
+- ``blend_run.py``: a Llama-family vLLM model's modules (``model.layers[i]``: ``input_layernorm``,
+  ``self_attn.qkv_proj`` / ``rotary_emb`` / ``o_proj`` / ``q_size`` / ``kv_size`` / ``scaling``,
+  ``post_attention_layernorm``, ``mlp``; ``embed_tokens``), found by ``decoder_model`` below.
 
 What differs between engines lives here too: how a vLLM layer name maps to a
 KDN layer index, and how vLLM keeps a gated-delta-net layer's state compared
@@ -115,6 +118,36 @@ def layer_index(layer_name: str) -> int:
 def forward_layers(vllm_config: Any) -> dict[str, Any]:
     """Layer name -> the module vLLM binds its cache to (``.kv_cache``, ``.impl``)."""
     return vllm_config.compilation_config.static_forward_context
+
+
+def decoder_model(attn_layer: Any, n_layers: int) -> Any:
+    """The loaded model that owns ``attn_layer`` (layer 0's attention, from the forward context).
+
+    vLLM hands a KV connector its attention layers and never the model, and keeps no registry of loaded
+    models. Called from ``start_load_kv``, the model runner that calls it is on the stack: the model is
+    its ``model`` (an instance attribute, read from ``__dict__`` so that no property runs), the one whose
+    ``model.layers`` are ``n_layers`` decoder layers and whose first layer's ``self_attn.attn`` is
+    ``attn_layer``. (The garbage collector cannot find it: vLLM freezes every object alive at start.)
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        for v in list(frame.f_locals.values()):
+            for cand in (v, getattr(v, "__dict__", {}).get("model") if not isinstance(v, type) else None):
+                if _owns(cand, attn_layer, n_layers):
+                    return cand
+        frame = frame.f_back
+    raise ModelMismatch("no model runner on the stack owns the engine's attention layers (pipeline parallel, "
+                        "or a model without model.layers[i].self_attn.attn): cannot blend")
+
+
+def _owns(obj: Any, attn_layer: Any, n_layers: int) -> bool:
+    if not issubclass(type(obj), torch.nn.Module):  # (type(), not isinstance: a dead weak proxy raises)
+        return False
+    layers = getattr(getattr(obj, "model", None), "layers", None)
+    return (isinstance(layers, torch.nn.ModuleList) and len(layers) == n_layers
+            and getattr(getattr(layers[0], "self_attn", None), "attn", None) is attn_layer)
 
 
 # --- requests and scheduler output ------------------------------------------------------

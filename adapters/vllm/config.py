@@ -29,6 +29,9 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``revoked_admissions``  with ``admitted_by``: file of admission ids the operator revoked (``kdn node revoke``)
     ``steer``          accept requests that ask for attention steering from an emphasis map (``steer.py``;
                        default false; on GPU it asks vLLM for piecewise CUDA graphs)
+    ``blend``          accept RAG requests whose documents were published alone: their chunks composed at
+                       question time, CacheBlend style (``blend.py``; default false; attention-only Llama-family
+                       models, tensor_parallel_size 1)
     ``plan``           load only what is faster to load than to compute (default true: ``kdn.planner`` on this
                        engine's measured step times, load speeds and link; a request's ``kdn`` params
                        ``"plan": false`` loads all it can regardless, e.g. to measure a load)
@@ -62,7 +65,7 @@ SAVE_MODES = ("request", "all")
 _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
-    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding", "arena", "plan",
+    "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding", "arena", "plan", "blend",
     "admitted_by", "revoked_admissions", "decode_threads", "host",
 })
 # Two threads decode a zstd load at 8k tokens 15% faster than one here (bench/datapath.py, 2 cores: 294/289 ->
@@ -99,6 +102,7 @@ class ConnectorConfig:
     node_id: str = field(default_factory=lambda: "vllm-" + (socket.gethostname().split(".")[0][:50] or "node"))
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     steer: bool = False
+    blend: bool = False
     arena: int = DEFAULT_ARENA
     plan: bool = True
     decode_threads: int = DEFAULT_DECODE_THREADS
@@ -199,7 +203,7 @@ def _sizes(extra: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise InvalidInput(f"KDN connector setting 'chunk_tokens' must be a positive int, got {v!r}")
         kw["chunk_tokens"] = v
-    for key in ("steer", "plan"):
+    for key in ("steer", "plan", "blend"):
         if key in extra:
             if not isinstance(extra[key], bool):
                 raise InvalidInput(f"KDN connector setting {key!r} must be true or false, got {str(extra[key])[:20]!r}")

@@ -49,6 +49,7 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         hf = vllm_config.model_config.hf_config
         n_layers = int(hf.num_hidden_layers)
         self._check_steer(vllm_config)
+        self._check_blend(vllm_config)
         self.bridge = LoopThread(f"kdn-{role.name.lower()}") if self.consume or (self.produce and self.cfg.registry) else None
         self.client = self.bridge.run(_make_client(self.cfg), timeout=30) if self.consume and self.bridge else None
         self.registry: Any = None
@@ -81,6 +82,15 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             log.warning("KDN: kv_load_failure_policy is %r: a failed load fails its request; set it to "
                         "'recompute' to have vLLM compute what could not be loaded", tc.kv_load_failure_policy)
 
+    def _check_blend(self, vllm_config: Any) -> None:
+        if not self.cfg.blend:
+            return
+        if self.hybrid:
+            raise InvalidInput("blending ('blend': true) composes attention K/V only: this model is hybrid")
+        if int(vllm_config.parallel_config.tensor_parallel_size) > 1 or \
+                int(vllm_config.parallel_config.pipeline_parallel_size) > 1:
+            raise InvalidInput("blending ('blend': true) runs with tensor and pipeline parallel size 1 only")
+
     def _check_steer(self, vllm_config: Any) -> None:
         if self.cfg.steer and int(vllm_config.parallel_config.tensor_parallel_size) > 1:
             raise InvalidInput("attention steering ('steer': true) runs with tensor_parallel_size 1 only")
@@ -97,7 +107,15 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if self.client is not None:  # it times every step, so that plans are made on measured speeds
             planner = Planner(Speeds(prefill_model(hf)), link=self.client.expected_seconds,
                               max_deadline_s=self.cfg.load_timeout)
-        return SchedulerSide(cfg=self.cfg, model_id=self.model_id, block_size=block_size,
+        blender = None
+        if self.consume:
+            from kdn.adapters.vllm.blend import BlendScheduler
+
+            blender = BlendScheduler(client=self.client, bridge=self.bridge, model_id=self.model_id,
+                                     namespace=self.cfg.namespace, chunk_tokens=self.cfg.chunk_tokens,
+                                     block_size=block_size, n_layers=n_layers, lookup_timeout=self.cfg.lookup_timeout,
+                                     enabled=self.cfg.blend)
+        return SchedulerSide(cfg=self.cfg, model_id=self.model_id, block_size=block_size, blender=blender,
                              hybrid=self.hybrid, consume=self.consume, produce=self.produce,
                              background=self.hybrid or self.cfg.load == "async", bridge=self.bridge,
                              client=self.client, mamba_groups=tuple(g.id for g in self.groups if g.kind == "mamba"),
@@ -112,6 +130,13 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         self.worker = WorkerSide(cfg=self.cfg, model_id=self.model_id, groups=self.groups, bridge=self.bridge,
                                  client=self.client, device=torch.device(vllm_config.device_config.device))
         self.worker.register(compat.forward_layers(vllm_config))
+        if self.cfg.blend and self.consume:
+            from kdn.adapters.vllm.blend_run import BlendRunner
+
+            self.worker.blender = BlendRunner(client=self.client, bridge=self.bridge, model_id=self.model_id,
+                                              namespace=self.cfg.namespace, attn=self.worker.attn,
+                                              block_size=self.worker.block_size, vllm_config=vllm_config,
+                                              fetch_timeout=self.cfg.load_timeout)
         self.steerer = None
         if self.cfg.steer:
             from kdn.adapters.vllm.steer import Steerer
@@ -154,7 +179,7 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KDNMetadata)
-        if meta.loads:
+        if meta.loads or meta.blends:
             self._worker().start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kdn.adapters.vllm.blend import BlendJob
 from kdn.adapters.vllm.compat import KVConnectorMetadata
 from kdn.adapters.vllm.plan import LoadPlan
 from kdn.adapters.vllm.steer import SteerJob
@@ -49,3 +50,4 @@ class KDNMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     steers: list[SteerJob] = field(default_factory=list)  # steered requests' rows this step (steer.py)
+    blends: list[BlendJob] = field(default_factory=list)  # RAG prompts composed from standalone chunks (blend.py)

@@ -30,6 +30,7 @@ from kdn.format.pieces import Pieces
 from kdn.format.store import validate_encoding
 
 from kdn.adapters.vllm import compat
+from kdn.adapters.vllm.blend import BlendScheduler
 from kdn.adapters.vllm.config import ConnectorConfig
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob, SaveChunk, SaveJob
 from kdn.adapters.vllm.plan import LoadPlan, Piece, plan_load
@@ -77,6 +78,7 @@ class SchedulerSide:
     n_layers: int = 0  # the model's, for steering plans
     n_heads: int = 0
     planner: Planner | None = None  # consumers: times the engine's steps; cuts plans where ``plan`` is on
+    blender: BlendScheduler | None = None  # consumers: RAG prompts of standalone chunks (``blend`` setting)
     _lookups: dict[str, _Lookup] = field(default_factory=dict)
     _plans: dict[str, LoadPlan] = field(default_factory=dict)
     _ready: list[LoadJob] = field(default_factory=list)
@@ -96,6 +98,10 @@ class SchedulerSide:
         rid = request.request_id
         if not self.consume or compat.kdn_params(request).get("load") is False or rid in self._given_up:
             return 0, False
+        if self.blender is not None:
+            spec = self.blender.spec_for(request)
+            if spec is not None:  # its documents' chunks, composed: no prefix lookup
+                return self.blender.matched(request, spec, computed)
         lk = self._lookups.get(rid)
         if lk is None:
             tokens = compat.prompt_tokens(request)
@@ -238,6 +244,8 @@ class SchedulerSide:
 
     def allocated(self, request: Any, blocks: Any, n: int) -> None:
         rid = request.request_id
+        if self.blender is not None and self.blender.allocated(request, blocks, n):
+            return  # a blend: its K/V are not a prefix's, never saved nor steered
         if n > 0:
             plan = self._plans.get(rid)  # kept: vLLM asks hit_sources next, and finished() forgets it
             if plan is None or plan.tokens != n:
@@ -371,11 +379,11 @@ class SchedulerSide:
 
     def build_meta(self, out: Any) -> KDNMetadata:
         meta = KDNMetadata(loads=self._ready, saves=self._save_jobs(out) if self.produce else [],
-                           steers=self._steer_jobs(out))
+                           steers=self._steer_jobs(out), blends=self.blender.jobs() if self.blender else [])
         self._ready = []
         if self.planner is not None:  # timed until its output comes back (step_done)
             self.planner.steps.scheduled([(n, first) for first, n in compat.step_tokens(out).values()],
-                                         loaded=bool(meta.loads))
+                                         loaded=bool(meta.loads or meta.blends))
         return meta
 
     def step_done(self, output: Any) -> None:
@@ -427,6 +435,8 @@ class SchedulerSide:
         self._decided.pop(rid, None)
         self._saves.pop(rid, None)
         self._steers.pop(rid, None)
+        if self.blender is not None:
+            self.blender.finished(rid)
 
 
 _HIT_SOURCE = {

@@ -22,7 +22,10 @@ turns them into ``kdn_vllm_*`` series on vLLM's own ``/metrics``:
 - ``kdn_vllm_plans_total{outcome}``: the load planner's choices (scheduler side): ``load`` (all the
   hit), ``load_part``, ``compute`` (faster than loading), ``probe`` (computed, while one chunk is fetched
   off the request path to re-measure a stale link);
-- ``kdn_vllm_planned_tokens_total{how}``: the tokens of those hits the planner chose to load or compute.
+- ``kdn_vllm_planned_tokens_total{how}``: the tokens of those hits the planner chose to load or compute;
+- ``kdn_vllm_blended_tokens_total{kind}``: RAG prompts composed from standalone chunks (``blend.py``):
+  ``written`` (into the cache instead of computed by vLLM), ``reused`` (of those, from the KDN's chunks),
+  ``recomputed`` (reused tokens recomputed past the check layer); a blend's time is the ``blend`` phase.
 
 The worker also reports each load's wire bytes and seconds (``samples``), which
 the scheduler side reads back for the planner's load speed; they are not a series.
@@ -40,10 +43,11 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 def _empty() -> dict[str, Any]:
     return {"loads": 0, "tokens": {}, "paths": {}, "bytes": {}, "failures": {}, "seconds": [], "saved": 0, "samples": [],
-            "plans": {}, "plan_tokens": {}, "phases": {}}
+            "plans": {}, "plan_tokens": {}, "phases": {},
+            "blend": {}}
 
 
-PHASES = ("lookup", "fetch", "stall", "write")
+PHASES = ("lookup", "fetch", "stall", "write", "blend")
 
 
 @dataclass
@@ -60,7 +64,7 @@ class KDNStats(KVConnectorStats):
     def is_empty(self) -> bool:
         d = self.data
         return not (d["loads"] or d["failures"] or d["saved"] or d.get("samples") or d.get("plans")
-                    or any(d.get("phases", {}).values()))
+                    or any(d.get("phases", {}).values()) or d.get("blend"))
 
     def loaded(self, tier: str, tokens: int, path: str = "staging") -> None:
         self.data["tokens"][tier] = self.data["tokens"].get(tier, 0) + tokens
@@ -87,6 +91,13 @@ class KDNStats(KVConnectorStats):
         secs.append(float(seconds))
         del secs[:-1024]
 
+    def blended(self, written: int, reused: int, recomputed: int, seconds: float) -> None:
+        """One blend: tokens written into the cache, of those reused from chunks, of those recomputed."""
+        b = self.data.setdefault("blend", {})
+        for k, v in (("requests", 1), ("written", written), ("reused", reused), ("recomputed", recomputed)):
+            b[k] = b.get(k, 0) + v
+        self.phase("blend", seconds)
+
     def planned(self, outcome: str, loaded: int, computed: int) -> None:
         plans, toks = self.data.setdefault("plans", {}), self.data.setdefault("plan_tokens", {})
         plans[outcome] = plans.get(outcome, 0) + 1
@@ -104,7 +115,7 @@ class KDNStats(KVConnectorStats):
             mine_s = d.setdefault("phases", {}).setdefault(name, [])
             mine_s.extend(secs)
             del mine_s[:-1024]
-        for key in ("tokens", "paths", "bytes", "failures", "plans", "plan_tokens"):
+        for key in ("tokens", "paths", "bytes", "failures", "plans", "plan_tokens", "blend"):
             mine = d.setdefault(key, {})
             for k, v in o.get(key, {}).items():
                 mine[k] = mine.get(k, 0) + v
@@ -146,6 +157,9 @@ class KDNPromMetrics(KVConnectorPromMetrics):
                                         documentation="Chunks a KDN producer wrote to its store")
         self._plans = self._counter_cls(name="kdn_vllm_plans", labelnames=labelnames + ["outcome"],
                                         documentation="The KDN load planner's choices: load, load part, compute, probe")
+        self._blended = self._counter_cls(name="kdn_vllm_blended_tokens", labelnames=labelnames + ["kind"],
+                                          documentation="RAG prompt tokens composed from standalone KDN chunks: "
+                                                        "written, reused, recomputed")
         self._planned = self._counter_cls(name="kdn_vllm_planned_tokens", labelnames=labelnames + ["how"],
                                           documentation="Tokens of KDN hits the planner chose to load or to compute")
 
@@ -169,6 +183,9 @@ class KDNPromMetrics(KVConnectorPromMetrics):
             self._saved.labels(*labels).inc(d["saved"])
         for outcome, n in d.get("plans", {}).items():
             self._plans.labels(*labels, outcome).inc(n)
+        for kind, n in d.get("blend", {}).items():
+            if kind != "requests" and n:
+                self._blended.labels(*labels, kind).inc(n)
         for how, n in d.get("plan_tokens", {}).items():
             if n:
                 self._planned.labels(*labels, how).inc(n)

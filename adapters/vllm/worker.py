@@ -144,6 +144,7 @@ class WorkerSide:
                                                              thread_name_prefix="kdn-stage")
         # Receive buffers and every load's staging come from one budgeted arena (the client's).
         self.arena = getattr(client, "arena", None) or host_arena(cfg.arena)
+        self.blender: Any = None  # blend_run.BlendRunner, with the connector's ``blend`` setting
         import kdn.kernels  # noqa: F401  (registers the lossy codecs a quality budget may pick)
 
     def register(self, layers: dict[str, Any]) -> None:
@@ -170,6 +171,8 @@ class WorkerSide:
     # --- load --------------------------------------------------------------------------------
 
     def start(self, meta: KDNMetadata) -> None:
+        for blend in meta.blends:
+            self._blend(blend)
         for job in meta.loads:
             if job.background:
                 self._pool.submit(self._load_in_background, job)
@@ -193,6 +196,24 @@ class WorkerSide:
             return run
         run.fetches = [self.bridge.submit(self.pieces.fetch_and_stage(run, i, p)) for i, p in enumerate(job.plan.pieces)]
         return run
+
+    def _blend(self, job: Any) -> None:
+        """A RAG prompt's blend, whole, before this step's forward; a failure is vLLM's to recompute."""
+        try:
+            if self.blender is None:
+                raise KDNError("blending is off on this worker")
+            res = self.blender.run(job)
+        except Exception as e:  # noqa: BLE001 -- any failure: those blocks are recomputed, never left unwritten
+            log.warning("KDN blend of %s failed (%s: %s); vLLM recomputes", job.req_id, type(e).__name__, e)
+            with self._lock:
+                for st in (self.stats, self.totals):
+                    st.failed("blend")
+                self._bad_blocks.update(job.block_ids[i] for i in blocks_of(job.computed, job.end, self.block_size))
+            return
+        log.info("KDN blend of %s: %s", job.req_id, res.report.line())
+        with self._lock:
+            for st in (self.stats, self.totals):
+                st.blended(res.written, res.report.tokens_reused, res.recomputed, res.seconds)
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.attn.get(layer_name)
