@@ -202,13 +202,15 @@ def ops_of(model: Any) -> Any:
 # Queries of a partial recompute are cut by position into at most this many bands of the context; each
 # band's queries attend to the keys up to its last position only (one masked call over every key does
 # twice the causal work: masked keys cost as much). Bands with no query cost nothing, so queries bunched
-# together (the question at the end, a compose-only blend) are one call, not eight.
+# together (the question at the end, a compose-only blend) are one call, not eight. Few queries take fewer
+# bands (one per ``_BAND_QUERIES``): a call's fixed cost outweighs the masked keys' work there.
 _QUERY_GROUPS = 8
+_BAND_QUERIES = 128
 
 
-def _groups(idx: torch.Tensor, S: int) -> list[tuple[int, int]]:
-    """``[a, b)`` runs of the ascending positions ``idx`` [s] that fall in the same band of ``S / 8`` positions."""
-    band = -(-S // _QUERY_GROUPS)
+def _groups(idx: torch.Tensor, S: int, bands: int = _QUERY_GROUPS) -> list[tuple[int, int]]:
+    """``[a, b)`` runs of the ascending positions ``idx`` [s] that fall in the same band of ``S / bands`` positions."""
+    band = -(-S // bands)
     _, counts = torch.unique_consecutive(torch.div(idx, band, rounding_mode="floor"), return_counts=True)
     out, a = [], 0
     for c in counts.tolist():
@@ -217,18 +219,34 @@ def _groups(idx: torch.Tensor, S: int) -> list[tuple[int, int]]:
     return out
 
 
-def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, idx: torch.Tensor, scale: float,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of queries at positions ``idx`` [s] (ascending) over K/V [1, Hkv, S, D]: [1, Hq, s, D].
+@dataclass
+class _Bands:
+    """How the queries at positions ``idx`` attend, made once for every layer they run: per band of queries
+    ``[a, b)``, the keys it sees (``m``) and its causal mask ``[b-a, m]``; ``whole``: every position (plain
+    causal attention, unless steered)."""
 
-    ``bias``: an additive ``[1, Hq, s, S]`` term on the scores (steering, ``kdn.adapters.hf.steer``)."""
-    s, S = q.shape[2], K.shape[2]
-    if s == S and bias is None:  # every position: plain causal attention
+    idx: torch.Tensor
+    calls: list[tuple[int, int, int, torch.Tensor]]
+    whole: bool
+
+    @staticmethod
+    def of(idx: torch.Tensor, S: int) -> _Bands:
+        s = idx.numel()
+        calls = []
+        for a, b in _groups(idx, S, min(_QUERY_GROUPS, max(1, s // _BAND_QUERIES))):
+            m = int(idx[b - 1]) + 1  # keys past the group's last position are masked for all of it
+            calls.append((a, b, m, torch.arange(m, device=idx.device)[None, :] <= idx[a:b, None]))
+        return _Bands(idx, calls, s == S)
+
+
+def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bands: _Bands, scale: float,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of queries at positions ``bands.idx`` [s] (ascending) over K/V [1, Hkv, S, D]:
+    [1, Hq, s, D]. ``bias``: an additive ``[1, Hq, s, S]`` term on the scores (steering, ``kdn.adapters.hf.steer``)."""
+    if bands.whole and bias is None:  # every position: plain causal attention
         return F.scaled_dot_product_attention(q, K, V, is_causal=True, scale=scale, enable_gqa=True)
     outs = []
-    for a, b in _groups(idx, S):
-        m = int(idx[b - 1]) + 1  # keys past the group's last position are masked for all of it
-        mask = torch.arange(m, device=idx.device)[None, :] <= idx[a:b, None]  # [b-a, m]
+    for a, b, m, mask in bands.calls:
         am: torch.Tensor = mask[None, None]
         if bias is not None:  # steered heads: an additive mask
             am = torch.zeros(am.shape, dtype=q.dtype, device=q.device).masked_fill(~am, torch.finfo(q.dtype).min)
@@ -238,19 +256,20 @@ def _attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, idx: torch.Tensor
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def _layer(ops: Any, i: int, h: torch.Tensor, idx: torch.Tensor, rot: Any, K: torch.Tensor, V: torch.Tensor,
+def _layer(ops: Any, i: int, h: torch.Tensor, bands: _Bands, rot: Any, K: torch.Tensor, V: torch.Tensor,
            steer: Steer | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decoder layer ``i`` for the tokens ``idx`` (positions = indices, ascending) over the context's K/V.
+    """Decoder layer ``i`` for the tokens ``bands.idx`` (positions = indices, ascending) over the context's K/V.
 
     h: [1, s, hidden] of tokens idx [s]; K, V: [1, Hkv, S, D] of the whole context,
     rows ``idx`` replaced, in place, by the ones computed here. Returns (h', K, V).
     """
+    idx = bands.idx
     x = ops.norm_in(i, h)  # [1, s, hidden]
     q, k, v = ops.qkv(i, x, rot)  # [1, Hq, s, D]; [1, Hkv, s, D] each
     K.index_copy_(2, idx, k)  # [1, Hkv, S, D]
     V.index_copy_(2, idx, v)
     bias = steer.bias(i, idx, K.shape[2], q.shape[1], q.dtype, q.device) if steer is not None else None
-    o = _attend(q, K, V, idx, ops.scaling(i), bias)  # [1, Hq, s, D]
+    o = _attend(q, K, V, bands, ops.scaling(i), bias)  # [1, Hq, s, D]
     return ops.finish(i, h, o), K, V
 
 
@@ -275,15 +294,20 @@ def chunk_start_tokens(segments: Sequence[Segment], ratio: float) -> list[int]:
 
 
 def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: float = 0.15, check_layer: int = 1,
-                  n_logits: int = 1, selection: str = "deviation-query", steer: Steer | None = None) -> Blend:
+                  n_logits: int = 1, selection: str = "deviation-query", steer: Steer | None = None,
+                  upto: int | None = None) -> Blend:
     """Prefill a context of reused and fresh segments, CacheBlend style (see the module doc).
 
     ``model``: a transformers model, or an engine's blend steps (``HFOps``' methods: vLLM's ``VllmOps``).
     The last ``n_logits`` tokens must be fresh (their logits are returned; 0: none, an engine that computes
     the last token itself). ``steer``: a steering plan (``kdn.adapters.hf.steer``) in the composed context's
-    positions; it biases the queries it covers.
+    positions; it biases the queries it covers. ``upto`` (with ``n_logits=0``): only the K/V of positions
+    below it are wanted (an engine computes the rest itself): later tokens serve the check as the question
+    and run no further (their K/V past the check layer are left as composed).
     """
     ops = ops_of(model)
+    if upto is not None and n_logits:
+        raise InvalidInput("upto is for a blend without logits (n_logits=0)")
     _check_args(ops, recompute_ratio, check_layer, selection)
     c = _context(ops, segments, n_logits)
     L = len(ops.layers)
@@ -292,14 +316,19 @@ def blend_prefill(model: Any, segments: Sequence[Segment], *, recompute_ratio: f
             chosen = torch.tensor(chunk_start_tokens(segments, recompute_ratio) if recompute_ratio else [],
                                   dtype=torch.long, device=c.dev)
             start, idx = 0, torch.sort(torch.cat((chosen, c.fresh_idx))).values
+            idx = idx[idx < upto] if upto is not None else idx
             h = ops.embed(c.ids[idx])  # [1, s, hidden]
             layer_tokens: float = int((~c.exact[chosen]).sum()) * L  # exact tokens (ratio 1) are not reused ones
         else:
             start, idx, h, layer_tokens = _check_and_select(ops, c, recompute_ratio, check_layer, selection, steer)
+            if upto is not None:  # past the check, nothing at or after ``upto`` is wanted
+                keep = idx < upto
+                idx, h = idx[keep], h[:, keep]
         recomputed = idx[~c.fresh[idx]]
         rot = ops.rotary(idx, h)
+        bands = _Bands.of(idx, c.S)
         for i in range(start, L):
-            h, c.Ks[i], c.Vs[i] = _layer(ops, i, h, idx, rot, c.Ks[i], c.Vs[i], steer)
+            h, c.Ks[i], c.Vs[i] = _layer(ops, i, h, bands, rot, c.Ks[i], c.Vs[i], steer)
         S = c.S
         assert bool((idx[len(idx) - n_logits:] == torch.arange(S - n_logits, S, device=c.dev)).all())
         logits = ops.logits(h[:, -n_logits:]) if n_logits else h.new_empty((0,))  # [n_logits, vocab]
@@ -371,8 +400,9 @@ def _check_and_select(ops: Any, c: _Context, ratio: float, check_layer: int, sel
     rot = ops.rotary(idx, h)
     # The composed K/V of the reused tokens at the check layer, kept before the layers below rewrite it.
     comp_k, comp_v = Ks[check_layer][:, :, reused_idx], Vs[check_layer][:, :, reused_idx]
+    bands = _Bands.of(idx, c.S)
     for i in range(full_layers):
-        h, Ks[i], Vs[i] = _layer(ops, i, h, idx, rot, Ks[i], Vs[i], steer)
+        h, Ks[i], Vs[i] = _layer(ops, i, h, bands, rot, Ks[i], Vs[i], steer)
     if selection != "deviation":
         x = ops.norm_in(check_layer, h)
         k, v = ops.kv(check_layer, x, rot)

@@ -103,6 +103,8 @@ class BlendResult:
     written: int  # tokens written into the cache
     recomputed: int  # reused tokens recomputed past the check layer
     seconds: float
+    phases: dict[str, float]  # seconds: fetch (every chunk fetched, verified, decoded), segments (the prompt
+    #                           cut, a cached part read back), layers (compose and blend_prefill), write
 
 
 class BlendRunner:
@@ -118,6 +120,7 @@ class BlendRunner:
         self.fetch_timeout = fetch_timeout
         self._ops: VllmOps | None = None
         self._readers: dict[tuple, Any] = {}
+        self.recent: list[BlendResult] = []  # the last 256 blends (benches, health reports)
 
     def ops(self) -> VllmOps:
         if self._ops is None:
@@ -133,20 +136,27 @@ class BlendRunner:
         addrs = [a for a, _, _ in job.chunks]
         states = self.bridge.run(fetch_chunks(self.client, self.model_id, self.namespace, addrs, "cpu", report),
                                  timeout=self.fetch_timeout)
+        t1 = time.perf_counter()
         segs = self._segments(job, states, ops)
         report.tokens_reused = sum(len(s.ids) for s in segs if s.kv is not None and not s.exact)
         with torch.inference_mode():
+            t2 = time.perf_counter()
             b = blend_prefill(ops, segs, recompute_ratio=job.spec.ratio, check_layer=job.spec.check_layer,
-                              n_logits=0, selection=job.spec.selection)
+                              n_logits=0, selection=job.spec.selection, upto=job.end)
+            t3 = time.perf_counter()
             slots = paged.slots(job.block_ids, job.computed, job.end, self.block_size, ops.device)
             for a, k, v in zip(self.order, b.keys, b.values):
                 rows = slice(job.computed, job.end)
                 paged.write(a.module, a.module.kv_cache, k[0, :, rows].transpose(0, 1).contiguous(),
                             v[0, :, rows].transpose(0, 1).contiguous(), slots)
+        t4 = time.perf_counter()
         report.tokens_recomputed = int(b.recomputed.numel())
         report.recompute_share = b.recompute_share
-        report.blend_ms = (time.perf_counter() - t0) * 1e3
-        return BlendResult(report, job.end - job.computed, int(b.recomputed.numel()), time.perf_counter() - t0)
+        report.blend_ms = (t4 - t0) * 1e3
+        res = BlendResult(report, job.end - job.computed, int(b.recomputed.numel()), t4 - t0,
+                          {"fetch": t1 - t0, "segments": t2 - t1, "layers": t3 - t2, "write": t4 - t3})
+        self.recent = [*self.recent[-255:], res]
+        return res
 
     def _segments(self, job: BlendJob, states: Sequence[dict | None], ops: VllmOps) -> list[Segment]:
         """The prompt as segments: vLLM's own cached prefix (exact), the chunks the KDN gave (clipped to what

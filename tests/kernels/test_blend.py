@@ -119,6 +119,14 @@ def test_partial_recompute_groups_queries_by_position_band():
     # a question at the end (a compose-only blend): one call, not eight
     assert _groups(torch.arange(1000, 1041), 1041) == [(0, 41)]
     assert _groups(torch.arange(16), 16) == [(i, i + 2) for i in range(0, 16, 2)]
+    # few queries take one band (a call's fixed cost outweighs the masked keys), many take up to eight
+    from kdn.adapters.hf.blend import _Bands
+
+    few = _Bands.of(torch.tensor([0, 1, 130, 131, 520, 1023]), 1024)
+    assert [(a, b, m) for a, b, m, _ in few.calls] == [(0, 6, 1024)] and not few.whole
+    assert few.calls[0][3].tolist()[2][:132] == [True] * 131 + [False]  # each query sees the keys up to its own
+    many = _Bands.of(torch.arange(0, 2048, 2), 2048)
+    assert len(many.calls) == 8 and _Bands.of(torch.arange(16), 16).whole
 
 
 def test_ratio_zero_is_pure_composition():
@@ -331,3 +339,20 @@ def test_deviation_query_picks_by_deviation_times_root_attention(ratio):
     assert not torch.equal(got, kv.recomputed)  # and the query changed the choice
     with pytest.raises(InvalidInput, match="check_layer"):
         blend_prefill(m, segs, check_layer=0, selection="deviation-query")
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.2])
+def test_upto_leaves_the_wanted_rows_as_a_whole_blend_does(ratio):
+    """An engine that computes the prompt's last tokens itself wants the K/V below ``upto`` only: the tokens
+    past it serve the check as the question and run no further, and every row below it is the same."""
+    m = model("tiny-llama")
+    segs = segments(m, [DOC_A, DOC_B, DOC_C])
+    S = sum(len(s.ids) for s in segs)
+    upto = S - len(QUERY) // 2  # halfway through the question
+    whole = blend_prefill(m, segs, recompute_ratio=ratio, n_logits=0)
+    cut = blend_prefill(m, segs, recompute_ratio=ratio, n_logits=0, upto=upto)
+    assert torch.equal(whole.recomputed, cut.recomputed)  # the same selection: the whole question was its query
+    for a, b in zip(whole.keys + whole.values, cut.keys + cut.values):  # (fewer queries a call: rounding only)
+        torch.testing.assert_close(a[:, :, :upto], b[:, :, :upto], rtol=1e-5, atol=1e-6)
+    with pytest.raises(InvalidInput, match="upto"):
+        blend_prefill(m, segs, n_logits=1, upto=upto)
