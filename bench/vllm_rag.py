@@ -1,11 +1,12 @@
 """RAG in vLLM: documents published alone, composed at question time, vs vLLM's own prefill of the prompt.
 
-    python -P bench/vllm_rag.py [--cases 24] [--docs 4,8] [--ratios 15] [--answer-tokens 24]
+    python -P bench/vllm_rag.py [--cases 24] [--docs 4,8] [--per-doc 2] [--ratios 15] [--answer-tokens 24]
 
 The set: SQuAD 2.0 reading-comprehension cases (``bench/data/squad-steer.json``, its test split; see
 ``bench/squad_qa.py`` for its source and license): each question's paragraph among three others of the
-same Wikipedia article; ``--docs 8`` adds four paragraphs of other articles (the next cases'). Each
-paragraph is a document, published once with ``"standalone": true`` (no prefix chain) through an origin
+same Wikipedia article, and paragraphs of other articles (the next cases') up to ``--docs`` documents of
+``--per-doc`` paragraphs each (about 300 tokens at 2); the case's own paragraphs are never the first
+document. Each document is published once with ``"standalone": true`` (no prefix chain) through an origin
 (transformers, bf16, its own process, an embedded registry) and read once through an edge (its own
 process, a memory tier) before the timed runs, all on 127.0.0.1. The prompt: SmolLM2-135M-Instruct's chat
 template, the documents in the case's order, the question (``kdn.adapters.vllm.blend.rag_prompt``).
@@ -51,21 +52,25 @@ MODEL = "smollm2-135m"
 DATA = ROOT / "bench" / "data" / "squad-steer.json"
 
 
-def cases(n: int, n_docs: int) -> list[dict]:
-    """``n`` test cases, each with ``n_docs`` documents: its own four, then other articles' paragraphs."""
+def cases(n: int, n_docs: int, per_doc: int) -> list[dict]:
+    """``n`` test cases, each with ``n_docs`` documents of ``per_doc`` paragraphs: the case's own four
+    paragraphs (the answer's among them) in the second and later documents, the rest other articles'."""
     test = json.loads(DATA.read_text())["test"]
     if n > len(test):
         raise SystemExit(f"--cases {n}: the set has {len(test)}")
     out = []
     for i, c in enumerate(test[:n]):
-        docs = list(c["paragraphs"])
+        own = list(c["paragraphs"])
+        others: list[str] = []
         j = i + 1
-        while len(docs) < n_docs:
-            other = test[j % len(test)]
-            if other["paragraphs"][0] not in c["paragraphs"]:
-                docs.append(other["paragraphs"][len(docs) % len(other["paragraphs"])])
+        while len(own) + len(others) < n_docs * per_doc:
+            o = test[j % len(test)]["paragraphs"]
+            others += [p for p in o if p not in own and p not in others][:per_doc]
             j += 1
-        out.append({"question": c["question"], "answers": c["answers"], "docs": docs[:n_docs]})
+        paras = others[:per_doc] + own + others[per_doc:]
+        paras = paras[:n_docs * per_doc]
+        docs = ["\n\n".join(paras[k:k + per_doc]) for k in range(0, len(paras), per_doc)]
+        out.append({"question": c["question"], "answers": c["answers"], "docs": docs})
     return out
 
 
@@ -116,7 +121,7 @@ def run(args, log) -> dict:
                              f"http://127.0.0.1:{op}", "--port", str(ep), "--mem-budget", "2GiB"], tmp / "edge.log")
         procs.append(edge)
         edge.wait(f"http://127.0.0.1:{ep}/healthz")
-        sets = {k: cases(args.cases, k) for k in args.docs}
+        sets = {k: cases(args.cases, k, args.per_doc) for k in args.docs}
         texts = sorted({d for cs in sets.values() for c in cs for d in c["docs"]})
         t0 = time.perf_counter()
         for i, d in enumerate(texts):
@@ -229,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=24)
     ap.add_argument("--docs", default="4,8", help="documents per prompt, comma-separated")
+    ap.add_argument("--per-doc", type=int, default=2, help="SQuAD paragraphs per document (about 150 tokens each)")
     ap.add_argument("--ratios", default="15", help="recompute ratios in percent, comma-separated")
     ap.add_argument("--answer-tokens", type=int, default=24)
     ap.add_argument("--quick", action="store_true", help="4 cases, 4 documents")
