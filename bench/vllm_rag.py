@@ -38,7 +38,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "bench" / "lib"))
 import results as R  # noqa: E402
 from ports import free_port  # noqa: E402
-from vllm_ttft import PUBLISH_TOKEN, Proc, machine, vllm_env  # noqa: E402
+from vllm_ttft import PUBLISH_TOKEN, Proc, machine, publish, vllm_env  # noqa: E402
 
 MODEL = "smollm2-135m"
 DATA = ROOT / "bench" / "data" / "squad-steer.json"
@@ -72,27 +71,6 @@ def cases(n: int, n_docs: int, per_doc: int) -> list[dict]:
         docs = ["\n\n".join(paras[k:k + per_doc]) for k in range(0, len(paras), per_doc)]
         out.append({"question": c["question"], "answers": c["answers"], "docs": docs})
     return out
-
-
-def publish_standalone(origin: str, name: str, text: str) -> dict:
-    def call(method: str, url: str, body: dict | None = None) -> dict:
-        req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body else None,
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {PUBLISH_TOKEN}"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())
-
-    job = call("POST", f"{origin}/v1/publish", {"name": name, "text": text, "standalone": True, "prefix": False,
-                                                "encodings": ["zstd", "raw"]})
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        job = call("GET", f"{origin}/v1/jobs/{job.get('job') or job['id']}")
-        if job["state"] == "done":
-            return job["manifest"]
-        if job["state"] == "failed":
-            raise RuntimeError(f"publish {name} failed: {job['error']}")
-        time.sleep(0.1)
-    raise RuntimeError(f"publish {name} did not finish")
 
 
 def answered(text: str, answers: list[str]) -> bool:
@@ -125,7 +103,8 @@ def run(args, log) -> dict:
         texts = sorted({d for cs in sets.values() for c in cs for d in c["docs"]})
         t0 = time.perf_counter()
         for i, d in enumerate(texts):
-            publish_standalone(f"http://127.0.0.1:{op}", f"p{i}", d)
+            publish(f"http://127.0.0.1:{op}", f"p{i}", None, ["zstd", "raw"],
+                    body={"text": d, "standalone": True, "prefix": False})
         log(f"published {len(texts)} documents in {time.perf_counter() - t0:.1f} s")
         return measure(args, log, folder, tok, ep, sets)
     finally:

@@ -108,15 +108,18 @@ class Proc:
                 os.killpg(self.p.pid, signal.SIGKILL)
 
 
-def publish(origin: str, name: str, tokens: list[int], encodings: list[str] | None = None) -> dict:
-    def call(method: str, url: str, body: dict | None = None) -> dict:
-        req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body else None,
+def publish(origin: str, name: str, tokens: list[int] | None, encodings: list[str] | None = None, *,
+            body: dict | None = None) -> dict:
+    """Publish ``tokens`` (or what ``body`` names: text, standalone) and wait for the job's manifest."""
+    def call(method: str, url: str, data: dict | None = None) -> dict:
+        req = urllib.request.Request(url, method=method, data=json.dumps(data).encode() if data else None,
                                      headers={"Content-Type": "application/json",
                                               "Authorization": f"Bearer {PUBLISH_TOKEN}"})
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())
 
-    job = call("POST", f"{origin}/v1/publish", {"name": name, "tokens": tokens, **({"encodings": encodings} if encodings else {})})
+    job = call("POST", f"{origin}/v1/publish", {"name": name, **({"tokens": tokens} if tokens is not None else {}),
+                                                **({"encodings": encodings} if encodings else {}), **(body or {})})
     while True:
         job = call("GET", f"{origin}/v1/jobs/{job.get('job') or job['id']}")
         if job["state"] == "done":
