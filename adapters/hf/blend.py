@@ -205,7 +205,7 @@ def ops_of(model: Any) -> Any:
 # together (the question at the end, a compose-only blend) are one call, not eight. Few queries take fewer
 # bands (one per ``_BAND_QUERIES``): a call's fixed cost outweighs the masked keys' work there.
 _QUERY_GROUPS = 8
-_BAND_QUERIES = 128
+_BAND_QUERIES = 64
 
 
 def _groups(idx: torch.Tensor, S: int, bands: int = _QUERY_GROUPS) -> list[tuple[int, int]]:
