@@ -131,7 +131,7 @@ def decoder_model(attn_layer: Any, n_layers: int) -> Any:
     """
     import sys
 
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         for v in list(frame.f_locals.values()):
             for cand in (v, getattr(v, "__dict__", {}).get("model") if not isinstance(v, type) else None):
