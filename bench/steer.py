@@ -24,7 +24,11 @@ in the selected heads scaled by ``alpha`` on document tokens outside the emphasi
 the attention mass the question's last token puts on the fact, then (K heads, alpha) by tuning-split
 accuracy (prefix reuse) among the settings whose unrelated-continuation NLL increase on the tuning split
 stays within ``--nll-budget`` (1%). ``--map probe`` replaces the operator's map by the model-derived one
-(``derive_emphasis`` under a probe question that does not name the fact). The cost side: NLL of an unrelated continuation (a paragraph of other prose
+(``derive_emphasis`` under a probe question that does not name the fact); ``--map question`` makes each
+test case's map from its own question at question time (``kdn.adapters.hf.question_map``: retrieval heads
+calibrated on the tuning split, a content-free question's attention subtracted, sentences scored, steered
+only when the map is sure; ``bench/steer_question.py``) and compares it with the operator's map, an
+oracle. The cost side: NLL of an unrelated continuation (a paragraph of other prose
 after the documents, teacher-forced) with and without steering.
 """
 
@@ -53,6 +57,8 @@ from kdn.origin.publish import parse_request, token_char_ends
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (python -P leaves it out)
 import needle as N  # noqa: E402
 import results as R  # noqa: E402
+import squad_qa as Q  # noqa: E402
+import steer_question as SQ  # noqa: E402
 
 SYSTEM = "Answer the question in a few words, using only the documents."
 MAX_NEW = 24
@@ -92,7 +98,11 @@ def prepare(tok, case: N.Case, vocab: int) -> Prepared:
 
 
 def answered(tok, out: list[int], answer: str) -> bool:
-    return answer in tok.decode(out, skip_special_tokens=True)
+    text = tok.decode(out, skip_special_tokens=True)
+    return answer.casefold() in text.casefold() if FOLD else answer in text
+
+
+FOLD = False  # case-folded matching (--set squad: a written answer's case is not the question)
 
 
 def decode(model, tok, cache, first: int, pos: int, answer: str) -> list[int]:
@@ -195,8 +205,14 @@ def select_heads(model, tune: list[Prepared], tune_chunks: list[list[dict]]) -> 
 EOS: int | None = None
 
 
+def split_name(args, tuning: bool) -> str:
+    if args.set == "squad":
+        return f"SQuAD 2.0 dev, bench/data/squad-steer.json, {'tuning' if tuning else 'test'} articles"
+    return f"seed {args.seed + 1000 if tuning else args.seed}"
+
+
 def main() -> None:
-    global EOS
+    global EOS, FOLD
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--cases", type=int, default=48)
@@ -209,10 +225,17 @@ def main() -> None:
     ap.add_argument("--nll-budget", type=float, default=0.005,
                     help="the largest unrelated-continuation NLL increase a tuned setting may cost (tuning split)")
     ap.add_argument("--nll-cases", type=int, default=16, help="cases whose context gets the continuation NLL check")
-    ap.add_argument("--map", default="operator", choices=["operator", "probe"],
+    ap.add_argument("--map", default="operator", choices=["operator", "probe", "question"],
                     help="operator: the fact's sentence marked at publish; probe: the origin's model-derived map "
-                         "(derive_emphasis under --probe, which does not name the fact)")
+                         "(derive_emphasis under --probe, which does not name the fact); question: each question's "
+                         "own map at question time, against the operator's (bench/steer_question.py)")
+    ap.add_argument("--set", default="needle", choices=["needle", "squad"],
+                    help="needle: bench/needle.py's generated cases; squad: bench/data/squad-steer.json (SQuAD 2.0 "
+                         "questions, their paragraph among 3 of the same article; bench/squad_qa.py)")
     ap.add_argument("--probe", default=PROBE, help="the probe question of --map probe")
+    ap.add_argument("--fixed", action="store_true", help="take the one --k and --alphas given as chosen (by an "
+                    "earlier run on the same tuning split) instead of tuning them here: no tuning grid")
+    ap.add_argument("--contexts", default="full,reuse", help="--map question: the contexts to run (full, reuse)")
     ap.add_argument("--no-headline", action="store_true", help="no README headline (a side run)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 test cases, 2 tuning cases, one (K, alpha)")
     R.add_arg(ap)
@@ -226,57 +249,82 @@ def main() -> None:
     model, tok = lm.model, lm.tokenizer
     EOS = tok.eos_token_id
     vocab = model.config.vocab_size
-    tune = [prepare(tok, c, vocab) for c in N.make_cases(args.tune_cases, args.seed + 1000)]
-    test = [prepare(tok, c, vocab) for c in N.make_cases(args.cases, args.seed)]
+    if args.set == "squad":  # its own fixed splits (other articles for tuning); --seed draws nothing
+        FOLD = True
+        tune = [prepare(tok, c, vocab) for c in Q.make_cases("tune", args.tune_cases)]
+        test = [prepare(tok, c, vocab) for c in Q.make_cases("test", args.cases)]
+    else:
+        tune = [prepare(tok, c, vocab) for c in N.make_cases(args.tune_cases, args.seed + 1000)]
+        test = [prepare(tok, c, vocab) for c in N.make_cases(args.cases, args.seed)]
 
     # --- tuning split: heads, then (K, alpha) --------------------------------------------------------
     t0 = time.perf_counter()
     tune_chunks = [[c.tensors for c in extract_chunks(model, p.published, chunk_tokens=256)] for p in tune]
     ranked = select_heads(model, tune, tune_chunks)
     ks, alphas = [int(k) for k in args.k.split(",")], [float(a) for a in args.alphas.split(",")]
+    if args.fixed and len(ks) * len(alphas) != 1:
+        raise SystemExit("--fixed takes one --k and one --alphas")
     if args.map == "probe":  # replace the operator's maps by what the model marks under a generic probe
         probe = prompt_tokens(tok, {"prefix_tokens": [], "template": "chat"}, args.probe)
         for p in tune + test:
             p.emap = probe_map(model, p, probe, ranked[:max(ks)])
+    tune_maps: list[EmphasisMap | None] = [p.emap for p in tune]
+    ret, t_cal = None, 0.0
+    if args.map == "question":  # heads calibrated on the tuning split; its own questions' maps tune K and alpha
+        ret, t_cal = SQ.calibrated(model, tok, tune)
+        qmaps = [SQ.reuse_map(model, tok, p, ch, ret) for p, ch in zip(tune, tune_chunks)]
+        tune_maps = [q.emphasis for q in qmaps]
+        print(SQ.describe(ret, t_cal) + f"; tuning split: {sum(SQ.hit(q, p) for q, p in zip(qmaps, tune))} hits, "
+              f"{sum(m is not None for m in tune_maps)} sure, of {len(tune)}", flush=True)
 
     def tune_acc(k: int, a: float) -> float:
-        return sum(answered(tok, gen_reuse(model, tok, p, ch, plan(model, p.emap, alpha=a, heads=ranked[:k])
+        return sum(answered(tok, gen_reuse(model, tok, p, ch, plan(model, m, alpha=a, heads=ranked[:k])
                                            if k else None), p.case.answer)
-                   for p, ch in zip(tune, tune_chunks)) / len(tune)
+                   for p, ch, m in zip(tune, tune_chunks, tune_maps)) / len(tune)
 
-    trng = random.Random(args.seed + 2000)
-    tune_conts = [list(tok.encode("\n\n" + N.continuation(trng), add_special_tokens=False))[:128] for _ in tune]
-    tune_nll0 = statistics.fmean(nll_continuation(model, ch, c, None) for ch, c in zip(tune_chunks, tune_conts))
+    if args.fixed:  # the one (K, alpha) given, as an earlier run chose it on this tuning split: no grid here
+        best_k, best_a = ks[0], alphas[0]
+        heads = ranked[:best_k]
+        res.table("tune", f"Fixed, not tuned in this run: K={best_k}, alpha={best_a:g}; heads (layer, head), ranked "
+                  f"on the tuning split ({len(tune)} cases, {split_name(args, True)}): "
+                  + ", ".join(f"({la},{h})" for la, h in heads) + f". {time.perf_counter() - t0:.0f} s.",
+                  "Tuning split: the steered heads (K and alpha fixed)")
+    else:
+        trng = random.Random(args.seed + 2000)
+        tune_conts = [list(tok.encode("\n\n" + N.continuation(trng), add_special_tokens=False))[:128] for _ in tune]
+        tune_nll0 = statistics.fmean(nll_continuation(model, ch, c, None) for ch, c in zip(tune_chunks, tune_conts))
 
-    def tune_nll(k: int, a: float) -> float:
-        """The tuning split's unrelated-continuation NLL increase with this steering (relative)."""
-        on = statistics.fmean(nll_continuation(model, ch, c, plan(model, p.emap, alpha=a, heads=ranked[:k]))
-                              for p, ch, c in zip(tune, tune_chunks, tune_conts))
-        return (on - tune_nll0) / tune_nll0
+        def tune_nll(k: int, a: float) -> float:
+            """The tuning split's unrelated-continuation NLL increase with this steering (relative)."""
+            on = statistics.fmean(nll_continuation(model, ch, c, plan(model, m, alpha=a, heads=ranked[:k]))
+                                  for m, ch, c in zip(tune_maps, tune_chunks, tune_conts))
+            return (on - tune_nll0) / tune_nll0
 
-    base_tune = tune_acc(0, 1.0)
-    grid, cost = {}, {}
-    for k in ks:
-        for a in alphas:
-            grid[(k, a)], cost[(k, a)] = tune_acc(k, a), tune_nll(k, a)
-            print(f"tune K={k} alpha={a}: {grid[(k, a)]:.3f} (unsteered {base_tune:.3f}), "
-                  f"NLL {cost[(k, a)] * 100:+.2f}%", flush=True)
-    # The best accuracy among settings within the NLL budget on the tuning split (ties: fewer heads, gentler
-    # alpha); if none fits, the one that costs least.
-    fits = [x for x in grid if cost[x] <= args.nll_budget]
-    best_k, best_a = (max(fits, key=lambda x: (grid[x], -x[0], x[1])) if fits else min(cost, key=cost.__getitem__))
-    heads = ranked[:best_k]
-    t_tune = time.perf_counter() - t0
-    tl = ["| K heads | " + " | ".join(f"alpha {a:g}: accuracy, NLL" for a in alphas) + " |",
-          "| ---: | " + " | ".join("---:" for _ in alphas) + " |"]
-    for k in ks:
-        tl.append(f"| {k} | " + " | ".join(f"{grid[(k, a)]:.3f}, {cost[(k, a)] * 100:+.2f}%" for a in alphas) + " |")
-    tl += ["", f"Tuning split: {len(tune)} cases (seed {args.seed + 1000}), prefix reuse, unsteered accuracy "
-           f"{base_tune:.3f}; NLL: unrelated-continuation NLL increase on the same contexts; chosen: the best "
-           f"accuracy within a {args.nll_budget * 100:g}% NLL budget, K={best_k}, alpha={best_a:g}; heads "
-           "(layer, head): " + ", ".join(f"({la},{h})" for la, h in heads) + f". {t_tune:.0f} s."]
-    res.table("tune", "\n".join(tl), "Tuning split: accuracy and continuation NLL by number of steered heads and alpha "
-              "(prefix reuse)")
+        base_tune = tune_acc(0, 1.0)
+        grid, cost = {}, {}
+        for k in ks:
+            for a in alphas:
+                grid[(k, a)], cost[(k, a)] = tune_acc(k, a), tune_nll(k, a)
+                print(f"tune K={k} alpha={a}: {grid[(k, a)]:.3f} (unsteered {base_tune:.3f}), "
+                      f"NLL {cost[(k, a)] * 100:+.2f}%", flush=True)
+        # The best accuracy among settings within the NLL budget on the tuning split (ties: fewer heads, gentler
+        # alpha); if none fits, the one that costs least.
+        fits = [x for x in grid if cost[x] <= args.nll_budget]
+        best_k, best_a = (max(fits, key=lambda x: (grid[x], -x[0], x[1])) if fits else min(cost, key=cost.__getitem__))
+        heads = ranked[:best_k]
+        t_tune = time.perf_counter() - t0
+        tl = ["| K heads | " + " | ".join(f"alpha {a:g}: accuracy, NLL" for a in alphas) + " |",
+              "| ---: | " + " | ".join("---:" for _ in alphas) + " |"]
+        for k in ks:
+            tl.append(f"| {k} | " + " | ".join(f"{grid[(k, a)]:.3f}, {cost[(k, a)] * 100:+.2f}%" for a in alphas) + " |")
+        tl += ["", f"Tuning split: {len(tune)} cases ({split_name(args, True)}), prefix reuse, unsteered accuracy "
+               f"{base_tune:.3f}; NLL: unrelated-continuation NLL increase on the same contexts; chosen: the best "
+               f"accuracy within a {args.nll_budget * 100:g}% NLL budget, K={best_k}, alpha={best_a:g}; heads "
+               "(layer, head): " + ", ".join(f"({la},{h})" for la, h in heads) + f". {t_tune:.0f} s."]
+        res.table("tune", "\n".join(tl), "Tuning split: accuracy and continuation NLL by number of steered heads and alpha "
+                  "(prefix reuse)")
+    if ret is not None:
+        return SQ.test_split(sys.modules[__name__], model, tok, test, ret, t_cal, heads, best_a, args, res, t_start)
 
     # --- test split --------------------------------------------------------------------------------------
     modes = ["full", "reuse", "blend"]
@@ -323,7 +371,7 @@ def main() -> None:
     med = statistics.median
     mo, mn = statistics.fmean(nll_off), statistics.fmean(nll_on)
     nll_inc = (mn - mo) / mo
-    lines += ["", f"{args.model} (float32), {n} test cases (seed {args.seed}), prompts {min(lengths)}-{max(lengths)} "
+    lines += ["", f"{args.model} (float32), {n} test cases ({split_name(args, False)}), prompts {min(lengths)}-{max(lengths)} "
               f"tokens (median {med(lengths):.0f}); greedy, answered = the answer in the first {MAX_NEW} tokens; "
               f"steering: K={best_k} heads, alpha={best_a:g} (chosen on the tuning split), "
               + ("the operator's map (the fact's sentence). " if args.map == "operator" else

@@ -34,7 +34,7 @@ MAX_LAYER = 4096  # a bound on layer and head indices, far above any real model
 MAX_HEAD = 4096
 MIN_ALPHA = 1e-6
 DEFAULT_ALPHA = 0.05
-SOURCES = frozenset({"operator", "probe", "mixed"})
+SOURCES = frozenset({"operator", "probe", "mixed", "question"})  # question: an engine's own, at question time
 MAX_KEYS = 16  # a map with more keys than this is refused before its fields are read
 _KEYS = ("v", "spans", "region", "alpha", "heads", "default_on", "source")
 

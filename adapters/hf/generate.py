@@ -43,7 +43,8 @@ from kdn.adapters.hf.extract import _forward, kind_of, layer_layout, new_cache
 from kdn.adapters.hf.models import model_id_of
 from kdn.adapters.hf.plan import (Believed, await_load, believe, chunks_of, cold_fills_of, cold_given_up,
                                   kv_bytes_per_token, speeds_of, start_probe)
-from kdn.adapters.hf.steer import resolve, steering
+from kdn.adapters.hf.question_map import QuestionSteer, Retrieval, asked
+from kdn.adapters.hf.steer import Steer, resolve, steering
 
 _IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -124,9 +125,10 @@ def prompt_tokens(tokenizer: Any, manifest: dict, question: str) -> list[int]:
 async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client, *, namespace: str = "public",
                     model_id_: str | None = None, chunk_tokens: int = 256, max_new_tokens: int = 32,
                     do_sample: bool = False, temperature: float = 1.0, eos_token_id: int | None = None,
-                    use_cache: bool = True, emphasis: EmphasisMap | dict | None = None, steer: bool | None = None,
-                    steer_alpha: float | None = None,
-                    steer_heads: list[tuple[int, int]] | None = None, arena: Arena | None = None,
+                    use_cache: bool = True, emphasis: EmphasisMap | dict | None = None,
+                    steer: bool | str | None = None, steer_alpha: float | None = None,
+                    steer_heads: list[tuple[int, int]] | None = None, steer_retrieval: Retrieval | None = None,
+                    arena: Arena | None = None,
                     plan: bool = True, load_deadline: float = 30.0) -> Generation:
     """Generate from ``prompt`` reusing the longest prefix the KDN holds (``use_cache=False``: plain prefill).
 
@@ -143,6 +145,9 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
     ``emphasis``: the manifest's emphasis map (``manifest["emphasis"]``); with ``steer=True``, or with
     ``steer=None`` and a map that says ``default_on``, the question and the generated tokens attend to
     it (``kdn.adapters.hf.steer``; ``steer_alpha`` / ``steer_heads`` override the map's). Off by default.
+    ``steer="question"``: the map is made from the question itself, once the document's cache is ready
+    (``kdn.adapters.hf.question_map``: ``steer_retrieval`` is the model's calibration, ``emphasis`` names
+    the document's region, its spans unused); an unsure map steers nothing (``Report.plan`` says which).
     """
     t_start = time.perf_counter()
     if isinstance(prompt, str):
@@ -155,7 +160,13 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
     if model_id_ is not None and model_id_ != real_id:
         raise ModelMismatch(f"states of model {model_id_[:16]}... cannot be loaded into this model ({real_id[:16]}...)")
     report = Report(tokens_total=len(ids))
-    st = _steer_plan(model, emphasis, steer, steer_alpha, steer_heads, len(ids))
+    st: Steer | QuestionSteer | None
+    if steer == "question":
+        st = asked(emphasis, steer_retrieval, alpha=steer_alpha, heads=steer_heads, n_ids=len(ids))
+    elif isinstance(steer, str):
+        raise InvalidInput(f"steer is True, False, None or 'question', got {steer[:20]!r}")
+    else:
+        st = _steer_plan(model, emphasis, steer, steer_alpha, steer_heads, len(ids))
     speeds = speeds_of(model)
     builder, upto = None, None
     if use_cache:
@@ -377,15 +388,8 @@ def _steer_plan(model, emphasis, steer, alpha, heads, n_ids):
     return resolve(model, emphasis, steer=steer, alpha=alpha, heads=heads, n_ids=n_ids)
 
 
-def _run(model, tokenizer, ids, builder, report, max_new_tokens, do_sample, temperature, eos_token_id, t_start,
-         st=None, upto=None):
-    with steering(model, st):
-        return _run_steered(model, tokenizer, ids, builder, report, max_new_tokens, do_sample, temperature,
-                            eos_token_id, t_start, upto)
-
-
-def _run_steered(model, tokenizer, ids, builder: CacheBuilder | None, report, max_new_tokens, do_sample, temperature,
-                 eos_token_id, t_start, upto=None):
+def _run(model, tokenizer, ids, builder: CacheBuilder | None, report, max_new_tokens, do_sample, temperature,
+         eos_token_id, t_start, st: Steer | QuestionSteer | None = None, upto=None):
     with torch.inference_mode():
         t0 = time.perf_counter()
         n = 0
@@ -401,15 +405,20 @@ def _run_steered(model, tokenizer, ids, builder: CacheBuilder | None, report, ma
         if cache is None:
             cache = new_cache(model)
         t0 = time.perf_counter()
-        logits = continue_from_cache(model, cache, n, ids[n:], last=1)  # [1, vocab]: what the request uses
-        report.prefill_ms = (time.perf_counter() - t0) * 1e3
-        first_logits = logits[-1].float()
-        out: list[int] = []
-        pos = len(ids)
-        nxt = _pick(first_logits, do_sample, temperature)
-        report.ttft_ms = (time.perf_counter() - t_start) * 1e3
-        eos = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
-        out = decode_loop(model, cache, nxt, pos, max_new_tokens, eos, do_sample, temperature)
+        done = None  # the prompt's last logits, when the question map ran the prompt (unsure: plain)
+        if isinstance(st, QuestionSteer):  # the map from the question: the document's cache first, unsteered
+            n, st, qm = st.prepare(model, tokenizer, cache, n, ids)
+            _say(report, qm.summary())
+            done = qm.logits
+        with steering(model, st):
+            # [1, vocab]: what the request uses
+            logits = continue_from_cache(model, cache, n, ids[n:], last=1) if done is None else done
+            report.prefill_ms = (time.perf_counter() - t0) * 1e3
+            first_logits = logits[-1].float()
+            nxt = _pick(first_logits, do_sample, temperature)
+            report.ttft_ms = (time.perf_counter() - t_start) * 1e3
+            eos = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+            out = decode_loop(model, cache, nxt, len(ids), max_new_tokens, eos, do_sample, temperature)
         report.new_tokens = len(out)
     text = tokenizer.decode(out, skip_special_tokens=True) if hasattr(tokenizer, "decode") else ""
     return Generation(ids=out, text=text, report=report, first_logits=first_logits)
