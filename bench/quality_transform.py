@@ -23,6 +23,15 @@ basis is a separate, once-per-model object, reported on its own line.
     python -P bench/quality_transform.py --basis /tmp/kvtc-smollm2.basis \\
         --png docs/img/quality_transform.png --json /tmp/kvtc.jsonl
 
+``--auto SETTINGS`` adds ``kvtc-auto``: per-object rate control
+(``kdn.adapters.hf.kvtc_rate``), each context published as the origin would (one
+rate control per context; an object's probe is the context's own tokens after it,
+or its own last tokens: never the scored continuation). ``--heldout`` runs
+``int8``, the kvtc budgets and ``kvtc-auto`` on HELDOUT_DOCS too, documents not
+used to tune the settings: the Apache-2.0 and MPL-2.0 licence texts (Debian's
+common-licenses), the pydoc topic ``specialnames`` and *Opticks* chars
+300,000-320,000.
+
 ``--docs`` runs a subset (two processes can split the documents);
 ``--from-json`` tabulates and plots the JSON rows of earlier runs.
 """
@@ -46,12 +55,15 @@ import results as R  # noqa: E402
 
 import kdn.kernels  # noqa: E402, F401  (registers the codecs)
 from kdn.adapters.hf import models as hf_models  # noqa: E402
+from kdn.adapters.hf import kvtc_rate as kr  # noqa: E402
 from kdn.adapters.hf.extract import extract_chunks  # noqa: E402
+from kdn.format.encodings import KVTC_AUTO  # noqa: E402
 from kdn.kernels.transform import Basis, allocate, encode_kvtc_object, register_basis  # noqa: E402
 
 PY = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
 PYENV_PY = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
 OPTICKS = PYENV_PY / "site-packages/tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"
+LICENSES = Path("/usr/share/common-licenses")
 GPL3 = Path("/root/.rustup/toolchains/stable-x86_64-unknown-linux-gnu/share/doc/rust/licenses/GPL-3.0-or-later.txt")
 ALPHA_WINDOWS, ALPHA_SIGMA2 = 4, 0.05
 DEFAULT_ENCODINGS = ["int8", "int4-g64", "cachegen-4", "ans-4"]
@@ -72,6 +84,15 @@ def eval_docs() -> dict[str, str]:
     docs["pydoc-compound"] = _topics().get("compound")
     news = PYENV_PY / "idlelib" / "NEWS.txt"
     docs["idle-news"] = news.read_text()[:20_000] if news.exists() else None
+    return {k: v for k, v in docs.items() if v}
+
+
+def heldout_docs() -> dict[str, str]:
+    """Documents never used to choose the rate-control settings (see the module docstring)."""
+    docs = {name: (LICENSES / f).read_text() if (LICENSES / f).exists() else None
+            for name, f in (("apache-2.0", "Apache-2.0"), ("mpl-2.0", "MPL-2.0"))}
+    docs["pydoc-specialnames"] = _topics().get("specialnames")
+    docs["opticks-300k"] = OPTICKS.read_text(encoding="utf-8")[300_000:320_000] if OPTICKS.exists() else None
     return {k: v for k, v in docs.items() if v}
 
 
@@ -110,44 +131,84 @@ def encode_kvtc(chunks, basis: Basis, theta: float, name: str, model_id: str, rh
     return blobs, time.perf_counter() - t0
 
 
-def run(args) -> tuple[dict[str, list[dict]], Basis, dict[str, float]]:
+def encode_auto(chunks, ids: torch.Tensor, model, basis: Basis, settings: kr.RateSettings,
+                model_id: str) -> tuple[list[bytes], float, kr.RateControl]:
+    """One context published as ``kvtc-auto``: one rate control; each object probed on the context's own tokens."""
+    control = kr.RateControl(settings)
+    blobs, parent = [], None
+    t0 = time.perf_counter()
+    for i, c in enumerate(chunks):
+        address = f"{c.index + 1:064x}"
+        blob, _ = kr.encode_auto(model, basis, control, tensors=c.tensors, position=c.start,
+                                 prefix=[x.tensors for x in chunks[:i]], after_ids=ids[c.end :], own_ids=ids[c.start : c.end],
+                                 kind=c.kind, address=address, model_id=model_id, namespace="public",
+                                 start=c.start, end=c.end, parent=parent)
+        blobs.append(blob)
+        parent = address
+    return blobs, time.perf_counter() - t0, control
+
+
+SETS = ("eval", "heldout", "long")  # the tables: main, heldout, long
+
+
+def run(args) -> tuple[dict[str, dict[str, list[dict]]], Basis, dict[str, float]]:
+    """Rows by set (SETS) and encoding."""
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     lm = hf_models.load_model("smollm2-135m")
-    model, tok = lm.model, lm.tokenizer
-    n_layers = model.config.num_hidden_layers
     basis = Basis.from_bytes(args.basis.read_bytes()) if args.basis.exists() else fit(lm, args.basis)
     register_basis(basis)
     thetas = {f"kvtc-{b:g}": allocate(basis, b).theta for b in args.budgets}
-    rows: dict[str, list[dict]] = {e: [] for e in [*args.encodings, *thetas]}
-    for doc, text in eval_docs().items():
-        if args.docs and doc not in args.docs:
-            continue
-        ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
-        for n_ctx in args.contexts:
-            if ids.numel() < n_ctx + args.continuation:
-                print(f"skip {doc} @ {n_ctx}: only {ids.numel()} tokens", file=sys.stderr)
+    auto = [KVTC_AUTO] if args.auto is not None else []
+    # the held-out and long sets: the noise floor (int8), kvtc at about kvtc-auto's size and safe, kvtc-auto
+    lossy = ["int8", *[e for e in thetas if e in ("kvtc-1.65", "kvtc-2", "kvtc-2.5")], *auto]
+    sets = {"eval": (eval_docs(), args.contexts, args.continuation, [*args.encodings, *thetas, *auto])}
+    if args.heldout:
+        sets["heldout"] = (heldout_docs(), args.contexts, args.continuation, lossy)
+    if args.long:
+        sets["long"] = (eval_docs(), [args.long], args.long, lossy)
+    out: dict[str, dict[str, list[dict]]] = {}
+    for where, (docs, contexts, n_cont, encodings) in sets.items():
+        rows = out[where] = {e: [] for e in encodings}
+        for doc, text in docs.items():
+            if args.docs and doc not in args.docs:
                 continue
-            cont = ids[n_ctx : n_ctx + args.continuation]
-            chunks = list(extract_chunks(model, ids[:n_ctx], chunk_tokens=256))
-            raw_size = sum(map(len, q.encode_chunks(chunks, "raw", lm.model_id, n_layers)[0]))
-            exact = q.score(model, [c.tensors for c in chunks], n_ctx, cont)
-            for enc in rows:
-                if enc in thetas:
-                    blobs, t_enc = encode_kvtc(chunks, basis, thetas[enc], enc, lm.model_id)
-                else:
-                    blobs, t_enc = q.encode_chunks(chunks, enc, lm.model_id, n_layers)
-                decoded, t_dec = q.decode_chunks(blobs)
-                m = q.metrics(q.score(model, decoded, n_ctx, cont), exact, cont)
-                m.update(ratio=raw_size / sum(map(len, blobs)), enc_mbs=raw_size / t_enc / 1e6, dec_mbs=raw_size / t_dec / 1e6,
-                         doc=doc, ctx=n_ctx)
-                rows[enc].append(m)
-                if args.json:
-                    with args.json.open("a") as f:
-                        f.write(json.dumps({"encoding": enc, **m}) + "\n")
-                print(f"{doc[:16]:16} L={n_ctx:5} {enc:16} ratio {m['ratio']:5.2f}x  nll {m['nll']:.4f} "
-                      f"(+{m['dnll']:6.2f}%)  top1 {m['top1']:.3f}  kl {m['kl']:.5f}", file=sys.stderr, flush=True)
-    return rows, basis, thetas
+            ids = torch.tensor(lm.tokenizer(text)["input_ids"], dtype=torch.long)
+            for n_ctx in contexts:
+                if ids.numel() < n_ctx + n_cont:
+                    print(f"skip {doc} @ {n_ctx}: only {ids.numel()} tokens", file=sys.stderr)
+                    continue
+                context(args, lm, basis, thetas, rows, doc, ids, n_ctx, n_cont, where)
+    return out, basis, thetas
+
+
+def context(args, lm, basis: Basis, thetas: dict[str, float], rows: dict[str, list[dict]], doc: str, ids: torch.Tensor,
+            n_ctx: int, n_cont: int, where: str) -> None:
+    """Every encoding of ``rows`` on one context: ``ids[:n_ctx]``, scored on the next ``n_cont`` tokens."""
+    model, n_layers = lm.model, lm.model.config.num_hidden_layers
+    cont = ids[n_ctx : n_ctx + n_cont]
+    chunks = list(extract_chunks(model, ids[:n_ctx], chunk_tokens=256))
+    raw_size = sum(map(len, q.encode_chunks(chunks, "raw", lm.model_id, n_layers)[0]))
+    exact = q.score(model, [c.tensors for c in chunks], n_ctx, cont)
+    for enc in rows:
+        extra: dict = {}
+        if enc == KVTC_AUTO:
+            blobs, t_enc, control = encode_auto(chunks, ids[:n_ctx], model, basis, args.auto, lm.model_id)
+            extra = {"bits": control.mean_bits(), "up": sum(map(bool, control.chosen)) / len(control.chosen)}
+        elif enc in thetas:
+            blobs, t_enc = encode_kvtc(chunks, basis, thetas[enc], enc, lm.model_id)
+        else:
+            blobs, t_enc = q.encode_chunks(chunks, enc, lm.model_id, n_layers)
+        decoded, t_dec = q.decode_chunks(blobs)
+        m = q.metrics(q.score(model, decoded, n_ctx, cont), exact, cont)
+        m.update(ratio=raw_size / sum(map(len, blobs)), enc_mbs=raw_size / t_enc / 1e6, dec_mbs=raw_size / t_dec / 1e6,
+                 doc=doc, ctx=n_ctx, **extra)
+        rows[enc].append(m)
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(json.dumps({"encoding": enc, "set": where, **m}) + "\n")
+        print(f"{doc[:16]:16} L={n_ctx:5} {enc:16} ratio {m['ratio']:5.2f}x  nll {m['nll']:.4f} "
+              f"(+{m['dnll']:6.2f}%)  top1 {m['top1']:.3f}  kl {m['kl']:.5f}", file=sys.stderr, flush=True)
 
 
 def plot(rows: dict[str, list[dict]], path: Path) -> None:
@@ -158,18 +219,19 @@ def plot(rows: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.5))
-    kv = [(e, ms) for e, ms in rows.items() if ms and e.startswith("kvtc")]
+    kv = [(e, ms) for e, ms in rows.items() if ms and e.startswith("kvtc-") and e != KVTC_AUTO]
     other = [(e, ms) for e, ms in rows.items() if ms and not e.startswith("kvtc")]
-    for group, color in ((kv, "tab:blue"), (other, "tab:orange")):
+    auto = [(e, ms) for e, ms in rows.items() if ms and e == KVTC_AUTO]
+    for group, color, label, ls in ((kv, "tab:blue", "kvtc", "-"), (other, "tab:orange", "existing", "none"),
+                                    (auto, "tab:green", "kvtc-auto", "none")):
         if not group:
             continue
         x = [statistics.median(m["ratio"] for m in ms) for _, ms in group]
         med = [statistics.median(m["dnll"] for m in ms) for _, ms in group]
         worst = [max(m["dnll"] for m in ms) for _, ms in group]
         kl = [statistics.median(m["kl"] for m in ms) for _, ms in group]
-        ls = "-" if group is kv else "none"
-        ax.plot(x, worst, marker="v", ls=ls, color=color, label=f"{'kvtc' if group is kv else 'existing'}: worst case")
-        ax.plot(x, med, marker="o", ls=ls, color=color, alpha=0.5, label=f"{'kvtc' if group is kv else 'existing'}: median")
+        ax.plot(x, worst, marker="v", ls=ls, color=color, label=f"{label}: worst case")
+        ax.plot(x, med, marker="o", ls=ls, color=color, alpha=0.5, label=f"{label}: median")
         bx.plot(x, kl, marker="o", ls=ls, color=color)
         for (e, _), xi, yi, ki in zip(group, x, worst, kl):
             ax.annotate(e, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -190,14 +252,14 @@ def plot(rows: dict[str, list[dict]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def from_json(paths: list[Path]) -> dict[str, list[dict]]:
-    """Rows of earlier runs (``--json`` files), by encoding, in file order."""
-    rows: dict[str, list[dict]] = {}
+def from_json(paths: list[Path]) -> dict[str, dict[str, list[dict]]]:
+    """Rows of earlier runs (``--json`` files), by set and encoding, in file order."""
+    out: dict[str, dict[str, list[dict]]] = {}
     for p in paths:
         for line in p.read_text().splitlines():
             m = json.loads(line)
-            rows.setdefault(m.pop("encoding"), []).append(m)
-    return rows
+            out.setdefault(m.pop("set", "eval"), {}).setdefault(m.pop("encoding"), []).append(m)
+    return out
 
 
 def main() -> None:
@@ -207,6 +269,12 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 1536, 2048])
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--encodings", nargs="+", default=DEFAULT_ENCODINGS)
+    ap.add_argument("--auto", type=kr.RateSettings.parse, default=None, metavar="SETTINGS",
+                    help='add kvtc-auto with these rate-control settings ("ladder=1.5,2.5 kl=0.01 target=1.75 probe=64")')
+    ap.add_argument("--heldout", action="store_true", help="also run int8, kvtc and kvtc-auto on the held-out documents")
+    ap.add_argument("--long", type=int, default=0, metavar="N",
+                    help="also run int8, kvtc and kvtc-auto at N-token contexts scored on N-token continuations "
+                         "(less noise in each context's NLL)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--docs", nargs="+", default=None, help="only these documents (names as in eval_docs)")
     ap.add_argument("--from-json", type=Path, nargs="+", default=None, help="no runs: tabulate and plot these --json files")
@@ -217,13 +285,21 @@ def main() -> None:
     res = R.Results("quality_transform", args)
     t0 = time.perf_counter()
     if args.from_json:
-        rows = from_json(args.from_json)
+        sets = from_json(args.from_json)
         basis = Basis.from_bytes(args.basis.read_bytes())
-        thetas = {e: allocate(basis, float(e.split("-", 1)[1])).theta for e in rows if e.startswith("kvtc-")}
+        thetas = {e: allocate(basis, float(e.split("-", 1)[1])).theta for e in sets["eval"]
+                  if e.startswith("kvtc-") and e != KVTC_AUTO}
     else:
-        rows, basis, thetas = run(args)
+        sets, basis, thetas = run(args)
+    rows = sets["eval"]
     n_ctx = len(next(iter(rows.values())))
     res.table("main", q.table(rows), f"size vs quality, SmolLM2-135M, {n_ctx} contexts: median (min-max)")
+    for where, title in (("heldout", "held-out documents (not used to tune kvtc-auto)"),
+                         ("long", f"{args.long}-token contexts scored on {args.long}-token continuations")):
+        if any(sets.get(where, {}).values()):
+            n = len(next(iter(sets[where].values())))
+            res.table(where, q.table(sets[where]), f"{title}, {n} contexts: median (min-max)")
+    auto_summary(sets)
     headline(res, rows)
     if not args.from_json:
         print(f"\n{n_ctx} contexts x {len(rows)} encodings in {time.perf_counter() - t0:.0f} s on {platform.machine()}, "
@@ -243,6 +319,16 @@ def main() -> None:
     if args.png:
         plot(rows, args.png)
     res.write()
+
+
+def auto_summary(sets: dict[str, dict[str, list[dict]]]) -> None:
+    """What kvtc-auto spent: mean ladder bits per context and the share of objects sent up the ladder."""
+    for name, table in sets.items():
+        ms = table.get(KVTC_AUTO) or []
+        if ms and "bits" in ms[0]:
+            print(f"kvtc-auto ({name}): ladder bits per value, median {statistics.median(m['bits'] for m in ms):.3f} "
+                  f"(max {max(m['bits'] for m in ms):.3f}); objects sent up the ladder {statistics.mean(m['up'] for m in ms):.0%}; "
+                  f"worst NLL increase {max(m['dnll'] for m in ms):+.2f}% ({max(ms, key=lambda m: m['dnll'])['doc']})")
 
 
 def headline(res: R.Results, rows: dict[str, list[dict]]) -> None:

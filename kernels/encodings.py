@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import cast
 
 from kdn.errors import InvalidInput
-from kdn.format.encodings import kvtc_bits
+from kdn.format.encodings import KVTC_AUTO, kvtc_bits
 from kdn.kernels.codecs import _KV_NAME, FLOAT_DTYPES
 
 _CACHEGEN = re.compile(r"(cachegen|ans)((?:-\d){1,3})")
@@ -40,7 +40,7 @@ def cachegen_bits(encoding: str) -> tuple[str, tuple[int, ...]] | None:
 
 def encoding_names() -> list[str]:
     """Object-level encodings :func:`encoding_plan` knows (``cachegen``/``ans`` take 1 or 3 bit widths)."""
-    return ["raw", "zstd", *_PAIRS, "cachegen-B[-B-B]", "ans-B[-B-B]", "kvtc-B (2, 2p5, 1p65...)"]
+    return ["raw", "zstd", *_PAIRS, "cachegen-B[-B-B]", "ans-B[-B-B]", "kvtc-B (2, 2p5, 1p65...)", KVTC_AUTO]
 
 
 def encoding_plan(encoding: str, *, n_layers: int | None = None) -> Callable:
@@ -59,6 +59,9 @@ def encoding_plan(encoding: str, *, n_layers: int | None = None) -> Callable:
       ``kdn.kernels.transform``) at an estimated budget of B bits per value
       (``2``, ``2p5`` = 2.5, ``1p65``...). Encoding it needs the model's basis:
       :func:`encode_as` takes it as ``basis=``.
+    - ``kvtc-auto``: kvtc at a budget picked per object by the publisher's
+      rate control, which runs the model (``kdn.adapters.hf.kvtc_rate``), so
+      :func:`encode_as` refuses it.
 
     Everything else -- Mamba ``L{i}.conv`` / ``L{i}.ssm`` states, non-float
     tensors -- stays lossless (zstd): a recurrent state's error would be carried
@@ -66,7 +69,7 @@ def encoding_plan(encoding: str, *, n_layers: int | None = None) -> Callable:
     """
     if encoding in ("raw", "zstd"):
         return lambda t: encoding
-    if kvtc_bits(encoding) is not None:
+    if encoding == KVTC_AUTO or kvtc_bits(encoding) is not None:
         return lambda t: "kvtc" if _KV_NAME.fullmatch(t.name) and t.dtype in FLOAT_DTYPES else LOSSLESS_STATE_CODEC
     pair = _PAIRS.get(encoding)
     family_bits = cachegen_bits(encoding) if pair is None and isinstance(encoding, str) else None
@@ -100,6 +103,9 @@ def encode_as(encoding: str, *, n_layers: int, basis=None, **fields) -> bytes:
     """
     from kdn.format.objects import encode_object
 
+    if encoding == KVTC_AUTO:
+        raise InvalidInput(f"encoding {KVTC_AUTO!r} is chosen per object by the publisher's rate control, which "
+                           "needs the model: kdn.adapters.hf.kvtc_rate.encode_auto, not encode_as")
     bits = kvtc_bits(encoding)
     if bits is not None:
         from kdn.kernels.transform import encode_kvtc

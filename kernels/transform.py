@@ -31,7 +31,8 @@ coefficients of a layer/kind are a prefix (``m`` of them). ``theta`` is found
 by bisection so that the estimated rate (entropy of a quantized Gaussian of
 the calibrated variance, an upper bound for the same variance at high rate)
 stays within a budget in bits per value; the encoder records ``theta`` in the
-tensor's parameters, so the decoder needs no allocation of its own.
+tensor's parameters, so the decoder needs no allocation of its own (and an object's
+K and V may be coded at different levels: ``kvtc-auto``, ``kdn.adapters.hf.kvtc_rate``).
 
 Entropy coding: the codes of each kept coefficient are rANS coded
 (``constriction``) under a quantized Laplace model whose mean and scale are
@@ -112,34 +113,45 @@ def kept_and_step(lb: LayerBasis, theta: float) -> tuple[int, float]:
     return m, math.sqrt(12.0 * theta / lb.alpha)
 
 
-def estimate_bits(basis: Basis, theta: float) -> float:
-    """Estimated bits per K/V value at ``theta`` (quantized-Gaussian entropy of each kept coefficient)."""
-    total = 0.0
+def _kinds(kind: str | None) -> tuple[int, ...]:
+    if kind is None:
+        return (0, 1)
+    if kind not in KINDS:
+        raise InvalidInput(f"kvtc: kind must be one of {list(KINDS)} or None (both), got {str(kind)[:8]!r}")
+    return (KINDS.index(kind),)
+
+
+def estimate_bits(basis: Basis, theta: float, kind: str | None = None) -> float:
+    """Estimated bits per K/V value at ``theta`` (quantized-Gaussian entropy of each kept coefficient);
+    of ``kind``'s values only (``"k"`` or ``"v"``) if given."""
+    total, kinds = 0.0, _kinds(kind)
     for pair in basis.layers:
-        for lb in pair:
+        for lb in (pair[j] for j in kinds):
             m, step = kept_and_step(lb, theta)
             if m:
                 total += float(gaussian_code_entropy(np.sqrt(lb.var[:m].astype(np.float64)) / step).sum())
-    return total / (2 * basis.n_layers * basis.channels)
+    return total / (len(kinds) * basis.n_layers * basis.channels)
 
 
-def allocate(basis: Basis, bits_per_value: float) -> Allocation:
-    """Reverse water-filling: the smallest ``theta`` whose estimated rate is <= ``bits_per_value``."""
+def allocate(basis: Basis, bits_per_value: float, kind: str | None = None) -> Allocation:
+    """Reverse water-filling: the smallest ``theta`` whose estimated rate is <= ``bits_per_value``; over K and V
+    together, or over ``kind``'s coefficients only (``kvtc-auto``'s separate K and V budgets)."""
     if not bits_per_value > 0:
         raise InvalidInput(f"kvtc: bit budget must be > 0, got {bits_per_value}")
-    v = np.concatenate([lb.alpha * lb.var.astype(np.float64) for pair in basis.layers for lb in pair])
+    kinds = _kinds(kind)
+    v = np.concatenate([pair[j].alpha * pair[j].var.astype(np.float64) for pair in basis.layers for j in kinds])
     lo, hi = math.log(max(v.min(), 1e-30) * 1e-6), math.log(max(v.max(), 1e-30) * 1.0001)  # hi: nothing kept
-    if estimate_bits(basis, math.exp(lo)) <= bits_per_value:
+    if estimate_bits(basis, math.exp(lo), kind) <= bits_per_value:
         hi = lo
     for _ in range(60):
         mid = 0.5 * (lo + hi)
-        if estimate_bits(basis, math.exp(mid)) > bits_per_value:
+        if estimate_bits(basis, math.exp(mid), kind) > bits_per_value:
             lo = mid
         else:
             hi = mid
     theta = math.exp(hi)
     kept = tuple((kept_and_step(k, theta)[0], kept_and_step(v, theta)[0]) for k, v in basis.layers)
-    return Allocation(theta, kept, estimate_bits(basis, theta))
+    return Allocation(theta, kept, estimate_bits(basis, theta, kind))
 
 
 # --- RoPE (rotate_half pairs (i, i + rot/2)) -------------------------------------------------------
@@ -394,23 +406,26 @@ class TransformCodec(LossyCodec):
         return write_float(decode_tensor(mv, dtype, tuple(shape), params), dtype, out)
 
 
-def encode_kvtc_object(basis: Basis, theta: float, *, tensors: dict[str, torch.Tensor], position: int,
-                       encoding: str = "kvtc", rho: float = 0.5, **fields) -> bytes:
+def encode_kvtc_object(basis: Basis, theta: float | tuple[float, float], *, tensors: dict[str, torch.Tensor],
+                       position: int, encoding: str = "kvtc", rho: float = 0.5, **fields) -> bytes:
     """One KDN object (``kdn.format.objects.encode_object`` fields) whose K/V tensors are kvtc coded.
 
     ``tensors`` are torch tensors by name (``L{i}.k`` / ``L{i}.v`` ``[H, n, D]``);
     any other tensor is stored lossless (zstd). ``position`` is the position of
-    the object's first token (its ``position`` field).
+    the object's first token (its ``position`` field). ``theta``: one water level, or
+    ``(K's, V's)`` (each tensor records its own, so the decoder needs nothing more).
     """
     from kdn.format.objects import encode_object, from_torch
 
+    thetas = dict(zip(KINDS, theta if isinstance(theta, tuple) else (theta, theta)))
     raw = from_torch(tensors)
     pending: dict[int, tuple[Buffer, tuple[bytes, dict]]] = {}
     for name, rt in raw.items():
         m = _KV_NAME.fullmatch(name)
         if m and rt.dtype in FLOAT_DTYPES:
-            x = tensors[name].float()
-            pending[id(rt.data)] = (rt.data, encode_tensor(basis, int(m.group(1)), m.group(2), x, position, theta, rt.dtype, rho))
+            x, kind = tensors[name].float(), m.group(2)
+            pending[id(rt.data)] = (rt.data, encode_tensor(basis, int(m.group(1)), kind, x, position, thetas[kind],
+                                                           rt.dtype, rho))
     _PENDING.by_buffer = pending
     try:
         return encode_object(tensors=raw, position=position, encoding=encoding,
@@ -419,15 +434,16 @@ def encode_kvtc_object(basis: Basis, theta: float, *, tensors: dict[str, torch.T
         _PENDING.by_buffer = None
 
 
-_THETA: dict[tuple[str, float], float] = {}
+_THETA: dict[tuple[str, float, str | None], float] = {}
 
 
-def theta_for(basis: Basis, bits: float) -> float:
-    """The allocation's ``theta`` for ``bits`` per value (cached per basis and budget: a bisection each)."""
-    key = (_address_cached(basis), bits)
+def theta_for(basis: Basis, bits: float, kind: str | None = None) -> float:
+    """The allocation's ``theta`` for ``bits`` per value, of K and V or of ``kind`` alone (cached per basis,
+    budget and kind: a bisection each)."""
+    key = (_address_cached(basis), bits, kind)
     theta = _THETA.get(key)
     if theta is None:
-        theta = _THETA[key] = allocate(basis, bits).theta
+        theta = _THETA[key] = allocate(basis, bits, kind).theta
     return theta
 
 

@@ -40,7 +40,7 @@ from kdn import service
 from kdn.service import connections
 from kdn.format.address import PUBLIC_NAMESPACE, Address, validate_address, validate_name, validate_namespace
 from kdn.auth import Grant, Grants, covers, may_read
-from kdn.format.encodings import LOSSLESS_PREFERENCE, kvtc_bits
+from kdn.format.encodings import KVTC_AUTO, LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput
 from kdn.registry import KVRegistry, ModelRecord, NodeRecord, ObjectRecord
 from kdn.registry.split import RecordsBeside
@@ -256,7 +256,7 @@ async def publish(request: web.Request) -> web.Response:
         return json_error(400, "invalid_input", "emphasis probes are run by an origin with --engine hf")
     if spec.standalone and app[CONFIG].engine != "hf":
         return json_error(400, "invalid_input", "standalone chunks are computed by an origin with --engine hf")
-    kvtc = [e for e in spec.encodings if kvtc_bits(e) is not None]
+    kvtc = [e for e in spec.encodings if e == KVTC_AUTO or kvtc_bits(e) is not None]
     if kvtc and app[CONFIG].engine != "hf":
         return json_error(400, "invalid_input", f"{kvtc[0]} objects are encoded by an origin with --engine hf")
     if kvtc and app[PRODUCER].basis is None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from kdn.format import address as A
 from kdn.format.address import Address
 from kdn.emphasis import EmphasisMap, merge_spans
-from kdn.format.encodings import LOSSLESS_PREFERENCE, kvtc_bits
+from kdn.format.encodings import KVTC_AUTO, LOSSLESS_PREFERENCE, kvtc_bits
 from kdn.errors import InvalidInput, KDNError
 from kdn.registry import ObjectRecord, Policy
 from kdn.format.store import validate_encoding
@@ -291,6 +291,9 @@ class Producer:
         self.origin_id = origin_id
         self.engine = f"transformers {transformers.__version__}"  # named on every record it writes
         self.basis: Basis | None = None  # the model's kvtc basis (kdn.kernels.transform.Basis), if the origin has one
+        from kdn.adapters.hf.kvtc_rate import RateSettings
+
+        self.rate = RateSettings()  # kvtc-auto's per-object rate control (kdn.adapters.hf.kvtc_rate)
 
     @property
     def chunk_tokens(self) -> int:
@@ -310,6 +313,7 @@ class Producer:
         """Yield one Step per chunk (prefix chain first, then standalone chunks)."""
         if spec.prefix:
             yield from self._prefix_chain(spec, plan)
+        auto = self._auto(spec) if spec.standalone else None
         for i, (s, e) in enumerate(plan.spans if spec.standalone else []):
             addr = plan.standalone[i]
             computed = False
@@ -317,7 +321,7 @@ class Producer:
                 from kdn.adapters.hf import standalone_chunk
 
                 state = standalone_chunk(self.loaded.model, spec.tokens[s:e])
-                self._store(addr, spec, state.kind, s, e, 0, None, state.tensors)
+                self._store(addr, spec, state.kind, s, e, 0, None, state.tensors, auto, alone=True)
                 computed = True
             yield Step([self._record(addr, spec, self._kind(), s, e, None, standalone=True)], computed)
 
@@ -335,6 +339,9 @@ class Producer:
         from kdn.adapters.hf import extract_chunks
 
         cache, cached = self._resume_cache(spec, plan, first_missing)
+        auto = self._auto(spec)
+        if auto is not None:
+            auto.resume(cache)
         start = plan.spans[first_missing][0]
         for state in extract_chunks(self.loaded.model, spec.tokens[start:], chunk_tokens=self.chunk_tokens,
                                     start_position=start, cache=cache, cached_tokens=cached):
@@ -342,7 +349,9 @@ class Producer:
             s, e = plan.spans[i]
             addr, parent = plan.addresses[i], self._parent(plan, i)
             if not have[i]:  # never rewrite a stored blob: edges may hold it under its digest
-                self._store(addr, spec, state.kind, s, e, s, parent, state.tensors)
+                self._store(addr, spec, state.kind, s, e, s, parent, state.tensors, auto)
+            if auto is not None:
+                auto.advance(state.tensors)
             yield Step([self._record(addr, spec, state.kind, s, e, parent)], True)
 
     def _resume_cache(self, spec: PublishSpec, plan: Plan, n: int):
@@ -385,6 +394,14 @@ class Producer:
         return EmphasisMap(spans=merge_spans([*emap.spans, *derived.spans], *emap.region), region=emap.region,
                            alpha=emap.alpha, heads=emap.heads, default_on=emap.default_on, source=emap.source)
 
+    def _auto(self, spec: PublishSpec):
+        """This publish's ``kvtc-auto`` rate control (``kdn.adapters.hf.kvtc_rate.Publication``), if it asks for it."""
+        if KVTC_AUTO not in spec.encodings:
+            return None
+        from kdn.adapters.hf.kvtc_rate import Publication
+
+        return Publication(self.loaded.model, self.basis, self.rate, spec.tokens)
+
     def _kind(self) -> str:
         from kdn.adapters.hf.extract import kind_of, layer_layout
 
@@ -395,7 +412,7 @@ class Producer:
         return plan.addresses[i - 1] if i > 0 else None
 
     def _store(self, addr: Address, spec: PublishSpec, kind: str, s: int, e: int, position: int,
-               parent: Address | None, tensors) -> None:
+               parent: Address | None, tensors, auto=None, *, alone: bool = False) -> None:
         from kdn.kernels import encode_as
         from kdn.format.objects import from_torch
 
@@ -403,10 +420,13 @@ class Producer:
         for enc in spec.encodings:
             if self.store.has(addr, enc):
                 continue
-            blob = encode_as(enc, n_layers=self.loaded.model.config.num_hidden_layers, kind=kind, address=addr,
-                             model_id=self.loaded.model_id, namespace=spec.namespace, start=s, end=e,
-                             position=position, parent=parent, tensors=tensors if kvtc_bits(enc) else raw,
-                             basis=self.basis)
+            fields = dict(kind=kind, address=addr, model_id=self.loaded.model_id, namespace=spec.namespace, start=s,
+                          end=e, position=position, parent=parent)
+            if enc == KVTC_AUTO:  # the rate control probes the model, so it needs this publish's context
+                blob = auto.encode(tensors, alone=alone, **fields)
+            else:
+                blob = encode_as(enc, n_layers=self.loaded.model.config.num_hidden_layers,
+                                 tensors=tensors if kvtc_bits(enc) else raw, basis=self.basis, **fields)
             self.store.put(addr, enc, blob)
 
     def _record(self, addr: Address, spec: PublishSpec, kind: str, s: int, e: int, parent: Address | None, *,
