@@ -55,6 +55,11 @@ class Run:
     archived: str = ""  # why this is a record that is not re-run ("" = re-run)
 
 
+# The question's own map (steer-question*): K and alpha as the oracle run ("steer") chose them on the needles'
+# tuning split; the needles in full prefill and prefix reuse (the map made on KV loaded from chunks), SQuAD in
+# full prefill only (prefix reuse has matched it in every steer run: loading is exact).
+QUESTION_MAP = ["--map", "question", "--no-headline", "--fixed", "--k", "24", "--alphas", "0.03", "--contexts"]
+
 RUNS: list[Run] = [
     Run("address_codec", "address_codec", ["--tokens", "1024", "--repeat", "7"],
         ["--tokens", "256", "--repeat", "1"], ("smollm2",), 900),
@@ -71,7 +76,8 @@ RUNS: list[Run] = [
         ["--contexts", "256", "--continuation", "32", "--encodings", "raw", "int8"], ("smollm2",), 3600),
     Run("quality_transform", "quality_transform",
         ["--basis", "bench/work/kvtc-smollm2.basis", "--budgets", "1.5", "1.65", "1.75", "2.0", "2.5",
-         "--encodings", "int8", "int4-g64", "cachegen-4", "ans-4", "--png", "docs/img/quality_transform.png"],
+         "--encodings", "int8", "int4-g64", "cachegen-4", "ans-4", "--png", "docs/img/quality_transform.png",
+         "--auto", "ladder=1.5,2.5 kl=0.0067 target=1.6 probe=64", "--heldout", "--long", "1024"],
         ["--basis", "bench/work/kvtc-smollm2.basis", "--contexts", "512", "--continuation", "32", "--budgets", "2.0",
          "--encodings", "int8", "--docs", "harbor-policy"], ("smollm2",), 3 * 3600),
     Run("quality_hybrid", "quality_hybrid", ["--threads", "2"],
@@ -110,7 +116,14 @@ RUNS: list[Run] = [
     # The realistic map: what the origin's model marks under a generic probe question that names no fact.
     Run("steer-probe", "steer", ["--map", "probe", "--no-headline"], None, ("smollm2",), 3 * 3600,
         {"OMP_WAIT_POLICY": "PASSIVE"}),
+    # The map from the question itself (issue #55 item 2): no oracle; retrieval heads calibrated on the tuning
+    # split. On the needles and on a SQuAD reading set (bench/data/squad-steer.json), each beside the oracle.
+    Run("steer-question", "steer", QUESTION_MAP + ["full,reuse", "--nll-cases", "8"], None, ("smollm2",), 3 * 3600,
+        {"OMP_WAIT_POLICY": "PASSIVE"}),
+    Run("steer-question-squad", "steer", QUESTION_MAP + ["full", "--nll-cases", "8", "--set", "squad"], None,
+        ("smollm2",), 3 * 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("vllm_steer", "vllm_steer", [], ["--quick"], ("vllm", "smollm2"), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    Run("vllm_rag", "vllm_rag", [], ["--quick"], ("vllm", "smollm2"), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers",
                            "edge-mem,edge-disk,dict,dict-copy,nginx-1w,lmcache,redis", "--clients", "raw,kdn",
                            "--duration", "2", "--warmup", "0.5", "--rounds", "2", "--profile", "--no-install"],
