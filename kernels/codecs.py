@@ -235,7 +235,7 @@ class GroupCodec(LossyCodec):
     def _encode(self, x: torch.Tensor) -> tuple[bytes, dict]:
         axis = reduce_axis(self.mode, x.dim())
         q, s16, mn16 = quantize_groups(to_rows(x, axis), self.bits, self.group)  # q: [R, Cp]; s16, mn16: [R, G]
-        payload = s16.numpy().tobytes() + mn16.numpy().tobytes() + pack_nibbles(q.view(-1)).numpy().tobytes()
+        payload = s16.numpy().tobytes() + mn16.numpy().tobytes() + pack_nibbles(q.reshape(-1)).numpy().tobytes()
         return payload, {"axis": axis, "bits": self.bits, "group": self.group}
 
     def _decode(self, mv: memoryview, shape: tuple[int, ...], params: dict) -> torch.Tensor:
