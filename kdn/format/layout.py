@@ -197,7 +197,7 @@ def _parse_kdn(meta: object) -> ObjectHeader:
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CorruptObject(f"KDN tensor {name[:64]!r}: unknown dtype {str(dtype)[:20]!r}")
         if not isinstance(shape, list) or not shape_ok(shape):
-            raise CorruptObject(f"KDN tensor {name[:64]!r}: shape {str(shape)[:40]} is not {SHAPE_RULE}")
+            raise CorruptObject(f"KDN tensor {name[:64]!r}: shape {repr(shape)[:40]} is not {SHAPE_RULE}")
         if not isinstance(codec, str) or not codec or len(codec) > 32:
             raise CorruptObject(f"KDN tensor {name[:64]!r}: codec {str(codec)[:40]!r} is not a short string")
         if not isinstance(params, dict):
@@ -279,7 +279,7 @@ def _validate(text: bytes, size: int) -> Layout:
         if not isinstance(e["dtype"], str) or e["dtype"] not in DTYPES:
             raise CorruptObject(f"tensor {name[:64]!r}: unknown stored dtype {str(e['dtype'])[:20]!r}")
         if not isinstance(e["shape"], list) or not shape_ok(e["shape"]):
-            raise CorruptObject(f"tensor {name[:64]!r}: stored shape {str(e['shape'])[:40]} is not {SHAPE_RULE}")
+            raise CorruptObject(f"tensor {name[:64]!r}: stored shape {repr(e['shape'])[:40]} is not {SHAPE_RULE}")
         offsets[name] = (off[0], off[1])
 
     if offsets.keys() != header.tensors.keys():
