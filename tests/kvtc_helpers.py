@@ -18,3 +18,11 @@ def fit_tiny_basis(seed: int = 0, spec: str = "tiny-llama", dtype: torch.dtype |
     alpha_windows = [torch.randint(3, vocab, (48,), generator=g)]
     basis = fit_basis(lm.model, lm.model_id, windows, alpha_windows, alpha_context=32, alpha_next=16)
     return lm, basis, g
+
+
+def write_tiny_basis(folder):
+    """``(path, address)`` of ``fit_tiny_basis()``'s basis written into ``folder`` (an origin's ``kvtc_basis``)."""
+    _, basis, _ = fit_tiny_basis()
+    path = folder / "tiny-llama.basis"
+    path.write_bytes(basis.to_bytes())
+    return path, basis.address

@@ -28,12 +28,9 @@ TEXT = ("The keeper trimmed the wick at dusk and wrote the wind in the log. " * 
 
 @pytest.fixture(scope="module")
 def basis_file(tmp_path_factory):
-    from kvtc_helpers import fit_tiny_basis
+    from kvtc_helpers import write_tiny_basis
 
-    _, basis, _ = fit_tiny_basis()
-    path = tmp_path_factory.mktemp("kvtc-auto") / "tiny-llama.basis"
-    path.write_bytes(basis.to_bytes())
-    return path
+    return write_tiny_basis(tmp_path_factory.mktemp("kvtc-auto"))[0]
 
 
 def test_kvtc_auto_is_a_known_encoding_that_encode_as_refuses():

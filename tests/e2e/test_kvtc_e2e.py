@@ -29,12 +29,9 @@ TEXT = ("The keeper trimmed the wick at dusk and wrote the wind in the log. " * 
 
 @pytest.fixture(scope="module")
 def basis_file(tmp_path_factory):
-    from kvtc_helpers import fit_tiny_basis
+    from kvtc_helpers import write_tiny_basis
 
-    _, basis, _ = fit_tiny_basis()
-    path = tmp_path_factory.mktemp("kvtc") / "tiny-llama.basis"
-    path.write_bytes(basis.to_bytes())
-    return path, basis.address
+    return write_tiny_basis(tmp_path_factory.mktemp("kvtc"))
 
 
 def test_kvtc_encoding_names():
