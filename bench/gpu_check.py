@@ -503,7 +503,9 @@ def ttft(device: str, lengths: list[int], repeat: int, emit: Callable[[str, dict
 def rows_of(p: Paths, model, shape: str, times: dict[str, list[float]], rates: dict[str, float],
             vllm: dict[str, float], same: dict[str, bool], pinned: bool | None) -> list[dict]:
     """The table's rows for one shape and length, the planner's choice among them."""
-    from kdn.planner import Chunk, PrefillModel, Speeds, plan
+    from kdn.chunk import Chunk
+    from kdn.format.address import blob_digest
+    from kdn.planner import PrefillModel, Speeds, plan
 
     cfg = model.config
     length, suffix = p.length, p.suffix
@@ -517,7 +519,10 @@ def rows_of(p: Paths, model, shape: str, times: dict[str, list[float]], rates: d
     via = "edge-raw" if "edge-raw" in times else "host-raw"
     wire = sum(map(len, p.blobs["raw"]))
     bps = wire / statistics.median(times[via])
-    decision = plan([Chunk(n, len(b)) for n, b in zip(p.counts, p.blobs["raw"])], length + suffix,
+    starts = [sum(p.counts[:i]) for i in range(len(p.counts))]
+    chunks = [Chunk(a, s, s + n, "raw", blob_digest(b), len(b)) for a, s, n, b in
+              zip(p.addrs, starts, p.counts, p.blobs["raw"])]
+    decision = plan(chunks, length + suffix,
                     link=lambda nbytes: nbytes / bps, speeds=Speeds(pm))
     choice = "load" if decision.load == len(p.counts) else ("compute" if not decision.loads_anything
                                                             else f"load {decision.load} of {len(p.counts)}")

@@ -47,7 +47,7 @@ stale one (no moving average drags the old speed along). The probe times the
 fetch and its verification, not a decode into the engine's cache: it may
 overstate a slow decoder's load speed until the next real load measures it.
 
-A chunk the machine's host tier holds (``Chunk.host``: shared memory on the engine's own machine, no socket)
+A chunk the machine's host tier holds (``kdn.chunk.Chunk.host``: shared memory on the engine's own machine, no socket)
 is a source of its own: its bytes cost ``n / Speeds.host_bps`` (this engine's loads that came wholly from
 the host; before the first, ``HOST_PRIOR_BPS``), never the link's round trip and bandwidth, and a load
 from the host teaches the host's speed only, so a slow edge does not make the host look slow nor the other
@@ -85,6 +85,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kdn.chunk import Chunk
+
 EWMA = 0.3
 LEARN_TOKENS = 256  # a forward of at least this many tokens teaches the prefill model's per-FLOP cost
 K_WINDOW = 8  # the per-FLOP cost is the least of the last this many forwards that teach it
@@ -101,18 +103,6 @@ COLD_OF_PREFILL = 2.0  # a cold load (the entry edge fills it first) may run thi
 COLD_FILL_S = 1.0  # ... plus this allowance for the fill's own trip upstream, before it is given up
 HOST_PRIOR_BPS = 1e9  # the host tier's bytes/s into the cache before this engine measured one (a memcpy is ~5-10)
 COLD_DOUBTED_AFTER = 2  # a source whose cold loads were given up this many times running is not believed cold
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One object of a prefix: the tokens it covers and the bytes on the wire."""
-
-    tokens: int
-    nbytes: int
-    host: bool = False  # the machine's host tier holds it: read from shared memory, not over the link
-
-    def __post_init__(self) -> None:
-        assert self.tokens > 0 and self.nbytes >= 0, (self.tokens, self.nbytes)
 
 
 @dataclass
@@ -324,8 +314,8 @@ def _load_time(chunks: Sequence[Chunk], link: Callable[[int], float], measured: 
     estimate, or the engine's ``measured`` loads where slower), the two summed (they share the engine's cores)."""
     nbytes, hosted = [0], [0]  # running sums: all bytes, and those the host tier holds
     for c in chunks:
-        nbytes.append(nbytes[-1] + c.nbytes)
-        hosted.append(hosted[-1] + (c.nbytes if c.host else 0))
+        nbytes.append(nbytes[-1] + c.size)
+        hosted.append(hosted[-1] + (c.size if c.host else 0))
 
     def load_s(h: int, k: int) -> float:
         hb = hosted[k] - hosted[h]

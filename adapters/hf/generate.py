@@ -223,7 +223,7 @@ async def _load(model: Any, ids: list[int], client: Any, real_id: ModelId, repor
 
 
 async def _held_by_host(client: Any, hit: Any, chunks: list) -> list:
-    """``chunks`` with those the machine's host tier holds marked (``Chunk.host``): the planner costs them at the
+    """``chunks`` with those the machine's host tier holds marked (``kdn.chunk.Chunk.host``): the planner costs them at the
     host's own speed, not the link's. No host tier (or one that does not answer at once): unchanged."""
     host = getattr(client, "host", None)
     if host is None or not chunks:
@@ -250,14 +250,14 @@ def _kept_bytes(hit: Any, chunks: list, client: Any, model: Any) -> list[int | N
         e = rec["encodings"].get(client.choose_encoding(rec["encodings"]) or "", {})
         if e.get("pieces"):
             kv = c.tokens * per_token
-            out[i] = min(c.nbytes, -(-c.nbytes * kv // (kv + states)) + 2 * int(e["piece_bytes"]))
+            out[i] = min(c.size, -(-c.size * kv // (kv + states)) + 2 * int(e["piece_bytes"]))
     return out
 
 
 def _moved(whole: list, kept: list[int | None], k: int) -> list:
     """The planner's chunks when the first ``k`` are loaded: all but the ``k``-th with their K/V only (where
     ``kept`` says so), the ``k``-th whole (its states are the ones used)."""
-    return [c if i == k - 1 or n is None else replace(c, nbytes=n) for i, (c, n) in enumerate(zip(whole, kept))]
+    return [c if i == k - 1 or n is None else replace(c, size=n) for i, (c, n) in enumerate(zip(whole, kept))]
 
 
 def _plan_load(hit: Any, chunks: list, n_ids: int, client: Any, speeds: Any, load_deadline: float, took: Believed,
@@ -313,7 +313,7 @@ class _Loading:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks[:self.hit.chunks])
+        return sum(c.size for c in self.chunks[:self.hit.chunks])
 
 
 async def _fetch_into(model: Any, client: Any, ld: _Loading, real_id: ModelId, report: Report, speeds: Any

@@ -27,8 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kdn.format.address import Digest
 from kdn.wire.bodyget import Tally
-from kdn.planner import OVERRUN_AFTER, Chunk, ColdFills, PrefillModel, Speeds, overruns
+from kdn.chunk import Chunk
+from kdn.planner import OVERRUN_AFTER, ColdFills, PrefillModel, Speeds, overruns
 
 log = logging.getLogger("kdn.adapters.hf")
 
@@ -110,7 +112,7 @@ def believe(hit: Any, chunks: list[Chunk], client: Any) -> Believed:
     for a, t, c in zip(hit.addresses, tiers, chunks):
         if client.warm(a, t) or c.host:  # (the host tier's copy is on this machine: nothing to fill)
             continue
-        src = _lead(client, a, c.nbytes).label
+        src = _lead(client, a, c.size).label
         if fills.believed(src):
             cold.add(src)
         else:
@@ -132,7 +134,7 @@ def cold_given_up(client: Any, hit: Any, chunks: list[Chunk], arrived: int, nbyt
     estimate of that source, which ranks it lower for a while as a failed fetch does (the fetch it was
     waiting on is cancelled, not failed, so the client would not count it). The source's label."""
     i = min(arrived, hit.chunks - 1)
-    src = _lead(client, hit.addresses[i], chunks[i].nbytes)
+    src = _lead(client, hit.addresses[i], chunks[i].size)
     cold_fills_of(client).gave_up(src.label, nbytes, seconds)
     client.routing.estimates[src.url].fail()
     return src.label
@@ -149,19 +151,18 @@ def kv_bytes_per_token(model: Any) -> int:
 
 
 def chunks_of(hit: Any, client: Any, model: Any, encoding: str | None = None) -> list[Chunk]:
-    """The lookup's objects as the planner sees them: tokens, and bytes on the wire in the encoding the
-    client would fetch."""
-    counts = hit.token_counts()
+    """The lookup's objects as the planner sees them (``Lookup.chunk``): tokens, and bytes on the wire in the
+    encoding the client would fetch; where the lookup brought no record of one, its raw K/V bytes (no encoding)."""
     per_token = kv_bytes_per_token(model)
     out = []
-    for i, n in enumerate(counts):
+    for i, n in enumerate(hit.token_counts()):
         rec = hit.records[i] if i < len(hit.records) else None
-        size = n * per_token
-        if rec is not None:
-            enc = encoding or client.choose_encoding(rec["encodings"])
-            if enc in rec["encodings"]:
-                size = int(rec["encodings"][enc]["size"])
-        out.append(Chunk(n, size))
+        enc = (encoding or client.choose_encoding(rec["encodings"])) if rec is not None else None
+        if rec is not None and enc in rec["encodings"]:
+            out.append(hit.chunk(i, rec, enc))
+        else:
+            start = i * hit.chunk_tokens
+            out.append(Chunk(hit.addresses[i], start, start + n, "", Digest(""), n * per_token))
     return out
 
 
@@ -172,7 +173,6 @@ def start_probe(hit: Any, client: Any, speeds: Speeds, deadline_s: float,
     encoding this client would fetch, bad piece digests, or a record that cannot be read (the edge or the
     registry failing: the next stale plan probes again) measure nothing; the task never ends in an error."""
     from kdn.errors import InvalidInput, KDNError
-    from kdn.format.pieces import Pieces
 
     async def run() -> None:
         address = hit.addresses[0]
@@ -181,9 +181,9 @@ def start_probe(hit: Any, client: Any, speeds: Speeds, deadline_s: float,
             enc = (encoding or client.choose_encoding(rec["encodings"])) if rec is not None else None
             if rec is None or enc not in rec["encodings"]:
                 return
-            e = rec["encodings"][enc]
-            got = await client.probe(address, encoding=enc, digest=e["digest"], size=int(e["size"]),
-                                     pieces=Pieces.of(e), deadline_s=deadline_s)
+            c = hit.chunk(0, rec, enc)
+            got = await client.probe(address, encoding=enc, digest=c.digest, size=c.size, pieces=c.pieces,
+                                     deadline_s=deadline_s)
         except InvalidInput:
             return
         except (KDNError, OSError) as err:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from kdn.format.objects import torch_dtype
+from kdn.chunk import Chunk
 from kdn.format.address import ModelId
 from kdn.wire.arena import ArenaFull
 from kdn.wire.bodyget import Tally
@@ -36,12 +37,11 @@ from kdn.errors import KDNError
 from kdn.format.pieces import Pieces
 
 from kdn.adapters.vllm.meta import LoadJob
-from kdn.adapters.vllm.plan import Piece
 from kdn.adapters.vllm.stage import Staging, StagingClosed
 
 
 class LoadFailed(KDNError):
-    def __init__(self, reason: str, piece: Piece | None, detail: str) -> None:
+    def __init__(self, reason: str, piece: Chunk | None, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.piece = piece
@@ -157,8 +157,8 @@ class PieceLoader:
         states = sum(4 * t.numel() // max(t.shape[0], 1) for s in self.states for t in s.module.kv_cache)
         return per_token * n_tokens + 2 * states + 64 * (2 * len(self.attn) + 2 * len(self.states))
 
-    async def fetch_and_stage(self, run: Loading, i: int, p: Piece) -> Staged:
-        """Piece ``i``: fetched into an arena buffer, verified, checked, decoded into the staging (a worker
+    async def fetch_and_stage(self, run: Loading, i: int, p: Chunk) -> Staged:
+        """Chunk ``i``: fetched into an arena buffer, verified, checked, decoded into the staging (a worker
         thread, while other pieces are still on the wire); the buffer goes back at once. A kvtc object's
         model basis is fetched, verified and registered first (once per basis). A raw piece is received
         straight into its place instead (``_fetch_placed``)."""
@@ -175,14 +175,13 @@ class PieceLoader:
                 self.client.behind.start(host, [p.address], p.encoding, self.client.host_stats)
         return await self._from_edge(run, i, p)
 
-    async def _from_edge(self, run: Loading, i: int, p: Piece) -> Staged:
-        pieces = Pieces.checked(p.size, p.piece_bytes, p.piece_digests)
-        if self.states and i != len(run.job.plan.pieces) - 1 and pieces is not None:
-            return await self._fetch_kept(run, i, p, pieces)
+    async def _from_edge(self, run: Loading, i: int, p: Chunk) -> Staged:
+        if self.states and i != len(run.job.plan.pieces) - 1 and p.pieces is not None:
+            return await self._fetch_kept(run, i, p, p.pieces)
         if self._placeable(run, i, p):
             return await self._fetch_placed(run, i, p)
         f = await self.client.fetch(p.address, encoding=p.encoding, digest=p.digest, size=p.size, pooled=True,
-                                    pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests), tally=run.tally)
+                                    pieces=p.pieces, tally=run.tally)
         try:
             cap = await self.client.prepare(f, p.end - p.start)
         except BaseException:
@@ -195,8 +194,8 @@ class PieceLoader:
         work.add_done_callback(lambda _: f.release())
         return await asyncio.shield(work)
 
-    async def _fetch_kept(self, run: Loading, i: int, p: Piece, pieces: Pieces) -> Staged:
-        """Piece ``i`` of a hybrid load, not its last: only its K/V (``kv_names``), by verified range requests,
+    async def _fetch_kept(self, run: Loading, i: int, p: Chunk, pieces: Pieces) -> Staged:
+        """Chunk ``i`` of a hybrid load, not its last: only its K/V (``kv_names``), by verified range requests,
         then staged as any piece is (a view that decodes nothing else). Its states would be dead weight: an
         8k load of a Qwen3.5-A3B-like shape moved ~2.1 GiB for ~222 MiB used (bench/hybrid_bytes.py)."""
         from kdn.client.parts import fetch_kept
@@ -256,8 +255,8 @@ class PieceLoader:
         except HostError as e:  # (a refusal of one: the others ended; a host gone ended them all)
             self.client.host_stats.note(f"release_many: {e}")
 
-    async def _from_host(self, run: Loading, i: int, p: Piece, granted: Any = None) -> Staged | None:
-        """Piece ``i`` leased from the host tier, or None (fetch it as ever): the host failed, or its copy is not
+    async def _from_host(self, run: Loading, i: int, p: Chunk, granted: Any = None) -> Staged | None:
+        """Chunk ``i`` leased from the host tier, or None (fetch it as ever): the host failed, or its copy is not
         the one the plan's signed digest names. On the CPU a raw piece is read in place: its lease is kept by
         the load (``run.holds``, released when the load ends) and its K/V are views of the mapping, written
         into the paged blocks layer by layer (``_in_place``). Otherwise it is copied from the mapping into the
@@ -302,7 +301,7 @@ class PieceLoader:
         stats.hits += 1
         return staged
 
-    def _in_place(self, run: Loading, i: int, p: Piece, f: _Leased) -> Staged:
+    def _in_place(self, run: Loading, i: int, p: Chunk, f: _Leased) -> Staged:
         """A held piece's K/V as views of the mapping, per layer ``[n, H, D]`` (checked as any piece's header
         is); one whose tensors are not raw in the cache's dtype is copied into the staging instead."""
         from kdn.format.objects import ObjectView, raw_region
@@ -324,15 +323,15 @@ class PieceLoader:
         return Staged("host", f.encoding, len(f.blob), start=p.start,
                       kv=[(kt[at[f"L{a.index}.k"]], kt[at[f"L{a.index}.v"]]) for a in self.order])
 
-    def _placeable(self, run: Loading, i: int, p: Piece) -> bool:
+    def _placeable(self, run: Loading, i: int, p: Chunk) -> bool:
         """A raw piece wholly inside the load, whose states are not kept (only a hybrid load's last piece has
         them): its K/V bytes are the staging's as they are."""
         plan = run.job.plan
         return (p.encoding == "raw" and run.staging is not None and plan.first <= p.start and p.end <= plan.end
                 and not (self.states and i == len(plan.pieces) - 1))
 
-    async def _fetch_placed(self, run: Loading, i: int, p: Piece) -> Staged:
-        """Piece ``i`` received straight into its place in the staging (``kdn.wire.scatter``): no receive buffer and
+    async def _fetch_placed(self, run: Loading, i: int, p: Chunk) -> Staged:
+        """Chunk ``i`` received straight into its place in the staging (``kdn.wire.scatter``): no receive buffer and
         no copy after it, the bytes verified as they land (the worker uses the staging only for pieces whose
         fetch returned). Its header is checked before a byte is placed; a refusal keeps its reason.
 
@@ -363,7 +362,7 @@ class PieceLoader:
             with staging.writing():  # held until the last byte has landed: a given-up load's memory waits for it
                 f, _ = await self.client.fetch_placed(
                     p.address, digest=p.digest, size=p.size, tally=run.tally, place=place,
-                    pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests))
+                    pieces=p.pieces)
         except StagingClosed as e:
             raise LoadFailed("decode", p, str(e)) from None
         except ArenaFull as e:
@@ -374,7 +373,7 @@ class PieceLoader:
             raise
         return Staged(f.source.split("/")[-1].split(":")[0], f.encoding, p.size)
 
-    def _check_header(self, h: Any, p: Piece) -> None:
+    def _check_header(self, h: Any, p: Chunk) -> None:
         """An object's header is the piece's (address, model, namespace, span) with this model's K/V shapes."""
         bad = next((f"L{a.index}.{x}" for a in self.attn.values() for x in ("k", "v")
                     if getattr(h.tensors.get(f"L{a.index}.{x}"), "shape", None) != (a.kv_heads, p.end - p.start,
@@ -386,7 +385,7 @@ class PieceLoader:
             raise LoadFailed("mismatch", p, f"object {h.address[:16]} [{h.start}, {h.end}) of "
                              f"{h.model_id[:12]}/{h.namespace} is not the one asked for")
 
-    def _stage(self, run: Loading, i: int, p: Piece, f: Any, cap: int | None,
+    def _stage(self, run: Loading, i: int, p: Chunk, f: Any, cap: int | None,
                held: frozenset[str] | None = None) -> Staged:
         """Open and check one verified object, then decode its K/V (and, for the last piece of a hybrid
         load, its states) into place. Raises ``LoadFailed``; bytes from the network never fail the step."""
@@ -401,7 +400,7 @@ class PieceLoader:
         except ArenaFull as e:  # a lazy staging found no room when its first piece came: the rest computes
             raise LoadFailed("arena", p, str(e)) from None
 
-    def _stage_into(self, staging: Staging, run: Loading, i: int, p: Piece, f: Any, cap: int | None,
+    def _stage_into(self, staging: Staging, run: Loading, i: int, p: Chunk, f: Any, cap: int | None,
                     held: frozenset[str] | None = None) -> Staged:
         from kdn.client.parts import part_view
         from kdn.format.objects import ObjectView, to_torch

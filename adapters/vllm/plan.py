@@ -21,50 +21,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    from kdn.format.address import Address, Digest
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One published object of a prefix chain and how to fetch it."""
-
-    address: Address
-    start: int  # first token of the chunk, in prompt positions
-    end: int
-    encoding: str
-    digest: Digest  # as the record states it (the client checks its form before fetching)
-    size: int
-    tier: str = ""  # where the entry edge said it would come from (memory, disk, peer:..., origin)
-    # The record's piece digests (kdn/format/pieces.py): the worker verifies the body piece by piece as it lands.
-    piece_bytes: int = 0
-    piece_digests: tuple[Digest, ...] = ()
-    warm: bool | None = None  # KDNClient.warm: its read costs only this engine's link (None: judge by ``tier``)
-    host: bool = False  # the machine's host tier held it at lookup: the planner costs it at the host's speed
-
-    def __post_init__(self) -> None:
-        assert 0 <= self.start < self.end, (self.start, self.end)
-
-    @property
-    def cold(self) -> bool:
-        """Its read may cost the entry edge's upstream too: not known warm (``KDNClient.warm``), or, where
-        that was not asked, a tier the edge must fill first (``kdn.client.fills``)."""
-        if self.warm is not None:
-            return not self.warm
-        from kdn.client.lookup import fills
-
-        return fills(self.tier)
+from kdn.chunk import Chunk
 
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Load tokens ``[first, end)`` of a request from ``pieces`` (the chunks that overlap that range)."""
+    """Load tokens ``[first, end)`` of a request from ``pieces`` (the chunks that overlap that range, each a
+    ``kdn.chunk.Chunk``: its span, encoding, digest and size, where it would come from)."""
 
     first: int  # tokens the engine already holds (its own prefix cache), block aligned
     end: int  # tokens it holds after the load
-    pieces: tuple[Piece, ...]
+    pieces: tuple[Chunk, ...]
     deadline_s: float = math.inf  # the load planner's: past it the worker gives up (as at ``load_timeout``)
 
     @property
@@ -76,11 +44,11 @@ class LoadPlan:
         return any(p.cold for p in self.pieces)
 
     @property
-    def last(self) -> Piece:
+    def last(self) -> Chunk:
         """The chunk that ends the load (for a hybrid model its state is the one loaded)."""
         return self.pieces[-1]
 
-    def spans(self) -> list[tuple[Piece, int, int]]:
+    def spans(self) -> list[tuple[Chunk, int, int]]:
         """``(piece, lo, hi)``: the token range ``[lo, hi)`` of each piece that the load writes."""
         return [(p, max(p.start, self.first), min(p.end, self.end)) for p in self.pieces]
 
@@ -107,7 +75,7 @@ def load_end(chunk_ends: Sequence[int], *, num_tokens: int, block_size: int, nee
     return best
 
 
-def plan_load(pieces: Sequence[Piece], *, computed: int, num_tokens: int, block_size: int,
+def plan_load(pieces: Sequence[Chunk], *, computed: int, num_tokens: int, block_size: int,
               needs_state: bool) -> LoadPlan | None:
     """What to load beyond the engine's ``computed`` tokens, or None when nothing would be gained.
 

@@ -14,7 +14,7 @@ scheduler, which never sees a forward itself:
   stats; a load abandoned at its deadline reports the bytes that landed by
   then (the link's speed while it ran).
 - **the link**: the client's least expected time for the bytes;
-- **the host tier**: pieces the machine's host tier held at lookup (``Piece.host``) cost their bytes at the
+- **the host tier**: pieces the machine's host tier held at lookup (``Chunk.host``) cost their bytes at the
   host's own measured speed (loads that came wholly from it report it apart: ``Speeds.host_bps``).
 
 ``decide`` cuts a ``LoadPlan`` to the number of pieces the planner chose,
@@ -37,10 +37,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kdn.planner import Chunk, Plan, PrefillModel, Reasons, Speeds, cold_deadline
+from kdn.chunk import Chunk
+from kdn.planner import Plan, PrefillModel, Reasons, Speeds, cold_deadline
 from kdn.planner import plan as make_plan
 
-from kdn.adapters.vllm.plan import LoadPlan, Piece, plan_load
+from kdn.adapters.vllm.plan import LoadPlan, plan_load
 
 MAX_PENDING = 64  # steps timed at once (vLLM has at most a couple in flight); older ones are dropped
 
@@ -109,7 +110,7 @@ class Planner:
     def __post_init__(self) -> None:
         self.steps = Steps(self.speeds)
 
-    def decide(self, lp: LoadPlan, pieces: Sequence[Piece], *, num_tokens: int, block_size: int,
+    def decide(self, lp: LoadPlan, pieces: Sequence[Chunk], *, num_tokens: int, block_size: int,
                needs_state: bool) -> tuple[LoadPlan | None, Plan, str]:
         """``lp`` (what ``plan_load`` offers from ``pieces``) cut to what is faster to load than to compute.
 
@@ -118,7 +119,7 @@ class Planner:
         the cut plan (None: compute it all), the planner's decision, and its outcome for the metrics
         (``load``, ``load_part``, ``compute``, ``probe``).
         """
-        chunks = [Chunk(hi - lo, p.size, host=p.host) for p, lo, hi in lp.spans()]
+        chunks = [replace(p, start=lo, end=hi) for p, lo, hi in lp.spans()]  # (the tokens the load writes)
         decision = make_plan(chunks, num_tokens - lp.first, link=self.link, speeds=self.speeds,
                              max_deadline_s=self.max_deadline_s, cached=lp.first, probe=not lp.cold)
         if decision.load == len(chunks):

@@ -23,17 +23,17 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kdn.chunk import Chunk
 from kdn.format import address as A
 from kdn.format.address import ModelId
 from kdn.errors import InvalidInput, KDNError
-from kdn.format.pieces import Pieces
 from kdn.format.store import validate_encoding
 
 from kdn.adapters.vllm import compat
 from kdn.adapters.vllm.blend import BlendScheduler
 from kdn.adapters.vllm.config import ConnectorConfig
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob, SaveChunk, SaveJob
-from kdn.adapters.vllm.plan import LoadPlan, Piece, plan_load
+from kdn.adapters.vllm.plan import LoadPlan, plan_load
 from kdn.adapters.vllm.planning import Planner
 from kdn.adapters.vllm.stats import KDNStats
 from kdn.adapters.steering import SteerSpec
@@ -48,7 +48,7 @@ FIRST_WAIT = 0.02  # seconds the first ``matched`` call waits for its lookup bef
 class _Lookup:
     future: concurrent.futures.Future
     started: float
-    pieces: list[Piece] | None = None  # None until answered; [] for a miss or a failure
+    pieces: list[Chunk] | None = None  # None until answered; [] for a miss or a failure
 
 
 @dataclass
@@ -151,7 +151,7 @@ class SchedulerSide:
         self._plans[rid] = plan
         return plan.tokens, self.background
 
-    def _cut(self, rid: str, plan: LoadPlan, pieces: list[Piece], computed: int, num_tokens: int) -> LoadPlan | None:
+    def _cut(self, rid: str, plan: LoadPlan, pieces: list[Chunk], computed: int, num_tokens: int) -> LoadPlan | None:
         """``plan`` cut by the load planner, decided once per request (vLLM asks again while it waits for
         blocks: the same offer, counted once)."""
         got = self._decided.get(rid)
@@ -166,14 +166,14 @@ class SchedulerSide:
             p = plan.pieces[0]
             self._probes.append(self.bridge.submit(self.client.probe(
                 p.address, encoding=p.encoding, digest=p.digest, size=p.size, deadline_s=decision.probe_s,
-                pieces=Pieces.checked(p.size, p.piece_bytes, p.piece_digests))))
+                pieces=p.pieces)))
         loaded = cut.tokens if cut is not None else 0
         self._stats.planned(outcome, loaded, num_tokens - computed - loaded)
         if cut is None or cut.end < plan.end:
             log.info("KDN planner for %s: %s", rid, decision.reason)
         return cut
 
-    async def _lookup(self, tokens: list[int]) -> list[Piece]:
+    async def _lookup(self, tokens: list[int]) -> list[Chunk]:
         """The published chain under ``tokens``, each piece with the encoding and digest to fetch."""
         c = self.client
         hit = await c.lookup(tokens, self.model_id, self.cfg.namespace, chunk_tokens=self.cfg.chunk_tokens)
@@ -182,7 +182,7 @@ class SchedulerSide:
         # The lookup brought the chain's records (checked as ``record`` checks them); older edges do not send them.
         recs = hit.records if len(hit.records) == len(hit.addresses) else \
             await asyncio.gather(*(c.record(a) for a in hit.addresses))
-        pieces: list[Piece] = []
+        pieces: list[Chunk] = []
         pos = 0
         for i, (addr, rec) in enumerate(zip(hit.addresses, recs)):
             want_end = min(pos + self.cfg.chunk_tokens, hit.tokens)
@@ -194,16 +194,12 @@ class SchedulerSide:
             enc = pin if pin is not None and pin in rec["encodings"] else c.choose_encoding(rec["encodings"])
             if enc is None:
                 break
-            e = rec["encodings"][enc]
-            tier = hit.sources[i] if i < len(hit.sources) else ""
             try:
-                proof = Pieces.checked(e["size"], e.get("piece_bytes", 0), e.get("pieces", ()))
+                chunk = hit.chunk(i, rec, enc)
             except InvalidInput as err:
                 log.info("KDN chain for this prompt stops at token %d: %s", pos, err)
                 break
-            pieces.append(Piece(addr, pos, want_end, enc, e["digest"], int(e["size"]), tier,
-                                proof.piece_bytes if proof else 0, proof.digests if proof else (),
-                                warm=c.warm(addr, tier)))
+            pieces.append(replace(chunk, warm=c.warm(addr, chunk.tier)))
             pos = want_end
         if pieces and c.host is not None:  # what the host tier holds is planned at its own speed
             from kdn.client.hosted import held

@@ -42,12 +42,13 @@ from kdn.wire.arena import ArenaFull
 from kdn.wire.bodyget import Tally
 from kdn.kernels.pinned import host_arena
 from kdn.errors import DigestMismatch, KDNError, SourceError
+from kdn.chunk import Chunk
 from kdn.planner import OVERRUN_AFTER, overruns
 
 from kdn.adapters.vllm import compat, paged
 from kdn.adapters.vllm.fetching import AttnLayer, Holds, LoadFailed, PieceLoader, Staged, StateLayer
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob
-from kdn.adapters.vllm.plan import Piece, blocks_of
+from kdn.adapters.vllm.plan import blocks_of
 from kdn.adapters.vllm.stage import Staging, reap
 from kdn.adapters.vllm.stats import KDNStats
 
@@ -80,7 +81,7 @@ class _Running:
         if self.upto < 0:
             self.upto = self.job.plan.end
 
-    def spans(self) -> list[tuple[int, Piece, int, int]]:
+    def spans(self) -> list[tuple[int, Chunk, int, int]]:
         """``(i, piece, lo, hi)`` of the pieces that still write tokens."""
         return [(i, p, lo, min(hi, self.upto)) for i, (p, lo, hi) in enumerate(self.job.plan.spans()) if lo < self.upto]
 

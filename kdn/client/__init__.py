@@ -13,12 +13,14 @@ defines a name.
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (for readers and type checkers; at run time each name loads when first asked for)
+    from kdn.chunk import FILL_TIERS, fills
     from kdn.client.client import KDNClient
-    from kdn.client.lookup import FILL_TIERS, Fetched, Lookup, PrefixStates, Probe, Tensors, fills
+    from kdn.client.lookup import Fetched, Lookup, PrefixStates, Probe, Tensors
     from kdn.client.sync import SyncKDNClient
 
-_WHERE = {"KDNClient": "client", "SyncKDNClient": "sync", **{n: "lookup" for n in (
-    "FILL_TIERS", "Fetched", "Lookup", "PrefixStates", "Probe", "Tensors", "fills")}}
+_WHERE = {"KDNClient": "kdn.client.client", "SyncKDNClient": "kdn.client.sync", "FILL_TIERS": "kdn.chunk",
+          "fills": "kdn.chunk", **{n: "kdn.client.lookup" for n in ("Fetched", "Lookup", "PrefixStates", "Probe",
+                                                                   "Tensors")}}
 
 __all__ = ["FILL_TIERS", "Fetched", "KDNClient", "Lookup", "PrefixStates", "Probe", "SyncKDNClient", "Tensors",
            "fills"]
@@ -31,6 +33,6 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f"kdn.client.{_WHERE[name]}"), name)
+    value = getattr(importlib.import_module(_WHERE[name]), name)
     globals()[name] = value
     return value

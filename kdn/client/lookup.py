@@ -1,4 +1,5 @@
-"""What the fetch client hands back: a lookup's prefix, a fetched object, a prefix's states, a probe.
+"""What the fetch client hands back: a lookup's prefix (its objects as ``kdn.chunk.Chunk``: ``Lookup.chunk``), a
+fetched object, a prefix's states, a probe.
 
 Plain data, no I/O: ``kdn.client.KDNClient`` makes these (and re-exports them);
 engine adapters and benches read them.
@@ -9,20 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from kdn.chunk import Chunk
 from kdn.format import address as A
+from kdn.format.pieces import Pieces
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.wire.fetch import Buffer
     from kdn.format.objects import DecodedObject, Layout
-
-
-FILL_TIERS = ("peer", "region", "upper", "origin")  # sources an entry edge names for what it must fill first
-
-
-def fills(tier: str) -> bool:
-    """Whether the entry edge said it must fill an object first (from a peer, another region, the upper
-    tier or the origin) before it can serve it."""
-    return tier.split(":", 1)[0] in FILL_TIERS
 
 
 @dataclass
@@ -50,6 +44,16 @@ class Lookup:
         if len(self.addresses) > whole:
             counts.append(self.tokens - whole * self.chunk_tokens)
         return counts
+
+    def chunk(self, index: int, record: dict[str, Any], encoding: str, *, warm: bool | None = None) -> Chunk:
+        """Object ``index`` of this prefix as a load fetches it: its span, ``encoding`` (one ``record`` names) with
+        that encoding's digest, size and piece digests (``InvalidInput`` where those cannot describe its blob),
+        and the tier the entry edge named for it. Only the last object may be a partial tail."""
+        e = record["encodings"][encoding]
+        start = index * self.chunk_tokens
+        return Chunk(self.addresses[index], start, min(start + self.chunk_tokens, self.tokens), encoding,
+                     e["digest"], int(e["size"]), self.sources[index] if index < len(self.sources) else "",
+                     Pieces.of(e), warm=warm)
 
     def head(self, k: int) -> Lookup:
         """The first ``k`` objects of this prefix (a hybrid engine that must recompute the last token drops one)."""

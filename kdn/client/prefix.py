@@ -32,6 +32,7 @@ from kdn.format.pieces import Pieces
 if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import Executor
 
+    from kdn.chunk import Chunk
     from kdn.client.host import HostClient
     from kdn.format.address import Digest
     from kdn.format.objects import DecodedObject, Layout, ObjectView
@@ -97,8 +98,8 @@ async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | Non
     on_host = await held(client.host, hit.addresses, client.host_stats) if into is not None else Held([])
     # ... and its objects leased at once (a round trip per 16, not one per object), ended when the load is
     granted = await lease_held(client.host, hit, on_host, encoding, client.host_stats) if on_host.any() else {}
-    one = _Object(client, hit, encoding, quality, into, arena, scatter, tally, arrived, on_host,
-                  needs if into is not None else None, granted)
+    one = _ChunkFetch(client, hit, encoding, quality, into, arena, scatter, tally, arrived, on_host,
+                      needs if into is not None else None, granted)
     try:
         done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
     finally:
@@ -112,8 +113,9 @@ async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | Non
     return PrefixStates(hit, [o for _, o in done], [f for f, _ in done], t_last - t0, time.perf_counter() - t_last)
 
 
-class _Object:
-    """One object of a prefix: its record, its encoding, then fetched and decoded (or placed)."""
+class _ChunkFetch:
+    """The fetch of each object of a prefix: its record's encoding chosen, then read from the host tier, or as a
+    ``kdn.chunk.Chunk`` from the edges, and decoded (or placed)."""
 
     def __init__(self, client: PrefixSource, hit: Lookup, encoding: str | None, quality: str | float | None,
                  into: Callable[[int, ObjectView], None] | None, arena: Arena | None, scatter: Placer | None,
@@ -138,7 +140,6 @@ class _Object:
         if enc is None or enc not in rec["encodings"]:
             raise SourceError(f"{address} has no encoding {enc!r} within quality {self.quality or c.quality!r}"
                               f" (it has {sorted(rec['encodings'])})")
-        e = rec["encodings"][enc]
         host_enc = self.on_host.pick(index, [self.encoding] if self.encoding else list(rec["encodings"]))
         if host_enc is not None and c.host is not None and self.into is not None:
             got = await from_host(c.host, hit, index, address, host_enc, rec, self.budget, self.into, c.decoders,
@@ -146,44 +147,43 @@ class _Object:
             if got is not None:
                 self.arrived.append(time.perf_counter())
                 return got
+        chunk = hit.chunk(index, rec, enc, warm=address not in hit.cold)
         keep = self.needs(index) if self.needs is not None else None
-        pieces = Pieces.of(e) if keep is not None else None
-        if keep is not None and pieces is not None:
-            return await self._kept(index, address, enc, e, pieces, keep)
+        if keep is not None and chunk.pieces is not None:
+            return await self._kept(index, chunk, keep)
         if self.scatter is not None and enc == "raw" and self.scatter.placeable(index):
-            f, layout = await _fetch_placed(c, address, e, index, hit, self.scatter, self.tally)
+            f, layout = await _fetch_placed(c, chunk, index, hit, self.scatter, self.tally)
             self.arrived.append(time.perf_counter())
             self.scatter.placed(index, layout)
             return f, DecodedObject(layout.header, {})
-        f = await c.fetch(address, encoding=enc, digest=e["digest"], size=int(e["size"]), cold=address in hit.cold,
-                          pooled=self.into is not None, arena=self.pool, pieces=Pieces.of(e), tally=self.tally)
+        f = await c.fetch(address, encoding=enc, digest=chunk.digest, size=chunk.size, cold=chunk.cold,
+                          pooled=self.into is not None, arena=self.pool, pieces=chunk.pieces, tally=self.tally)
         self.arrived.append(time.perf_counter())
         try:
             # A kvtc object: its basis first (fetched once); its decode bounded by the span the lookup
             # asked for, never by what the object's own header claims.
-            cap = await c.prepare(f, hit.token_counts()[index])
+            cap = await c.prepare(f, chunk.tokens)
             return f, await asyncio.get_running_loop().run_in_executor(
                 c.decoders, decode_checked, f, hit, self.budget, cap, index, self.into, c.decode_speeds)
         finally:
             if self.into is not None:  # decoded into the engine's cache: the receive buffer is free again
                 f.release()
 
-    async def _kept(self, index: int, address: Address, enc: str, e: dict[str, Any], pieces: Pieces,
-                    keep: Collection[str]) -> tuple[Fetched, DecodedObject]:
+    async def _kept(self, index: int, chunk: Chunk, keep: Collection[str]) -> tuple[Fetched, DecodedObject]:
         """Only the tensors ``keep`` of object ``index``, by verified ranges, checked against the lookup as a
         whole object is (``decode_checked``), then handed to ``into`` as a view that decodes nothing else."""
         c, into = self.client, self.into
         assert into is not None  # (``needs`` is only asked of a load into an engine's cache)
-        got = await fetch_kept(c, address, encoding=enc, digest=e["digest"], size=int(e["size"]), pieces=pieces,
-                               keep=keep, tally=self.tally, cold=address in self.hit.cold)
+        got = await fetch_kept(c, chunk.address, encoding=chunk.encoding, digest=chunk.digest, size=chunk.size,
+                               pieces=chunk.pieces, keep=keep, tally=self.tally, cold=chunk.cold)
         assert got is not None  # (the record has pieces)
         self.arrived.append(time.perf_counter())
-        cap = await c.prepare(got.fetched, self.hit.token_counts()[index])
+        cap = await c.prepare(got.fetched, chunk.tokens)
         # Not timed into the decode speeds: only part of the object is decoded, the speed is per whole object.
         obj = await asyncio.get_running_loop().run_in_executor(
             c.decoders, decode_checked, got.fetched, self.hit, self.budget, cap, index,
             functools.partial(_into_part, into, got, cap), None)
-        return Fetched(address, enc, memoryview(b""), got.fetched.source, got.fetched.seconds), obj
+        return Fetched(chunk.address, chunk.encoding, memoryview(b""), got.fetched.source, got.fetched.seconds), obj
 
 
 def _into_part(into: Callable[[int, ObjectView], None], got: Kept, cap: int | None, index: int,
@@ -192,14 +192,14 @@ def _into_part(into: Callable[[int, ObjectView], None], got: Kept, cap: int | No
     into(index, part_view(view.buffer, got.held, max_decoded=cap))
 
 
-async def _fetch_placed(client: PrefixSource, address: Address, e: dict[str, Any], index: int, hit: Lookup,
-                        scatter: Placer, tally: Tally | None = None) -> tuple[Fetched, Layout]:
-    """Chunk ``index`` of ``hit`` received straight into the engine's memory (``fetch_placed``), its
+async def _fetch_placed(client: PrefixSource, chunk: Chunk, index: int, hit: Lookup, scatter: Placer,
+                        tally: Tally | None = None) -> tuple[Fetched, Layout]:
+    """``chunk`` (object ``index`` of ``hit``) received straight into the engine's memory (``fetch_placed``), its
     header checked against the lookup before a byte is placed."""
 
     def place(layout: Layout) -> Mapping[str, Sequence[memoryview]]:
-        check_identity(layout.header, hit, address)
+        check_identity(layout.header, hit, chunk.address)
         return scatter.place(index, layout)
 
-    return await client.fetch_placed(address, digest=e["digest"], size=int(e["size"]), pieces=Pieces.of(e),
+    return await client.fetch_placed(chunk.address, digest=chunk.digest, size=chunk.size, pieces=chunk.pieces,
                                      place=place, tally=tally)

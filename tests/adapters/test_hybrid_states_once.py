@@ -30,6 +30,7 @@ from kdn.client import KDNClient
 from kdn.client.parts import part_view, piece_runs
 from kdn.errors import TensorMismatch
 from kdn.format.objects import ObjectView, encode_object, from_torch, to_torch
+from kdn.format.pieces import Pieces
 from kdn.wire.bodyget import Tally
 
 PIECE = 64 << 10
@@ -237,7 +238,8 @@ async def test_vllm_pieces_of_a_hybrid_load_move_their_kv_only_and_the_last_whol
 
     from kdn.adapters.vllm.fetching import AttnLayer, PieceLoader, StateLayer
     from kdn.adapters.vllm.meta import LoadJob
-    from kdn.adapters.vllm.plan import LoadPlan, Piece
+    from kdn.adapters.vllm.plan import LoadPlan
+    from kdn.chunk import Chunk
     from kdn.adapters.vllm.stage import Staging
     from kdn.wire.arena import Arena
 
@@ -252,9 +254,10 @@ async def test_vllm_pieces_of_a_hybrid_load_move_their_kv_only_and_the_last_whol
         m = await publish(c, DOC[:1100], encodings=["raw"])
         async with KDNClient(edges=[("e1", c.edge_url("e1"))]) as client:
             hit = await client.lookup(m["prefix_tokens"], lm.model_id)
-            pieces = tuple(Piece(a, 256 * i, 256 * (i + 1), "raw", rec["encodings"]["raw"]["digest"],
-                                 int(rec["encodings"]["raw"]["size"]), piece_bytes=rec["encodings"]["raw"]["piece_bytes"],
-                                 piece_digests=tuple(rec["encodings"]["raw"]["pieces"]))
+            pieces = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec["encodings"]["raw"]["digest"],
+                                 int(rec["encodings"]["raw"]["size"]),
+                                 pieces=Pieces(rec["encodings"]["raw"]["piece_bytes"],
+                                               tuple(rec["encodings"]["raw"]["pieces"])))
                            for i, (a, rec) in enumerate(zip(hit.addresses[:4], hit.records)))
             job = LoadJob("r1", LoadPlan(0, 1024, pieces), ([],), background=False, host=False)
             run = SimpleNamespace(staging=Staging(Arena(64 << 20), [(a.kv_heads, a.head_dim) for a in attn], 0, 1024,
@@ -333,7 +336,8 @@ async def test_vllm_hybrid_pieces_from_the_host_tier_are_read_in_place_and_the_l
 
     from kdn.adapters.vllm.fetching import AttnLayer, Holds, PieceLoader, StateLayer
     from kdn.adapters.vllm.meta import LoadJob
-    from kdn.adapters.vllm.plan import LoadPlan, Piece
+    from kdn.adapters.vllm.plan import LoadPlan
+    from kdn.chunk import Chunk
     from kdn.adapters.vllm.stage import Staging
     from kdn.client.host import HostClient
     from kdn.host.config import HostConfig
@@ -364,7 +368,7 @@ async def test_vllm_hybrid_pieces_from_the_host_tier_are_read_in_place_and_the_l
         client = await stack.enter_async_context(KDNClient(edges=[c.edge_url("e1")], host=host))
         hit = await client.lookup(m["prefix_tokens"], lm.model_id)
         assert set(await host.warm(hit.addresses[:4], "raw")) == {"filled"}
-        pieces = tuple(Piece(a, 256 * i, 256 * (i + 1), "raw", rec["encodings"]["raw"]["digest"],
+        pieces = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec["encodings"]["raw"]["digest"],
                              int(rec["encodings"]["raw"]["size"]), host=True)
                        for i, (a, rec) in enumerate(zip(hit.addresses[:4], hit.records)))
         job = LoadJob("r1", LoadPlan(0, 1024, pieces), ([],), background=True, host=True)

@@ -37,6 +37,30 @@ def test_head_keeps_the_first_objects_and_what_belongs_to_them():
     assert hit.head(4) == hit and hit.head(0).tokens == 0
 
 
+def test_a_lookups_objects_are_chunks_with_their_span_encoding_and_source():
+    """``Lookup.chunk``: the one type the planner, the vLLM load plan and the prefix fetch share (kdn/chunk.py)."""
+    from kdn.errors import InvalidInput
+    from kdn.format.pieces import MIN_PIECE_BYTES, Pieces
+
+    hit = lookup(4, 3 * 256 + 76)
+    hit.sources[1] = "origin"
+    d1, d2 = "d" * 64, "e" * 64
+    rec = {"encodings": {"raw": {"name": "raw", "size": 2 * MIN_PIECE_BYTES, "digest": "a" * 64,
+                                 "piece_bytes": MIN_PIECE_BYTES, "pieces": [d1, d2]},
+                         "zstd": {"name": "zstd", "size": 100, "digest": "b" * 64}}}
+    c = hit.chunk(0, rec, "raw")
+    assert (c.address, c.start, c.end, c.tokens, c.encoding, c.digest, c.size) == \
+        (hit.addresses[0], 0, 256, 256, "raw", "a" * 64, 2 * MIN_PIECE_BYTES)
+    assert c.pieces == Pieces(MIN_PIECE_BYTES, (d1, d2)) and c.tier == "memory" and not c.cold and not c.host
+    tail = hit.chunk(3, rec, "zstd", warm=False)
+    assert (tail.start, tail.end, tail.tokens, tail.size, tail.pieces) == (768, 844, 76, 100, None) and tail.cold
+    assert hit.chunk(1, rec, "zstd").cold  # the entry edge must fill it (its tier), not known warm
+    assert not hit.chunk(1, rec, "zstd", warm=True).cold  # known warm: its read costs only this link
+    bad = {"encodings": {"raw": {**rec["encodings"]["raw"], "pieces": [d1]}}}
+    with pytest.raises(InvalidInput):  # piece digests that cannot describe the blob
+        hit.chunk(0, bad, "raw")
+
+
 def blob(address: str, *, model: str = MODEL, encoding: str = "zstd", n: int = 4096) -> bytes:
     data = np.random.default_rng(1).standard_normal(n).astype(np.float32).tobytes()
     return encode_object(kind="kv", address=address, model_id=model, namespace="public", start=0, end=16,

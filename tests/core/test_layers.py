@@ -27,7 +27,7 @@ WINGS = ("format", "wire", "registry", "client")
 LAYERS: list[set[str]] = [
     {"errors"},
     {"format"},
-    {"root"},  # kdn/*.py primitives: units, auth, ring, tls, emphasis, template, planner
+    {"root"},  # kdn/*.py primitives: units, auth, ring, tls, emphasis, template, planner, chunk
     {"wire", "registry"},
     {"kernels"},
     {"client"},

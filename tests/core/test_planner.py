@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from kdn.planner import LEARN_TOKENS, PROBE_AFTER_S, Chunk, PrefillModel, Speeds, plan
+from kdn.chunk import Chunk
+from kdn.planner import LEARN_TOKENS, PROBE_AFTER_S, PrefillModel, Speeds, plan
 
 MiB = 1 << 20
 
@@ -18,8 +19,8 @@ def llama8b() -> PrefillModel:
     return m
 
 
-def chunks(n=32, tokens=256, nbytes=32 * MiB):
-    return [Chunk(tokens, nbytes) for _ in range(n)]
+def chunks(n=32, tokens=256, nbytes=32 * MiB, host=False):
+    return [Chunk(f"{i:064x}", i * tokens, (i + 1) * tokens, "raw", "0" * 64, nbytes, host=host) for i in range(n)]
 
 
 def link(gbps: float, rtt: float = 0.001):
@@ -216,7 +217,7 @@ def test_chunks_the_host_tier_holds_are_costed_at_the_hosts_speed_not_the_links(
     s.observe_load(1 << 30, 10.0)  # the edge's loads: 0.1 GB/s
     s.observe_load(1 << 30, 0.04, host=True)  # the host's: ~27 GB/s (a pinned DMA)
     assert s.load_bps == pytest.approx((1 << 30) / 10.0) and s.loads == 1 and s.host_loads == 1
-    held = [Chunk(256, 32 * MiB, host=True) for _ in range(32)]
+    held = chunks(host=True)
     assert not plan(chunks(), 8192 + 16, link=link(1), speeds=s).loads_anything
     p = plan(held, 8192 + 16, link=link(1), speeds=s)
     assert p.load == 32 and p.expected_load_s == pytest.approx(32 * 32 * MiB / s.host_bps)
@@ -232,5 +233,5 @@ def test_chunks_the_host_tier_holds_are_costed_at_the_hosts_speed_not_the_links(
 def test_before_the_host_tier_is_measured_its_prior_is_used():
     from kdn.planner import HOST_PRIOR_BPS
 
-    p = plan([Chunk(256, 32 * MiB, host=True)], 256 + 16, link=link(0.001), speeds=Speeds(llama8b()))
+    p = plan(chunks(1, host=True), 256 + 16, link=link(0.001), speeds=Speeds(llama8b()))
     assert p.expected_load_s == pytest.approx(32 * MiB / HOST_PRIOR_BPS)

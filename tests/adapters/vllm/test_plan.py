@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kdn.adapters.vllm.plan import Piece, blocks_of, load_end, plan_load
+from kdn.adapters.vllm.plan import blocks_of, load_end, plan_load
+from kdn.chunk import Chunk
 
 
-def chain(*ends: int) -> list[Piece]:
+def chain(*ends: int) -> list[Chunk]:
     out, start = [], 0
     for i, e in enumerate(ends):
-        out.append(Piece(f"{i:064x}", start, e, "zstd", "0" * 64, 100))
+        out.append(Chunk(f"{i:064x}", start, e, "zstd", "0" * 64, 100))
         start = e
     return out
 
@@ -51,7 +52,7 @@ def test_nothing_to_gain_is_none():
 def test_a_broken_chain_is_refused():
     a, b = chain(256, 512)
     with pytest.raises(ValueError, match="chain"):
-        plan_load([a, Piece(b.address, 300, 512, "zstd", "0" * 64, 1)], computed=0, num_tokens=600, block_size=16,
+        plan_load([a, Chunk(b.address, 300, 512, "zstd", "0" * 64, 1)], computed=0, num_tokens=600, block_size=16,
                   needs_state=False)
     with pytest.raises(ValueError, match="token 0"):
         plan_load([b], computed=0, num_tokens=600, block_size=16, needs_state=False)

@@ -7,24 +7,26 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from kdn.planner import (COLD_FILL_S, COLD_OF_PREFILL, LEARN_TOKENS, PROBE_AFTER_S, Chunk, PrefillModel, Speeds,
+from kdn.chunk import Chunk
+from kdn.planner import (COLD_FILL_S, COLD_OF_PREFILL, LEARN_TOKENS, PROBE_AFTER_S, PrefillModel, Speeds,
                          cold_deadline, plan)
 
 from kdn.adapters.vllm.fetching import Staged
-from kdn.adapters.vllm.plan import Piece, plan_load
+from kdn.adapters.vllm.plan import plan_load
 from kdn.adapters.vllm.planning import Planner, Steps, prefill_model
 
 MiB = 1 << 20
 
 
-def chain(*ends: int, size: int = 4 * MiB, tier: str = "memory") -> list[Piece]:
+def chain(*ends: int, size: int = 4 * MiB, tier: str = "memory") -> list[Chunk]:
     out, start = [], 0
     for i, e in enumerate(ends):
-        out.append(Piece(f"{i:064x}", start, e, "raw", "0" * 64, size, tier))
+        out.append(Chunk(f"{i:064x}", start, e, "raw", "0" * 64, size, tier))
         start = e
     return out
 
@@ -110,7 +112,7 @@ def test_what_the_engine_holds_is_not_planned_again():
 
 def test_a_dear_last_piece_is_left_to_compute_and_the_cut_stays_on_a_block():
     """Three cheap pieces and a huge fourth: load three, compute the rest; the cut ends on a block."""
-    pieces = chain(256, 512, 768, size=MiB) + [Piece("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
+    pieces = chain(256, 512, 768, size=MiB) + [Chunk("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
     lp = plan_load(pieces, computed=0, num_tokens=1100, block_size=128, needs_state=False)
     p = Planner(calibrated(), link=link(1e9))
     cut, _, outcome = p.decide(lp, pieces, num_tokens=1100, block_size=128, needs_state=False)
@@ -125,7 +127,7 @@ def test_a_dear_last_piece_is_left_to_compute_and_the_cut_stays_on_a_block():
 def test_a_hybrid_cut_ends_where_a_state_is():
     """A hybrid object carries its state at its own end: with 384-token blocks the cut after three pieces
     (768) is also the second block's end; after two (512) it is not, so one piece would be none."""
-    pieces = chain(256, 512, 768, size=MiB) + [Piece("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
+    pieces = chain(256, 512, 768, size=MiB) + [Chunk("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
     lp = plan_load(pieces, computed=0, num_tokens=1100, block_size=384, needs_state=True)
     assert lp.end == 768
     p = Planner(calibrated(), link=link(1e9))
@@ -174,7 +176,7 @@ def test_a_stale_measurement_probes_one_chunk_beside_the_request_then_loads_agai
     lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
     sp = calibrated()
     sp.observe_load(16 * MiB, 2.0, now=0.0)  # slow when last measured
-    chunks = [Chunk(hi - lo, x.size) for x, lo, hi in lp.spans()]
+    chunks = [replace(x, start=lo, end=hi) for x, lo, hi in lp.spans()]
     fresh = plan(chunks, 1140, link=link(10e9), speeds=sp, now=1.0)
     assert not fresh.loads_anything
     stale = plan(chunks, 1140, link=link(10e9), speeds=sp, now=PROBE_AFTER_S + 1)

@@ -173,11 +173,12 @@ def test_a_load_writes_runs_of_staged_pieces_once_and_each_piece_read_in_place_a
     failure that lowers ``upto`` cuts the writes there."""
     from kdn.adapters.vllm.fetching import Staged
     from kdn.adapters.vllm.meta import LoadJob
-    from kdn.adapters.vllm.plan import LoadPlan, Piece
+    from kdn.adapters.vllm.plan import LoadPlan
+    from kdn.chunk import Chunk
     from kdn.adapters.vllm.worker import _Running, segments
 
     bounds = [(0, 256), (256, 512), (512, 768), (768, 1024)]
-    pieces = tuple(Piece("ab" * 32, a, b, "raw", "cd" * 32, 1) for a, b in bounds)
+    pieces = tuple(Chunk("ab" * 32, a, b, "raw", "cd" * 32, 1) for a, b in bounds)
     run = _Running(LoadJob("r", LoadPlan(128, 1000, pieces), ([],), False))
     kv = [(torch.zeros(256, H, D), torch.zeros(256, H, D))]
     run.staged = [Staged("host", "raw", 1, kv=kv, start=0), Staged("edge", "raw", 1),

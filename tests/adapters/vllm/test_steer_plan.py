@@ -114,10 +114,10 @@ def test_a_steered_request_loads_from_the_kdn_only_up_to_the_question():
     """Published K/V past ``query_from`` were computed unsteered: a steered request recomputes them."""
     import concurrent.futures
 
-    from kdn.adapters.vllm.plan import Piece
+    from kdn.chunk import Chunk
     from kdn.adapters.vllm.scheduler import _Lookup
 
-    pieces = [Piece(f"{i:064x}", s, e, "zstd", "0" * 64, 100) for i, (s, e) in
+    pieces = [Chunk(f"{i:064x}", s, e, "zstd", "0" * 64, 100) for i, (s, e) in
               enumerate(((0, 32), (32, 64), (64, 96), (96, 120)))]
     s = side(consume=True)
     kdn, salt = request_params(MAP)
