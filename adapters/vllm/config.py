@@ -37,6 +37,9 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
                        ``"plan": false`` loads all it can regardless, e.g. to measure a load)
     ``decode_threads`` threads that decode arrived compressed pieces into the load's staging (default 2;
                        raw pieces are received in place and need none)
+    ``write_threads``  on the CPU, threads that write a step's loads into the paged cache ahead of the forward,
+                       each layer shared among them (``ahead.py``; default 2); 0 writes each layer inside the
+                       forward's wait for it, as a GPU does after its copy
     ``arena``          bytes of host buffers the load path reuses across requests (``kdn.wire.arena``; page-locked
                        on a CUDA host; a load stages its whole K/V there), e.g. ``"8GiB"`` (default 4 GiB);
                        a load that does not fit recomputes
@@ -66,12 +69,13 @@ _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
     "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding", "arena", "plan", "blend",
-    "admitted_by", "revoked_admissions", "decode_threads", "host",
+    "admitted_by", "revoked_admissions", "decode_threads", "write_threads", "host",
 })
 # Two threads decode a zstd load at 8k tokens 15% faster than one here (bench/datapath.py, 2 cores: 294/289 ->
 # 253/243 ms); six (the event loop's default pool) were slower than one inside vLLM, whose threads hold the
 # cores during a step.
 DEFAULT_DECODE_THREADS = 2
+DEFAULT_WRITE_THREADS = 2
 DEFAULT_ARENA = 4 << 30
 
 
@@ -106,6 +110,7 @@ class ConnectorConfig:
     arena: int = DEFAULT_ARENA
     plan: bool = True
     decode_threads: int = DEFAULT_DECODE_THREADS
+    write_threads: int = DEFAULT_WRITE_THREADS
 
     @property
     def can_look_up(self) -> bool:
@@ -208,11 +213,12 @@ def _sizes(extra: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(extra[key], bool):
                 raise InvalidInput(f"KDN connector setting {key!r} must be true or false, got {str(extra[key])[:20]!r}")
             kw[key] = extra[key]
-    if "decode_threads" in extra:
-        v = extra["decode_threads"]
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
-            raise InvalidInput(f"KDN connector setting 'decode_threads' must be an int in [1, 64], got {str(v)[:20]!r}")
-        kw["decode_threads"] = v
+    for key, least in (("decode_threads", 1), ("write_threads", 0)):
+        if key in extra:
+            v = extra[key]
+            if isinstance(v, bool) or not isinstance(v, int) or not least <= v <= 64:
+                raise InvalidInput(f"KDN connector setting {key!r} must be an int in [{least}, 64], got {str(v)[:20]!r}")
+            kw[key] = v
     if "arena" in extra:
         kw["arena"] = _arena(extra["arena"])
     return kw

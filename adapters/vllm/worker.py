@@ -46,6 +46,7 @@ from kdn.chunk import Chunk
 from kdn.planner import OVERRUN_AFTER, overruns
 
 from kdn.adapters.vllm import compat, paged
+from kdn.adapters.vllm.ahead import WriteAhead
 from kdn.adapters.vllm.fetching import AttnLayer, Holds, LoadFailed, PieceLoader, Staged, StateLayer
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob
 from kdn.adapters.vllm.plan import blocks_of
@@ -146,6 +147,8 @@ class WorkerSide:
         # Receive buffers and every load's staging come from one budgeted arena (the client's).
         self.arena = getattr(client, "arena", None) or host_arena(cfg.arena)
         self.blender: Any = None  # blend_run.BlendRunner, with the connector's ``blend`` setting
+        # On the CPU a step's loads are written by a thread of their own, ahead of the forward (``ahead``).
+        self._ahead = WriteAhead(cfg.write_threads) if device.type == "cpu" and cfg.write_threads else None
         import kdn.kernels  # noqa: F401  (registers the lossy codecs a quality budget may pick)
 
     def register(self, layers: dict[str, Any]) -> None:
@@ -179,6 +182,8 @@ class WorkerSide:
                 self._pool.submit(self._load_in_background, job)
             else:
                 self._running.append(self._begin(job))
+        if self._ahead is not None and self._running:
+            self._ahead.start(self._running, self._order, self._collect_once, self._write_ahead)
 
     def _begin(self, job: LoadJob) -> _Running:
         """A load with its staging taken from the arena and every fetch started (each stages its piece)."""
@@ -220,6 +225,11 @@ class WorkerSide:
         layer = self.attn.get(layer_name)
         if layer is None or not self._running:
             return
+        if self._ahead is not None and self._ahead.active:  # written by the writer thread: wait for its mark
+            waited = self._ahead.wait(self._index[layer_name])
+            for run in self._running:
+                run.stall += waited
+            return
         for run in self._running:
             if run.staged is None:
                 t0 = time.perf_counter()
@@ -231,6 +241,19 @@ class WorkerSide:
             if run.upto > run.job.plan.first:
                 t0 = time.perf_counter()
                 self._write_layer(run, layer)
+                run.write += time.perf_counter() - t0
+
+    def _collect_once(self, run: _Running) -> None:
+        """The writer thread's first step for a load: wait for its pieces (as the first layer's wait does)."""
+        if run.staged is None:
+            self._collect(run)
+
+    def _write_ahead(self, run: _Running, layer: AttnLayer, w: int, k: int) -> None:
+        """Writer ``w`` of ``k``: its share of one layer of one load (writer 0's time is the ``write`` phase)."""
+        if run.upto > run.job.plan.first:
+            t0 = time.perf_counter()
+            self._write_layer(run, layer, w, k)
+            if w == 0:
                 run.write += time.perf_counter() - t0
 
     def _collect(self, run: _Running) -> None:
@@ -328,7 +351,10 @@ class WorkerSide:
         return out
 
     def end_step(self) -> None:
-        """After the forward: account for this step's in-forward loads, and hand their staging back."""
+        """After the forward: account for this step's in-forward loads, and hand their staging back (once the
+        writer thread, where there is one, is done with them)."""
+        if self._ahead is not None:
+            self._ahead.end()
         for run in self._running:
             if run.upto > run.job.plan.first:
                 self._account(run)
@@ -365,7 +391,7 @@ class WorkerSide:
         if device.type != "cpu":
             run.staging.upload(device)
 
-    def _write_layer(self, run: _Running, layer: AttnLayer) -> None:
+    def _write_layer(self, run: _Running, layer: AttnLayer, w: int = 0, k: int = 1) -> None:
         """Layer ``layer``'s tokens ``[plan.first, upto)``: one backend write per run of staged pieces (on a GPU,
         once its copy has crossed: the compute stream waits for that layer's event only), and one per piece read
         in place (a host-tier lease: from the mapping straight into the paged blocks)."""
@@ -374,7 +400,7 @@ class WorkerSide:
         j = self._index[layer.name]
         slots = self._slots(run, cache.device)
         first = run.job.plan.first
-        for lo, hi, held in segments(run):
+        for lo, hi, held in segments(run)[w::k]:
             if held is None:  # [n, H, D]: on the CPU views of the staging; on a GPU the layer's copy, reordered
                 k, v = run.staging.kv_on(j, cache.device, cache.dtype, hi, lo)
             else:  # [n, H, D] views of the mapping (its lease is the load's until it ends)
@@ -456,6 +482,8 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._stager.shutdown(wait=True, cancel_futures=False)
 

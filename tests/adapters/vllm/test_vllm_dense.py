@@ -56,7 +56,8 @@ def world(module_tmp):
         eh = Engine("eh", module_tmp, model=folder, dtype="float32",
                     kv=kv_config(edges=[h.edge_url], namespace="acme", token_file=str(module_tmp / "tenant-a"),
                                  trusted_keys=str(module_tmp / "trusted"), steer=True, quality=5.0, encoding="kvtc-2",
-                                 plan=False))
+                                 # its layers written inside the forward's wait (ev writes them ahead, on threads)
+                                 plan=False, write_threads=0))
         engines += [ev, eh]
         for p, url in origins:
             wait_http(p, url + "/healthz")
