@@ -548,7 +548,7 @@ async def lying_body(ctx: Ctx) -> Row:
                     except (SourceError, DigestMismatch):
                         refused += 1
                         continue
-                    if blake3(bytes(f.blob)).hexdigest() == rec["encodings"][enc]["digest"]:
+                    if blake3(bytes(f.blob)).hexdigest() == rec.encodings[enc].digest:
                         true += 1
                     else:
                         wrong += len(f.blob)
@@ -1110,17 +1110,17 @@ async def manifest_rollback(ctx: Ctx) -> Row:
         async with KDNClient(edges=[edge.url], trusted_keys=[ctx.public_key], max_hedges=0, timeout=10,
                              manifest_state=False) as forgetful:
             forgot = await forgetful.manifest("public", "hours")  # the residual: marks kept in memory only
-    took_new = first is not None and first["addresses"] == new["addresses"]
-    took_stale = replayed is not None and replayed["addresses"] == stale.addresses
+    took_new = first is not None and first.addresses == new["addresses"]
+    took_stale = replayed is not None and replayed.addresses == stale.addresses
     ok = took_new and replayed is None and refused == 1 and fooled is None and forgot is not None
     return Row("manifest_rollback", "a document published twice under one name; the first, signed, manifest written "
                "back into etcd; a client with trusted_keys that read the second asks again",
-               f"first read: {'the new version' if took_new else 'OTHER'} (v{first and first.get('version')}); after "
+               f"first read: {'the new version' if took_new else 'OTHER'} (v{first and first.version}); after "
                f"the replay (v{stale.version}): {'refused' if replayed is None else 'TAKEN' if took_stale else 'other'}"
                f" ({refused} record refused); a new client process refuses it too "
                f"({'refused' if fooled is None else 'TAKEN'}: its marks are in the per-user state file); only a "
                "client told to keep them in memory (manifest_state=False) takes the replay (the residual)",
-               "refused", None, ok, {"new_version": first and first.get("version"), "stale_version": stale.version,
+               "refused", None, ok, {"new_version": first and first.version, "stale_version": stale.version,
                                      "refused": refused})
 
 

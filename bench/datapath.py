@@ -213,7 +213,7 @@ class VllmPaged:
         from kdn.adapters.vllm import paged
         from kdn.adapters.vllm.stage import Staging
         from kdn.format.objects import ObjectView
-        from kdn.format.pieces import Pieces
+        from kdn.registry.records import ObjectRecord
 
         counts = hit.token_counts()
         end = sum(counts)
@@ -225,18 +225,17 @@ class VllmPaged:
             for j, s in enumerate(self.layout):
                 staging.put(j, view, (f"L{s.index}.k", f"L{s.index}.v"), start, start + n, start)
 
-        async def one(i: int, rec: dict) -> None:
-            e = rec["encodings"][self.encoding]
+        async def one(i: int, rec: ObjectRecord) -> None:
+            e = rec.encodings[self.encoding]
             if self.encoding == "raw":  # received straight into the staging, as the worker does (_fetch_placed)
                 def place(layout, s=starts[i], n=counts[i]):
                     return {name: run for j, sp in enumerate(self.layout)
                             for name, run in zip((f"L{sp.index}.k", f"L{sp.index}.v"), staging.runs(j, s, s + n))}
 
-                await client.fetch_placed(hit.addresses[i], digest=e["digest"], size=int(e["size"]),
-                                          pieces=Pieces.of(e), place=place)
+                await client.fetch_placed(hit.addresses[i], digest=e.digest, size=e.size, pieces=e.piece_list,
+                                          place=place)
                 return
-            f = await client.fetch(hit.addresses[i], encoding=self.encoding, digest=e["digest"], size=int(e["size"]),
-                                   pooled=True)
+            f = await client.fetch(hit.addresses[i], encoding=self.encoding, digest=e.digest, size=e.size, pooled=True)
             try:  # on the decode threads, as the connector's worker does (adapters/vllm/worker.py, _stager)
                 await asyncio.get_running_loop().run_in_executor(self.stager, stage, f, starts[i], counts[i])
             finally:
@@ -259,8 +258,8 @@ def _timed(fn) -> float:
 async def fetch_only(client, hit, encoding: str) -> None:
     """The verified fetch alone: every object into an arena buffer, BLAKE3-checked, then handed back."""
     async def one(a, rec):
-        e = rec["encodings"][encoding]
-        (await client.fetch(a, encoding=encoding, digest=e["digest"], size=int(e["size"]), pooled=True)).release()
+        e = rec.encodings[encoding]
+        (await client.fetch(a, encoding=encoding, digest=e.digest, size=e.size, pooled=True)).release()
 
     await asyncio.gather(*(one(a, r) for a, r in zip(hit.addresses, hit.records)))
 
@@ -320,11 +319,11 @@ async def run(args) -> dict:
                         assert hit.tokens == L, (hit.tokens, L)
                         recs = [await client.record(a) for a in hit.addresses]
                         hit.records = recs
-                        sizes = [int(r["encodings"][encoding]["size"]) for r in recs]
+                        sizes = [r.encodings[encoding].size for r in recs]
                         wire = sum(sizes)
                         for a, r in zip(hit.addresses, recs):  # fill the edge's memory tier
-                            e = r["encodings"][encoding]
-                            (await client.fetch(a, encoding=encoding, digest=e["digest"], size=int(e["size"]))).release()
+                            e = r.encodings[encoding]
+                            (await client.fetch(a, encoding=encoding, digest=e.digest, size=e.size)).release()
                         blobs = [bytes((await client.fetch(a, encoding=encoding)).blob) for a in hit.addresses]
                         kv_bytes = L * sum(2 * sp.kv[0] * sp.kv[1] * 2 for sp in layout)
                         joined = np.frombuffer(b"".join(blobs), dtype=np.uint8)

@@ -197,9 +197,9 @@ async def run(args, res: R.Results, log) -> None:
             manifests = {d: await client.manifest("public", d) for d in docs}
             for d, man in manifests.items():  # the first read fills the edge: the timed ones hit its memory tier
                 assert man is not None, d
-                for a in man["addresses"]:
+                for a in man.addresses:
                     await client.fetch(a)
-                log(f"{d}: old version {len(man['prefix_tokens'])} tokens, {len(man['addresses'])} chunks")
+                log(f"{d}: old version {len(man.prefix_tokens)} tokens, {len(man.addresses)} chunks")
             await measure(args, res, log, model, tok, client, manifests)
     finally:
         for p in reversed(procs):
@@ -221,13 +221,13 @@ async def measure(args, res, log, model, tok, client, manifests) -> None:
         _, _, what, q_edit, a_edit = edit
         paras, after = versions(doc)
         man = manifests[doc]
-        assert man["template"] == "chat"
+        assert man.template == "chat"
         new = new_tokens_of(tok, man, text_of(apply(paras, kind, what)))  # the chat head, then the new text
         cont = encode(tok, after)[:args.continuation]
         questions = ([(q_edit, a_edit, "edited")] + [(q, a, "unchanged") for q, a in spec["questions"]])
         questions = questions[:args.questions]
-        plan = plan_edit(man["prefix_tokens"], new, man["chunk_tokens"])
-        log(f"{doc} {kind} at the {place}: {len(man['prefix_tokens'])} -> {len(new)} tokens, runs "
+        plan = plan_edit(man.prefix_tokens, new, man.chunk_tokens)
+        log(f"{doc} {kind} at the {place}: {len(man.prefix_tokens)} -> {len(new)} tokens, runs "
             f"{[(m.old, m.new, m.size) for m in plan.matches]}")
         # NLL of the continuation: the reference, the exact prefix with the rest computed, each ratio.
         ref = await loop.run_in_executor(None, lambda: full_prefill(model, new + cont, n_logits=len(cont)))

@@ -140,7 +140,7 @@ def group_rows(base, var, tok, samples, m, args, base_kv, man, cont, per, log) -
     """DroidSpeak's group plans beside the first-k ones, per budget: the fewest layers [a, b) (of the measured
     groups) that the variant recomputes from the base's hidden states entering layer a, the base's K/V elsewhere,
     within the budget on the plan's windows; then on the held-out document, computed here (nothing loads them)."""
-    L, ctx = m.layers, man["prefix_tokens"]
+    L, ctx = m.layers, man.prefix_tokens
     groups = [(a, a + w) for w in args.group_widths if w < L for a in range(0, L - w + 1, 2)]
     t0 = time.perf_counter()
     g = measure_groups(base, var, samples, groups)
@@ -252,11 +252,12 @@ async def run(args, res: R.Results, log) -> None:
                 raise RuntimeError(f"origin model id {man['model_id'][:12]} != the base's {base_id[:12]}")
         async with KDNClient(edges=[edge.url]) as client:
             man = await client.manifest("public", EVAL_DOC)
-            for a in man["addresses"]:  # the first read fills the edge: the timed ones hit its memory tier
+            assert man is not None, EVAL_DOC
+            for a in man.addresses:  # the first read fills the edge: the timed ones hit its memory tier
                 await client.fetch(a)
-            E.lean(var, man["prefix_tokens"][:256])  # torch's first forwards pay one-off costs
-            log(f"{EVAL_DOC}: {len(man['prefix_tokens'])} tokens published by the base, {len(man['addresses'])} chunks")
-            ctx = man["prefix_tokens"]
+            E.lean(var, man.prefix_tokens[:256])  # torch's first forwards pay one-off costs
+            log(f"{EVAL_DOC}: {len(man.prefix_tokens)} tokens published by the base, {len(man.addresses)} chunks")
+            ctx = man.prefix_tokens
             base_kv = base_states(base, ctx)
             nll = {p: continuation_nll(var, mixed(var, base_kv, ctx, len(r.recompute)), ctx, cont)
                    for p, r in plans.items()}

@@ -189,7 +189,7 @@ async def measure(args, log) -> list[dict]:
                 hit = await client.lookup(doc[:L], lm.model_id)
                 if hit.tokens != L:
                     raise RuntimeError(f"the lookup found {hit.tokens} of {L} tokens")
-                sizes = [int(r["encodings"]["raw"]["size"]) for r in hit.records]
+                sizes = [r.encodings["raw"].size for r in hit.records]
                 moved: dict[str, set[int]] = {p: set() for p in PATHS}
                 times: dict[str, list[float]] = {p: [] for p in PATHS}
                 same = True

@@ -266,7 +266,7 @@ def _client_class():
             out = 0
             for f in self.last.fetched if self.last else ():
                 rec = self.records.get(f.address)
-                out += len(f.blob) or (int(rec["encodings"][f.encoding]["size"]) if rec else 0)
+                out += len(f.blob) or (rec.encodings[f.encoding].size if rec else 0)
             return out
 
     return TimedClient

@@ -55,7 +55,10 @@ class EdgeUpstream:
         self.client = client
 
     async def record(self, address: Address) -> dict[str, Any] | None:
-        return await self.client.record(address)
+        """The client's typed record, as the host tier keeps it (with the object it holds) and sends it in its
+        lease frames (``kdn.wire.host``): a map."""
+        rec = await self.client.record(address)
+        return rec.to_dict() if rec is not None else None
 
     async def fetch_into(self, want: Want, alloc: Callable[[int], Buffer]) -> None:
         c = self.client

@@ -40,6 +40,7 @@ import torch
 
 from kdn.format import address as A
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
+from kdn.registry.records import Manifest
 from kdn.template import encode_text
 
 from kdn.adapters.hf.generate import _pick, decode_loop, model_id, prompt_tokens
@@ -212,12 +213,20 @@ def edit_blend(model: Any, plan: EditPlan, states: Mapping[int, Mapping[str, tor
     return b, report
 
 
-def _manifest_chain(manifest: Mapping[str, Any], mid: A.ModelId) -> tuple[list[int], list[A.Address], int, str]:
+def read_manifest(manifest: Manifest | Mapping[str, Any]) -> Manifest:
+    """``manifest`` as ``KDNClient.manifest`` returns it; a map of one (JSON, a file) is read into one here,
+    ``InvalidInput`` for a map that is not a manifest."""
+    if isinstance(manifest, Manifest):
+        return manifest
     try:
-        old, addrs = [int(t) for t in manifest["prefix_tokens"]], list(manifest["addresses"])
-        C, ns, owner = int(manifest["chunk_tokens"]), str(manifest.get("namespace", "public")), manifest["model_id"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidInput(f"not a manifest (prefix_tokens, addresses, chunk_tokens, model_id): {e}") from None
+        return Manifest.from_dict(dict(manifest))
+    except (InvalidInput, TypeError, ValueError) as e:
+        raise InvalidInput(f"not a manifest: {e}") from None
+
+
+def _manifest_chain(manifest: Manifest, mid: A.ModelId) -> tuple[list[int], list[A.Address], int, str]:
+    old, addrs, C, ns, owner = (list(manifest.prefix_tokens), list(manifest.addresses), manifest.chunk_tokens,
+                                manifest.namespace, manifest.model_id)
     if owner != mid:
         raise ModelMismatch(f"the old version's states are of model {str(owner)[:16]}..., not this one ({mid[:16]}...)")
     if not old or len(addrs) != len(A.chunk_spans(len(old), C)):
@@ -267,11 +276,11 @@ async def _fetch_old(client: Any, mid: A.ModelId, ns: str, addrs: Sequence[A.Add
     return out
 
 
-def new_tokens_of(tokenizer: Any, manifest: Mapping[str, Any], new: str | Sequence[int]) -> list[int]:
+def new_tokens_of(tokenizer: Any, manifest: Manifest, new: str | Sequence[int]) -> list[int]:
     """The new version's tokens as the origin would publish them: ids as given, or the text after the old
     manifest's head (``head_tokens``: the template's opening or prefix text, unchanged by an edit)."""
     if isinstance(new, str):
-        head = [int(t) for t in manifest.get("prefix_tokens", [])][:int(manifest.get("head_tokens", 0) or 0)]
+        head = list(manifest.prefix_tokens[:manifest.head_tokens])
         return head + encode_text(tokenizer, new)
     return [int(t) for t in new]
 
@@ -284,13 +293,13 @@ class EditPrefill:
     first_logits: torch.Tensor  # [vocab], of the last position
 
 
-async def edit_prefill(model: Any, tokenizer: Any, old_manifest: Mapping[str, Any], new: str | Sequence[int],
+async def edit_prefill(model: Any, tokenizer: Any, old_manifest: Manifest | Mapping[str, Any], new: str | Sequence[int],
                        query: str | Sequence[int], client: Any, *, recompute_ratio: float = 0.15,
                        check_layer: int = 1, selection: str = "deviation-query", min_run: int = DEFAULT_MIN_RUN,
                        n_logits: int = 1) -> EditPrefill:
     """Prefill the new version of a document and ``query`` from the old version's published chain.
 
-    ``old_manifest``: the old version's manifest (``KDNClient.manifest``); ``new``: the new version's text
+    ``old_manifest``: the old version's manifest (``KDNClient.manifest``, or its map: ``read_manifest``); ``new``: the new version's text
     (after the manifest's head) or its token ids (head included); ``query``: a question (framed as
     ``prompt_tokens`` frames one for the manifest's template) or the tail's token ids. ``client``: a
     ``KDNClient``; a chunk it cannot serve is computed (``report.missing``). Raises ``ModelMismatch`` for
@@ -301,10 +310,11 @@ async def edit_prefill(model: Any, tokenizer: Any, old_manifest: Mapping[str, An
     if selection not in SELECTIONS:
         raise InvalidInput(f"selection must be one of {list(SELECTIONS)}, got {selection!r}")
     mid = model_id(model, tokenizer)
-    old, addrs, C, ns = _manifest_chain(old_manifest, mid)
-    new_ids = new_tokens_of(tokenizer, old_manifest, new)
+    man = read_manifest(old_manifest)
+    old, addrs, C, ns = _manifest_chain(man, mid)
+    new_ids = new_tokens_of(tokenizer, man, new)
     if isinstance(query, str):
-        tail = prompt_tokens(tokenizer, {"prefix_tokens": [], "template": old_manifest.get("template")}, query)
+        tail = prompt_tokens(tokenizer, {"prefix_tokens": [], "template": man.template}, query)
     else:
         tail = [int(t) for t in query]
     report = EditReport()
@@ -337,7 +347,8 @@ class EditGeneration:
     blend: Blend = field(repr=False)
 
 
-async def generate_edited(model: Any, tokenizer: Any, old_manifest: Mapping[str, Any], new: str | Sequence[int],
+async def generate_edited(model: Any, tokenizer: Any, old_manifest: Manifest | Mapping[str, Any],
+                          new: str | Sequence[int],
                           query: str | Sequence[int], client: Any, *, recompute_ratio: float = 0.15,
                           check_layer: int = 1, selection: str = "deviation-query", min_run: int = DEFAULT_MIN_RUN,
                           max_new_tokens: int = 32) -> EditGeneration:

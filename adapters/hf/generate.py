@@ -26,6 +26,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from kdn.wire.bodyget import Tally
 from kdn.emphasis import EmphasisMap
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
 from kdn.planner import cold_deadline, plan as make_plan
+from kdn.registry.records import Manifest
 from kdn.template import chat_frame, encode_frame, encode_text
 
 from kdn.adapters.hf.cache import MAX_ROOM, CacheBuilder, continue_from_cache
@@ -108,16 +110,20 @@ def model_id(model: Any, tokenizer: Any) -> ModelId:
     return mid
 
 
-def prompt_tokens(tokenizer: Any, manifest: dict, question: str) -> list[int]:
-    """A prompt that begins with exactly the tokens a manifest published, then the question.
+def prompt_tokens(tokenizer: Any, manifest: Manifest | Mapping[str, Any], question: str) -> list[int]:
+    """A prompt that begins with exactly the tokens a manifest published, then the question. ``manifest``: as
+    ``KDNClient.manifest`` returns it, or a map of its ``prefix_tokens`` and ``template`` (a publish's answer).
 
     For a manifest published with the chat template, the question continues the
     user turn that holds the document, the turn is closed, and the assistant's
     turn opened, as the template renders it. Re-tokenizing the whole text
     instead could merge tokens across the boundary and silently miss the cache.
     """
-    published = list(manifest["prefix_tokens"])
-    if manifest.get("template") == "chat":  # the question as text, the template's close with its control tokens
+    if isinstance(manifest, Manifest):
+        published, template = list(manifest.prefix_tokens), manifest.template
+    else:
+        published, template = list(manifest["prefix_tokens"]), manifest.get("template")
+    if template == "chat":  # the question as text, the template's close with its control tokens
         return published + encode_text(tokenizer, f"\n\n{question}") + encode_frame(tokenizer, chat_frame(tokenizer)[1])
     return published + encode_text(tokenizer, f"\n\n{question}\n")
 
@@ -142,7 +148,7 @@ async def agenerate(model: Any, tokenizer: Any, prompt: str | list[int], client,
     a multiple of the prefill: ``kdn.planner.cold_deadline``) uses what arrived and computes the rest.
     ``plan=False`` loads whatever the lookup found.
 
-    ``emphasis``: the manifest's emphasis map (``manifest["emphasis"]``); with ``steer=True``, or with
+    ``emphasis``: the manifest's emphasis map (``manifest.emphasis``); with ``steer=True``, or with
     ``steer=None`` and a map that says ``default_on``, the question and the generated tokens attend to
     it (``kdn.adapters.hf.steer``; ``steer_alpha`` / ``steer_heads`` override the map's). Off by default.
     ``steer="question"``: the map is made from the question itself, once the document's cache is ready
@@ -231,7 +237,7 @@ async def _held_by_host(client: Any, hit: Any, chunks: list) -> list:
     from kdn.client.hosted import held
 
     got = await held(host, hit.addresses[:len(chunks)], client.host_stats)
-    return [replace(c, host=True) if i < len(hit.records) and got.pick(i, list(hit.records[i]["encodings"]))
+    return [replace(c, host=True) if i < len(hit.records) and got.pick(i, list(hit.records[i].encodings))
             else c for i, c in enumerate(chunks)]
 
 
@@ -247,10 +253,10 @@ def _kept_bytes(hit: Any, chunks: list, client: Any, model: Any) -> list[int | N
         return out
     per_token = kv_bytes_per_token(model)
     for i, (c, rec) in enumerate(zip(chunks, hit.records)):
-        e = rec["encodings"].get(client.choose_encoding(rec["encodings"]) or "", {})
-        if e.get("pieces"):
+        e = rec.encodings.get(client.choose_encoding(rec.encodings) or "")
+        if e is not None and e.pieces:
             kv = c.tokens * per_token
-            out[i] = min(c.size, -(-c.size * kv // (kv + states)) + 2 * int(e["piece_bytes"]))
+            out[i] = min(c.size, -(-c.size * kv // (kv + states)) + 2 * e.piece_bytes)
     return out
 
 

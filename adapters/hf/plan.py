@@ -157,8 +157,8 @@ def chunks_of(hit: Any, client: Any, model: Any, encoding: str | None = None) ->
     out = []
     for i, n in enumerate(hit.token_counts()):
         rec = hit.records[i] if i < len(hit.records) else None
-        enc = (encoding or client.choose_encoding(rec["encodings"])) if rec is not None else None
-        if rec is not None and enc in rec["encodings"]:
+        enc = (encoding or client.choose_encoding(rec.encodings)) if rec is not None else None
+        if rec is not None and enc in rec.encodings:
             out.append(hit.chunk(i, rec, enc))
         else:
             start = i * hit.chunk_tokens
@@ -178,8 +178,8 @@ def start_probe(hit: Any, client: Any, speeds: Speeds, deadline_s: float,
         address = hit.addresses[0]
         try:
             rec = hit.records[0] if hit.records else await client.record(address)
-            enc = (encoding or client.choose_encoding(rec["encodings"])) if rec is not None else None
-            if rec is None or enc not in rec["encodings"]:
+            enc = (encoding or client.choose_encoding(rec.encodings)) if rec is not None else None
+            if rec is None or enc not in rec.encodings:
                 return
             c = hit.chunk(0, rec, enc)
             got = await client.probe(address, encoding=enc, digest=c.digest, size=c.size, pieces=c.pieces,

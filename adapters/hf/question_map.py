@@ -27,7 +27,7 @@ sees only the examples it is given: the evaluation's questions never reach it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch
 
 from kdn.emphasis import DEFAULT_ALPHA, EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
+from kdn.registry.records import Manifest
 from kdn.template import chat_frame, encode_frame, encode_text
 
 from kdn.adapters.hf.cache import continue_from_cache
@@ -253,8 +254,11 @@ def asked(emphasis: EmphasisMap | dict | None, retrieval: Retrieval | None, *, a
         (int(a), int(b)) for a, b in heads))
 
 
-def region_map(manifest: dict) -> EmphasisMap:
-    """A map with no spans that names a manifest's document: its tokens after the template's head."""
+def region_map(manifest: Manifest | Mapping[str, Any]) -> EmphasisMap:
+    """A map with no spans that names a manifest's document: its tokens after the template's head. ``manifest``:
+    as ``KDNClient.manifest`` returns it, or a map of its ``prefix_tokens`` and ``head_tokens``."""
+    if isinstance(manifest, Manifest):
+        return EmphasisMap(spans=(), region=(manifest.head_tokens, len(manifest.prefix_tokens)), source="question")
     n = len(manifest["prefix_tokens"])
     return EmphasisMap(spans=(), region=(int(manifest.get("head_tokens", 0) or 0), n), source="question")
 

@@ -30,7 +30,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lmcache.lmcache_native import Bitmap
@@ -49,7 +49,9 @@ from kdn.adapters.vllm.bridge import LoopThread
 from kdn.errors import InvalidInput, KDNError
 from kdn.format.address import Address, ModelId
 from kdn.format.objects import ObjectView, encode_object, from_torch, to_torch
-from kdn.format.pieces import Pieces
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry.records import ObjectRecord
 
 log = logging.getLogger("kdn.adapters.lmcache")
 
@@ -252,7 +254,7 @@ class KDNL2Adapter(L2AdapterInterface):
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         return None  # nothing was locked: the origin keeps what it was given
 
-    async def _record(self, address: Address) -> dict[str, Any] | None:
+    async def _record(self, address: Address) -> ObjectRecord | None:
         try:
             return await self.client.record(address)
         except MISSES as e:
@@ -263,7 +265,7 @@ class KDNL2Adapter(L2AdapterInterface):
     async def _lookup(self, keys: list[ObjectKey]) -> list[bool]:
         addrs = [self.address_of(k) for k in keys]
         recs = await asyncio.gather(*(self._record(a) for a in addrs))
-        return [bool(r and r.get("encodings")) for r in recs]
+        return [bool(r and r.encodings) for r in recs]
 
     # --- load: record, verified body, checked header, copy -------------------------------------------------------
 
@@ -299,14 +301,14 @@ class KDNL2Adapter(L2AdapterInterface):
     async def _load_one(self, key: ObjectKey, obj: MemoryObj) -> bool:
         mid, address = self.model_id_of(key), self.address_of(key)
         rec = await self._record(address)
-        encs = (rec or {}).get("encodings") or {}
+        encs = rec.encodings if rec is not None else {}
         enc = self.cfg.encoding if self.cfg.encoding in encs else next((e for e in ("raw", "zstd") if e in encs), None)
         if enc is None:
             return False
         e = encs[enc]
         try:
-            blob = (await self.client.fetch(address, encoding=enc, digest=e["digest"], size=e["size"],
-                                            pieces=Pieces.of(e))).blob
+            blob = (await self.client.fetch(address, encoding=enc, digest=e.digest, size=e.size,
+                                            pieces=e.piece_list)).blob
         except MISSES as err:
             self.counts["errors"] += 1
             log.info("KDN fetch of %s: %s", address[:16], str(err) or type(err).__name__)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -47,7 +47,10 @@ from kdn.adapters.vllm.bridge import LoopThread
 from kdn.errors import InvalidInput, KDNError
 from kdn.format.address import Address, ModelId, blob_digest
 from kdn.format.objects import ObjectView, encode_object, from_torch, to_torch
-from kdn.format.pieces import PIECE_BYTES, Pieces, piece_digests
+from kdn.format.pieces import PIECE_BYTES, piece_digests
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry.records import ObjectRecord
 
 log = logging.getLogger("kdn.adapters.sglang")
 
@@ -132,7 +135,7 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     # --- reads ------------------------------------------------------------------------------------------------
 
-    async def _record(self, address: Address) -> dict[str, Any] | None:
+    async def _record(self, address: Address) -> ObjectRecord | None:
         try:
             return await self.client.record(address)
         except _MISSES as e:
@@ -142,14 +145,14 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     async def _body(self, address: Address) -> bytes | bytearray | memoryview | None:
         rec = await self._record(address)
-        encs = (rec or {}).get("encodings") or {}
+        encs = rec.encodings if rec is not None else {}
         enc = self.cfg.encoding if self.cfg.encoding in encs else next((e for e in ("raw", "zstd") if e in encs), None)
         if enc is None:
             return None
         e = encs[enc]
         try:
-            return (await self.client.fetch(address, encoding=enc, digest=e["digest"], size=e["size"],
-                                            pieces=Pieces.of(e))).blob
+            return (await self.client.fetch(address, encoding=enc, digest=e.digest, size=e.size,
+                                            pieces=e.piece_list)).blob
         except _MISSES as err:
             self.counts["errors"] += 1
             log.info("KDN fetch of %s: %s", address[:16], str(err) or type(err).__name__)

@@ -43,7 +43,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdn.errors import InvalidInput, KDNError
 from kdn.format import address as A
@@ -51,6 +51,9 @@ from kdn.format.address import ModelId
 
 from kdn.adapters.hf.blend import SELECTIONS
 from kdn.adapters.vllm import compat
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry.records import ObjectRecord
 
 log = logging.getLogger("kdn.adapters.vllm")
 
@@ -245,7 +248,7 @@ class BlendScheduler:
         if len(chunks) > MAX_CHUNKS:
             raise InvalidInput(f"a blend of {len(chunks)} chunks is over {MAX_CHUNKS}")
 
-        async def rec(a: A.Address) -> Any:
+        async def rec(a: A.Address) -> ObjectRecord | None:
             try:
                 return await self.client.record(a)
             except KDNError:
@@ -281,8 +284,5 @@ class BlendScheduler:
             d.pop(rid, None)
 
 
-def _standalone_of(rec: Any, model_id: ModelId, namespace: str) -> bool:
-    try:
-        return bool(rec and rec["model_id"] == model_id and rec["namespace"] == namespace and rec.get("standalone"))
-    except (KeyError, TypeError):
-        return False
+def _standalone_of(rec: ObjectRecord | None, model_id: ModelId, namespace: str) -> bool:
+    return rec is not None and rec.model_id == model_id and rec.namespace == namespace and rec.standalone

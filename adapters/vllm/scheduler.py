@@ -21,12 +21,12 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdn.chunk import Chunk
 from kdn.format import address as A
 from kdn.format.address import ModelId
-from kdn.errors import InvalidInput, KDNError
+from kdn.errors import KDNError
 from kdn.format.store import validate_encoding
 
 from kdn.adapters.vllm import compat
@@ -38,6 +38,9 @@ from kdn.adapters.vllm.planning import Planner
 from kdn.adapters.vllm.stats import KDNStats
 from kdn.adapters.steering import SteerSpec
 from kdn.adapters.vllm.steer import SteerJob, plan_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry.records import ObjectRecord
 
 log = logging.getLogger("kdn.adapters.vllm")
 
@@ -191,14 +194,10 @@ class SchedulerSide:
                 log.info("KDN chain for this prompt stops at token %d: %s", pos, why)
                 break
             pin = self.cfg.encoding
-            enc = pin if pin is not None and pin in rec["encodings"] else c.choose_encoding(rec["encodings"])
+            enc = pin if pin is not None and pin in rec.encodings else c.choose_encoding(rec.encodings)
             if enc is None:
                 break
-            try:
-                chunk = hit.chunk(i, rec, enc)
-            except InvalidInput as err:
-                log.info("KDN chain for this prompt stops at token %d: %s", pos, err)
-                break
+            chunk = hit.chunk(i, rec, enc)
             pieces.append(replace(chunk, warm=c.warm(addr, chunk.tier)))
             pos = want_end
         if pieces and c.host is not None:  # what the host tier holds is planned at its own speed
@@ -209,22 +208,18 @@ class SchedulerSide:
                       for i, p in enumerate(pieces)]
         return pieces
 
-    def _refuse(self, rec: dict | None, addr: A.Address, start: int, end: int) -> str | None:
-        """Why a record cannot be used for tokens ``[start, end)`` of this prompt, or None."""
+    def _refuse(self, rec: ObjectRecord | None, addr: A.Address, start: int, end: int) -> str | None:
+        """Why a record cannot be used for tokens ``[start, end)`` of this prompt, or None (its shape was checked
+        when the client read it: ``kdn.client.trust``)."""
         if rec is None:
             return f"no record for {addr[:16]}"
-        try:
-            if rec["model_id"] != self.model_id or rec["namespace"] != self.cfg.namespace:
-                return "record of another model or namespace"
-            if (rec["start"], rec["end"]) != (start, end) or rec.get("standalone"):
-                return f"record span [{rec['start']}, {rec['end']}) is not [{start}, {end})"
-            engine = str(rec.get("engine") or "transformers")
-            if self.cfg.engines is not None and engine.split(" ")[0] not in self.cfg.engines:
-                return f"produced by {engine}, not one of {list(self.cfg.engines)}"
-            if not isinstance(rec["encodings"], dict):
-                return "malformed record"
-        except (KeyError, TypeError):
-            return "malformed record"
+        if rec.model_id != self.model_id or rec.namespace != self.cfg.namespace:
+            return "record of another model or namespace"
+        if (rec.start, rec.end) != (start, end) or rec.standalone:
+            return f"record span [{rec.start}, {rec.end}) is not [{start}, {end})"
+        engine = rec.engine or "transformers"
+        if self.cfg.engines is not None and engine.split(" ")[0] not in self.cfg.engines:
+            return f"produced by {engine}, not one of {list(self.cfg.engines)}"
         return None
 
     def hit_sources(self, request: Any, n: int) -> dict:

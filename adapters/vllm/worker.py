@@ -248,11 +248,11 @@ class WorkerSide:
         if run.staged is None:
             self._collect(run)
 
-    def _write_ahead(self, run: _Running, layer: AttnLayer, w: int, k: int) -> None:
-        """Writer ``w`` of ``k``: its share of one layer of one load (writer 0's time is the ``write`` phase)."""
+    def _write_ahead(self, run: _Running, layer: AttnLayer, w: int, of: int) -> None:
+        """Writer ``w`` of ``of``: its share of one layer of one load (writer 0's time is the ``write`` phase)."""
         if run.upto > run.job.plan.first:
             t0 = time.perf_counter()
-            self._write_layer(run, layer, w, k)
+            self._write_layer(run, layer, w, of)
             if w == 0:
                 run.write += time.perf_counter() - t0
 
@@ -391,7 +391,7 @@ class WorkerSide:
         if device.type != "cpu":
             run.staging.upload(device)
 
-    def _write_layer(self, run: _Running, layer: AttnLayer, w: int = 0, k: int = 1) -> None:
+    def _write_layer(self, run: _Running, layer: AttnLayer, w: int = 0, of: int = 1) -> None:
         """Layer ``layer``'s tokens ``[plan.first, upto)``: one backend write per run of staged pieces (on a GPU,
         once its copy has crossed: the compute stream waits for that layer's event only), and one per piece read
         in place (a host-tier lease: from the mapping straight into the paged blocks)."""
@@ -400,7 +400,7 @@ class WorkerSide:
         j = self._index[layer.name]
         slots = self._slots(run, cache.device)
         first = run.job.plan.first
-        for lo, hi, held in segments(run)[w::k]:
+        for lo, hi, held in segments(run)[w::of]:
             if held is None:  # [n, H, D]: on the CPU views of the staging; on a GPU the layer's copy, reordered
                 k, v = run.staging.kv_on(j, cache.device, cache.dtype, hi, lo)
             else:  # [n, H, D] views of the mapping (its lease is the load's until it ends)

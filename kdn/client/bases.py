@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdn.format import address as A
 from kdn.errors import DigestMismatch, SourceError
 from kdn.client.lookup import Fetched
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry.records import ObjectRecord
 
 BASIS_ENCODING = "basis"  # how a model's kvtc basis is stored and served (kind "basis" records)
 
@@ -24,7 +27,7 @@ class Bases:
     """The bases a client has loaded, by address. ``record(address)`` reads a (trusted) record;
     ``fetch(address, encoding=, digest=, size=)`` fetches and verifies a body."""
 
-    def __init__(self, record: Callable[[A.Address], Awaitable[dict[str, Any] | None]],
+    def __init__(self, record: Callable[[A.Address], Awaitable[ObjectRecord | None]],
                  fetch: Callable[..., Awaitable[Fetched]]) -> None:
         self._record, self._fetch = record, fetch
         self._tasks: dict[A.Address, asyncio.Task[Any]] = {}
@@ -42,10 +45,10 @@ class Bases:
         rec = await self._record(address)
         if rec is None:
             raise SourceError(f"kvtc basis {address[:16]}... is not in the registry")
-        enc = rec.get("encodings", {}).get(BASIS_ENCODING)
-        if rec.get("kind") != "basis" or not isinstance(enc, dict) or enc.get("digest") != address:
+        enc = rec.encodings.get(BASIS_ENCODING)
+        if rec.kind != "basis" or enc is None or enc.digest != A.Digest(address):
             raise DigestMismatch(f"the record of {address[:16]}... is not a kvtc basis stored under its own digest")
-        f = await self._fetch(address, encoding=BASIS_ENCODING, digest=address, size=int(enc["size"]))
+        f = await self._fetch(address, encoding=BASIS_ENCODING, digest=address, size=enc.size)
         self.fetched += 1
 
         def load() -> Any:

@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover - imported where used, so `import kdn.clie
     from kdn.format.objects import Layout, ObjectView
     from kdn.wire.scatter import Placer
     from kdn.registry import Membership
+    from kdn.registry.records import Encoding, Manifest, ObjectRecord
     from kdn.client.trust import TrustedKeys
     from kdn.client.versions import ManifestState
     from kdn.client.host import HostClient
@@ -186,17 +187,18 @@ class KDNClient:
                 errors.append(f"{s.label}: {type(e).__name__}")
         raise SourceError("no source answered " + path.split("?")[0] + ": " + "; ".join(errors))
 
-    async def record(self, address: Address) -> dict[str, Any] | None:
+    async def record(self, address: Address) -> ObjectRecord | None:
+        """The record of ``address`` (None if absent, unreadable or refused: ``kdn.client.trust``)."""
         address = A.validate_address(address)
         d = await self._json("GET", f"/v1/registry/objects/{address}")
         return self.trust.record(d, address)
 
-    async def manifest(self, namespace: str, name: str, *, pin: str | None = None) -> dict[str, Any] | None:
-        """The manifest of ``namespace/name`` (None if absent or refused). Never an older one than this client
-        took before: a superseded manifest, validly signed and replayed by a registry writer or a lying edge, is
-        refused (counted in ``rejected_records``; with ``trusted_keys``, which make the version the origin's word);
-        the highest version seen per name is kept in
-        ``manifest_versions``: by default in a per-user file (``kdn.client.versions.state_file``;
+    async def manifest(self, namespace: str, name: str, *, pin: str | None = None) -> Manifest | None:
+        """The manifest of ``namespace/name`` (a ``kdn.registry.Manifest``; None if absent, unreadable or refused).
+        Never an older one than this client took before: a superseded manifest, validly signed and replayed by a
+        registry writer or a lying edge, is refused (counted in ``rejected_records``; with ``trusted_keys``, which
+        make the version the origin's word); the highest version seen per name is kept in ``manifest_versions``:
+        by default in a per-user file (``kdn.client.versions.state_file``;
         ``manifest_state=PATH`` names another, ``False`` keeps them in memory), so that it holds across restarts
         and processes.
         ``pin`` (``kdn.registry.signing.manifest_pin``, printed by ``kdn publish``) takes exactly that manifest: any
@@ -247,7 +249,7 @@ class KDNClient:
         at once, ``SourceEstimate.expected_load``): the load planner's link."""
         return min(self.routing.estimates[s.url].expected_load(size) for s in self._ranked(size))
 
-    def choose_encoding(self, encodings: dict[str, dict[str, Any]], quality: str | float | None = None) -> str | None:
+    def choose_encoding(self, encodings: Mapping[str, Encoding], quality: str | float | None = None) -> str | None:
         """The encoding with the least expected fetch + decode time within the quality budget.
 
         Lossless requests (the default) never pick a lossy encoding; a lossy
@@ -259,7 +261,7 @@ class KDNClient:
         for name, enc in encodings.items():
             if not affordable(name, budget):
                 continue
-            size = int(enc["size"])
+            size = enc.size
             t = self.routing.least_expected(size) + self.decode_speeds.seconds(name, size)
             if t < best_t:
                 best, best_t = name, t
@@ -282,13 +284,13 @@ class KDNClient:
             rec = await self.record(address)
             if rec is None:
                 raise SourceError(f"{address} is not in the registry")
-            encs = rec["encodings"]
+            encs = rec.encodings
             encoding = encoding or self.choose_encoding(encs, quality)
             if encoding is None or encoding not in encs:
                 raise SourceError(f"{address} has no encoding {encoding!r} within quality {quality or self.quality!r}"
                                   f" (it has {sorted(encs)})")
-            digest, size = encs[encoding]["digest"], encs[encoding]["size"]
-            pieces = Pieces.of(encs[encoding])
+            digest, size = encs[encoding].digest, encs[encoding].size
+            pieces = encs[encoding].piece_list
         if size > DEFAULT_MAX_OBJECT_BYTES:
             raise InvalidInput(f"{address} is {size} bytes, over the client's limit")
         async with self.net.limit:
@@ -380,14 +382,14 @@ class KDNClient:
         ``[first * piece_bytes, ...)``. InvalidInput if the record has no pieces (a blob of one piece, or
         from before pieces): fetch it whole."""
         rec = await self.record(address)
-        if rec is None or encoding not in rec["encodings"]:
+        if rec is None or encoding not in rec.encodings:
             raise SourceError(f"{address} has no {encoding!r} record here")
-        e = rec["encodings"][encoding]
-        pieces = Pieces.of(e)
+        e = rec.encodings[encoding]
+        pieces = e.piece_list
         if pieces is None:
             raise InvalidInput(f"{address}.{encoding} records no piece digests: fetch it whole")
         async with self.net.limit:
-            return await self._fetch_hedged(address, encoding, e["digest"], int(e["size"]), hedge=self.max_hedges > 0,
+            return await self._fetch_hedged(address, encoding, e.digest, e.size, hedge=self.max_hedges > 0,
                                             pieces=pieces, part=(first, end))
 
     async def fetch_tensors(self, address: Address, names: Iterable[str], *, encoding: str = "raw") -> Tensors:

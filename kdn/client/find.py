@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdn.format import address as A
 from kdn.format.address import Address, ModelId
 from kdn.client.lookup import Lookup
 from kdn.client.trust import Trust
 
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry.records import ObjectRecord
+
 Ask = Callable[[str, str, "dict[str, Any] | None"], Awaitable["dict[str, Any] | None"]]
-ReadRecord = Callable[[Address], Awaitable["dict[str, Any] | None"]]
+ReadRecord = Callable[[Address], Awaitable["ObjectRecord | None"]]
 
 
 async def find_prefix(ask: Ask, record: ReadRecord, trust: Trust, toks: list[int], model_id: ModelId,
@@ -31,7 +34,7 @@ async def find_prefix(ask: Ask, record: ReadRecord, trust: Trust, toks: list[int
     full = A.prefix_addresses(model_id, namespace, toks, chunk_tokens, full_chunks_only=True)
     n, where, cold = 0, list[object](), set[Address]()
     addrs: list[Address] = []
-    records: list[dict[str, Any]] = []
+    records: list[ObjectRecord] = []
     if full:
         n, where, cold, addrs, records = await _whole_chunks(ask, record, trust, full)
     covered = n * chunk_tokens
@@ -43,7 +46,7 @@ async def find_prefix(ask: Ask, record: ReadRecord, trust: Trust, toks: list[int
 
 
 async def _whole_chunks(ask: Ask, record: ReadRecord, trust: Trust, full: list[Address]
-                        ) -> tuple[int, list[object], set[Address], list[Address], list[dict[str, Any]]]:
+                        ) -> tuple[int, list[object], set[Address], list[Address], list[ObjectRecord]]:
     """(chunks matched, the tier of each, those the edge must fill, their addresses, their records)."""
     # The matched chain's records ride with the answer (the edge read them to answer): one round trip
     # where a lookup of 31 chunks took 32, and the engine's scheduler another 31 (bench/lookup.py).
@@ -59,7 +62,7 @@ async def _whole_chunks(ask: Ask, record: ReadRecord, trust: Trust, full: list[A
     # Not in the answering edge's tiers: a read fills it (through the owner, or from the origin).
     cold = {a for a, w in zip(full, where) if w not in ("memory", "disk")}
     addrs = full[:n]
-    records: list[dict[str, Any]] = []
+    records: list[ObjectRecord] = []
     if n:
         # The edge's "I have n" is a claim; with keys a chunk counts only once its signed record verifies.
         recs = await _records(record, trust, addrs, inline)
@@ -70,12 +73,12 @@ async def _whole_chunks(ask: Ask, record: ReadRecord, trust: Trust, full: list[A
     return n, where, cold, addrs, records
 
 
-async def _tail(record: ReadRecord, toks: list[int], addrs: list[Address], records: list[dict[str, Any]],
+async def _tail(record: ReadRecord, toks: list[int], addrs: list[Address], records: list[ObjectRecord],
                 covered: int) -> int:
     """Past the whole chunks, the longest partial tail the last one's record lists that ``toks`` continue
     with: appended to ``addrs`` (and its record to ``records``, when they are kept); the tokens covered now."""
     parent = records[-1] if records else await record(addrs[-1])
-    tails = {int(k): v for k, v in (parent or {}).get("tails", {}).items()}
+    tails = parent.tails if parent is not None else {}
     for length in sorted(tails, reverse=True):
         if covered + length <= len(toks):
             cand = A.next_address(addrs[-1], toks[covered:covered + length])
@@ -89,11 +92,11 @@ async def _tail(record: ReadRecord, toks: list[int], addrs: list[Address], recor
 
 
 async def _records(record: ReadRecord, trust: Trust, addrs: list[Address],
-                   inline: list[object]) -> list[dict[str, Any] | None]:
+                   inline: list[object]) -> list[ObjectRecord | None]:
     """The records of ``addrs``, in order: each one sent with the lookup (``inline``) as ``record`` would
     check it; one the answer lacks (an older edge, an entry that is not this address's record) is read by
     itself, with keys. Without keys, a missing one stays None (read later by whoever needs it)."""
-    out: list[dict[str, Any] | None] = []
+    out: list[ObjectRecord | None] = []
     unsent: list[int] = []
     for i, a in enumerate(addrs):
         d = inline[i] if i < len(inline) else None

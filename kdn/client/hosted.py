@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kdn.client.host import HostClient
     from kdn.format.address import Address
     from kdn.format.objects import DecodedObject, ObjectView
+    from kdn.registry.records import ObjectRecord
     from kdn.wire.estimate import DecodeSpeeds
 
 log = logging.getLogger("kdn.client")
@@ -102,7 +103,7 @@ async def lease_held(host: HostClient | None, hit: Lookup, on_host: Held, encodi
         return {}
     picks: dict[str, list[int]] = {}
     for i, rec in enumerate(hit.records[:len(hit.addresses)]):
-        enc = on_host.pick(i, [encoding] if encoding else list(rec.get("encodings", {})))
+        enc = on_host.pick(i, [encoding] if encoding else list(rec.encodings))
         if enc is not None:
             picks.setdefault(enc, []).append(i)
     out: dict[int, Leased | HostError] = {}
@@ -128,7 +129,7 @@ async def release_leased(host: HostClient | None, granted: dict[int, Leased | Ho
 
 
 async def from_host(host: HostClient, hit: Lookup, index: int, address: Address, encoding: str,
-                    rec: dict[str, Any], budget: float | None, into: Callable[[int, ObjectView], None],
+                    rec: ObjectRecord, budget: float | None, into: Callable[[int, ObjectView], None],
                     decoders: Any, speeds: DecodeSpeeds, stats: HostStats,
                     granted: Leased | HostError | None = None) -> tuple[Fetched, DecodedObject] | None:
     """Object ``index`` from the host, handed to ``into`` from the mapping, or None (read it from the edges):
@@ -155,14 +156,15 @@ def _counted(got: tuple[Fetched, DecodedObject] | None, stats: HostStats) -> tup
     return got
 
 
-async def _copy(leased: Leased, hit: Lookup, index: int, encoding: str, rec: dict[str, Any], budget: float | None,
+async def _copy(leased: Leased, hit: Lookup, index: int, encoding: str, rec: ObjectRecord, budget: float | None,
                 into: Callable[[int, ObjectView], None], decoders: Any, speeds: DecodeSpeeds,
                 stats: HostStats) -> tuple[Fetched, DecodedObject] | None:
     """A leased object checked against the signed record, then copied into the cache (decode threads: off the
-    loop) while its lease holds the bytes in place; None where the host's record names another digest."""
+    loop) while its lease holds the bytes in place; None where the host's record (as its frame sent it: a map)
+    names another digest."""
     t0 = time.perf_counter()
     theirs = leased.record.get("encodings", {}).get(encoding, {}).get("digest")
-    if theirs != rec["encodings"][encoding]["digest"]:
+    if theirs != rec.encodings[encoding].digest:
         stats.fallbacks += 1
         stats.note(f"{leased.address[:16]}.{encoding}: the host's record names another digest")
         return None

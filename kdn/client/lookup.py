@@ -8,15 +8,15 @@ engine adapters and benches read them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kdn.chunk import Chunk
 from kdn.format import address as A
-from kdn.format.pieces import Pieces
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.wire.fetch import Buffer
     from kdn.format.objects import DecodedObject, Layout
+    from kdn.registry.records import ObjectRecord
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Lookup:
     addresses: list[A.Address]
     tokens: int
     chunk_tokens: int
-    records: list[dict[str, Any]] = field(default_factory=list)  # registry records of ``addresses``, in order
+    records: list[ObjectRecord] = field(default_factory=list)  # registry records of ``addresses``, in order
     cold: set[A.Address] = field(default_factory=set)  # addresses the entry edge reported it would have to fill
     sources: list[str] = field(default_factory=list)  # per whole chunk: where the entry edge would serve it from
 
@@ -45,15 +45,14 @@ class Lookup:
             counts.append(self.tokens - whole * self.chunk_tokens)
         return counts
 
-    def chunk(self, index: int, record: dict[str, Any], encoding: str, *, warm: bool | None = None) -> Chunk:
+    def chunk(self, index: int, record: ObjectRecord, encoding: str, *, warm: bool | None = None) -> Chunk:
         """Object ``index`` of this prefix as a load fetches it: its span, ``encoding`` (one ``record`` names) with
-        that encoding's digest, size and piece digests (``InvalidInput`` where those cannot describe its blob),
-        and the tier the entry edge named for it. Only the last object may be a partial tail."""
-        e = record["encodings"][encoding]
+        that encoding's digest, size and piece digests, and the tier the entry edge named for it. Only the last object may be a partial tail."""
+        e = record.encodings[encoding]
         start = index * self.chunk_tokens
         return Chunk(self.addresses[index], start, min(start + self.chunk_tokens, self.tokens), encoding,
-                     e["digest"], int(e["size"]), self.sources[index] if index < len(self.sources) else "",
-                     Pieces.of(e), warm=warm)
+                     e.digest, e.size, self.sources[index] if index < len(self.sources) else "", e.piece_list,
+                     warm=warm)
 
     def head(self, k: int) -> Lookup:
         """The first ``k`` objects of this prefix (a hybrid engine that must recompute the last token drops one)."""

@@ -28,13 +28,14 @@ from kdn.format.pieces import Pieces
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.format.objects import Layout, ObjectView
+    from kdn.registry.records import ObjectRecord
     from kdn.wire.bodyget import Tally
 
 class PartSource(Protocol):
     """What ``fetch_tensors`` asks of a client (``KDNClient`` is one): a record, a whole object, a range of
     pieces. Named here so this module never imports the facade that calls it."""
 
-    async def record(self, address: Address) -> dict[str, Any] | None: ...
+    async def record(self, address: Address) -> ObjectRecord | None: ...
 
     async def fetch(self, address: Address, *, encoding: str | None = None) -> Fetched: ...
 
@@ -125,10 +126,10 @@ async def fetch_tensors(client: PartSource, address: Address, names: Iterable[st
     holding its header, then the pieces that hold those tensors, by range requests. Where the record has
     no pieces, the whole object is fetched and verified, then cut."""
     rec = await client.record(address)
-    if rec is None or encoding not in rec["encodings"]:
+    if rec is None or encoding not in rec.encodings:
         raise SourceError(f"{address} has no {encoding!r} record here")
-    e = rec["encodings"][encoding]
-    size, pieces, want = int(e["size"]), Pieces.of(e), list(names)
+    e = rec.encodings[encoding]
+    size, pieces, want = e.size, e.piece_list, list(names)
     if pieces is None:
         f = await client.fetch(address, encoding=encoding)
         layout = read_layout(f.blob[:head_length(f.blob[:8])], size)

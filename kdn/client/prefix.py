@@ -16,7 +16,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kdn.format.address import Address
 from kdn.client.checked import check_identity, decode_checked
@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kdn.client.host import HostClient
     from kdn.format.address import Digest
     from kdn.format.objects import DecodedObject, Layout, ObjectView
+    from kdn.registry.records import Encoding, ObjectRecord
     from kdn.wire.arena import Arena
     from kdn.wire.bodyget import Tally
     from kdn.wire.estimate import DecodeSpeeds
@@ -68,10 +69,9 @@ class PrefixSource(Protocol):
     @property
     def behind(self) -> Behind: ...
 
-    async def record(self, address: Address) -> dict[str, Any] | None: ...
+    async def record(self, address: Address) -> ObjectRecord | None: ...
 
-    def choose_encoding(self, encodings: dict[str, dict[str, Any]], quality: str | float | None = None) \
-            -> str | None: ...
+    def choose_encoding(self, encodings: Mapping[str, Encoding], quality: str | float | None = None) -> str | None: ...
 
     async def fetch(self, address: Address, *, encoding: str | None = None, digest: Digest | None = None,
                     size: int | None = None, quality: str | float | None = None, cold: bool = False,
@@ -136,11 +136,11 @@ class _ChunkFetch:
         rec = self.known.get(address) or await c.record(address)
         if rec is None:
             raise SourceError(f"{address} is not in the registry")
-        enc = self.encoding or c.choose_encoding(rec["encodings"], self.quality)
-        if enc is None or enc not in rec["encodings"]:
+        enc = self.encoding or c.choose_encoding(rec.encodings, self.quality)
+        if enc is None or enc not in rec.encodings:
             raise SourceError(f"{address} has no encoding {enc!r} within quality {self.quality or c.quality!r}"
-                              f" (it has {sorted(rec['encodings'])})")
-        host_enc = self.on_host.pick(index, [self.encoding] if self.encoding else list(rec["encodings"]))
+                              f" (it has {sorted(rec.encodings)})")
+        host_enc = self.on_host.pick(index, [self.encoding] if self.encoding else list(rec.encodings))
         if host_enc is not None and c.host is not None and self.into is not None:
             got = await from_host(c.host, hit, index, address, host_enc, rec, self.budget, self.into, c.decoders,
                                   c.decode_speeds, c.host_stats, self.granted.get(index))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kdn.client.client import KDNClient
 from kdn.client.lookup import Fetched, Lookup, PrefixStates
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.registry.records import Manifest
 
 T = TypeVar("T")
 
@@ -35,7 +38,7 @@ class SyncKDNClient:
     def lookup(self, *args: Any, **kwargs: Any) -> Lookup:
         return self._runner.run(self._client.lookup(*args, **kwargs))
 
-    def manifest(self, namespace: str, name: str, *, pin: str | None = None) -> dict[str, Any] | None:
+    def manifest(self, namespace: str, name: str, *, pin: str | None = None) -> Manifest | None:
         return self._runner.run(self._client.manifest(namespace, name, pin=pin))
 
     def fetch(self, *args: Any, **kwargs: Any) -> Fetched:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, MutableMapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from blake3 import blake3
 
@@ -29,17 +29,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
 
     from kdn.client.versions import ManifestState
-    from kdn.registry.records import BaseRelation
+    from kdn.registry.records import BaseRelation, Manifest, ObjectRecord
     from kdn.registry.signing import Verifier
 
     # Publisher keys: a Verifier, key strings (ed25519:<hex>), or a file of them.
     TrustedKeys = Verifier | str | os.PathLike[str] | Iterable[str]
 
 log = logging.getLogger("kdn.client")
+R = TypeVar("R", "ObjectRecord", "Manifest")
 
 # Object records that verified, remembered by the digest of their exact content: a hot chain's records are
 # checked on every lookup, and a check costs ~150 us a record (Ed25519 and parsing; bench/lookup.py), against
-# ~20 us to recognise the same bytes. Bounded; never holds a refused record.
+# ~20 us to recognise the same bytes. Bounded (each entry holds the record read: a few KB); never holds a
+# refused record.
 VERIFIED_MEMO = 16384
 
 
@@ -59,15 +61,16 @@ def verifier(keys: TrustedKeys | None) -> Verifier | None:
 
 
 class Trust:
-    """A client's checks on what its sources answer: ``record`` and ``manifest`` return what they are given,
-    or None for what they refuse."""
+    """A client's checks on what its sources answer: ``record`` and ``manifest`` return what they are given, read
+    (an ``ObjectRecord``, a ``Manifest``), or None for what they refuse or cannot read."""
 
     def __init__(self, trusted_keys: TrustedKeys | None = None, manifest_state: ManifestState = None) -> None:
         from kdn.client.versions import RELATIONS, VersionFile, state_file
 
         self.verifier = verifier(trusted_keys)
         self.rejected = 0
-        self._verified: OrderedDict[bytes, object] = OrderedDict()  # content digest -> the key that verified it
+        # content digest -> the key that verified it, and the record read
+        self._verified: OrderedDict[bytes, tuple[object, ObjectRecord]] = OrderedDict()
         # namespace/name (variant model id) -> the highest manifest (relation) version taken; in a file
         # (kdn.client.versions) unless manifest_state says memory, so that a new process still refuses what an
         # earlier one saw superseded.
@@ -78,63 +81,56 @@ class Trust:
             self.manifest_versions = VersionFile(self.state_path)
             self.relation_versions = VersionFile(self.state_path, RELATIONS)
 
-    def record(self, d: dict[str, Any] | None, address: A.Address) -> dict[str, Any] | None:
-        """An object record as sent for ``address``: ``d`` if no keys are configured, or if a trusted key
-        signed it and it is ``address``'s. The same bytes verified before (by a key still trusted) are taken
-        without a second check."""
+    def record(self, d: dict[str, Any] | None, address: A.Address) -> ObjectRecord | None:
+        """An object record as sent for ``address``, read (an ``ObjectRecord``), unless refused: unreadable (keys
+        or none: a malformed record reads as absent, counted in ``rejected``, rather than failing whoever reads it
+        later), or, with keys, not signed by a trusted key or not ``address``'s. The same bytes verified before
+        (by a key still trusted) are taken without a second check."""
         if d is None or self.verifier is None:
-            return d
+            return self._object(d, address)
         try:
             memo = blake3(A.canonical_json([address, d]).encode()).digest()
             sig = d.get("sig")
             kid = sig.get("key") if isinstance(sig, dict) else None
         except (TypeError, ValueError):  # not JSON-shaped: the full check names what is wrong
-            return self._signed(d, "object", address)
+            return self._object(d, address)
         key = self.verifier.keys.get(kid) if isinstance(kid, str) else None
-        if key is not None and self._verified.get(memo) is key:
+        seen = self._verified.get(memo) if key is not None else None
+        if seen is not None and seen[0] is key:
             self._verified.move_to_end(memo)
-            return d
-        out = self._signed(d, "object", address)
+            return seen[1]
+        out = self._object(d, address)
         if out is not None and key is not None:
-            self._verified[memo] = key
+            self._verified[memo] = (key, out)
             if len(self._verified) > VERIFIED_MEMO:
                 self._verified.popitem(last=False)
         return out
 
-    def manifest(self, d: dict[str, Any] | None, ref: str, pin: str | None = None) -> dict[str, Any] | None:
-        """The manifest sent for ``ref`` (``namespace/name``), unless refused: unsigned by a trusted key (with
-        keys), not the pinned one (with ``pin``, keys or not), or older than a version taken before (with keys,
-        which make the version the origin's word). A signed tombstone reads as absent, and from then on refuses
-        every older version."""
-        d = self._signed(d, "manifest", ref)
-        if pin is not None and d is not None:
-            from kdn.registry import Manifest
+    def manifest(self, d: dict[str, Any] | None, ref: str, pin: str | None = None) -> Manifest | None:
+        """The manifest sent for ``ref`` (``namespace/name``), read (a ``Manifest``), unless refused: unreadable (keys
+        or none), unsigned by a trusted key or not ``ref``'s (with keys), not the pinned one (with ``pin``, keys or
+        not), or older than a version taken before (with keys, which make the version the origin's word). A signed
+        tombstone reads as absent, and from then on refuses every older version."""
+        m = self._manifest(d, ref)
+        if pin is not None and m is not None:
             from kdn.registry.signing import manifest_pin
 
-            try:
-                got = manifest_pin(Manifest.from_dict(d))
-            except InvalidInput as e:
-                got = f"unreadable ({e})"
+            got = manifest_pin(m)
             if got != A.validate_digest(pin):
                 self.rejected += 1
                 log.warning("KDN manifest %s refused: it is not the pinned one (%s, pinned %s)", ref, got[:16],
                             pin[:16])
                 return None
-        if d is None or self.verifier is None:  # without keys a version is the sender's word: nothing to hold to
-            return None if d is not None and d.get("deleted") else d
-        version = d.get("version", 0)
-        if not (isinstance(version, int) and not isinstance(version, bool) and version >= 0):
-            self.rejected += 1
-            log.warning("KDN manifest %s refused: version %r", ref, str(version)[:20])
-            return None
+        if m is None or self.verifier is None:  # without keys a version is the sender's word: nothing to hold to
+            return None if m is None or m.deleted else m
         seen = self.manifest_versions.get(ref, 0)
-        if version < seen:
+        if m.version < seen:
             self.rejected += 1
             log.warning("KDN manifest %s refused: version %d is older than version %d taken before (a replay)",
-                        ref, version, seen)
+                        ref, m.version, seen)
             return None
-        self.manifest_versions[ref] = version
-        return None if d.get("deleted") else d
+        self.manifest_versions[ref] = m.version
+        return None if m.deleted else m
 
     def relation(self, rel: BaseRelation, pin: str | None = None) -> BaseRelation:
         """``rel``, if a trusted key signed it, it is not older than a relation of its variant taken before,
@@ -153,27 +149,37 @@ class Trust:
             self.rejected += 1
             raise
 
-    def _signed(self, d: dict[str, Any] | None, kind: str, what: str) -> dict[str, Any] | None:
-        """``d`` if no keys are configured or a trusted key signed it (and it says what it was asked for)."""
-        if d is None or self.verifier is None:
-            return d
-        from kdn.registry import Manifest, ObjectRecord
+    def _manifest(self, d: dict[str, Any] | None, ref: str) -> Manifest | None:
+        """``d`` read as a manifest, if it is one and (with keys) a trusted key signed it and it is ``ref``'s."""
+        if d is None:
+            return None
+        from kdn.registry import Manifest
+
+        return self._refused(lambda: Manifest.from_dict(d), lambda m: m.ref, ref)
+
+    def _object(self, d: dict[str, Any] | None, address: A.Address) -> ObjectRecord | None:
+        """``d`` read as an object record, if it is one and (with keys) a trusted key signed it and it is
+        ``address``'s."""
+        if d is None:
+            return None
+        from kdn.registry import ObjectRecord
+
+        return self._refused(lambda: ObjectRecord.from_dict(d), lambda r: r.address, address)
+
+    def _refused(self, read: Callable[[], R], names: Callable[[R], str], what: str) -> R | None:
+        """``read()``'s record, checked against the keys (where there are some) and against ``what`` it was asked
+        for; None (counted, logged) for one that is unreadable or refused."""
         from kdn.registry.signing import SignatureError
 
         try:
-            rec: ObjectRecord | Manifest
-            got: str
-            if kind == "object":
-                rec = ObjectRecord.from_dict(d)
-                got = rec.address
-            else:
-                rec = Manifest.from_dict(d)
-                got = rec.ref
-            self.verifier.check(rec)
-            if got != what:
-                raise SignatureError(f"asked for {what}, got a record of {got}")
+            rec = read()
+            if self.verifier is not None:
+                self.verifier.check(rec)
+                got = names(rec)
+                if got != what:
+                    raise SignatureError(f"asked for {what}, got a record of {got}")
         except (SignatureError, InvalidInput) as e:
             self.rejected += 1
             log.warning("KDN record refused: %s", e)
             return None
-        return d
+        return rec

@@ -209,8 +209,11 @@ class ObjectClient:
 
 
 def manifest(mid, old, addrs):
-    return {"namespace": "public", "name": "doc", "model_id": mid, "addresses": addrs, "tokens": len(old),
-            "chunk_tokens": C, "prefix_tokens": old, "template": None, "head_tokens": 0}
+    """As ``KDNClient.manifest`` returns it."""
+    from kdn.registry.records import Manifest
+
+    return Manifest(namespace="public", name="doc", model_id=mid, addresses=addrs, tokens=len(old), chunk_tokens=C,
+                    prefix_tokens=old, template=None, head_tokens=0)
 
 
 def test_edit_prefill_fetches_only_the_chunks_it_reuses_and_verifies_them():
@@ -251,14 +254,14 @@ def test_bad_input_is_refused():
     client = ObjectClient(L.model_id, OLD, old_states())
     man = manifest(L.model_id, OLD, client.addrs)
     run = asyncio.run
-    with pytest.raises(ModelMismatch):  # another model's states
-        run(edit_prefill(L.model, L.tokenizer, {**man, "model_id": "ab" * 32}, OLD, TAIL, client))
+    with pytest.raises(ModelMismatch):  # another model's states (its map, read into a manifest)
+        run(edit_prefill(L.model, L.tokenizer, {**man.to_dict(), "model_id": "ab" * 32}, OLD, TAIL, client))
     with pytest.raises(InvalidInput, match="nothing to reuse"):  # a rewrite, no run in common
         run(edit_prefill(L.model, L.tokenizer, man, toks(8, 200), TAIL, client))
     with pytest.raises(InvalidInput, match="not a manifest"):
         run(edit_prefill(L.model, L.tokenizer, {"prefix_tokens": OLD}, OLD, TAIL, client))
     with pytest.raises(InvalidInput, match="no prefix chain"):
-        run(edit_prefill(L.model, L.tokenizer, {**man, "addresses": client.addrs[:2]}, OLD, TAIL, client))
+        run(edit_prefill(L.model, L.tokenizer, {**man.to_dict(), "addresses": client.addrs[:2]}, OLD, TAIL, client))
     with pytest.raises(InvalidInput):
         plan_edit(OLD, [], C)
     with pytest.raises(InvalidInput):  # the query must be there to have logits

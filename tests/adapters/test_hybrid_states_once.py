@@ -144,7 +144,7 @@ async def test_a_hybrid_load_moves_its_states_once_and_continues_bit_identically
             gen = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=4, plan=False)
             r = gen.report
             assert (r.tokens_reused, r.chunks_reused) == (1100, 5), r.line()
-            sizes = [int(rec["encodings"]["raw"]["size"]) for rec in
+            sizes = [rec.encodings["raw"].size for rec in
                      (await client.lookup(ids, lm.model_id)).records]
             assert all(rec_pieces > 1 for rec_pieces in (math.ceil(s / PIECE) for s in sizes))
             logits, out, whole = await whole_path(lm, client, ids, 1100, 4)
@@ -254,10 +254,9 @@ async def test_vllm_pieces_of_a_hybrid_load_move_their_kv_only_and_the_last_whol
         m = await publish(c, DOC[:1100], encodings=["raw"])
         async with KDNClient(edges=[("e1", c.edge_url("e1"))]) as client:
             hit = await client.lookup(m["prefix_tokens"], lm.model_id)
-            pieces = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec["encodings"]["raw"]["digest"],
-                                 int(rec["encodings"]["raw"]["size"]),
-                                 pieces=Pieces(rec["encodings"]["raw"]["piece_bytes"],
-                                               tuple(rec["encodings"]["raw"]["pieces"])))
+            pieces = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec.encodings["raw"].digest,
+                                 rec.encodings["raw"].size,
+                                 pieces=Pieces(rec.encodings["raw"].piece_bytes, rec.encodings["raw"].pieces))
                            for i, (a, rec) in enumerate(zip(hit.addresses[:4], hit.records)))
             job = LoadJob("r1", LoadPlan(0, 1024, pieces), ([],), background=False, host=False)
             run = SimpleNamespace(staging=Staging(Arena(64 << 20), [(a.kv_heads, a.head_dim) for a in attn], 0, 1024,
@@ -368,8 +367,8 @@ async def test_vllm_hybrid_pieces_from_the_host_tier_are_read_in_place_and_the_l
         client = await stack.enter_async_context(KDNClient(edges=[c.edge_url("e1")], host=host))
         hit = await client.lookup(m["prefix_tokens"], lm.model_id)
         assert set(await host.warm(hit.addresses[:4], "raw")) == {"filled"}
-        pieces = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec["encodings"]["raw"]["digest"],
-                             int(rec["encodings"]["raw"]["size"]), host=True)
+        pieces = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec.encodings["raw"].digest,
+                             rec.encodings["raw"].size, host=True)
                        for i, (a, rec) in enumerate(zip(hit.addresses[:4], hit.records)))
         job = LoadJob("r1", LoadPlan(0, 1024, pieces), ([],), background=True, host=True)
         arena = Arena(64 << 20)

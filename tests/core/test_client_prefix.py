@@ -41,13 +41,17 @@ def test_a_lookups_objects_are_chunks_with_their_span_encoding_and_source():
     """``Lookup.chunk``: the one type the planner, the vLLM load plan and the prefix fetch share (kdn/chunk.py)."""
     from kdn.errors import InvalidInput
     from kdn.format.pieces import MIN_PIECE_BYTES, Pieces
+    from kdn.registry.records import ObjectRecord
 
     hit = lookup(4, 3 * 256 + 76)
     hit.sources[1] = "origin"
     d1, d2 = "d" * 64, "e" * 64
-    rec = {"encodings": {"raw": {"name": "raw", "size": 2 * MIN_PIECE_BYTES, "digest": "a" * 64,
-                                 "piece_bytes": MIN_PIECE_BYTES, "pieces": [d1, d2]},
-                         "zstd": {"name": "zstd", "size": 100, "digest": "b" * 64}}}
+    d = {"address": hit.addresses[0], "model_id": MODEL, "namespace": "public", "kind": "kv", "start": 0, "end": 256,
+         "parent": None, "standalone": False, "origin": "o",
+         "encodings": {"raw": {"name": "raw", "size": 2 * MIN_PIECE_BYTES, "digest": "a" * 64,
+                               "piece_bytes": MIN_PIECE_BYTES, "pieces": [d1, d2]},
+                       "zstd": {"name": "zstd", "size": 100, "digest": "b" * 64}}}
+    rec = ObjectRecord.from_dict(d)
     c = hit.chunk(0, rec, "raw")
     assert (c.address, c.start, c.end, c.tokens, c.encoding, c.digest, c.size) == \
         (hit.addresses[0], 0, 256, 256, "raw", "a" * 64, 2 * MIN_PIECE_BYTES)
@@ -56,9 +60,9 @@ def test_a_lookups_objects_are_chunks_with_their_span_encoding_and_source():
     assert (tail.start, tail.end, tail.tokens, tail.size, tail.pieces) == (768, 844, 76, 100, None) and tail.cold
     assert hit.chunk(1, rec, "zstd").cold  # the entry edge must fill it (its tier), not known warm
     assert not hit.chunk(1, rec, "zstd", warm=True).cold  # known warm: its read costs only this link
-    bad = {"encodings": {"raw": {**rec["encodings"]["raw"], "pieces": [d1]}}}
-    with pytest.raises(InvalidInput):  # piece digests that cannot describe the blob
-        hit.chunk(0, bad, "raw")
+    bad = {**d, "encodings": {"raw": {**d["encodings"]["raw"], "pieces": [d1]}}}
+    with pytest.raises(InvalidInput):  # piece digests that cannot describe the blob: no record is read of them
+        ObjectRecord.from_dict(bad)
 
 
 def blob(address: str, *, model: str = MODEL, encoding: str = "zstd", n: int = 4096) -> bytes:

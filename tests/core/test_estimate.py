@@ -62,9 +62,11 @@ def test_decode_speed_starts_at_the_table_then_follows_what_is_measured():
 
 def test_the_same_fast_link_picks_raw_for_a_slow_receiver_and_zstd_for_a_fast_one():
     from kdn.client import KDNClient
+    from kdn.registry.records import Encoding
     from kdn.wire.estimate import DecodeSpeeds
 
-    encodings = {"raw": {"size": 47_185_920}, "zstd": {"size": 32_540_000}}  # one 2k chunk of SmolLM2, bf16
+    # one 2k chunk of SmolLM2, bf16
+    encodings = {"raw": Encoding("raw", 47_185_920, "0" * 64), "zstd": Encoding("zstd", 32_540_000, "0" * 64)}
 
     def choice(link_bps: float, zstd_decode_bps: float) -> str | None:
         speeds = DecodeSpeeds()

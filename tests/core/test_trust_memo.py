@@ -31,7 +31,8 @@ def signer(tmp_path):
 def test_a_record_verified_once_is_taken_again_and_a_changed_copy_is_still_refused(signer):
     t = Trust([signer.public])
     d = _record(signer)
-    assert t.record(d, d["address"]) is d and t.record(dict(d), d["address"]) is not None
+    first = t.record(d, d["address"])
+    assert first == ObjectRecord.from_dict(d) and t.record(dict(d), d["address"]) is first
     forged = {**d, "encodings": {"raw": {**d["encodings"]["raw"], "digest": "0" * 64}}}
     assert t.record(forged, d["address"]) is None and t.rejected == 1  # the signature no longer covers it
     assert t.record(d, "f" * 64) is None and t.rejected == 2  # the same record offered for another address
@@ -61,4 +62,4 @@ def test_the_memo_is_bounded(signer, monkeypatch):
 def test_without_keys_nothing_is_remembered(signer):
     t = Trust()
     d = _record(signer)
-    assert t.record(d, d["address"]) is d and not t._verified
+    assert t.record(d, d["address"]) == ObjectRecord.from_dict(d) and not t._verified

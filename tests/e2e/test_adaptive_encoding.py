@@ -17,6 +17,7 @@ from kdn.client import KDNClient  # noqa: E402
 from kdn.format.codecs import get_codec  # noqa: E402
 from kdn.errors import SourceError  # noqa: E402
 from kdn.format.objects import to_torch  # noqa: E402
+from kdn.registry.records import Encoding  # noqa: E402
 
 TEXT = ("Lamp oil was measured each morning and logged against the hours of darkness. " * 12)[:800]
 
@@ -57,7 +58,7 @@ async def test_slow_link_picks_lossy_within_budget_and_lossless_never_gets_lossy
         # only 1.35x smaller than zstd but decodes at about half the speed (kdn/format/encodings.py).
         async with KDNClient(edges=[c.edge_url("e1")], quality=5.0) as client:
             freeze_link(client, c.edge_url("e1"), 5e9)
-            bf16_sizes = {"zstd": {"size": 1_000_000}, "int8": {"size": 740_000}}
+            bf16_sizes = {"zstd": Encoding("zstd", 1_000_000, "0" * 64), "int8": Encoding("int8", 740_000, "0" * 64)}
             assert client.choose_encoding(bf16_sizes) == "zstd"
             freeze_link(client, c.edge_url("e1"), 25e6)
             assert client.choose_encoding(bf16_sizes) == "int8"

@@ -92,7 +92,7 @@ async def test_hedges_a_slow_request_and_verifies_everything(tmp_path, etcd_url)
                 assert loop.time() - t0 < 1.0, "the slow source was not hedged"
                 assert client.hedges == 1 and f.source.startswith("origin"), (client.hedges, client.failovers, f.source)
                 rec = await client.record(m["addresses"][0])
-                assert blake3(f.blob).hexdigest() == rec["encodings"][f.encoding]["digest"]
+                assert blake3(f.blob).hexdigest() == rec.encodings[f.encoding].digest
         finally:
             await slow.close()
 
@@ -126,7 +126,7 @@ async def test_a_slow_fetch_is_hedged_once_not_fanned_out_to_every_source(tmp_pa
                 t0 = loop.time()
                 f = await client.fetch(m["addresses"][0])
                 assert loop.time() - t0 < 1.9  # the hedge (after ~20 ms) and the first request race
-                assert blake3(f.blob).hexdigest() == rec["encodings"][f.encoding]["digest"]
+                assert blake3(f.blob).hexdigest() == rec.encodings[f.encoding].digest
                 assert client.hedges == 1, client.hedges
                 assert sorted(s.hits["objects"] for s in slow) == [0, 1, 1]  # the third source never asked
         finally:
@@ -215,7 +215,7 @@ def test_sync_wrapper(tmp_path, etcd_server):
                 hit = client.lookup(m["prefix_tokens"], m["model_id"])
                 out["tokens"] = hit.tokens
                 out["chunks"] = len(client.fetch_prefix(hit).objects)
-                out["manifest"] = client.manifest("public", "doc")["addresses"]
+                out["manifest"] = client.manifest("public", "doc").addresses
 
         t = threading.Thread(target=use_sync_client)
         t.start()

@@ -23,6 +23,7 @@ from kdn.errors import DigestMismatch, InvalidInput  # noqa: E402
 from kdn.format.objects import to_torch  # noqa: E402
 from kdn.origin.app import STORE  # noqa: E402
 from kdn.service import REGISTRY  # noqa: E402
+from kdn.registry.records import Encoding  # noqa: E402
 
 TEXT = ("The keeper trimmed the wick at dusk and wrote the wind in the log. " * 10)[:600]
 
@@ -45,7 +46,8 @@ def test_choice_takes_kvtc_on_a_slow_link_only_within_its_worst_nll():
     client = KDNClient(origin="http://127.0.0.1:1")
     est = client.routing.estimates["http://127.0.0.1:1"]
     est.bandwidth, est.rtt = 5e6, 0.001  # 5 MB/s: bytes dominate
-    encs = {"zstd": {"size": 1_000_000}, "kvtc-2": {"size": int(1_000_000 * 1.45 / 6.96)}}
+    encs = {"zstd": Encoding("zstd", 1_000_000, "0" * 64),
+            "kvtc-2": Encoding("kvtc-2", int(1_000_000 * 1.45 / 6.96), "0" * 64)}
     assert client.choose_encoding(encs, 5.0) == "kvtc-2"
     assert client.choose_encoding(encs, 1.0) == "zstd"  # its worst measured NLL (+1.43%) is over 1%
     assert client.choose_encoding(encs, "lossless") == "zstd"
@@ -97,7 +99,7 @@ async def test_a_tenant_decodes_its_kvtc_objects_with_the_models_basis(tmp_path,
                 hit = await client.lookup(mine["prefix_tokens"], mine["model_id"], "acme")
                 states = await client.fetch_prefix(hit, encoding="kvtc-8")
                 assert client.bases_fetched == 1 and len(states.objects) == hit.chunks >= 2
-                assert (await client.record(addr))["kind"] == "basis"
+                assert (await client.record(addr)).kind == "basis"
                 assert await client.record(public["addresses"][0]) is None  # other public objects stay hidden
                 miss = await client.lookup(public["prefix_tokens"], public["model_id"])
                 assert miss.tokens == 0

@@ -70,7 +70,7 @@ async def test_a_verified_lookup_reads_no_record_on_its_own(tmp_path, etcd_url):
             async with KDNClient(edges=[url], trusted_keys=[key.public]) as client:
                 hit = await client.lookup(ids, m["model_id"])
             assert hit.tokens == len(m["prefix_tokens"]) and hit.addresses == m["addresses"]
-            assert [r["address"] for r in hit.records] == m["addresses"], "the records, in chain order, tail included"
+            assert [r.address for r in hit.records] == m["addresses"], "the records, in chain order, tail included"
             assert client.rejected_records == 0
             # One lookup; the only record read by itself is the partial tail's (not part of the whole chunks).
             assert relay.asked["/v1/lookup"] == 1 and relay.asked["/v1/registry/objects"] == len(m["addresses"]) - whole

@@ -45,13 +45,13 @@ async def test_a_superseded_manifest_replayed_through_the_registry_is_refused(tm
             new = await publish(c, NEW, name="hours")
             async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
                 got = await client.manifest("public", "hours")
-                assert got["addresses"] == new["addresses"] and got["version"] > old["version"] > 0
+                assert got.addresses == new["addresses"] and got.version > old["version"] > 0
                 await writer._put(writer._manifest_key("public", "hours"), stale.pack())  # the replay
                 assert (await writer.get_manifest("public", "hours")).addresses == old["addresses"]
                 assert await client.manifest("public", "hours") is None, "the client took the superseded manifest"
                 assert client.rejected_records == 1
             async with KDNClient(edges=[c.edge_url("e1")]) as fresh:  # no keys, no memory: fooled (the control)
-                assert (await fresh.manifest("public", "hours"))["addresses"] == old["addresses"]
+                assert (await fresh.manifest("public", "hours")).addresses == old["addresses"]
         finally:
             await writer.close()
 
@@ -71,7 +71,7 @@ async def test_a_superseded_manifest_replayed_to_a_new_process_is_refused_with_a
             stale = await served_manifest(c, "public", "hours")
             new = await publish(c, NEW, name="hours")
             async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public], manifest_state=state) as first:
-                assert (await first.manifest("public", "hours"))["addresses"] == new["addresses"]
+                assert (await first.manifest("public", "hours")).addresses == new["addresses"]
             await writer._put(writer._manifest_key("public", "hours"), stale.pack())  # the replay, between processes
             code = ("import asyncio, sys\n"
                     "from kdn.client import KDNClient\n"
@@ -89,7 +89,7 @@ async def test_a_superseded_manifest_replayed_to_a_new_process_is_refused_with_a
             assert out.decode().split() == ["refused", "1"], out.decode() + err.decode()
             async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public],
                                  manifest_state=False) as forgetful:  # the control: marks in memory only
-                assert (await forgetful.manifest("public", "hours"))["addresses"] == stale.addresses
+                assert (await forgetful.manifest("public", "hours")).addresses == stale.addresses
         finally:
             await writer.close()
 
@@ -163,7 +163,7 @@ async def test_a_pinned_manifest_is_the_only_one_a_fresh_client_takes(tmp_path, 
                 assert await fresh.manifest("public", "hours", pin=pin) is None  # the newer one is not the pinned
                 await writer._put(writer._manifest_key("public", "hours"), stale.pack())
                 got = await fresh.manifest("public", "hours", pin=pin)
-                assert got is not None and got["addresses"] == old["addresses"] != new["addresses"]
+                assert got is not None and got.addresses == old["addresses"] != new["addresses"]
                 forged = Manifest.from_dict({**stale.to_dict(), "prefix_tokens": [1] + stale.prefix_tokens[1:]})
                 await writer._put(writer._manifest_key("public", "hours"), forged.pack())
                 assert await fresh.manifest("public", "hours", pin=pin) is None

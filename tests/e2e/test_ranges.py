@@ -98,7 +98,7 @@ async def test_a_client_fetches_one_layer_by_verified_ranges(tmp_path, etcd_url)
         a = m["addresses"][0]
         whole = decode_object((await get(c.origin_url(), a, encoding="raw"))[1])
         async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
-            size = (await client.record(a))["encodings"]["raw"]["size"]
+            size = (await client.record(a)).encodings["raw"].size
             got = await client.fetch_tensors(a, ["L1.k", "L1.v"])
             assert set(got.tensors) == {"L1.k", "L1.v"}
             for name, data in got.tensors.items():

@@ -86,8 +86,8 @@ async def test_records_live_beside_the_blobs_and_edges_read_them_there(request, 
             assert (await recs.get_objects(addrs))[0] is not None
         async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
             whole = await client.manifest("public", "doc")
-        assert whole is not None and whole["prefix_tokens"] == m["prefix_tokens"] and whole["addresses"] == addrs
-        assert whole["version"] == pointer.version and not whole.get("body")
+        assert whole is not None and whole.prefix_tokens == m["prefix_tokens"] and whole.addresses == addrs
+        assert whole.version == pointer.version and whole.body is None
         # the edge's prefetch chains read it whole (from its manifest watch: asynchronous to the publish)
         await wait_until(lambda: c.edge("e1").chains.following(addrs[0], 2) == addrs[1:3])
         async with aiohttp.ClientSession() as s:
@@ -115,7 +115,7 @@ async def test_records_live_beside_the_blobs_and_edges_read_them_there(request, 
             origin_blob = (await get(c.origin_url(), addrs[0], encoding=enc))[1]
             assert bytes(loaded.fetched[0].blob) == origin_blob  # verified against the record from the store
             assert (await get(c.edge_url("e1"), addrs[0], encoding=enc))[1] == origin_blob
-            assert (await client.record(addrs[0]))["encodings"] == stored[0].to_dict()["encodings"]
+            assert (await client.record(addrs[0])).encodings == stored[0].encodings
 
         # Both servers answer many records at once, in order, null for an unknown address.
         unknown = "f" * 64
@@ -132,7 +132,7 @@ async def test_records_live_beside_the_blobs_and_edges_read_them_there(request, 
         await c.origin.close()
         await c.start_origin(records="store", signing_key=str(tmp_path / "origin.key"), store=store)
         async with KDNClient(origin=c.origin_url(), trusted_keys=[key.public]) as client:
-            assert [(await client.record(a))["address"] for a in addrs] == addrs
+            assert [(await client.record(a)).address for a in addrs] == addrs
 
 
 @pytest.mark.parametrize("medium", ["folder", "s3"])

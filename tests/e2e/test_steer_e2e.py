@@ -28,14 +28,14 @@ async def test_publish_emphasis_then_generate_steered_from_loaded_kv(tmp_path, e
         await publish(c, DOC, name="log", emphasis={"texts": ["under the third stair"], "heads": [[1, 0], [1, 1]]})
         async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
             manifest = await client.manifest("public", "log")
-            assert manifest is not None and manifest["emphasis"]["spans"], "the verified manifest carries the map"
+            assert manifest is not None and manifest.emphasis["spans"], "the verified manifest carries the map"
             ids = prompt_tokens(lm.tokenizer, manifest, "Where is the key?")
             plain = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=2,
-                                    emphasis=manifest["emphasis"])  # off by default
+                                    emphasis=manifest.emphasis)  # off by default
             steered = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=2,
-                                      emphasis=manifest["emphasis"], steer=True)
+                                      emphasis=manifest.emphasis, steer=True)
             cold = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=2, use_cache=False,
-                                   emphasis=manifest["emphasis"], steer=True)
-    assert plain.report.tokens_reused == steered.report.tokens_reused == len(manifest["prefix_tokens"])
+                                   emphasis=manifest.emphasis, steer=True)
+    assert plain.report.tokens_reused == steered.report.tokens_reused == len(manifest.prefix_tokens)
     assert not torch.allclose(plain.first_logits, steered.first_logits, atol=1e-4)  # steering acted on loaded KV
     torch.testing.assert_close(cold.first_logits, steered.first_logits, atol=1e-3, rtol=1e-3)  # as on a prefill

@@ -68,11 +68,11 @@ async def test_signed_piece_digests_drop_a_lying_edge_within_a_piece(tmp_path, e
         ids = m["prefix_tokens"] + [7, 8, 9]
         async with KDNClient(edges=[c.edge_url("e1")], trusted_keys=[key.public]) as client:
             rec = await client.record(m["addresses"][0])
-        raw = rec["encodings"]["raw"]
-        assert raw["size"] > 2 * PIECE and raw["piece_bytes"] == PIECE
-        assert len(raw["pieces"]) == -(-raw["size"] // PIECE)  # signed: the client took the record with the key
+        raw = rec.encodings["raw"]
+        assert raw.size > 2 * PIECE and raw.piece_bytes == PIECE
+        assert len(raw.pieces) == -(-raw.size // PIECE)  # signed: the client took the record with the key
         status, blob, _ = await get(c.edge_url("e1"), m["addresses"][0])  # the edge's own fill checked its pieces
-        assert status == 200 and len(blob) == raw["size"]
+        assert status == 200 and len(blob) == raw.size
 
         sent: list[list[int]] = []
         fake = await flipper(c.edge_url("e1"), sent)
