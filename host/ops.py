@@ -13,13 +13,15 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgpack
+
 from kdn.auth import AuthError, Grants, may_read
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.format.address import Address, validate_address
 from kdn.format.store import validate_encoding
 from kdn.host.fill import Absent, Filler
 from kdn.host.leases import Leases
-from kdn.wire.host import MAX_ADDRESSES, MAX_LEASE_MANY, VERSION, HostError
+from kdn.wire.host import MAX_ADDRESSES, MAX_LEASE_MANY, RECORDS_BYTES, VERSION, HostError
 from kdn.host.segment import Segment
 from kdn.host.store import Held, HostStore, Key, NoRoom
 
@@ -65,8 +67,8 @@ class Ops:
                 "inode": i.inode}
 
     async def lookup(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
-        """Per address, the encodings held for this caller; ``prefix``: how many leading addresses have one.
-        Never fills."""
+        """Per address, the encodings held for this caller; ``prefix``: how many leading addresses have one;
+        with ``records``, each held one's signed record (the one its fill verified). Never fills."""
         addresses = _addresses(r)
         encoding = _encoding(r) if r.get("encoding") is not None else None
         encodings = [sorted(h.key[1] for h in self.store.encodings(a)
@@ -74,7 +76,25 @@ class Ops:
                      for a in addresses]
         held = [bool(e) for e in encodings]
         prefix = held.index(False) if False in held else len(held)
-        return {"prefix": prefix, "held": held, "encodings": encodings}
+        out: dict[str, Any] = {"prefix": prefix, "held": held, "encodings": encodings}
+        if r.get("records") is True:  # the signed record of each one held (an engine's lookup: no edge asked)
+            out["records"] = self._records(ns, addresses, encodings)
+        return out
+
+    def _records(self, ns: frozenset[str], addresses: list[Address], encodings: list[list[str]]
+                 ) -> list[dict[str, Any] | None]:
+        """Each held address's record, in order, while they fit ``RECORDS_BYTES`` packed (None past that, and
+        for one not held): the answer stays inside ``MAX_MESSAGE`` whatever the records' piece lists weigh."""
+        out: list[dict[str, Any] | None] = []
+        left = RECORDS_BYTES
+        for a, e in zip(addresses, encodings):
+            rec = next((h.record for h in self.store.encodings(a) if may_read(ns, h.namespace, h.kind)), None) \
+                if e and left > 0 else None
+            if rec is not None:
+                left -= len(msgpack.packb(rec))
+                rec = rec if left >= 0 else None
+            out.append(rec)
+        return out
 
     async def lease(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
         """The object pinned for this connection (filled first if absent): where its blob lies, its record."""

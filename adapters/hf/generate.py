@@ -234,9 +234,9 @@ async def _held_by_host(client: Any, hit: Any, chunks: list) -> list:
     host = getattr(client, "host", None)
     if host is None or not chunks:
         return chunks
-    from kdn.client.hosted import held
+    from kdn.client.hosted import held_of
 
-    got = await held(host, hit.addresses[:len(chunks)], client.host_stats)
+    got = await held_of(host, hit, client.host_stats, len(chunks))
     return [replace(c, host=True) if i < len(hit.records) and got.pick(i, list(hit.records[i].encodings))
             else c for i, c in enumerate(chunks)]
 

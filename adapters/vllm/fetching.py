@@ -227,8 +227,11 @@ class PieceLoader:
         from kdn.wire.host import HostError
 
         host, stats, pieces = self.client.host, self.client.host_stats, run.job.plan.pieces
-        got = await held(host, [p.address for p in pieces], stats)
-        have = frozenset((p.address, e) for p, encs in zip(pieces, got.encodings) for e in encs)
+        if host.gone:  # asked anew (``held`` connects to a restarted host, and maps its new segment)
+            got = await held(host, [p.address for p in pieces], stats)
+            have = frozenset((p.address, e) for p, encs in zip(pieces, got.encodings) for e in encs)
+        else:  # what the host held at the lookup, the plan says (``Chunk.host``): no second question
+            have = frozenset((p.address, p.encoding) for p in pieces if p.host)
         want = [i for i, p in enumerate(pieces) if (p.address, p.encoding) in have]
         granted: dict[int, Any] = {}
         for enc in sorted({pieces[i].encoding for i in want}):

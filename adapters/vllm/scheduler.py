@@ -201,9 +201,9 @@ class SchedulerSide:
             pieces.append(replace(chunk, warm=c.warm(addr, chunk.tier)))
             pos = want_end
         if pieces and c.host is not None:  # what the host tier holds is planned at its own speed
-            from kdn.client.hosted import held
+            from kdn.client.hosted import held_of
 
-            got = await held(c.host, [p.address for p in pieces], c.host_stats)
+            got = await held_of(c.host, hit, c.host_stats, len(pieces))  # (as the lookup heard it from the host)
             pieces = [replace(p, host=True) if i < len(got.encodings) and p.encoding in got.encodings[i] else p
                       for i, p in enumerate(pieces)]
         return pieces

@@ -47,7 +47,7 @@ from kdn.errors import InvalidInput, KDNError, SourceError
 from kdn.wire.estimate import DECODE, DecodeSpeeds
 from kdn.wire.fetch import Fetcher, Fresh, Observer, Route, Want
 from kdn.client.find import find_prefix
-from kdn.client.hosted import Behind, HostStats
+from kdn.client.hosted import Behind, Held, HostStats, held
 from kdn.client.lookup import Fetched, Lookup, PrefixStates, Probe, Tensors
 from kdn.client.parts import fetch_tensors
 from kdn.format.layout import DEFAULT_MAX_OBJECT_BYTES
@@ -219,12 +219,20 @@ class KDNClient:
     # --- lookup ----------------------------------------------------------------
 
     async def lookup(self, tokens: Iterable[int], model_id: ModelId, namespace: str = "public", *,
-                     chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS) -> Lookup:
+                     chunk_tokens: int = A.DEFAULT_CHUNK_TOKENS, host: bool = True) -> Lookup:
         """How many leading tokens of ``tokens`` are published: whole chunks, then a partial tail
         (``kdn.client.find``: one ``/v1/lookup``, the chain's records riding with it, believed as ``kdn.client.trust`` allows;
-        a prompt that continues past a published text reuses all of the text)."""
+        a prompt that continues past a published text reuses all of the text). With a host tier (and ``host``),
+        it is asked first: a chain it holds whole is found with no edge asked."""
+        ask_host = None
+        if host and self.host is not None:
+            tier, stats = self.host, self.host_stats
+
+            async def ask_host(addresses: list[Address]) -> Held:
+                return await held(tier, addresses, stats, records=True)
+
         return await find_prefix(self._json, self.record, self.trust, list(tokens), model_id, namespace,
-                                 chunk_tokens)
+                                 chunk_tokens, ask_host)
 
     # --- fetch -----------------------------------------------------------------
 

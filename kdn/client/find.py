@@ -21,28 +21,78 @@ from kdn.client.lookup import Lookup
 from kdn.client.trust import Trust
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kdn.client.hosted import Held
     from kdn.registry.records import ObjectRecord
 
 Ask = Callable[[str, str, "dict[str, Any] | None"], Awaitable["dict[str, Any] | None"]]
 ReadRecord = Callable[[Address], Awaitable["ObjectRecord | None"]]
+AskHost = Callable[[list[Address]], Awaitable["Held"]]  # kdn.client.hosted.held, with records
 
 
 async def find_prefix(ask: Ask, record: ReadRecord, trust: Trust, toks: list[int], model_id: ModelId,
-                      namespace: str, chunk_tokens: int) -> Lookup:
-    """The longest published prefix of ``toks`` (``KDNClient.lookup``)."""
+                      namespace: str, chunk_tokens: int, host: AskHost | None = None) -> Lookup:
+    """The longest published prefix of ``toks`` (``KDNClient.lookup``). With the machine's host tier (``host``)
+    it is asked first, over its local socket: where it holds every whole chunk of the prompt and each signed
+    record it sends checks, no edge is asked (none could match more); else the edge answers, as ever. Either
+    way what the host said it holds rides with the lookup (``Lookup.held``), so a load does not ask again."""
     model_id = A.validate_model_id(model_id)
     full = A.prefix_addresses(model_id, namespace, toks, chunk_tokens, full_chunks_only=True)
     n, where, cold = 0, list[object](), set[Address]()
     addrs: list[Address] = []
     records: list[ObjectRecord] = []
+    on_host: list[frozenset[str]] | None = None
+    chain = None
     if full:
-        n, where, cold, addrs, records = await _whole_chunks(ask, record, trust, full)
+        if host is not None:
+            chain, on_host = await _host_chain(host, trust, full)
+        if chain is not None:
+            n, where, addrs, records = len(full), ["host"] * len(full), list(full), chain
+        else:
+            n, where, cold, addrs, records = await _whole_chunks(ask, record, trust, full)
     covered = n * chunk_tokens
     if n:
-        covered = await _tail(record, toks, addrs, records, covered)
+        if chain is not None and on_host is not None:  # its tail, too, from the host where it holds it
+            tier, held_tail = host, on_host
+            assert tier is not None
+
+            async def record_of(a: Address) -> ObjectRecord | None:
+                r, encs = await _host_record(tier, trust, a)
+                if r is not None:
+                    held_tail.append(encs)
+                    return r
+                return await record(a)
+
+            covered = await _tail(record_of, toks, addrs, records, covered)
+        else:
+            covered = await _tail(record, toks, addrs, records, covered)
+    n_held = len(addrs) if chain is not None else n
     return Lookup(model_id=model_id, namespace=namespace, addresses=addrs, tokens=covered,
                   chunk_tokens=chunk_tokens, records=records, cold=cold if n else set(),
-                  sources=[str(w) for w in where[:n]])
+                  sources=[str(w) for w in where[:n]], held=on_host[:n_held] if on_host is not None else None)
+
+
+async def _host_chain(host: AskHost, trust: Trust, full: list[Address]
+                      ) -> tuple[list[ObjectRecord] | None, list[frozenset[str]] | None]:
+    """(the chain's records, where the host holds all of ``full`` and every record it sent checks, else None;
+    the encodings it holds of each, None where it did not answer)."""
+    got = await host(full)
+    if len(got.encodings) != len(full):  # no host answer (down, slow, gone): it holds nothing it could say
+        return None, None
+    if got.records is None or not all(got.encodings):
+        return None, got.encodings
+    recs = [trust.record(d, a) if d is not None else None for d, a in zip(got.records, full)]
+    if any(r is None for r in recs):
+        return None, got.encodings
+    return [r for r in recs if r is not None], got.encodings
+
+
+async def _host_record(host: AskHost, trust: Trust, address: Address) -> tuple[ObjectRecord | None, frozenset[str]]:
+    """One object's record from the host tier, checked, and the encodings it holds; (None, ...) where it does
+    not hold it or its record does not check."""
+    got = await host([address])
+    if len(got.encodings) != 1 or not got.encodings[0] or not got.records or got.records[0] is None:
+        return None, frozenset()
+    return trust.record(got.records[0], address), got.encodings[0]
 
 
 async def _whole_chunks(ask: Ask, record: ReadRecord, trust: Trust, full: list[Address]

@@ -60,6 +60,7 @@ class HostLookup:
     prefix: int
     held: list[bool]
     encodings: list[list[str]]
+    records: list[dict[str, Any] | None] | None = None  # asked with ``records``: each held one's signed record
 
 
 class HostClient:
@@ -135,9 +136,17 @@ class HostClient:
 
     # --- requests --------------------------------------------------------------------------------------------
 
-    async def lookup(self, addresses: Sequence[Address], encoding: str | None = None) -> HostLookup:
-        a = await self._request("lookup", addresses=list(addresses), encoding=encoding)
-        return HostLookup(int(a["prefix"]), [bool(x) for x in a["held"]], [list(e) for e in a["encodings"]])
+    async def lookup(self, addresses: Sequence[Address], encoding: str | None = None, *,
+                     records: bool = False) -> HostLookup:
+        """What the host holds of ``addresses``; with ``records``, each held one's signed record too (a map, as
+        the host's frame sends it: the caller checks it, ``kdn.client.trust``)."""
+        a = await self._request("lookup", addresses=list(addresses), encoding=encoding,
+                                **({"records": True} if records else {}))
+        recs = a.get("records") if records else None
+        if recs is not None and (not isinstance(recs, list) or len(recs) != len(addresses)):
+            raise HostError("unavailable", "the host's lookup sent records that do not match its addresses")
+        return HostLookup(int(a["prefix"]), [bool(x) for x in a["held"]], [list(e) for e in a["encodings"]],
+                          [r if isinstance(r, dict) else None for r in recs] if recs is not None else None)
 
     @contextlib.asynccontextmanager
     async def lease(self, address: Address, encoding: str) -> AsyncIterator[Leased]:

@@ -58,6 +58,9 @@ class Held:
     """Which encodings the host holds of each object of a lookup (empty: none, or no host)."""
 
     encodings: list[frozenset[str]]
+    # Asked with ``records`` (a lookup the host may answer alone): each held object's signed record as the host
+    # sent it, unchecked (None where not held, or not asked).
+    records: list[dict[str, Any] | None] | None = None
 
     def any(self) -> bool:
         return any(self.encodings)
@@ -68,8 +71,10 @@ class Held:
         return next((e for e in PREFERRED if e in have and e in record_encodings), None)
 
 
-async def held(host: HostClient | None, addresses: Sequence[Address], stats: HostStats) -> Held:
-    """Ask the host once which of a load's objects it holds; a host that is down or slow holds nothing."""
+async def held(host: HostClient | None, addresses: Sequence[Address], stats: HostStats, *,
+               records: bool = False) -> Held:
+    """Ask the host once which of a load's objects it holds (with ``records``, their signed records too); a host
+    that is down or slow holds nothing."""
     if host is None or not addresses:
         return Held([])
     if host.gone:  # a restarted host has a new segment: connect and map anew, at most every RECONNECT_S
@@ -86,11 +91,20 @@ async def held(host: HostClient | None, addresses: Sequence[Address], stats: Hos
         stats.reconnects += 1
     try:
         async with asyncio.timeout(LOOKUP_S):
-            found = await host.lookup(addresses)
+            found = await host.lookup(addresses, records=records)
     except (HostError, TimeoutError) as e:
         stats.note(f"lookup: {e}")
         return Held([])
-    return Held([frozenset(e) for e in found.encodings])
+    return Held([frozenset(e) for e in found.encodings], found.records)
+
+
+async def held_of(host: HostClient | None, hit: Lookup, stats: HostStats, count: int | None = None) -> Held:
+    """What the host holds of ``hit``'s first ``count`` objects (all by default): as it said at the lookup
+    (``Lookup.held``) where it was asked then and is still connected, else asked now (``held``)."""
+    n = len(hit.addresses) if count is None else count
+    if host is not None and hit.held is not None and not host.gone:
+        return Held(list(hit.held[:n]))  # (an object past what it answered, a partial tail, reads as not held)
+    return await held(host, hit.addresses[:n], stats)
 
 
 async def lease_held(host: HostClient | None, hit: Lookup, on_host: Held, encoding: str | None,

@@ -31,6 +31,9 @@ class Lookup:
     records: list[ObjectRecord] = field(default_factory=list)  # registry records of ``addresses``, in order
     cold: set[A.Address] = field(default_factory=set)  # addresses the entry edge reported it would have to fill
     sources: list[str] = field(default_factory=list)  # per whole chunk: where the entry edge would serve it from
+    # What the machine's host tier said it holds of ``addresses`` (encodings each), when it was asked at lookup
+    # (``KDNClient(host=)``): a load plans and leases by it without asking again. None: not asked.
+    held: list[frozenset[str]] | None = None
 
     @property
     def chunks(self) -> int:

@@ -22,7 +22,7 @@ from kdn.format.address import Address
 from kdn.client.checked import check_identity, decode_checked
 from kdn.format.encodings import parse_budget
 from kdn.errors import SourceError
-from kdn.client.hosted import Behind, Held, HostStats, from_host, held, lease_held, release_leased
+from kdn.client.hosted import Behind, Held, HostStats, from_host, held_of, lease_held, release_leased
 from kdn.client.leased import Leased
 from kdn.wire.host import HostError
 from kdn.client.lookup import Fetched, Lookup, PrefixStates
@@ -95,7 +95,7 @@ async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | Non
     t0 = time.perf_counter()
     arrived: list[float] = []
     # The host tier first, for a load into an engine's cache: one question for the whole prefix.
-    on_host = await held(client.host, hit.addresses, client.host_stats) if into is not None else Held([])
+    on_host = await held_of(client.host, hit, client.host_stats) if into is not None else Held([])
     # ... and its objects leased at once (a round trip per 16, not one per object), ended when the load is
     granted = await lease_held(client.host, hit, on_host, encoding, client.host_stats) if on_host.any() else {}
     one = _ChunkFetch(client, hit, encoding, quality, into, arena, scatter, tally, arrived, on_host,

@@ -8,8 +8,10 @@ bearer token; absent: anonymous, which reads ``public`` only, as at the edge)::
 
     {"id": 1, "op": "hello", "token": T}
       -> {"id": 1, "ok": true, "segment": PATH, "size": N, "device": D, "inode": I, "version": 1}
-    {"id": 2, "op": "lookup", "token": T, "addresses": [A, ...], "encoding": E?}
-      -> {"id": 2, "ok": true, "prefix": K, "held": [bool, ...], "encodings": [[E, ...], ...]}
+    {"id": 2, "op": "lookup", "token": T, "addresses": [A, ...], "encoding": E?, "records": true?}
+      -> {"id": 2, "ok": true, "prefix": K, "held": [bool, ...], "encodings": [[E, ...], ...],
+          "records": [{...} | null, ...]?}   (with ``records``: each held one's signed record, while they fit
+          ``RECORDS_BYTES``; an engine's lookup then asks no edge for a chain the host holds whole)
     {"id": 3, "op": "lease", "token": T, "address": A, "encoding": E}
       -> {"id": 3, "ok": true, "lease": L, "offset": O, "length": N, "record": {...}, "filled": bool}
     {"id": 4, "op": "release", "token": T, "lease": L}  -> {"id": 4, "ok": true}
@@ -38,6 +40,7 @@ from kdn.errors import KDNError
 VERSION = 1
 MAX_MESSAGE = 1 << 20  # a lookup of ~14k addresses; every answer is smaller than its request or than this
 MAX_ADDRESSES = 4096  # per lookup or warm: a 1M-token prompt in 256-token chunks
+RECORDS_BYTES = MAX_MESSAGE // 2  # a lookup's records, packed, at most (the rest are null: asked of the edge)
 MAX_LEASE_MANY = 16  # per lease_many or release_many: its answer carries each object's signed record (with piece
 # digests, ~34 KiB for a Llama-3-8B chunk), and 16 of those stay well inside MAX_MESSAGE
 _HEAD = struct.Struct(">I")

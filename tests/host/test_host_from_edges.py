@@ -236,10 +236,24 @@ async def test_agenerate_loads_from_the_host_first_and_its_tokens_are_the_edges(
                 return await real(op, **fields)
 
             host._request = counted  # type: ignore[method-assign]
+            edge_asks, json_real, record_real = [], client._json, client.record
+
+            async def asked_json(*a, **kw):
+                edge_asks.append(a[:2])
+                return await json_real(*a, **kw)
+
+            async def asked_record(*a, **kw):
+                edge_asks.append(("record",))
+                return await record_real(*a, **kw)
+
+            client._json, client.record = asked_json, asked_record  # type: ignore[method-assign]
             second = await agenerate(lm.model, lm.tokenizer, ids, client, max_new_tokens=8, plan=False)
+            client._json, client.record = json_real, record_real  # type: ignore[method-assign]
             assert second.ids == want.ids
-            # the prefix's objects leased in one round trip and ended in one: no lease per object
-            assert ops == ["lookup", "lease_many", "release_many"], ops
+            # The lookup asked the host alone (the chain, then its partial tail; their signed records came with
+            # the answers): no edge was asked. Then the prefix's objects leased in one round trip and ended in one.
+            assert ops == ["lookup", "lookup", "lease_many", "release_many"], ops
+            assert edge_asks == [], edge_asks
             host._request = real  # type: ignore[method-assign]
             assert client.host_stats.hits == len(cdn.m["addresses"]) and client.host_stats.fallbacks == 0
             assert set(second.report.sources) == {"host"}, second.report.sources
