@@ -110,7 +110,8 @@ class SchedulerSide:
             tokens = compat.prompt_tokens(request)
             if len(tokens) < self.cfg.chunk_tokens:
                 return 0, False  # a lookup matches whole chunks first: a prompt shorter than one never hits
-            lk = self._lookups[rid] = _Lookup(self.bridge.submit(self._lookup(tokens)), time.monotonic())
+            host = compat.kdn_params(request).get("host") is not False  # a request may read past the host tier
+            lk = self._lookups[rid] = _Lookup(self.bridge.submit(self._lookup(tokens, host)), time.monotonic())
             try:
                 lk.future.result(FIRST_WAIT)
             except (concurrent.futures.TimeoutError, Exception):  # noqa: BLE001 -- read below
@@ -176,10 +177,12 @@ class SchedulerSide:
             log.info("KDN planner for %s: %s", rid, decision.reason)
         return cut
 
-    async def _lookup(self, tokens: list[int]) -> list[Chunk]:
-        """The published chain under ``tokens``, each piece with the encoding and digest to fetch."""
+    async def _lookup(self, tokens: list[int], host: bool = True) -> list[Chunk]:
+        """The published chain under ``tokens``, each piece with the encoding and digest to fetch (asked of the
+        machine's host tier first, unless the request reads past it: ``host``)."""
         c = self.client
-        hit = await c.lookup(tokens, self.model_id, self.cfg.namespace, chunk_tokens=self.cfg.chunk_tokens)
+        hit = await c.lookup(tokens, self.model_id, self.cfg.namespace, chunk_tokens=self.cfg.chunk_tokens,
+                             host=host)
         if not hit.addresses:
             return []
         # The lookup brought the chain's records (checked as ``record`` checks them); older edges do not send them.
