@@ -38,8 +38,9 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``decode_threads`` threads that decode arrived compressed pieces into the load's staging (default 2;
                        raw pieces are received in place and need none)
     ``write_threads``  on the CPU, threads that write a step's loads into the paged cache ahead of the forward,
-                       each layer shared among them (``ahead.py``; default 2); 0 writes each layer inside the
-                       forward's wait for it, as a GPU does after its copy
+                       each layer shared among them (``ahead.py``); default 0: each layer is written inside the
+                       forward's wait for it (on 2 cores the writers helped SmolLM2's 8k hit and slowed the
+                       Qwen2-0.5B shape's, whose forward needs the memory bandwidth: docs/benchmarks.md)
     ``arena``          bytes of host buffers the load path reuses across requests (``kdn.wire.arena``; page-locked
                        on a CUDA host; a load stages its whole K/V there), e.g. ``"8GiB"`` (default 4 GiB);
                        a load that does not fit recomputes
@@ -75,7 +76,7 @@ _KEYS = frozenset({
 # 253/243 ms); six (the event loop's default pool) were slower than one inside vLLM, whose threads hold the
 # cores during a step.
 DEFAULT_DECODE_THREADS = 2
-DEFAULT_WRITE_THREADS = 2
+DEFAULT_WRITE_THREADS = 0
 DEFAULT_ARENA = 4 << 30
 
 

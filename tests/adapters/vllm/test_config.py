@@ -22,9 +22,9 @@ def test_defaults_and_edges_forms():
     assert c.load == "auto" and c.engines is None and c.load_timeout == 10.0 and c.decode_threads == 2
     assert ConnectorConfig.from_extra({"edges": ["http://x"], "decode_threads": 4}, consumer=True,
                                       producer=False).decode_threads == 4
-    assert c.write_threads == 2
-    assert ConnectorConfig.from_extra({"edges": ["http://x"], "write_threads": 0}, consumer=True,
-                                      producer=False).write_threads == 0  # 0: written inside the forward's wait
+    assert c.write_threads == 0  # written inside the forward's wait
+    assert ConnectorConfig.from_extra({"edges": ["http://x"], "write_threads": 2}, consumer=True,
+                                      producer=False).write_threads == 2
     c = ConnectorConfig.from_extra({"edges": {"e1": "http://a:1", "e2": "http://b:2"}}, consumer=True, producer=False)
     assert c.edges == (("e1", "http://a:1"), ("e2", "http://b:2"))
     c = ConnectorConfig.from_extra({"edges": "http://a:1,http://b:2", "engines": "vllm"}, consumer=True,

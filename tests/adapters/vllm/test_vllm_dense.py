@@ -52,12 +52,13 @@ def world(module_tmp):
         # The engines start while the origins do (each takes seconds): nothing is contacted before a request.
         ev = Engine("ev", module_tmp, model=folder, dtype="float32", blocks=20, max_model_len=2048,
                     # These tests measure loads: the planner is on per request where a test wants it.
-                    kv=kv_config(edges=[proxy.url], load_timeout=LOAD_TIMEOUT, lookup_timeout=2, plan=False))
+                    # its loads written ahead of the forward, by two threads (eh writes inside the forward's wait)
+                    kv=kv_config(edges=[proxy.url], load_timeout=LOAD_TIMEOUT, lookup_timeout=2, plan=False,
+                                 write_threads=2))
         eh = Engine("eh", module_tmp, model=folder, dtype="float32",
                     kv=kv_config(edges=[h.edge_url], namespace="acme", token_file=str(module_tmp / "tenant-a"),
                                  trusted_keys=str(module_tmp / "trusted"), steer=True, quality=5.0, encoding="kvtc-2",
-                                 # its layers written inside the forward's wait (ev writes them ahead, on threads)
-                                 plan=False, write_threads=0))
+                                 plan=False))
         engines += [ev, eh]
         for p, url in origins:
             wait_http(p, url + "/healthz")

@@ -55,8 +55,9 @@ def world(module_tmp):
     try:
         p, url = c.origin("hf", "tiny-llama64", dtype="float32", signing_key=str(module_tmp / "origin.key"))
         ev = Engine("ev", module_tmp, model=folder, dtype="float32", blocks=20, max_model_len=2048,
+                    # written by two threads ahead of the forward: the leases must outlive their writes
                     kv=kv_config(edges=[c.edge_url], trusted_keys=str(module_tmp / "trusted"), host=sock,
-                                 load_timeout=10, plan=False))
+                                 load_timeout=10, plan=False, write_threads=2))
         engines.append(ev)
         wait_http(p, url + "/healthz")
         c.edge(url)
