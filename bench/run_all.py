@@ -100,6 +100,9 @@ RUNS: list[Run] = [
          "--no-headline"], ("smollm2",), 1800),
     Run("vllm_ttft", "vllm_ttft", [], ["--models", "smollm2-135m", "--lengths", "256", "--repeat", "1", "--plot", "",
                                        "--json", ""], ("vllm",), 3 * 3600),
+    # The CPU's write-ahead threads (write_threads) against writes inside the forward's wait, one engine, alternating.
+    Run("vllm_write_ahead", "vllm_write_ahead", [], ["--models", "smollm2-135m", "--length", "256", "--repeat", "2"],
+        ("vllm",), 3600),
     Run("blend", "blend", ["--png", "docs/img/blend.png"],
         ["--quick", "--png", ""], ("smollm2",), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     # The ratios that meet the blend target, on contexts the main run did not pick them on: other seeds
