@@ -59,9 +59,13 @@ def bench_model(name: str, length: int, repeat: int, threads: int) -> dict:
     V.PATHS = ("local-hit", "host-hit")
     times: dict[str, list[float]] = {"local-hit": [], "inline": [], "ahead": []}
     hits: list[tuple[str, float, float]] = []  # the loads of the timed host hits (not the fills before them)
+    ran = [length]
 
     def log(msg: str) -> None:
         print(msg, flush=True)
+        at = re.search(r"L=(\d+)\]", msg)
+        if at:  # the context vllm_ttft ran (a model's context may hold fewer tokens than asked)
+            ran[0] = int(at.group(1))
         m = re.search(r"rep \d+ (\S+)\s+([\d.]+) ms", msg)
         if m:
             times["local-hit" if m.group(1) == "local-hit" else ways[-1]].append(float(m.group(2)))
@@ -72,7 +76,7 @@ def bench_model(name: str, length: int, repeat: int, threads: int) -> dict:
         V.bench_model(name, [length], repeat, 16, log, ["zstd", "raw"])
     except KeyError:  # (vllm_ttft's summary wants its other paths: the samples are in hand)
         pass
-    row: dict = {"model": name, "length": length, "threads": threads,
+    row: dict = {"model": name, "length": ran[0], "threads": threads,
                  "paths": {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
                            for k, v in times.items() if v}}
     for way in WAYS:
