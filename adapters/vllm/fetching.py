@@ -176,7 +176,7 @@ class PieceLoader:
         return await self._from_edge(run, i, p)
 
     async def _from_edge(self, run: Loading, i: int, p: Chunk) -> Staged:
-        if self.states and i != len(run.job.plan.pieces) - 1 and p.pieces is not None:
+        if self.states and i != len(run.job.plan.chunks) - 1 and p.pieces is not None:
             return await self._fetch_kept(run, i, p, p.pieces)
         if self._placeable(run, i, p):
             return await self._fetch_placed(run, i, p)
@@ -226,7 +226,7 @@ class PieceLoader:
         from kdn.client.leased import Leased
         from kdn.wire.host import HostError
 
-        host, stats, pieces = self.client.host, self.client.host_stats, run.job.plan.pieces
+        host, stats, pieces = self.client.host, self.client.host_stats, run.job.plan.chunks
         if host.gone:  # asked anew (``held`` connects to a restarted host, and maps its new segment)
             got = await held(host, [p.address for p in pieces], stats)
             have = frozenset((p.address, e) for p, encs in zip(pieces, got.encodings) for e in encs)
@@ -281,7 +281,7 @@ class PieceLoader:
                 stats.note(f"{p.address[:16]}.{p.encoding}: the host's record names another digest")
                 return None
             f = _Leased(leased.view, "host", p.encoding)
-            if self.in_place and p.encoding == "raw" and not (self.states and i == len(run.job.plan.pieces) - 1):
+            if self.in_place and p.encoding == "raw" and not (self.states and i == len(run.job.plan.chunks) - 1):
                 if not kept and not run.holds.keep(lease):
                     raise LoadFailed("decode", p, "the load ended before this piece arrived")
                 kept = True  # from here the load's end releases it (the thread only reads the mapping)
@@ -331,7 +331,7 @@ class PieceLoader:
         them): its K/V bytes are the staging's as they are."""
         plan = run.job.plan
         return (p.encoding == "raw" and run.staging is not None and plan.first <= p.start and p.end <= plan.end
-                and not (self.states and i == len(plan.pieces) - 1))
+                and not (self.states and i == len(plan.chunks) - 1))
 
     async def _fetch_placed(self, run: Loading, i: int, p: Chunk) -> Staged:
         """Chunk ``i`` received straight into its place in the staging (``kdn.wire.scatter``): no receive buffer and
@@ -425,7 +425,7 @@ class PieceLoader:
             # What decoding this encoding into the staging costs here: the scheduler's choice of encoding
             # reads it (the same process's ``DecodeSpeeds`` when the two share one).
             self.client.decode_speeds.observe(f.encoding, staging.nbytes_of(lo, hi), time.perf_counter() - t0)
-            if self.states and i == len(run.job.plan.pieces) - 1:
+            if self.states and i == len(run.job.plan.chunks) - 1:
                 names = [n for st in self.states for n in (f"L{st.index}.conv", f"L{st.index}.ssm")]
                 out.states = {k: t.clone() for k, t in to_torch(view.decode(names)).items()}  # the blob goes back
         except Exception as e:  # noqa: BLE001 -- a codec or shape error in bytes that came over the network

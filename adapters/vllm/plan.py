@@ -27,12 +27,12 @@ from kdn.chunk import Chunk
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Load tokens ``[first, end)`` of a request from ``pieces`` (the chunks that overlap that range, each a
+    """Load tokens ``[first, end)`` of a request from ``chunks`` (those that overlap that range, each a
     ``kdn.chunk.Chunk``: its span, encoding, digest and size, where it would come from)."""
 
     first: int  # tokens the engine already holds (its own prefix cache), block aligned
     end: int  # tokens it holds after the load
-    pieces: tuple[Chunk, ...]
+    chunks: tuple[Chunk, ...]
     deadline_s: float = math.inf  # the load planner's: past it the worker gives up (as at ``load_timeout``)
 
     @property
@@ -41,16 +41,16 @@ class LoadPlan:
 
     @property
     def cold(self) -> bool:
-        return any(p.cold for p in self.pieces)
+        return any(p.cold for p in self.chunks)
 
     @property
     def last(self) -> Chunk:
         """The chunk that ends the load (for a hybrid model its state is the one loaded)."""
-        return self.pieces[-1]
+        return self.chunks[-1]
 
     def spans(self) -> list[tuple[Chunk, int, int]]:
         """``(piece, lo, hi)``: the token range ``[lo, hi)`` of each piece that the load writes."""
-        return [(p, max(p.start, self.first), min(p.end, self.end)) for p in self.pieces]
+        return [(p, max(p.start, self.first), min(p.end, self.end)) for p in self.chunks]
 
 
 def load_end(chunk_ends: Sequence[int], *, num_tokens: int, block_size: int, needs_state: bool) -> int:
@@ -90,7 +90,7 @@ def plan_load(pieces: Sequence[Chunk], *, computed: int, num_tokens: int, block_
     if end <= computed:
         return None
     used = tuple(p for p in pieces if p.start < end and p.end > computed)
-    return LoadPlan(first=computed, end=end, pieces=used)
+    return LoadPlan(first=computed, end=end, chunks=used)
 
 
 def blocks_of(first: int, end: int, block_size: int) -> range:

@@ -127,7 +127,7 @@ class Planner:
         elif decision.load == 0:
             out = None
         else:
-            last = lp.pieces[decision.load - 1]
+            last = lp.chunks[decision.load - 1]
             upto = next(i for i, p in enumerate(pieces) if p is last) + 1
             out = plan_load(pieces[:upto], computed=lp.first, num_tokens=num_tokens, block_size=block_size,
                             needs_state=needs_state)

@@ -145,7 +145,7 @@ class SchedulerSide:
                     # this request reads past the host tier: its pieces cost what the link costs
                     pieces = [replace(p, host=False) for p in lk.pieces]
                     same = {id(p): q for p, q in zip(lk.pieces, pieces)}  # (decide finds its cut by identity)
-                    plan = replace(plan, pieces=tuple(same.get(id(p), replace(p, host=False)) for p in plan.pieces))
+                    plan = replace(plan, chunks=tuple(same.get(id(p), replace(p, host=False)) for p in plan.chunks))
                 else:
                     pieces = lk.pieces
                 plan = self._cut(rid, plan, pieces, computed, num_tokens)
@@ -166,8 +166,8 @@ class SchedulerSide:
         cut, decision, outcome = self.planner.decide(plan, pieces, num_tokens=num_tokens,
                                                      block_size=self.block_size, needs_state=self.hybrid)
         self._decided[rid] = (computed, num_tokens, cut)
-        if decision.probe_s and plan.pieces:  # computes it all; the link is timed beside it (step_done learns)
-            p = plan.pieces[0]
+        if decision.probe_s and plan.chunks:  # computes it all; the link is timed beside it (step_done learns)
+            p = plan.chunks[0]
             self._probes.append(self.bridge.submit(self.client.probe(
                 p.address, encoding=p.encoding, digest=p.digest, size=p.size, deadline_s=decision.probe_s,
                 pieces=p.pieces)))
@@ -249,7 +249,7 @@ class SchedulerSide:
             else:
                 host = compat.kdn_params(request).get("host") is not False
                 self._ready.append(LoadJob(rid, plan, compat.block_ids_of(blocks), self.background, host))
-                for p in plan.pieces:  # the worker reads them through the edge, which then holds them (warm)
+                for p in plan.chunks:  # the worker reads them through the edge, which then holds them (warm)
                     self.client.note_read(p.address)
         self._steer_for(request)
         if self.produce and rid not in self._saves:

@@ -200,7 +200,7 @@ class WorkerSide:
         except ArenaFull as e:  # every buffer is in use by other loads: this one recomputes
             self._fail(run, LoadFailed("arena", None, str(e)))
             return run
-        run.fetches = [self.bridge.submit(self.pieces.fetch_and_stage(run, i, p)) for i, p in enumerate(job.plan.pieces)]
+        run.fetches = [self.bridge.submit(self.pieces.fetch_and_stage(run, i, p)) for i, p in enumerate(job.plan.chunks)]
         return run
 
     def _blend(self, job: Any) -> None:
@@ -265,10 +265,10 @@ class WorkerSide:
         # overrun it (kdn.planner.overruns); a cold one only once its first byte has landed (the wait for that
         # byte is the edge's own fill). Not one without the planner (load_timeout alone bounds it).
         judged = math.isfinite(plan.deadline_s)
-        total = sum(p.size for p in plan.pieces)
+        total = sum(p.size for p in plan.chunks)
         step = limit * OVERRUN_AFTER / 2
         run.staged = []
-        for p, fut in zip(plan.pieces, run.fetches):
+        for p, fut in zip(plan.chunks, run.fetches):
             try:
                 run.staged.append(self._wait_piece(run, fut, deadline, step if judged else math.inf, total, limit,
                                                    plan.cold))
@@ -301,9 +301,9 @@ class WorkerSide:
             # crossed it (a mixed load's time includes its host pieces: a conservative measure of the link).
             hosted = [s.source == "host" for s in run.staged]
             if all(hosted):
-                run.moved, run.from_host = sum(p.size for p in plan.pieces), True
+                run.moved, run.from_host = sum(p.size for p in plan.chunks), True
             elif not plan.cold:
-                run.moved = sum(p.size for p, h in zip(plan.pieces, hosted) if not h)
+                run.moved = sum(p.size for p, h in zip(plan.chunks, hosted) if not h)
         elif run.error is not None and run.error.reason == "timeout":
             with self._lock:
                 for st in (self.stats, self.totals):

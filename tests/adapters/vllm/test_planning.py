@@ -85,7 +85,7 @@ def test_a_fast_link_loads_the_whole_offer_with_the_planners_deadline():
     lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
     p = Planner(calibrated(), link=link(10e9), max_deadline_s=10)
     cut, decision, outcome = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
-    assert cut == lp.__class__(lp.first, lp.end, lp.pieces, decision.deadline_s)
+    assert cut == lp.__class__(lp.first, lp.end, lp.chunks, decision.deadline_s)
     assert outcome == "load" and decision.deadline_s < 1.0
     assert p.reasons.counts == {"load": 1} and p.reasons.tokens_loaded == 1024
 
@@ -117,7 +117,7 @@ def test_a_dear_last_piece_is_left_to_compute_and_the_cut_stays_on_a_block():
     p = Planner(calibrated(), link=link(1e9))
     cut, _, outcome = p.decide(lp, pieces, num_tokens=1100, block_size=128, needs_state=False)
     assert outcome == "load_part" and cut is not None and (cut.first, cut.end) == (0, 768)
-    assert len(cut.pieces) == 3 and math.isfinite(cut.deadline_s)
+    assert len(cut.chunks) == 3 and math.isfinite(cut.deadline_s)
     # A block of 512 tokens: the planner's 768 comes down to 512.
     lp512 = plan_load(pieces, computed=0, num_tokens=1100, block_size=512, needs_state=False)
     cut512, _, _ = p.decide(lp512, pieces, num_tokens=1100, block_size=512, needs_state=False)
@@ -160,7 +160,7 @@ def test_a_load_given_up_teaches_the_planner_to_compute_from_the_next_request():
         cut, decision, outcome = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
         if cut is None:
             break
-        nbytes = sum(x.size for x in cut.pieces)
+        nbytes = sum(x.size for x in cut.chunks)
         took = nbytes / true_bps
         if took > cut.deadline_s:  # the worker gives up at the deadline and reports what landed by then
             p.speeds.observe_load(int(true_bps * cut.deadline_s), cut.deadline_s, abandoned=True)
