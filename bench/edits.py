@@ -214,7 +214,7 @@ async def measure(args, res, log, model, tok, client, manifests) -> None:
     rows, agg = [], {p: {"dnll": [], "answered": 0, "same": 0, "n": 0, "speedup": [], "ttft": []} for p in paths}
     # torch's first forwards pay one-off costs
     man0 = next(iter(manifests.values()))
-    lean(model, man0["prefix_tokens"][:512])
+    lean(model, man0.prefix_tokens[:512])
     for doc, kind, place in args.edits:
         spec = SPEC[doc]
         (edit,) = [e for e in spec["edits"] if e[0] == kind and e[1] == place]

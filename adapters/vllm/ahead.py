@@ -36,9 +36,22 @@ class WriteAhead:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kdn-write",
                                                            initializer=self._init)
         self._step: _Step | None = None
+        # ``torch.set_num_threads`` sets the calling thread's OpenMP team *and* torch's process-wide default, which
+        # every thread started later takes (a prefill on such a thread, with another team size, rounds bf16
+        # differently). So the writers are started now, each setting its own team, and the default is put back
+        # from a thread of its own: the forward's team and every later thread keep what they had.
+        before = torch.get_num_threads()
+        started = threading.Barrier(workers)
+        for f in [self._pool.submit(started.wait, 30) for _ in range(workers)]:
+            f.result()
+        reset = threading.Thread(target=torch.set_num_threads, args=(before,), name="kdn-write-reset")
+        reset.start()
+        reset.join()
 
     def _init(self) -> None:
-        # OpenMP's thread count is per calling thread: this sets the writers', never the forward's.
+        # This writer's OpenMP team (see __init__ for the process default). Asked first: torch sets up a thread's
+        # team lazily, from the process default, the first time the thread asks, and would undo the setting.
+        torch.get_num_threads()
         torch.set_num_threads(self.threads)
 
     @property

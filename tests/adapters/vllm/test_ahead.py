@@ -108,6 +108,13 @@ def test_writers_run_their_kernels_on_their_own_thread_count_and_write_inference
     finally:
         ahead.close()
     assert set(seen) == {1} and torch.get_num_threads() == main_threads
+    # ... and torch's process-wide default is what it was: a thread started after the writers takes it (a prefill
+    # on it must not round differently from the same prefill before)
+    later: list[int] = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [main_threads]
     assert cache[:, 0].tolist() == [float(j + 1) for j in range(LAYERS)]
 
 
