@@ -14,13 +14,13 @@ so fills in flight count against the budget together (``HostStore.reserve``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kdn.edge.flight import SingleFlight
 from kdn.errors import DigestMismatch, KDNError, SourceError
-from kdn.format.address import Address, validate_digest
-from kdn.format.pieces import Pieces
+from kdn.format.address import Address
 from kdn.host.store import HostStore, Key, NoRoom
+from kdn.registry.records import ObjectRecord
 from kdn.wire.fetch import Buffer, Want
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,7 +37,7 @@ class Absent(KDNError):
 class Upstream(Protocol):
     """Where fills come from: signed records, and verified bodies landed in a buffer the fill gives."""
 
-    async def record(self, address: Address) -> dict[str, Any] | None:
+    async def record(self, address: Address) -> ObjectRecord | None:
         """The record of ``address`` if it is published and trusted, else None."""
         ...
 
@@ -54,11 +54,9 @@ class EdgeUpstream:
     def __init__(self, client: KDNClient) -> None:
         self.client = client
 
-    async def record(self, address: Address) -> dict[str, Any] | None:
-        """The client's typed record, as the host tier keeps it (with the object it holds) and sends it in its
-        lease frames (``kdn.wire.host``): a map."""
-        rec = await self.client.record(address)
-        return rec.to_dict() if rec is not None else None
+    async def record(self, address: Address) -> ObjectRecord | None:
+        """The client's record, as the host tier keeps it with the object it holds (``kdn.host.store.Held``)."""
+        return await self.client.record(address)
 
     async def fetch_into(self, want: Want, alloc: Callable[[int], Buffer]) -> None:
         c = self.client
@@ -96,11 +94,11 @@ class Filler:
         self.flight: SingleFlight[None] = SingleFlight()
         self.failed = 0  # fills that no source delivered intact
 
-    async def record(self, address: Address) -> dict[str, Any] | None:
+    async def record(self, address: Address) -> ObjectRecord | None:
         """The trusted record of ``address`` (None: not published, or not signed by a trusted key)."""
         return await self.upstream.record(address)
 
-    async def fill(self, key: Key, record: dict[str, Any]) -> None:
+    async def fill(self, key: Key, record: ObjectRecord) -> None:
         """``key`` held in the segment when this returns (unless evicted since: the caller acquires it at
         once). Raises Absent (no such encoding), NoRoom, or SourceError / DigestMismatch (no source
         delivered it intact)."""
@@ -108,19 +106,19 @@ class Filler:
             return
         await self.flight.do(key, lambda: self._fill(key, record))
 
-    async def _fill(self, key: Key, record: dict[str, Any]) -> None:
+    async def _fill(self, key: Key, record: ObjectRecord) -> None:
         address, encoding = key
         # 1. Held already: a fill of this key ended between the caller's check and this task's start.
         if key in self.store:
             return
         # 2. What the signed record promises: the digest every byte is checked against.
-        enc = record.get("encodings", {}).get(encoding)
-        if not isinstance(enc, dict):
+        enc = record.encodings.get(encoding)
+        if enc is None:
             raise Absent(f"{address} has no {encoding!r} encoding")
-        size = int(enc["size"])
+        size = enc.size
         if size > self.max_object_bytes:
             raise NoRoom(f"{address}.{encoding} is {size} bytes, over the host tier's limit")
-        want = Want(address, encoding, size, validate_digest(enc["digest"]), Pieces.of(enc))
+        want = Want(address, encoding, size, enc.digest, enc.piece_list)
         # 3. Its block, room made by eviction before a byte moves (so concurrent fills share the budget).
         r = self.store.reserve(size, address)
         slot = Slot(self.segment[r.offset:r.offset + size])

@@ -13,8 +13,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgpack
-
 from kdn.auth import AuthError, Grants, may_read
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
 from kdn.format.address import Address, validate_address
@@ -24,6 +22,7 @@ from kdn.host.leases import Leases
 from kdn.wire.host import MAX_ADDRESSES, MAX_LEASE_MANY, RECORDS_BYTES, VERSION, HostError
 from kdn.host.segment import Segment
 from kdn.host.store import Held, HostStore, Key, NoRoom
+from kdn.registry.records import ObjectRecord
 
 WARM_CONCURRENCY = 4  # fills one warm runs at once (each is one fetch from the edges)
 LEASE_TRIES = 3  # fills of one lease whose object was evicted before the lease could pin it
@@ -72,7 +71,7 @@ class Ops:
         addresses = _addresses(r)
         encoding = _encoding(r) if r.get("encoding") is not None else None
         encodings = [sorted(h.key[1] for h in self.store.encodings(a)
-                            if may_read(ns, h.namespace, h.kind) and encoding in (None, h.key[1]))
+                            if _theirs(ns, h.record) and encoding in (None, h.key[1]))
                      for a in addresses]
         held = [bool(e) for e in encodings]
         prefix = held.index(False) if False in held else len(held)
@@ -84,23 +83,23 @@ class Ops:
     def _records(self, ns: frozenset[str], addresses: list[Address], encodings: list[list[str]]
                  ) -> list[dict[str, Any] | None]:
         """Each held address's record, in order, while they fit ``RECORDS_BYTES`` packed (None past that, and
-        for one not held): the answer stays inside ``MAX_MESSAGE`` whatever the records' piece lists weigh."""
+        for one not held): the answer stays inside ``MAX_MESSAGE`` whatever the records' piece lists weigh.
+        (Each record's map and packed size were made when its object was held: ``Held.wire``.)"""
         out: list[dict[str, Any] | None] = []
         left = RECORDS_BYTES
         for a, e in zip(addresses, encodings):
-            rec = next((h.record for h in self.store.encodings(a) if may_read(ns, h.namespace, h.kind)), None) \
+            h = next((h for h in self.store.encodings(a) if _theirs(ns, h.record)), None) \
                 if e and left > 0 else None
-            if rec is not None:
-                left -= len(msgpack.packb(rec))
-                rec = rec if left >= 0 else None
-            out.append(rec)
+            if h is not None:
+                left -= h.wire_bytes
+            out.append(h.wire if h is not None and left >= 0 else None)
         return out
 
     async def lease(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
         """The object pinned for this connection (filled first if absent): where its blob lies, its record."""
         key = (_address(r.get("address")), _encoding(r))
         theirs = self.store.get(key)
-        if theirs is not None and not may_read(ns, theirs.namespace, theirs.kind):
+        if theirs is not None and not _theirs(ns, theirs.record):
             raise _absent(key)  # (untouched: not a hit, not a use in the eviction order)
         h = self.store.acquire(key)
         filled = h is None
@@ -109,7 +108,7 @@ class Ops:
         # acquire (or _fill_and_pin's last step) pinned it, and no await came since: the lease table takes the
         # pin over now, so a connection that dies from here on hands it back (Leases.close).
         lease = leases.add(h)
-        return {"lease": lease, "offset": h.offset, "length": h.length, "record": h.record, "filled": filled}
+        return {"lease": lease, "offset": h.offset, "length": h.length, "record": h.wire, "filled": filled}
 
     async def lease_many(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
         """``lease`` of each address (one encoding), in one round trip: per address its lease's fields, or the
@@ -141,7 +140,7 @@ class Ops:
 
     async def _fill_and_pin(self, key: Key, ns: frozenset[str]) -> Held:
         rec = await self._record(key[0])
-        if rec is None or not may_read(ns, str(rec.get("namespace")), str(rec.get("kind"))):
+        if rec is None or not _theirs(ns, rec):
             raise _absent(key)
         for _ in range(LEASE_TRIES):
             await self._fill(key, rec)
@@ -167,11 +166,11 @@ class Ops:
             key = (address, encoding)
             h = self.store.get(key)
             if h is not None:
-                return "held" if may_read(ns, h.namespace, h.kind) else "absent"
+                return "held" if _theirs(ns, h.record) else "absent"
             async with gate:
                 try:
                     rec = await self._record(address)
-                    if rec is None or not may_read(ns, str(rec.get("namespace")), str(rec.get("kind"))):
+                    if rec is None or not _theirs(ns, rec):
                         return "absent"
                     await self._fill(key, rec)
                 except HostError as e:
@@ -185,13 +184,13 @@ class Ops:
 
     # --- fills, their failures as refusals ----------------------------------------------------------------
 
-    async def _record(self, address: Address) -> dict[str, Any] | None:
+    async def _record(self, address: Address) -> ObjectRecord | None:
         try:
             return await self.filler.record(address)
         except SourceError as e:
             raise HostError("unavailable", f"no source answered for {address}'s record: {str(e)[:160]}") from None
 
-    async def _fill(self, key: Key, rec: dict[str, Any]) -> None:
+    async def _fill(self, key: Key, rec: ObjectRecord) -> None:
         try:
             await self.filler.fill(key, rec)
         except Absent:
@@ -200,6 +199,11 @@ class Ops:
             raise HostError("no-room", str(e)) from None
         except (SourceError, DigestMismatch) as e:
             raise HostError("unavailable", f"{key[0]}.{key[1]}: {str(e)[:200]}") from None
+
+
+def _theirs(ns: frozenset[str], record: ObjectRecord) -> bool:
+    """Whether the caller whose token reads ``ns`` may see the object ``record`` describes."""
+    return may_read(ns, record.namespace, record.kind)
 
 
 def _absent(key: Key) -> HostError:

@@ -99,12 +99,11 @@ class PolicyWarm:
             rec = await self.filler.record(address)
         except SourceError:
             return "failed"
-        encodings = rec.get("encodings", {}) if rec is not None else {}
-        enc = next((e for e in PREFERRED if e in encodings), None)
+        enc = next((e for e in PREFERRED if e in rec.encodings), None) if rec is not None else None
         if rec is None or enc is None:
             return "absent"
         key = (address, enc)
-        await pace(int(encodings[enc]["size"]))
+        await pace(rec.encodings[enc].size)
         try:
             await self.filler.fill(key, rec)
         except NoRoom:

@@ -31,10 +31,13 @@ from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import msgpack
+
 from kdn.edge.eviction import ARC, PolicyFactory
 from kdn.errors import InvalidInput, KDNError
 from kdn.format.address import Address
 from kdn.host.alloc import Allocator, aligned
+from kdn.registry.records import ObjectRecord
 
 Key = tuple[Address, str]  # (address, encoding): one blob
 
@@ -53,16 +56,16 @@ class Held:
     key: Key
     offset: int
     length: int
-    record: dict[str, Any]  # the signed object record the fill verified it against
+    record: ObjectRecord  # the signed object record the fill verified it against
     leases: int = 0
+    # ``record`` as the host's frames carry it (a map, ``kdn.wire.host``) and its size packed: made once, when
+    # the object is held, so the lookups and leases on an engine's request path only read them.
+    wire: dict[str, Any] = field(init=False, repr=False)
+    wire_bytes: int = field(init=False, repr=False)
 
-    @property
-    def namespace(self) -> str:
-        return str(self.record["namespace"])
-
-    @property
-    def kind(self) -> str:
-        return str(self.record["kind"])
+    def __post_init__(self) -> None:
+        self.wire = self.record.to_dict()
+        self.wire_bytes = len(msgpack.packb(self.wire))
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,7 @@ class HostStore:
         self._filling.remove(r.offset)
         self._alloc.free(r.offset)
 
-    def commit(self, r: Reservation, key: Key, record: dict[str, Any]) -> Held:
+    def commit(self, r: Reservation, key: Key, record: ObjectRecord) -> Held:
         """The fill's bytes are in the block and verified: the object is held from now on."""
         self._filling.remove(r.offset)
         if key in self._held:  # (fills are single-flight per key, so only a caller's misuse gets here)

@@ -27,9 +27,8 @@ verified whole, as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from blake3 import blake3
 
@@ -84,13 +83,6 @@ class Pieces:
             raise InvalidInput(f"{len(digests)} piece digests for a {size}-byte blob in {piece_bytes}-byte pieces "
                                f"(expected {n_pieces(size, piece_bytes)})")
         return cls(piece_bytes, tuple(validate_digest(d) for d in digests))
-
-    @classmethod
-    def of(cls, encoding: Mapping[str, Any]) -> Pieces | None:
-        """An encoding's pieces as its record (a JSON map: ``size``, ``piece_bytes``, ``pieces``) states them;
-        InvalidInput if they cannot describe its blob (a record signed with pieces is checked when its
-        signature is)."""
-        return cls.checked(encoding.get("size"), encoding.get("piece_bytes", 0), encoding.get("pieces", ()))
 
 
 def piece_span(size: int, pieces: Pieces, first: int, end: int) -> tuple[int, int, Pieces]:

@@ -15,21 +15,27 @@ from blake3 import blake3
 from kdn.format.objects import RawTensor, encode_object
 from kdn.host.config import HostConfig
 from kdn.host.tier import HostTier
+from kdn.registry.records import Encoding, ObjectRecord
 from kdn.wire.fetch import Buffer, Want
 
 MODEL = "b" * 64
 
 
-def make_object(i: int, nbytes: int = 64 << 10, namespace: str = "public") -> tuple[str, bytes, dict[str, Any]]:
+def object_record(address: str, namespace: str = "public", size: int = 1, digest: str = "0" * 64) -> ObjectRecord:
+    """An (unsigned) record of a one-chunk kv object in ``raw`` of ``size`` bytes: what the host keeps with it."""
+    return ObjectRecord(address=address, model_id=MODEL, namespace=namespace, kind="kv", start=0, end=256,
+                        parent=None, standalone=False, encodings={"raw": Encoding("raw", size, digest)},
+                        origin="shelf", created=0.0)
+
+
+def make_object(i: int, nbytes: int = 64 << 10, namespace: str = "public") -> tuple[str, bytes, ObjectRecord]:
     """A real raw KDN object of about ``nbytes`` (one U8 tensor of seeded noise): address, blob, record."""
     address = blake3(f"object {i} {namespace}".encode()).hexdigest()
     data = np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
     blob = encode_object(kind="kv", address=address, model_id=MODEL, namespace=namespace, start=0, end=256,
                          position=0, parent=None, encoding="raw",
                          tensors={"L0.k": RawTensor("L0.k", "U8", (nbytes,), memoryview(data.tobytes()))})
-    record = {"address": address, "namespace": namespace, "kind": "kv", "model_id": MODEL,
-              "encodings": {"raw": {"name": "raw", "size": len(blob), "digest": blake3(blob).hexdigest()}}}
-    return address, blob, record
+    return address, blob, object_record(address, namespace, len(blob), blake3(blob).hexdigest())
 
 
 class Shelf:
@@ -37,7 +43,7 @@ class Shelf:
     waits on it after taking its block, so a test holds fills in flight; ``taken`` hears each block taken."""
 
     def __init__(self) -> None:
-        self.objects: dict[str, tuple[bytes, dict[str, Any]]] = {}
+        self.objects: dict[str, tuple[bytes, ObjectRecord]] = {}
         self.gate: asyncio.Event | None = None
         self.taken: asyncio.Queue[str] = asyncio.Queue()
         self.on_take: Callable[[], None] = lambda: None  # called as each block is taken (the budget is checked)
@@ -48,7 +54,7 @@ class Shelf:
         self.objects[address] = (blob, record)
         return address, blob
 
-    async def record(self, address: str) -> dict[str, Any] | None:
+    async def record(self, address: str) -> ObjectRecord | None:
         got = self.objects.get(address)
         return got[1] if got else None
 

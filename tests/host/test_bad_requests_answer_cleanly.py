@@ -76,6 +76,7 @@ async def test_malformed_requests_are_refused_and_the_connection_goes_on(host):
             assert a["message"] and "\n" not in a["message"]
         a = await raw.ask({"id": 10, "op": "lease", "address": address, "encoding": "raw"})
         assert a["ok"] and a["id"] == 10 and a["length"] == len(shelf.objects[address][0])
+        assert a["record"] == shelf.objects[address][1].to_dict()  # the typed record's map, as the frame carries it
     finally:
         raw.close()
 

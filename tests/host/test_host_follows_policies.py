@@ -22,7 +22,7 @@ from zoneinfo import ZoneInfo
 import pytest
 import pytest_asyncio
 from edge_helpers import EDGE_TOKEN, cluster, get, publish
-from host_helpers import host_config, running
+from host_helpers import host_config, object_record, running
 
 from kdn import cli
 from kdn.client.host import HostClient
@@ -38,11 +38,12 @@ TEXT = ("The lighthouse keeper trims the wick at dusk, logs the wind at every wa
 # --- the store's pin set, alone ---------------------------------------------------------------------------------
 
 BLOCK = 16 * ALIGN
+RECORD = object_record("0" * 64)  # the store keeps a record with each object, and reads none of it
 
 
 def put(store: HostStore, name: str):
     r = store.reserve(BLOCK, name * 64)
-    return store.commit(r, (name * 64, "raw"), {"namespace": "public", "kind": "kv"})
+    return store.commit(r, (name * 64, "raw"), RECORD)
 
 
 def test_pinned_objects_stay_while_others_churn_and_go_once_unpinned():
