@@ -505,7 +505,7 @@ def rows_of(p: Paths, model, shape: str, times: dict[str, list[float]], rates: d
     """The table's rows for one shape and length, the planner's choice among them."""
     from kdn.chunk import Chunk
     from kdn.format.address import blob_digest
-    from kdn.planner import PrefillModel, Speeds, plan
+    from kdn.planner import PrefillModel, Speeds, decide
 
     cfg = model.config
     length, suffix = p.length, p.suffix
@@ -522,8 +522,8 @@ def rows_of(p: Paths, model, shape: str, times: dict[str, list[float]], rates: d
     starts = [sum(p.counts[:i]) for i in range(len(p.counts))]
     chunks = [Chunk(a, s, s + n, "raw", blob_digest(b), len(b)) for a, s, n, b in
               zip(p.addrs, starts, p.counts, p.blobs["raw"])]
-    decision = plan(chunks, length + suffix,
-                    link=lambda nbytes: nbytes / bps, speeds=Speeds(pm))
+    decision = decide(chunks, length + suffix,
+                      link=lambda nbytes: nbytes / bps, speeds=Speeds(pm))
     choice = "load" if decision.load == len(p.counts) else ("compute" if not decision.loads_anything
                                                             else f"load {decision.load} of {len(p.counts)}")
     times["planner"] = times[via] if decision.load == len(p.counts) else times["prefill-lean"]

@@ -16,7 +16,7 @@
 An upper tier (origin shield, ``kdn policy set NAME --upper --region R``) makes the origin serve about
 one fill per object whatever the number of regions: every other region's owner asks R's owner of the
 object (``X-KDN-Tier``), whose single flight collapses their fills into one, and which fills from the
-origin alone (its plan skips the cross-region asks the lower region already made). A failing upper tier
+origin alone (its routes skip the cross-region asks the lower region already made). A failing upper tier
 rests like a region (the breaker below) and the origin is asked instead.
 
 Every body received is checked against the registry digest before it is
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 # a stalled inter-region link held every fill, and every plain client of the edge, for the whole fill
 # timeout (30 s) before the origin was asked (bench/faults.py slow_region_link).
 PROBE_MIN_S = 2.0
-# A region whose probes keep failing is left out of plans for a while (a circuit breaker): after
+# A region whose probes keep failing is left out of routes for a while (a circuit breaker): after
 # PROBE_TRIP failures in a row, for PROBE_REST_S; then one fill probes it again, and if that fails it rests
 # twice as long (up to PROBE_REST_MAX_S); a healthy answer, a miss included, closes the breaker. Probes
 # already in flight when a rest begins do not lengthen it. Without it every fill paid the probe bound
@@ -262,7 +262,7 @@ class Filler:
         return next((n for n in nodes if n.node_id == owner), None)
 
     async def fetch(self, key: Key, rec: ObjectRecord, *, hop: bool, tier: bool = False) -> Filled:
-        """The first source of the plan that delivers the blob intact (``kdn.wire.fetch``: length and digest
+        """The first of the fill's routes that delivers the blob intact (``kdn.wire.fetch``: length and digest
         checked as the bytes land; a lying or broken source is counted and the next one tried)."""
         address, encoding = key
         enc = rec.encodings[encoding]

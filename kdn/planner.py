@@ -39,7 +39,7 @@ half its deadline): the link's speed is measured as well from that eighth,
 and the request computes ~7/8 of a deadline sooner. A plan that computes everything measures nothing:
 once the last load is ``PROBE_AFTER_S`` old, a plan that would compute all
 still computes all, and asks its caller to fetch the first chunk *off the
-request path* (reason "probe", ``Plan.probe_s``: the probe's own deadline, the
+request path* (reason "probe", ``Decision.probe_s``: the probe's own deadline, the
 prompt's prefill time, at least ``PROBE_FLOOR_S``): the
 engine does not wait for it, so a link still slow costs no request anything,
 and one that recovered is seen again; the probe's measurement replaces the
@@ -226,7 +226,7 @@ class Speeds:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Decision:
     """Compute chunks ``[0, head)`` while loading ``[head, load)``; compute everything after ``load``."""
 
     head: int
@@ -260,16 +260,16 @@ class Plan:
         return self.compute_all_s / self.expected_s if self.expected_s > 0 and math.isfinite(self.compute_all_s) else 1.0
 
 
-def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], float], speeds: Speeds,
-         overlap: bool = False, max_deadline_s: float = math.inf, cached: int = 0, probe: bool = True,
-         now: float | None = None) -> Plan:
+def decide(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], float], speeds: Speeds,
+           overlap: bool = False, max_deadline_s: float = math.inf, cached: int = 0, probe: bool = True,
+           now: float | None = None) -> Decision:
     """The fastest split of a request of ``total_tokens`` (past the ``cached`` ones the engine holds) whose
     first ``len(chunks)`` chunks are published.
 
     ``link(nbytes)``: the expected seconds to fetch that many bytes (round trip included). ``overlap``:
     the engine can compute a head of chunks while the rest loads. ``probe``: where the plan computes
     everything and the measured load speed is stale, ask for chunk 0 to be fetched off the request path
-    (``Plan.probe_s``; see the module docstring); callers pass False where the fetch would not measure
+    (``Decision.probe_s``; see the module docstring); callers pass False where the fetch would not measure
     this link (the edge must fill it first).
     """
     n = len(chunks)
@@ -285,11 +285,12 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
     pre = speeds.prefill
     compute_all = pre.seconds(total_tokens, cached)
     if not n:
-        return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "nothing published")
+        return Decision(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "nothing published")
     load_s = _load_time(chunks, link, measured, speeds.host_bps or HOST_PRIOR_BPS)
     if not math.isfinite(compute_all):  # never timed a prefill: load everything (and learn from the suffix)
         t = load_s(0, n)  # with nothing to weigh it against, only the caller's cap bounds the load
-        return Plan(0, n, starts[n], total_tokens, t, compute_all, max_deadline_s, "load: prefill not measured yet", t)
+        return Decision(0, n, starts[n], total_tokens, t, compute_all, max_deadline_s,
+                        "load: prefill not measured yet", t)
     best = (compute_all, 0, 0)
     for k in range(1, n + 1):
         rest = pre.seconds(total_tokens - starts[k], cached + starts[k])
@@ -304,7 +305,7 @@ def plan(chunks: Sequence[Chunk], total_tokens: int, *, link: Callable[[int], fl
     tl = load_s(h, k)
     what = (f"load {k - h} of {n} chunks" + (f", computing the first {h} meanwhile" if h else "")
             + f": {t * 1e3:.1f} ms vs prefill {compute_all * 1e3:.1f} ms")
-    return Plan(h, k, starts[k] - starts[h], total_tokens, t, compute_all,
+    return Decision(h, k, starts[k] - starts[h], total_tokens, t, compute_all,
                 _deadline(tl, max_deadline_s, compute_all), what, tl)
 
 
@@ -332,7 +333,7 @@ def _load_time(chunks: Sequence[Chunk], link: Callable[[int], float], measured: 
 
 
 def _compute_all(total_tokens: int, compute_all: float, t_all: float, speeds: Speeds, *, probe: bool,
-                 now: float | None, max_deadline_s: float) -> Plan:
+                 now: float | None, max_deadline_s: float) -> Decision:
     """The plan that computes everything (loading all would take ``t_all``), with a probe of the link where
     the last load measured is stale."""
     why = f"load {t_all * 1e3:.0f} ms + suffix > prefill {compute_all * 1e3:.0f} ms"
@@ -346,11 +347,11 @@ def _compute_all(total_tokens: int, compute_all: float, t_all: float, speeds: Sp
         # path a longer probe costs nothing, and one cut at a GPU's 20 ms prefill would time mostly its
         # connection's setup, and keep a recovered link looking slow.
         speeds.last_probe = time.monotonic() if now is None else now
-        return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf,
+        return Decision(0, 0, 0, total_tokens, compute_all, compute_all, math.inf,
                     f"probe: compute, and fetch one chunk off the request path to re-measure the link, "
                     f"the last load measured is stale ({why})", t_all,
                     probe_s=min(max_deadline_s, max(PROBE_FLOOR_S, compute_all)))
-    return Plan(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "compute: " + why, t_all)
+    return Decision(0, 0, 0, total_tokens, compute_all, compute_all, math.inf, "compute: " + why, t_all)
 
 
 def overruns(elapsed_s: float, landed: int, total: int, deadline_s: float, first_s: float | None = None, *,

@@ -36,7 +36,7 @@ from kdn.wire.arena import Arena, ArenaFull
 from kdn.wire.bodyget import Tally
 from kdn.emphasis import EmphasisMap
 from kdn.errors import DigestMismatch, InvalidInput, ModelMismatch, SourceError
-from kdn.planner import cold_deadline, plan as make_plan
+from kdn.planner import cold_deadline, decide
 from kdn.registry.records import Manifest
 from kdn.template import chat_frame, encode_frame, encode_text
 
@@ -270,7 +270,7 @@ def _plan_load(hit: Any, chunks: list, n_ids: int, client: Any, speeds: Any, loa
                report: Report) -> tuple[Any, Any]:
     """Load only what is faster to load than to compute (``kdn.planner``, on this engine's measured speeds):
     the lookup cut to what is loaded, and the decision."""
-    decision = make_plan(chunks, n_ids, link=took.link, speeds=speeds, max_deadline_s=load_deadline, probe=took.warm)
+    decision = decide(chunks, n_ids, link=took.link, speeds=speeds, max_deadline_s=load_deadline, probe=took.warm)
     if not took.warm and decision.loads_anything:
         # The entry edge fills these first: its upstream's time is not the client's to estimate, so the bound
         # is what the request can afford, a multiple of its prefill (not the whole cap: a lying edge that

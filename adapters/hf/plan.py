@@ -168,7 +168,7 @@ def chunks_of(hit: Any, client: Any, model: Any, encoding: str | None = None) ->
 
 def start_probe(hit: Any, client: Any, speeds: Speeds, deadline_s: float,
                 encoding: str | None = None) -> asyncio.Task:
-    """Fetch the lookup's first object beside the request (the planner's probe, ``Plan.probe_s``) and teach
+    """Fetch the lookup's first object beside the request (the planner's probe, ``Decision.probe_s``) and teach
     ``speeds`` what it measured when it lands; the request does not wait for it. A record that names no
     encoding this client would fetch, bad piece digests, or a record that cannot be read (the edge or the
     registry failing: the next stale plan probes again) measure nothing; the task never ends in an error."""

@@ -6,12 +6,12 @@ written by a CPU core through the backend's own ``do_kv_cache_update``. Done ins
 from the host tier, where a local prefix-cache hit takes 66. But the forward of a short suffix keeps the
 cores only part of the time (its Python, its small kernels), and every byte a load needs is known when the
 step starts. So the CPU does what a GPU's copy stream does (``stage.Upload``): one writer thread, started
-with the step, collects each load's pieces and writes layer ``j`` of every load, then marks layer ``j``
+with the step, collects each load's chunks and writes layer ``j`` of every load, then marks layer ``j``
 done; the forward's wait for layer ``j`` waits for that mark only, and computes layer ``j`` while later
 layers are written. The writer runs its kernels on ``threads`` OpenMP threads of its own (default 1: the
 forward's team keeps the cores it has).
 
-What stays the same: the bytes, the writes (the very backend call), a failed piece lowering what is loaded
+What stays the same: the bytes, the writes (the very backend call), a failed chunk lowering what is loaded
 (``_collect`` runs first, in the writer), and a write that raises raising in the forward, at the layer that
 needed it. A step's loads end (``end_step``) only once the writer is done with them: their leases and
 staging are never handed back while it reads them.

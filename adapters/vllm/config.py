@@ -10,7 +10,7 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``token_hosts``    with ``registry``: hosts the token may reach (http or https), comma-separated names,
                        globs label by label, or CIDRs (default: loopback); other listed nodes are left out
     ``origin``         an origin URL, the source of last resort
-    ``host``           the machine's host tier (``kdn host serve --socket PATH``): pieces it holds are copied
+    ``host``           the machine's host tier (``kdn host serve --socket PATH``): chunks it holds are copied
                        from its shared memory, the rest fetched as ever (default: none)
     ``namespace``      the namespace to look up (default ``public``); the token must grant it
     ``token_file``     file whose first token is sent to edges (or ``$KDN_TOKEN``)
@@ -35,8 +35,8 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
     ``plan``           load only what is faster to load than to compute (default true: ``kdn.planner`` on this
                        engine's measured step times, load speeds and link; a request's ``kdn`` params
                        ``"plan": false`` loads all it can regardless, e.g. to measure a load)
-    ``decode_threads`` threads that decode arrived compressed pieces into the load's staging (default 2;
-                       raw pieces are received in place and need none)
+    ``decode_threads`` threads that decode arrived compressed chunks into the load's staging (default 2;
+                       raw chunks are received in place and need none)
     ``write_threads``  on the CPU, threads that write a step's loads into the paged cache ahead of the forward,
                        each layer shared among them (``ahead.py``); default 0: each layer is written inside the
                        forward's wait for it (on 2 cores the writers helped SmolLM2's 8k hit and slowed the

@@ -306,7 +306,7 @@ async def _make_client(cfg: ConnectorConfig):
 async def _connect_host(cfg: ConnectorConfig, token: str | None):
     """The machine's host tier (``host``), or None: none configured. One that is not up now is tried again by
     the loads (every few seconds, ``kdn.client.hosted.RECONNECT_S``), as is one that restarts later: meanwhile
-    their pieces come from the edges, as without one."""
+    their chunks come from the edges, as without one."""
     if cfg.host is None:
         return None
     from kdn.client.host import HostClient

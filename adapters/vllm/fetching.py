@@ -1,18 +1,19 @@
-"""One piece of a load: fetched, verified, checked against the plan, then decoded (or received) into the load's
-staging (``stage.py``) while the other pieces are still on the wire. The worker side (``worker.py``) starts a
-load's pieces here and waits for them, writes what they staged into vLLM's cache, and keeps the accounts.
+"""One chunk of a load (``kdn.chunk.Chunk``): fetched, verified, checked against the plan, then decoded (or
+received) into the load's staging (``stage.py``) while the other chunks are still on the wire. The worker side
+(``worker.py``) starts a load's chunks here (``ChunkLoader``) and waits for them, writes what they staged into
+vLLM's cache, and keeps the accounts.
 
-A piece is fetched into a reused arena buffer and verified against the digest of its record, its header
+A chunk is fetched into a reused arena buffer and verified against the digest of its record, its header
 checked against what the plan expects (address, model, namespace, span, tensor shapes), and decoded into the
-staging on a few threads of its own; its receive buffer goes back to the arena at once. A raw piece wholly
-inside the load is received straight into its place instead (``kdn.wire.scatter``). A piece the machine's host
+staging on a few threads of its own; its receive buffer goes back to the arena at once. A raw chunk wholly
+inside the load is received straight into its place instead (``kdn.wire.scatter``). A chunk the machine's host
 tier holds (``KDNClient(host=)``, the connector's ``host`` setting) is leased instead: no socket body, no hash
 (the host verified it once, against the same signed digest). On the CPU a raw one is not copied at all here:
 its lease is kept by the load (``Holds``) and each layer's write reads its K/V from the read-only mapping
 straight into vLLM's paged blocks (one pass over the bytes); on a device it is copied into the staging.
-Every piece of a hybrid load but its last moves only its K/V, by verified range requests
+Every chunk of a hybrid load but its last moves only its K/V, by verified range requests
 (``kdn.client.parts.fetch_kept``): the conv/recurrent states each object carries are those of its end, and
-only the last piece's are kept.
+only the last chunk's are kept.
 Every failure is a ``LoadFailed`` with its reason: bytes from the network never fail the engine's step.
 """
 
@@ -41,10 +42,10 @@ from kdn.adapters.vllm.stage import Staging, StagingClosed
 
 
 class LoadFailed(KDNError):
-    def __init__(self, reason: str, piece: Chunk | None, detail: str) -> None:
+    def __init__(self, reason: str, chunk: Chunk | None, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
-        self.piece = piece
+        self.chunk = chunk
 
 
 @dataclass(frozen=True)
@@ -66,16 +67,16 @@ class StateLayer:
 
 @dataclass
 class Staged:
-    """What one piece left behind once decoded into the staging: where it came from, and its states."""
+    """What one chunk left behind once decoded into the staging: where it came from, and its states."""
 
     source: str
     encoding: str
     nbytes: int
-    states: dict[str, torch.Tensor] = field(default_factory=dict)  # the last piece of a hybrid load
-    # A piece read in place (the host tier's mapping, its lease kept by the load's ``Holds``): per attention
+    states: dict[str, torch.Tensor] = field(default_factory=dict)  # the last chunk of a hybrid load
+    # A chunk read in place (the host tier's mapping, its lease kept by the load's ``Holds``): per attention
     # layer in the staging's order, its K and V as ``[n, H, D]`` views of the mapping; None: it is in the staging.
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    start: int = 0  # the token ``kv`` starts at (its piece's)
+    start: int = 0  # the token ``kv`` starts at (its chunk's)
 
 
 class Holds:
@@ -106,19 +107,19 @@ class Holds:
 
 
 class Loading(Protocol):
-    """What a piece needs of its load (``worker``'s running load): the staging it lands in (None once the
+    """What a chunk needs of its load (``worker``'s running load): the staging it lands in (None once the
     load ended), the tally its body bytes are counted in, and the job with its plan."""
 
     staging: Staging | None
     tally: Tally
     job: LoadJob
     holds: Holds
-    host_batch: asyncio.Future[HostBatch] | None  # what the host holds of its pieces, and leased (``_held``)
+    host_batch: asyncio.Future[HostBatch] | None  # what the host holds of its chunks, and leased (``_held``)
 
 
 @dataclass(frozen=True)
 class HostBatch:
-    """A load's pieces the host tier holds (``(address, encoding)``), and those leased in one go: per piece index
+    """A load's chunks the host tier holds (``(address, encoding)``), and those leased in one go: per chunk index
     its ``kdn.client.leased.Leased`` (kept by the load's ``Holds``), or the ``HostError`` that lease met."""
 
     have: frozenset[tuple[str, str]]
@@ -130,21 +131,21 @@ class HostBatch:
 
 @dataclass(frozen=True)
 class _Leased:
-    """A piece's bytes in the host tier's mapping, shaped as a fetched body for ``_stage``."""
+    """A chunk's bytes in the host tier's mapping, shaped as a fetched body for ``_stage``."""
 
     blob: memoryview
     source: str
     encoding: str
 
 
-class PieceLoader:
-    """The piece path of one worker: its client, its model's layers (as ``WorkerSide.register`` indexed them),
-    and the threads that decode arrived compressed pieces into the staging."""
+class ChunkLoader:
+    """How one worker loads the chunks of its loads: its client, its model's layers (as ``WorkerSide.register``
+    indexed them), and the threads that decode arrived compressed chunks into the staging."""
 
     def __init__(self, *, client: Any, model_id: ModelId, namespace: str, stager: concurrent.futures.Executor,
                  attn: dict[str, AttnLayer], order: list[AttnLayer], states: list[StateLayer],
                  in_place: bool = False) -> None:
-        """``in_place``: host-tier pieces are written into the cache from the mapping (the cache is in host
+        """``in_place``: host-tier chunks are written into the cache from the mapping (the cache is in host
         memory: the CPU), not copied into the staging first."""
         self.client, self.model_id, self.namespace, self.stager = client, model_id, namespace, stager
         self.in_place = in_place
@@ -159,8 +160,8 @@ class PieceLoader:
 
     async def fetch_and_stage(self, run: Loading, i: int, p: Chunk) -> Staged:
         """Chunk ``i``: fetched into an arena buffer, verified, checked, decoded into the staging (a worker
-        thread, while other pieces are still on the wire); the buffer goes back at once. A kvtc object's
-        model basis is fetched, verified and registered first (once per basis). A raw piece is received
+        thread, while other chunks are still on the wire); the buffer goes back at once. A kvtc object's
+        model basis is fetched, verified and registered first (once per basis). A raw chunk is received
         straight into its place instead (``_fetch_placed``)."""
         host = self.client.host if run.job.host else None
         if host is not None and (p.address, p.encoding) in (batch := await self._held(run)).have:
@@ -196,13 +197,13 @@ class PieceLoader:
 
     async def _fetch_kept(self, run: Loading, i: int, p: Chunk, pieces: Pieces) -> Staged:
         """Chunk ``i`` of a hybrid load, not its last: only its K/V (``kv_names``), by verified range requests,
-        then staged as any piece is (a view that decodes nothing else). Its states would be dead weight: an
+        then staged as any chunk is (a view that decodes nothing else). Its states would be dead weight: an
         8k load of a Qwen3.5-A3B-like shape moved ~2.1 GiB for ~222 MiB used (bench/hybrid_bytes.py)."""
         from kdn.client.parts import fetch_kept
 
         kept = await fetch_kept(self.client, p.address, encoding=p.encoding, digest=p.digest, size=p.size,
                                 pieces=pieces, keep=self.kv_names, tally=run.tally)
-        assert kept is not None  # (the piece has digests)
+        assert kept is not None  # (the chunk has piece digests)
         cap = await self.client.prepare(kept.fetched, p.end - p.start)
         # The decode cannot be stopped once started (as ``_from_edge``'s); the buffer is the thread's till then.
         staged = await asyncio.shield(asyncio.get_running_loop().run_in_executor(
@@ -211,34 +212,34 @@ class PieceLoader:
         return staged
 
     async def _held(self, run: Loading) -> HostBatch:
-        """What the host tier holds of this load's pieces, and those leased at once: asked once per load (the
-        first piece asks; the answer lives on the load itself, never shared with another one)."""
+        """What the host tier holds of this load's chunks, and those leased at once: asked once per load (the
+        first chunk asks; the answer lives on the load itself, never shared with another one)."""
         batch = getattr(run, "host_batch", None)
         if batch is None:
             batch = run.host_batch = asyncio.ensure_future(self._ask_host(run))
         return await asyncio.shield(batch)
 
     async def _ask_host(self, run: Loading) -> HostBatch:
-        """Which pieces the host holds (nothing if it does not answer at once), then those leased in one round
-        trip per ``MAX_LEASE_MANY`` (not one per piece), their leases kept by the load (``run.holds``) until it
-        ends. A host without the batch op (an older one) leases piece by piece, as before."""
+        """Which chunks the host holds (nothing if it does not answer at once), then those leased in one round
+        trip per ``MAX_LEASE_MANY`` (not one per chunk), their leases kept by the load (``run.holds``) until it
+        ends. A host without the batch op (an older one) leases chunk by chunk, as before."""
         from kdn.client.hosted import LOOKUP_S, held
         from kdn.client.leased import Leased
         from kdn.wire.host import HostError
 
-        host, stats, pieces = self.client.host, self.client.host_stats, run.job.plan.chunks
+        host, stats, chunks = self.client.host, self.client.host_stats, run.job.plan.chunks
         if host.gone:  # asked anew (``held`` connects to a restarted host, and maps its new segment)
-            got = await held(host, [p.address for p in pieces], stats)
-            have = frozenset((p.address, e) for p, encs in zip(pieces, got.encodings) for e in encs)
+            got = await held(host, [p.address for p in chunks], stats)
+            have = frozenset((p.address, e) for p, encs in zip(chunks, got.encodings) for e in encs)
         else:  # what the host held at the lookup, the plan says (``Chunk.host``): no second question
-            have = frozenset((p.address, p.encoding) for p in pieces if p.host)
-        want = [i for i, p in enumerate(pieces) if (p.address, p.encoding) in have]
+            have = frozenset((p.address, p.encoding) for p in chunks if p.host)
+        want = [i for i, p in enumerate(chunks) if (p.address, p.encoding) in have]
         granted: dict[int, Any] = {}
-        for enc in sorted({pieces[i].encoding for i in want}):
-            idx = [i for i in want if pieces[i].encoding == enc]
+        for enc in sorted({chunks[i].encoding for i in want}):
+            idx = [i for i in want if chunks[i].encoding == enc]
             try:
                 async with asyncio.timeout(LOOKUP_S + 0.01 * len(idx)):
-                    granted.update(zip(idx, await host.lease_many([pieces[i].address for i in idx], enc)))
+                    granted.update(zip(idx, await host.lease_many([chunks[i].address for i in idx], enc)))
             except (HostError, TimeoutError) as e:
                 stats.note(f"lease_many: {e}")
         ids = [x.lease for x in granted.values() if isinstance(x, Leased)]
@@ -260,7 +261,7 @@ class PieceLoader:
 
     async def _from_host(self, run: Loading, i: int, p: Chunk, granted: Any = None) -> Staged | None:
         """Chunk ``i`` leased from the host tier, or None (fetch it as ever): the host failed, or its copy is not
-        the one the plan's signed digest names. On the CPU a raw piece is read in place: its lease is kept by
+        the one the plan's signed digest names. On the CPU a raw chunk is read in place: its lease is kept by
         the load (``run.holds``, released when the load ends) and its K/V are views of the mapping, written
         into the paged blocks layer by layer (``_in_place``). Otherwise it is copied from the mapping into the
         staging (a stager thread), and the lease ends once the copy has: a cancelled load waits for its thread.
@@ -283,7 +284,7 @@ class PieceLoader:
             f = _Leased(leased.view, "host", p.encoding)
             if self.in_place and p.encoding == "raw" and not (self.states and i == len(run.job.plan.chunks) - 1):
                 if not kept and not run.holds.keep(lease):
-                    raise LoadFailed("decode", p, "the load ended before this piece arrived")
+                    raise LoadFailed("decode", p, "the load ended before this chunk arrived")
                 kept = True  # from here the load's end releases it (the thread only reads the mapping)
                 staged = await asyncio.get_running_loop().run_in_executor(self.stager, self._in_place, run, i, p, f)
             else:
@@ -305,13 +306,13 @@ class PieceLoader:
         return staged
 
     def _in_place(self, run: Loading, i: int, p: Chunk, f: _Leased) -> Staged:
-        """A held piece's K/V as views of the mapping, per layer ``[n, H, D]`` (checked as any piece's header
+        """A held chunk's K/V as views of the mapping, per layer ``[n, H, D]`` (checked as any chunk's header
         is); one whose tensors are not raw in the cache's dtype is copied into the staging instead."""
         from kdn.format.objects import ObjectView, raw_region
 
         staging = run.staging
         if staging is None:
-            raise LoadFailed("decode", p, "the load ended before this piece arrived")
+            raise LoadFailed("decode", p, "the load ended before this chunk arrived")
         try:
             view = ObjectView(f.blob, max_decoded=self.max_decoded(p.end - p.start))
         except KDNError as e:
@@ -327,7 +328,7 @@ class PieceLoader:
                       kv=[(kt[at[f"L{a.index}.k"]], kt[at[f"L{a.index}.v"]]) for a in self.order])
 
     def _placeable(self, run: Loading, i: int, p: Chunk) -> bool:
-        """A raw piece wholly inside the load, whose states are not kept (only a hybrid load's last piece has
+        """A raw chunk wholly inside the load, whose states are not kept (only a hybrid load's last chunk has
         them): its K/V bytes are the staging's as they are."""
         plan = run.job.plan
         return (p.encoding == "raw" and run.staging is not None and plan.first <= p.start and p.end <= plan.end
@@ -335,14 +336,14 @@ class PieceLoader:
 
     async def _fetch_placed(self, run: Loading, i: int, p: Chunk) -> Staged:
         """Chunk ``i`` received straight into its place in the staging (``kdn.wire.scatter``): no receive buffer and
-        no copy after it, the bytes verified as they land (the worker uses the staging only for pieces whose
+        no copy after it, the bytes verified as they land (the worker uses the staging only for chunks whose
         fetch returned). Its header is checked before a byte is placed; a refusal keeps its reason.
 
         Measured (bench/datapath.py, SmolLM2 at 8k tokens): the copy from the receive buffer into the staging
         was a second pass over every byte on the one stager thread, ~28 ms of CPU beside the receive."""
         staging = run.staging
         if staging is None:
-            raise LoadFailed("decode", p, "the load ended before this piece arrived")
+            raise LoadFailed("decode", p, "the load ended before this chunk arrived")
         refused: list[LoadFailed] = []
 
         def place(layout: Any) -> dict[str, list[memoryview]]:
@@ -377,7 +378,7 @@ class PieceLoader:
         return Staged(f.source.split("/")[-1].split(":")[0], f.encoding, p.size)
 
     def _check_header(self, h: Any, p: Chunk) -> None:
-        """An object's header is the piece's (address, model, namespace, span) with this model's K/V shapes."""
+        """An object's header is the chunk's (address, model, namespace, span) with this model's K/V shapes."""
         bad = next((f"L{a.index}.{x}" for a in self.attn.values() for x in ("k", "v")
                     if getattr(h.tensors.get(f"L{a.index}.{x}"), "shape", None) != (a.kv_heads, p.end - p.start,
                                                                                    a.head_dim)), None)
@@ -390,17 +391,17 @@ class PieceLoader:
 
     def _stage(self, run: Loading, i: int, p: Chunk, f: Any, cap: int | None,
                held: frozenset[str] | None = None) -> Staged:
-        """Open and check one verified object, then decode its K/V (and, for the last piece of a hybrid
+        """Open and check one verified object, then decode its K/V (and, for the last chunk of a hybrid
         load, its states) into place. Raises ``LoadFailed``; bytes from the network never fail the step."""
         staging = run.staging
         if staging is None:
-            raise LoadFailed("decode", p, "the load ended before this piece arrived")
+            raise LoadFailed("decode", p, "the load ended before this chunk arrived")
         try:
             with staging.writing():
                 return self._stage_into(staging, run, i, p, f, cap, held)
         except StagingClosed as e:
             raise LoadFailed("decode", p, str(e)) from None
-        except ArenaFull as e:  # a lazy staging found no room when its first piece came: the rest computes
+        except ArenaFull as e:  # a lazy staging found no room when its first chunk came: the rest computes
             raise LoadFailed("arena", p, str(e)) from None
 
     def _stage_into(self, staging: Staging, run: Loading, i: int, p: Chunk, f: Any, cap: int | None,

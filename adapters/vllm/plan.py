@@ -49,7 +49,7 @@ class LoadPlan:
         return self.chunks[-1]
 
     def spans(self) -> list[tuple[Chunk, int, int]]:
-        """``(piece, lo, hi)``: the token range ``[lo, hi)`` of each piece that the load writes."""
+        """``(chunk, lo, hi)``: the token range ``[lo, hi)`` of each chunk that the load writes."""
         return [(p, max(p.start, self.first), min(p.end, self.end)) for p in self.chunks]
 
 
@@ -75,21 +75,21 @@ def load_end(chunk_ends: Sequence[int], *, num_tokens: int, block_size: int, nee
     return best
 
 
-def plan_load(pieces: Sequence[Chunk], *, computed: int, num_tokens: int, block_size: int,
+def plan_load(chunks: Sequence[Chunk], *, computed: int, num_tokens: int, block_size: int,
               needs_state: bool) -> LoadPlan | None:
     """What to load beyond the engine's ``computed`` tokens, or None when nothing would be gained.
 
-    ``pieces`` must be a chain from token 0 without gaps (as a lookup returns it).
+    ``chunks`` must be a chain from token 0 without gaps (as a lookup returns it).
     """
-    for prev, p in zip(pieces, pieces[1:]):
+    for prev, p in zip(chunks, chunks[1:]):
         if p.start != prev.end:
-            raise ValueError(f"pieces are not a chain: {prev.end} then {p.start}")
-    if pieces and pieces[0].start != 0:
+            raise ValueError(f"chunks are not a chain: {prev.end} then {p.start}")
+    if chunks and chunks[0].start != 0:
         raise ValueError("a prefix chain starts at token 0")
-    end = load_end([p.end for p in pieces], num_tokens=num_tokens, block_size=block_size, needs_state=needs_state)
+    end = load_end([p.end for p in chunks], num_tokens=num_tokens, block_size=block_size, needs_state=needs_state)
     if end <= computed:
         return None
-    used = tuple(p for p in pieces if p.start < end and p.end > computed)
+    used = tuple(p for p in chunks if p.start < end and p.end > computed)
     return LoadPlan(first=computed, end=end, chunks=used)
 
 

@@ -10,16 +10,16 @@ scheduler, which never sees a forward itself:
   before it (vLLM's async scheduling plans step ``t + 1`` while ``t`` runs);
   steps that loaded from the KDN teach nothing (their time is not compute).
 - **the loader**: the wire bytes of each of this engine's loads and the time
-  from its start to its last piece staged, reported by the worker side in its
+  from its start to its last chunk staged, reported by the worker side in its
   stats; a load abandoned at its deadline reports the bytes that landed by
   then (the link's speed while it ran).
 - **the link**: the client's least expected time for the bytes;
-- **the host tier**: pieces the machine's host tier held at lookup (``Chunk.host``) cost their bytes at the
+- **the host tier**: chunks the machine's host tier held at lookup (``Chunk.host``) cost their bytes at the
   host's own measured speed (loads that came wholly from it report it apart: ``Speeds.host_bps``).
 
-``decide`` cuts a ``LoadPlan`` to the number of pieces the planner chose,
+``decide`` cuts a ``LoadPlan`` to the number of chunks the planner chose,
 still on a block boundary (a hybrid model: still a chunk end), and gives the
-load the planner's deadline; a load the entry edge must fill first (a piece
+load the planner's deadline; a load the entry edge must fill first (a chunk
 not in its memory or disk) gets ``kdn.planner.cold_deadline`` (a multiple of
 the prefill plus a fill allowance, at most ``load_timeout``: with
 ``load_timeout`` a lying edge that called every hit cold and stalled cost each
@@ -38,8 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kdn.chunk import Chunk
-from kdn.planner import Plan, PrefillModel, Reasons, Speeds, cold_deadline
-from kdn.planner import plan as make_plan
+from kdn.planner import Decision, PrefillModel, Reasons, Speeds, cold_deadline, decide
 
 from kdn.adapters.vllm.plan import LoadPlan, plan_load
 
@@ -110,26 +109,26 @@ class Planner:
     def __post_init__(self) -> None:
         self.steps = Steps(self.speeds)
 
-    def decide(self, lp: LoadPlan, pieces: Sequence[Chunk], *, num_tokens: int, block_size: int,
-               needs_state: bool) -> tuple[LoadPlan | None, Plan, str]:
-        """``lp`` (what ``plan_load`` offers from ``pieces``) cut to what is faster to load than to compute.
+    def decide(self, lp: LoadPlan, chain: Sequence[Chunk], *, num_tokens: int, block_size: int,
+               needs_state: bool) -> tuple[LoadPlan | None, Decision, str]:
+        """``lp`` (``plan_load``'s offer from the lookup's ``chain``) cut to what is faster to load than to compute.
 
         vLLM loads only a prefix past what it holds (no head computed meanwhile), so the planner weighs
-        ``k`` leading pieces of ``lp`` loaded then the rest computed, against computing it all. Returns
+        ``k`` leading chunks of ``lp`` loaded then the rest computed, against computing it all. Returns
         the cut plan (None: compute it all), the planner's decision, and its outcome for the metrics
         (``load``, ``load_part``, ``compute``, ``probe``).
         """
         chunks = [replace(p, start=lo, end=hi) for p, lo, hi in lp.spans()]  # (the tokens the load writes)
-        decision = make_plan(chunks, num_tokens - lp.first, link=self.link, speeds=self.speeds,
-                             max_deadline_s=self.max_deadline_s, cached=lp.first, probe=not lp.cold)
+        decision = decide(chunks, num_tokens - lp.first, link=self.link, speeds=self.speeds,
+                          max_deadline_s=self.max_deadline_s, cached=lp.first, probe=not lp.cold)
         if decision.load == len(chunks):
             out: LoadPlan | None = replace(lp, deadline_s=decision.deadline_s)
         elif decision.load == 0:
             out = None
         else:
             last = lp.chunks[decision.load - 1]
-            upto = next(i for i, p in enumerate(pieces) if p is last) + 1
-            out = plan_load(pieces[:upto], computed=lp.first, num_tokens=num_tokens, block_size=block_size,
+            upto = next(i for i, p in enumerate(chain) if p is last) + 1
+            out = plan_load(chain[:upto], computed=lp.first, num_tokens=num_tokens, block_size=block_size,
                             needs_state=needs_state)
             if out is not None:
                 out = replace(out, deadline_s=decision.deadline_s)

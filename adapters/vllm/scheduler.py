@@ -37,7 +37,7 @@ from kdn.adapters.vllm.plan import LoadPlan, plan_load
 from kdn.adapters.vllm.planning import Planner
 from kdn.adapters.vllm.stats import KDNStats
 from kdn.adapters.steering import SteerSpec
-from kdn.adapters.vllm.steer import SteerJob, plan_of
+from kdn.adapters.vllm.steer import SteerJob, spec_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from kdn.registry.records import ObjectRecord
@@ -51,7 +51,7 @@ FIRST_WAIT = 0.02  # seconds the first ``matched`` call waits for its lookup bef
 class _Lookup:
     future: concurrent.futures.Future
     started: float
-    pieces: list[Chunk] | None = None  # None until answered; [] for a miss or a failure
+    chunks: list[Chunk] | None = None  # None until answered; [] for a miss or a failure
 
 
 @dataclass
@@ -78,7 +78,7 @@ class SchedulerSide:
     mamba_groups: tuple[int, ...] = ()  # hybrid models: the groups whose blocks hold states
     mamba_mode: str = "none"  # vLLM's mamba_cache_mode: "align" (prefix caching) or "none"
     steer: bool = False  # accept steered requests (connector setting ``steer``)
-    n_layers: int = 0  # the model's, for steering plans
+    n_layers: int = 0  # the model's, for steering specs
     n_heads: int = 0
     planner: Planner | None = None  # consumers: times the engine's steps; cuts plans where ``plan`` is on
     blender: BlendScheduler | None = None  # consumers: RAG prompts of standalone chunks (``blend`` setting)
@@ -87,13 +87,13 @@ class SchedulerSide:
     _ready: list[LoadJob] = field(default_factory=list)
     _saves: dict[str, _Save] = field(default_factory=dict)
     _given_up: set[str] = field(default_factory=set)  # requests whose load failed: vLLM recomputes them whole
-    _steers: dict[str, SteerSpec | None] = field(default_factory=dict)  # per request seen: its plan, or None
+    _steers: dict[str, SteerSpec | None] = field(default_factory=dict)  # per request seen: its steering, or None
     _decided: dict[str, tuple[int, int, LoadPlan | None]] = field(default_factory=dict)  # (computed, tokens, cut)
     _stats: KDNStats = field(default_factory=KDNStats)  # the planner's choices since vLLM last took them
     totals: KDNStats = field(default_factory=KDNStats)  # lookups' times since start (benches, health reports)
     _probes: list[concurrent.futures.Future] = field(default_factory=list)  # the planner's, on the wire
     lookups_failed: int = 0
-    steer_refused: int = 0  # steered requests run unsteered (a bad plan, no salt, steering off)
+    steer_refused: int = 0  # steered requests run unsteered (a bad spec, no salt, steering off)
 
     # --- consumer --------------------------------------------------------------------------
 
@@ -116,46 +116,46 @@ class SchedulerSide:
                 lk.future.result(FIRST_WAIT)
             except (concurrent.futures.TimeoutError, Exception):  # noqa: BLE001 -- read below
                 pass
-        if lk.pieces is None:
+        if lk.chunks is None:
             if not lk.future.done():
                 if time.monotonic() - lk.started < self.cfg.lookup_timeout:
                     return None, False
                 lk.future.cancel()
                 log.warning("KDN lookup for %s took over %.1f s: computing it instead", rid, self.cfg.lookup_timeout)
-                lk.pieces = []
+                lk.chunks = []
                 self.lookups_failed += 1
             elif lk.future.cancelled() or lk.future.exception() is not None:
                 log.warning("KDN lookup for %s failed: %s", rid, lk.future.exception() if not lk.future.cancelled() else "cancelled")
-                lk.pieces = []
+                lk.chunks = []
                 self.lookups_failed += 1
             else:
-                lk.pieces = lk.future.result()
+                lk.chunks = lk.future.result()
                 for stats in (self._stats, self.totals):
                     stats.phase("lookup", time.monotonic() - lk.started)
         num_tokens = request.num_tokens
         st = self._steer_for(request)
         if st is not None:  # the KDN's K/V past the question's start are unsteered: load up to it at most
             num_tokens = min(num_tokens, st.query_from + 1)
-        plan = plan_load(lk.pieces, computed=computed, num_tokens=num_tokens, block_size=self.block_size,
+        plan = plan_load(lk.chunks, computed=computed, num_tokens=num_tokens, block_size=self.block_size,
                          needs_state=self.hybrid)
         if plan is not None and self.planner is not None:
             wanted = compat.kdn_params(request).get("plan")
             if wanted if isinstance(wanted, bool) else self.cfg.plan:
-                if compat.kdn_params(request).get("host") is False and any(p.host for p in lk.pieces):
-                    # this request reads past the host tier: its pieces cost what the link costs
-                    pieces = [replace(p, host=False) for p in lk.pieces]
-                    same = {id(p): q for p, q in zip(lk.pieces, pieces)}  # (decide finds its cut by identity)
+                if compat.kdn_params(request).get("host") is False and any(p.host for p in lk.chunks):
+                    # this request reads past the host tier: its chunks cost what the link costs
+                    chain = [replace(p, host=False) for p in lk.chunks]
+                    same = {id(p): q for p, q in zip(lk.chunks, chain)}  # (decide finds its cut by identity)
                     plan = replace(plan, chunks=tuple(same.get(id(p), replace(p, host=False)) for p in plan.chunks))
                 else:
-                    pieces = lk.pieces
-                plan = self._cut(rid, plan, pieces, computed, num_tokens)
+                    chain = lk.chunks
+                plan = self._cut(rid, plan, chain, computed, num_tokens)
         if plan is None:
             self._plans.pop(rid, None)
             return 0, False
         self._plans[rid] = plan
         return plan.tokens, self.background
 
-    def _cut(self, rid: str, plan: LoadPlan, pieces: list[Chunk], computed: int, num_tokens: int) -> LoadPlan | None:
+    def _cut(self, rid: str, plan: LoadPlan, chain: list[Chunk], computed: int, num_tokens: int) -> LoadPlan | None:
         """``plan`` cut by the load planner, decided once per request (vLLM asks again while it waits for
         blocks: the same offer, counted once)."""
         got = self._decided.get(rid)
@@ -163,7 +163,7 @@ class SchedulerSide:
             return got[2]
         assert self.planner is not None
         self._probed()  # (a probe that landed while the engine idled: this plan knows the link again)
-        cut, decision, outcome = self.planner.decide(plan, pieces, num_tokens=num_tokens,
+        cut, decision, outcome = self.planner.decide(plan, chain, num_tokens=num_tokens,
                                                      block_size=self.block_size, needs_state=self.hybrid)
         self._decided[rid] = (computed, num_tokens, cut)
         if decision.probe_s and plan.chunks:  # computes it all; the link is timed beside it (step_done learns)
@@ -178,7 +178,7 @@ class SchedulerSide:
         return cut
 
     async def _lookup(self, tokens: list[int], host: bool = True) -> list[Chunk]:
-        """The published chain under ``tokens``, each piece with the encoding and digest to fetch (asked of the
+        """The published chain under ``tokens``, each chunk with the encoding and digest to fetch (asked of the
         machine's host tier first, unless the request reads past it: ``host``)."""
         c = self.client
         hit = await c.lookup(tokens, self.model_id, self.cfg.namespace, chunk_tokens=self.cfg.chunk_tokens,
@@ -188,7 +188,7 @@ class SchedulerSide:
         # The lookup brought the chain's records (checked as ``record`` checks them); older edges do not send them.
         recs = hit.records if len(hit.records) == len(hit.addresses) else \
             await asyncio.gather(*(c.record(a) for a in hit.addresses))
-        pieces: list[Chunk] = []
+        chunks: list[Chunk] = []
         pos = 0
         for i, (addr, rec) in enumerate(zip(hit.addresses, recs)):
             want_end = min(pos + self.cfg.chunk_tokens, hit.tokens)
@@ -201,15 +201,15 @@ class SchedulerSide:
             if enc is None:
                 break
             chunk = hit.chunk(i, rec, enc)
-            pieces.append(replace(chunk, warm=c.warm(addr, chunk.tier)))
+            chunks.append(replace(chunk, warm=c.warm(addr, chunk.tier)))
             pos = want_end
-        if pieces and c.host is not None:  # what the host tier holds is planned at its own speed
+        if chunks and c.host is not None:  # what the host tier holds is planned at its own speed
             from kdn.client.hosted import held_of
 
-            got = await held_of(c.host, hit, c.host_stats, len(pieces))  # (as the lookup heard it from the host)
-            pieces = [replace(p, host=True) if i < len(got.encodings) and p.encoding in got.encodings[i] else p
-                      for i, p in enumerate(pieces)]
-        return pieces
+            got = await held_of(c.host, hit, c.host_stats, len(chunks))  # (as the lookup heard it from the host)
+            chunks = [replace(p, host=True) if i < len(got.encodings) and p.encoding in got.encodings[i] else p
+                      for i, p in enumerate(chunks)]
+        return chunks
 
     def _refuse(self, rec: ObjectRecord | None, addr: A.Address, start: int, end: int) -> str | None:
         """Why a record cannot be used for tokens ``[start, end)`` of this prompt, or None (its shape was checked
@@ -258,7 +258,7 @@ class SchedulerSide:
     # --- steering ----------------------------------------------------------------------------
 
     def _steer_for(self, request: Any) -> SteerSpec | None:
-        """The request's steering plan, decided once per request (a refusal is logged and counted once)."""
+        """The request's steering spec, decided once per request (a refusal is logged and counted once)."""
         rid = request.request_id
         if rid in self._steers:
             return self._steers[rid]
@@ -272,7 +272,7 @@ class SchedulerSide:
                     if not (on if on is not None else isinstance(em, dict) and em.get("default_on") is True):
                         return self._steers.setdefault(rid, None)  # asked for none: nothing to refuse
                     raise KDNError("steering is off on this engine (the connector's 'steer' setting)")
-                spec = plan_of(params, n_layers=self.n_layers, n_heads=self.n_heads,
+                spec = spec_of(params, n_layers=self.n_layers, n_heads=self.n_heads,
                                n_ids=len(compat.prompt_tokens(request)), cache_salt=compat.cache_salt(request))
             except KDNError as e:
                 self.steer_refused += 1

@@ -1,8 +1,8 @@
-"""One load's K/V on its way into vLLM's paged cache: each piece decoded into per-layer staging as it lands.
+"""One load's K/V on its way into vLLM's paged cache: each chunk decoded into per-layer staging as it lands.
 
 A request's load used to wait for every object, then per layer decode each
-piece (930 decode calls for SmolLM2 at 8k tokens, ~90 us of bookkeeping each),
-join the pieces (a fresh tensor per layer: page faults) and write. Now each
+chunk (930 decode calls for SmolLM2 at 8k tokens, ~90 us of bookkeeping each),
+join the chunks (a fresh tensor per layer: page faults) and write. Now each
 object is decoded into its place the moment it has arrived and been verified,
 while the others are still on the wire, into one staging buffer of the whole
 load (``[tokens, ...]`` per attention layer, K and V, the cache's dtype) taken
@@ -16,7 +16,7 @@ one per block), an event per layer, and layer ``j``'s wait waits for event
 ``j`` only, so the forward computes layer ``j`` while later layers cross.
 
 Layout of the staging lease: for attention layer ``j`` (in ``layers`` order),
-K then V, each ``[kv_heads, tokens, head_dim]`` contiguous: a piece's tensor
+K then V, each ``[kv_heads, tokens, head_dim]`` contiguous: a chunk's tensor
 ``[kv_heads, n, head_dim]`` lands as one strided slice, and the ``[n, H, D]``
 view the backend takes is a transpose, no copy. Layer ``j``'s K and V are one
 run of bytes, and layer ``j + 1``'s follows it.
@@ -56,9 +56,9 @@ class Staging:
     def __init__(self, arena: Arena, dims: Sequence[tuple[int, int]], first: int, end: int,
                  dtype: torch.dtype, *, lazy: bool = False) -> None:
         """``dims``: ``(kv_heads, head_dim)`` of each attention layer, in the order ``put`` and ``kv`` name them.
-        ``lazy``: the memory is taken from the arena only when a first piece is written (``writing``): a load
-        whose pieces are all read in place (the host tier's mapping, on the CPU) never takes any, and a full
-        arena then fails that piece (``ArenaFull``), not the load before it started."""
+        ``lazy``: the memory is taken from the arena only when a first chunk is written (``writing``): a load
+        whose chunks are all read in place (the host tier's mapping, on the CPU) never takes any, and a full
+        arena then fails that chunk (``ArenaFull``), not the load before it started."""
         assert end > first, (first, end)
         self.first, self.end, self.dtype = first, end, dtype
         n = end - first
@@ -104,17 +104,17 @@ class Staging:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
-        """Hold the staging open while a piece is decoded into it (a worker thread).
+        """Hold the staging open while a chunk is decoded into it (a worker thread).
 
-        Why: a load that times out or fails releases its staging while a piece may still be decoding
+        Why: a load that times out or fails releases its staging while a chunk may still be decoding
         into it (the thread cannot be stopped). Released memory is the next load's; a late write into
         it would put one request's K/V into another's cache. So ``release`` only marks the staging
         closed while a writer is inside, and the last writer out hands the memory back.
         """
         with self._lock:
             if self._closed:
-                raise StagingClosed("the load ended before this piece was decoded")
-            if not self._taken:  # a lazy staging's first writer takes its memory (ArenaFull: this piece fails)
+                raise StagingClosed("the load ended before this chunk was decoded")
+            if not self._taken:  # a lazy staging's first writer takes its memory (ArenaFull: this chunk fails)
                 self._take()
             self._writers += 1
         try:
@@ -137,7 +137,7 @@ class Staging:
             info = view.header.tensors[name]
             if whole and torch_dtype(info.dtype) == self.dtype:
                 view.decode_into(name, lanes[:, a:b, :])  # straight into place, strided
-            else:  # a piece that straddles the load's range, or another dtype: decode, then copy the slice
+            else:  # a chunk that straddles the load's range, or another dtype: decode, then copy the slice
                 t = to_torch(view.decode([name]))[name]  # [H, n, D]
                 # The staging may have been made inside the engine's forward (inference mode): an in-place
                 # update of such a tensor is allowed only in inference mode, and this runs on a worker thread.
@@ -169,7 +169,7 @@ class Staging:
         takes them, ``[n, H, D]``.
 
         On the CPU: views of the staging (vLLM's CPU kernels read strides; no copy at all). On another device
-        (always from ``first``: the pieces read in place are the CPU's):
+        (always from ``first``: the chunks read in place are the CPU's):
         out of the load's ``Upload`` (started here if :meth:`upload` was not called), the compute stream waiting
         for this layer's copy only, reordered there into a contiguous ``[n, H, D]``: a GPU's
         ``reshape_and_cache`` reads each token's ``H x D`` values as one row, and would misread a strided view.

@@ -15,7 +15,7 @@ turns them into ``kdn_vllm_*`` series on vLLM's own ``/metrics``:
   (``zstd``, ``raw``, a lossy one within the ``quality`` budget);
 - ``kdn_vllm_load_seconds``: one request's load, fetch to last layer written;
 - ``kdn_vllm_load_phase_seconds{phase}``: where a load's time goes: ``lookup`` (the chain's records, before
-  the step: scheduler side), ``fetch`` (first request to last piece staged), ``stall`` (of that, the time
+  the step: scheduler side), ``fetch`` (first request to last chunk staged), ``stall`` (of that, the time
   the forward waited at its first attention layer: the fetch not hidden behind anything), ``write`` (the
   layers' backend writes into the paged cache, inside the forward);
 - ``kdn_vllm_saved_chunks_total``: chunks a producer wrote to its store;
@@ -79,7 +79,7 @@ class KDNStats(KVConnectorStats):
 
     def sampled(self, nbytes: int, seconds: float, abandoned: bool = False, host: bool = False) -> None:
         """One load: the wire bytes it moved (all it was to move; given up at its deadline, what landed by
-        then), its seconds from start to the last piece staged (or to its deadline), whether it was
+        then), its seconds from start to the last chunk staged (or to its deadline), whether it was
         given up there, and whether every byte came from the machine's host tier."""
         samples = self.data.setdefault("samples", [])
         samples.append([int(nbytes), float(seconds), int(abandoned), int(host)])

@@ -93,8 +93,8 @@ def request_params(emphasis: EmphasisMap | dict, *, steer: bool | None = True, a
     return kdn, salt_prefix + steering.salt(emap, alpha=alpha, heads=heads, query_from=query_from)
 
 
-def plan_of(params: dict, *, n_layers: int, n_heads: int, n_ids: int, cache_salt: str | None) -> SteerSpec | None:
-    """The plan a request's ``kdn`` params ask for, or None; ``InvalidInput`` / ``ModelMismatch`` for a bad one
+def spec_of(params: dict, *, n_layers: int, n_heads: int, n_ids: int, cache_salt: str | None) -> SteerSpec | None:
+    """The steering a request's ``kdn`` params ask for, or None; ``InvalidInput`` / ``ModelMismatch`` for a bad one
     (a malformed map, heads the model lacks, a region past the prompt, a missing salt)."""
     emphasis = params.get("emphasis")
     on = params.get("steer")

@@ -4,7 +4,7 @@ Every object of a load is fetched into a reused arena buffer, verified against
 the digest of its record, its header checked against what the plan expects
 (address, model, namespace, span, tensor shapes), and then at once decoded into
 the load's per-layer staging (``stage.py``) while the other objects are still
-on the wire; its receive buffer goes back to the arena (that piece path is
+on the wire; its receive buffer goes back to the arena (that is the chunk loader,
 ``fetching.py``; this module starts it, waits for it, writes and accounts). Two ways to write, chosen
 per model by the connector (``load`` setting):
 
@@ -13,7 +13,7 @@ per model by the connector (``load`` setting):
   waits for them once (bounded by ``load_timeout``, or the planner's tighter
   deadline for this load, and given up sooner once the load's own progress
   shows it would overrun that: ``kdn.planner.overruns``), then writes only
-  that layer's staged K/V with one backend call. A piece that fails marks its blocks
+  that layer's staged K/V with one backend call. A chunk that fails marks its blocks
   (and every later block of the request) in ``get_block_ids_with_load_errors``;
   vLLM recomputes from there.
 - **between steps** (hybrid models, always: vLLM refuses block-level errors
@@ -47,7 +47,7 @@ from kdn.planner import OVERRUN_AFTER, overruns
 
 from kdn.adapters.vllm import compat, paged
 from kdn.adapters.vllm.ahead import WriteAhead
-from kdn.adapters.vllm.fetching import AttnLayer, Holds, LoadFailed, PieceLoader, Staged, StateLayer
+from kdn.adapters.vllm.fetching import AttnLayer, ChunkLoader, Holds, LoadFailed, Staged, StateLayer
 from kdn.adapters.vllm.meta import KDNMetadata, LoadJob
 from kdn.adapters.vllm.plan import blocks_of
 from kdn.adapters.vllm.stage import Staging, reap
@@ -63,19 +63,19 @@ class _Running:
     job: LoadJob
     staging: Staging | None = None
     fetches: list[concurrent.futures.Future] = field(default_factory=list)  # -> Staged, in plan order
-    staged: list[Staged] | None = None  # the pieces that arrived intact, in plan order (a prefix)
+    staged: list[Staged] | None = None  # the chunks that arrived intact, in plan order (a prefix)
     error: LoadFailed | None = None
     upto: int = -1  # tokens [plan.first, upto) are still being written; a failure lowers it
     started: float = field(default_factory=time.perf_counter)
     tally: Tally = field(default_factory=Tally)  # the body bytes its own fetches landed (a give-up's measure)
-    ready: float = 0.0  # when its last piece was staged (or it was given up)
-    stall: float = 0.0  # seconds the forward waited for its pieces (at the first attention layer)
+    ready: float = 0.0  # when its last chunk was staged (or it was given up)
+    stall: float = 0.0  # seconds the forward waited for its chunks (at the first attention layer)
     write: float = 0.0  # seconds of its layers' backend writes
     moved: int = -1  # a complete load's wire bytes: the planner's sample, taken once its writes are timed too
     from_host: bool = False  # ... every one of them from the machine's host tier (the sample is the host's speed)
     slots: tuple[int, torch.Tensor] | None = None  # (upto, its cache slots on the device): see _slots
-    holds: Holds = field(default_factory=Holds)  # host-tier leases of the pieces its writes read in place
-    host_batch: Any = None  # (fetching.PieceLoader._held: what the host holds of it, asked once, leased at once)
+    holds: Holds = field(default_factory=Holds)  # host-tier leases of the chunks its writes read in place
+    host_batch: Any = None  # (fetching.ChunkLoader._held: what the host holds of it, asked once, leased at once)
     segments: tuple[int, list[tuple[int, int, Staged | None]]] | None = None  # (upto, what _segments said)
 
     def __post_init__(self) -> None:
@@ -83,12 +83,12 @@ class _Running:
             self.upto = self.job.plan.end
 
     def spans(self) -> list[tuple[int, Chunk, int, int]]:
-        """``(i, piece, lo, hi)`` of the pieces that still write tokens."""
+        """``(i, chunk, lo, hi)`` of the chunks that still write tokens."""
         return [(i, p, lo, min(hi, self.upto)) for i, (p, lo, hi) in enumerate(self.job.plan.spans()) if lo < self.upto]
 
 
 def _release(run: _Running, bridge: Any) -> None:
-    """Hand the load's staging back (deferred while a piece is still being decoded into it: Staging.writing),
+    """Hand the load's staging back (deferred while a chunk is still being decoded into it: Staging.writing),
     and end the host-tier leases its writes read in place (on the client's loop, ``bridge``)."""
     staging, run.staging = run.staging, None
     if staging is not None:
@@ -101,8 +101,8 @@ def _release(run: _Running, bridge: Any) -> None:
 
 
 def segments(run: _Running) -> list[tuple[int, int, Staged | None]]:
-    """A load's tokens ``[plan.first, upto)`` as ``(lo, hi, held)``: a run of pieces in the staging (held None;
-    consecutive ones merged into one write), or one piece read in place (its ``Staged``). Made once per load."""
+    """A load's tokens ``[plan.first, upto)`` as ``(lo, hi, held)``: a run of chunks in the staging (held None;
+    consecutive ones merged into one write), or one chunk read in place (its ``Staged``). Made once per load."""
     if run.segments is None or run.segments[0] != run.upto:
         staged = run.staged or []
         out: list[tuple[int, int, Staged | None]] = []
@@ -166,9 +166,9 @@ class WorkerSide:
                     self.states.append(StateLayer(name, idx, g.id, mod))
         self._order = sorted(self.attn.values(), key=lambda a: a.index)  # staging order: the forward's
         self._index = {a.name: j for j, a in enumerate(self._order)}
-        # On the CPU the cache is host memory: the host tier's raw pieces are written into it from the mapping
+        # On the CPU the cache is host memory: the host tier's raw chunks are written into it from the mapping
         # (one pass), never copied into the staging first.
-        self.pieces = PieceLoader(client=self.client, model_id=self.model_id, namespace=self.cfg.namespace,
+        self.loader = ChunkLoader(client=self.client, model_id=self.model_id, namespace=self.cfg.namespace,
                                   stager=self._stager, attn=self.attn, order=self._order, states=self.states,
                                   in_place=self.device.type == "cpu")
 
@@ -186,21 +186,21 @@ class WorkerSide:
             self._ahead.start(self._running, self._order, self._collect_once, self._write_ahead)
 
     def _begin(self, job: LoadJob) -> _Running:
-        """A load with its staging taken from the arena and every fetch started (each stages its piece)."""
+        """A load with its staging taken from the arena and every fetch started (each stages its chunk)."""
         run = _Running(job)
         cache = next(iter(self.attn.values())).module.kv_cache if self.attn else None
         dims = [(a.kv_heads, a.head_dim) for a in self._order]
         dtype = cache.dtype if cache is not None else torch.bfloat16
         reap()  # earlier loads' staging whose device copies have finished since
-        # On the CPU the staging takes its memory only when a piece needs it: pieces read in place (the host
+        # On the CPU the staging takes its memory only when a chunk needs it: chunks read in place (the host
         # tier's mapping) need none, and a load wholly from the host holds no arena memory at all.
-        lazy = self.pieces.in_place and job.host and getattr(self.client, "host", None) is not None
+        lazy = self.loader.in_place and job.host and getattr(self.client, "host", None) is not None
         try:
             run.staging = Staging(self.arena, dims, job.plan.first, job.plan.end, dtype, lazy=lazy)
         except ArenaFull as e:  # every buffer is in use by other loads: this one recomputes
             self._fail(run, LoadFailed("arena", None, str(e)))
             return run
-        run.fetches = [self.bridge.submit(self.pieces.fetch_and_stage(run, i, p)) for i, p in enumerate(job.plan.chunks)]
+        run.fetches = [self.bridge.submit(self.loader.fetch_and_stage(run, i, p)) for i, p in enumerate(job.plan.chunks)]
         return run
 
     def _blend(self, job: Any) -> None:
@@ -236,7 +236,7 @@ class WorkerSide:
                 self._collect(run)
                 run.stall = time.perf_counter() - t0
                 self._upload(run)
-            # Tokens before a failed piece are still loaded: vLLM keeps the blocks before the first
+            # Tokens before a failed chunk are still loaded: vLLM keeps the blocks before the first
             # bad one, so every layer must hold them.
             if run.upto > run.job.plan.first:
                 t0 = time.perf_counter()
@@ -244,7 +244,7 @@ class WorkerSide:
                 run.write += time.perf_counter() - t0
 
     def _collect_once(self, run: _Running) -> None:
-        """The writer thread's first step for a load: wait for its pieces (as the first layer's wait does)."""
+        """The writer thread's first step for a load: wait for its chunks (as the first layer's wait does)."""
         if run.staged is None:
             self._collect(run)
 
@@ -257,7 +257,7 @@ class WorkerSide:
                 run.write += time.perf_counter() - t0
 
     def _collect(self, run: _Running) -> None:
-        """Wait for a load's pieces to be staged (what is left of its deadline), up to the first that fails."""
+        """Wait for a load's chunks to be staged (what is left of its deadline), up to the first that fails."""
         plan = run.job.plan
         limit = min(self.cfg.load_timeout, plan.deadline_s)  # the planner's, where it set a tighter one
         deadline = run.started + limit
@@ -270,7 +270,7 @@ class WorkerSide:
         run.staged = []
         for p, fut in zip(plan.chunks, run.fetches):
             try:
-                run.staged.append(self._wait_piece(run, fut, deadline, step if judged else math.inf, total, limit,
+                run.staged.append(self._wait_chunk(run, fut, deadline, step if judged else math.inf, total, limit,
                                                    plan.cold))
                 continue
             except concurrent.futures.TimeoutError as late:
@@ -298,7 +298,7 @@ class WorkerSide:
         # request could afford, and the next plans compute instead of waiting on it again.
         if run.error is None:
             # A load wholly from the host tier teaches the host's speed; otherwise the link's, by the bytes that
-            # crossed it (a mixed load's time includes its host pieces: a conservative measure of the link).
+            # crossed it (a mixed load's time includes its host chunks: a conservative measure of the link).
             hosted = [s.source == "host" for s in run.staged]
             if all(hosted):
                 run.moved, run.from_host = sum(p.size for p in plan.chunks), True
@@ -310,9 +310,9 @@ class WorkerSide:
                     st.sampled(run.tally.bytes, run.ready - run.started, abandoned=True)
 
     @staticmethod
-    def _wait_piece(run: _Running, fut: concurrent.futures.Future, deadline: float, step: float, total: int,
+    def _wait_chunk(run: _Running, fut: concurrent.futures.Future, deadline: float, step: float, total: int,
                     limit: float, cold: bool = False) -> Staged:
-        """One piece's result, by ``deadline``; every ``step`` s the load's progress is judged, and a load
+        """One chunk's result, by ``deadline``; every ``step`` s the load's progress is judged, and a load
         that would overrun its deadline is given up now (``TimeoutError`` saying so); a ``cold`` one only once
         its first byte has landed."""
         while True:
@@ -333,7 +333,7 @@ class WorkerSide:
     def _fail(self, run: _Running, e: LoadFailed) -> None:
         run.error = e
         job = run.job
-        first = max(e.piece.start, job.plan.first) if e.piece else job.plan.first
+        first = max(e.chunk.start, job.plan.first) if e.chunk else job.plan.first
         run.upto = min(run.upto, first)
         log.warning("KDN load of %s stopped at token %d (%s); vLLM recomputes", job.req_id, first, e)
         with self._lock:
@@ -382,7 +382,7 @@ class WorkerSide:
     # --- write -------------------------------------------------------------------------------
 
     def _upload(self, run: _Running) -> None:
-        """Once a load's staging is whole (its pieces collected), every layer's copy onto the device issued at
+        """Once a load's staging is whole (its chunks collected), every layer's copy onto the device issued at
         once on the device's copy stream, an event each (``stage.Upload``): each layer's wait then waits for its
         own copy only, and the forward computes a layer while the next ones cross. On the CPU nothing crosses."""
         if run.staging is None or run.upto <= run.job.plan.first or not self.attn:
@@ -392,8 +392,8 @@ class WorkerSide:
             run.staging.upload(device)
 
     def _write_layer(self, run: _Running, layer: AttnLayer, w: int = 0, of: int = 1) -> None:
-        """Layer ``layer``'s tokens ``[plan.first, upto)``: one backend write per run of staged pieces (on a GPU,
-        once its copy has crossed: the compute stream waits for that layer's event only), and one per piece read
+        """Layer ``layer``'s tokens ``[plan.first, upto)``: one backend write per run of staged chunks (on a GPU,
+        once its copy has crossed: the compute stream waits for that layer's event only), and one per chunk read
         in place (a host-tier lease: from the mapping straight into the paged blocks)."""
         assert run.staging is not None
         cache = layer.module.kv_cache

@@ -309,7 +309,7 @@ class KDNClient:
     async def probe(self, address: Address, *, encoding: str, digest: Digest, size: int, pieces: Pieces | None = None,
                     deadline_s: float) -> Probe | None:
         """Time this client's link by fetching one object, verifying it and dropping it: the load planner's
-        probe (``Plan.probe_s``), run beside a request that computes instead of inside it. Not hedged (a
+        probe (``Decision.probe_s``), run beside a request that computes instead of inside it. Not hedged (a
         second source would time another link). Never raises for the source: a probe cut at ``deadline_s``
         or failed reports the body bytes that did land by then (``abandoned``), as a load given up does.
         None: it measured nothing (the arena had no room for the body)."""

@@ -223,20 +223,20 @@ async def test_records_without_piece_digests_load_whole(tmp_path):
 
 
 class _StateModule:
-    """What ``PieceLoader.max_decoded`` reads of a vLLM state layer: its cache tensors (a batch dim first)."""
+    """What ``ChunkLoader.max_decoded`` reads of a vLLM state layer: its cache tensors (a batch dim first)."""
 
     def __init__(self, shapes) -> None:
         self.kv_cache = [torch.empty(1, *s) for s in shapes]
 
 
-async def test_vllm_pieces_of_a_hybrid_load_move_their_kv_only_and_the_last_whole(tmp_path, etcd_url, folders):
-    """The vLLM worker's piece path (``PieceLoader``, no engine needed): the same K/V and last states staged
+async def test_vllm_chunks_of_a_hybrid_load_move_their_kv_only_and_the_last_whole(tmp_path, etcd_url, folders):
+    """The vLLM worker's chunk loader (``ChunkLoader``, no engine needed): the same K/V and last states staged
     as from whole objects, fewer bytes."""
     pytest.importorskip("vllm")
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from kdn.adapters.vllm.fetching import AttnLayer, PieceLoader, StateLayer
+    from kdn.adapters.vllm.fetching import AttnLayer, ChunkLoader, StateLayer
     from kdn.adapters.vllm.meta import LoadJob
     from kdn.adapters.vllm.plan import LoadPlan
     from kdn.chunk import Chunk
@@ -254,19 +254,19 @@ async def test_vllm_pieces_of_a_hybrid_load_move_their_kv_only_and_the_last_whol
         m = await publish(c, DOC[:1100], encodings=["raw"])
         async with KDNClient(edges=[("e1", c.edge_url("e1"))]) as client:
             hit = await client.lookup(m["prefix_tokens"], lm.model_id)
-            pieces = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec.encodings["raw"].digest,
+            chunks = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec.encodings["raw"].digest,
                                  rec.encodings["raw"].size,
                                  pieces=Pieces(rec.encodings["raw"].piece_bytes, rec.encodings["raw"].pieces))
                            for i, (a, rec) in enumerate(zip(hit.addresses[:4], hit.records)))
-            job = LoadJob("r1", LoadPlan(0, 1024, pieces), ([],), background=False, host=False)
+            job = LoadJob("r1", LoadPlan(0, 1024, chunks), ([],), background=False, host=False)
             run = SimpleNamespace(staging=Staging(Arena(64 << 20), [(a.kv_heads, a.head_dim) for a in attn], 0, 1024,
                                                   kv_dtype),
                                   tally=Tally(), job=job)
-            loader = PieceLoader(client=client, model_id=lm.model_id, namespace="public",
+            loader = ChunkLoader(client=client, model_id=lm.model_id, namespace="public",
                                  stager=ThreadPoolExecutor(2), attn={a.name: a for a in attn}, order=attn,
                                  states=states)
-            staged = [await loader.fetch_and_stage(run, i, p) for i, p in enumerate(pieces)]
-            last = ObjectView((await client.fetch(pieces[-1].address, encoding="raw")).blob)
+            staged = [await loader.fetch_and_stage(run, i, p) for i, p in enumerate(chunks)]
+            last = ObjectView((await client.fetch(chunks[-1].address, encoding="raw")).blob)
     ref = prefill(lm.model, m["prefix_tokens"][:1024], chunk_tokens=256)
     for j, a in enumerate(attn):
         k, v = run.staging.kv(j)  # [n, H, D]
@@ -276,7 +276,7 @@ async def test_vllm_pieces_of_a_hybrid_load_move_their_kv_only_and_the_last_whol
     assert set(want) == {f"L{s.index}.{x}" for s in states for x in ("conv", "ssm")}
     assert all(torch.equal(staged[-1].states[n], want[n]) for n in want)
     assert not any(s.states for s in staged[:-1])
-    whole, dead = sum(p.size for p in pieces), state_bytes(lm.model)
+    whole, dead = sum(p.size for p in chunks), state_bytes(lm.model)
     assert run.tally.bytes == sum(s.nbytes for s in staged) <= whole - 3 * (dead - 3 * PIECE)
 
 
@@ -320,10 +320,10 @@ async def test_a_hybrid_loads_from_the_host_tier_bit_identically(tmp_path, etcd_
     assert torch.equal(gen.first_logits, ref)
 
 
-async def test_vllm_hybrid_pieces_from_the_host_tier_are_read_in_place_and_the_last_keeps_its_states(
+async def test_vllm_hybrid_chunks_from_the_host_tier_are_read_in_place_and_the_last_keeps_its_states(
         tmp_path, etcd_url, folders):
-    """The vLLM worker's piece path from the host tier (``PieceLoader(in_place=True)``, as on the CPU): the load's
-    pieces leased in one round trip, every one but the last read in place (its K/V as views of the mapping, the
+    """The vLLM worker's chunk loader from the host tier (``ChunkLoader(in_place=True)``, as on the CPU): the load's
+    chunks leased in one round trip, every one but the last read in place (its K/V as views of the mapping, the
     leases kept by the load until it ends), the last staged with its states; all of it equal to the model's own
     chunked prefill."""
     pytest.importorskip("vllm")
@@ -333,7 +333,7 @@ async def test_vllm_hybrid_pieces_from_the_host_tier_are_read_in_place_and_the_l
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from kdn.adapters.vllm.fetching import AttnLayer, Holds, PieceLoader, StateLayer
+    from kdn.adapters.vllm.fetching import AttnLayer, ChunkLoader, Holds, StateLayer
     from kdn.adapters.vllm.meta import LoadJob
     from kdn.adapters.vllm.plan import LoadPlan
     from kdn.chunk import Chunk
@@ -367,18 +367,18 @@ async def test_vllm_hybrid_pieces_from_the_host_tier_are_read_in_place_and_the_l
         client = await stack.enter_async_context(KDNClient(edges=[c.edge_url("e1")], host=host))
         hit = await client.lookup(m["prefix_tokens"], lm.model_id)
         assert set(await host.warm(hit.addresses[:4], "raw")) == {"filled"}
-        pieces = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec.encodings["raw"].digest,
+        chunks = tuple(Chunk(a, 256 * i, 256 * (i + 1), "raw", rec.encodings["raw"].digest,
                              rec.encodings["raw"].size, host=True)
                        for i, (a, rec) in enumerate(zip(hit.addresses[:4], hit.records)))
-        job = LoadJob("r1", LoadPlan(0, 1024, pieces), ([],), background=True, host=True)
+        job = LoadJob("r1", LoadPlan(0, 1024, chunks), ([],), background=True, host=True)
         arena = Arena(64 << 20)
         run = SimpleNamespace(staging=Staging(arena, [(a.kv_heads, a.head_dim) for a in attn], 0, 1024, kv_dtype,
                                               lazy=True), tally=Tally(), job=job, holds=Holds())
-        loader = PieceLoader(client=client, model_id=lm.model_id, namespace="public", stager=ThreadPoolExecutor(2),
+        loader = ChunkLoader(client=client, model_id=lm.model_id, namespace="public", stager=ThreadPoolExecutor(2),
                              attn={a.name: a for a in attn}, order=attn, states=states, in_place=True)
-        staged = [await loader.fetch_and_stage(run, i, p) for i, p in enumerate(pieces)]
+        staged = [await loader.fetch_and_stage(run, i, p) for i, p in enumerate(chunks)]
         assert [s.kv is not None for s in staged] == [True, True, True, False]
-        # the four pieces leased in one round trip, kept by the load as one batch until it ends
+        # the four chunks leased in one round trip, kept by the load as one batch until it ends
         assert len(run.holds) == 1 and (await host.stats())["leases"] == 4
         assert client.host_stats.hits == 4 and run.tally.bytes == 0  # nothing over the socket's HTTP
         ref = prefill(lm.model, m["prefix_tokens"][:1024], chunk_tokens=256)

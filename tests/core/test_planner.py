@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kdn.chunk import Chunk
-from kdn.planner import LEARN_TOKENS, PROBE_AFTER_S, PrefillModel, Speeds, plan
+from kdn.planner import LEARN_TOKENS, PROBE_AFTER_S, PrefillModel, Speeds, decide
 
 MiB = 1 << 20
 
@@ -28,14 +28,14 @@ def link(gbps: float, rtt: float = 0.001):
 
 
 def test_a_fast_link_loads_everything():
-    p = plan(chunks(), 8192 + 16, link=link(50), speeds=Speeds(llama8b()))
+    p = decide(chunks(), 8192 + 16, link=link(50), speeds=Speeds(llama8b()))
     assert (p.head, p.load) == (0, 32) and p.tokens_loaded == 8192
     assert p.speedup > 5 and p.expected_load_s < 0.05
     assert p.deadline_s == pytest.approx(max(2 * p.expected_load_s + 0.05, 0.25 * p.compute_all_s))
 
 
 def test_a_slow_link_computes_everything():
-    p = plan(chunks(), 8192 + 16, link=link(1), speeds=Speeds(llama8b()))
+    p = decide(chunks(), 8192 + 16, link=link(1), speeds=Speeds(llama8b()))
     assert not p.loads_anything and p.load == 0 and p.tokens_loaded == 0
     assert p.reason.startswith("compute: load") and p.expected_s == p.compute_all_s
     assert math.isinf(p.deadline_s)
@@ -45,11 +45,11 @@ def test_a_slow_loader_counts_even_over_a_fast_link():
     """The engine's own measured load speed (fetch to cache) bounds the link's."""
     s = Speeds(llama8b())
     s.observe_load(1 << 30, 2.0)  # 0.5 GB/s into the cache, measured
-    assert not plan(chunks(), 8192 + 16, link=link(50), speeds=s).loads_anything
+    assert not decide(chunks(), 8192 + 16, link=link(50), speeds=s).loads_anything
 
 
 def test_unmeasured_prefill_loads_and_says_why():
-    p = plan(chunks(4), 1040, link=link(0.01), speeds=Speeds(PrefillModel(1_000_000, 2, 64)))
+    p = decide(chunks(4), 1040, link=link(0.01), speeds=Speeds(PrefillModel(1_000_000, 2, 64)))
     assert p.load == 4 and p.reason == "load: prefill not measured yet"
 
 
@@ -57,14 +57,14 @@ def test_head_overlap_computes_the_head_while_the_tail_loads():
     """Over a link where loading everything is a bit slower than computing, an engine that can compute its
     head meanwhile loads only the tail (the head's compute hides under the transfer)."""
     speeds = Speeds(llama8b())
-    no = plan(chunks(), 8192 + 16, link=link(4), speeds=speeds)
-    yes = plan(chunks(), 8192 + 16, link=link(4), speeds=speeds, overlap=True)
+    no = decide(chunks(), 8192 + 16, link=link(4), speeds=speeds)
+    yes = decide(chunks(), 8192 + 16, link=link(4), speeds=speeds, overlap=True)
     assert yes.expected_s <= no.expected_s
     assert yes.head > 0 and yes.load == 32 and yes.expected_s < yes.compute_all_s
 
 
 def test_a_deadline_cap_bounds_the_load():
-    p = plan(chunks(), 8192 + 16, link=link(50), speeds=Speeds(llama8b()), max_deadline_s=0.01)
+    p = decide(chunks(), 8192 + 16, link=link(50), speeds=Speeds(llama8b()), max_deadline_s=0.01)
     assert p.deadline_s == 0.01
 
 
@@ -78,7 +78,7 @@ def test_small_forwards_teach_the_fixed_cost_not_the_per_flop_one():
 
 
 def test_nothing_published_computes():
-    p = plan([], 100, link=link(50), speeds=Speeds(llama8b()))
+    p = decide([], 100, link=link(50), speeds=Speeds(llama8b()))
     assert not p.loads_anything and p.reason == "nothing published"
 
 
@@ -86,7 +86,7 @@ def test_where_a_prefill_is_dear_a_load_may_run_long_before_it_is_abandoned():
     """On a CPU a prefill takes seconds and a load milliseconds: a noisy moment must not throw the load away."""
     slow = PrefillModel(params=8_000_000_000, layers=32, attn_width=4096)
     slow.observe(8192, 0, 20.0)
-    p = plan(chunks(), 8192 + 16, link=link(3), speeds=Speeds(slow))
+    p = decide(chunks(), 8192 + 16, link=link(3), speeds=Speeds(slow))
     assert p.load == 32 and p.expected_load_s < 0.5 and p.deadline_s == pytest.approx(0.25 * p.compute_all_s)
 
 
@@ -99,7 +99,7 @@ def test_an_abandoned_load_sets_the_speed_to_what_landed_at_once():
     assert s.load_bps == pytest.approx((64 << 20) / 2.0)
     s.observe_load(1 << 30, 0.1, abandoned=True)  # an abandoned load never raises the estimate
     assert s.load_bps == pytest.approx((64 << 20) / 2.0)
-    p = plan(chunks(), 8192 + 16, link=link(1), speeds=s)
+    p = decide(chunks(), 8192 + 16, link=link(1), speeds=s)
     assert p.outcome == "compute"  # 1 GiB at 32 MiB/s loses to the 8B model's prefill
 
 
@@ -108,15 +108,15 @@ def test_an_abandoned_load_that_moved_nothing_makes_loads_lose_until_the_probe()
     s.observe_load(1 << 30, 0.1, now=0.0)
     s.observe_load(0, 0.5, now=1.0, abandoned=True)  # a stalled source: no byte in 0.5 s
     assert s.load_bps is not None and s.load_bps <= 2.0
-    assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=2.0).outcome == "compute"
-    assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=1.0 + PROBE_AFTER_S + 1).outcome == "probe"
+    assert decide(chunks(), 8192 + 16, link=link(1), speeds=s, now=2.0).outcome == "compute"
+    assert decide(chunks(), 8192 + 16, link=link(1), speeds=s, now=1.0 + PROBE_AFTER_S + 1).outcome == "probe"
     s.observe_load(0, 0.0, abandoned=True)  # no time: nothing learnt
     assert s.loads == 2
 
 
 def test_cached_tokens_are_costed_after_what_the_engine_holds():
     s = Speeds(llama8b())
-    p = plan(chunks(8), 4096 + 16, link=link(1), speeds=s, cached=4096)
+    p = decide(chunks(8), 4096 + 16, link=link(1), speeds=s, cached=4096)
     assert p.compute_all_s == pytest.approx(s.prefill.seconds(4096 + 16, 4096))
     assert p.compute_all_s > s.prefill.seconds(4096 + 16)  # attention over the held tokens costs too
     assert p.outcome == "compute"
@@ -138,12 +138,12 @@ def test_the_probe_a_plan_asked_for_replaces_the_stale_speed():
     as 15x and an engine with a fast prefill kept computing after the link recovered."""
     s = Speeds(llama8b())
     s.observe_load(1 << 30, 10.0, now=0.0)  # slow when last measured: ~107 MB/s
-    assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0).outcome == "probe"
+    assert decide(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0).outcome == "probe"
     s.observe_load(32 << 20, 0.01, now=100.2, probe=True)  # the probe lands: 3.4 GB/s
     assert s.load_bps == pytest.approx((32 << 20) / 0.01)
     s2 = Speeds(llama8b())  # the same landing as a load, not a probe: blended (what the probe must not be)
     s2.observe_load(1 << 30, 10.0, now=0.0)
-    plan(chunks(), 8192 + 16, link=link(1), speeds=s2, now=100.0)
+    decide(chunks(), 8192 + 16, link=link(1), speeds=s2, now=100.0)
     s2.observe_load(32 << 20, 0.01, now=100.2)
     assert s2.load_bps < 0.5 * (32 << 20) / 0.01
 
@@ -152,15 +152,15 @@ def test_one_probe_per_stale_period_even_before_it_measures():
     """Requests planned while a probe is on the wire compute: a stale speed costs one chunk per period."""
     s = Speeds(llama8b())
     s.observe_load(1 << 30, 10.0, now=0.0)  # slow when last measured
-    first = plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0)
-    second = plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.5)
+    first = decide(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0)
+    second = decide(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.5)
     assert first.reason.startswith("probe") and first.probe_s > 0 and not second.loads_anything
     assert not second.probe_s
     # The probe is off the request path: the request itself computes it all, at a prefill's cost.
     assert not first.loads_anything and first.expected_s == first.compute_all_s
     assert math.isfinite(first.probe_s) and first.probe_s >= 1.0
-    assert plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0 + PROBE_AFTER_S + 1).reason.startswith("probe")
-    assert not plan(chunks(), 8192 + 16, link=link(1), speeds=s, now=300.0, probe=False).loads_anything
+    assert decide(chunks(), 8192 + 16, link=link(1), speeds=s, now=100.0 + PROBE_AFTER_S + 1).reason.startswith("probe")
+    assert not decide(chunks(), 8192 + 16, link=link(1), speeds=s, now=300.0, probe=False).loads_anything
 
 
 def test_a_load_that_would_overrun_its_deadline_is_given_up_once_an_eighth_of_it_has_passed():
@@ -203,10 +203,10 @@ def test_a_stale_speed_a_probe_cannot_re_measure_is_not_used():
     s.prefill.observe(2048, 0, 1.0)
     s.observe_load(256 << 10, 0.065, now=100.0, abandoned=True)  # ~4 MB/s
     fast = link(1e9)  # the link's own estimate: fast
-    assert not plan(chunks(), 8192 + 16, link=fast, speeds=s, now=110.0, probe=False).loads_anything  # fresh
+    assert not decide(chunks(), 8192 + 16, link=fast, speeds=s, now=110.0, probe=False).loads_anything  # fresh
     late = 100.0 + PROBE_AFTER_S + 1
-    assert plan(chunks(), 8192 + 16, link=fast, speeds=s, now=late, probe=False).loads_anything  # cold, stale
-    warm = plan(chunks(), 8192 + 16, link=fast, speeds=s, now=late, probe=True)  # warm, stale: probed instead
+    assert decide(chunks(), 8192 + 16, link=fast, speeds=s, now=late, probe=False).loads_anything  # cold, stale
+    warm = decide(chunks(), 8192 + 16, link=fast, speeds=s, now=late, probe=True)  # warm, stale: probed instead
     assert not warm.loads_anything and warm.probe_s > 0
 
 
@@ -218,20 +218,20 @@ def test_chunks_the_host_tier_holds_are_costed_at_the_hosts_speed_not_the_links(
     s.observe_load(1 << 30, 0.04, host=True)  # the host's: ~27 GB/s (a pinned DMA)
     assert s.load_bps == pytest.approx((1 << 30) / 10.0) and s.loads == 1 and s.host_loads == 1
     held = chunks(host=True)
-    assert not plan(chunks(), 8192 + 16, link=link(1), speeds=s).loads_anything
-    p = plan(held, 8192 + 16, link=link(1), speeds=s)
+    assert not decide(chunks(), 8192 + 16, link=link(1), speeds=s).loads_anything
+    p = decide(held, 8192 + 16, link=link(1), speeds=s)
     assert p.load == 32 and p.expected_load_s == pytest.approx(32 * 32 * MiB / s.host_bps)
     half = held[:16] + chunks(16)
-    q = plan(half, 8192 + 16, link=link(50), speeds=s)  # what the host holds loads, the slow edge's half computes
+    q = decide(half, 8192 + 16, link=link(50), speeds=s)  # what the host holds loads, the slow edge's half computes
     assert q.load == 16 and q.expected_load_s == pytest.approx(16 * 32 * MiB / s.host_bps)
     fast = Speeds(llama8b())  # an edge not measured slow: both halves load, their times summed
     fast.observe_load(1 << 30, 0.04, host=True)
-    r = plan(half, 8192 + 16, link=link(50), speeds=fast)
+    r = decide(half, 8192 + 16, link=link(50), speeds=fast)
     assert r.load == 32 and r.expected_load_s == pytest.approx(16 * 32 * MiB / fast.host_bps + link(50)(16 * 32 * MiB))
 
 
 def test_before_the_host_tier_is_measured_its_prior_is_used():
     from kdn.planner import HOST_PRIOR_BPS
 
-    p = plan(chunks(1, host=True), 256 + 16, link=link(0.001), speeds=Speeds(llama8b()))
+    p = decide(chunks(1, host=True), 256 + 16, link=link(0.001), speeds=Speeds(llama8b()))
     assert p.expected_load_s == pytest.approx(32 * MiB / HOST_PRIOR_BPS)

@@ -14,7 +14,7 @@ import pytest
 
 from kdn.chunk import Chunk
 from kdn.planner import (COLD_FILL_S, COLD_OF_PREFILL, LEARN_TOKENS, PROBE_AFTER_S, PrefillModel, Speeds,
-                         cold_deadline, plan)
+                         cold_deadline, decide)
 
 from kdn.adapters.vllm.fetching import Staged
 from kdn.adapters.vllm.plan import plan_load
@@ -81,68 +81,68 @@ def test_a_batch_step_teaches_its_summed_work():
 
 
 def test_a_fast_link_loads_the_whole_offer_with_the_planners_deadline():
-    pieces = chain(256, 512, 768, 1024, 1100)
-    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    chunks = chain(256, 512, 768, 1024, 1100)
+    lp = plan_load(chunks, computed=0, num_tokens=1140, block_size=128, needs_state=False)
     p = Planner(calibrated(), link=link(10e9), max_deadline_s=10)
-    cut, decision, outcome = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+    cut, decision, outcome = p.decide(lp, chunks, num_tokens=1140, block_size=128, needs_state=False)
     assert cut == lp.__class__(lp.first, lp.end, lp.chunks, decision.deadline_s)
     assert outcome == "load" and decision.deadline_s < 1.0
     assert p.reasons.counts == {"load": 1} and p.reasons.tokens_loaded == 1024
 
 
 def test_a_slow_link_computes_and_says_so():
-    pieces = chain(256, 512, 768, 1024, 1100)
-    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    chunks = chain(256, 512, 768, 1024, 1100)
+    lp = plan_load(chunks, computed=0, num_tokens=1140, block_size=128, needs_state=False)
     p = Planner(calibrated(), link=link(10e6))  # 16 MiB at 10 MB/s: 1.7 s against a ~0.1 s prefill
-    cut, decision, outcome = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+    cut, decision, outcome = p.decide(lp, chunks, num_tokens=1140, block_size=128, needs_state=False)
     assert cut is None and outcome == "compute" and decision.reason.startswith("compute: load")
     assert p.reasons.tokens_computed == 1140
 
 
 def test_what_the_engine_holds_is_not_planned_again():
     """Past vLLM's own 512 cached tokens the planner weighs only the rest, each prefill after them."""
-    pieces = chain(256, 512, 768, 1024, 1100)
-    lp = plan_load(pieces, computed=512, num_tokens=1140, block_size=128, needs_state=False)
+    chunks = chain(256, 512, 768, 1024, 1100)
+    lp = plan_load(chunks, computed=512, num_tokens=1140, block_size=128, needs_state=False)
     p = Planner(calibrated(), link=link(10e9))
-    cut, decision, _ = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+    cut, decision, _ = p.decide(lp, chunks, num_tokens=1140, block_size=128, needs_state=False)
     assert cut is not None and (cut.first, cut.end) == (512, 1024)
     pre = p.speeds.prefill
     assert decision.compute_all_s == pytest.approx(pre.seconds(1140 - 512, 512))
 
 
-def test_a_dear_last_piece_is_left_to_compute_and_the_cut_stays_on_a_block():
-    """Three cheap pieces and a huge fourth: load three, compute the rest; the cut ends on a block."""
-    pieces = chain(256, 512, 768, size=MiB) + [Chunk("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
-    lp = plan_load(pieces, computed=0, num_tokens=1100, block_size=128, needs_state=False)
+def test_a_dear_last_chunk_is_left_to_compute_and_the_cut_stays_on_a_block():
+    """Three cheap chunks and a huge fourth: load three, compute the rest; the cut ends on a block."""
+    chunks = chain(256, 512, 768, size=MiB) + [Chunk("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
+    lp = plan_load(chunks, computed=0, num_tokens=1100, block_size=128, needs_state=False)
     p = Planner(calibrated(), link=link(1e9))
-    cut, _, outcome = p.decide(lp, pieces, num_tokens=1100, block_size=128, needs_state=False)
+    cut, _, outcome = p.decide(lp, chunks, num_tokens=1100, block_size=128, needs_state=False)
     assert outcome == "load_part" and cut is not None and (cut.first, cut.end) == (0, 768)
     assert len(cut.chunks) == 3 and math.isfinite(cut.deadline_s)
     # A block of 512 tokens: the planner's 768 comes down to 512.
-    lp512 = plan_load(pieces, computed=0, num_tokens=1100, block_size=512, needs_state=False)
-    cut512, _, _ = p.decide(lp512, pieces, num_tokens=1100, block_size=512, needs_state=False)
+    lp512 = plan_load(chunks, computed=0, num_tokens=1100, block_size=512, needs_state=False)
+    cut512, _, _ = p.decide(lp512, chunks, num_tokens=1100, block_size=512, needs_state=False)
     assert cut512 is not None and cut512.end == 512
 
 
 def test_a_hybrid_cut_ends_where_a_state_is():
-    """A hybrid object carries its state at its own end: with 384-token blocks the cut after three pieces
-    (768) is also the second block's end; after two (512) it is not, so one piece would be none."""
-    pieces = chain(256, 512, 768, size=MiB) + [Chunk("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
-    lp = plan_load(pieces, computed=0, num_tokens=1100, block_size=384, needs_state=True)
+    """A hybrid object carries its state at its own end: with 384-token blocks the cut after three chunks
+    (768) is also the second block's end; after two (512) it is not, so one chunk would be none."""
+    chunks = chain(256, 512, 768, size=MiB) + [Chunk("f" * 64, 768, 1024, "raw", "0" * 64, 512 * MiB, "memory")]
+    lp = plan_load(chunks, computed=0, num_tokens=1100, block_size=384, needs_state=True)
     assert lp.end == 768
     p = Planner(calibrated(), link=link(1e9))
-    cut, _, _ = p.decide(lp, pieces, num_tokens=1100, block_size=384, needs_state=True)
+    cut, _, _ = p.decide(lp, chunks, num_tokens=1100, block_size=384, needs_state=True)
     assert cut is not None and cut.end == 768
 
 
 def test_a_cold_load_is_bounded_by_a_multiple_of_the_prefill_not_the_load_timeout():
-    """Pieces the entry edge must fill first: its upstream's time is not this link's, so not the link's tight
+    """Chunks the entry edge must fill first: its upstream's time is not this link's, so not the link's tight
     deadline either; but not the whole ``load_timeout`` (a lying edge that called every hit cold and stalled
     cost each request that): ``COLD_OF_PREFILL`` prefills plus the fill allowance."""
-    pieces = chain(256, 512, 768, 1024, 1100, tier="origin")
-    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    chunks = chain(256, 512, 768, 1024, 1100, tier="origin")
+    lp = plan_load(chunks, computed=0, num_tokens=1140, block_size=128, needs_state=False)
     p = Planner(calibrated(), link=link(10e9), max_deadline_s=10)
-    cut, decision, _ = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+    cut, decision, _ = p.decide(lp, chunks, num_tokens=1140, block_size=128, needs_state=False)
     assert cut is not None and decision.deadline_s < 1
     assert cut.deadline_s == COLD_OF_PREFILL * decision.compute_all_s + COLD_FILL_S < 10
 
@@ -151,13 +151,13 @@ def test_a_load_given_up_teaches_the_planner_to_compute_from_the_next_request():
     """A link that turns slow: the load given up at its deadline reports the bytes that landed by then (the
     load's own ``kdn.wire.bodyget.Tally``), so one load is spoiled, not one per doubling of the
     deadline, and the next request computes."""
-    pieces = chain(256, 512, 768, 1024, 1100, size=256 << 10)
-    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    chunks = chain(256, 512, 768, 1024, 1100, size=256 << 10)
+    lp = plan_load(chunks, computed=0, num_tokens=1140, block_size=128, needs_state=False)
     p = Planner(calibrated(0.2), link=link(1e9))  # the client still believes the link is fast
     true_bps = 2e6  # what the link now gives: 1.3 MiB in ~0.65 s, against a 0.2 s prefill
     spent = []
     for _ in range(8):
-        cut, decision, outcome = p.decide(lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+        cut, decision, outcome = p.decide(lp, chunks, num_tokens=1140, block_size=128, needs_state=False)
         if cut is None:
             break
         nbytes = sum(x.size for x in cut.chunks)
@@ -172,18 +172,18 @@ def test_a_load_given_up_teaches_the_planner_to_compute_from_the_next_request():
 
 
 def test_a_stale_measurement_probes_one_chunk_beside_the_request_then_loads_again():
-    pieces = chain(256, 512, 768, 1024, 1100)
-    lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+    chunks = chain(256, 512, 768, 1024, 1100)
+    lp = plan_load(chunks, computed=0, num_tokens=1140, block_size=128, needs_state=False)
     sp = calibrated()
     sp.observe_load(16 * MiB, 2.0, now=0.0)  # slow when last measured
-    chunks = [replace(x, start=lo, end=hi) for x, lo, hi in lp.spans()]
-    fresh = plan(chunks, 1140, link=link(10e9), speeds=sp, now=1.0)
+    written = [replace(x, start=lo, end=hi) for x, lo, hi in lp.spans()]
+    fresh = decide(written, 1140, link=link(10e9), speeds=sp, now=1.0)
     assert not fresh.loads_anything
-    stale = plan(chunks, 1140, link=link(10e9), speeds=sp, now=PROBE_AFTER_S + 1)
+    stale = decide(written, 1140, link=link(10e9), speeds=sp, now=PROBE_AFTER_S + 1)
     assert not stale.loads_anything and stale.reason.startswith("probe")  # computed; chunk 0 fetched beside it
     assert math.isfinite(stale.probe_s) and stale.probe_s > 0
     sp.observe_load(4 * MiB, 0.001, now=PROBE_AFTER_S + 2)  # the probe found the link fast again
-    assert plan(chunks, 1140, link=link(10e9), speeds=sp, now=PROBE_AFTER_S + 3).load >= 1
+    assert decide(written, 1140, link=link(10e9), speeds=sp, now=PROBE_AFTER_S + 3).load >= 1
 
 
 def test_what_an_engine_read_before_is_timed_against_its_link_even_when_the_edge_says_only_edge():
@@ -211,11 +211,11 @@ def test_what_an_engine_read_before_is_timed_against_its_link_even_when_the_edge
     for tier, known, cold in (("edge", True, False), ("edge", False, True), ("memory", False, False),
                               ("disk", False, False), ("origin", True, True), ("peer:e2", True, True),
                               ("region:us", True, True)):
-        pieces = [dataclasses.replace(p, tier=tier, warm=client.warm(p.address if known else "e" * 64, tier))
+        chunks = [dataclasses.replace(p, tier=tier, warm=client.warm(p.address if known else "e" * 64, tier))
                   for p in chain(256, 512, 768, 1024, 1100)]
-        lp = plan_load(pieces, computed=0, num_tokens=1140, block_size=128, needs_state=False)
+        lp = plan_load(chunks, computed=0, num_tokens=1140, block_size=128, needs_state=False)
         cut, decision, _ = Planner(calibrated(), link=link(10e9), max_deadline_s=10).decide(
-            lp, pieces, num_tokens=1140, block_size=128, needs_state=False)
+            lp, chunks, num_tokens=1140, block_size=128, needs_state=False)
         assert cut is not None and cut.cold == cold
         want = cold_deadline(decision.expected_load_s, 10, decision.compute_all_s) if cold else decision.deadline_s
         assert cut.deadline_s == want and (want > decision.deadline_s) == cold, tier
@@ -232,16 +232,16 @@ def test_the_worker_reports_a_given_up_load_by_its_own_tally_not_the_bytes_it_me
     from kdn.adapters.vllm.stats import KDNStats
     from kdn.adapters.vllm.worker import WorkerSide, _Running
 
-    pieces = chain(256, 512, size=4 * MiB, tier="memory")
+    chunks = chain(256, 512, size=4 * MiB, tier="memory")
     w = WorkerSide.__new__(WorkerSide)  # only what _collect and _fail touch
     w.cfg = SimpleNamespace(load_timeout=10.0)
     w.stats, w.totals, w._lock, w._bad_blocks = KDNStats(), KDNStats(), __import__("threading").Lock(), set()
     w.attn_group, w.block_size = 0, 128
 
     def run_of(deadline_s: float, done: bool, source: str = "memory") -> _Running:
-        job = LoadJob("r", LoadPlan(0, 512, tuple(pieces), deadline_s), ([1, 2, 3, 4],), background=False)
+        job = LoadJob("r", LoadPlan(0, 512, tuple(chunks), deadline_s), ([1, 2, 3, 4],), background=False)
         run = _Running(job)
-        run.fetches = [concurrent.futures.Future() for _ in pieces]
+        run.fetches = [concurrent.futures.Future() for _ in chunks]
         if done:
             for f in run.fetches:
                 f.set_result(Staged(source, "raw", 4 * MiB))
@@ -258,7 +258,7 @@ def test_the_worker_reports_a_given_up_load_by_its_own_tally_not_the_bytes_it_me
     assert (gave_up_bytes, abandoned) == (300_000, 1) and 0.005 < took < 1.0
     assert (done_bytes, done_abandoned, done_host) == (8 * MiB, 0, 0)
     assert done_took == done.ready - done.started + 0.25  # the planner weighs the load writes and all
-    hosted = run_of(10.0, done=True, source="host")  # every piece from the host tier: a sample of its speed
+    hosted = run_of(10.0, done=True, source="host")  # every chunk from the host tier: a sample of its speed
     w._collect(hosted)
     w._account(hosted)
     assert [(b, a, h) for b, _, a, h in w.totals.data["samples"][2:]] == [(8 * MiB, 0, 1)]
@@ -292,9 +292,9 @@ def test_a_load_too_slow_for_its_deadline_is_given_up_by_its_progress_not_at_the
     from kdn.adapters.vllm.worker import _Running
 
     def run_of(deadline_s: float, tier: str, landed: int) -> _Running:
-        pieces = chain(256, 512, size=4 * MiB, tier=tier)
-        run = _Running(LoadJob("r", LoadPlan(0, 512, tuple(pieces), deadline_s), ([1, 2, 3, 4],), background=False))
-        run.fetches = [concurrent.futures.Future() for _ in pieces]
+        chunks = chain(256, 512, size=4 * MiB, tier=tier)
+        run = _Running(LoadJob("r", LoadPlan(0, 512, tuple(chunks), deadline_s), ([1, 2, 3, 4],), background=False))
+        run.fetches = [concurrent.futures.Future() for _ in chunks]
         run.tally.bytes = landed  # a trickle: 64 KiB of 8 MiB (or nothing)
         return run
 
@@ -326,12 +326,12 @@ def test_a_load_on_pace_for_its_deadline_is_not_given_up():
     from kdn.adapters.vllm.plan import LoadPlan
     from kdn.adapters.vllm.worker import _Running
 
-    pieces = chain(256, 512, size=4 * MiB, tier="memory")
-    run = _Running(LoadJob("r", LoadPlan(0, 512, tuple(pieces), 1.0), ([1, 2, 3, 4],), background=False))
-    run.fetches = [concurrent.futures.Future() for _ in pieces]
+    chunks = chain(256, 512, size=4 * MiB, tier="memory")
+    run = _Running(LoadJob("r", LoadPlan(0, 512, tuple(chunks), 1.0), ([1, 2, 3, 4],), background=False))
+    run.fetches = [concurrent.futures.Future() for _ in chunks]
     stop = threading.Event()
 
-    def land() -> None:  # 8 MiB over 0.6 s of a 1 s deadline, in steps of 20 ms, then both pieces done
+    def land() -> None:  # 8 MiB over 0.6 s of a 1 s deadline, in steps of 20 ms, then both chunks done
         for _ in range(30):
             if stop.wait(0.02):
                 return

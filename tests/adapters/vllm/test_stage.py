@@ -24,8 +24,8 @@ def obj(start: int, end: int, encoding: str, dtype=torch.bfloat16, seed: int = 0
 
 
 @pytest.mark.parametrize("encoding", ["raw", "zstd"])
-def test_pieces_land_in_place_whole_and_sliced(encoding):
-    """A load of tokens [128, 600) from pieces [0, 256), [256, 512), [512, 700): the first and last sliced."""
+def test_chunks_land_in_place_whole_and_sliced(encoding):
+    """A load of tokens [128, 600) from chunks [0, 256), [256, 512), [512, 700): the first and last sliced."""
     arena = Arena(64 << 20)
     st = Staging(arena, [(H, D), (H, D)], 128, 600, torch.bfloat16)
     want_k, want_v = [[], []], [[], []]
@@ -46,9 +46,9 @@ def test_pieces_land_in_place_whole_and_sliced(encoding):
     assert arena.in_use == 0
 
 
-def test_a_staging_made_in_inference_mode_takes_a_sliced_piece_from_a_worker_thread():
-    """vLLM starts a load inside its forward (inference mode); pieces are decoded on worker threads. A sliced
-    piece once failed there ("Inplace update to inference tensor outside InferenceMode") and was recomputed."""
+def test_a_staging_made_in_inference_mode_takes_a_sliced_chunk_from_a_worker_thread():
+    """vLLM starts a load inside its forward (inference mode); chunks are decoded on worker threads. A sliced
+    chunk once failed there ("Inplace update to inference tensor outside InferenceMode") and was recomputed."""
     with torch.inference_mode():
         st = Staging(Arena(64 << 20), [(H, D)], 768, 896, torch.float32)
     view, t = obj(768, 1000, "zstd", dtype=torch.float32)
@@ -74,7 +74,7 @@ def test_another_dtype_is_converted_into_place():
     assert torch.equal(st.kv(0)[1], t["L0.v"].to(torch.bfloat16).transpose(0, 1))
 
 
-def test_a_release_while_a_piece_is_decoding_waits_for_it():
+def test_a_release_while_a_chunk_is_decoding_waits_for_it():
     """A timed-out load releases its staging while a worker may still write into it: the memory goes back
     only when that writer is out, so the next load can never receive a late write."""
     arena = Arena(64 << 20)
@@ -88,9 +88,9 @@ def test_a_release_while_a_piece_is_decoding_waits_for_it():
             pass
 
 
-def test_a_raw_piece_received_into_the_staging_runs_is_what_decoding_it_gives():
-    """fetching.PieceLoader._fetch_placed: a raw object's body lands through kdn.wire.scatter straight into ``Staging.runs``;
-    the staging then holds exactly what decoding the same object into it (``put``) holds, for pieces in
+def test_a_raw_chunk_received_into_the_staging_runs_is_what_decoding_it_gives():
+    """fetching.ChunkLoader._fetch_placed: a raw object's body lands through kdn.wire.scatter straight into ``Staging.runs``;
+    the staging then holds exactly what decoding the same object into it (``put``) holds, for chunks in
     any order and bodies handed over in small reads."""
     from kdn.wire.scatter import Scatter
 
@@ -167,9 +167,9 @@ def test_a_staging_still_read_by_a_device_copy_goes_back_only_once_the_copy_is_d
     assert stage.reap(wait=True) == 1 and late.waited and arena.in_use == 0  # an arena out of room waits for it
 
 
-def test_a_load_writes_runs_of_staged_pieces_once_and_each_piece_read_in_place_alone():
-    """``segments``: a load of tokens [128, 1000) whose second and fourth pieces were read in place (host-tier
-    leases): staged neighbours merge into one write, a held piece is its own (the first one sliced), and a
+def test_a_load_writes_runs_of_staged_chunks_once_and_each_chunk_read_in_place_alone():
+    """``segments``: a load of tokens [128, 1000) whose second and fourth chunks were read in place (host-tier
+    leases): staged neighbours merge into one write, a held chunk is its own (the first one sliced), and a
     failure that lowers ``upto`` cuts the writes there."""
     from kdn.adapters.vllm.fetching import Staged
     from kdn.adapters.vllm.meta import LoadJob
@@ -178,8 +178,8 @@ def test_a_load_writes_runs_of_staged_pieces_once_and_each_piece_read_in_place_a
     from kdn.adapters.vllm.worker import _Running, segments
 
     bounds = [(0, 256), (256, 512), (512, 768), (768, 1024)]
-    pieces = tuple(Chunk("ab" * 32, a, b, "raw", "cd" * 32, 1) for a, b in bounds)
-    run = _Running(LoadJob("r", LoadPlan(128, 1000, pieces), ([],), False))
+    chunks = tuple(Chunk("ab" * 32, a, b, "raw", "cd" * 32, 1) for a, b in bounds)
+    run = _Running(LoadJob("r", LoadPlan(128, 1000, chunks), ([],), False))
     kv = [(torch.zeros(256, H, D), torch.zeros(256, H, D))]
     run.staged = [Staged("host", "raw", 1, kv=kv, start=0), Staged("edge", "raw", 1),
                   Staged("edge", "raw", 1), Staged("host", "raw", 1, kv=kv, start=768)]
@@ -190,9 +190,9 @@ def test_a_load_writes_runs_of_staged_pieces_once_and_each_piece_read_in_place_a
     assert [(lo, hi, held is not None) for lo, hi, held in segments(run)] == [(128, 600, False)]
 
 
-def test_a_lazy_staging_takes_memory_only_for_a_piece_that_needs_it():
-    """``lazy``: a load whose pieces are all read in place (the host tier's mapping) takes no arena memory; its
-    first staged piece takes it, and a full arena fails that piece (``ArenaFull``), not the load's start."""
+def test_a_lazy_staging_takes_memory_only_for_a_chunk_that_needs_it():
+    """``lazy``: a load whose chunks are all read in place (the host tier's mapping) takes no arena memory; its
+    first staged chunk takes it, and a full arena fails that chunk (``ArenaFull``), not the load's start."""
     from kdn.wire.arena import ArenaFull
 
     arena = Arena(64 << 20)

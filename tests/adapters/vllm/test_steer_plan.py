@@ -11,55 +11,55 @@ import pytest
 
 from kdn.adapters.vllm.config import ConnectorConfig
 from kdn.adapters.vllm.scheduler import SchedulerSide
-from kdn.adapters.vllm.steer import plan_of, request_params
+from kdn.adapters.vllm.steer import request_params, spec_of
 from kdn.errors import InvalidInput, ModelMismatch
 
 MAP = {"spans": [[40, 48]], "region": [8, 96], "alpha": 0.05, "heads": [[1, 0], [1, 1], [0, 1]]}
 N = 120  # prompt tokens: the map's 96, then a question
 
 
-def plan(kdn: dict, salt: str | None, n_ids: int = N):
-    return plan_of(kdn, n_layers=2, n_heads=2, n_ids=n_ids, cache_salt=salt)
+def spec_for(kdn: dict, salt: str | None, n_ids: int = N):
+    return spec_of(kdn, n_layers=2, n_heads=2, n_ids=n_ids, cache_salt=salt)
 
 
 def test_a_plan_needs_its_salt_and_the_salt_names_the_plan():
     kdn, salt = request_params(MAP)
-    spec = plan(kdn, salt)
+    spec = spec_for(kdn, salt)
     assert spec.query_from == 96 and spec.heads == ((0, (1,)), (1, (0, 1))) and spec.alpha == 0.05
     assert spec.key_bias()[40:48].eq(0).all() and spec.key_bias()[8:40].lt(0).all() and not spec.key_bias()[:8].any()
-    assert plan(kdn, "tenant-7:" + salt) == spec  # a salt the request carries anyway may come first
+    assert spec_for(kdn, "tenant-7:" + salt) == spec  # a salt the request carries anyway may come first
     for bad in (None, "", "kdn-steer-0123456789abcdef"):
         with pytest.raises(InvalidInput, match="cache_salt"):
-            plan(kdn, bad)
+            spec_for(kdn, bad)
     assert request_params(MAP)[1] == salt  # the same inputs, the same salt
     assert request_params(MAP, alpha=0.1)[1] != salt and request_params(MAP, heads=[[0, 0]])[1] != salt
     assert request_params({**MAP, "spans": [[40, 49]]})[1] != salt
     kdn2, salt2 = request_params(MAP, alpha=0.1, heads=[[0, 0]], query_from=100)
-    spec2 = plan(kdn2, salt2)
+    spec2 = spec_for(kdn2, salt2)
     assert (spec2.alpha, spec2.heads, spec2.query_from) == (0.1, ((0, (0,)),), 100)
 
 
 def test_steering_is_off_unless_asked_and_bad_plans_are_refused():
     off = request_params(MAP, steer=None)
-    assert plan(*off) is None  # the map does not say default_on
+    assert spec_for(*off) is None  # the map does not say default_on
     # A request that is not steered gets no plan salt: its K/V are plain, shared with plain requests.
     assert off[1] == "" and request_params(MAP, steer=False, salt_prefix="t1")[1] == "t1"
     assert request_params({**MAP, "default_on": True}, steer=None)[1].startswith("kdn-steer-")
-    assert plan(*request_params({**MAP, "default_on": True}, steer=None)) is not None
-    assert plan(*request_params({**MAP, "default_on": True}, steer=False)) is None
-    assert plan({}, None) is None and plan({"load": True}, None) is None
-    assert plan(*request_params(MAP, alpha=1.0)) is None  # alpha 1 is the unsteered model
+    assert spec_for(*request_params({**MAP, "default_on": True}, steer=None)) is not None
+    assert spec_for(*request_params({**MAP, "default_on": True}, steer=False)) is None
+    assert spec_for({}, None) is None and spec_for({"load": True}, None) is None
+    assert spec_for(*request_params(MAP, alpha=1.0)) is None  # alpha 1 is the unsteered model
     with pytest.raises(InvalidInput, match="emphasis map"):
-        plan({"steer": True}, "x")
+        spec_for({"steer": True}, "x")
     with pytest.raises(InvalidInput, match="covers 96 tokens"):
-        plan(*request_params(MAP), n_ids=90)
+        spec_for(*request_params(MAP), n_ids=90)
     with pytest.raises(ModelMismatch, match="not in this model"):
-        plan(*request_params(MAP, heads=[[2, 0]]))
+        spec_for(*request_params(MAP, heads=[[2, 0]]))
     kdn, salt = request_params(MAP)
     for bad in ({**kdn, "steer": "yes"}, {**kdn, "steer_heads": "all"}, {**kdn, "steer_alpha": 0.0},
                 {**kdn, "emphasis": {**MAP, "spans": [[90, 100]]}}, {**kdn, "steer_query_from": -1}):
         with pytest.raises(InvalidInput):
-            plan(bad, salt)
+            spec_for(bad, salt)
 
 
 def request(rid: str, kdn: dict, salt: str | None) -> SimpleNamespace:
@@ -117,14 +117,14 @@ def test_a_steered_request_loads_from_the_kdn_only_up_to_the_question():
     from kdn.chunk import Chunk
     from kdn.adapters.vllm.scheduler import _Lookup
 
-    pieces = [Chunk(f"{i:064x}", s, e, "zstd", "0" * 64, 100) for i, (s, e) in
+    chunks = [Chunk(f"{i:064x}", s, e, "zstd", "0" * 64, 100) for i, (s, e) in
               enumerate(((0, 32), (32, 64), (64, 96), (96, 120)))]
     s = side(consume=True)
     kdn, salt = request_params(MAP)
     for rid, params, want in (("plain", {}, 112), ("steered", kdn, 96)):
         fut = concurrent.futures.Future()
-        fut.set_result(pieces)
-        s._lookups[rid] = _Lookup(fut, 0.0, pieces)
+        fut.set_result(chunks)
+        s._lookups[rid] = _Lookup(fut, 0.0, chunks)
         assert s.matched(request(rid, params, salt), 0) == (want, False)
 
 

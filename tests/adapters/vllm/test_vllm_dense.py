@@ -120,7 +120,7 @@ def test_vllm_made_states_load_bit_exactly(world):
     tiers = ev.stats()["totals"]["tokens"]
     assert set(tiers) <= {"memory", "disk", "origin", "peer"} and sum(tiers.values()) >= LOADED
     # Over loopback the client picks the raw copy, which is received straight into the load's staging
-    # (fetching.PieceLoader._fetch_placed): exact with no decode at all.
+    # (fetching.ChunkLoader._fetch_placed): exact with no decode at all.
     assert ev.stats()["totals"]["bytes"].get("raw", 0) > 0, ev.stats()["totals"]["bytes"]
 
 

@@ -1,5 +1,5 @@
 """vLLM loads from the machine's host tier (#53): the connector's ``host`` setting names a ``kdn host serve``
-socket; a piece the host holds is leased and, on the CPU, written from its shared memory straight into vLLM's
+socket; a chunk the host holds is leased and, on the CPU, written from its shared memory straight into vLLM's
 paged blocks (no staging copy; its lease held until the forward has written every layer), the rest fetched from
 the edge as ever.
 
