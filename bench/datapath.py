@@ -24,10 +24,11 @@ each encoding, in rotating order per repeat, the same objects (the context's pre
   write into a CPU paged cache (``[blocks, kv_heads, 128, 2 * head_dim]``) through vLLM's own reshape
   kernel (``cpu_attn_reshape_and_cache``, in the ISA vLLM picks on this CPU), as ``wait_for_layer_load`` does;
 - ``host -> transformers``: the same load from the machine's host tier (``kdn host serve``, a process of its
-  own, filled from the edge before the timed runs): ``KDNClient(host=HostClient)``: one question over its Unix
-  socket for the prefix, a lease per object, each raw object copied from the read-only mapping into the cache
-  by one copy of its K/V region (every layer's slice of a stacked cache), no socket body and no hash on the
-  request path. Its bound is ``memcpy`` of the same bytes (the copy it makes);
+  own, filled from the edge before the timed runs): ``KDNClient(host=HostClient)``, whose lookup asked the host
+  what it holds (as an engine's does); the load leases the objects over its Unix socket, 16 a round trip, each
+  batch checked and copied on the decode threads while the next is leased, each raw object by one copy of its
+  K/V region from the read-only mapping into the cache (every layer's slice of a stacked cache), no socket body
+  and no hash on the request path. Its bound is ``memcpy`` of the same bytes (the copy it makes);
 - ``host -> vLLM paged``: as the connector does on the CPU: a raw leased object is not copied at all before
   the cache: per layer, one write per object from the read-only mapping straight into the paged blocks (its
   lease held until the last layer is written); a zstd one is decoded from the mapping into the staging, then
@@ -333,13 +334,17 @@ async def run(args) -> dict:
                         paths = [f"/v1/objects/{a}?encoding={encoding}" for a in hit.addresses]
                         outcomes = await host.warm(hit.addresses, encoding)  # filled from the edge, before timing
                         assert set(outcomes) <= {"filled", "held"}, outcomes
+                        # An engine's lookup on a machine with a host tier asks the host first (its records and
+                        # what it holds), so its load leases at once without asking again: the host path's hit.
+                        on_host = await local.lookup(doc[:L], mid)
+                        assert on_host.addresses == hit.addresses and on_host.held is not None, on_host
                         # its own arena, as the connector has: its staging buffers are reused across loads, not
                         # evicted by the transformers paths' caches (fresh memory would time page faults)
                         paged = VllmPaged(layout, L, vllm_arena, encoding)
                         runs = {"kdn-hf": lambda: kdn_hf(lm, client, hit, encoding),
                                 "kdn-vllm": lambda: paged.load(client, hit),
                                 "kdn-fetch": lambda: fetch_only(client, hit, encoding),
-                                "host-hf": lambda: kdn_hf(lm, local, hit, encoding),
+                                "host-hf": lambda: kdn_hf(lm, local, on_host, encoding),
                                 "host-vllm": lambda: paged.load_from_host(host, hit)}
                         syncs = {"blake3": lambda: blake3(memoryview(joined)).digest(),
                                  "paged-write": lambda: paged.write_all(L)}

@@ -215,7 +215,9 @@ class CacheBuilder:
         # lands by one copy; ``kv`` holds their first S tokens.
         self.device_copies = 0  # copies issued onto and on the device (staged path): two per chunk when stacked
         self.region_copies = 0  # chunks landed on the host by one copy of their K/V region (raw, stacked)
-        self._order = sorted(self._kv_names)  # the order an object stores K/V tensors in (kdn.format.objects)
+        self._order = tuple(sorted(self._kv_names))  # the order an object stores K/V tensors in (kdn.format.objects)
+        # What a chunk's header is checked against, beside its span: a layout that fitted it once fits again.
+        self._fit_key = (tuple((s.index, s.kv) for s in self.layout if s.kv), frozenset(self._state_names))
         if not self.staged:
             self._stack, self.full = kvmem.kv_tensors(self.layout, self._order, self.tokens + room, arena)
         else:
@@ -235,16 +237,23 @@ class CacheBuilder:
         self.last: dict[str, torch.Tensor] = {}
         self._added: set[int] = set()
 
-    def _check(self, index: int, h: ObjectHeader) -> int:
-        """Chunk ``index``'s header against this prefix and model (names, shapes, span); its token count."""
+    def _check(self, index: int, layout: Layout) -> int:
+        """Chunk ``index``'s header against this prefix and model (names, shapes, span); its token count. Whether
+        its tensors fit the model is found once per layout (``Layout.derived``), not per load."""
+        h = layout.header
         _expect(0 <= index < len(self.counts), f"chunk {index} is outside this prefix of {len(self.counts)} chunks")
         _expect(index not in self._added, f"chunk {index} was added twice")
         n = self.counts[index]
         _expect(h.end - h.start == n, f"chunk {index} covers {h.end - h.start} tokens, the prefix expects {n}")
         _expect(h.start == self.offsets[index], f"chunk {index} starts at token {h.start}, the prefix expects "
                                                 f"{self.offsets[index]}")
-        names = set(h.tensors)
         last = index == len(self.counts) - 1
+        layout.derived(("hf-fits", self._fit_key, n, last), lambda: self._fits(index, h, n, last))
+        return n
+
+    def _fits(self, index: int, h: ObjectHeader, n: int, last: bool) -> bool:
+        """``h``'s tensors are this model's K/V of ``n`` tokens (and its states, ``last``); else ModelMismatch."""
+        names = set(h.tensors)
         need = self._kv_names | (self._state_names if last else set())
         missing, extra = need - names, names - self._kv_names - self._state_names
         _expect(not missing and not extra, f"chunk {index} does not fit this model ({len(self.layout)} layers): "
@@ -254,9 +263,10 @@ class CacheBuilder:
                 continue
             for x in ("k", "v"):
                 info = h.tensors[f"L{s.index}.{x}"]
-                _expect(info.shape == (s.kv[0], n, s.kv[1]),
-                        f"chunk {index} L{s.index}.{x} has shape {list(info.shape)}; this model wants [{s.kv[0]}, {n}, {s.kv[1]}]")
-        return n
+                if info.shape != (s.kv[0], n, s.kv[1]):
+                    _expect(False, f"chunk {index} L{s.index}.{x} has shape {list(info.shape)}; this model wants "
+                                   f"[{s.kv[0]}, {n}, {s.kv[1]}]")
+        return True
 
     @contextlib.contextmanager
     def _writing(self) -> Any:
@@ -293,7 +303,7 @@ class CacheBuilder:
         from kdn.format.objects import to_torch
 
         h = view.header
-        n = self._check(index, h)
+        n = self._check(index, view.layout)
         off = self.offsets[index]
         if self.staged and self._order:
             self._add_staged(view, n, off, held)
@@ -411,7 +421,7 @@ class CacheBuilder:
         h = layout.header
         with self._cv:
             _expect(not self._closed, "the load was given up: no more chunks are received into its cache")
-        n = self._check(index, h)
+        n = self._check(index, layout)
         off = self.offsets[index]
         runs: dict[str, list[memoryview]] = {}
         for s in self.layout:

@@ -112,7 +112,7 @@ class Placement:
     ``order`` (the objects' tensor order)."""
 
     layout: list[LayerSpec]
-    order: list[str]
+    order: Sequence[str]
     stack: torch.Tensor | None
     full: dict[int, tuple[torch.Tensor, torch.Tensor]]
 

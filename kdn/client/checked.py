@@ -33,19 +33,18 @@ def decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: i
                     speeds: DecodeSpeeds | None = None) -> DecodedObject:
     """Check a verified object is the one the lookup asked for, then decode it (or hand it to ``into``)."""
     from kdn.format.codecs import codec_names, get_codec
-    from kdn.format.objects import DecodedObject, ObjectView, decoded_nbytes
+    from kdn.format.objects import DecodedObject, ObjectView
 
     view = ObjectView(f.blob, max_decoded=max_decoded)
     h = view.header
     check_identity(h, hit, f.address)
-    counts = hit.token_counts()
-    start = sum(counts[:index])
-    if (h.start, h.end) != (start, start + counts[index]):
+    start, end = hit.span(index)
+    if (h.start, h.end) != (start, end):
         raise DigestMismatch(f"object {f.address} claims tokens [{h.start}, {h.end}), the lookup asked for "
-                             f"[{start}, {start + counts[index]})")
-    if not {t.codec for t in h.tensors.values()} <= set(codec_names()):
+                             f"[{start}, {end})")
+    if not h.codecs <= set(codec_names()):
         import kdn.kernels  # noqa: F401  (lossy codecs need torch: registered only when used)
-    if budget is None and not all(get_codec(t.codec).lossless for t in h.tensors.values()):
+    if budget is None and not all(get_codec(c).lossless for c in h.codecs):
         # Belt and braces: the digest already pins the bytes to a lossless encoding.
         raise DigestMismatch(f"object {f.address} holds lossy tensors but lossless was asked for")
     t0 = time.perf_counter()
@@ -55,5 +54,5 @@ def decode_checked(f: Fetched, hit: Lookup, budget: float | None, max_decoded: i
     else:
         out = DecodedObject(h, view.decode())
     if speeds is not None:  # what the decode (into the engine's cache, with ``into``) cost on this machine
-        speeds.observe(h.encoding, decoded_nbytes(h), time.perf_counter() - t0)
+        speeds.observe(h.encoding, h.decoded_nbytes, time.perf_counter() - t0)
     return out

@@ -147,6 +147,10 @@ class KDNClient:
     def decoders(self) -> ThreadPoolExecutor:
         return self.net.decoders
 
+    @property
+    def decode_threads(self) -> int:
+        return self.net.decode_threads
+
     async def close(self) -> None:
         await self.behind.close()
         await self.net.close()

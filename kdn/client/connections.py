@@ -88,6 +88,10 @@ class Connections:
         return self._session
 
     @property
+    def decode_threads(self) -> int:
+        return self._decode_threads
+
+    @property
     def decoders(self) -> ThreadPoolExecutor:
         """The threads a prefix's objects are checked and decoded on as they arrive (``decode_threads``)."""
         if self._decoders is None:

@@ -176,23 +176,28 @@ class HostClient:
         The caller ends every ``Leased`` with ``release_many`` (or the connection ends them). A first batch the host
         refuses raises (an older host without the op: ``bad-request``, lease one by one); a later one gives its
         addresses that error, the leases granted before it still the caller's."""
+        return [x async for batch in self.lease_batches(addresses, encoding) for x in batch]
+
+    async def lease_batches(self, addresses: Sequence[Address], encoding: str
+                            ) -> AsyncIterator[list[Leased | HostError]]:
+        """``lease_many``, a round trip's batch at a time: the caller can read one batch while the next is
+        leased. Batch ``k`` answers ``addresses[k * MAX_LEASE_MANY:][:MAX_LEASE_MANY]``; past a batch the host
+        refused (the first one raises), one last batch gives every address left that error."""
         segment = self._segment
-        out: list[Leased | HostError] = []
         for at in range(0, len(addresses), MAX_LEASE_MANY):
             part = list(addresses[at:at + MAX_LEASE_MANY])
             try:
                 a = await self._request("lease_many", addresses=part, encoding=encoding)
             except HostError as e:
-                if not out:
+                if not at:
                     raise
-                return out + [e] * (len(addresses) - len(out))  # what was leased is still the caller's
+                yield [e] * (len(addresses) - at)  # what was leased before is still the caller's
+                return
             answers = a.get("leases")
             if not isinstance(answers, list) or len(answers) != len(part):
                 raise HostError("unavailable", "the host tier answered lease_many with another count of leases")
             assert segment is not None
-            for address, x in zip(part, answers):
-                out.append(self._leased(address, encoding, x, segment))
-        return out
+            yield [self._leased(address, encoding, x, segment) for address, x in zip(part, answers)]
 
     def _leased(self, address: Address, encoding: str, x: object, segment: memoryview) -> Leased | HostError:
         if not isinstance(x, dict):

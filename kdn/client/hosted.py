@@ -24,10 +24,11 @@ from kdn.client.lookup import Fetched, Lookup
 from kdn.wire.host import HostError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from concurrent.futures import Executor
+
     from kdn.client.host import HostClient
     from kdn.format.address import Address
     from kdn.format.objects import DecodedObject, ObjectView
-    from kdn.registry.records import ObjectRecord
     from kdn.wire.estimate import DecodeSpeeds
 
 log = logging.getLogger("kdn.client")
@@ -107,85 +108,110 @@ async def held_of(host: HostClient | None, hit: Lookup, stats: HostStats, count:
     return await held(host, hit.addresses[:n], stats)
 
 
-async def lease_held(host: HostClient | None, hit: Lookup, on_host: Held, encoding: str | None,
-                     stats: HostStats) -> dict[int, Leased | HostError]:
-    """Every object of ``hit`` the host holds, leased in one round trip per ``MAX_LEASE_MANY`` (by the encoding
-    ``Held.pick`` chooses: ``encoding``, or raw first): per index its ``Leased``, or the ``HostError`` its lease
-    met. Nothing (each object then leased on its own, as before) where no host answers the batch at once: an
-    older host without the op, or one gone. The caller ends them: ``release_leased``."""
-    if host is None or host.gone:
-        return {}
+def host_picks(hit: Lookup, on_host: Held, encoding: str | None) -> dict[str, list[int]]:
+    """The objects of ``hit`` to read from the host, by the encoding to lease (``Held.pick``: ``encoding``, or
+    raw first of those the signed record names)."""
     picks: dict[str, list[int]] = {}
     for i, rec in enumerate(hit.records[:len(hit.addresses)]):
         enc = on_host.pick(i, [encoding] if encoding else list(rec.encodings))
         if enc is not None:
             picks.setdefault(enc, []).append(i)
-    out: dict[int, Leased | HostError] = {}
-    for enc, indices in picks.items():
-        try:
-            async with asyncio.timeout(LOOKUP_S + 0.01 * len(indices)):
-                got = await host.lease_many([hit.addresses[i] for i in indices], enc)
-        except (HostError, TimeoutError) as e:
-            stats.note(f"lease_many: {e}")
-            continue
-        out.update(zip(indices, got))
+    return picks
+
+
+async def load_held(host: HostClient, hit: Lookup, picks: dict[str, list[int]], budget: float | None,
+                    into: Callable[[int, ObjectView], None], decoders: tuple[Executor, int], speeds: DecodeSpeeds,
+                    stats: HostStats, arrived: list[float]) -> dict[int, tuple[Fetched, DecodedObject]]:
+    """The objects of ``hit`` in ``picks`` (``host_picks``), handed to ``into`` from the mapping: leased a round trip's batch
+    at a time (``HostClient.lease_batches``), each batch checked and copied on the decode threads (``decoders``:
+    the pool and its size; a job per thread, not a future per object) while the next is leased, its leases
+    ended once its copies are done. Per index what it gave; an index missing (the host
+    refused its lease, or its record names another digest than the signed one) is the caller's to read from
+    the edges. A check that fails (the object is not the one the lookup asked for) raises, once every copy
+    already started has ended and its leases with it: a lease never ends while a thread may read its bytes."""
+    batches: list[asyncio.Task[list[tuple[int, Fetched, DecodedObject] | None]]] = []
+    try:
+        for enc, indices in picks.items():
+            at = 0
+            try:
+                async with asyncio.timeout(LOOKUP_S + 0.01 * len(indices)):
+                    async for part in host.lease_batches([hit.addresses[i] for i in indices], enc):
+                        mine, at = indices[at:at + len(part)], at + len(part)
+                        granted = _granted(mine, part, stats)
+                        if granted:
+                            batches.append(asyncio.ensure_future(_copied(host, hit, granted, budget, into, decoders,
+                                                                         speeds, stats, arrived)))
+            except (HostError, TimeoutError) as e:  # the rest of this encoding from the edges
+                stats.fallbacks += len(indices) - at
+                stats.note(f"lease_many: {e}")
+    finally:
+        if batches:  # (not cancelled with the caller: each batch ends its own leases when its copies end)
+            await asyncio.wait(batches)
+    out: dict[int, tuple[Fetched, DecodedObject]] = {}
+    for b in batches:
+        for got in b.result():  # (raises the first failed check)
+            if got is not None:
+                out[got[0]] = got[1:]
+    stats.hits += len(out)
     return out
 
 
-async def release_leased(host: HostClient | None, granted: dict[int, Leased | HostError]) -> None:
-    """End the leases ``lease_held`` took (the views of them are not read after)."""
-    ids = [x.lease for x in granted.values() if isinstance(x, Leased)]
-    if host is not None and ids:
+def _granted(indices: Sequence[int], part: Sequence[Leased | HostError], stats: HostStats) -> list[tuple[int, Leased]]:
+    """A batch's leases by object index; each refused one counted and noted (the edges serve it)."""
+    out = []
+    for i, x in zip(indices, part):
+        if isinstance(x, Leased):
+            out.append((i, x))
+        else:
+            stats.fallbacks += 1
+            stats.note(f"{x}")
+    return out
+
+
+async def _copied(host: HostClient, hit: Lookup, granted: list[tuple[int, Leased]], budget: float | None,
+                  into: Callable[[int, ObjectView], None], decoders: tuple[Executor, int], speeds: DecodeSpeeds,
+                  stats: HostStats, arrived: list[float]) -> list[tuple[int, Fetched, DecodedObject] | None]:
+    """One batch's objects checked and copied on the decode threads (its objects dealt out, a job per thread),
+    then its leases ended."""
+    loop, (pool, threads) = asyncio.get_running_loop(), decoders
+    jobs = [loop.run_in_executor(pool, _copy_job, granted[t::threads], hit, budget, into, speeds)
+            for t in range(min(threads, len(granted)))]
+    try:
+        await asyncio.wait(jobs)
+    finally:
+        ids = [x.lease for _, x in granted]
         try:
             await host.release_many(ids)
         except HostError as e:  # (a refusal of one: the others ended; a gone host ended them all)
             log.warning("host tier release_many: %s", e)
+    now = time.perf_counter()
+    out: list[tuple[int, Fetched, DecodedObject] | None] = []
+    for job in jobs:
+        for got in job.result():
+            if got is None:
+                stats.fallbacks += 1
+                stats.note("the host's record names another digest than the signed one")
+            else:
+                arrived.append(now)
+            out.append(got)
+    return out
 
 
-async def from_host(host: HostClient, hit: Lookup, index: int, address: Address, encoding: str,
-                    rec: ObjectRecord, budget: float | None, into: Callable[[int, ObjectView], None],
-                    decoders: Any, speeds: DecodeSpeeds, stats: HostStats,
-                    granted: Leased | HostError | None = None) -> tuple[Fetched, DecodedObject] | None:
-    """Object ``index`` from the host, handed to ``into`` from the mapping, or None (read it from the edges):
-    the host failed, or its copy is not the one the signed record names. ``granted``: its lease taken already
-    (``lease_held``: the caller ends it), or the error that lease met; None: leased (and ended) here."""
-    try:
-        if isinstance(granted, HostError):
-            raise granted
-        if granted is not None:
-            return _counted(await _copy(granted, hit, index, encoding, rec, budget, into, decoders, speeds, stats),
-                            stats)
-        async with host.lease(address, encoding) as leased:
-            got = await _copy(leased, hit, index, encoding, rec, budget, into, decoders, speeds, stats)
-    except HostError as e:
-        stats.fallbacks += 1
-        stats.note(f"{address[:16]}.{encoding}: {e}")
-        return None
-    return _counted(got, stats)
-
-
-def _counted(got: tuple[Fetched, DecodedObject] | None, stats: HostStats) -> tuple[Fetched, DecodedObject] | None:
-    if got is not None:
-        stats.hits += 1
-    return got
-
-
-async def _copy(leased: Leased, hit: Lookup, index: int, encoding: str, rec: ObjectRecord, budget: float | None,
-                into: Callable[[int, ObjectView], None], decoders: Any, speeds: DecodeSpeeds,
-                stats: HostStats) -> tuple[Fetched, DecodedObject] | None:
-    """A leased object checked against the signed record, then copied into the cache (decode threads: off the
-    loop) while its lease holds the bytes in place; None where the host's record (as its frame sent it: a map)
-    names another digest."""
-    t0 = time.perf_counter()
-    theirs = leased.record.get("encodings", {}).get(encoding, {}).get("digest")
-    if theirs != rec.encodings[encoding].digest:
-        stats.fallbacks += 1
-        stats.note(f"{leased.address[:16]}.{encoding}: the host's record names another digest")
-        return None
-    f = Fetched(leased.address, encoding, leased.view, "host", time.perf_counter() - t0)
-    out = await asyncio.get_running_loop().run_in_executor(decoders, decode_checked, f, hit, budget, None, index, into,
-                                                           speeds)
-    return f, out
+def _copy_job(granted: Sequence[tuple[int, Leased]], hit: Lookup, budget: float | None,
+              into: Callable[[int, ObjectView], None], speeds: DecodeSpeeds
+              ) -> list[tuple[int, Fetched, DecodedObject] | None]:
+    """(A decode thread.) Each leased object checked against the signed record and the lookup, then copied
+    into the cache from the mapping; None for one whose host record (its frame's map) names another digest."""
+    out: list[tuple[int, Fetched, DecodedObject] | None] = []
+    for i, leased in granted:
+        signed = hit.records[i].encodings.get(leased.encoding)
+        theirs = leased.record.get("encodings", {}).get(leased.encoding, {}).get("digest")
+        if signed is None or theirs != signed.digest:
+            out.append(None)
+            continue
+        f = Fetched(leased.address, leased.encoding, leased.view, "host", 0.0)
+        out.append((i, f, decode_checked(f, hit, budget, None, i, into, speeds)))
+    return out
 
 
 class Behind:

@@ -39,7 +39,6 @@ class Lookup:
     def chunks(self) -> int:
         return len(self.addresses)
 
-
     def token_counts(self) -> list[int]:
         """Tokens per object, in chain order: whole chunks, then the partial tail if there is one."""
         whole = min(len(self.addresses), self.tokens // self.chunk_tokens)
@@ -47,6 +46,13 @@ class Lookup:
         if len(self.addresses) > whole:
             counts.append(self.tokens - whole * self.chunk_tokens)
         return counts
+
+    def span(self, index: int) -> tuple[int, int]:
+        """The tokens ``[start, end)`` object ``index`` covers (as ``token_counts`` says, without the list)."""
+        if not 0 <= index < len(self.addresses):
+            raise IndexError(f"object {index} of a lookup of {len(self.addresses)}")
+        start = index * self.chunk_tokens
+        return start, min(start + self.chunk_tokens, self.tokens)
 
     def chunk(self, index: int, record: ObjectRecord, encoding: str, *, warm: bool | None = None) -> Chunk:
         """Object ``index`` of this prefix as a load fetches it: its span, ``encoding`` (one ``record`` names) with

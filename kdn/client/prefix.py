@@ -22,9 +22,7 @@ from kdn.format.address import Address
 from kdn.client.checked import check_identity, decode_checked
 from kdn.format.encodings import parse_budget
 from kdn.errors import SourceError
-from kdn.client.hosted import Behind, Held, HostStats, from_host, held_of, lease_held, release_leased
-from kdn.client.leased import Leased
-from kdn.wire.host import HostError
+from kdn.client.hosted import Behind, Held, HostStats, held_of, host_picks, load_held
 from kdn.client.lookup import Fetched, Lookup, PrefixStates
 from kdn.client.parts import Kept, fetch_kept, part_view
 from kdn.format.pieces import Pieces
@@ -56,6 +54,9 @@ class PrefixSource(Protocol):
 
     @property
     def decoders(self) -> Executor: ...
+
+    @property
+    def decode_threads(self) -> int: ...
 
     @property
     def decode_speeds(self) -> DecodeSpeeds: ...
@@ -94,16 +95,32 @@ async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | Non
     does): ``fetch_s`` is the time to the last byte, ``decode_s`` what decoding added after it."""
     t0 = time.perf_counter()
     arrived: list[float] = []
-    # The host tier first, for a load into an engine's cache: one question for the whole prefix.
+    # The host tier first, for a load into an engine's cache: one question for the whole prefix, and what it
+    # holds leased and copied from its mapping (``load_held``), while the edges serve the rest.
     on_host = await held_of(client.host, hit, client.host_stats) if into is not None else Held([])
-    # ... and its objects leased at once (a round trip per 16, not one per object), ended when the load is
-    granted = await lease_held(client.host, hit, on_host, encoding, client.host_stats) if on_host.any() else {}
-    one = _ChunkFetch(client, hit, encoding, quality, into, arena, scatter, tally, arrived, on_host,
-                      needs if into is not None else None, granted)
+    picks = host_picks(hit, on_host, encoding) if client.host is not None and on_host.any() else {}
+    from_host = None
+    if picks and client.host is not None and into is not None:
+        from_host = asyncio.ensure_future(load_held(
+            client.host, hit, picks, parse_budget(client.quality if quality is None else quality), into,
+            (client.decoders, client.decode_threads), client.decode_speeds, client.host_stats, arrived))
+    picked = {i for indices in picks.values() for i in indices}
+    one = _ChunkFetch(client, hit, encoding, quality, into, arena, scatter, tally, arrived,
+                      needs if into is not None else None)
+    got: dict[int, tuple[Fetched, DecodedObject]] = {}
     try:
-        done = await asyncio.gather(*(one(i, a) for i, a in enumerate(hit.addresses)))
+        rest = [i for i in range(len(hit.addresses)) if i not in picked]
+        got.update(zip(rest, await asyncio.gather(*(one(i, hit.addresses[i]) for i in rest))))
     finally:
-        await release_leased(client.host, granted)
+        if from_host is not None:  # its copies end, and their leases, before an edge's failure is raised
+            await asyncio.wait([from_host])
+            if not from_host.cancelled():
+                from_host.exception()  # (read here: an edge's failure, if any, is the one raised)
+    if from_host is not None:
+        got.update(from_host.result())
+        missed = [i for i in sorted(picked) if i not in got]  # held, but not given: from the edges after all
+        got.update(zip(missed, await asyncio.gather(*(one(i, hit.addresses[i]) for i in missed))))
+    done = [got[i] for i in range(len(hit.addresses))]
     if client.host is not None and into is not None:  # what the edges served, asked of the host for next time
         served = [f for f, _ in done if f.source != "host"]
         client.host_stats.misses += len(served)
@@ -114,16 +131,14 @@ async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | Non
 
 
 class _ChunkFetch:
-    """The fetch of each object of a prefix: its record's encoding chosen, then read from the host tier, or as a
-    ``kdn.chunk.Chunk`` from the edges, and decoded (or placed)."""
+    """The fetch of each object of a prefix from the edges (what the host tier did not give): its record's
+    encoding chosen, fetched as a ``kdn.chunk.Chunk``, and decoded (or placed)."""
 
     def __init__(self, client: PrefixSource, hit: Lookup, encoding: str | None, quality: str | float | None,
                  into: Callable[[int, ObjectView], None] | None, arena: Arena | None, scatter: Placer | None,
-                 tally: Tally | None, arrived: list[float], on_host: Held,
-                 needs: Callable[[int], Collection[str] | None] | None = None,
-                 granted: dict[int, Leased | HostError] | None = None) -> None:
-        self.client, self.hit, self.encoding, self.quality = client, hit, encoding, quality
-        self.on_host, self.needs, self.granted = on_host, needs, granted or {}
+                 tally: Tally | None, arrived: list[float],
+                 needs: Callable[[int], Collection[str] | None] | None = None) -> None:
+        self.client, self.hit, self.encoding, self.quality, self.needs = client, hit, encoding, quality, needs
         self.into, self.scatter, self.tally, self.arrived = into, scatter, tally, arrived
         self.budget = parse_budget(client.quality if quality is None else quality)
         self.pool = arena if arena is not None else client.arena
@@ -140,13 +155,6 @@ class _ChunkFetch:
         if enc is None or enc not in rec.encodings:
             raise SourceError(f"{address} has no encoding {enc!r} within quality {self.quality or c.quality!r}"
                               f" (it has {sorted(rec.encodings)})")
-        host_enc = self.on_host.pick(index, [self.encoding] if self.encoding else list(rec.encodings))
-        if host_enc is not None and c.host is not None and self.into is not None:
-            got = await from_host(c.host, hit, index, address, host_enc, rec, self.budget, self.into, c.decoders,
-                                  c.decode_speeds, c.host_stats, self.granted.get(index))
-            if got is not None:
-                self.arrived.append(time.perf_counter())
-                return got
         chunk = hit.chunk(index, rec, enc, warm=address not in hit.cold)
         keep = self.needs(index) if self.needs is not None else None
         if keep is not None and chunk.pieces is not None:

@@ -13,13 +13,15 @@ is here.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from kdn.format.address import Address, ModelId, validate_address, validate_namespace
 from kdn.format.codecs import DTYPES, Buffer, itemsize
@@ -35,9 +37,11 @@ from kdn.errors import (
 )
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "FORMAT_VERSION", "KDN_KEY", "KINDS", "MAX_HEADER_BYTES", "MAX_NDIM",
-           "META_KEY", "SHAPE_RULE", "Layout", "ObjectHeader", "TensorInfo", "as_view", "blob_namespace",
+           "META_KEY", "SHAPE_RULE", "Layout", "ObjectHeader", "Stack", "TensorInfo", "as_view", "blob_namespace",
            "check_header_fields", "check_tensor_name", "head_length", "layout_of", "read_header", "read_layout",
            "shape_ok"]
+
+T = TypeVar("T")
 
 FORMAT_VERSION = 1
 KINDS = frozenset({"kv", "ssm", "hybrid"})
@@ -78,6 +82,18 @@ class ObjectHeader:
     def n_tokens(self) -> int:
         return self.end - self.start
 
+    # Facts of the header alone, computed once: a header is read again with every load of its object (it is
+    # kept with its layout, ``_LayoutCache``), and these were per-object Python on an engine's load path.
+    @functools.cached_property
+    def codecs(self) -> frozenset[str]:
+        """The codecs its tensors are stored with."""
+        return frozenset(t.codec for t in self.tensors.values())
+
+    @functools.cached_property
+    def decoded_nbytes(self) -> int:
+        """Bytes its tensors decode to, each 64-byte aligned (the size of a ``decode`` ``out`` buffer)."""
+        return sum((math.prod(t.shape) * itemsize(t.dtype) + 63) & ~63 for t in self.tensors.values())
+
 
 
 @dataclass(frozen=True)
@@ -88,10 +104,62 @@ class Layout:
     data_start: int  # offset of the data section in the blob
     offsets: dict[str, tuple[int, int]]  # name -> [begin, end) within the data section
 
+    # What readers derive from this layout alone, by what they compared it against (``derived``).
+    _derived: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
+
     def span(self, name: str) -> tuple[int, int]:
         """Tensor ``name``'s ``[begin, end)`` in the blob (absolute offsets)."""
         b, e = self.offsets[name]
         return self.data_start + b, self.data_start + e
+
+    def stack(self, order: tuple[str, ...]) -> Stack | None:
+        """Where tensors ``order`` lie as one strided stack (an engine's K/V, landed by one copy), where they are
+        raw, of one dtype and 3-D shape, at one stride; else None. Found once per layout (``derived``)."""
+        return self.derived(("stack", order), lambda: _stack_of(self, order))
+
+    def derived(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, once per layout and ``key``: a fact a reader derives from this layout alone (where an
+        engine's K/V lie in it; whether it fits a model), keyed by everything it was compared against. The
+        same layout comes back with every load of its object (``_LayoutCache``), so a prefix read again pays
+        its checks once, not per object and load. A ``compute`` that raises leaves nothing kept."""
+        try:
+            return cast(T, self._derived[key])
+        except KeyError:
+            got = self._derived[key] = compute()
+            return got
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Tensors of one dtype and ``[heads, n, dim]`` shape in a blob: bytes ``[lo, hi)``, one every ``stride``."""
+
+    dtype: str
+    item: int
+    heads: int
+    n: int
+    dim: int
+    lo: int
+    hi: int
+    stride: int
+
+
+def _stack_of(layout: Layout, order: tuple[str, ...]) -> Stack | None:
+    h = layout.header
+    if not order or any(nm not in h.tensors for nm in order):
+        return None
+    infos = [h.tensors[nm] for nm in order]
+    first = infos[0]
+    if len(first.shape) != 3 or any(t.codec != "raw" or t.dtype != first.dtype or t.shape != first.shape
+                                    for t in infos):
+        return None
+    heads, n, dim = first.shape
+    item = itemsize(first.dtype)
+    spans = [layout.span(nm) for nm in order]
+    lo, size = spans[0][0], heads * n * dim * item
+    stride = spans[1][0] - lo if len(spans) > 1 else size
+    if stride < size or stride % item or any(b != lo + p * stride or e - b != size for p, (b, e) in enumerate(spans)):
+        return None
+    return Stack(first.dtype, item, heads, n, dim, lo, spans[-1][1], stride)
 
 
 def check_tensor_name(name: object, exc: type[Exception]) -> None:

@@ -219,7 +219,7 @@ def _container(kdn: dict[str, Any], entries: list[_Entry]) -> bytes:
 
 def decoded_nbytes(header: ObjectHeader) -> int:
     """Bytes an ``out`` buffer for :func:`decode_object` needs (each tensor 64-byte aligned)."""
-    return sum(_align64(math.prod(t.shape) * itemsize(t.dtype)) for t in header.tensors.values())
+    return header.decoded_nbytes
 
 
 def _align64(n: int) -> int:
@@ -426,29 +426,20 @@ def to_torch(obj: DecodedObject | Mapping[str, RawTensor], *, device: str | int 
 def raw_region(view: ObjectView, order: Sequence[str], dtype: torch.dtype, n: int) -> torch.Tensor | None:
     """A chunk's raw K/V as one ``[len(order), kv_heads, n, head_dim]`` view of the object's own bytes (no
     copy), where its tensors are raw ``dtype`` of one shape, stored in ``order`` at one stride (back to back,
-    or padded alike); else None. Read-only bytes (a host-tier mapping) stay read-only: only read from it."""
+    or padded alike); else None. Read-only bytes (a host-tier mapping) stay read-only: only read from it.
+    Where they lie is found once per layout (``Layout.derived``): a prefix loaded again pays nothing for it."""
     import torch
 
-    h = view.header
-    if not order or any(nm not in h.tensors for nm in order):
+    st = view.layout.stack(tuple(order))
+    if st is None or torch_dtype(st.dtype) != dtype or st.n != n:
         return None
-    infos = [h.tensors[nm] for nm in order]
-    if any(t.codec != "raw" or torch_dtype(t.dtype) != dtype or t.shape != infos[0].shape or len(t.shape) != 3
-           or t.shape[1] != n for t in infos):
-        return None
-    heads, _, dim = infos[0].shape
-    item = torch.empty(0, dtype=dtype).element_size()
-    spans = [view.layout.span(nm) for nm in order]
-    lo, size = spans[0][0], heads * n * dim * item
-    stride = spans[1][0] - lo if len(spans) > 1 else size
-    region = view.buffer[lo:spans[-1][1]]
-    if (stride < size or stride % item or _address_of(region) % item
-            or any(b != lo + p * stride or e - b != size for p, (b, e) in enumerate(spans))):
+    region = view.buffer[st.lo:st.hi]
+    if _address_of(region) % st.item:
         return None
     with warnings.catch_warnings():  # a read-only mapping: the view is only ever read (copied from)
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         flat = torch.frombuffer(region, dtype=dtype)
-    return flat.as_strided((len(order), heads, n, dim), (stride // item, n * dim, dim, 1))
+    return flat.as_strided((len(order), st.heads, n, st.dim), (st.stride // st.item, n * st.dim, st.dim, 1))
 
 
 def one_transfer(raw: Mapping[str, RawTensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -117,6 +117,21 @@ def test_an_object_that_does_not_fit_is_refused():
         b.finish()
 
 
+def test_a_layout_that_fitted_one_model_is_checked_again_for_another():
+    """Whether an object's tensors fit a model is worked out once per layout (the same header read again
+    comes back as the same ``Layout``): what fitted tiny-qwen2 (one K/V head) is still refused by tiny-llama
+    (two), whose layer names are the same."""
+    from kdn.format.objects import read_layout
+
+    qwen, llama = tiny("tiny-qwen2"), tiny("tiny-llama")
+    blob = blobs_of(qwen.model)[0]
+    CacheBuilder(qwen.model, counts(blobs_of(qwen.model))).add(0, ObjectView(blob))
+    assert read_layout(blob, len(blob)) is ObjectView(blob).layout  # the one it was checked in
+    for _ in range(2):  # (and a refusal is never kept)
+        with pytest.raises(ModelMismatch, match="shape"):
+            CacheBuilder(llama.model, counts(blobs_of(llama.model))).add(0, ObjectView(blob))
+
+
 def test_a_hybrid_needs_the_states_in_its_last_chunk():
     lm = tiny("tiny-bamba")
     blobs = blobs_of(lm.model)

@@ -64,6 +64,7 @@ async def test_a_leased_object_is_the_origins_blob_and_decodes_to_its_tensors(cd
             async with host.lease(a, "raw") as raw, host.lease(a, "zstd") as packed:
                 assert raw.filled and bytes(raw.view) == blob and raw.view.readonly
                 assert raw.record["address"] == a and raw.record["sig"]  # the signed record it was checked against
+                assert raw.record == (await tier.filler.record(a)).to_dict()  # as its typed record's map
                 got, unpacked = raw.tensors(), packed.tensors()
                 assert set(got) == set(want) == set(unpacked)
                 for name, t in want.items():
@@ -407,3 +408,40 @@ async def test_a_host_killed_mid_load_leaves_the_rest_to_the_edges_then_to_compu
             await serve.wait()
         if os.path.exists(segment):
             os.unlink(segment)
+
+
+async def test_a_load_whose_copy_fails_ends_its_leases_only_after_every_copy(cdn, short_dir):
+    """The objects a load leases are read by the decode threads straight from the mapping, so no lease may end
+    while a thread still reads its bytes: when the copy of one object fails, the load raises that failure
+    only after the other thread's copies have ended, and then the host holds none of its leases."""
+    import time
+
+    from kdn.errors import ModelMismatch
+
+    addresses = cdn.m["addresses"]
+    assert len(addresses) >= 3
+    async with running(config(cdn, short_dir)) as tier, HostClient(tier.config.socket) as host:
+        assert set(await host.warm(addresses, "raw")) == {"filled"}
+        async with KDNClient(edges=[cdn.c.edge_url("e1")], host=host) as client:
+            hit = await client.lookup(cdn.m["prefix_tokens"], cdn.m["model_id"])
+            assert hit.held is not None and len(hit.addresses) == len(addresses)
+            threads = client.decode_threads
+            assert threads == 2  # a batch's objects dealt out: 0, 2, ... on one thread, 1, 3, ... on the other
+            read: dict[int, int] = {}
+
+            def into(index, view):
+                if index == 1:
+                    raise ModelMismatch("chunk 1 does not fit")
+                time.sleep(0.2)  # a slow copy, still reading when chunk 1's has failed
+                assert bytes(view.buffer[:8])  # its bytes still readable
+                read[index] = tier.stats()["leases"]
+
+            with pytest.raises(ModelMismatch, match="chunk 1 does not fit"):
+                await client.fetch_prefix(hit, encoding="raw", into=into)
+            assert sorted(read) == list(range(0, len(addresses), 2)), read  # the other thread ran to its end
+            assert all(n > 0 for n in read.values()), read  # ... its leases held all along
+            for _ in range(50):  # (the release's answer reached the client; the host's count follows it)
+                if tier.stats()["leases"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert tier.stats()["leases"] == 0
