@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                         "embedded file); read only")
     p.add_argument("--operator-keys", default=None, metavar="FILE",
                    help="with --region: follow only policies one of these operator keys signed (as the edges do)")
+    p.add_argument("--deny-floor-ms", type=float, default=2.0, metavar="MS",
+                   help="the least time an 'absent' answer takes (or the last minute's p99 of them, if longer), "
+                        "so that another tenant's object held here reads as one never published (default: 2)")
     p.set_defaults(func=cmd_host_serve)
 
 
@@ -59,7 +62,7 @@ def cmd_host_serve(args: argparse.Namespace) -> int:
         budget=parse_size(args.budget) if args.budget is not None else None, group=args.group,
         token_file=args.token_file, upstream_token_file=args.upstream_token_file, ca=args.ca,
         eviction=args.eviction, metrics_port=args.metrics_port, region=args.region, registry=args.registry,
-        operator_keys=args.operator_keys)
+        operator_keys=args.operator_keys, deny_floor_ms=args.deny_floor_ms)
     from kdn.registry.signing import Verifier
 
     Verifier.from_file(config.trusted_keys)  # a bad key file fails here, in one line

@@ -41,6 +41,9 @@ class HostConfig:
     region: str | None = None  # follow this region's policies (kdn.host.policies); None: none
     registry: str | None = None  # ... read from this registry (None: $KDN_REGISTRY, else the embedded file)
     operator_keys: str | None = None  # ... and only those one of these keys signed (the edges' --operator-keys)
+    # The least time an "absent" takes (or the last minute's p99 of them, if longer): another tenant's object
+    # held here, and one never published, are refused alike (the edges' --deny-floor-ms).
+    deny_floor_ms: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.edges and self.origin is None:
@@ -62,6 +65,8 @@ class HostConfig:
             raise InvalidInput(f"--metrics-host must be a loopback address, not {self.metrics_host[:40]!r}")
         if not self.timeout > 0:
             raise InvalidInput(f"timeout must be positive, got {self.timeout}")
+        if not 0 <= self.deny_floor_ms <= 1000:
+            raise InvalidInput(f"--deny-floor-ms must be 0..1000, got {self.deny_floor_ms}")
         if self.region is None and (self.registry is not None or self.operator_keys is not None):
             raise InvalidInput("--registry and --operator-keys say where policies come from: give --region too, "
                                "the region whose policies this host follows")

@@ -10,8 +10,9 @@ not, answers exactly as an unpublished object does, and is never filled for that
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdn.auth import AuthError, Grants, may_read
 from kdn.errors import DigestMismatch, InvalidInput, SourceError
@@ -24,6 +25,9 @@ from kdn.host.segment import Segment
 from kdn.host.store import Held, HostStore, Key, NoRoom
 from kdn.registry.records import ObjectRecord
 
+if TYPE_CHECKING:  # pragma: no cover
+    from kdn.service.records import DenyFloor
+
 WARM_CONCURRENCY = 4  # fills one warm runs at once (each is one fetch from the edges)
 LEASE_TRIES = 3  # fills of one lease whose object was evicted before the lease could pin it
 
@@ -34,8 +38,10 @@ class Ops:
     """The host tier's requests, over its store, fills and grants."""
 
     def __init__(self, store: HostStore, filler: Filler, grants: Grants, segment: Segment,
-                 stats: Callable[[], dict[str, int]]) -> None:
+                 stats: Callable[[], dict[str, int]], *, floor: DenyFloor | None = None) -> None:
+        """``floor``: how long an "absent" takes at least (``DenyFloor``); None answers it as soon as known."""
         self.store, self.filler, self.grants, self.segment, self.stats = store, filler, grants, segment, stats
+        self.floor = floor
         self.ops: dict[str, Op] = {"hello": self.hello, "lookup": self.lookup, "lease": self.lease,
                                    "lease_many": self.lease_many, "release": self.release,
                                    "release_many": self.release_many, "warm": self.warm, "stats": self.stats_op}
@@ -46,7 +52,24 @@ class Ops:
         op = self.ops.get(name) if isinstance(name, str) else None
         if op is None:
             raise HostError("bad-request", f"unknown op {str(request.get('op'))[:24]!r}: one of {sorted(self.ops)}")
-        return {"ok": True, **await op(leases, self.namespaces(request.get("token")), request)}
+        since, ns = time.monotonic(), self.namespaces(request.get("token"))
+        try:
+            out = await op(leases, ns, request)
+        except HostError as e:
+            if e.code == "absent":
+                await self._hold_no(ns, since)
+            raise
+        if _says_absent(str(name), out):
+            await self._hold_no(ns, since)
+        return {"ok": True, **out}
+
+    async def _hold_no(self, ns: frozenset[str], since: float) -> None:
+        """An answer that says "absent" (for one address or several) waits for the floor: another tenant's
+        object held here is refused at once, one never published after its record was asked of the edges, and
+        without the floor the difference would tell a tenant what its neighbours' engines read. (A caller that
+        may read every namespace has nothing kept from it.)"""
+        if self.floor is not None and "*" not in ns:
+            await self.floor.hold(since)
 
     def namespaces(self, token: object) -> frozenset[str]:
         """The namespaces ``token`` may read (anonymous: those of the grants' anonymous grant)."""
@@ -204,6 +227,13 @@ class Ops:
 def _theirs(ns: frozenset[str], record: ObjectRecord) -> bool:
     """Whether the caller whose token reads ``ns`` may see the object ``record`` describes."""
     return may_read(ns, record.namespace, record.kind)
+
+
+def _says_absent(op: str, answer: dict[str, Any]) -> bool:
+    """Whether an answer refuses an address as absent: one of ``lease_many``'s, or a ``warm`` outcome."""
+    if op == "lease_many":
+        return any(x.get("error") == "absent" for x in answer["leases"])
+    return op == "warm" and "absent" in answer["outcomes"]
 
 
 def _absent(key: Key) -> HostError:

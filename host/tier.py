@@ -22,6 +22,7 @@ from kdn.host.policies import HostPolicies
 from kdn.host.segment import Segment
 from kdn.host.server import HostServer, check_socket_free
 from kdn.host.store import HostStore
+from kdn.service.records import DenyFloor
 
 if TYPE_CHECKING:  # pragma: no cover
     from aiohttp import web
@@ -58,8 +59,9 @@ class HostTier:
         try:
             store = HostStore(segment.size, config.held_budget, policy_named(config.eviction))
             filler = Filler(store, segment.view, upstream)
-            server = HostServer(Ops(store, filler, grants, segment, lambda: tier.stats()), store, config.socket,
-                                group=config.group)
+            ops = Ops(store, filler, grants, segment, lambda: tier.stats(),
+                      floor=DenyFloor(config.deny_floor_ms / 1000))
+            server = HostServer(ops, store, config.socket, group=config.group)
             tier = cls(config, segment, store, filler, server, client)
         except BaseException:
             segment.close()

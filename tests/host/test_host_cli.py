@@ -13,6 +13,7 @@ from kdn import cli
     (["--trusted-keys", "k", "--edge", "http://127.0.0.1:1", "--segment-bytes", "1MiB", "--budget", "2MiB"],
      "--budget must be"),
     (["--trusted-keys", "/nonexistent/keys", "--edge", "http://127.0.0.1:1"], "/nonexistent/keys"),
+    (["--trusted-keys", "k", "--edge", "http://127.0.0.1:1", "--deny-floor-ms", "-1"], "--deny-floor-ms must be"),
 ])
 def test_bad_arguments_fail_in_one_line(args, says, capsys, short_dir):
     where = ["--socket", str(short_dir / "h.sock"), "--segment", str(short_dir / "h.seg")]

@@ -115,6 +115,44 @@ async def test_a_tenants_objects_are_leased_with_its_token_only(cdn, short_dir):
                 assert obj.object().header.namespace == "acme"
 
 
+async def test_another_tenants_held_object_is_refused_as_slowly_as_one_never_published(cdn, short_dir):
+    """What a tenant's neighbours read on this machine must not show in how fast the host says "absent":
+    another tenant's object held here is refused at once, an address never published only after the edges
+    were asked, so every "absent" (lease, lease_many, warm) waits for the floor (``--deny-floor-ms``). What
+    the caller may read is not held back."""
+    import time
+
+    floor = 0.25
+    theirs = cdn.acme["addresses"][0]
+
+    async def timed(call):
+        t0 = time.perf_counter()
+        try:
+            got = await call()
+        except HostError as e:
+            got = e.code
+        return got, time.perf_counter() - t0
+
+    async def lease_of(client, address):
+        async with client.lease(address, "raw"):
+            return "leased"
+
+    async with running(config(cdn, short_dir, deny_floor_ms=floor * 1000)) as tier, \
+            HostClient(tier.config.socket, token=TENANT_A) as acme, \
+            HostClient(tier.config.socket, token=TENANT_B) as beta:
+        assert await acme.warm([theirs], "raw") == ["filled"]  # held here now
+        never = secrets.token_hex(32)
+        nos = [await timed(lambda a=a: lease_of(beta, a)) for a in (theirs, never, theirs, never)]
+        assert [g for g, _ in nos] == ["absent"] * 4 and min(t for _, t in nos) >= floor, nos
+        many, t_many = await timed(lambda: beta.lease_many([theirs, never], "raw"))
+        assert [x.code for x in many] == ["absent", "absent"] and t_many >= floor
+        warmed, t_warm = await timed(lambda: beta.warm([theirs], "raw"))
+        assert warmed == ["absent"] and t_warm >= floor
+        own = [await timed(lambda: lease_of(acme, theirs)) for _ in range(3)]
+        assert [g for g, _ in own] == ["leased"] * 3 and sorted(t for _, t in own)[1] < floor / 2, own
+        assert tier.stats()["leases"] == 0
+
+
 async def test_a_restarted_host_refills_from_the_edges(cdn, short_dir):
     a = cdn.m["addresses"][1]
     async with running(config(cdn, short_dir)) as first:
