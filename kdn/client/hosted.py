@@ -1,12 +1,13 @@
 """A prefix's objects read from the machine's host tier: the first source of a load, before the edge's HTTP.
 
 The host tier (``kdn host serve``) holds verified objects in a shared-memory segment this engine maps read-only
-(``kdn.client.host``). A load asks it once which of the prefix's objects it holds (``Held``); each held one is
-leased, checked against the lookup, and handed to the engine's ``into`` from the mapping (the one copy: mapping
--> cache), with no socket body and no hash on the request path (the host verified it when it landed, against
-the same signed record: the digests must agree, or the host's copy is not used). What the host does not hold,
-or fails to give, comes from the edges as before; what the edges served is then asked of the host ahead of
-the next request (``warm_behind``), so the next engine on the machine finds it there.
+(``kdn.client.host``). A load asks it once which of the prefix's objects it holds (``Held``; an engine's lookup
+asked already), leases those a batch at a time, and hands each, checked against the lookup, to the engine's
+``into`` from the mapping on the decode threads (``load_held``: the one copy, mapping -> cache), with no socket
+body and no hash on the request path (the host verified it when it landed, against the same signed record: the
+digests must agree, or the host's copy is not used). What the host does not hold, or fails to give, comes from
+the edges as before; what the edges served is then asked of the host ahead of the next request (``Behind``),
+so the next engine on the machine finds it there.
 """
 
 from __future__ import annotations
@@ -122,13 +123,13 @@ def host_picks(hit: Lookup, on_host: Held, encoding: str | None) -> dict[str, li
 async def load_held(host: HostClient, hit: Lookup, picks: dict[str, list[int]], budget: float | None,
                     into: Callable[[int, ObjectView], None], decoders: tuple[Executor, int], speeds: DecodeSpeeds,
                     stats: HostStats, arrived: list[float]) -> dict[int, tuple[Fetched, DecodedObject]]:
-    """The objects of ``hit`` in ``picks`` (``host_picks``), handed to ``into`` from the mapping: leased a round trip's batch
-    at a time (``HostClient.lease_batches``), each batch checked and copied on the decode threads (``decoders``:
-    the pool and its size; a job per thread, not a future per object) while the next is leased, its leases
-    ended once its copies are done. Per index what it gave; an index missing (the host
-    refused its lease, or its record names another digest than the signed one) is the caller's to read from
-    the edges. A check that fails (the object is not the one the lookup asked for) raises, once every copy
-    already started has ended and its leases with it: a lease never ends while a thread may read its bytes."""
+    """The objects of ``hit`` in ``picks`` (``host_picks``), handed to ``into`` from the mapping: leased a round
+    trip's batch at a time (``HostClient.lease_batches``), each batch checked and copied on the decode threads
+    (``decoders``: the pool and its size; a job per thread, not a future per object) while the next is leased,
+    its leases ended once its copies are done. Per index what it gave; an index missing (the host refused its
+    lease, or its record names another digest than the signed one) is the caller's to read from the edges. A
+    check that fails (the object is not the one the lookup asked for) raises, once every copy already started
+    has ended and its leases with it: a lease never ends while a thread may read its bytes."""
     batches: list[asyncio.Task[list[tuple[int, Fetched, DecodedObject] | None]]] = []
     try:
         for enc, indices in picks.items():
