@@ -138,26 +138,51 @@ async def load_held(host: HostClient, hit: Lookup, picks: dict[str, list[int]], 
                 async with asyncio.timeout(LOOKUP_S + 0.01 * len(indices)):
                     async for part in host.lease_batches([hit.addresses[i] for i in indices], enc):
                         mine, at = indices[at:at + len(part)], at + len(part)
-                        granted = _granted(mine, part, stats)
+                        granted = _granted(hit, mine, part, stats)
                         if granted:
-                            batches.append(asyncio.ensure_future(_copied(host, hit, granted, budget, into, decoders,
-                                                                         speeds, stats, arrived)))
+                            batch = asyncio.ensure_future(_copied(host, hit, granted, budget, into, decoders, speeds,
+                                                                  stats, arrived))
+                            batch.add_done_callback(_read)  # (a batch that outlives a cancelled load: still read)
+                            batches.append(batch)
+                        if any(b.done() and not b.cancelled() and b.exception() for b in batches):
+                            break  # a check failed: the load fails, nothing more is leased for it
             except (HostError, TimeoutError) as e:  # the rest of this encoding from the edges
                 stats.fallbacks += len(indices) - at
-                stats.note(f"lease_many: {e}")
+                stats.note(f"lease_many: {type(e).__name__}: {e}")
     finally:
-        if batches:  # (not cancelled with the caller: each batch ends its own leases when its copies end)
+        # Each batch ends its own leases once its copies have; a caller that stops waiting (cancelled) leases
+        # no more batches, and those already leased run to their end without it.
+        if batches:
             await asyncio.wait(batches)
+    return _gathered(batches, stats)
+
+
+def _read(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _gathered(batches: Sequence[asyncio.Task[list[tuple[int, Fetched, DecodedObject] | None]]], stats: HostStats
+              ) -> dict[int, tuple[Fetched, DecodedObject]]:
+    """What the batches gave, by index, counted as hits; the first failure raised once every batch is read."""
     out: dict[int, tuple[Fetched, DecodedObject]] = {}
+    failed: BaseException | None = None
     for b in batches:
-        for got in b.result():  # (raises the first failed check)
+        e = b.exception()
+        if e is not None:
+            failed = failed or e
+            continue
+        for got in b.result():
             if got is not None:
                 out[got[0]] = got[1:]
     stats.hits += len(out)
+    if failed is not None:
+        raise failed
     return out
 
 
-def _granted(indices: Sequence[int], part: Sequence[Leased | HostError], stats: HostStats) -> list[tuple[int, Leased]]:
+def _granted(hit: Lookup, indices: Sequence[int], part: Sequence[Leased | HostError], stats: HostStats
+             ) -> list[tuple[int, Leased]]:
     """A batch's leases by object index; each refused one counted and noted (the edges serve it)."""
     out = []
     for i, x in zip(indices, part):
@@ -165,7 +190,7 @@ def _granted(indices: Sequence[int], part: Sequence[Leased | HostError], stats: 
             out.append((i, x))
         else:
             stats.fallbacks += 1
-            stats.note(f"{x}")
+            stats.note(f"{hit.addresses[i][:16]}: {x}")
     return out
 
 
@@ -175,18 +200,23 @@ async def _copied(host: HostClient, hit: Lookup, granted: list[tuple[int, Leased
     """One batch's objects checked and copied on the decode threads (its objects dealt out, a job per thread),
     then its leases ended."""
     loop, (pool, threads) = asyncio.get_running_loop(), decoders
-    jobs = [loop.run_in_executor(pool, _copy_job, granted[t::threads], hit, budget, into, speeds)
-            for t in range(min(threads, len(granted)))]
+    jobs: list[asyncio.Future[list[tuple[int, Fetched, DecodedObject] | None]]] = []
     try:
+        jobs = [loop.run_in_executor(pool, _copy_job, granted[t::threads], hit, budget, into, speeds)
+                for t in range(min(threads, len(granted)))]
         await asyncio.wait(jobs)
     finally:
-        ids = [x.lease for _, x in granted]
+        if any(not j.done() for j in jobs):  # cancelled (a loop shutting down): the threads still read the mapping
+            await asyncio.wait(jobs)
         try:
-            await host.release_many(ids)
+            await host.release_many([x.lease for _, x in granted])
         except HostError as e:  # (a refusal of one: the others ended; a gone host ended them all)
             log.warning("host tier release_many: %s", e)
     now = time.perf_counter()
     out: list[tuple[int, Fetched, DecodedObject] | None] = []
+    failed = [e for e in (j.exception() for j in jobs) if e is not None]  # (every job's read: none left unread)
+    if failed:
+        raise failed[0]
     for job in jobs:
         for got in job.result():
             if got is None:

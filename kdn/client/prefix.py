@@ -111,11 +111,15 @@ async def fetch_prefix(client: PrefixSource, hit: Lookup, *, encoding: str | Non
     try:
         rest = [i for i in range(len(hit.addresses)) if i not in picked]
         got.update(zip(rest, await asyncio.gather(*(one(i, hit.addresses[i]) for i in rest))))
-    finally:
-        if from_host is not None:  # its copies end, and their leases, before an edge's failure is raised
+        if from_host is not None:
+            await asyncio.wait([from_host])
+    except BaseException:
+        if from_host is not None:  # an edge failed, or the load was given up: no more batches are leased, and
+            from_host.cancel()  # those leased end their leases once their copies have (``load_held``)
             await asyncio.wait([from_host])
             if not from_host.cancelled():
-                from_host.exception()  # (read here: an edge's failure, if any, is the one raised)
+                from_host.exception()  # (read: the edge's failure, or the cancellation, is what is raised)
+        raise
     if from_host is not None:
         got.update(from_host.result())
         missed = [i for i in sorted(picked) if i not in got]  # held, but not given: from the edges after all

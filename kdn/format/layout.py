@@ -105,7 +105,7 @@ class Layout:
     offsets: dict[str, tuple[int, int]]  # name -> [begin, end) within the data section
 
     # What readers derive from this layout alone, by what they compared it against (``derived``).
-    _derived: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
+    _derived: dict[Hashable, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def span(self, name: str) -> tuple[int, int]:
         """Tensor ``name``'s ``[begin, end)`` in the blob (absolute offsets)."""
@@ -395,8 +395,8 @@ class _LayoutCache:
     thread when a raw object is received in place (``kdn.wire.scatter``). The same objects are read again and
     again (that is what a cache of them is for), with byte-identical headers, and parsing is a pure
     function of (header text, blob size): the second read of a header takes the layout the first one
-    checked. Only layouts that passed every check are kept; ``Layout`` and what it holds are never
-    mutated by a reader. Thread-safe.
+    checked. Only layouts that passed every check are kept; a reader never changes a ``Layout``'s fields,
+    only adds what it derived from them (``Layout.derived``, a pure function of the layout). Thread-safe.
     """
 
     def __init__(self, max_bytes: int) -> None:

@@ -483,3 +483,54 @@ async def test_a_load_whose_copy_fails_ends_its_leases_only_after_every_copy(cdn
                     break
                 await asyncio.sleep(0.01)
             assert tier.stats()["leases"] == 0
+
+
+async def test_a_load_given_up_leases_no_more_and_its_leases_end_after_their_copies(cdn, short_dir, monkeypatch):
+    """A load whose caller stops waiting (its deadline: the task cancelled) leases no further batch from the
+    host; the batches it had leased are still copied to their end (their threads read the mapping), and then
+    every lease ends."""
+    import time
+
+    import kdn.client.host as host_module
+
+    addresses = cdn.m["addresses"]
+    assert len(addresses) >= 3
+    monkeypatch.setattr(host_module, "MAX_LEASE_MANY", 1)  # a batch an object
+    async with running(config(cdn, short_dir)) as tier, HostClient(tier.config.socket) as host:
+        assert set(await host.warm(addresses, "raw")) == {"filled"}
+        real, ops = host._request, []
+
+        async def slow_leases(op, **fields):  # a host slow to answer leases: 0.1 s a batch
+            ops.append(op)
+            if op == "lease_many":
+                await asyncio.sleep(0.1)
+            answer = await real(op, **fields)
+            if op == "lease_many":
+                ops.append("granted")
+            return answer
+
+        host._request = slow_leases  # type: ignore[method-assign]
+        async with KDNClient(edges=[cdn.c.edge_url("e1")], host=host) as client:
+            hit = await client.lookup(cdn.m["prefix_tokens"], cdn.m["model_id"])
+            copied: list[tuple[int, int]] = []
+
+            def into(index, view):
+                time.sleep(0.3)  # a slow copy, still reading when the load is given up
+                copied.append((index, tier.stats()["leases"]))
+
+            load = asyncio.ensure_future(client.fetch_prefix(hit, encoding="raw", into=into))
+            await asyncio.sleep(0.15)  # the first batch granted and being copied, the second asked
+            load.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await load
+            await asyncio.sleep(0.3)
+            assert ops.count("lease_many") < len(addresses), ops  # no batch asked after the load was given up
+            granted = ops.count("granted")
+            for _ in range(100):  # the batches granted run to their end, then end their leases
+                if len(copied) == granted and tier.stats()["leases"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert granted >= 1 and len(copied) == granted, (ops, copied)
+            assert all(n > 0 for _, n in copied), copied  # each copied under its lease
+            assert tier.stats()["leases"] == 0  # (a batch granted to nobody is released by the client too)
+        host._request = real  # type: ignore[method-assign]
