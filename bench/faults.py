@@ -401,8 +401,10 @@ async def slow_region_link(tmp: Path, quick: bool) -> Row:
                 r.phase = phase
                 h0 = r.hedges
                 await asyncio.gather(asyncio.sleep(phase_s), plain_read(phase),
-                                     # mid-phase: after a few failed probes a stalled region rests (the breaker)
-                                     _after(phase_s / 2, plain_read(f"{phase} (mid)")))
+                                     # mid-phase and late: after a few failed probes a stalled region rests (the
+                                     # breaker); when its probes end depends on the machine's load, so twice
+                                     _after(phase_s / 2, plain_read(f"{phase} (mid)")),
+                                     _after(phase_s * 0.85, plain_read(f"{phase} (late)")))
                 hedges[phase] = r.hedges - h0
         region_errors = await a1.metric("kdn_edge_source_errors", source="region")
         region_fills = await a1.metric("kdn_edge_fill_bytes", source="region")

@@ -93,10 +93,13 @@ async def test_slow_then_stalled_link_between_regions(tmp_path):
     # f3e3891 one run in three had such a read in the stall's p99; without the bound it was the 30 s fill timeout)
     assert _ms(n["stalled_p50_p99_ms"])[1] < fill.PROBE_MIN_S * 1000 + 1000 and n["stalled_failed"] == 0
     # an edge asked directly (no hedging client) gave up on the stalled region within its probe bound,
-    # and once its probes had failed it stopped asking (the region breaker): mid-stall, no probe bound paid
-    assert n["plain_read_of_a1"]["stalled"].startswith("http 200")
-    mid = n["plain_read_of_a1"]["stalled (mid)"]
-    assert mid.startswith("http 200") and int(mid.split()[3]) < 1000, mid
+    # and once its probes had failed it stopped asking (the region breaker): later in the stall, no probe
+    # bound paid. (Read at half and at 85% of the phase: on a loaded machine the probes that trip the breaker
+    # can still be running at half; CI once read 1,408 ms there.)
+    plain = n["plain_read_of_a1"]
+    assert plain["stalled"].startswith("http 200")
+    later = [plain["stalled (mid)"], plain["stalled (late)"]]
+    assert all(x.startswith("http 200") for x in later) and min(int(x.split()[3]) for x in later) < 1000, later
     assert n["a1_region_probes_skipped"] > 0 or n["a1_region_probes_not_worth"] > 0
 
 
