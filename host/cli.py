@@ -1,4 +1,5 @@
-"""``kdn host serve``: run the host tier of this machine. Imports nothing heavy until it runs."""
+"""``kdn host serve``: run the host tier of this machine; ``kdn host stats``: ask a running one its numbers.
+Imports nothing heavy until it runs."""
 
 from __future__ import annotations
 
@@ -49,6 +50,12 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="the least time an 'absent' answer takes (or the last minute's p99 of them, if longer), "
                         "so that another tenant's object held here reads as one never published (default: 2)")
     p.set_defaults(func=cmd_host_serve)
+    st = verbs.add_parser("stats", help="a running host tier's numbers as JSON (its stats op; no mapping taken)")
+    st.add_argument("--socket", default=default_path("sock"), metavar="PATH",
+                    help="the host's Unix socket (default: /dev/shm/kdn-host-UID.sock)")
+    st.add_argument("--token-file", default=None, metavar="FILE",
+                    help="a token its grants accept, if they ask one (default: $KDN_TOKEN)")
+    st.set_defaults(func=cmd_host_stats)
 
 
 def cmd_host_serve(args: argparse.Namespace) -> int:
@@ -69,4 +76,40 @@ def cmd_host_serve(args: argparse.Namespace) -> int:
     if config.operator_keys is not None:
         Verifier.from_file(config.operator_keys)
     asyncio.run(serve(config))
+    return 0
+
+
+STATS_S = 10.0  # the most ``kdn host stats`` waits for its answer
+
+
+def cmd_host_stats(args: argparse.Namespace) -> int:
+    """One ``stats`` request over the socket, its answer printed as JSON: what an operator reads on a machine
+    whose host serves no ``--metrics-port`` (the chart's and compose's default)."""
+    import json
+
+    from kdn.auth import read_token
+    from kdn.errors import InvalidInput
+    from kdn.wire.host import HostError, pack, read_frame, unpack
+
+    token = read_token(args.token_file)  # (none given: $KDN_TOKEN, if set)
+
+    async def ask() -> dict[str, Any]:
+        try:
+            reader, writer = await asyncio.open_unix_connection(args.socket)
+        except OSError as e:
+            raise InvalidInput(f"no host tier answers at {args.socket}: {e.strerror or e}") from None
+        try:
+            writer.write(pack({"id": 1, "op": "stats", "token": token}))
+            async with asyncio.timeout(STATS_S):
+                frame = await read_frame(reader)
+        except TimeoutError:
+            raise HostError("unavailable", f"the host tier at {args.socket} did not answer in {STATS_S:g} s") from None
+        finally:
+            writer.close()
+        answer = unpack(frame) if frame is not None else {"ok": False, "message": "the connection was closed"}
+        if not answer.get("ok"):
+            raise HostError(str(answer.get("error", "unavailable")), str(answer.get("message"))[:200])
+        return {k: v for k, v in answer.items() if k not in ("id", "ok")}
+
+    print(json.dumps(asyncio.run(ask()), indent=2, sort_keys=True))
     return 0

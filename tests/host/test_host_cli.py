@@ -40,3 +40,29 @@ def test_the_engine_side_loads_no_web_framework_and_no_model_library():
     r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == ""
+
+
+async def test_host_stats_prints_a_running_hosts_numbers_and_says_in_one_line_when_none_runs(short_dir, capsys):
+    """``kdn host stats``: a running host's stats op as JSON (what an operator reads where no --metrics-port is
+    served); with no host on the socket, one line and exit 2."""
+    import asyncio
+    import json
+
+    from host_helpers import Shelf, host_config, running
+
+    shelf = Shelf()
+    address, _ = shelf.add(1)
+    async with running(host_config(short_dir), upstream=shelf) as tier:
+        from kdn.client.host import HostClient
+
+        async with HostClient(tier.config.socket) as host:
+            assert await host.warm([address], "raw") == ["filled"]
+        capsys.readouterr()
+        rc = await asyncio.to_thread(cli.main, ["host", "stats", "--socket", tier.config.socket])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        got = json.loads(out)
+        assert got == {k: v for k, v in tier.stats().items()} and got["fills"] == 1 and got["objects"] == 1
+    rc = await asyncio.to_thread(cli.main, ["host", "stats", "--socket", str(short_dir / "none.sock")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no host tier answers at" in err and err.count("\n") == 1, err
