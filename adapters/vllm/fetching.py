@@ -151,6 +151,11 @@ class ChunkLoader:
         self.in_place = in_place
         self.attn, self.order, self.states = attn, order, states  # order: the staging's, the forward's
         self.kv_names = {f"L{a.index}.{x}" for a in order for x in ("k", "v")}
+        self._names = tuple(sorted(self.kv_names))  # the order an object stores them in (kdn.format.objects)
+        at = {nm: q for q, nm in enumerate(self._names)}
+        self._kv_at = [(at[f"L{a.index}.k"], at[f"L{a.index}.v"]) for a in order]  # per layer: its K and V there
+        # What a chunk's K/V shapes are checked against: a layout that fitted once fits again (Layout.derived).
+        self._fit_key = tuple((a.index, a.kv_heads, a.head_dim) for a in self.attn.values())
 
     def max_decoded(self, n_tokens: int) -> int:
         """The most an object of ``n_tokens`` for this model can decode to (fp32 at worst, aligned)."""
@@ -317,15 +322,12 @@ class ChunkLoader:
             view = ObjectView(f.blob, max_decoded=self.max_decoded(p.end - p.start))
         except KDNError as e:
             raise LoadFailed("decode", p, str(e)) from None
-        self._check_header(view.header, p)
-        names = sorted(self.kv_names)  # the order an object stores them in (kdn.format.objects)
-        kv = raw_region(view, names, staging.dtype, p.end - p.start)  # [2 x layers, H, n, D] or None
+        self._check_header(view.layout, p)
+        kv = raw_region(view, self._names, staging.dtype, p.end - p.start)  # [2 x layers, H, n, D] or None
         if kv is None:  # not raw in the cache's dtype (or not one shape): decoded into the staging as ever
             return self._stage(run, i, p, f, None)
         kt = kv.transpose(1, 2)  # [2 x layers, n, H, D]: the token-major view a backend's cache write takes
-        at = {nm: q for q, nm in enumerate(names)}
-        return Staged("host", f.encoding, len(f.blob), start=p.start,
-                      kv=[(kt[at[f"L{a.index}.k"]], kt[at[f"L{a.index}.v"]]) for a in self.order])
+        return Staged("host", f.encoding, len(f.blob), start=p.start, kv=[(kt[k], kt[v]) for k, v in self._kv_at])
 
     def _placeable(self, run: Loading, i: int, p: Chunk) -> bool:
         """A raw chunk wholly inside the load, whose states are not kept (only a hybrid load's last chunk has
@@ -349,7 +351,7 @@ class ChunkLoader:
         def place(layout: Any) -> dict[str, list[memoryview]]:
             h = layout.header
             try:
-                self._check_header(h, p)
+                self._check_header(layout, p)
                 bad = next((n for n, t in h.tensors.items() if n in self.kv_names and
                             (t.codec != "raw" or torch_dtype(t.dtype) != staging.dtype)), None)
                 if bad is not None:
@@ -377,17 +379,23 @@ class ChunkLoader:
             raise
         return Staged(f.source.split("/")[-1].split(":")[0], f.encoding, p.size)
 
-    def _check_header(self, h: Any, p: Chunk) -> None:
-        """An object's header is the chunk's (address, model, namespace, span) with this model's K/V shapes."""
-        bad = next((f"L{a.index}.{x}" for a in self.attn.values() for x in ("k", "v")
-                    if getattr(h.tensors.get(f"L{a.index}.{x}"), "shape", None) != (a.kv_heads, p.end - p.start,
-                                                                                   a.head_dim)), None)
+    def _check_header(self, layout: Any, p: Chunk) -> None:
+        """An object's header is the chunk's (address, model, namespace, span) with this model's K/V shapes (found
+        once per layout and chunk length: ``Layout.derived``)."""
+        h, n = layout.header, p.end - p.start
+        bad = layout.derived(("vllm-kv", self._fit_key, n), lambda: self._misfit(h, n))
         if bad is not None:
             raise LoadFailed("mismatch", p, f"{bad} is missing or not this model's shape")
         if (h.address, h.model_id, h.namespace, h.start, h.end) != (p.address, self.model_id, self.namespace,
                                                                     p.start, p.end):
             raise LoadFailed("mismatch", p, f"object {h.address[:16]} [{h.start}, {h.end}) of "
                              f"{h.model_id[:12]}/{h.namespace} is not the one asked for")
+
+    def _misfit(self, h: Any, n: int) -> str | None:
+        """The first of this model's K/V tensors ``h`` lacks or holds in another shape for ``n`` tokens."""
+        return next((f"L{a.index}.{x}" for a in self.attn.values() for x in ("k", "v")
+                     if getattr(h.tensors.get(f"L{a.index}.{x}"), "shape", None) != (a.kv_heads, n, a.head_dim)),
+                    None)
 
     def _stage(self, run: Loading, i: int, p: Chunk, f: Any, cap: int | None,
                held: frozenset[str] | None = None) -> Staged:
@@ -416,7 +424,7 @@ class ChunkLoader:
             view = ObjectView(f.blob, max_decoded=bound) if held is None else part_view(f.blob, held, max_decoded=bound)
         except KDNError as e:
             raise LoadFailed("decode", p, str(e)) from None
-        self._check_header(view.header, p)
+        self._check_header(view.layout, p)
         lo, hi = max(p.start, run.job.plan.first), min(p.end, run.job.plan.end)
         out = Staged(f.source.split("/")[-1].split(":")[0], f.encoding, len(f.blob))
         try:
