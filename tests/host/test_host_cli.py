@@ -61,8 +61,10 @@ async def test_host_stats_prints_a_running_hosts_numbers_and_says_in_one_line_wh
         rc = await asyncio.to_thread(cli.main, ["host", "stats", "--socket", tier.config.socket])
         out = capsys.readouterr().out
         assert rc == 0, out
-        got = json.loads(out)
-        assert got == {k: v for k, v in tier.stats().items()} and got["fills"] == 1 and got["objects"] == 1
+        got, now = json.loads(out), tier.stats()
+        # (its own connection was counted while it asked, and may or may not be by now: that one number moves)
+        assert got.pop("connections") >= 1 and got == {k: v for k, v in now.items() if k != "connections"}
+        assert got["fills"] == 1 and got["objects"] == 1
     rc = await asyncio.to_thread(cli.main, ["host", "stats", "--socket", str(short_dir / "none.sock")])
     err = capsys.readouterr().err
     assert rc == 2 and "no host tier answers at" in err and err.count("\n") == 1, err
