@@ -16,7 +16,16 @@ head included), which are the prompt positions of an engine that reuses the publ
 Wire form (a plain map, msgpack in the registry, JSON over HTTP)::
 
     {"v": 1, "spans": [[412, 431], ...], "region": [27, 1460], "alpha": 0.05,
-     "heads": [[12, 3], ...], "default_on": false, "source": "operator"}
+     "heads": [[12, 3], ...], "default_on": false, "source": "operator",
+     "baseline": {"heads": [[9, 2], ...], "null": [198, 198, 45, 14, 32], "sentences": [[27, 41], ...],
+                  "scores": [0.0123, ...]}}
+
+``baseline`` (optional; absent from maps made before it, whose signatures are unchanged): what a
+content-free question (``null``: its tokens as they follow the document) pays each of the region's
+sentences at the retrieval heads ``heads`` -- per sentence, the sum over its tokens of the null question's
+mean attention, averaged over the heads -- computed once at publish by the origin's model, so an engine
+making the question's own map (``kdn.adapters.hf.question_map``, the vLLM connector) need not run the
+content-free question itself.
 """
 
 from __future__ import annotations
@@ -36,7 +45,11 @@ MIN_ALPHA = 1e-6
 DEFAULT_ALPHA = 0.05
 SOURCES = frozenset({"operator", "probe", "mixed", "question"})  # question: an engine's own, at question time
 MAX_KEYS = 16  # a map with more keys than this is refused before its fields are read
-_KEYS = ("v", "spans", "region", "alpha", "heads", "default_on", "source")
+_KEYS = ("v", "spans", "region", "alpha", "heads", "default_on", "source", "baseline")
+MAX_BASELINE_HEADS = 64  # a question map's retrieval heads (calibrate picks at most 16)
+MAX_NULL_TOKENS = 64  # the content-free question's tokens, frame included
+MAX_SENTENCES = 8192  # sentences of a baseline's region
+_BASELINE_KEYS = ("heads", "null", "sentences", "scores")
 
 
 def _require(ok: bool, what: str) -> None:
@@ -61,6 +74,52 @@ def _pairs(v: object, what: str, limit: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class Baseline:
+    """What the content-free question pays each sentence of a map's region at ``heads`` (module docstring)."""
+
+    heads: tuple[tuple[int, int], ...]  # the retrieval heads the scores average over
+    null: tuple[int, ...]  # the content-free question's tokens, as they follow the published ones
+    sentences: tuple[tuple[int, int], ...]  # the region's sentences, [start, end), sorted, disjoint
+    scores: tuple[float, ...]  # per sentence
+
+    def __post_init__(self) -> None:
+        _require(0 < len(self.heads) <= MAX_BASELINE_HEADS and len(set(self.heads)) == len(self.heads),
+                 f"baseline: 1 to {MAX_BASELINE_HEADS} distinct heads, got {len(self.heads)}")
+        for layer, head in self.heads:
+            _require(_is_int(layer) and _is_int(head) and 0 <= layer < MAX_LAYER and 0 <= head < MAX_HEAD,
+                     f"baseline head ({layer}, {head}) is out of range")
+        _require(0 < len(self.null) <= MAX_NULL_TOKENS and all(_is_int(t) and t >= 0 for t in self.null),
+                 f"baseline: null must be 1 to {MAX_NULL_TOKENS} token ids")
+        _require(len(self.sentences) <= MAX_SENTENCES, f"baseline: at most {MAX_SENTENCES} sentences")
+        _require(len(self.scores) == len(self.sentences), "baseline: one score per sentence")
+        _require(all(isinstance(x, float) and math.isfinite(x) for x in self.scores), "baseline: scores must be "
+                 "finite numbers")
+        prev = -1
+        for s, e in self.sentences:
+            _require(_is_int(s) and _is_int(e) and prev <= s < e, f"baseline sentence [{s}, {e}) is empty, out "
+                     "of order or overlaps another")
+            prev = e
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"heads": [[la, h] for la, h in self.heads], "null": list(self.null),
+                "sentences": [[s, e] for s, e in self.sentences], "scores": list(self.scores)}
+
+    @classmethod
+    def from_dict(cls, d: object) -> Baseline:
+        _require(isinstance(d, dict) and set(d) == set(_BASELINE_KEYS), f"baseline must be a map of "
+                 f"{list(_BASELINE_KEYS)}")
+        assert isinstance(d, dict)
+        null, scores = d["null"], d["scores"]
+        _require(isinstance(null, list) and len(null) <= MAX_NULL_TOKENS, "baseline: null must be a list of "
+                 "token ids")
+        _require(isinstance(scores, list) and len(scores) <= MAX_SENTENCES and all(
+            _is_int(x) or isinstance(x, float) for x in scores), "baseline: scores must be a list of numbers")
+        return cls(heads=tuple(_pairs(d["heads"], "baseline heads", MAX_BASELINE_HEADS)), null=tuple(null),
+                   sentences=tuple(_pairs(d["sentences"], "baseline sentences", MAX_SENTENCES)),
+                   scores=tuple(float(x) for x in scores))
+
+
+@dataclass(frozen=True)
 class EmphasisMap:
     spans: tuple[tuple[int, int], ...]  # emphasized [start, end) token ranges, sorted, disjoint, inside region
     region: tuple[int, int]  # the tokens the bias may touch: the published knowledge (template head left out)
@@ -68,6 +127,7 @@ class EmphasisMap:
     heads: tuple[tuple[int, int], ...] = ()  # (layer, head) pairs to steer; empty: the adapter's default
     default_on: bool = False  # steer without the request asking (a request can still turn it off)
     source: str = "operator"
+    baseline: Baseline | None = None  # the content-free question's sentence scores, for a question's map
 
     def __post_init__(self) -> None:
         rs, re_ = self.region
@@ -89,6 +149,10 @@ class EmphasisMap:
         _require(len(set(self.heads)) == len(self.heads), "heads are listed twice")
         _require(isinstance(self.default_on, bool), "default_on must be a bool")
         _require(self.source in SOURCES, f"source must be one of {sorted(SOURCES)}")
+        if self.baseline is not None:
+            _require(isinstance(self.baseline, Baseline), "baseline must be a Baseline")
+            _require(all(rs <= s and e <= re_ for s, e in self.baseline.sentences), "baseline sentences must lie "
+                     f"inside the region [{rs}, {re_})")
 
     @property
     def n_emphasized(self) -> int:
@@ -98,7 +162,7 @@ class EmphasisMap:
         """The wire form (canonical: the signature covers exactly this)."""
         return {"v": VERSION, "spans": [[s, e] for s, e in self.spans], "region": [self.region[0], self.region[1]],
                 "alpha": self.alpha, "heads": [[la, h] for la, h in self.heads], "default_on": self.default_on,
-                "source": self.source}
+                "source": self.source, **({} if self.baseline is None else {"baseline": self.baseline.to_dict()})}
 
     @classmethod
     def from_dict(cls, d: object, *, n_tokens: int | None = None) -> EmphasisMap:
@@ -114,15 +178,18 @@ class EmphasisMap:
         _require((_is_int(alpha) or isinstance(alpha, float)), "alpha must be a number")
         m = cls(spans=tuple(_pairs(d.get("spans", []), "spans", MAX_SPANS)), region=region, alpha=float(alpha),
                 heads=tuple(_pairs(d.get("heads", []), "heads", MAX_HEADS)), default_on=d.get("default_on", False),
-                source=d.get("source", "operator"))
+                source=d.get("source", "operator"),
+                baseline=None if d.get("baseline") is None else Baseline.from_dict(d["baseline"]))
         if n_tokens is not None:
             _require(m.region[1] <= n_tokens, f"region [{m.region[0]}, {m.region[1]}) leaves the {n_tokens} "
                      "published tokens")
         return m
 
     def shifted(self, offset: int) -> EmphasisMap:
-        """The same map for the text placed ``offset`` positions later (a document inside a composed context)."""
+        """The same map for the text placed ``offset`` positions later (a document inside a composed context),
+        without its ``baseline``."""
         _require(self.region[0] + offset >= 0, "shifted before position 0")
+        # (no baseline: what a content-free question pays the text was measured where it was published)
         return EmphasisMap(spans=tuple((s + offset, e + offset) for s, e in self.spans),
                            region=(self.region[0] + offset, self.region[1] + offset), alpha=self.alpha,
                            heads=self.heads, default_on=self.default_on, source=self.source)

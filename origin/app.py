@@ -252,8 +252,14 @@ async def publish(request: web.Request) -> web.Response:
     spec = await asyncio.get_running_loop().run_in_executor(app[TOKENIZER], functools.partial(
         parse_request, body, tokenizer=loaded.tokenizer, vocab_size=loaded.model.config.vocab_size,
         max_tokens=max_tokens, default_encodings=defaults))
-    if spec.probes and app[CONFIG].engine != "hf":
-        return json_error(400, "invalid_input", "emphasis probes are run by an origin with --engine hf")
+    if (spec.probes or spec.baseline_heads) and app[CONFIG].engine != "hf":
+        return json_error(400, "invalid_input", "emphasis probes and question_heads are run by an origin with "
+                          "--engine hf")
+    cfg = loaded.model.config
+    far = [h for h in spec.baseline_heads if h[0] >= cfg.num_hidden_layers or h[1] >= cfg.num_attention_heads]
+    if far:
+        return json_error(400, "invalid_input", f"emphasis.question_heads: head {list(far[0])} is not in this model "
+                          f"({cfg.num_hidden_layers} layers of {cfg.num_attention_heads} heads)")
     if spec.standalone and app[CONFIG].engine != "hf":
         return json_error(400, "invalid_input", "standalone chunks are computed by an origin with --engine hf")
     kvtc = [e for e in spec.encodings if e == KVTC_AUTO or kvtc_bits(e) is not None]

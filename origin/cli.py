@@ -127,6 +127,10 @@ def _register_publish(sub: argparse._SubParsersAction) -> None:
                    help="with --emphasize: the attention scale on the other tokens the map suggests (0 < A <= 1)")
     p.add_argument("--emphasis-default-on", action="store_true",
                    help="with --emphasize: engines steer without being asked (a request can still turn it off)")
+    p.add_argument("--question-heads", default=None, metavar="L:H,...",
+                   help="the model's calibrated retrieval heads (kdn.adapters.hf.question_map.calibrate): the origin "
+                        "stores what a content-free question pays each sentence there, so engines making the "
+                        "question's own map skip that pass (docs/whitebox.md)")
     p.add_argument("--json", action="store_true", help="print the manifests as JSON")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--wait", type=float, default=120.0, metavar="SECONDS",
@@ -185,6 +189,17 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _heads(text: str) -> list[list[int]]:
+    """``"12:3,14:1"`` -> ``[[12, 3], [14, 1]]`` (InvalidInput otherwise)."""
+    try:
+        pairs = [[int(x) for x in part.split(":")] for part in text.split(",") if part.strip()]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 0 for p in pairs):
+        raise InvalidInput(f"--question-heads takes LAYER:HEAD pairs separated by commas, got {text[:40]!r}")
+    return pairs
+
+
 def cmd_publish(args: argparse.Namespace) -> int:
     import aiohttp  # noqa: F401  (fail early if the HTTP client is missing)
 
@@ -211,6 +226,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
         body_common["emphasis"] = emphasis
     elif args.emphasis_alpha is not None or args.emphasis_default_on:
         raise InvalidInput("--emphasis-alpha and --emphasis-default-on go with --emphasize")
+    if args.question_heads:
+        body_common.setdefault("emphasis", {})["question_heads"] = _heads(args.question_heads)
     import asyncio
 
     from kdn.registry import Manifest
@@ -226,7 +243,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
             emph = m.get("emphasis")
             print(f"published {m['namespace']}/{m['name']}: {m['tokens']} tokens, {len(m['addresses'])} chunks"
                   f" (+{len(m['standalone'])} standalone), model {m['model_id'][:16]}..."
-                  + (f", {len(emph['spans'])} emphasized spans" if emph else ""))
+                  + (f", {len(emph['spans'])} emphasized spans" if emph else "")
+                  + (f", content-free scores of {len(emph['baseline']['sentences'])} sentences"
+                     if emph and emph.get("baseline") else ""))
             print(f"  pin {manifest_pin(Manifest.from_dict(m))} (version {m.get('version', 0)}): "
                   "KDNClient.manifest(..., pin=) takes this manifest and no other")
             for i, a in enumerate(m["addresses"]):

@@ -60,6 +60,9 @@ class PublishSpec:
     encodings: tuple[str, ...] = ("zstd",)
     emphasis: EmphasisMap | None = None  # stored (and signed) with the manifest
     probes: tuple[tuple[int, ...], ...] = ()  # probe questions' tokens: the model adds the spans they attend to
+    # Retrieval heads whose content-free scores the map carries (its ``baseline``), and that question's tokens
+    baseline_heads: tuple[tuple[int, int], ...] = ()
+    baseline_null: tuple[int, ...] = ()
     # Once published, send the objects to these regions' edges (() every region; None: leave any push as it
     # is; False: end the push this publish set): a push policy, as `kdn policy set --push` writes one.
     push: tuple[str, ...] | None | bool = None
@@ -207,7 +210,7 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int,
     if len(tokens) > max_tokens:
         raise InvalidInput(f"document is {len(tokens)} tokens; this model's context is {max_tokens}")
     emphasis = body.get("emphasis")
-    emap, probes = (None, []) if emphasis is None else parse_emphasis(
+    emap, probes, qheads, null_ids = (None, [], (), []) if emphasis is None else parse_emphasis(
         emphasis, tokenizer=tokenizer, doc=text, doc_ids=doc_ids, head=len(head_ids),
         template=template if template not in (None, "none") else None)
     return PublishSpec(
@@ -221,6 +224,8 @@ def parse_request(body: dict, *, tokenizer, vocab_size: int, max_tokens: int,
         encodings=tuple(dict.fromkeys(encodings)),
         emphasis=emap,
         probes=tuple(tuple(p) for p in probes),
+        baseline_heads=qheads,
+        baseline_null=tuple(null_ids),
         push=push,
         push_rate=push_rate,
     )
@@ -383,16 +388,26 @@ class Producer:
         One forward over the published tokens and each probe; the probe's last token's attention, summed
         over the map's heads (default: ``kdn.adapters.hf.steer.default_heads``), picks the region's top
         positions (``kdn.adapters.hf.steer.derive_emphasis``).
+        With ``spec.baseline_heads``, the map's ``baseline``: one more forward, the content-free question's
+        (``kdn.adapters.hf.question_map.baseline_of``).
         """
         emap = spec.emphasis
-        if emap is None or not spec.probes:
+        if emap is None or not (spec.probes or spec.baseline_heads):
             return emap
-        from kdn.adapters.hf.steer import derive_emphasis
+        spans, baseline = emap.spans, None
+        if spec.probes:
+            from kdn.adapters.hf.steer import derive_emphasis
 
-        derived = derive_emphasis(self.loaded.model, spec.tokens, emap.region, spec.probes,
-                                  heads=list(emap.heads) or None, alpha=emap.alpha)
-        return EmphasisMap(spans=merge_spans([*emap.spans, *derived.spans], *emap.region), region=emap.region,
-                           alpha=emap.alpha, heads=emap.heads, default_on=emap.default_on, source=emap.source)
+            derived = derive_emphasis(self.loaded.model, spec.tokens, emap.region, spec.probes,
+                                      heads=list(emap.heads) or None, alpha=emap.alpha)
+            spans = merge_spans([*emap.spans, *derived.spans], *emap.region)
+        if spec.baseline_heads:
+            from kdn.adapters.hf.question_map import baseline_of
+
+            baseline = baseline_of(self.loaded.model, self.loaded.tokenizer, spec.tokens, emap.region,
+                                   spec.baseline_heads, spec.baseline_null)
+        return EmphasisMap(spans=spans, region=emap.region, alpha=emap.alpha, heads=emap.heads,
+                           default_on=emap.default_on, source=emap.source, baseline=baseline)
 
     def _auto(self, spec: PublishSpec):
         """This publish's ``kvtc-auto`` rate control (``kdn.adapters.hf.kvtc_rate.Publication``), if it asks for it."""
@@ -456,8 +471,8 @@ class VllmProducer(Producer):
         self.engine = engine.engine_name()
 
     def derive_emphasis(self, spec: PublishSpec) -> EmphasisMap | None:
-        if spec.probes:
-            raise InvalidInput("emphasis probes are run by an origin with --engine hf")
+        if spec.probes or spec.baseline_heads:
+            raise InvalidInput("emphasis probes and question_heads are run by an origin with --engine hf")
         return spec.emphasis
 
     def produce(self, spec: PublishSpec, plan: Plan) -> Iterator[Step]:

@@ -9,14 +9,15 @@ origin's model then adds the spans they attend to: ``Producer.derive_emphasis``)
 
 from __future__ import annotations
 
-from kdn.emphasis import DEFAULT_ALPHA, MAX_SPANS, EmphasisMap, merge_spans
+from kdn.emphasis import DEFAULT_ALPHA, MAX_BASELINE_HEADS, MAX_LAYER, MAX_SPANS, EmphasisMap, merge_spans
 from kdn.errors import InvalidInput
 
 MAX_EMPHASIS_TEXTS = 64
 MAX_EMPHASIS_TEXT_CHARS = 4096
 MAX_PROBES = 4
 MAX_PROBE_CHARS = 512
-_EMPHASIS_KEYS = frozenset({"texts", "spans", "probes", "alpha", "heads", "default_on"})
+_EMPHASIS_KEYS = frozenset({"texts", "spans", "probes", "alpha", "heads", "default_on", "question_heads"})
+Head = tuple[int, int]
 
 
 def token_char_ends(tokenizer, text: str, ids: list[int]) -> list[int] | None:
@@ -66,18 +67,22 @@ def emphasis_spans_of_texts(tokenizer, doc: str, doc_ids: list[int], texts: list
 
 
 def parse_emphasis(value: object, *, tokenizer, doc: str | None, doc_ids: list[int], head: int,
-                   template: str | None = None) -> tuple[EmphasisMap, list[list[int]]]:
-    """The publish body's ``emphasis`` field -> a map in published-token positions, and probe tokens.
+                   template: str | None = None) -> tuple[EmphasisMap, list[list[int]], tuple[Head, ...], list[int]]:
+    """The publish body's ``emphasis`` field -> a map in published-token positions, probe tokens, and the
+    retrieval heads and content-free question tokens of the map's ``baseline`` (none asked: ``()``, ``[]``).
 
     ``{"texts": [...]}`` marks each occurrence of each text (needs ``text`` in the body); ``{"spans":
     [[s, e], ...]}`` marks token ranges counted from the document's first token (the template head is
     not counted); ``{"probes": [question, ...]}`` asks the origin's model which tokens those questions
     attend to (``Producer.derive_emphasis``, at publish); ``alpha``, ``heads``, ``default_on`` as in
     ``kdn.emphasis``. Probes come back as the tokens that follow the published ones, as
-    ``kdn.adapters.hf.prompt_tokens`` would append them.
+    ``kdn.adapters.hf.prompt_tokens`` would append them. ``{"question_heads": [[layer, head], ...]}`` (a model's
+    calibrated retrieval heads, ``kdn.adapters.hf.question_map.calibrate``) asks the origin's model for the
+    content-free question's scores at those heads (the map's ``baseline``), so that engines making a question's
+    own map need not run the content-free question; it may come alone (a map that marks nothing).
     """
     if not isinstance(value, dict) or not value:
-        raise InvalidInput("'emphasis' must be a map with 'texts', 'spans' and/or 'probes'")
+        raise InvalidInput("'emphasis' must be a map with 'texts', 'spans', 'probes' and/or 'question_heads'")
     unknown = [k for k in value if k not in _EMPHASIS_KEYS]
     if unknown:
         raise InvalidInput(f"'emphasis' has unknown field(s) {[str(k)[:20] for k in unknown[:3]]}; "
@@ -93,8 +98,9 @@ def parse_emphasis(value: object, *, tokenizer, doc: str | None, doc_ids: list[i
                            f"of at most {MAX_PROBE_CHARS} characters")
     if not isinstance(spans, list) or len(spans) > MAX_SPANS:
         raise InvalidInput(f"'emphasis.spans' must be a list of at most {MAX_SPANS} [start, end) pairs")
-    if not texts and not spans and not probes:
-        raise InvalidInput("'emphasis' marks nothing: give 'texts', 'spans' or 'probes'")
+    qheads = _question_heads(value.get("question_heads", []))
+    if not texts and not spans and not probes and not qheads:
+        raise InvalidInput("'emphasis' marks nothing: give 'texts', 'spans', 'probes' or 'question_heads'")
     n = len(doc_ids)
     marked: list[tuple[int, int]] = []
     for p in spans:
@@ -112,9 +118,23 @@ def parse_emphasis(value: object, *, tokenizer, doc: str | None, doc_ids: list[i
             "heads": value.get("heads", []), "default_on": value.get("default_on", False),
             "source": "operator" if not probes else ("mixed" if marked else "probe")}
     emap = EmphasisMap.from_dict(wire, n_tokens=head + n)
-    probe_ids = []
-    if probes:
+    probe_ids, null_ids = [], []
+    if probes or qheads:
         from kdn.adapters.hf.generate import prompt_tokens
+        from kdn.adapters.hf.question_map import NULL_QUESTION
 
-        probe_ids = [prompt_tokens(tokenizer, {"prefix_tokens": [], "template": template}, q) for q in probes]
-    return emap, probe_ids
+        frame: dict[str, object] = {"prefix_tokens": [], "template": template}
+        probe_ids = [prompt_tokens(tokenizer, frame, q) for q in probes]
+        null_ids = prompt_tokens(tokenizer, frame, NULL_QUESTION) if qheads else []
+    return emap, probe_ids, qheads, null_ids
+
+
+def _question_heads(v: object) -> tuple[Head, ...]:
+    if not (isinstance(v, list) and len(v) <= MAX_BASELINE_HEADS and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                        and 0 <= x < MAX_LAYER for x in p) for p in v)):
+        raise InvalidInput(f"'emphasis.question_heads' must be a list of at most {MAX_BASELINE_HEADS} "
+                           "[layer, head] pairs")
+    if len({tuple(p) for p in v}) != len(v):
+        raise InvalidInput("'emphasis.question_heads' lists a head twice")
+    return tuple((int(a), int(b)) for a, b in v)

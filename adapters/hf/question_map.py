@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kdn.emphasis import DEFAULT_ALPHA, EmphasisMap
+from kdn.emphasis import DEFAULT_ALPHA, Baseline, EmphasisMap
 from kdn.errors import InvalidInput, ModelMismatch
 from kdn.registry.records import Manifest
 from kdn.template import chat_frame, encode_frame, encode_text
@@ -80,13 +80,15 @@ class QuestionMap:
     margin: float  # the best sentence's lead over the best one left out, in std devs
     emphasis: EmphasisMap | None  # None: not sure, steer nothing
     logits: torch.Tensor | None = None  # unsure, asked to keep: the question's plain prefill's last logits
+    published: bool = False  # the content-free question's scores came with the map (no pass of our own)
 
     def summary(self) -> str:
         """One line for a request's report."""
+        null = ", content-free scores published" if self.published else ""
         if self.emphasis is None:
-            return f"question map not sure (lead {self.margin:.2f} sd): not steered"
+            return f"question map not sure (lead {self.margin:.2f} sd{null}): not steered"
         return (f"question map: steered toward {', '.join(f'[{s}, {e})' for s, e in self.emphasis.spans)} "
-                f"(lead {self.margin:.2f} sd)")
+                f"(lead {self.margin:.2f} sd{null})")
 
     def covers(self, span: tuple[int, int]) -> bool:
         """Whether a chosen sentence overlaps ``span`` (the map's hit, where the answer is known)."""
@@ -143,13 +145,15 @@ def _crop(cache: Any, n: int) -> None:
         cache.crop(-extra)
 
 
-def head_token_scores(question: dict[int, torch.Tensor], null: dict[int, torch.Tensor],
+def head_token_scores(question: dict[int, torch.Tensor], null: dict[int, torch.Tensor] | None,
                       region: tuple[int, int]) -> torch.Tensor:
     """``[layers, heads, region tokens]``: the mean attention the question's rows pay each region token,
-    less the content-free question's."""
+    less the content-free question's (``null``; None: nothing subtracted)."""
     rs, re_ = region
     layers = sorted(question)
     q = torch.stack([question[la][:, :, rs:re_].mean(1) for la in layers])  # [L, H, R]
+    if null is None:
+        return q
     z = torch.stack([null[la][:, :, rs:re_].mean(1) for la in layers])  # [L, H, R]
     return q - z
 
@@ -172,14 +176,16 @@ def pick(scores: torch.Tensor, top: int) -> tuple[list[int], float]:
 
 
 def question_map(model: Any, tokenizer: Any, cache: Any, n: int, ids: Sequence[int], region: tuple[int, int],
-                 ret: Retrieval, *, keep: bool = False) -> QuestionMap:
+                 ret: Retrieval, *, keep: bool = False, baseline: Baseline | None = None) -> QuestionMap:
     """The map of the question ``ids[region[1]:]`` over the document ``ids[region[0]:region[1]]``.
 
     ``cache`` holds ``ids[:n]``; the document's missing tokens (``n < region[1]``) are prefilled into it
     unsteered (tokens past the document are cropped), so on return it holds ``ids[:region[1]]`` -- the
     scoring passes are cropped off. With ``keep``, an unsure map leaves the question's pass in the cache
     (holding all ``ids``) and its last logits in ``logits``: the question ran as a plain prefill on top of
-    the document, so the request goes on from there exactly as it would have unsteered."""
+    the document, so the request goes on from there exactly as it would have unsteered. ``baseline``: the
+    content-free question's scores published with the map (``baseline_of``), used when ``fits`` says they stand
+    for this request's own content-free pass, which is then not run."""
     rs, re_ = region
     if not 0 <= rs < re_ < len(ids):
         raise InvalidInput(f"a question map needs the document [{rs}, {re_}) before a question ({len(ids)} tokens)")
@@ -192,11 +198,16 @@ def question_map(model: Any, tokenizer: Any, cache: Any, n: int, ids: Sequence[i
         with torch.inference_mode():
             _forward(model, cache, torch.tensor(list(ids[n:re_]), dtype=torch.long, device=dev), n, logits=False)
     tail = list(ids[re_:])
-    z, _ = _attention(model, cache, re_, null_tail(tokenizer, tail, ret.null))
-    q, logits = _attention(model, cache, re_, tail, keep=True)  # last: an unsure map keeps it
+    null_ids = null_tail(tokenizer, tail, ret.null)
     spans = sentences(token_pieces(tokenizer, ids[rs:re_]), rs)
+    if baseline is not None and not fits(baseline, ret, null_ids, spans):
+        baseline = None  # measured for other heads, another frame or other sentences: our own pass instead
+    z = None if baseline is not None else _attention(model, cache, re_, null_ids)[0]
+    q, logits = _attention(model, cache, re_, tail, keep=True)  # last: an unsure map keeps it
     sc = (sentence_scores(_heads_mean(head_token_scores(q, z, region), ret.heads, q), spans, rs) if spans
           else torch.zeros(0))  # [S]
+    if baseline is not None and spans:
+        sc = sc - torch.tensor(baseline.scores, dtype=sc.dtype)
     chosen, margin = pick(sc, ret.top) if spans else ([], 0.0)
     sure = margin > ret.min_margin
     if sure or not keep:
@@ -204,7 +215,36 @@ def question_map(model: Any, tokenizer: Any, cache: Any, n: int, ids: Sequence[i
     emap = EmphasisMap(spans=tuple(spans[i] for i in sorted(chosen)), region=region, alpha=ret.alpha,
                        heads=ret.steer_heads, source="question") if sure else None
     return QuestionMap(tuple(spans), tuple(float(x) for x in sc), tuple(chosen), margin, emap,
-                       None if sure or not keep else logits)
+                       None if sure or not keep else logits, published=baseline is not None)
+
+
+def fits(baseline: Baseline, ret: Retrieval, null_ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether published content-free scores stand for this request's own pass: the same retrieval heads, the
+    same content-free question in the same frame, the same sentences."""
+    return (set(baseline.heads) == set(ret.heads) and tuple(baseline.null) == tuple(null_ids)
+            and baseline.sentences == tuple(spans))
+
+
+def baseline_of(model: Any, tokenizer: Any, tokens: Sequence[int], region: tuple[int, int], heads: Sequence[Head],
+                null_ids: Sequence[int]) -> Baseline:
+    """What the content-free question ``null_ids`` pays each sentence of ``region`` when it follows ``tokens``
+    (as ``prompt_tokens`` appends a question): the origin's pass, once per publish (``Producer.derive_emphasis``),
+    so that a question's map (here or in vLLM) needs no content-free pass of its own."""
+    from kdn.adapters.hf.extract import new_cache
+
+    rs, re_ = region
+    if not (0 <= rs < re_ == len(tokens)):
+        raise InvalidInput(f"a baseline's region [{rs}, {re_}) must end where the {len(tokens)} published tokens do")
+    cache = new_cache(model)
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        _forward(model, cache, torch.tensor(list(tokens), dtype=torch.long, device=dev), 0, logits=False)
+    z, _ = _attention(model, cache, re_, list(null_ids))
+    spans = sentences(token_pieces(tokenizer, tokens[rs:re_]), rs)
+    tok = _heads_mean(head_token_scores(z, None, region), heads, z)  # [R]
+    sc = sentence_scores(tok, spans, rs) if spans else torch.zeros(0)
+    return Baseline(heads=tuple((int(a), int(b)) for a, b in heads), null=tuple(int(t) for t in null_ids),
+                    sentences=tuple(spans), scores=tuple(float(x) for x in sc))
 
 
 def _heads_mean(tok: torch.Tensor, heads: Sequence[Head], recorded: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -226,13 +266,15 @@ class QuestionSteer:
     retrieval: Retrieval
     alpha: float | None = None
     heads: tuple[Head, ...] | None = None
+    baseline: Baseline | None = None  # the manifest's map's content-free scores, if it has them
 
     def prepare(self, model: Any, tokenizer: Any, cache: Any, n: int,
                 ids: Sequence[int]) -> tuple[int, Steer | None, QuestionMap]:
         """(the tokens the cache then holds; the plan, None when unsure; the map). Sure, the cache holds the
         document and the question is to run steered; unsure, it holds the question too, run plain, and the
         map's ``logits`` are its last position's: nothing is left to run before decoding."""
-        qm = question_map(model, tokenizer, cache, n, ids, self.region, self.retrieval, keep=True)
+        qm = question_map(model, tokenizer, cache, n, ids, self.region, self.retrieval, keep=True,
+                          baseline=self.baseline)
         if qm.emphasis is None:
             return len(ids), None, qm
         return self.region[1], plan(model, qm.emphasis, alpha=self.alpha, heads=self.heads), qm
@@ -251,7 +293,7 @@ def asked(emphasis: EmphasisMap | dict | None, retrieval: Retrieval | None, *, a
     if emap.region[1] >= n_ids:
         raise InvalidInput(f"the document covers {emap.region[1]} tokens, the prompt has {n_ids}: no question")
     return QuestionSteer(emap.region, retrieval, alpha, None if heads is None else tuple(
-        (int(a), int(b)) for a, b in heads))
+        (int(a), int(b)) for a, b in heads), emap.baseline)
 
 
 def region_map(manifest: Manifest | Mapping[str, Any]) -> EmphasisMap:

@@ -172,3 +172,29 @@ async def test_kdn_publish_emphasize(tmp_path, etcd_url, capsys):
         assert len(m["emphasis"]["spans"]) == 2
         rc = await asyncio.to_thread(main, ["publish", str(doc), "--origin", url, "--emphasis-alpha", "0.2"])
         assert rc == 2 and "go with --emphasize" in capsys.readouterr().err
+
+
+async def test_an_origin_stores_the_scores_signed_and_refuses_heads_its_model_lacks(tmp_path, etcd_url):
+    """``question_heads`` -> the manifest's map carries the content-free scores at those heads, covered by the
+    origin's signature; a head the model lacks is a 400 before anything is computed."""
+    from kdn.adapters.hf.question_map import NULL_QUESTION
+    from origin_helpers import PUBLISH_TOKEN
+
+    key = Signer.generate(tmp_path / "origin.key")
+    async with running_origin(tmp_path, etcd_url, signing_key=str(tmp_path / "origin.key")) as (server, session):
+        job = await publish(session, {"name": "gate", "text": DOC, "emphasis": {"question_heads": [[1, 0], [1, 1]]}})
+        assert job["state"] == "done", job
+        async with session.get("/v1/registry/manifests/public/gate") as r:
+            served = await r.json()
+        async with session.post("/v1/publish", json={"name": "far", "text": DOC,
+                                                     "emphasis": {"question_heads": [[99, 0]]}},
+                                headers={"Authorization": f"Bearer {PUBLISH_TOKEN}"}) as r:
+            assert r.status == 400 and "not in this model" in (await r.json())["detail"]
+    m = EmphasisMap.from_dict(served["emphasis"])
+    assert m.baseline is not None and m.baseline.heads == ((1, 0), (1, 1)) and len(m.baseline.sentences) == 3
+    assert list(m.baseline.null) == TOK.encode(f"\n\n{NULL_QUESTION}\n")
+    v = Verifier([key.public])
+    assert v.ok(Manifest.from_dict(served))
+    forged = {**served, "emphasis": {**served["emphasis"], "baseline": {
+        **served["emphasis"]["baseline"], "scores": [0.0] * len(m.baseline.scores)}}}
+    assert not v.ok(Manifest.from_dict(forged))
