@@ -85,19 +85,25 @@ def spec(emphasis: EmphasisMap | dict | None, *, n_layers: int, n_heads: int, al
     chosen = list(heads) if heads is not None else (list(emap.heads) or default_heads(n_layers, n_heads))
     if a == 1.0 or not emap.spans or not chosen:
         return None
+    qf = emap.region[1] if query_from is None else _index(query_from, "steering query_from")
+    if qf < 0:
+        raise InvalidInput(f"steering query_from must be a position, got {qf}")
+    return SteerSpec(by_layer(chosen, n_layers, n_heads), (int(emap.region[0]), int(emap.region[1])),
+                     tuple((int(s), int(e)) for s, e in emap.spans), a, qf)
+
+
+def by_layer(pairs: Sequence[object], n_layers: int, n_heads: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``[layer, head]`` pairs grouped as ``((layer, heads), ...)``, layers ascending; ``InvalidInput`` for what is
+    not a pair of ints, ``ModelMismatch`` for a head the model does not have."""
     per: dict[int, set[int]] = {}
-    for pair in chosen:
+    for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise InvalidInput(f"a steered head is a [layer, head] pair of ints, got {str(pair)[:30]}")
+            raise InvalidInput(f"a head is a [layer, head] pair of ints, got {str(pair)[:30]}")
         la, h = _index(pair[0], "a head's layer"), _index(pair[1], "a head's index")
         if not (0 <= la < n_layers and 0 <= h < n_heads):
             raise ModelMismatch(f"head ({la}, {h}) is not in this model ({n_layers} layers x {n_heads} heads)")
         per.setdefault(la, set()).add(h)
-    qf = emap.region[1] if query_from is None else _index(query_from, "steering query_from")
-    if qf < 0:
-        raise InvalidInput(f"steering query_from must be a position, got {qf}")
-    return SteerSpec(tuple((la, tuple(sorted(hs))) for la, hs in sorted(per.items())),
-                     (int(emap.region[0]), int(emap.region[1])), tuple((int(s), int(e)) for s, e in emap.spans), a, qf)
+    return tuple((la, tuple(sorted(hs))) for la, hs in sorted(per.items()))
 
 
 def _index(v: object, what: str) -> int:

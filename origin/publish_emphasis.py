@@ -118,15 +118,20 @@ def parse_emphasis(value: object, *, tokenizer, doc: str | None, doc_ids: list[i
             "heads": value.get("heads", []), "default_on": value.get("default_on", False),
             "source": "operator" if not probes else ("mixed" if marked else "probe")}
     emap = EmphasisMap.from_dict(wire, n_tokens=head + n)
-    probe_ids, null_ids = [], []
-    if probes or qheads:
-        from kdn.adapters.hf.generate import prompt_tokens
-        from kdn.adapters.hf.question_map import NULL_QUESTION
-
-        frame: dict[str, object] = {"prefix_tokens": [], "template": template}
-        probe_ids = [prompt_tokens(tokenizer, frame, q) for q in probes]
-        null_ids = prompt_tokens(tokenizer, frame, NULL_QUESTION) if qheads else []
+    probe_ids, null_ids = _suffixes(tokenizer, template, probes, bool(qheads))
     return emap, probe_ids, qheads, null_ids
+
+
+def _suffixes(tokenizer, template: str | None, probes: list[str], null: bool) -> tuple[list[list[int]], list[int]]:
+    """The probes' tokens, and the content-free question's (``null``), as they follow the published tokens."""
+    if not probes and not null:
+        return [], []
+    from kdn.adapters.hf.generate import prompt_tokens
+    from kdn.adapters.hf.question_map import NULL_QUESTION
+
+    frame: dict[str, object] = {"prefix_tokens": [], "template": template}
+    return ([prompt_tokens(tokenizer, frame, q) for q in probes],
+            prompt_tokens(tokenizer, frame, NULL_QUESTION) if null else [])
 
 
 def _question_heads(v: object) -> tuple[Head, ...]:

@@ -37,6 +37,7 @@ from kdn.adapters.vllm.plan import LoadPlan, plan_load
 from kdn.adapters.vllm.planning import Planner
 from kdn.adapters.vllm.stats import KDNStats
 from kdn.adapters.steering import SteerSpec
+from kdn.adapters.vllm.question import QuestionSpec
 from kdn.adapters.vllm.steer import SteerJob, spec_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -87,7 +88,7 @@ class SchedulerSide:
     _ready: list[LoadJob] = field(default_factory=list)
     _saves: dict[str, _Save] = field(default_factory=dict)
     _given_up: set[str] = field(default_factory=set)  # requests whose load failed: vLLM recomputes them whole
-    _steers: dict[str, SteerSpec | None] = field(default_factory=dict)  # per request seen: its steering, or None
+    _steers: dict[str, SteerSpec | QuestionSpec | None] = field(default_factory=dict)  # per request: its steering
     _decided: dict[str, tuple[int, int, LoadPlan | None]] = field(default_factory=dict)  # (computed, tokens, cut)
     _stats: KDNStats = field(default_factory=KDNStats)  # the planner's choices since vLLM last took them
     totals: KDNStats = field(default_factory=KDNStats)  # lookups' times since start (benches, health reports)
@@ -257,7 +258,7 @@ class SchedulerSide:
 
     # --- steering ----------------------------------------------------------------------------
 
-    def _steer_for(self, request: Any) -> SteerSpec | None:
+    def _steer_for(self, request: Any) -> SteerSpec | QuestionSpec | None:
         """The request's steering spec, decided once per request (a refusal is logged and counted once)."""
         rid = request.request_id
         if rid in self._steers:

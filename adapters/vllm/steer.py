@@ -43,6 +43,7 @@ captured full graph would skip (not run on a GPU yet).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from kdn.errors import InvalidInput
 
 from kdn.adapters import steering
 from kdn.adapters.steering import SteerSpec
+from kdn.adapters.vllm.question import QuestionSpec
 
 log = logging.getLogger("kdn.adapters.vllm")
 
@@ -64,7 +66,7 @@ class SteerJob:
     """One steered request's rows in this step: positions ``[first, first + n)`` are computed."""
 
     req_id: str
-    spec: SteerSpec
+    spec: SteerSpec | QuestionSpec  # a question's: its plan is decided in the question's own step (question.py)
     first: int
     n: int
     block_ids: tuple[tuple[int, ...], ...]  # the request's block table, per KV cache group
@@ -93,15 +95,20 @@ def request_params(emphasis: EmphasisMap | dict, *, steer: bool | None = True, a
     return kdn, salt_prefix + steering.salt(emap, alpha=alpha, heads=heads, query_from=query_from)
 
 
-def spec_of(params: dict, *, n_layers: int, n_heads: int, n_ids: int, cache_salt: str | None) -> SteerSpec | None:
+def spec_of(params: dict, *, n_layers: int, n_heads: int, n_ids: int,
+            cache_salt: str | None) -> SteerSpec | QuestionSpec | None:
     """The steering a request's ``kdn`` params ask for, or None; ``InvalidInput`` / ``ModelMismatch`` for a bad one
     (a malformed map, heads the model lacks, a region past the prompt, a missing salt)."""
     emphasis = params.get("emphasis")
     on = params.get("steer")
     if emphasis is None and not on:
         return None
+    if on == "question":  # the question's own map, made in its pass (question.py)
+        from kdn.adapters.vllm.question import spec_of as question_spec
+
+        return question_spec(params, n_layers=n_layers, n_heads=n_heads, n_ids=n_ids, cache_salt=cache_salt)
     if on is not None and not isinstance(on, bool):
-        raise InvalidInput(f"'steer' must be true, false or null, got {str(on)[:20]}")
+        raise InvalidInput(f"'steer' must be true, false, \"question\" or null, got {str(on)[:20]}")
     heads = params.get("steer_heads")
     if heads is not None and (not isinstance(heads, list) or not all(isinstance(p, (list, tuple)) for p in heads)):
         raise InvalidInput("'steer_heads' must be a list of [layer, head] pairs")
@@ -153,6 +160,7 @@ class Steerer:
     ROWS_PER_CALL = 256  # steered query rows per attention call: bounds the [heads, rows, keys] scores
     MAX_WARNED = 4096
     MAX_CACHED_BYTES = 512 << 20  # the running steered requests' keys kept between steps, at most
+    MAX_DECIDED = 4096  # question maps' plans kept for their requests' later steps
 
     def __init__(self, layers: dict[str, Any], groups: dict[str, tuple[int, int]],
                  current: Callable[[], list[SteerJob] | None]) -> None:
@@ -172,6 +180,11 @@ class Steerer:
         # the request runs, so each step reads only the new positions from the paged cache.
         self._kv: dict[tuple[str, str], _Keys] = {}
         self._kv_bytes = 0
+        # Question maps (question.py): a request's score while its question's step runs, then its plan (None:
+        # unsure or not made), kept past the step for its answer's rows; the oldest dropped past MAX_DECIDED.
+        self._making: dict[str, torch.Tensor] = {}
+        self.decided: dict[str, SteerSpec | None] = {}
+        self.maps: dict[str, int] = {}  # outcomes: sure, unsure, split (the question in two steps), no_row
         for a in layers.values():
             why = steerable(a.module.impl)
             if why is not None:
@@ -212,11 +225,15 @@ class Steerer:
             live = {j.req_id for j in jobs}
             for key in [k for k in self._kv if k[0] not in live]:
                 self._kv_bytes -= self._kv.pop(key).nbytes
+            for rid in [r for r in self._making if r not in live]:
+                del self._making[rid]
             for job in jobs:
-                for la, _ in job.spec.heads:
+                sp = job.spec
+                for la, _ in (sp.heads if isinstance(sp, SteerSpec) else sp.retrieval + sp.steer):
                     if la in self.refused:
                         self._warn(job, la, "layer %d is not steered (%s)", la, self.refused[la])
-        mine = [j for j in jobs if j.spec.layer_heads(a.index) and j.spec.query_from < j.end]
+        mine = [j for j in jobs if (self._question_wants(j, a.index) if isinstance(j.spec, QuestionSpec)
+                                    else j.spec.layer_heads(a.index) and j.spec.query_from < j.end)]
         if not mine:
             return
         qsl, slot_mapping = getattr(md, "query_start_loc", None), getattr(md, "slot_mapping", None)
@@ -229,20 +246,113 @@ class Steerer:
         last_slot = slot_mapping[qsl[1:] - 1].cpu()  # [rows]: the slot each batch row's last token writes
         for job in mine:
             try:
-                self._steer(a, job, query, kv_cache, output, qsl, last_slot)
+                if isinstance(job.spec, QuestionSpec):
+                    self._question(a, job, query, kv_cache, output, qsl, last_slot)
+                else:
+                    self._steer(a, job, query, kv_cache, output, qsl, last_slot)
             except Exception as e:  # noqa: BLE001 -- never fail the engine's step: this request runs unsteered
                 self._warn(job, a.index, "layer %d is not steered: %s: %s", a.index, type(e).__name__, e)
 
+    # --- the question's own map (question.py) -----------------------------------------------
+
+    def _question_wants(self, job: SteerJob, layer: int) -> bool:
+        q = job.spec
+        assert isinstance(q, QuestionSpec)
+        asking = job.first < q.n_ids and job.end > q.query_from  # this step computes question rows
+        if asking and q.retrieval_heads(layer):
+            return True  # scored (or found split) at the retrieval layers
+        return (q.steers(layer) and q.query_from < job.end and (not asking or layer >= q.last_layer)
+                and isinstance(self.decided.get(job.req_id), SteerSpec))
+
+    def _question(self, a: Any, job: SteerJob, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+                  qsl: torch.Tensor, last_slot: torch.Tensor) -> None:
+        """A question-map request at this layer: in the step that computes its question, scored at the retrieval
+        layers, decided at the last one and steered from there on (the layers before it run unsteered, as its
+        first computation did, should a preempted request compute its question again); in later steps
+        steered by the plan decided then."""
+        q = job.spec
+        assert isinstance(q, QuestionSpec)
+        asking = job.first < q.n_ids and job.end > q.query_from
+        if asking and q.retrieval_heads(a.index):
+            if job.first > q.query_from or job.end < q.n_ids:  # a chunked prefill split the question
+                if a.index == q.last_layer and job.first <= q.query_from:  # (counted in its first step)
+                    self._decide(job, None, "split")
+            else:
+                self._score(a, job, query, kv_cache, qsl, last_slot)
+        if asking and a.index < q.last_layer:
+            return
+        plan = self.decided.get(job.req_id)
+        if isinstance(plan, SteerSpec) and plan.layer_heads(a.index):
+            self._steer(a, dataclasses.replace(job, spec=plan), query, kv_cache, output, qsl, last_slot)
+
+    def _score(self, a: Any, job: SteerJob, query: torch.Tensor, kv_cache: torch.Tensor, qsl: torch.Tensor,
+               last_slot: torch.Tensor) -> None:
+        """What the question's rows pay the document at this layer's retrieval heads (unsteered: vLLM's own
+        attention, recomputed from the paged cache and the step's queries), summed into the request's score;
+        at the last retrieval layer, the decision."""
+        q = job.spec
+        assert isinstance(q, QuestionSpec)
+        if a.index == q.retrieval[0][0]:
+            self._making[job.req_id] = torch.zeros(q.region[1] - q.region[0])
+        acc = self._making.get(job.req_id)
+        rows = self._rows(job, a, qsl, last_slot)
+        if acc is None or not rows:
+            self._making.pop(job.req_id, None)
+            self._decide(job, None, "no_row")
+            return
+        heads = q.retrieval_heads(a.index)
+        group, block_size = self.groups[a.name]
+        table = job.block_ids[group]
+        read = self._reader(a, kv_cache)
+        dev = query.device
+        hs = torch.as_tensor(heads, dtype=torch.long, device=dev)
+        kvh = hs // (query.shape[1] // a.kv_heads)
+        L, rs, re_ = job.end, q.region[0], q.region[1]
+        k, _ = read(kv_cache, self._paged.slots(table, 0, L, block_size, kv_cache.device))  # [L, Hkv, D]
+        kk = k[:, kvh].transpose(0, 1).float()  # [Hr, L, D]
+        keys, q0, r0 = torch.arange(L, device=dev), int(qsl[rows[0]]), q.query_from - job.first
+        paid = torch.zeros(len(heads), re_ - rs, device=dev)
+        for c0 in range(r0, job.n, self.ROWS_PER_CALL):
+            c1 = min(c0 + self.ROWS_PER_CALL, job.n)
+            qpos = torch.arange(job.first + c0, job.first + c1, device=dev)
+            mask = torch.zeros(len(qpos), L, device=dev).masked_fill(keys[None, :] > qpos[:, None], float("-inf"))
+            qq = query[q0 + c0:q0 + c1, hs].transpose(0, 1).float()  # [Hr, r, D]
+            p = torch.softmax(torch.baddbmm(mask.expand(len(heads), -1, -1), qq, kk.transpose(1, 2),
+                                            alpha=float(a.module.impl.scale)), dim=-1)  # [Hr, r, L]
+            paid += p[:, :, rs:re_].sum(1)
+        acc += (paid / (job.n - r0)).sum(0).cpu()  # each head's mean over the question's rows, summed
+        if a.index == q.last_layer:
+            plan, lead = q.decide(self._making.pop(job.req_id) / q.n_retrieval)
+            self._decide(job, plan, "sure" if plan is not None else "unsure", lead)
+
+    def _decide(self, job: SteerJob, plan: SteerSpec | None, outcome: str, lead: float = 0.0) -> None:
+        self.decided[job.req_id] = plan
+        while len(self.decided) > self.MAX_DECIDED:
+            self.decided.pop(next(iter(self.decided)))
+        self.maps[outcome] = self.maps.get(outcome, 0) + 1
+        if outcome in ("split", "no_row"):
+            self._warn(job, -3, "its question ran %s: its map was not made, not steered",
+                       "in more than one step" if outcome == "split" else "in no batch row found")
+        else:
+            log.info("request %s: question map %s (lead %.2f sd)", job.req_id,
+                     "not sure: not steered" if plan is None else f"steers toward {list(plan.spans)}", lead)
+
+    def _rows(self, job: SteerJob, a: Any, qsl: torch.Tensor, last_slot: torch.Tensor) -> list[int]:
+        """The batch rows of ``job``'s request: the row whose last token is written to its last position's slot."""
+        group, block_size = self.groups[a.name]
+        last = int(self._paged.slots(job.block_ids[group], job.end - 1, job.end, block_size)[0])
+        rows = (last_slot == last).nonzero().flatten().tolist()
+        return [i for i in rows if int(qsl[i + 1] - qsl[i]) == job.n]
+
     def _steer(self, a: Any, job: SteerJob, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
                qsl: torch.Tensor, last_slot: torch.Tensor) -> None:
+        assert isinstance(job.spec, SteerSpec)
         heads = job.spec.layer_heads(a.index)
         r0 = max(job.spec.query_from - job.first, 0)  # the first steered row of this step
         L = job.end
         group, block_size = self.groups[a.name]
         table = job.block_ids[group]
-        last = int(self._paged.slots(table, L - 1, L, block_size)[0])  # where this request's last token goes
-        rows = (last_slot == last).nonzero().flatten().tolist()
-        rows = [i for i in rows if int(qsl[i + 1] - qsl[i]) == job.n]
+        rows = self._rows(job, a, qsl, last_slot)
         if not rows:
             self._warn(job, -1, "no batch row matches its steering job: not steered")
             return

@@ -124,3 +124,60 @@ def test_a_publish_asks_for_question_heads_alone_and_gets_the_null_tokens():
         with pytest.raises(InvalidInput, match="question_heads"):
             parse_request({"name": "d", "text": DOC, "emphasis": {"question_heads": bad}}, tokenizer=TOK,
                           vocab_size=TOK.vocab_size, max_tokens=4096)
+
+
+# --- the same map in vLLM: the request the caller builds, the spec the scheduler resolves ----------------
+
+
+def _request():
+    model = tiny()
+    doc, region, null = _published()
+    emap = EmphasisMap(spans=(), region=region, baseline=baseline_of(model, TOK, doc, region, HEADS, null))
+    ids = prompt_tokens(TOK, {"prefix_tokens": doc, "template": None}, QUESTION)
+    return model, emap, ids
+
+
+def test_a_vllm_question_request_carries_what_its_pass_needs_and_is_refused_without_it():
+    import dataclasses
+
+    from kdn.adapters.vllm.question import QuestionSpec, request_params, spec_of
+
+    model, emap, ids = _request()
+    ret = Retrieval(HEADS, top=2, min_margin=0.5, alpha=0.02, steer_heads=((1, 1),))
+    kdn, salt = request_params(emap, ret, ids, TOK, salt_prefix="tenant-")
+    assert kdn["steer"] == "question" and salt.startswith("tenant-kdn-steer-")
+    n_layers, n_heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    spec = spec_of(kdn, n_layers=n_layers, n_heads=n_heads, n_ids=len(ids), cache_salt=salt)
+    assert isinstance(spec, QuestionSpec) and spec.query_from == emap.region[1] and spec.n_ids == len(ids)
+    assert spec.retrieval == ((0, (2,)), (1, (0, 1))) and spec.last_layer == 1 and spec.n_retrieval == 3
+    assert spec.steer == ((1, (1,)),) and spec.top == 2 and spec.alpha == 0.02
+    with pytest.raises(InvalidInput, match="cache_salt"):
+        spec_of(kdn, n_layers=n_layers, n_heads=n_heads, n_ids=len(ids), cache_salt="tenant-")
+    other = {**kdn, "question": {**kdn["question"], "heads": [[1, 0]]}}
+    with pytest.raises(InvalidInput, match="retrieval heads"):
+        spec_of(other, n_layers=n_layers, n_heads=n_heads, n_ids=len(ids), cache_salt=salt)
+    with pytest.raises(InvalidInput, match="no question"):
+        spec_of(kdn, n_layers=n_layers, n_heads=n_heads, n_ids=emap.region[1], cache_salt=salt)
+    with pytest.raises(InvalidInput, match="--question-heads"):  # no content-free scores with the map
+        request_params(dataclasses.replace(emap, baseline=None), ret, ids, TOK)
+    with pytest.raises(InvalidInput, match="other retrieval heads"):
+        request_params(emap, Retrieval(HEADS[:1]), ids, TOK)
+
+
+def test_the_vllm_decision_is_the_transformers_adapter_s_from_the_same_scores():
+    """``QuestionSpec.decide`` (what vLLM's steerer calls with the question's attention) picks what
+    ``question_map`` picks from the same token scores, and is unsure where it would be."""
+    from kdn.adapters.hf.question_map import pick, sentence_scores
+    from kdn.adapters.vllm.question import request_params, spec_of
+
+    model, emap, ids = _request()
+    n_layers, n_heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    tok = torch.rand(emap.region[1] - emap.region[0], generator=torch.Generator().manual_seed(3))
+    base = emap.baseline
+    want, margin = pick(sentence_scores(tok, base.sentences, 0) - torch.tensor(base.scores), 1)
+    for min_margin, sure in ((margin / 2, True), (margin * 2, False)):
+        kdn, salt = request_params(emap, Retrieval(HEADS, min_margin=min_margin), ids, TOK)
+        plan, lead = spec_of(kdn, n_layers=n_layers, n_heads=n_heads, n_ids=len(ids), cache_salt=salt).decide(tok)
+        assert lead == pytest.approx(margin) and (plan is not None) == sure
+        if sure:
+            assert plan.spans == (base.sentences[want[0]],) and plan.query_from == emap.region[1]

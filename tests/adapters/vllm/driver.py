@@ -110,6 +110,7 @@ def main() -> None:
                 w, s = connector("worker").worker, sched.connector.sched
                 steerer = getattr(connector("worker"), "steerer", None)
                 answer({"totals": w.totals.data, "steered_rows": steerer.rows if steerer else 0,
+                        "question_maps": dict(steerer.maps) if steerer else {},
                         "steer_refused": s.steer_refused,
                         "blend_refused": s.blender.refused if s.blender is not None else 0, "lookups": len(s._lookups), "plans": len(s._plans),
                         "refused_records": s.client.rejected_records if s.client is not None else 0,

@@ -400,3 +400,67 @@ def test_steering_without_its_salt_or_with_a_bad_plan_runs_unsteered(world):
     got = eh.generate([prompt, prompt], kdn=[kdn, bad], salts=[salt(), "kdn-steer-0000"], max_tokens=8)
     assert all(close(g, plain) for g in got)
     assert eh.stats()["steer_refused"] == refused + 2
+
+
+# --- the question's own map, made in its pass (kdn.adapters.vllm.question) -----------------------------
+
+RETRIEVAL = [[0, 0], [0, 1]]  # layer 0 scores; layer 1 steers: at or after it, so vLLM's map and steering
+QUESTION_STEER = [[1, 0], [1, 1]]  # are exactly the transformers adapter's (question.py)
+
+
+def question_request(doc: dict, min_margin: float = 0.0) -> tuple[dict, str, dict]:
+    """(kdn params, salt, the HF map it should decide) for the document's 50-token "sentences", with the
+    content-free scores computed as an origin does (``baseline_of``'s sums, for these spans)."""
+    import torch
+
+    from kdn.adapters.hf.extract import _forward, new_cache
+    from kdn.adapters.hf.question_map import _attention, _heads_mean, head_token_scores, sentence_scores
+    from kdn.adapters.vllm.question import salt as question_salt
+
+    model, n = hf_model(), len(doc["prefix_tokens"])
+    spans = [(s, min(s + 50, n)) for s in range(0, n, 50)]
+    heads = [tuple(p) for p in RETRIEVAL]
+
+    def paid(rows: list[int]) -> torch.Tensor:
+        cache = new_cache(model)
+        with torch.inference_mode():
+            _forward(model, cache, torch.tensor(doc["prefix_tokens"]), 0, logits=False)
+        att, _ = _attention(model, cache, n, rows)
+        return sentence_scores(_heads_mean(head_token_scores(att, None, (0, n)), heads, att), spans, 0)
+
+    base = paid([b + 3 for b in b"\n\nN/A\n"])
+    emap = {"spans": [], "region": [0, n], "baseline": {"heads": RETRIEVAL, "null": [b + 3 for b in b"\n\nN/A\n"],
+                                                          "sentences": [list(p) for p in spans],
+                                                          "scores": [float(x) for x in base]}}
+    kdn = {"steer": "question", "emphasis": emap, "question": {
+        "heads": RETRIEVAL, "top": 1, "min_margin": min_margin, "alpha": 0.01, "steer_heads": QUESTION_STEER}}
+    return kdn, salt() + question_salt(kdn), {"spans": spans, "paid": paid, "base": base}
+
+
+def test_the_question_map_in_vllm_is_the_transformers_adapter_s(world):
+    """vLLM scores the loaded document at the retrieval heads in the question's own step, decides, and steers:
+    the same tokens and logprobs as the transformers adapter steered by the map it decides from the same
+    question; an unsure map leaves vLLM's own output; a question split across steps is not steered."""
+    eh, doc = world["eh"], world["docs"]["acme"]
+    prompt = doc["prefix_tokens"] + question(31)
+    kdn, s, ref = question_request(doc)
+    sc = ref["paid"](question(31)) - ref["base"]
+    best = int(sc.argmax())
+    want = hf_generate(prompt, {"spans": [list(ref["spans"][best])], "region": [0, len(doc["prefix_tokens"])],
+                                "alpha": 0.01, "heads": QUESTION_STEER}, 16)
+    plain = hf_generate(prompt, None, 16)
+    assert max(abs(a - b) for a, b in zip(want[1], plain[1])) > 0.05, "the map must move this model's output"
+    maps = eh.stats()["question_maps"]
+    got = eh.generate([prompt], kdn=[kdn], salts=[s], max_tokens=16)[0]
+    assert got["cached"] == LOADED and close(got, want), (got, want)
+    assert eh.stats()["question_maps"].get("sure", 0) == maps.get("sure", 0) + 1
+    kdn, s, _ = question_request(doc, min_margin=1e9)  # never sure: nothing steered
+    got = eh.generate([prompt], kdn=[kdn], salts=[s], max_tokens=16)[0]
+    assert close(got, plain), (got, plain)
+    assert eh.stats()["question_maps"].get("unsure", 0) == maps.get("unsure", 0) + 1
+    long = doc["prefix_tokens"] + question(32, 200)  # [1100, 1300): past the 256-token step that starts at 1024
+    kdn, s, _ = question_request(doc)
+    got = eh.generate([long], kdn=[kdn], salts=[s], max_tokens=8)[0]
+    assert close(got, hf_generate(long, None, 8)), "split: run as vLLM's own"
+    assert eh.stats()["question_maps"].get("split", 0) == maps.get("split", 0) + 1
+
