@@ -1,6 +1,6 @@
 """Attention steering inside vLLM (the KDN connector with ``steer: true``) on the needle set, against transformers.
 
-    python -P bench/vllm_steer.py [--cases 48] [--k 24] [--alpha 0.03] [--quick]
+    python -P bench/vllm_steer.py [--cases 48] [--k 24] [--alpha 0.03] [--map operator|question] [--quick]
 
 The cases, emphasis maps and heads are ``bench/steer.py``'s: the same 48 needle-in-the-middle cases (seed 1),
 the operator's map (the fact's sentence), heads ranked on its tuning split (seed 1001) by the attention the
@@ -14,6 +14,13 @@ on that split (24 heads, alpha 0.03). Each case is run from a full prefill, gree
 Reports accuracy per engine, how often vLLM's verdict (answered or not) and its tokens agree with
 transformers' for the same case and setting, and vLLM's wall time per pass: the cost of recomputing the
 steered rows after vLLM's kernel.
+
+``--map question`` (no oracle): the map each engine makes from the question itself. The retrieval heads are
+calibrated on the tuning split (``question_map.calibrate``); each test case's content-free scores are
+computed as an origin computes them at publish (``baseline_of``, one forward) and sent with the map; the
+transformers adapter makes the map with its own passes (``question_map``) and re-runs the question steered,
+vLLM makes it inside the question's own pass (``kdn.adapters.vllm.question``) and steers from the last
+retrieval layer on. Reports the maps' outcomes in vLLM (sure / unsure) and how often its map covers the fact.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--k", type=int, default=24, help="steered heads (bench/steer.py's choice)")
     ap.add_argument("--alpha", type=float, default=0.03, help="steering alpha (bench/steer.py's choice)")
+    ap.add_argument("--map", choices=("operator", "question"), default="operator",
+                    help="the operator's map (the fact's sentence: an oracle) or the question's own (no oracle)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 3 cases, 2 tuning cases")
     import results as R
 
@@ -69,12 +78,25 @@ def main() -> None:
     heads = S.select_heads(model, tune, tune_chunks)[:args.k]
     print(f"heads: {heads}", flush=True)
 
+    ret, maps = None, [p.emap for p in test]
+    if args.map == "question":
+        ret, maps, t_cal = question_maps(model, tok, tune, test, heads, args.alpha)
+        print(f"retrieval: {ret} ({t_cal:.0f} s)", flush=True)
     hf: dict[bool, list[list[int]]] = {False: [], True: []}
+    hf_hits = 0
     for i, p in enumerate(test):
         cache = S.prefill_published(model, p)
+        st = plan(model, p.emap, alpha=args.alpha, heads=heads)
+        if ret is not None:  # the transformers adapter's own map, on the full prefill's cache
+            import copy
+
+            from kdn.adapters.hf.question_map import question_map
+            qm = question_map(model, tok, copy.deepcopy(cache), len(p.published), p.ids, p.emap.region, ret,
+                              baseline=maps[i].baseline)
+            hf_hits += qm.emphasis is not None and qm.covers(p.emap.spans[0])
+            st = plan(model, qm.emphasis, alpha=args.alpha, heads=heads) if qm.emphasis is not None else None
         for s in (False, True):
-            hf[s].append(S.gen_full(model, tok, p, cache, plan(model, p.emap, alpha=args.alpha, heads=heads)
-                                    if s else None))
+            hf[s].append(S.gen_full(model, tok, p, cache, st if s else None))
         print(f"transformers: case {i + 1}/{len(test)}", flush=True)
     t_hf = time.perf_counter() - t_start
 
@@ -99,7 +121,13 @@ def main() -> None:
         for p in test:
             kdn: dict = {"load": False}
             salt = f"plain-{run_salt}"
-            if steered:
+            if steered and ret is not None:
+                from kdn.adapters.vllm.question import request_params as question_params
+
+                extra, salt = question_params(maps[len(prompts)], ret, p.ids, tok, alpha=args.alpha, heads=heads,
+                                              salt_prefix=run_salt)
+                kdn.update(extra)
+            elif steered:
                 extra, salt = request_params(p.emap, alpha=args.alpha, heads=heads, salt_prefix=run_salt)
                 kdn.update(extra)
             prompts.append(TokensPrompt(prompt_token_ids=p.ids, cache_salt=salt))
@@ -108,7 +136,13 @@ def main() -> None:
                                          extra_args={"kv_transfer_params": {"kdn": kdn}}))
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        if steered and ret is not None:  # what vLLM's maps decided, case by case
+            decided.clear()
+            decided.extend(steerer.decided.get(o.request_id) for o in outs)
+        return [list(o.outputs[0].token_ids) for o in outs], took
+
+    decided: list = []
 
     run(False)  # one-off engine costs (first forward, allocations) out of the timed passes
     vl: dict[bool, list[list[int]]] = {}
@@ -139,6 +173,19 @@ def main() -> None:
              f"| {acc(vl[True]) - acc(vl[False]):+.3f} | {min(secs[False]):.1f} / {min(secs[True]):.1f} |"]
     (v0, s0), (v1, s1) = agree(False), agree(True)
     lengths = [len(p.ids) for p in test]
+    if ret is not None:
+        sure = [d for d in decided if d is not None]
+        covers = sum(d is not None and any(s < p.emap.spans[0][1] and p.emap.spans[0][0] < e for s, e in d.spans)
+                     for d, p in zip(decided, test))
+        lines[2] = lines[2].replace("(`kdn.adapters.hf.steer`)", "(`question_map`: the question re-run steered)")
+        lines[3] = lines[3].replace("(`kdn.adapters.vllm.steer`)", "(`kdn.adapters.vllm.question`: in its pass)")
+        lines += ["", f"The question's own map, no oracle: retrieval heads {list(ret.heads)} calibrated on the tuning "
+                  f"split (top {ret.top}, steered when the lead exceeds {ret.min_margin:.2f} sd); content-free "
+                  f"scores computed once per case as an origin does at publish. vLLM's maps: sure in {len(sure)} of "
+                  f"{n}, covering the fact's sentence in {covers} (steered); the transformers adapter's: "
+                  f"{hf_hits} sure and covering it. vLLM steers the question's rows from layer "
+                  f"{ret.heads[-1][0] if ret.heads else '?'} on (the last retrieval layer) and the answer's in "
+                  f"every steered layer; the transformers adapter re-runs the question steered in every one."]
     lines += ["", f"{args.model} (float32), {n} needle cases (seed {args.seed}), prompts {min(lengths)}-{max(lengths)} "
               f"tokens; full prefill, greedy, answered = the answer in the first {S.MAX_NEW} tokens; steering: the "
               f"operator's map, K={args.k} heads (ranked on {len(tune)} tuning cases, seed {args.seed + 1000}), "
@@ -151,6 +198,24 @@ def main() -> None:
               f"{torch.__version__}. Wall time {time.perf_counter() - t_start:.0f} s."]
     res.table("main", "\n".join(lines), "Steering in vLLM against the transformers adapter, needle in the middle")
     res.write()
+
+
+def question_maps(model, tok, tune, test, heads, alpha: float):
+    """(the calibrated retrieval, each test case's map of its document with the content-free scores an origin
+    would publish, the calibration's seconds)."""
+    from kdn.adapters.hf.question_map import baseline_of, calibrate, null_tail
+    from kdn.emphasis import EmphasisMap
+    from steer_question import examples
+
+    t0 = time.perf_counter()
+    ret = calibrate(model, tok, examples(tune), alpha=alpha, steer_heads=tuple(heads))
+    t_cal = time.perf_counter() - t0
+    maps = []
+    for p in test:
+        rs, re_ = p.emap.region
+        base = baseline_of(model, tok, p.ids[:re_], (rs, re_), ret.heads, null_tail(tok, p.ids[re_:], ret.null))
+        maps.append(EmphasisMap(spans=(), region=(rs, re_), alpha=alpha, source="question", baseline=base))
+    return ret, maps, t_cal
 
 
 if __name__ == "__main__":

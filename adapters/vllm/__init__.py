@@ -10,7 +10,7 @@ vLLM with it) is imported only then, so ``kdn.adapters.vllm.plan`` and
 ``connector.py`` (vLLM's interface) -> ``scheduler.py`` (lookup, what to load
 and save), ``worker.py`` (fetch, verify, write), ``save.py`` (producer),
 ``paged.py`` (K/V in and out of the paged cache), ``steer.py`` (attention
-steering from emphasis maps), ``compat.py`` (every import from vLLM, and the list of what else touches its objects),
+steering from emphasis maps; ``question.py``: the map from the question itself), ``compat.py`` (every import from vLLM, and the list of what else touches its objects),
 ``produce.py`` (an origin publishing through vLLM).
 """
 

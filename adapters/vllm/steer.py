@@ -310,17 +310,18 @@ class Steerer:
         L, rs, re_ = job.end, q.region[0], q.region[1]
         k, _ = read(kv_cache, self._paged.slots(table, 0, L, block_size, kv_cache.device))  # [L, Hkv, D]
         kk = k[:, kvh].transpose(0, 1).float()  # [Hr, L, D]
-        keys, q0, r0 = torch.arange(L, device=dev), int(qsl[rows[0]]), q.query_from - job.first
+        keys, q0 = torch.arange(L, device=dev), int(qsl[rows[0]])
+        r0, r1 = q.query_from - job.first, q.n_ids - job.first  # the question's rows (not an answer recomputed)
         paid = torch.zeros(len(heads), re_ - rs, device=dev)
-        for c0 in range(r0, job.n, self.ROWS_PER_CALL):
-            c1 = min(c0 + self.ROWS_PER_CALL, job.n)
+        for c0 in range(r0, r1, self.ROWS_PER_CALL):
+            c1 = min(c0 + self.ROWS_PER_CALL, r1)
             qpos = torch.arange(job.first + c0, job.first + c1, device=dev)
             mask = torch.zeros(len(qpos), L, device=dev).masked_fill(keys[None, :] > qpos[:, None], float("-inf"))
             qq = query[q0 + c0:q0 + c1, hs].transpose(0, 1).float()  # [Hr, r, D]
             p = torch.softmax(torch.baddbmm(mask.expand(len(heads), -1, -1), qq, kk.transpose(1, 2),
                                             alpha=float(a.module.impl.scale)), dim=-1)  # [Hr, r, L]
             paid += p[:, :, rs:re_].sum(1)
-        acc += (paid / (job.n - r0)).sum(0).cpu()  # each head's mean over the question's rows, summed
+        acc += (paid / (r1 - r0)).sum(0).cpu()  # each head's mean over the question's rows, summed
         if a.index == q.last_layer:
             plan, lead = q.decide(self._making.pop(job.req_id) / q.n_retrieval)
             self._decide(job, plan, "sure" if plan is not None else "unsure", lead)
