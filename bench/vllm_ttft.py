@@ -2,6 +2,7 @@
 
     python -P bench/vllm_ttft.py [--models smollm2-135m,qwen2-0.5b-shape] [--lengths 2048,8192]
                                  [--repeat 3] [--suffix 16] [--plot docs/img/vllm_ttft.png]
+                                 [--host-write staged|in_place]
 
 Per model, on 127.0.0.1 in their own processes: an origin (transformers,
 bf16, embedded ``file:`` registry) and one edge with a 2 GiB memory tier;
@@ -142,7 +143,8 @@ def model_inputs(name: str, lengths: list[int], suffix: int) -> tuple[str, list[
     return folder, doc, q
 
 
-def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, encodings: list[str]) -> list[dict]:
+def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, encodings: list[str],
+                host_write: str | None = None) -> list[dict]:
     folder, doc, q = model_inputs(name, lengths, suffix)
     max_pos = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
     # SmolLM2's context is 8192: its "8k" context is the largest whole-chunk one that leaves room for the suffix.
@@ -182,13 +184,15 @@ def bench_model(name: str, lengths: list[int], repeat: int, suffix: int, log, en
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
+        extra = {"host_write": host_write} if host_write else {}  # the connector's default where not named
+
         llm = LLM(model=folder, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
                   enable_prefix_caching=True, max_model_len=min(max_pos, max(lengths) + suffix + 64),
                   gpu_memory_utilization=0.3,
                   kv_transfer_config={"kv_connector": "KDNConnector", "kv_connector_module_path": "kdn.adapters.vllm",
                                       "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
                                       "kv_connector_extra_config": {"edges": [f"http://127.0.0.1:{ep}"],
-                                                                    "host": sock}})
+                                                                    "host": sock, **extra}})
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker
@@ -428,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(WORK / "vllm_ttft.json"))
     ap.add_argument("--encodings", default="zstd,raw",
                     help="encodings the origin publishes; the client picks by measured link (raw on loopback)")
+    ap.add_argument("--host-write", choices=("staged", "in_place"), default=None,
+                    help="the connector's host_write setting (default: the connector's own default)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one model, rows to this file
     ap.add_argument("--no-headline", action="store_true", help="no README headline (a variant run)")
     R.add_arg(ap)
@@ -440,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.one:
         vllm_env()
-        rows = bench_model(args.models, lengths, args.repeat, args.suffix, log, args.encodings.split(","))
+        rows = bench_model(args.models, lengths, args.repeat, args.suffix, log, args.encodings.split(","),
+                           args.host_write)
         Path(args.one).write_text(json.dumps(rows))
         return 0
     res = R.Results("vllm_ttft", args)
@@ -449,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         # One process per model: a vLLM engine is a process-wide thing (its connector, its threads).
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([sys.executable, "-P", __file__, "--one", f.name, "--models", m, "--lengths", args.lengths,
-                            "--repeat", str(args.repeat), "--suffix", str(args.suffix), "--encodings", args.encodings],
+                            "--repeat", str(args.repeat), "--suffix", str(args.suffix), "--encodings", args.encodings,
+                            *(["--host-write", args.host_write] if args.host_write else [])],
                            check=True)
             rows += json.loads(Path(f.name).read_text())
     print()

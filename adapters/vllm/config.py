@@ -41,6 +41,11 @@ consumer (``kv_role`` ``kv_consumer`` or ``kv_both``)
                        each layer shared among them (``ahead.py``); default 0: each layer is written inside the
                        forward's wait for it (on 2 cores the writers helped SmolLM2's 8k hit and slowed the
                        Qwen2-0.5B shape's, whose forward needs the memory bandwidth: docs/benchmarks.md)
+    ``host_write``     on the CPU, how a raw chunk from the host tier reaches the paged cache: ``"staged"``
+                       (default: one strided copy of its whole K/V region into the load's staging, the lease
+                       ended after it, then one cache write per layer for the whole load) or ``"in_place"``
+                       (no copy: its lease kept until the forward has written every layer from the mapping, one
+                       write per chunk and layer, each an OpenMP fork and join): docs/benchmarks.md
     ``arena``          bytes of host buffers the load path reuses across requests (``kdn.wire.arena``; page-locked
                        on a CUDA host; a load stages its whole K/V there), e.g. ``"8GiB"`` (default 4 GiB);
                        a load that does not fit recomputes
@@ -66,11 +71,13 @@ from kdn.errors import InvalidInput
 
 LOAD_MODES = ("auto", "sync", "async")
 SAVE_MODES = ("request", "all")
+HOST_WRITES = ("staged", "in_place")
 _KEYS = frozenset({
     "edges", "registry", "region", "origin", "namespace", "token_file", "quality", "load_timeout",
     "lookup_timeout", "load", "engines", "ca", "store", "save", "encodings", "node_id",
     "chunk_tokens", "trusted_keys", "signing_key", "token_hosts", "steer", "encoding", "arena", "plan", "blend",
     "admitted_by", "revoked_admissions", "decode_threads", "write_threads", "host",
+    "host_write",
 })
 # Two threads decode a zstd load at 8k tokens 15% faster than one here (bench/datapath.py, 2 cores: 294/289 ->
 # 253/243 ms); six (the event loop's default pool) were slower than one inside vLLM, whose threads hold the
@@ -112,6 +119,7 @@ class ConnectorConfig:
     plan: bool = True
     decode_threads: int = DEFAULT_DECODE_THREADS
     write_threads: int = DEFAULT_WRITE_THREADS
+    host_write: str = HOST_WRITES[0]
 
     @property
     def can_look_up(self) -> bool:
@@ -189,6 +197,8 @@ def _how(extra: dict[str, Any]) -> dict[str, Any]:
         kw["load"] = _choice("load", extra["load"], LOAD_MODES)
     if "save" in extra:
         kw["save"] = _choice("save", extra["save"], SAVE_MODES)
+    if "host_write" in extra:
+        kw["host_write"] = _choice("host_write", extra["host_write"], HOST_WRITES)
     if extra.get("engines") is not None:
         kw["engines"] = tuple(_string("engines", e) for e in _list("engines", extra["engines"]))
     if "encodings" in extra:

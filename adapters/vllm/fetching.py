@@ -8,9 +8,12 @@ checked against what the plan expects (address, model, namespace, span, tensor s
 staging on a few threads of its own; its receive buffer goes back to the arena at once. A raw chunk wholly
 inside the load is received straight into its place instead (``kdn.wire.scatter``). A chunk the machine's host
 tier holds (``KDNClient(host=)``, the connector's ``host`` setting) is leased instead: no socket body, no hash
-(the host verified it once, against the same signed digest). On the CPU a raw one is not copied at all here:
-its lease is kept by the load (``Holds``) and each layer's write reads its K/V from the read-only mapping
-straight into vLLM's paged blocks (one pass over the bytes); on a device it is copied into the staging.
+(the host verified it once, against the same signed digest). A raw one is copied into the staging by one
+strided copy of its whole K/V region (on the CPU the staging is laid out in the objects' tensor order for that),
+its lease ended once the copy is done; each layer is then one write for the whole load. With the connector's
+``host_write: "in_place"`` (the CPU only) it is not copied at all here: its lease is kept by the load (``Holds``)
+and each layer's write reads its K/V from the read-only mapping straight into vLLM's paged blocks (one pass
+over the bytes, but one write per chunk and layer).
 Every chunk of a hybrid load but its last moves only its K/V, by verified range requests
 (``kdn.client.parts.fetch_kept``): the conv/recurrent states each object carries are those of its end, and
 only the last chunk's are kept.
@@ -27,9 +30,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from kdn.format.objects import torch_dtype
+from kdn.format.objects import raw_region, torch_dtype
 from kdn.chunk import Chunk
 from kdn.format.address import ModelId
 from kdn.wire.arena import ArenaFull
@@ -38,7 +42,7 @@ from kdn.errors import KDNError
 from kdn.format.pieces import Pieces
 
 from kdn.adapters.vllm.meta import LoadJob
-from kdn.adapters.vllm.stage import Staging, StagingClosed
+from kdn.adapters.vllm.stage import Staging, StagingClosed, lanes
 
 
 class LoadFailed(KDNError):
@@ -145,8 +149,9 @@ class ChunkLoader:
     def __init__(self, *, client: Any, model_id: ModelId, namespace: str, stager: concurrent.futures.Executor,
                  attn: dict[str, AttnLayer], order: list[AttnLayer], states: list[StateLayer],
                  in_place: bool = False) -> None:
-        """``in_place``: host-tier chunks are written into the cache from the mapping (the cache is in host
-        memory: the CPU), not copied into the staging first."""
+        """``in_place``: host-tier raw chunks are written into the cache from the mapping (the cache is in host
+        memory: the CPU; one write per chunk and layer), not copied into the staging first (one region copy
+        per chunk, then one write per layer: the connector's ``host_write`` setting chooses)."""
         self.client, self.model_id, self.namespace, self.stager = client, model_id, namespace, stager
         self.in_place = in_place
         self.attn, self.order, self.states = attn, order, states  # order: the staging's, the forward's
@@ -154,6 +159,10 @@ class ChunkLoader:
         self._names = tuple(sorted(self.kv_names))  # the order an object stores them in (kdn.format.objects)
         at = {nm: q for q, nm in enumerate(self._names)}
         self._kv_at = [(at[f"L{a.index}.k"], at[f"L{a.index}.v"]) for a in order]  # per layer: its K and V there
+        # The layers in the objects' order (each one's K then V, side by side there): a staging laid out so
+        # (``Staging(order=)``, on the CPU) takes a raw chunk's whole K/V region in one copy (``_copy_region``).
+        adjacent = all(v == k + 1 and k % 2 == 0 for k, v in self._kv_at)
+        self.stack_order = tuple(sorted(range(len(order)), key=lambda j: self._kv_at[j][0])) if adjacent else None
         # What a chunk's K/V shapes are checked against: a layout that fitted once fits again (Layout.derived).
         self._fit_key = tuple((a.index, a.kv_heads, a.head_dim) for a in self.attn.values())
 
@@ -268,8 +277,9 @@ class ChunkLoader:
         """Chunk ``i`` leased from the host tier, or None (fetch it as ever): the host failed, or its copy is not
         the one the plan's signed digest names. On the CPU a raw chunk is read in place: its lease is kept by
         the load (``run.holds``, released when the load ends) and its K/V are views of the mapping, written
-        into the paged blocks layer by layer (``_in_place``). Otherwise it is copied from the mapping into the
-        staging (a stager thread), and the lease ends once the copy has: a cancelled load waits for its thread.
+        into the paged blocks layer by layer (``_in_place``), where ``in_place``. Otherwise it is copied from
+        the mapping into the staging (a stager thread: a raw one in the staging's order by one region copy,
+        ``_copy_region``), and the lease ends once the copy has: a cancelled load waits for its thread.
         ``granted``: its lease from the load's batch (``_ask_host``: kept by the load already), or the error that
         lease met; None: leased here."""
         from kdn.wire.host import HostError
@@ -313,7 +323,7 @@ class ChunkLoader:
     def _in_place(self, run: Loading, i: int, p: Chunk, f: _Leased) -> Staged:
         """A held chunk's K/V as views of the mapping, per layer ``[n, H, D]`` (checked as any chunk's header
         is); one whose tensors are not raw in the cache's dtype is copied into the staging instead."""
-        from kdn.format.objects import ObjectView, raw_region
+        from kdn.format.objects import ObjectView
 
         staging = run.staging
         if staging is None:
@@ -429,8 +439,9 @@ class ChunkLoader:
         out = Staged(f.source.split("/")[-1].split(":")[0], f.encoding, len(f.blob))
         try:
             t0 = time.perf_counter()
-            for j, a in enumerate(self.order):
-                staging.put(j, view, (f"L{a.index}.k", f"L{a.index}.v"), lo, hi, p.start)
+            if held is not None or not self._copy_region(staging, view, p, lo, hi):
+                for j, a in enumerate(self.order):
+                    staging.put(j, view, (f"L{a.index}.k", f"L{a.index}.v"), lo, hi, p.start)
             # What decoding this encoding into the staging costs here: the scheduler's choice of encoding
             # reads it (the same process's ``DecodeSpeeds`` when the two share one).
             self.client.decode_speeds.observe(f.encoding, staging.nbytes_of(lo, hi), time.perf_counter() - t0)
@@ -440,3 +451,18 @@ class ChunkLoader:
         except Exception as e:  # noqa: BLE001 -- a codec or shape error in bytes that came over the network
             raise LoadFailed("decode", p, f"{type(e).__name__}: {e}") from None
         return out
+
+    def _copy_region(self, staging: Staging, view: Any, p: Chunk, lo: int, hi: int) -> bool:
+        """Tokens ``[lo, hi)`` of a raw chunk in the cache's dtype, its K/V one stack in the objects' order
+        (``raw_region``), into a staging laid out in that order (``stack_order``): ONE strided copy of the whole
+        region, every layer's K and V, by numpy (the interpreter lock released: the stager threads copy side by
+        side). False, nothing copied: another codec or dtype, layers of different shapes, or a staging in
+        another order; the caller decodes layer by layer (``Staging.put``)."""
+        if self.stack_order is None or staging.order != self.stack_order:
+            return False
+        kv = raw_region(view, self._names, staging.dtype, p.end - p.start)  # [2 x layers, H, n, D] or None
+        dst = staging.stack(lo, hi) if kv is not None else None
+        if kv is None or dst is None:
+            return False
+        np.copyto(dst, lanes(kv)[:, :, lo - p.start:hi - p.start, :])
+        return True

@@ -19,7 +19,10 @@ Layout of the staging lease: for attention layer ``j`` (in ``layers`` order),
 K then V, each ``[kv_heads, tokens, head_dim]`` contiguous: a chunk's tensor
 ``[kv_heads, n, head_dim]`` lands as one strided slice, and the ``[n, H, D]``
 view the backend takes is a transpose, no copy. Layer ``j``'s K and V are one
-run of bytes, and layer ``j + 1``'s follows it.
+run of bytes, and layer ``j + 1``'s follows it, unless ``order`` lays the layers
+out in another order (on the CPU, the objects' own tensor order): then a raw
+chunk's whole K/V region ``[2 x layers, H, n, D]`` lands by one strided copy
+into ``stack`` (``fetching.ChunkLoader._copy_region``).
 """
 
 from __future__ import annotations
@@ -54,22 +57,27 @@ class Staging:
     """Per-layer host buffers for tokens ``[first, end)`` of one load."""
 
     def __init__(self, arena: Arena, dims: Sequence[tuple[int, int]], first: int, end: int,
-                 dtype: torch.dtype, *, lazy: bool = False) -> None:
+                 dtype: torch.dtype, *, lazy: bool = False, order: Sequence[int] | None = None) -> None:
         """``dims``: ``(kv_heads, head_dim)`` of each attention layer, in the order ``put`` and ``kv`` name them.
         ``lazy``: the memory is taken from the arena only when a first chunk is written (``writing``): a load
         whose chunks are all read in place (the host tier's mapping, on the CPU) never takes any, and a full
-        arena then fails that chunk (``ArenaFull``), not the load before it started."""
+        arena then fails that chunk (``ArenaFull``), not the load before it started. ``order``: the layers'
+        places in memory, first to last (default: ``dims``' order; a device's ``Upload`` needs that one)."""
         assert end > first, (first, end)
         self.first, self.end, self.dtype = first, end, dtype
         n = end - first
         item = torch.empty(0, dtype=dtype).element_size()
         self._arena, self._dims, self._sizes = arena, list(dims), [h * n * d * item for h, d in dims]
         self.per_token = 2 * sum(h * d * item for h, d in dims)  # K and V bytes of one token, every layer
-        self.spans: list[tuple[int, int]] = []  # per layer, (offset, bytes) of its K then V in ``raw``
+        self.order = tuple(order) if order is not None else tuple(range(len(self._dims)))
+        assert sorted(self.order) == list(range(len(self._dims))), self.order
+        at: dict[int, tuple[int, int]] = {}
         off = 0
-        for size in self._sizes:
-            self.spans.append((off, 2 * size))
-            off += 2 * size
+        for j in self.order:
+            at[j] = (off, 2 * self._sizes[j])
+            off += 2 * self._sizes[j]
+        self.spans = [at[j] for j in range(len(self._dims))]  # per layer, (offset, bytes) of its K then V in ``raw``
+        self._stack: np.ndarray | None = None  # every layer's K and V, one lanes view (``stack``)
         self.lease: Lease | None = None
         self.raw = torch.empty(0, dtype=torch.uint8)  # the whole lease as bytes, once taken
         self.k: list[torch.Tensor] = []
@@ -100,7 +108,10 @@ class Staging:
         for (off, _), (h, d), size in zip(self.spans, self._dims, self._sizes):
             self.k.append(raw[off:off + size].view(self.dtype).view(h, n, d))  # [H, n, D]
             self.v.append(raw[off + size:off + 2 * size].view(self.dtype).view(h, n, d))
-        self._lanes = [(_lanes(k), _lanes(v)) for k, v in zip(self.k, self.v)]
+        self._lanes = [(lanes(k), lanes(v)) for k, v in zip(self.k, self.v)]
+        if self._dims and len(set(self._dims)) == 1:  # one shape: [2 x layers, H, tokens, D] in memory order
+            (h, d), size = self._dims[0], 2 * sum(self._sizes)
+            self._stack = lanes(raw[:size].view(self.dtype)).reshape(2 * len(self._dims), h, n, d)
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -143,6 +154,15 @@ class Staging:
                 # update of such a tensor is allowed only in inference mode, and this runs on a worker thread.
                 with torch.inference_mode():
                     full[:, a:b, :].copy_(t[:, lo - start:hi - start, :])
+
+    def stack(self, lo: int, hi: int) -> np.ndarray | None:
+        """Every layer's K and V for tokens ``[lo, hi)`` as one view ``[2 x layers, H, hi - lo, D]`` (unsigned lanes
+        of the dtype's size), in memory order (``order``; per layer K then V): where a raw chunk whose K/V lie
+        in that order lands by one strided copy. None where the layers differ in shape. Inside ``writing``."""
+        assert self._taken, "the staging's memory is taken by its first writer"
+        a, b = lo - self.first, hi - self.first
+        assert 0 <= a <= b <= self.end - self.first, (lo, hi, self.first, self.end)
+        return None if self._stack is None else self._stack[:, :, a:b, :]
 
     def runs(self, j: int, lo: int, hi: int) -> tuple[list[memoryview], list[memoryview]]:
         """Layer ``j``'s K and V memory for tokens ``[lo, hi)``, one contiguous run per head (``[hi - lo, D]``
@@ -188,6 +208,7 @@ class Staging:
         ``copies`` says where): call once the staging is whole. Each copy's event is kept: :meth:`release` hands
         the memory back only once the copies reading it are done."""
         assert self._upload is None, "this load's layers are already on their way"
+        assert self.order == tuple(range(len(self._dims))), "a device's copies go in layer order"
         self._upload = Upload(self, device, copies if copies is not None else copy_stream(device), ahead)
         return self._upload
 
@@ -345,7 +366,7 @@ def reap(wait: bool = False) -> int:
         return len(waiting) - len(_LATER)
 
 
-def _lanes(t: torch.Tensor) -> np.ndarray:
+def lanes(t: torch.Tensor) -> np.ndarray:
     """A numpy view of ``t``'s memory as unsigned lanes of its item size (numpy has no bf16)."""
     lane = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[t.element_size()]
     return t.view(lane).numpy()

@@ -166,11 +166,13 @@ class WorkerSide:
                     self.states.append(StateLayer(name, idx, g.id, mod))
         self._order = sorted(self.attn.values(), key=lambda a: a.index)  # staging order: the forward's
         self._index = {a.name: j for j, a in enumerate(self._order)}
-        # On the CPU the cache is host memory: the host tier's raw chunks are written into it from the mapping
-        # (one pass), never copied into the staging first.
+        # On the CPU the cache is host memory: the host tier's raw chunks may be written into it from the mapping
+        # (``host_write: "in_place"``: no copy, one write per chunk and layer), or (the default) each copied into
+        # the staging by one region copy, the staging laid out in the objects' tensor order for it (``stack``).
         self.loader = ChunkLoader(client=self.client, model_id=self.model_id, namespace=self.cfg.namespace,
                                   stager=self._stager, attn=self.attn, order=self._order, states=self.states,
-                                  in_place=self.device.type == "cpu")
+                                  in_place=self.device.type == "cpu" and self.cfg.host_write == "in_place")
+        self._stack_order = self.loader.stack_order if self.device.type == "cpu" else None
 
     # --- load --------------------------------------------------------------------------------
 
@@ -196,7 +198,8 @@ class WorkerSide:
         # tier's mapping) need none, and a load wholly from the host holds no arena memory at all.
         lazy = self.loader.in_place and job.host and getattr(self.client, "host", None) is not None
         try:
-            run.staging = Staging(self.arena, dims, job.plan.first, job.plan.end, dtype, lazy=lazy)
+            run.staging = Staging(self.arena, dims, job.plan.first, job.plan.end, dtype, lazy=lazy,
+                                  order=self._stack_order)
         except ArenaFull as e:  # every buffer is in use by other loads: this one recomputes
             self._fail(run, LoadFailed("arena", None, str(e)))
             return run
@@ -486,4 +489,3 @@ class WorkerSide:
             self._ahead.close()
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._stager.shutdown(wait=True, cancel_futures=False)
-

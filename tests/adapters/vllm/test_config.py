@@ -25,6 +25,9 @@ def test_defaults_and_edges_forms():
     assert c.write_threads == 0  # written inside the forward's wait
     assert ConnectorConfig.from_extra({"edges": ["http://x"], "write_threads": 2}, consumer=True,
                                       producer=False).write_threads == 2
+    assert c.host_write == "staged"  # a host-tier chunk copied by one region copy, one write per layer
+    assert ConnectorConfig.from_extra({"edges": ["http://x"], "host_write": "in_place"}, consumer=True,
+                                      producer=False).host_write == "in_place"
     c = ConnectorConfig.from_extra({"edges": {"e1": "http://a:1", "e2": "http://b:2"}}, consumer=True, producer=False)
     assert c.edges == (("e1", "http://a:1"), ("e2", "http://b:2"))
     c = ConnectorConfig.from_extra({"edges": "http://a:1,http://b:2", "engines": "vllm"}, consumer=True,
@@ -50,6 +53,7 @@ def test_defaults_and_edges_forms():
     ({"edges": ["http://x"], "decode_threads": "2"}, True, False, "decode_threads"),
     ({"edges": ["http://x"], "write_threads": -1}, True, False, "write_threads"),
     ({"edges": ["http://x"], "write_threads": True}, True, False, "write_threads"),
+    ({"edges": ["http://x"], "host_write": "copy"}, True, False, "host_write"),
     ({}, False, True, "needs 'store'"),
     ({"store": "/s", "save": "some"}, False, True, "'save'"),
     ({"store": "/s", "encodings": []}, False, True, "encodings"),

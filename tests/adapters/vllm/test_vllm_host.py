@@ -1,7 +1,8 @@
 """vLLM loads from the machine's host tier (#53): the connector's ``host`` setting names a ``kdn host serve``
-socket; a chunk the host holds is leased and, on the CPU, written from its shared memory straight into vLLM's
-paged blocks (no staging copy; its lease held until the forward has written every layer), the rest fetched from
-the edge as ever.
+socket; a chunk the host holds is leased and, on the CPU, either copied from its shared memory into the load's
+staging by one region copy (``host_write: "staged"``, the default: its lease ended after the copy, one cache
+write per layer), or written from the mapping straight into vLLM's paged blocks (``"in_place"``: no staging
+copy; its lease held until the forward has written every layer); the rest fetched from the edge as ever.
 
 Real processes: a transformers origin that signs (tiny Llama, head_dim 64, fp32), its edge, a host tier filled
 from that edge, and a vLLM engine with the connector. Each request carries a fresh vLLM cache salt, so vLLM's
@@ -57,8 +58,12 @@ def world(module_tmp):
         ev = Engine("ev", module_tmp, model=folder, dtype="float32", blocks=20, max_model_len=2048,
                     # written by two threads ahead of the forward: the leases must outlive their writes
                     kv=kv_config(edges=[c.edge_url], trusted_keys=str(module_tmp / "trusted"), host=sock,
-                                 load_timeout=10, plan=False, write_threads=2))
+                                 load_timeout=10, plan=False, write_threads=2, host_write="in_place"))
         engines.append(ev)
+        es = Engine("es", module_tmp, model=folder, dtype="float32", blocks=20, max_model_len=2048,
+                    kv=kv_config(edges=[c.edge_url], trusted_keys=str(module_tmp / "trusted"), host=sock,
+                                 load_timeout=10, plan=False, host_write="staged"))
+        engines.append(es)
         wait_http(p, url + "/healthz")
         c.edge(url)
         host = Proc("host", ["kdn", "host", "serve", "--edge", c.edge_url, "--trusted-keys",
@@ -78,7 +83,8 @@ def world(module_tmp):
 
         asyncio.run(fill())  # before the engine's first load: its connection to the host opens at start
         ev.wait_ready()
-        yield {"c": c, "ev": ev, "docs": docs, "host": host}
+        es.wait_ready()
+        yield {"c": c, "ev": ev, "es": es, "docs": docs, "host": host}
     finally:
         for e in engines:
             e.close()
@@ -117,6 +123,28 @@ def test_a_prefix_the_host_holds_loads_from_its_shared_memory(world):
     # On the CPU every one of them was written from the mapping into the paged blocks: no staging copy
     assert by_path(ev).get("in_place", 0) - paths.get("in_place", 0) == LOADED, (paths, by_path(ev))
     # ... and their leases ended with the load (released once the forward had written every layer)
+    assert asyncio.run(leases_when_idle(world["c"].tmp / "h.sock")) == 0
+
+
+def test_a_held_prefix_staged_by_one_copy_per_chunk_continues_as_the_one_written_in_place(world):
+    """``host_write: "staged"``: each held chunk copied from the mapping into the staging in one region copy (its
+    lease ended once copied), each layer one cache write: the same greedy tokens and logprobs, bit for bit, as
+    the engine that writes every chunk from the mapping in place (the same bytes in the cache)."""
+    ev, es, doc = world["ev"], world["es"], world["docs"]["held"]
+    q = question(5)
+    ref = reference(es, doc, q)
+    before, paths = by_source(es), by_path(es)
+    staged = es.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=24)[0]
+    in_place = ev.generate([doc["prefix_tokens"] + q], salt=salt(), max_tokens=24)[0]
+    assert staged["cached"] == in_place["cached"] == LOADED
+    assert staged["tokens"] == in_place["tokens"] == ref["tokens"]
+    assert staged["logprobs"] == in_place["logprobs"]
+    assert max(abs(a - b) for a, b in zip(staged["logprobs"], ref["logprobs"])) < 1e-3
+    after = by_source(es)
+    assert after.get("host", 0) - before.get("host", 0) == LOADED, (before, after)
+    # every one of them through the staging, none read in place
+    assert by_path(es).get("staging", 0) - paths.get("staging", 0) == LOADED, (paths, by_path(es))
+    assert by_path(es).get("in_place", 0) == paths.get("in_place", 0)
     assert asyncio.run(leases_when_idle(world["c"].tmp / "h.sock")) == 0
 
 
