@@ -126,6 +126,10 @@ RUNS: list[Run] = [
     Run("steer-question-squad", "steer", QUESTION_MAP + ["full", "--nll-cases", "8", "--set", "squad"], None,
         ("smollm2",), 3 * 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("vllm_steer", "vllm_steer", [], ["--quick"], ("vllm", "smollm2"), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    # The question's own map inside vLLM (adapters/vllm/question.py), made in the question's pass, beside the
+    # transformers adapter's: no oracle, the content-free scores as an origin publishes them.
+    Run("vllm_steer-question", "vllm_steer", ["--map", "question"], ["--map", "question", "--quick"],
+        ("vllm", "smollm2"), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("vllm_rag", "vllm_rag", [], ["--quick"], ("vllm", "smollm2"), 3600, {"OMP_WAIT_POLICY": "PASSIVE"}),
     Run("serve", "serve", ["--sizes", "4MiB,kv256", "--conc", "1,4,16", "--servers",
                            "edge-mem,edge-disk,dict,dict-copy,nginx-1w,lmcache,redis", "--clients", "raw,kdn",

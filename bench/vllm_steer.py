@@ -138,8 +138,10 @@ def main() -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         took = time.perf_counter() - t0
         if steered and ret is not None:  # what vLLM's maps decided, case by case
-            decided.clear()
-            decided.extend(steerer.decided.get(o.request_id) for o in outs)
+            decided.clear()  # (vLLM suffixes the request ids it was given: matched by prefix)
+            by_id = {k.rsplit("-", 1)[0]: v for k, v in steerer.decided.items()}
+            decided.extend(steerer.decided.get(o.request_id, by_id.get(o.request_id)) for o in outs)
+            print(f"vLLM's maps so far: {dict(steerer.maps)}", flush=True)
         return [list(o.outputs[0].token_ids) for o in outs], took
 
     decided: list = []
