@@ -44,6 +44,7 @@ from kdn.adapters.steering import SteerSpec
 
 Heads = tuple[tuple[int, tuple[int, ...]], ...]
 _KEYS = frozenset({"heads", "top", "min_margin", "alpha", "steer_heads"})
+MAX_TOP = 64  # sentences a map may steer toward (calibrate tries 1 and 2)
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,8 @@ def spec_of(params: dict, *, n_layers: int, n_heads: int, n_ids: int, cache_salt
         raise InvalidInput("the question's retrieval heads must be the ones the map's content-free scores were "
                            "made for")
     top, margin, alpha = q.get("top", 1), q.get("min_margin", 0.0), q.get("alpha", emap.alpha)
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise InvalidInput("question 'top' must be an int >= 1")
+    if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= MAX_TOP:
+        raise InvalidInput(f"question 'top' must be an int in [1, {MAX_TOP}]")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
         raise InvalidInput("question 'min_margin' must be a finite number >= 0")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
@@ -158,9 +159,10 @@ def spec_of(params: dict, *, n_layers: int, n_heads: int, n_ids: int, cache_salt
     pairs = q.get("steer_heads") or list(emap.heads) or steering.default_heads(n_layers, n_heads)
     if not isinstance(pairs, list):
         raise InvalidInput("question 'steer_heads' must be a list of [layer, head] pairs")
+    steer = steering.by_layer(pairs, n_layers, n_heads)
     want = salt(params)
     if want not in (cache_salt or ""):
         raise InvalidInput(f"a steered request needs a cache_salt containing {want!r} (request_params gives it): "
                            "vLLM's prefix cache would otherwise mix steered and unsteered K/V")
     return QuestionSpec(retrieval, emap.region, emap.baseline.sentences, emap.baseline.scores, top, float(margin),
-                        steering.by_layer(pairs, n_layers, n_heads), float(alpha), n_ids)
+                        steer, float(alpha), n_ids)

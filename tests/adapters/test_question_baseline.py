@@ -20,7 +20,7 @@ from kdn.adapters.hf.extract import new_cache
 from kdn.adapters.hf.generate import prompt_tokens
 from kdn.adapters.hf.question_map import NULL_QUESTION, Retrieval, baseline_of, question_map
 from kdn.emphasis import Baseline, EmphasisMap
-from kdn.errors import InvalidInput
+from kdn.errors import InvalidInput, KDNError
 from kdn.origin.publish import parse_request
 
 TOK = ByteTokenizer()
@@ -156,6 +156,12 @@ def test_a_vllm_question_request_carries_what_its_pass_needs_and_is_refused_with
     other = {**kdn, "question": {**kdn["question"], "heads": [[1, 0]]}}
     with pytest.raises(InvalidInput, match="retrieval heads"):
         spec_of(other, n_layers=n_layers, n_heads=n_heads, n_ids=len(ids), cache_salt=salt)
+    for bad, match in (({"top": 0}, "top"), ({"top": 10**6}, "top"), ({"min_margin": -1.0}, "min_margin"),
+                       ({"alpha": 0.0}, "alpha"), ({"steer_heads": [[99, 0]]}, "not in this model"),
+                       ({"extra": 1}, "at most")):
+        with pytest.raises(KDNError, match=match):
+            spec_of({**kdn, "question": {**kdn["question"], **bad}}, n_layers=n_layers, n_heads=n_heads,
+                    n_ids=len(ids), cache_salt=salt)
     with pytest.raises(InvalidInput, match="no question"):
         spec_of(kdn, n_layers=n_layers, n_heads=n_heads, n_ids=emap.region[1], cache_salt=salt)
     with pytest.raises(InvalidInput, match="--question-heads"):  # no content-free scores with the map
