@@ -143,7 +143,9 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
 
             # vLLM binds each step's metadata before the forward, so the wrapped layers read it then.
             where = {n: (g.id, g.block_size) for g in self.groups for n in g.layers}
-            self.steerer = Steerer(self.worker.attn, where, lambda: getattr(self._connector_metadata, "steers", None))
+            # A sure question map has vLLM compute the question again (reported as a failed load: recomputed).
+            self.steerer = Steerer(self.worker.attn, where, lambda: getattr(self._connector_metadata, "steers", None),
+                                   rerun=vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute")
         if self.produce:
             from kdn.adapters.vllm.save import Saver
 
@@ -197,7 +199,8 @@ class KDNConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self._worker().saved(self.saver.finish_step(meta))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker().bad_blocks()
+        rerun = self.steerer.take_rerun() if self.steerer is not None else set()
+        return self._worker().bad_blocks() | rerun
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         done, failed = self._worker().transfer_results()

@@ -2,14 +2,17 @@
 
 The transformers adapter (``kdn.adapters.hf.question_map``) runs the question once unsteered, reads the
 attention it pays the document at the calibrated retrieval heads, decides, and runs the question again,
-steered. A vLLM connector cannot run a pass of its own. It does not need to: the forward computes the
-layers in order, so the attention the question's rows pay at the retrieval heads is known once the last
-retrieval layer has run, before any later layer. ``Steerer`` (``steer.py``) reads it there, from the paged
-cache and the step's queries, decides, and steers from then on: the question's rows in the layers from the
-last retrieval layer on (that layer included: its queries do not depend on its own output), and the
-answer's rows in every steered layer. Where every steered layer is at or after the last retrieval layer,
-that is exactly the transformers adapter's map and steering (tested against it on the same weights);
-steered layers before it steer the answer only.
+steered. A vLLM connector cannot run a pass of its own, and needs none: the forward computes the layers in
+order, so the attention the question's rows pay at the retrieval heads is known once the last retrieval layer
+has run. ``Steerer`` (``steer.py``) reads it there, from the paged cache and the step's queries, and decides.
+Sure, it has vLLM compute the question again: the last block computed before the question's step is reported
+as a failed load (``get_block_ids_with_load_errors``), so the engine, whose ``kv_load_failure_policy`` is
+``"recompute"``, recomputes from that block and drops the step's token; that block's K/V come out the same
+(nothing before the question is steered), and the question's second computation is steered in every steered
+layer, as the transformers adapter's second pass is (tested against it on the same weights, steered layers
+before the retrieval layer included). Where vLLM cannot be asked (the question's step starts the request,
+several KV cache groups, a policy that fails failed loads), that step is steered from the last retrieval
+layer on (its queries do not depend on its own output) and the answer's rows in every steered layer.
 
 The content-free question's side of the score cannot run in vLLM either: it comes with the manifest's
 map (its ``baseline``: ``kdn publish --question-heads``, computed once by the origin), and

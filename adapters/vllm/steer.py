@@ -163,9 +163,10 @@ class Steerer:
     MAX_DECIDED = 4096  # question maps' plans kept for their requests' later steps
 
     def __init__(self, layers: dict[str, Any], groups: dict[str, tuple[int, int]],
-                 current: Callable[[], list[SteerJob] | None]) -> None:
+                 current: Callable[[], list[SteerJob] | None], *, rerun: bool = False) -> None:
         """``layers``: name -> ``worker.AttnLayer``; ``groups``: name -> (KV cache group, block size);
-        ``current``: this step's jobs (the bound metadata's)."""
+        ``current``: this step's jobs (the bound metadata's); ``rerun``: a sure question map may have vLLM
+        compute the question again (``take_rerun``: the engine recomputes failed loads, one KV cache group)."""
         from kdn.adapters.vllm import paged
 
         self._paged = paged
@@ -185,6 +186,10 @@ class Steerer:
         self._making: dict[str, torch.Tensor] = {}
         self.decided: dict[str, SteerSpec | None] = {}
         self.maps: dict[str, int] = {}  # outcomes: sure, unsure, split (the question in two steps), no_row
+        self.rerun = rerun and len({g for g, _ in groups.values()}) == 1
+        self._deciding: dict[str, object] = {}  # request -> the step (its job list) its map was decided in
+        self._rerun_blocks: set[int] = set()  # reported as load errors: vLLM recomputes from the first
+        self._rerunning: set[str] = set()  # requests whose question this step computes for nothing (rerun)
         for a in layers.values():
             why = steerable(a.module.impl)
             if why is not None:
@@ -255,35 +260,61 @@ class Steerer:
 
     # --- the question's own map (question.py) -----------------------------------------------
 
-    def _question_wants(self, job: SteerJob, layer: int) -> bool:
+    def _first_pass(self, job: SteerJob) -> bool:
+        """Whether this step is the question's first computation (its map not made before this step)."""
         q = job.spec
         assert isinstance(q, QuestionSpec)
         asking = job.first < q.n_ids and job.end > q.query_from  # this step computes question rows
-        if asking and q.retrieval_heads(layer):
+        return asking and (job.req_id not in self.decided or self._deciding.get(job.req_id) is self._seen)
+
+    def _question_wants(self, job: SteerJob, layer: int) -> bool:
+        q = job.spec
+        assert isinstance(q, QuestionSpec)
+        first = self._first_pass(job)
+        if first and q.retrieval_heads(layer):
             return True  # scored (or found split) at the retrieval layers
-        return (q.steers(layer) and q.query_from < job.end and (not asking or layer >= q.last_layer)
-                and isinstance(self.decided.get(job.req_id), SteerSpec))
+        if not (q.steers(layer) and q.query_from < job.end and isinstance(self.decided.get(job.req_id), SteerSpec)):
+            return False
+        return not first or (layer >= q.last_layer and job.req_id not in self._rerunning)
 
     def _question(self, a: Any, job: SteerJob, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
                   qsl: torch.Tensor, last_slot: torch.Tensor) -> None:
-        """A question-map request at this layer: in the step that computes its question, scored at the retrieval
-        layers, decided at the last one and steered from there on (the layers before it run unsteered, as its
-        first computation did, should a preempted request compute its question again); in later steps
-        steered by the plan decided then."""
+        """A question-map request at this layer. The question's first computation: scored at the retrieval
+        layers, decided at the last one; sure, vLLM is asked to compute the question again (``_rerun``: this
+        pass's output is dropped) where it can be, else this pass is steered from that layer on. Any later
+        computation of the question (the rerun), and the answer's rows: steered by that plan, every layer."""
         q = job.spec
         assert isinstance(q, QuestionSpec)
-        asking = job.first < q.n_ids and job.end > q.query_from
-        if asking and q.retrieval_heads(a.index):
-            if job.first > q.query_from or job.end < q.n_ids:  # a chunked prefill split the question
-                if a.index == q.last_layer and job.first <= q.query_from:  # (counted in its first step)
-                    self._decide(job, None, "split")
-            else:
-                self._score(a, job, query, kv_cache, qsl, last_slot)
-        if asking and a.index < q.last_layer:
-            return
+        if self._first_pass(job):
+            if q.retrieval_heads(a.index):
+                if job.first > q.query_from or job.end < q.n_ids:  # a chunked prefill split the question
+                    if a.index == q.last_layer and job.first <= q.query_from:  # (counted in its first step)
+                        self._decide(job, None, "split")
+                else:
+                    self._score(a, job, query, kv_cache, qsl, last_slot)
+            if a.index < q.last_layer or job.req_id in self._rerunning:
+                return
         plan = self.decided.get(job.req_id)
         if isinstance(plan, SteerSpec) and plan.layer_heads(a.index):
             self._steer(a, dataclasses.replace(job, spec=plan), query, kv_cache, output, qsl, last_slot)
+
+    def _rerun(self, job: SteerJob, a: Any) -> bool:
+        """Have vLLM compute the question again, now that its map is made: the last block computed before this
+        step is reported as a failed load, so the engine recomputes from it (that block's K/V come out the same:
+        nothing before the question is steered) and drops this step's token. False where it cannot (the
+        question's step starts the request, several KV cache groups, a policy that fails failed loads)."""
+        if not self.rerun or job.first == 0:
+            return False
+        group, block_size = self.groups[a.name]
+        self._rerun_blocks.add(job.block_ids[group][(job.first - 1) // block_size])
+        self._rerunning.add(job.req_id)
+        return True
+
+    def take_rerun(self) -> set[int]:
+        """The blocks to report as load errors after this step (``get_block_ids_with_load_errors``)."""
+        out, self._rerun_blocks = self._rerun_blocks, set()
+        self._rerunning.clear()
+        return out
 
     def _score(self, a: Any, job: SteerJob, query: torch.Tensor, kv_cache: torch.Tensor, qsl: torch.Tensor,
                last_slot: torch.Tensor) -> None:
@@ -325,11 +356,16 @@ class Steerer:
         if a.index == q.last_layer:
             plan, lead = q.decide(self._making.pop(job.req_id) / q.n_retrieval)
             self._decide(job, plan, "sure" if plan is not None else "unsure", lead)
+            if plan is not None and self._rerun(job, a):
+                self.maps["rerun"] = self.maps.get("rerun", 0) + 1
 
     def _decide(self, job: SteerJob, plan: SteerSpec | None, outcome: str, lead: float = 0.0) -> None:
         self.decided[job.req_id] = plan
+        self._deciding[job.req_id] = self._seen
         while len(self.decided) > self.MAX_DECIDED:
-            self.decided.pop(next(iter(self.decided)))
+            oldest = next(iter(self.decided))
+            del self.decided[oldest]
+            self._deciding.pop(oldest, None)
         self.maps[outcome] = self.maps.get(outcome, 0) + 1
         if outcome in ("split", "no_row"):
             self._warn(job, -3, "its question ran %s: its map was not made, not steered",
