@@ -15,7 +15,9 @@ Reports accuracy per engine, how often vLLM's verdict (answered or not) and its 
 transformers' for the same case and setting, and vLLM's wall time per pass: the cost of recomputing the
 steered rows after vLLM's kernel.
 
-``--map question`` (no oracle): the map each engine makes from the question itself. The retrieval heads are
+``--map question`` (no oracle): the map each engine makes from the question itself, on a document vLLM's
+prefix cache holds (each pass first prefills the documents under its requests' salts, untimed: as a KDN hit
+or an earlier reader leaves them; a question map reruns the question from the block before it). The retrieval heads are
 calibrated on the tuning split (``question_map.calibrate``); each test case's content-free scores are
 computed as an origin computes them at publish (``baseline_of``, one forward) and sent with the map; the
 transformers adapter makes the map with its own passes (``question_map``) and re-runs the question steered,
@@ -134,6 +136,11 @@ def main() -> None:
             params.append(SamplingParams(max_tokens=S.MAX_NEW, temperature=0.0, detokenize=False,
                                          stop_token_ids=[S.EOS] if S.EOS is not None else None,
                                          extra_args={"kv_transfer_params": {"kdn": kdn}}))
+        if ret is not None:  # each document in vLLM's prefix cache first, as a KDN hit or an earlier reader leaves it
+            llm.generate([TokensPrompt(prompt_token_ids=p.published, cache_salt=pr["cache_salt"])
+                          for p, pr in zip(test, prompts)],
+                         SamplingParams(max_tokens=1, detokenize=False, extra_args={"kv_transfer_params": {
+                             "kdn": {"load": False}}}), use_tqdm=False)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         took = time.perf_counter() - t0
@@ -180,14 +187,15 @@ def main() -> None:
         covers = sum(d is not None and any(s < p.emap.spans[0][1] and p.emap.spans[0][0] < e for s, e in d.spans)
                      for d, p in zip(decided, test))
         lines[2] = lines[2].replace("(`kdn.adapters.hf.steer`)", "(`question_map`: the question re-run steered)")
-        lines[3] = lines[3].replace("(`kdn.adapters.vllm.steer`)", "(`kdn.adapters.vllm.question`: in its pass)")
+        lines[3] = lines[3].replace("(`kdn.adapters.vllm.steer`)", "(`kdn.adapters.vllm.question`: made in its pass, the question rerun)")
         lines += ["", f"The question's own map, no oracle: retrieval heads {list(ret.heads)} calibrated on the tuning "
                   f"split (top {ret.top}, steered when the lead exceeds {ret.min_margin:.2f} sd); content-free "
                   f"scores computed once per case as an origin does at publish. vLLM's maps: sure in {len(sure)} of "
                   f"{n}, covering the fact's sentence in {covers} (steered); the transformers adapter's: "
-                  f"{hf_hits} sure and covering it. vLLM steers the question's rows from layer "
-                  f"{ret.heads[-1][0] if ret.heads else '?'} on (the last retrieval layer) and the answer's in "
-                  f"every steered layer; the transformers adapter re-runs the question steered in every one."]
+                  f"{hf_hits} sure and covering it. vLLM makes its map in the question's first computation, at "
+                  f"layer {ret.heads[-1][0]} (the last retrieval layer), then computes the question again, steered "
+                  f"in every steered layer ({steerer.maps.get('rerun', 0)} reruns in all passes), as the "
+                  f"transformers adapter re-runs it; each pass's documents were in vLLM's prefix cache first."]
     lines += ["", f"{args.model} (float32), {n} needle cases (seed {args.seed}), prompts {min(lengths)}-{max(lengths)} "
               f"tokens; full prefill, greedy, answered = the answer in the first {S.MAX_NEW} tokens; steering: the "
               f"operator's map, K={args.k} heads (ranked on {len(tune)} tuning cases, seed {args.seed + 1000}), "
