@@ -16,8 +16,9 @@ transformers' for the same case and setting, and vLLM's wall time per pass: the 
 steered rows after vLLM's kernel.
 
 ``--map question`` (no oracle): the map each engine makes from the question itself, on a document vLLM's
-prefix cache holds (each pass first prefills the documents under its requests' salts, untimed: as a KDN hit
-or an earlier reader leaves them; a question map reruns the question from the block before it). The retrieval heads are
+prefix cache holds (each pass runs the cases 8 at a time, each group's documents first prefilled under its
+requests' salts, untimed: as a KDN hit or an earlier reader leaves them; a sure map reruns the question from the
+block before it). The retrieval heads are
 calibrated on the tuning split (``question_map.calibrate``); each test case's content-free scores are
 computed as an origin computes them at publish (``baseline_of``, one forward) and sent with the map; the
 transformers adapter makes the map with its own passes (``question_map``) and re-runs the question steered,
@@ -136,14 +137,19 @@ def main() -> None:
             params.append(SamplingParams(max_tokens=S.MAX_NEW, temperature=0.0, detokenize=False,
                                          stop_token_ids=[S.EOS] if S.EOS is not None else None,
                                          extra_args={"kv_transfer_params": {"kdn": kdn}}))
-        if ret is not None:  # each document in vLLM's prefix cache first, as a KDN hit or an earlier reader leaves it
-            llm.generate([TokensPrompt(prompt_token_ids=p.published, cache_salt=pr["cache_salt"])
-                          for p, pr in zip(test, prompts)],
-                         SamplingParams(max_tokens=1, detokenize=False, extra_args={"kv_transfer_params": {
-                             "kdn": {"load": False}}}), use_tqdm=False)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        took = time.perf_counter() - t0
+        # --map question: GROUP cases at a time, each group's documents in vLLM's prefix cache first (untimed),
+        # as a KDN hit or an earlier reader leaves them (all 48 would not stay in its cache at once).
+        step = GROUP if ret is not None else len(prompts)
+        outs, took = [], 0.0
+        for g in range(0, len(prompts), step):
+            if ret is not None:
+                llm.generate([TokensPrompt(prompt_token_ids=p.published, cache_salt=pr["cache_salt"])
+                              for p, pr in zip(test[g:g + step], prompts[g:g + step])],
+                             SamplingParams(max_tokens=1, detokenize=False, extra_args={"kv_transfer_params": {
+                                 "kdn": {"load": False}}}), use_tqdm=False)
+            t0 = time.perf_counter()
+            outs += llm.generate(prompts[g:g + step], params[g:g + step], use_tqdm=False)
+            took += time.perf_counter() - t0
         if steered and ret is not None:  # what vLLM's maps decided, case by case
             decided.clear()  # (vLLM suffixes the request ids it was given: matched by prefix)
             by_id = {k.rsplit("-", 1)[0]: v for k, v in steerer.decided.items()}
@@ -195,19 +201,23 @@ def main() -> None:
                   f"{hf_hits} sure and covering it. vLLM makes its map in the question's first computation, at "
                   f"layer {ret.heads[-1][0]} (the last retrieval layer), then computes the question again, steered "
                   f"in every steered layer ({steerer.maps.get('rerun', 0)} reruns in all passes), as the "
-                  f"transformers adapter re-runs it; each pass's documents were in vLLM's prefix cache first."]
+                  f"transformers adapter re-runs it. vLLM ran the cases {GROUP} per generate call, each group's "
+                  f"documents in its prefix cache first (untimed): the s per pass are of these calls."]
     lines += ["", f"{args.model} (float32), {n} needle cases (seed {args.seed}), prompts {min(lengths)}-{max(lengths)} "
-              f"tokens; full prefill, greedy, answered = the answer in the first {S.MAX_NEW} tokens; steering: the "
-              f"operator's map, K={args.k} heads (ranked on {len(tune)} tuning cases, seed {args.seed + 1000}), "
+              f"tokens; full prefill, greedy, answered = the answer in the first {S.MAX_NEW} tokens; steering: "
+              f"{'the question' if ret is not None else 'the operator'}'s map, K={args.k} heads (ranked on {len(tune)} tuning cases, seed {args.seed + 1000}), "
               f"alpha={args.alpha:g}. vLLM against transformers, case by case: the same verdict in {v0}/{n} "
               f"(no steering) and {v1}/{n} (steering) cases, the same tokens in {s0}/{n} and {s1}/{n} (float32 "
-              f"kernels differ in rounding, so a near tie can flip a greedy token). vLLM: all {n} cases in one "
-              f"generate call per pass, the faster of two passes each way (orders alternated); {rows_steered} "
+              f"kernels differ in rounding, so a near tie can flip a greedy token). vLLM: "
+              f"{f'{GROUP} cases' if ret is not None else f'all {n} cases'} per generate call, the faster of two passes each way (orders alternated); {rows_steered} "
               f"steered query rows x layers recomputed. Transformers: {t_hf:.0f} s for both settings, one case "
               f"at a time. Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch "
               f"{torch.__version__}. Wall time {time.perf_counter() - t_start:.0f} s."]
     res.table("main", "\n".join(lines), "Steering in vLLM against the transformers adapter, needle in the middle")
     res.write()
+
+
+GROUP = 8  # --map question: cases per generate call (their documents fit vLLM's prefix cache together)
 
 
 def question_maps(model, tok, tune, test, heads, alpha: float):
