@@ -187,7 +187,8 @@ class Steerer:
         self.decided: dict[str, SteerSpec | None] = {}
         self.maps: dict[str, int] = {}  # outcomes: sure, unsure, split (the question in two steps), no_row
         self.rerun = rerun and len({g for g, _ in groups.values()}) == 1
-        self._deciding: dict[str, object] = {}  # request -> the step (its job list) its map was decided in
+        self._step = 0  # steps seen (with jobs)
+        self._deciding: dict[str, int] = {}  # request -> the step its map was decided in
         self._rerun_blocks: set[int] = set()  # reported as load errors: vLLM recomputes from the first
         self._rerunning: set[str] = set()  # requests whose question this step computes for nothing (rerun)
         for a in layers.values():
@@ -227,6 +228,7 @@ class Steerer:
                jobs: list[SteerJob]) -> None:
         if jobs is not self._seen:  # once per step: plans naming layers that are not wrapped; stale keys
             self._seen = jobs
+            self._step += 1
             live = {j.req_id for j in jobs}
             for key in [k for k in self._kv if k[0] not in live]:
                 self._kv_bytes -= self._kv.pop(key).nbytes
@@ -265,7 +267,7 @@ class Steerer:
         q = job.spec
         assert isinstance(q, QuestionSpec)
         asking = job.first < q.n_ids and job.end > q.query_from  # this step computes question rows
-        return asking and (job.req_id not in self.decided or self._deciding.get(job.req_id) is self._seen)
+        return asking and (job.req_id not in self.decided or self._deciding.get(job.req_id) == self._step)
 
     def _question_wants(self, job: SteerJob, layer: int) -> bool:
         q = job.spec
@@ -361,7 +363,7 @@ class Steerer:
 
     def _decide(self, job: SteerJob, plan: SteerSpec | None, outcome: str, lead: float = 0.0) -> None:
         self.decided[job.req_id] = plan
-        self._deciding[job.req_id] = self._seen
+        self._deciding[job.req_id] = self._step
         while len(self.decided) > self.MAX_DECIDED:
             oldest = next(iter(self.decided))
             del self.decided[oldest]
