@@ -141,7 +141,8 @@ class Ops:
         # acquire (or _fill_and_pin's last step) pinned it, and no await came since: the lease table takes the
         # pin over now, so a connection that dies from here on hands it back (Leases.close).
         lease = leases.add(h)
-        return {"lease": lease, "offset": h.offset, "length": h.length, "record": h.wire, "filled": filled}
+        return {"lease": lease, "offset": h.offset, "length": h.length, "generation": h.generation, "record": h.wire,
+                "filled": filled}
 
     async def lease_many(self, leases: Leases, ns: frozenset[str], r: dict[str, Any]) -> dict[str, Any]:
         """``lease`` of each address (one encoding), in one round trip: per address its lease's fields, or the

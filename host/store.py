@@ -17,6 +17,13 @@ pinned, leased and filling blocks as kept before it evicts anything, so the pinn
 a pinned address whose fill finds no room is refused there (logged, ``stats.pins_refused``), never given room by
 evicting what a lease or another pin keeps. Dropping an address from the pins makes its objects evictable.
 
+Each block starts with the object's stamp (``kdn.wire.host.STAMP`` bytes, the blob after it): its generation,
+drawn at ``commit`` and answered with every lease, overwritten with 0 when the block is given up (eviction,
+``cancel``) and so before any other fill can write there. An engine whose lease ended early (its connection
+dropped while the host lived on) and that was still copying learns from the stamp that the bytes may have
+changed under it (``kdn.client.leased.Leased.intact``). The stamps are written into ``stamps`` (the segment's
+read-write view; None in tests of the index alone).
+
 Room is made in the eviction policy's order (``kdn.edge.eviction``'s ARC by default, the edge's own; it
 orders keys, knows nothing of bytes or pins) until both the byte budget and a contiguous block allow the
 object. Leased and pinned objects and blocks reserved for fills are skipped. Whether that can succeed is
@@ -27,6 +34,8 @@ evicts nothing. Single-threaded: the host calls it from its event loop, never ac
 from __future__ import annotations
 
 import logging
+import secrets
+import struct
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -38,10 +47,16 @@ from kdn.errors import InvalidInput, KDNError
 from kdn.format.address import Address
 from kdn.host.alloc import Allocator, aligned
 from kdn.registry.records import ObjectRecord
+from kdn.wire.host import STAMP
 
 Key = tuple[Address, str]  # (address, encoding): one blob
 
 log = logging.getLogger(__name__)
+
+
+def footprint(length: int) -> int:
+    """The bytes of the segment (and of the budget) a blob of ``length`` bytes takes: its block, stamp included."""
+    return aligned(length) + STAMP
 
 
 class NoRoom(KDNError):
@@ -57,6 +72,7 @@ class Held:
     offset: int
     length: int
     record: ObjectRecord  # the signed object record the fill verified it against
+    generation: int = 0  # its stamp in the segment (random, nonzero; a lease answers it)
     leases: int = 0
     # ``record`` as the host's frames carry it (a map, ``kdn.wire.host``) and its size packed: made once, when
     # the object is held, so the lookups and leases on an engine's request path only read them.
@@ -70,7 +86,8 @@ class Held:
 
 @dataclass(frozen=True)
 class Reservation:
-    """A block set aside for one fill: ``offset``, and the blob's ``length`` (the block may be longer)."""
+    """A block set aside for one fill: ``offset`` (the blob's: ``STAMP`` bytes into the block), and the blob's
+    ``length`` (the block may be longer)."""
 
     offset: int
     length: int
@@ -96,6 +113,7 @@ class HostStore:
     budget: int
     policy: PolicyFactory = ARC
     stats: Stats = field(default_factory=Stats)
+    stamps: memoryview | None = field(default=None, repr=False)  # the segment, where generations are stamped
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= self.segment_bytes:
@@ -157,10 +175,10 @@ class HostStore:
     def _keep(self, h: Held, kept: bool) -> None:
         if kept and h.offset not in self._kept:
             self._kept.add(h.offset)
-            self.pinned_bytes += self._alloc.length(h.offset)
+            self.pinned_bytes += self._alloc.length(h.offset - STAMP)
         elif not kept and h.offset in self._kept:
             self._kept.remove(h.offset)
-            self.pinned_bytes -= self._alloc.length(h.offset)
+            self.pinned_bytes -= self._alloc.length(h.offset - STAMP)
 
     # --- leases -----------------------------------------------------------------------------------------
 
@@ -183,12 +201,12 @@ class HostStore:
         self.leases -= 1
         if h.leases == 0:
             self._pinned.remove(h.offset)
-            self.leased_bytes -= self._alloc.length(h.offset)
+            self.leased_bytes -= self._alloc.length(h.offset - STAMP)
 
     def _pin(self, h: Held) -> None:
         if h.leases == 0:
             self._pinned.add(h.offset)
-            self.leased_bytes += self._alloc.length(h.offset)
+            self.leased_bytes += self._alloc.length(h.offset - STAMP)
         h.leases += 1
         self.leases += 1
 
@@ -197,17 +215,17 @@ class HostStore:
     def reserve(self, length: int, address: Address | None = None) -> Reservation:
         """A block for a blob of ``length`` bytes (of ``address``, if the caller says), room made for it by
         eviction; NoRoom if none can be had."""
-        size = aligned(length)
+        size = footprint(length)
         if size > self.budget:
             raise self._refuse(address, f"an object of {length} bytes is larger than the host tier's budget "
                                         f"({self.budget})")
         kept = self._filling | self._pinned | self._kept
-        kept_bytes = sum(self._alloc.length(o) for o in kept)
-        if kept_bytes + size > self.budget or not self._alloc.fits(size, kept):
+        kept_bytes = sum(self._alloc.length(o - STAMP) for o in kept)
+        if kept_bytes + size > self.budget or not self._alloc.fits(size, (o - STAMP for o in kept)):
             # Planned before anything is evicted: leases, pins and fills in flight keep too much of the segment.
             raise self._refuse(address, f"no room for {length} bytes: {kept_bytes} of the {self.budget}-byte "
                                         "budget are leased, pinned or being filled")
-        offset = self._make_room(size)
+        offset = self._make_room(size) + STAMP
         self._filling.add(offset)
         return Reservation(offset, length)
 
@@ -250,27 +268,36 @@ class HostStore:
             del self._by_address[address]
         self.stats.evictions += 1
         self.stats.evicted_bytes += h.length
-        self._alloc.free(h.offset)
+        self._stamp(h.offset, 0)  # before the block can be anyone's: an engine still copying it sees the change
+        self._alloc.free(h.offset - STAMP)
 
     def cancel(self, r: Reservation) -> None:
         """A failed fill's block, given back."""
         self._filling.remove(r.offset)
-        self._alloc.free(r.offset)
+        self._stamp(r.offset, 0)
+        self._alloc.free(r.offset - STAMP)
 
     def commit(self, r: Reservation, key: Key, record: ObjectRecord) -> Held:
         """The fill's bytes are in the block and verified: the object is held from now on."""
         self._filling.remove(r.offset)
         if key in self._held:  # (fills are single-flight per key, so only a caller's misuse gets here)
-            self._alloc.free(r.offset)
+            self._stamp(r.offset, 0)
+            self._alloc.free(r.offset - STAMP)
             return self._held[key]
-        h = Held(key, r.offset, r.length, record)
+        h = Held(key, r.offset, r.length, record, secrets.randbits(64) | 1)
+        self._stamp(r.offset, h.generation)  # before anyone can lease it
         self._held[key] = h
         self._by_address.setdefault(key[0], {})[key[1]] = h
         self._keep(h, key[0] in self._pins)
-        self._order.on_insert(key, self._alloc.length(r.offset))
+        self._order.on_insert(key, self._alloc.length(r.offset - STAMP))
         self.stats.fills += 1
         self.stats.fill_bytes += r.length
         return h
+
+    def _stamp(self, offset: int, generation: int) -> None:
+        """The generation word of the block whose blob starts at ``offset``."""
+        if self.stamps is not None:
+            struct.pack_into("<Q", self.stamps, offset - STAMP, generation)
 
     def evictable(self) -> Iterator[Held]:
         """Held objects no lease and no pin keeps (what eviction may take)."""

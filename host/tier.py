@@ -57,7 +57,7 @@ class HostTier:
             upstream = EdgeUpstream(client)
         segment = Segment.create(config.segment, config.segment_bytes, group=config.group)
         try:
-            store = HostStore(segment.size, config.held_budget, policy_named(config.eviction))
+            store = HostStore(segment.size, config.held_budget, policy_named(config.eviction), stamps=segment.view)
             filler = Filler(store, segment.view, upstream)
             ops = Ops(store, filler, grants, segment, lambda: tier.stats(),
                       floor=DenyFloor(config.deny_floor_ms / 1000))

@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,6 +82,8 @@ class Staged:
     # layer in the staging's order, its K and V as ``[n, H, D]`` views of the mapping; None: it is in the staging.
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     start: int = 0  # the token ``kv`` starts at (its chunk's)
+    # ``kv``'s lease still held the bytes its writes read (``kdn.client.leased.Leased.intact``): asked after them.
+    intact: Callable[[], bool] | None = None
 
 
 class Holds:
@@ -302,6 +305,7 @@ class ChunkLoader:
                     raise LoadFailed("decode", p, "the load ended before this chunk arrived")
                 kept = True  # from here the load's end releases it (the thread only reads the mapping)
                 staged = await asyncio.get_running_loop().run_in_executor(self.stager, self._in_place, run, i, p, f)
+                staged.intact = leased.intact  # read once its layers are written (``WorkerSide.end_step``)
             else:
                 work = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
                     self.stager, self._stage, run, i, p, f, None))
@@ -310,6 +314,11 @@ class ChunkLoader:
                 except asyncio.CancelledError:
                     await asyncio.wait({work})  # the thread reads the mapping: the lease holds until it is done
                     raise
+                except LoadFailed:
+                    if leased.intact():  # (bytes that changed under the check are not the object's fault)
+                        raise
+                if not leased.intact():  # its lease ended early (a dropped connection) and the block was reused:
+                    raise HostError("unavailable", "its block in the host tier changed while it was copied")
         except HostError as e:
             stats.fallbacks += 1
             stats.note(f"{p.address[:16]}.{p.encoding}: {e}")

@@ -359,10 +359,19 @@ class WorkerSide:
         if self._ahead is not None:
             self._ahead.end()
         for run in self._running:
+            self._check_in_place(run)
             if run.upto > run.job.plan.first:
                 self._account(run)
             _release(run, self.bridge)
         self._running = []
+
+    def _check_in_place(self, run: _Running) -> None:
+        """Chunks written from the host's mapping whose block was reused meanwhile fail (``Leased.intact``)."""
+        staged = run.staged or []
+        bad = next((p for i, p, lo, hi in run.spans() if lo < hi and i < len(staged)
+                    and (ok := staged[i].intact) is not None and not ok()), None)
+        if bad is not None:
+            self._fail(run, LoadFailed("host", bad, "its block in the host tier changed while it was written"))
 
     def _account(self, run: _Running) -> None:
         seconds = time.perf_counter() - run.started

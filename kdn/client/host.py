@@ -26,7 +26,7 @@ from typing import Any
 from kdn.errors import KDNError
 from kdn.format.address import Address
 from kdn.client.leased import Leased
-from kdn.wire.host import ERRORS, MAX_LEASE_MANY, VERSION, HostError, pack, read_frame, unpack
+from kdn.wire.host import ERRORS, MAX_LEASE_MANY, STAMP, VERSION, HostError, pack, read_frame, unpack
 
 
 @dataclass(frozen=True)
@@ -153,22 +153,20 @@ class HostClient:
         """The object, pinned in the segment while the block runs (filled from the edges first if the host
         does not hold it). HostError: ``absent``, ``no-room``, ``unavailable``, ..."""
         a = await self._request("lease", address=address, encoding=encoding)
-        lease, offset, length = int(a["lease"]), int(a["offset"]), int(a["length"])
         segment = self._segment
         assert segment is not None
-        if not 0 <= offset <= offset + length <= len(segment):
-            await self._release(lease)
-            raise HostError("unavailable", f"the host leased bytes [{offset}, {offset + length}) of a "
-                                           f"{len(segment)}-byte segment")
-        view = segment[offset:offset + length]
+        got = self._leased(address, encoding, a, segment)
+        if isinstance(got, HostError):
+            raise got
+        view = got.view
         try:
-            yield Leased(address, encoding, lease, offset, view, a["record"], bool(a["filled"]))
+            yield got
         finally:
             # Reading ``obj.view`` after the lease raises from here on. (Arrays the caller made of it cannot be
             # revoked, and one that holds a buffer export keeps the view open: the caller's to drop in time.)
             with contextlib.suppress(BufferError):
                 view.release()
-            await self._release(lease)
+            await self._release(got.lease)
 
     async def lease_many(self, addresses: Sequence[Address], encoding: str) -> list[Leased | HostError]:
         """``lease`` of each address (one encoding) in as few round trips as the protocol allows
@@ -207,16 +205,17 @@ class HostClient:
             return HostError(code if code in ERRORS else "unavailable", str(x.get("message"))[:200])
         try:
             lease, offset, length, record = int(x["lease"]), int(x["offset"]), int(x["length"]), dict(x["record"])
+            generation = int(x["generation"])
         except (KeyError, TypeError, ValueError):
             if isinstance(x.get("lease"), int):
                 self._orphan(x["lease"])
-            return HostError("unavailable", "a malformed lease in the host tier's lease_many answer")
-        if not 0 <= offset <= offset + length <= len(segment):
+            return HostError("unavailable", "a malformed lease in the host tier's answer")
+        if not STAMP <= offset <= offset + length <= len(segment):
             self._orphan(lease)
             return HostError("unavailable", f"the host leased bytes [{offset}, {offset + length}) of a "
                                             f"{len(segment)}-byte segment")
         return Leased(address, encoding, lease, offset, segment[offset:offset + length], record,
-                      bool(x.get("filled")))
+                      bool(x.get("filled")), generation, segment[offset - STAMP:offset - STAMP + 8])
 
     async def release_many(self, leases: Sequence[int]) -> None:
         """End these leases (the views of them must not be read after), in as few round trips as allowed."""

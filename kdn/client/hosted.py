@@ -200,7 +200,7 @@ async def _copied(host: HostClient, hit: Lookup, granted: list[tuple[int, Leased
     """One batch's objects checked and copied on the decode threads (its objects dealt out, a job per thread),
     then its leases ended."""
     loop, (pool, threads) = asyncio.get_running_loop(), decoders
-    jobs: list[asyncio.Future[list[tuple[int, Fetched, DecodedObject] | None]]] = []
+    jobs: list[asyncio.Future[list[tuple[int, Fetched, DecodedObject] | str]]] = []
     try:
         jobs = [loop.run_in_executor(pool, _copy_job, granted[t::threads], hit, budget, into, speeds)
                 for t in range(min(threads, len(granted)))]
@@ -219,29 +219,40 @@ async def _copied(host: HostClient, hit: Lookup, granted: list[tuple[int, Leased
         raise failed[0]
     for job in jobs:
         for got in job.result():
-            if got is None:
+            if isinstance(got, str):  # the edges serve it (and write its place in the cache again)
                 stats.fallbacks += 1
-                stats.note("the host's record names another digest than the signed one")
+                stats.note(got)
+                out.append(None)
             else:
                 arrived.append(now)
-            out.append(got)
+                out.append(got)
     return out
 
 
 def _copy_job(granted: Sequence[tuple[int, Leased]], hit: Lookup, budget: float | None,
               into: Callable[[int, ObjectView], None], speeds: DecodeSpeeds
-              ) -> list[tuple[int, Fetched, DecodedObject] | None]:
+              ) -> list[tuple[int, Fetched, DecodedObject] | str]:
     """(A decode thread.) Each leased object checked against the signed record and the lookup, then copied
-    into the cache from the mapping; None for one whose host record (its frame's map) names another digest."""
-    out: list[tuple[int, Fetched, DecodedObject] | None] = []
+    into the cache from the mapping; in its place the reason the edges must serve it instead: its host record
+    (its frame's map) names another digest, or its block's stamp changed while it was copied (its lease had
+    ended with a dropped connection: the copy may hold another object's bytes, and the edge's copy replaces it)."""
+    out: list[tuple[int, Fetched, DecodedObject] | str] = []
     for i, leased in granted:
         signed = hit.records[i].encodings.get(leased.encoding)
         theirs = leased.record.get("encodings", {}).get(leased.encoding, {}).get("digest")
         if signed is None or theirs != signed.digest:
-            out.append(None)
+            out.append("the host's record names another digest than the signed one")
             continue
         f = Fetched(leased.address, leased.encoding, leased.view, "host", 0.0)
-        out.append((i, f, decode_checked(f, hit, budget, None, i, into, speeds)))
+        try:
+            decoded = decode_checked(f, hit, budget, None, i, into, speeds)
+        except Exception:  # noqa: BLE001 -- a check of bytes that changed under it: not the object's fault
+            if leased.intact():
+                raise
+        if not leased.intact():
+            out.append(f"{leased.address[:16]}: its block in the host tier changed while it was copied")
+            continue
+        out.append((i, f, decoded))
     return out
 
 

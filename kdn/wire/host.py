@@ -7,13 +7,14 @@ answer: requests run concurrently and may be answered out of order), ``op``, and
 bearer token; absent: anonymous, which reads ``public`` only, as at the edge)::
 
     {"id": 1, "op": "hello", "token": T}
-      -> {"id": 1, "ok": true, "segment": PATH, "size": N, "device": D, "inode": I, "version": 1}
+      -> {"id": 1, "ok": true, "segment": PATH, "size": N, "device": D, "inode": I, "version": 2}
     {"id": 2, "op": "lookup", "token": T, "addresses": [A, ...], "encoding": E?, "records": true?}
       -> {"id": 2, "ok": true, "prefix": K, "held": [bool, ...], "encodings": [[E, ...], ...],
           "records": [{...} | null, ...]?}   (with ``records``: each held one's signed record, while they fit
           ``RECORDS_BYTES``; an engine's lookup then asks no edge for a chain the host holds whole)
     {"id": 3, "op": "lease", "token": T, "address": A, "encoding": E}
-      -> {"id": 3, "ok": true, "lease": L, "offset": O, "length": N, "record": {...}, "filled": bool}
+      -> {"id": 3, "ok": true, "lease": L, "offset": O, "length": N, "generation": G, "record": {...},
+          "filled": bool}
     {"id": 4, "op": "release", "token": T, "lease": L}  -> {"id": 4, "ok": true}
     {"id": 7, "op": "lease_many", "token": T, "addresses": [A, ...], "encoding": E}   (a load's objects at once)
       -> {"id": 7, "ok": true, "leases": [{"lease": L, "offset": O, ...} | {"error": CODE, "message": M}, ...]}
@@ -25,6 +26,14 @@ bearer token; absent: anonymous, which reads ``public`` only, as at the edge)::
 A refusal is ``{"id": ..., "ok": false, "error": CODE, "message": "one line"}`` with a code of ``ERRORS``;
 the connection stays open but after ``oversize``. An object of a namespace the token does not grant is
 ``absent``, word for word as one that is not published.
+
+Every object's blob lies ``STAMP`` bytes into its block of the segment; the block's first 8 bytes hold the
+object's ``generation`` (little-endian), a random number the host draws when the object is held and overwrites
+with 0 when it gives the block up, before any other object's bytes may land there. A lease answers it. An
+engine reads the stamp again after copying a leased object (``Leased.intact``): the same number, and the bytes it
+copied were the object's, even if its connection (and so its lease) had ended meanwhile and the host had reused
+the block. (On x86 stores become visible in program order and loads are not reordered with loads, so a copy
+that saw a byte of the block's next object sees the 0 written before it.)
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ import msgpack
 
 from kdn.errors import KDNError
 
-VERSION = 1
+VERSION = 2  # 2: leases answer their object's ``generation`` (the stamp before its blob)
+STAMP = 64  # bytes before each blob in its block: the generation word, then padding (blobs stay 64-byte aligned)
 MAX_MESSAGE = 1 << 20  # a lookup of ~14k addresses; every answer is smaller than its request or than this
 MAX_ADDRESSES = 4096  # per lookup or warm: a 1M-token prompt in 256-token chunks
 RECORDS_BYTES = MAX_MESSAGE // 2  # a lookup's records, packed, at most (the rest are null: asked of the edge)

@@ -27,9 +27,10 @@ from host_helpers import host_config, object_record, running
 from kdn import cli
 from kdn.client.host import HostClient
 from kdn.errors import InvalidInput
-from kdn.host.alloc import ALIGN, aligned
-from kdn.host.store import HostStore, NoRoom
+from kdn.host.alloc import ALIGN
+from kdn.host.store import HostStore, NoRoom, footprint
 from kdn.registry.signing import Signer
+from kdn.wire.host import STAMP
 
 TEXT = ("The lighthouse keeper trims the wick at dusk, logs the wind at every watch, and rows out to the "
         "buoy when the bell goes quiet. ")
@@ -42,7 +43,7 @@ RECORD = object_record("0" * 64)  # the store keeps a record with each object, a
 
 
 def put(store: HostStore, name: str):
-    r = store.reserve(BLOCK, name * 64)
+    r = store.reserve(BLOCK - STAMP, name * 64)  # (its stamp fills the block)
     return store.commit(r, (name * 64, "raw"), RECORD)
 
 
@@ -123,7 +124,7 @@ async def policy(cdn, *argv: str) -> None:
 
 def room(cdn, addresses) -> int:
     """The segment bytes these objects' raw blobs take."""
-    return sum(aligned(cdn.sizes[a]) for a in addresses)
+    return sum(footprint(cdn.sizes[a]) for a in addresses)
 
 
 @pytestmark_cdn
@@ -156,7 +157,7 @@ async def test_a_push_to_its_region_fills_the_host_without_any_engine_asking(cdn
 async def test_a_pin_keeps_objects_through_churn_and_removing_it_releases_them(cdn, short_dir):
     kept, others = cdn.docs["small"]["addresses"], cdn.docs["big"]["addresses"]
     assert len(others) >= 4
-    budget = room(cdn, kept) + max(aligned(cdn.sizes[a]) for a in others)  # the pinned, and one other at a time
+    budget = room(cdn, kept) + max(footprint(cdn.sizes[a]) for a in others)  # the pinned, and one other at a time
     async with running(config(cdn, short_dir, "pins", budget=budget)) as tier:
         engine = tier.policies.engine
         await policy(cdn, "set", "small-pin", "--pin", "public/small", "--region", "pins")
@@ -191,7 +192,7 @@ async def test_a_pin_keeps_objects_through_churn_and_removing_it_releases_them(c
 @pytestmark_cdn
 async def test_a_pin_larger_than_the_room_left_is_refused_and_a_lease_keeps_its_object(cdn, short_dir, caplog):
     small, big = cdn.docs["small"]["addresses"][0], cdn.docs["big"]["addresses"]
-    budget = aligned(cdn.sizes[small]) + room(cdn, big[:2])  # the leased object, and two of big's
+    budget = footprint(cdn.sizes[small]) + room(cdn, big[:2])  # the leased object, and two of big's
     async with running(config(cdn, short_dir, "tight", budget=budget)) as tier:
         engine = tier.policies.engine
         async with HostClient(tier.config.socket) as host, host.lease(small, "raw") as leased:
@@ -202,7 +203,7 @@ async def test_a_pin_larger_than_the_room_left_is_refused_and_a_lease_keeps_its_
                 await engine.wait_applied(lambda e: e.stats.warm_done == 1, timeout=30)
             s = tier.stats()
             assert s["pins_refused"] >= len(big) - 2 and s["refused"] == s["pins_refused"]
-            assert 1 <= s["pinned"] <= 2 and s["pinned_bytes"] + aligned(len(blob)) <= budget
+            assert 1 <= s["pinned"] <= 2 and s["pinned_bytes"] + footprint(len(blob)) <= budget
             assert s["warmed"] == s["pinned"] and s["warm_failures"] == 0  # refusals are outcomes, not failures
             assert bytes(leased.view) == blob and tier.store.get((small, "raw")) is not None  # never evicted
             assert sum("does not fit the host tier" in r.message for r in caplog.records) == 1

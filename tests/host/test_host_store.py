@@ -9,12 +9,14 @@ from host_helpers import object_record
 from kdn.edge.eviction import POLICIES
 from kdn.host.alloc import ALIGN
 from kdn.host.store import HostStore, NoRoom
+from kdn.wire.host import STAMP
 
 BLOCK = 16 * ALIGN
+OBJ = BLOCK - STAMP  # a blob whose block (its stamp, then its bytes) is BLOCK long
 RECORD = object_record("0" * 64)  # the store keeps a record with each object, and reads none of it
 
 
-def held(store: HostStore, name: str, size: int = BLOCK):
+def held(store: HostStore, name: str, size: int = OBJ):
     r = store.reserve(size)
     return store.commit(r, (name * 64, "raw"), RECORD)
 
@@ -50,12 +52,12 @@ def test_leases_and_fills_that_pin_everything_refuse_without_evicting(store):
     h = [held(store, name) for name in "abc"]
     for x in h:
         store.acquire(x.key)
-    filling = store.reserve(BLOCK)  # the last block: a fill in flight
+    filling = store.reserve(OBJ)  # the last block: a fill in flight
     with pytest.raises(NoRoom):
         store.reserve(1)
     assert store.stats.evictions == 0 and store.stats.refused == 1 and len(store) == 3
     store.cancel(filling)
-    assert store.reserve(BLOCK).offset == filling.offset
+    assert store.reserve(OBJ).offset == filling.offset
 
 
 def test_a_hole_too_small_for_the_object_is_refused_before_anything_goes():
@@ -64,7 +66,7 @@ def test_a_hole_too_small_for_the_object_is_refused_before_anything_goes():
     store.acquire(b.key)
     store.acquire(d.key)  # a and c could go, but they are not next to each other
     with pytest.raises(NoRoom):
-        store.reserve(2 * BLOCK)
+        store.reserve(2 * BLOCK - STAMP)
     assert len(store) == 4 and store.stats.evictions == 0
 
 
@@ -79,8 +81,8 @@ def test_fragmented_room_evicts_until_a_block_is_contiguous():
     for name in "abcd":
         held(store, name)
     store.acquire(("b" * 64, "raw"))  # pins the second block: the room for 2 blocks lies in c + d
-    r = store.reserve(2 * BLOCK)
-    assert r.offset == 2 * BLOCK and store.used <= store.budget
+    r = store.reserve(2 * BLOCK - STAMP)
+    assert r.offset == 2 * BLOCK + STAMP and store.used <= store.budget
     assert ("b" * 64, "raw") in store
 
 
