@@ -64,9 +64,14 @@ class QuestionSpec:
     alpha: float
     n_ids: int  # the prompt's length: the question is [region[1], n_ids)
     n_retrieval: int = field(init=False)
+    # Per layer, asked on every step's layers: made once (as ``SteerSpec``'s), not a dict or a scan per call.
+    _retrieval_at: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _steered: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "n_retrieval", sum(len(hs) for _, hs in self.retrieval))
+        object.__setattr__(self, "_retrieval_at", dict(self.retrieval))
+        object.__setattr__(self, "_steered", frozenset(la for la, _ in self.steer))
 
     @property
     def query_from(self) -> int:
@@ -77,10 +82,10 @@ class QuestionSpec:
         return self.retrieval[-1][0]
 
     def retrieval_heads(self, layer: int) -> tuple[int, ...]:
-        return dict(self.retrieval).get(layer, ())
+        return self._retrieval_at.get(layer, ())
 
     def steers(self, layer: int) -> bool:
-        return any(la == layer for la, _ in self.steer)
+        return layer in self._steered
 
     def decide(self, token_scores: torch.Tensor) -> tuple[SteerSpec | None, float]:
         """(the plan, None when unsure; the lead) from the mean over the retrieval heads of what the question's
