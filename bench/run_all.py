@@ -80,6 +80,14 @@ RUNS: list[Run] = [
          "--auto", "ladder=1.5,2.5 kl=0.0067 target=1.6 probe=64", "--heldout", "--long", "1024"],
         ["--basis", "bench/work/kvtc-smollm2.basis", "--contexts", "512", "--continuation", "32", "--budgets", "2.0",
          "--encodings", "int8", "--docs", "harbor-policy"], ("smollm2",), 3 * 3600),
+    # The measure: the same 36 contexts (and the held-out set), each judged on its next 1,024 tokens (the
+    # shipped documents' last contexts on the 384 or more they have), where int8's spread, the noise floor, is small.
+    Run("quality_transform-long", "quality_transform",
+        ["--basis", "bench/work/kvtc-smollm2.basis", "--budgets", "1.65", "2.0", "2.5", "--encodings", "int8",
+         "--auto", "ladder=1.5,2.5 kl=0.0067 target=1.6 probe=64", "--heldout", "--continuation", "1024",
+         "--min-continuation", "384"],
+        ["--basis", "bench/work/kvtc-smollm2.basis", "--contexts", "512", "--continuation", "64", "--budgets", "2.0",
+         "--encodings", "int8", "--docs", "harbor-policy"], ("smollm2",), 3 * 3600),
     Run("quality_hybrid", "quality_hybrid", ["--threads", "2"],
         ["--steps", "20", "--eval-every", "10", "--max-contexts", "2", "--continuation", "32", "--encodings", "raw",
          "int8"], ("smollm2",), 1800),
